@@ -1,0 +1,74 @@
+"""Wrap the model in DistributedModelParallel with the fused sparse optimizer and a dense one.
+
+The sparse optimizer must be applied in backward *before* planning, otherwise the plan
+silently picks the non-fused `dense` kernel (see DESIGN.md, environment facts).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.optim import RowWiseAdagrad
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from sharding.plan import EBC_PATH, build_plan
+from sharding.process_group import DistEnv
+from trainer.config import JobConfig
+
+logger = logging.getLogger(__name__)
+
+_SPARSE = {"row_wise_adagrad": RowWiseAdagrad, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD, "adam": torch.optim.Adam}
+_DENSE = {"adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD, "adam": torch.optim.Adam}
+
+
+def _optimizer_kwargs(name: str, lr: float, eps: float) -> dict:
+    return {"lr": lr} if name == "sgd" else {"lr": lr, "eps": eps}
+
+
+@dataclass
+class ShardedModel:
+    """The DMP-wrapped model, its combined (fused sparse + dense) optimizer and its plan."""
+
+    model: DistributedModelParallel
+    optimizer: CombinedOptimizer
+    plan: ShardingPlan
+
+
+def plan_model(
+    model: nn.Module, cfg: JobConfig, env: DistEnv, device_type: str, collective: bool = True
+) -> tuple[ShardingPlan, EmbeddingBagCollectionSharder]:
+    """Fuse the sparse optimizer into the tables, then plan (see `sharding.plan`)."""
+    sp = cfg.optimizer.sparse
+    ebc = model.get_submodule(EBC_PATH)
+    apply_optimizer_in_backward(_SPARSE[sp.name], ebc.parameters(), _optimizer_kwargs(sp.name, sp.lr, sp.eps))
+    sharder = EmbeddingBagCollectionSharder()
+    return build_plan(model, cfg, env, device_type, sharder, collective), sharder
+
+
+def shard_model(model: nn.Module, cfg: JobConfig, env: DistEnv, device: torch.device) -> ShardedModel:
+    """Plan, shard with DMP, and build the dense optimizer beside the fused one."""
+    plan, sharder = plan_model(model, cfg, env, device.type)
+    dmp = DistributedModelParallel(
+        module=model,
+        device=device,
+        plan=plan,
+        sharders=[sharder],
+        env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
+    )
+    dp = cfg.optimizer.dense
+    dense_cls: Callable = _DENSE[dp.name]
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        lambda params: dense_cls(params, **_optimizer_kwargs(dp.name, dp.lr, dp.eps)),
+    )
+    return ShardedModel(dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), plan)

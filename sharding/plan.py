@@ -1,0 +1,215 @@
+"""The sharding plan from config: per table `table_wise`, `row_wise`, `column_wise`,
+`table_row_wise`, `data_parallel`, or `auto` (torchrec's planner).
+
+Explicit types are built with torchrec's generators (`table_wise()`, `row_wise()`, ...),
+which also run row_wise and table_row_wise on CPU, where the stock planner refuses them.
+`auto` tables are placed by `EmbeddingShardingPlanner`; explicit tables then override its
+choice. Impossible combinations are refused before any memory is allocated.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.sharding_plan import (
+    column_wise,
+    data_parallel,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
+from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding, ShardingPlan
+
+from sharding.process_group import DistEnv
+from trainer.config import JobConfig, TableConfig
+
+logger = logging.getLogger(__name__)
+
+#: Where the EmbeddingBagCollection sits inside DLRMTrain (the module the plan shards).
+EBC_PATH = "model.sparse_arch.embedding_bag_collection"
+#: Sharding types the stock planner proposes on CPU; the rest need a manual plan there.
+PLANNER_CPU_TYPES = ("table_wise", "column_wise", "table_column_wise", "data_parallel")
+
+
+class PlanError(ValueError):
+    """The requested placement cannot work; the message says what to change."""
+
+
+def validate_sharding(cfg: JobConfig, env: DistEnv, device_type: str) -> None:
+    """Refuse impossible combinations at start-up, naming the table and the fix."""
+    if cfg.optimizer.sparse.name == "adam" and device_type == "cpu":
+        raise PlanError(
+            "optimizer.sparse.name=adam: the fused CPU embedding kernel supports only "
+            "row_wise_adagrad, adagrad and sgd; pick one of those or run on GPU"
+        )
+    if cfg.sharding.backend == "nccl" and device_type == "cpu":
+        raise PlanError("sharding.backend=nccl needs GPUs; use gloo (or auto) on CPU")
+    for t in cfg.model.tables:
+        kind = cfg.table_sharding(t)
+        if kind == "row_wise" and t.num_embeddings < env.world_size:
+            raise PlanError(
+                f"table {t.name}: row_wise needs at least one row per rank "
+                f"({t.num_embeddings} rows < {env.world_size} ranks); use table_wise"
+            )
+        if kind == "table_row_wise" and t.num_embeddings < env.local_world_size:
+            raise PlanError(
+                f"table {t.name}: table_row_wise needs at least one row per local rank "
+                f"({t.num_embeddings} rows < {env.local_world_size})"
+            )
+        if kind == "column_wise" and env.world_size > 1 and _column_shards(t.embedding_dim, env.world_size) < 2:
+            raise PlanError(
+                f"table {t.name}: column_wise cannot split embedding_dim {t.embedding_dim} into "
+                f"column shards of a multiple of 4 over {env.world_size} ranks; use table_wise or row_wise"
+            )
+
+
+def _column_shards(dim: int, world_size: int) -> int:
+    """Most column shards (≤ world size) that split `dim` into widths divisible by 4."""
+    for n in range(min(world_size, dim // 4), 0, -1):
+        if dim % n == 0 and (dim // n) % 4 == 0:
+            return n
+    return 1
+
+
+def _table_bytes(t: TableConfig) -> int:
+    return t.num_embeddings * t.embedding_dim * 4
+
+
+def _manual_generators(cfg: JobConfig, env: DistEnv) -> dict:
+    """torchrec sharding generators for every explicitly typed table.
+
+    table_wise tables go to the least-loaded rank (largest first) so ranks balance;
+    table_row_wise tables go to hosts in turn.
+    """
+    load = [0] * env.world_size
+    gens = {}
+    explicit = [t for t in cfg.model.tables if cfg.table_sharding(t) != "auto"]
+    for t in sorted(explicit, key=_table_bytes, reverse=True):
+        kind = cfg.table_sharding(t)
+        if kind == "table_wise":
+            rank = min(range(env.world_size), key=lambda r: (load[r], r))
+            load[rank] += _table_bytes(t)
+            gens[t.name] = table_wise(rank=rank)
+        elif kind == "row_wise":
+            gens[t.name] = row_wise()
+        elif kind == "column_wise":
+            n = _column_shards(t.embedding_dim, env.world_size)
+            gens[t.name] = column_wise(ranks=list(range(n)))
+        elif kind == "table_row_wise":
+            gens[t.name] = table_row_wise(host_index=len(gens) % env.num_nodes)
+        elif kind == "data_parallel":
+            gens[t.name] = data_parallel()
+        else:  # pragma: no cover - Literal checked at load
+            raise AssertionError(kind)
+    return gens
+
+
+def build_plan(
+    model: nn.Module,
+    cfg: JobConfig,
+    env: DistEnv,
+    device_type: str,
+    sharder: EmbeddingBagCollectionSharder,
+    collective: bool = True,
+) -> ShardingPlan:
+    """The ShardingPlan for `model` (a DLRMTrain whose optimizer is already applied in backward).
+
+    With `collective`, rank 0 plans `auto` tables and broadcasts the result (the normal
+    case); without, this process plans alone (`--dry-run` for a world size not launched).
+    """
+    validate_sharding(cfg, env, device_type)
+    ebc = model.get_submodule(EBC_PATH)
+    params = sharder.shardable_parameters(ebc)
+    module_plan = EmbeddingModuleShardingPlan()
+    if any(cfg.table_sharding(t) == "auto" for t in cfg.model.tables):
+        module_plan.update(_planner_plan(model, cfg, env, device_type, sharder, collective))
+    for name, gen in _manual_generators(cfg, env).items():
+        module_plan[name] = gen(params[name], env.local_world_size, env.world_size, device_type, sharder)
+    missing = set(params) - set(module_plan)
+    assert not missing, f"tables without a sharding: {sorted(missing)}"
+    return ShardingPlan({EBC_PATH: module_plan})
+
+
+def _planner_plan(
+    model: nn.Module,
+    cfg: JobConfig,
+    env: DistEnv,
+    device_type: str,
+    sharder: EmbeddingBagCollectionSharder,
+    collective: bool,
+) -> EmbeddingModuleShardingPlan:
+    """Ask torchrec's planner; explicit tables are pinned to a type it accepts here
+    (and replaced afterwards by the manual plan), so its balancing accounts for them."""
+    constraints = {}
+    for t in cfg.model.tables:
+        kind = cfg.table_sharding(t)
+        if kind == "auto":
+            constraints[t.name] = ParameterConstraints(min_partition=min(32, t.embedding_dim))
+        else:
+            pinned = kind if device_type != "cpu" or kind in PLANNER_CPU_TYPES else "table_wise"
+            constraints[t.name] = ParameterConstraints(sharding_types=[pinned], min_partition=min(32, t.embedding_dim))
+    topology = Topology(
+        world_size=env.world_size, local_world_size=env.local_world_size, compute_device=device_type
+    )
+    planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
+    if collective:
+        plan = planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
+    else:
+        plan = planner.plan(model, [sharder])
+    return plan.plan[EBC_PATH]
+
+
+@dataclass(frozen=True)
+class TablePlacement:
+    """One table in the plan: its type and how many bytes each rank holds of it."""
+
+    table: str
+    sharding_type: str
+    ranks: tuple[int, ...]
+    bytes_per_rank: dict[int, int]
+
+
+def summarize(plan: ShardingPlan, cfg: JobConfig, world_size: int) -> list[TablePlacement]:
+    """Per table: sharding type, ranks, and weight + optimizer-state bytes per rank."""
+    module_plan = plan.plan[EBC_PATH]
+    tables = {t.name: t for t in cfg.model.tables}
+    out = []
+    for name, ps in module_plan.items():
+        t = tables[name]
+        per_rank: dict[int, int] = {}
+        if ps.sharding_spec is None:  # data_parallel: a full replica on every rank
+            for r in range(world_size):
+                per_rank[r] = _shard_bytes(t.num_embeddings, t.embedding_dim, cfg)
+        else:
+            for shard in ps.sharding_spec.shards:
+                rows, cols = shard.shard_sizes
+                r = shard.placement.rank()
+                per_rank[r] = per_rank.get(r, 0) + _shard_bytes(rows, cols, cfg)
+        out.append(TablePlacement(name, ps.sharding_type, tuple(sorted(per_rank)), per_rank))
+    return out
+
+
+def _shard_bytes(rows: int, cols: int, cfg: JobConfig) -> int:
+    opt = cfg.optimizer.sparse.name
+    state = {"row_wise_adagrad": rows, "adagrad": rows * cols, "sgd": 0, "adam": 2 * rows * cols}[opt]
+    return 4 * (rows * cols + state)
+
+
+def format_plan(placements: list[TablePlacement], world_size: int) -> str:
+    """The dry-run table: table → sharding type → ranks, then bytes per rank."""
+    lines = [f"{'table':<24} {'sharding':<15} ranks"]
+    totals = [0] * world_size
+    for p in placements:
+        lines.append(f"{p.table:<24} {p.sharding_type:<15} {','.join(map(str, p.ranks))}")
+        for r, b in p.bytes_per_rank.items():
+            totals[r] += b
+    lines.append("bytes per rank (weights + optimizer state):")
+    for r, b in enumerate(totals):
+        lines.append(f"  rank {r}: {b:,} ({b / 2**20:.1f} MiB)")
+    return "\n".join(lines)

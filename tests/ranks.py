@@ -1,0 +1,94 @@
+"""Spawn real training ranks as separate processes with a file rendezvous under tmp_path.
+
+Each rank is `python -m trainer.main` with torchrun's environment variables, so the code
+under test is exactly what torchrun runs. Any rank failing, or the group outliving its
+deadline, kills every rank and fails with each rank's stderr tail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def spawn_ranks(
+    config: str | Path,
+    overrides: Sequence[str],
+    tmp_path: Path,
+    world_size: int = 2,
+    timeout_s: float = 240,
+    module: str = "trainer.main",
+    extra_args: Sequence[str] = (),
+    expect_ok: bool = True,
+) -> list[RankResult]:
+    """Run `world_size` ranks to completion within `timeout_s` and return their outputs."""
+    rdzv = tmp_path / f"rdzv-{time.monotonic_ns()}"
+    run_dir = tmp_path / "run"
+    base = [
+        sys.executable, "-m", module, "--config", str(config), *extra_args,
+        f"sharding.init_method=file://{rdzv}", f"run.dir={run_dir}", "train.progress=log", *overrides,
+    ]
+    procs = []
+    logs = []
+    for rank in range(world_size):
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world_size), PYTHONUNBUFFERED="1",
+            OMP_NUM_THREADS="1",
+        )
+        out = open(tmp_path / f"rank{rank}.out", "w+")
+        err = open(tmp_path / f"rank{rank}.err", "w+")
+        logs.append((out, err))
+        procs.append(subprocess.Popen(base, cwd=REPO, env=env, stdout=out, stderr=err))
+    deadline = time.monotonic() + timeout_s
+    failed = None
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline:
+            failed = f"ranks still running after {timeout_s:.0f}s"
+            break
+        if any(p.returncode not in (None, 0) for p in procs):
+            failed = "a rank failed"
+            break
+        time.sleep(0.2)  # polling process exit, not synchronising ranks
+    if failed:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            p.wait()
+    results = []
+    for rank, (p, (out, err)) in enumerate(zip(procs, logs)):
+        out.seek(0)
+        err.seek(0)
+        results.append(RankResult(rank, p.returncode, out.read(), err.read()))
+        out.close()
+        err.close()
+    if failed and expect_ok:
+        tails = "\n".join(f"--- rank {r.rank} (rc {r.returncode}) ---\n{r.stderr[-3000:]}" for r in results)
+        raise AssertionError(f"{failed}\n{tails}")
+    if expect_ok:
+        bad = [r for r in results if r.returncode != 0]
+        assert not bad, "\n".join(f"rank {r.rank} rc {r.returncode}:\n{r.stderr[-3000:]}" for r in bad)
+    return results
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The records rank 0 wrote to metrics.jsonl."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -1,0 +1,152 @@
+"""The training loop: a Stateful `Trainer` that steps, evaluates and reports.
+
+The trainer owns the loop state (step, samples seen, reader position, RNG); parameters
+and optimizer state belong to the sharded model. `state_dict()` / `load_state_dict()`
+give a checkpoint manager everything it needs to resume the loop exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchmetrics import MeanMetric
+from torchmetrics.classification import BinaryAUROC
+from torchrec.datasets.utils import Batch
+
+from sharding.dmp import ShardedModel
+from sharding.process_group import DistEnv
+from trainer.config import JobConfig
+from trainer.data.reader import Reader
+from trainer.metrics import MetricsLog, Progress
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalResult:
+    auc: float
+    logloss: float
+    samples: int
+
+
+class Trainer:
+    """Runs `train.steps` steps of DLRM on this rank's slice of the data."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        env: DistEnv,
+        device: torch.device,
+        sharded: ShardedModel,
+        train_reader: Reader,
+        eval_reader: Reader | None,
+        metrics: MetricsLog,
+    ) -> None:
+        self.cfg = cfg
+        self.env = env
+        self.device = device
+        self.model = sharded.model
+        self.optimizer = sharded.optimizer
+        self.train_reader = train_reader
+        self.eval_reader = eval_reader
+        # Every evaluation reads the same held-out batches, so numbers compare over time.
+        self._eval_start = eval_reader.state_dict() if eval_reader is not None else None
+        self.metrics = metrics
+        self.step = 0
+        self.samples_seen = 0
+        self.last_eval: EvalResult | None = None
+
+    # -- Stateful -------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Loop position: step, samples, this rank's reader state and RNG state."""
+        return {
+            "step": self.step,
+            "samples_seen": self.samples_seen,
+            "reader": self.train_reader.state_dict(),
+            "rng_torch": torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.samples_seen = int(state["samples_seen"])
+        self.train_reader.load_state_dict(state["reader"])
+        torch.set_rng_state(state["rng_torch"])
+
+    # -- loop -----------------------------------------------------------------------
+    def train_step(self) -> torch.Tensor:
+        """One step: forward, backward (the fused kernels update embedding rows in place), dense update."""
+        self.model.train()
+        batch = self.train_reader.next_batch().to(self.device)
+        loss, _ = self.model(batch)
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        self.step += 1
+        self.samples_seen += batch.labels.numel() * self.env.world_size
+        return loss.detach()
+
+    def fit(self) -> EvalResult | None:
+        """Train to `train.steps`, evaluating every `train.eval_every` steps and at the end."""
+        tc = self.cfg.train
+        progress = Progress(tc.steps, self.step, tc.progress, enabled=self.env.rank == 0)
+        window_loss = torch.zeros((), dtype=torch.float64)
+        window_steps, window_t0 = 0, time.perf_counter()
+        try:
+            while self.step < tc.steps:
+                window_loss += self.train_step().double()
+                window_steps += 1
+                if self.step % tc.log_every == 0 or self.step == tc.steps:
+                    rate = window_steps * self.cfg.data.batch_size * self.env.world_size / (time.perf_counter() - window_t0)
+                    loss = self._global_mean(window_loss / window_steps)
+                    self.metrics.write({"step": self.step, "loss": loss, "samples_per_s": rate})
+                    progress.update(self.step, {"loss": loss, "samples/s": rate})
+                    window_loss.zero_()
+                    window_steps, window_t0 = 0, time.perf_counter()
+                if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps:
+                    self._evaluate_and_log()
+        finally:
+            progress.close()
+        return self._evaluate_and_log()
+
+    def _global_mean(self, value: torch.Tensor) -> float:
+        t = value.detach().to(torch.float64).reshape(1)
+        dist.all_reduce(t)
+        return float(t.item() / self.env.world_size)
+
+    def _evaluate_and_log(self) -> EvalResult | None:
+        result = self.evaluate()
+        if result is not None:
+            self.metrics.write(
+                {"step": self.step, "eval_auc": result.auc, "eval_logloss": result.logloss, "eval_samples": result.samples}
+            )
+            if self.env.rank == 0:
+                logger.info("eval at step %d: AUC %.4f, log loss %.4f", self.step, result.auc, result.logloss)
+        self.last_eval = result
+        return result
+
+    @torch.no_grad()
+    def evaluate(self) -> EvalResult | None:
+        """AUC and log loss over `train.eval_batches` held-out batches of every rank."""
+        if self.eval_reader is None or self.cfg.train.eval_batches == 0:
+            return None
+        assert self._eval_start is not None
+        self.eval_reader.load_state_dict(self._eval_start)
+        auroc = BinaryAUROC().to(self.device)
+        logloss = MeanMetric().to(self.device)
+        self.model.eval()
+        for _ in range(self.cfg.train.eval_batches):
+            batch: Batch = self.eval_reader.next_batch().to(self.device)
+            _, (_, logits, labels) = self.model(batch)
+            logits = logits.reshape(-1).float()
+            labels = labels.reshape(-1).float()
+            auroc.update(torch.sigmoid(logits), labels.long())
+            per_sample = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="none")
+            logloss.update(per_sample)
+        samples = self.cfg.train.eval_batches * self.cfg.data.batch_size * self.env.world_size
+        # compute() gathers every rank's predictions (torchmetrics syncs over the default group).
+        return EvalResult(float(auroc.compute()), float(logloss.compute()), samples)
