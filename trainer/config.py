@@ -157,19 +157,21 @@ class JobConfig:
         return hashlib.sha256(self.to_yaml().encode()).hexdigest()
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
-    """Load `path`, apply overrides, build and validate the job config."""
+def load_config(path: str | Path, overrides: Sequence[str] = (), check_data: bool = True) -> JobConfig:
+    """Load `path`, apply overrides, build and validate the job config.
+
+    `check_data=False` skips the checks on data files (a dry run needs none)."""
     data = load_yaml(path)
     for ov in overrides:
         apply_override(data, ov)
     source = str(path) + (f" (with overrides {' '.join(overrides)})" if overrides else "")
     cfg = build(JobConfig, data, source=source)
     cfg.source = source
-    validate(cfg)
+    validate(cfg, check_data)
     return cfg
 
 
-def validate(cfg: JobConfig) -> None:
+def validate(cfg: JobConfig, check_data: bool = True) -> None:
     """Rules spanning several fields; each failure says what to change."""
     src = cfg.source
     m = cfg.model
@@ -219,11 +221,15 @@ def validate(cfg: JobConfig) -> None:
                 f"{src}: data.kind=criteo needs 26 categorical features and model.dense_in_features=13; "
                 f"the model declares {len(seen_features)} features and {m.dense_in_features} dense inputs"
             )
-        if not d.criteo.train_paths:
-            raise ConfigError(f"{src}: data.kind=criteo needs data.criteo.train_paths")
-        for p in d.criteo.train_paths + d.criteo.eval_paths:
-            if not Path(p).is_file():
-                raise ConfigError(f"{src}: data file not found: {p}")
+        if check_data:
+            _check_criteo_files(src, d.criteo)
 
+
+def _check_criteo_files(src: str, c: CriteoDataConfig) -> None:
+    if not c.train_paths:
+        raise ConfigError(f"{src}: data.kind=criteo needs data.criteo.train_paths (a list of TSV files)")
+    for p in c.train_paths + c.eval_paths:
+        if not Path(p).is_file():
+            raise ConfigError(f"{src}: data file not found: {p}")
 
 __all__ = ["ConfigError", "JobConfig", "TableConfig", "load_config", "validate"]

@@ -1,0 +1,109 @@
+"""Config loading: every shipped config loads; unknown keys, wrong types and broken
+cross-field rules are rejected with one line naming the key and the file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainer.config import ConfigError, JobConfig, load_config
+from trainer.config_loader import build
+
+REPO = Path(__file__).resolve().parents[2]
+DEBUG = REPO / "configs" / "debug_cpu.yaml"
+
+
+@pytest.mark.parametrize("name", ["debug_cpu", "quickstart", "criteo_kaggle_8gpu", "slurm_criteo"])
+def test_shipped_configs_load(name: str) -> None:
+    cfg = load_config(REPO / "configs" / f"{name}.yaml", check_data=False)
+    assert cfg.model.tables and cfg.train.steps > 0
+
+
+def _write(tmp_path: Path, data: dict) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _debug_data() -> dict:
+    return yaml.safe_load(DEBUG.read_text())
+
+
+def test_misspelled_key_in_file_is_named_with_the_file(tmp_path: Path) -> None:
+    data = _debug_data()
+    data["train"]["stpes"] = 10
+    path = _write(tmp_path, data)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    msg = str(err.value)
+    assert "'train.stpes'" in msg and str(path) in msg and "\n" not in msg
+
+
+def test_misspelled_key_inside_a_table_is_named(tmp_path: Path) -> None:
+    data = _debug_data()
+    data["model"]["tables"][1]["num_embedings"] = 5
+    with pytest.raises(ConfigError, match=r"'model\.tables\.1\.num_embedings'"):
+        load_config(_write(tmp_path, data))
+
+
+def test_unknown_top_level_section(tmp_path: Path) -> None:
+    data = _debug_data()
+    data["trainer"] = {"steps": 1}
+    with pytest.raises(ConfigError, match="unknown key 'trainer'"):
+        load_config(_write(tmp_path, data))
+
+
+def test_overrides_are_applied_and_type_checked() -> None:
+    cfg = load_config(DEBUG, ["train.steps=7", "optimizer.sparse.lr=1", "model.tables.1.sharding=row_wise"])
+    assert cfg.train.steps == 7
+    assert cfg.optimizer.sparse.lr == 1.0 and isinstance(cfg.optimizer.sparse.lr, float)
+    assert cfg.table_sharding(cfg.model.tables[1]) == "row_wise"
+    assert cfg.table_sharding(cfg.model.tables[0]) == "table_wise"  # the file's default
+    with pytest.raises(ConfigError, match="train.steps must be int, got str 'many'"):
+        load_config(DEBUG, ["train.steps=many"])
+    with pytest.raises(ConfigError, match="train.save_params must be bool"):
+        load_config(DEBUG, ["train.save_params=3"])
+    with pytest.raises(ConfigError, match="unknown key 'train.stepz'"):
+        load_config(DEBUG, ["train.stepz=3"])
+    with pytest.raises(ConfigError, match="sharding.default must be one of"):
+        load_config(DEBUG, ["sharding.default=diagonal"])
+    with pytest.raises(ConfigError, match="not an index"):
+        load_config(DEBUG, ["model.tables.9.sharding=row_wise"])
+    with pytest.raises(ConfigError, match="dotted.key=value"):
+        load_config(DEBUG, ["train.steps"])
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("model.tables.0.embedding_dim=32", "must equal the last of model.dense_arch_layer_sizes"),
+        ("model.tables.1.features=[f_user]", "feature 'f_user' is already looked up by table 't_user'"),
+        ("model.over_arch_layer_sizes=[8, 2]", "must end with 1"),
+        ("data.batch_size=0", "data.batch_size must be positive"),
+        ("data.kind=criteo", "needs 26 categorical features"),
+        ("data.synthetic.zipf_exponent=0", "zipf_exponent must be > 0"),
+        ("model.tables=[]", "model.tables is empty"),
+    ],
+)
+def test_cross_field_rules_say_what_to_change(override: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(DEBUG, [override])
+    assert fragment in str(err.value)
+
+
+def test_criteo_paths_must_exist(tmp_path: Path) -> None:
+    kaggle = REPO / "configs" / "criteo_kaggle_8gpu.yaml"
+    with pytest.raises(ConfigError, match="needs data.criteo.train_paths"):
+        load_config(kaggle)
+    with pytest.raises(ConfigError, match="data file not found: .*nope.tsv"):
+        load_config(kaggle, [f"data.criteo.train_paths=[{tmp_path / 'nope.tsv'}]"])
+
+
+def test_resolved_config_round_trips() -> None:
+    cfg = load_config(DEBUG, ["train.steps=11", "model.tables.2.sharding=column_wise"])
+    again = build(JobConfig, yaml.safe_load(cfg.to_yaml()), source="resolved")
+    assert again == cfg
+    assert again.digest() == cfg.digest()
+    assert load_config(DEBUG).digest() != cfg.digest()
