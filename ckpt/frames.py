@@ -1,0 +1,353 @@
+"""Checkpoint frames: the binary unit that carries embedding rows to a sink.
+
+One frame holds rows of one (table, column offset) shard of one rank for one
+checkpoint. Layout, version 1, all integers little-endian::
+
+    prefix   magic "DRF1" | version u16 | flags u16 (0) | header_len u32 | total_len u64
+    meta     checkpoint_id u64 | rank u32 | col_offset u32 | row_count u32 | dim u32
+             | row_bytes u32 | chunk_index u32 | chunk_count u32 | encoding u8 | n_optim u8
+             | run_id (u16 length + utf-8) | table (u16 length + utf-8)
+             | n_optim x [name (u16 length + utf-8) | encoding u8 | row_bytes u32]
+             | zero padding to a multiple of 8                      (= header_len bytes)
+    body     row ids int64[n] | payload uint8[n, row_bytes] | each optimizer state
+             uint8[n, its row_bytes]; every section zero-padded to a multiple of 8
+    trailer  crc32 u32 over every byte before it
+
+``encoding`` is a codec id of ``ckpt.quant`` (fp32=0, fp16=1, ...), carried as an
+integer: this module never interprets payload bytes. Sections start 8-aligned, so a
+decoder can view them in place (``torch.frombuffer``) without copying.
+
+CRC: ``zlib.crc32`` (stdlib, ~1.5 GB/s here, detects every error burst up to 32 bits,
+so any single flipped byte). CRC32C would be what Kafka uses for batches but needs a
+third-party package and buys no extra detection for our purpose.
+
+Decoding checks, in order: magic, version, total length (truncation / trailing bytes),
+CRC, then internal consistency. Every failure raises :class:`FrameError`; the reader
+that knows where the bytes came from adds it with ``where=`` (see :func:`kafka_where`,
+:func:`file_where`).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import sys
+import warnings
+import zlib
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+MAGIC = b"DRF1"
+VERSION = 1
+# librdkafka refuses messages over message.max.bytes (default 1,000,000) and Apache
+# Kafka's broker default is 1,048,588 for a whole record batch: stay under both with
+# room for the record/batch overhead (~100 bytes).
+DEFAULT_MAX_FRAME_BYTES = 1_000_000 - 1024
+
+_PREFIX = struct.Struct("<4sHHIQ")          # magic, version, flags, header_len, total_len
+_META = struct.Struct("<QIIIIIIIBB")       # ckpt, rank, col, n, dim, row_bytes, idx, cnt, enc, n_opt
+_STR_LEN = struct.Struct("<H")
+_OPT = struct.Struct("<BI")                # encoding, row_bytes
+_CRC = struct.Struct("<I")
+_ALIGN = 8
+_MAX_STR = 0xFFFF
+
+if sys.byteorder != "little":  # pragma: no cover
+    raise ImportError("ckpt.frames writes tensors in native byte order and needs a little-endian host")
+
+# torch warns once per process when it views a read-only buffer (bytes from Kafka or a
+# file). The views are documented read-only; spend that one warning here, silently.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    torch.frombuffer(b"\0" * 8, dtype=torch.uint8)
+
+
+class FrameError(ValueError):
+    """A frame failed validation. ``reason`` says what, ``where`` where it came from."""
+
+    def __init__(self, reason: str, where: str | None = None) -> None:
+        self.reason = reason
+        self.where = where
+        super().__init__(f"{where}: {reason}" if where else reason)
+
+    def located(self, where: str) -> "FrameError":
+        """The same error, naming its origin (topic/partition/offset, file/byte offset)."""
+        return FrameError(self.reason, where)
+
+
+def kafka_where(topic: str, partition: int, offset: int) -> str:
+    return f"topic {topic} partition {partition} offset {offset}"
+
+
+def file_where(path: object, byte_offset: int) -> str:
+    return f"{path} at byte {byte_offset}"
+
+
+@dataclass(frozen=True)
+class OptimState:
+    """Rows of one optimizer tensor (e.g. row-wise Adagrad momentum) matching the frame's rows.
+
+    On encode ``rows`` may be any dtype with first dimension n (its bytes are stored as
+    they are); on decode it is a read-only ``uint8 [n, row_bytes]`` view.
+    """
+
+    name: str
+    encoding: int
+    rows: torch.Tensor
+
+    @property
+    def row_bytes(self) -> int:
+        return _row_bytes(self.rows)
+
+
+@dataclass(frozen=True)
+class Frame:
+    run_id: str
+    checkpoint_id: int
+    rank: int
+    table: str
+    col_offset: int
+    dim: int
+    encoding: int
+    row_bytes: int
+    chunk_index: int
+    chunk_count: int
+    row_ids: torch.Tensor            # int64 [n], global row ids
+    payload: torch.Tensor            # uint8 [n, row_bytes], read-only view
+    optim: tuple[OptimState, ...] = ()
+
+    @property
+    def row_count(self) -> int:
+        return int(self.row_ids.shape[0])
+
+    def optim_rows(self, name: str) -> torch.Tensor:
+        for o in self.optim:
+            if o.name == name:
+                return o.rows
+        raise KeyError(f"frame has no optimizer state {name!r} (has {[o.name for o in self.optim]})")
+
+
+# --- encoding -------------------------------------------------------------------------
+
+def _pad(n: int) -> int:
+    return -n % _ALIGN
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    return math.prod(t.shape[1:]) * t.element_size()
+
+
+def _as_row_bytes(t: torch.Tensor, n: int, what: str) -> np.ndarray:
+    """``t`` (first dim n, any dtype) as a contiguous uint8 numpy array [n, row_bytes]."""
+    if not isinstance(t, torch.Tensor):
+        t = torch.as_tensor(t)
+    if t.dim() == 0 or t.shape[0] != n:
+        raise ValueError(f"{what} has shape {tuple(t.shape)}, expected first dimension {n}")
+    t = t.detach().cpu().contiguous().reshape(n, math.prod(t.shape[1:]))
+    if t.dtype != torch.uint8:
+        t = t.view(torch.uint8)
+    return t.numpy()
+
+
+def _str_field(s: str, what: str) -> bytes:
+    b = s.encode("utf-8")
+    if len(b) > _MAX_STR:
+        raise ValueError(f"{what} is {len(b)} bytes, at most {_MAX_STR}")
+    return _STR_LEN.pack(len(b)) + b
+
+
+def _header_tail(run_id: str, table: str, optim_layout: Sequence[tuple[str, int, int]]) -> bytes:
+    parts = [_str_field(run_id, "run id"), _str_field(table, "table name")]
+    for name, enc, rb in optim_layout:
+        parts += [_str_field(name, "optimizer state name"), _OPT.pack(enc, rb)]
+    return b"".join(parts)
+
+
+def _header_len(tail_len: int) -> int:
+    n = _PREFIX.size + _META.size + tail_len
+    return n + _pad(n)
+
+
+def _frame_len(header_len: int, n: int, row_bytes: int, optim_row_bytes: Sequence[int]) -> int:
+    body = sum(s + _pad(s) for s in [8 * n, n * row_bytes, *(n * rb for rb in optim_row_bytes)])
+    return header_len + body + _CRC.size
+
+
+def encode_frame(*, run_id: str, checkpoint_id: int, rank: int, table: str, col_offset: int,
+                 dim: int, encoding: int, row_ids: torch.Tensor, payload: torch.Tensor,
+                 optim: Sequence[OptimState] = (), chunk_index: int = 0,
+                 chunk_count: int = 1) -> bytes:
+    """Encode one frame. ``payload`` is [n, ...] of any dtype (stored as its raw bytes:
+    the quantizer's output, or ``rows`` themselves for fp32); so is each ``optim[i].rows``."""
+    ids = torch.as_tensor(row_ids)
+    if ids.dim() != 1:
+        raise ValueError(f"row_ids must be 1-D, got shape {tuple(ids.shape)}")
+    n = int(ids.shape[0])
+    ids_np = ids.detach().cpu().to(torch.int64).contiguous().numpy()
+    pay_np = _as_row_bytes(payload, n, "payload")
+    opt_np = [_as_row_bytes(o.rows, n, f"optimizer state {o.name!r}") for o in optim]
+    if len(optim) > 255:
+        raise ValueError("at most 255 optimizer states per frame")
+    if not 0 <= chunk_index < chunk_count:
+        raise ValueError(f"chunk_index {chunk_index} not in [0, chunk_count={chunk_count})")
+    row_bytes = pay_np.shape[1]
+    layout = [(o.name, o.encoding, a.shape[1]) for o, a in zip(optim, opt_np)]
+    tail = _header_tail(run_id, table, layout)
+    header_len = _header_len(len(tail))
+    total = _frame_len(header_len, n, row_bytes, [a.shape[1] for a in opt_np])
+    try:
+        head = (_PREFIX.pack(MAGIC, VERSION, 0, header_len, total)
+                + _META.pack(checkpoint_id, rank, col_offset, n, dim, row_bytes,
+                             chunk_index, chunk_count, encoding, len(optim))
+                + tail)
+    except struct.error as e:
+        raise ValueError(f"frame field out of range: {e}") from None
+    parts: list = [head + b"\0" * (header_len - len(head))]
+    for arr in (ids_np, pay_np, *opt_np):
+        mv = memoryview(arr.reshape(-1).view(np.uint8))
+        parts.append(mv)
+        if _pad(mv.nbytes):
+            parts.append(b"\0" * _pad(mv.nbytes))
+    crc = 0
+    for p in parts:
+        crc = zlib.crc32(p, crc)
+    parts.append(_CRC.pack(crc))
+    out = b"".join(parts)
+    assert len(out) == total, (len(out), total)
+    return out
+
+
+def chunk_rows(*, run_id: str, checkpoint_id: int, rank: int, table: str, col_offset: int,
+               dim: int, encoding: int, row_ids: torch.Tensor, payload: torch.Tensor,
+               optim: Sequence[OptimState] = (),
+               max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Iterator[bytes]:
+    """Split one shard's rows into frames of at most ``max_frame_bytes`` each.
+
+    Frames are produced lazily, in row order, numbered ``chunk_index`` 0..count-1 with
+    the same ``chunk_count``; every row is in exactly one frame. No rows: no frames.
+    Raises ``ValueError`` if a single row does not fit.
+    """
+    ids = torch.as_tensor(row_ids)
+    n = int(ids.shape[0])
+    if n == 0:
+        return iter(())
+    row_bytes = _row_bytes(torch.as_tensor(payload))
+    opt_rb = [o.row_bytes for o in optim]
+    tail = _header_tail(run_id, table, [(o.name, o.encoding, rb) for o, rb in zip(optim, opt_rb)])
+    header_len = _header_len(len(tail))
+    per_row = 8 + row_bytes + sum(opt_rb)
+    # Largest row count whose frame fits; section padding can cost a few rows less.
+    rows_per_frame = max(0, (max_frame_bytes - header_len - _CRC.size) // per_row)
+    while rows_per_frame and _frame_len(header_len, rows_per_frame, row_bytes, opt_rb) > max_frame_bytes:
+        rows_per_frame -= 1
+    if rows_per_frame < 1:
+        raise ValueError(f"one row of table {table!r} needs {header_len + per_row + _CRC.size} "
+                         f"bytes with its frame header, more than max_frame_bytes={max_frame_bytes}")
+    count = -(-n // rows_per_frame)
+
+    def frames() -> Iterator[bytes]:
+        for i in range(count):
+            sl = slice(i * rows_per_frame, min(n, (i + 1) * rows_per_frame))
+            yield encode_frame(
+                run_id=run_id, checkpoint_id=checkpoint_id, rank=rank, table=table,
+                col_offset=col_offset, dim=dim, encoding=encoding, row_ids=ids[sl],
+                payload=payload[sl],
+                optim=[OptimState(o.name, o.encoding, o.rows[sl]) for o in optim],
+                chunk_index=i, chunk_count=count)
+
+    return frames()
+
+
+# --- decoding -------------------------------------------------------------------------
+
+def _u8(mv: memoryview, offset: int, nbytes: int) -> torch.Tensor:
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(mv, dtype=torch.uint8, count=nbytes, offset=offset)
+
+
+def decode_frame(buf: bytes | bytearray | memoryview, *, where: str | None = None) -> Frame:
+    """Verify and decode one frame. Tensors are read-only views into ``buf`` where
+    alignment allows (keep ``buf`` alive; ``clone()`` before writing to them)."""
+    try:
+        return _decode(memoryview(buf).cast("B"))
+    except FrameError as e:
+        raise (e.located(where) if where else e) from None
+
+
+def _decode(mv: memoryview) -> Frame:
+    size = mv.nbytes
+    if size >= 4 and bytes(mv[:4]) != MAGIC:
+        raise FrameError(f"bad magic {bytes(mv[:4])!r}, expected {MAGIC!r}")
+    if size < _PREFIX.size + _CRC.size:
+        raise FrameError(f"truncated: {size} bytes, shorter than any frame")
+    magic, version, flags, header_len, total = _PREFIX.unpack_from(mv, 0)
+    if version != VERSION:
+        raise FrameError(f"unsupported frame version {version} (this reader knows {VERSION})")
+    if total != size:
+        what = "truncated" if size < total else "trailing bytes"
+        raise FrameError(f"{what}: frame says {total} bytes, buffer has {size}")
+    (stored,) = _CRC.unpack_from(mv, size - _CRC.size)
+    computed = zlib.crc32(mv[:size - _CRC.size])
+    if stored != computed:
+        raise FrameError(f"CRC mismatch: stored {stored:#010x}, computed {computed:#010x}")
+    # The bytes are what the writer wrote; what follows catches writer bugs and forgeries.
+    if flags != 0:
+        raise FrameError(f"unknown flags {flags:#x}")
+    if not _PREFIX.size + _META.size <= header_len <= size - _CRC.size or header_len % _ALIGN:
+        raise FrameError(f"bad header length {header_len}")
+    (ckpt, rank, col, n, dim, row_bytes, idx, cnt, enc, n_opt) = _META.unpack_from(mv, _PREFIX.size)
+    pos = _PREFIX.size + _META.size
+
+    def string(what: str) -> str:
+        nonlocal pos
+        if pos + _STR_LEN.size > header_len:
+            raise FrameError(f"header too short for {what}")
+        (ln,) = _STR_LEN.unpack_from(mv, pos)
+        pos += _STR_LEN.size
+        if pos + ln > header_len:
+            raise FrameError(f"{what} runs past the header")
+        try:
+            s = bytes(mv[pos:pos + ln]).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise FrameError(f"{what} is not utf-8: {e}") from None
+        pos += ln
+        return s
+
+    run_id = string("run id")
+    table = string("table name")
+    layout = []
+    for i in range(n_opt):
+        name = string(f"optimizer state {i} name")
+        if pos + _OPT.size > header_len:
+            raise FrameError(f"header too short for optimizer state {name!r}")
+        o_enc, o_rb = _OPT.unpack_from(mv, pos)
+        pos += _OPT.size
+        layout.append((name, o_enc, o_rb))
+    if _header_len(pos - _PREFIX.size - _META.size) != header_len:
+        raise FrameError(f"header length {header_len} does not match its fields ({pos} bytes)")
+    expect = _frame_len(header_len, n, row_bytes, [rb for _, _, rb in layout])
+    if expect != total:
+        raise FrameError(f"body length mismatch: {n} rows x {row_bytes} bytes (+ optimizer) "
+                         f"need a {expect}-byte frame, got {total}")
+    if not idx < cnt:
+        raise FrameError(f"chunk index {idx} not below chunk count {cnt}")
+
+    off = header_len
+    ids = _u8(mv, off, 8 * n)
+    if ids.data_ptr() % 8:
+        ids = ids.clone()  # buffer base not 8-aligned (a slice of a larger buffer)
+    row_ids = ids.view(torch.int64)
+    off += 8 * n + _pad(8 * n)
+    payload = _u8(mv, off, n * row_bytes).view(n, row_bytes)
+    off += n * row_bytes + _pad(n * row_bytes)
+    optim = []
+    for name, o_enc, o_rb in layout:
+        optim.append(OptimState(name, o_enc, _u8(mv, off, n * o_rb).view(n, o_rb)))
+        off += n * o_rb + _pad(n * o_rb)
+    return Frame(run_id=run_id, checkpoint_id=ckpt, rank=rank, table=table, col_offset=col,
+                 dim=dim, encoding=enc, row_bytes=row_bytes, chunk_index=idx, chunk_count=cnt,
+                 row_ids=row_ids, payload=payload, optim=tuple(optim))

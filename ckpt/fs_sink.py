@@ -1,0 +1,344 @@
+"""Filesystem backend: frame sink, frame source and marker log in plain files.
+
+Layout under ``root``::
+
+    <run>.rows.g<N>/<partition>.seg    append-only segment per (generation, partition)
+    <run>.markers.log                  append-only marker log
+
+Both are sequences of records ``magic "DRR1" | length u32 | crc32 u32 | payload``; the
+CRC covers magic, length and payload. A position is the *byte offset* of a record:
+a reader seeks straight to the start of a range with no index (record numbers would
+need one, or a scan from the start), and positions stay valid when the file grows.
+
+Durability: ``flush()`` / ``append_marker()`` fsync the file, and the directory when it
+created the file. A crash mid-append leaves a *torn tail*: an incomplete record, or a
+complete one whose CRC fails, at the very end of the file (or zeros there after a power
+loss). Readers scanning a file stop before a torn tail; a writer that opens a file
+truncates it first. An invalid record with valid-looking data after it is corruption,
+never skipped: ``FrameError`` names file and byte offset.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import struct
+import zlib
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+from ckpt.frames import Frame, FrameError, decode_frame, file_where
+from ckpt.sink import RangeRecorder, SinkError, SinkResult, SourceError, check_run_id, \
+    markers_name, rows_name
+
+log = logging.getLogger(__name__)
+
+REC_MAGIC = b"DRR1"
+_REC = struct.Struct("<4sII")  # magic, payload length, crc32(magic + length + payload)
+_ZERO_CHECK_CHUNK = 1 << 20
+
+
+def _rec_crc(length: int, payload: bytes | memoryview) -> int:
+    return zlib.crc32(payload, zlib.crc32(REC_MAGIC + struct.pack("<I", length)))
+
+
+def encode_record(payload: bytes | memoryview) -> tuple[bytes, int]:
+    """(record header, total record size) for ``payload``."""
+    n = len(payload)
+    return _REC.pack(REC_MAGIC, n, _rec_crc(n, payload)), _REC.size + n
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _zeros_to_end(f: BinaryIO, pos: int) -> bool:
+    f.seek(pos)
+    while chunk := f.read(_ZERO_CHECK_CHUNK):
+        if chunk.count(0) != len(chunk):
+            return False
+    return True
+
+
+def scan_records(f: BinaryIO, path: object, start: int = 0, *,
+                 verify: bool = True) -> Iterator[tuple[int, int, bytes | None]]:
+    """Yield ``(position, end, payload)`` of every complete, valid record from ``start``,
+    stopping silently before a torn tail and raising ``FrameError`` on corruption.
+
+    ``verify=False`` reads headers only (payload None) and checks the CRC of the last
+    record alone: that is where a torn write can be (used to find a writer's end).
+    """
+    size = os.fstat(f.fileno()).st_size
+    pos = start
+    while pos < size:
+        f.seek(pos)
+        head = f.read(_REC.size)
+        torn = f"torn tail of {size - pos} bytes"
+        if len(head) < _REC.size:
+            log.info("%s: %s (incomplete record header)", file_where(path, pos), torn)
+            return
+        magic, length, crc = _REC.unpack(head)
+        end = pos + _REC.size + length
+        if magic != REC_MAGIC:
+            if _zeros_to_end(f, pos):
+                log.info("%s: %s (zero fill)", file_where(path, pos), torn)
+                return
+            raise FrameError(f"bad record magic {magic!r}, expected {REC_MAGIC!r}",
+                             file_where(path, pos))
+        if end > size:
+            log.info("%s: %s (record of %d bytes cut short)", file_where(path, pos), torn, length)
+            return
+        payload = None
+        if verify or end == size:
+            f.seek(pos + _REC.size)
+            payload = f.read(length)
+            if _rec_crc(length, payload) != crc:
+                if end == size:
+                    log.info("%s: %s (last record fails its CRC)", file_where(path, pos), torn)
+                    return
+                raise FrameError(f"record CRC mismatch ({length}-byte record, more data follows)",
+                                 file_where(path, pos))
+            if not verify:
+                payload = None
+        yield pos, end, payload
+        pos = end
+
+
+class _Appender:
+    """One append-only record file, opened lazily; truncates a torn tail on open."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._f: BinaryIO | None = None
+        self.end = 0
+        self._sync_dirs: set[Path] = set()  # dirs whose entries we created: fsync once
+        self.dirty = False
+
+    def _open(self) -> BinaryIO:
+        if self._f is None:
+            parent = self.path.parent
+            missing = [p for p in [parent, *parent.parents] if not p.exists()]
+            parent.mkdir(parents=True, exist_ok=True)
+            created = not self.path.exists()
+            f = open(self.path, "a+b")
+            try:
+                end = 0
+                for _, end, _ in scan_records(f, self.path, verify=False):
+                    pass
+                size = os.fstat(f.fileno()).st_size
+                if end < size:
+                    log.warning("%s: truncating torn tail of %d bytes", self.path, size - end)
+                    f.truncate(end)
+                    os.fsync(f.fileno())
+            except BaseException:
+                f.close()
+                raise
+            self._f, self.end = f, end
+            self._sync_dirs = {d.parent for d in missing} | ({parent} if created else set())
+        return self._f
+
+    def append(self, payload: bytes | memoryview) -> tuple[int, int]:
+        """Append one record; returns (position, end). Not durable until ``sync()``."""
+        f = self._open()
+        head, size = encode_record(payload)
+        pos = self.end
+        f.write(head)
+        f.write(payload)
+        self.end = pos + size
+        self.dirty = True
+        return pos, self.end
+
+    def sync(self) -> None:
+        if self._f is not None and self.dirty:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self.dirty = False
+        for d in sorted(self._sync_dirs, key=lambda p: len(p.parts), reverse=True):
+            _fsync_dir(d)
+        self._sync_dirs = set()
+
+    def close(self) -> None:
+        if self._f is not None:
+            try:
+                self._f.close()
+            finally:
+                self._f = None
+
+
+class FsSink:
+    """Frames of generation N to ``<root>/<run>.rows.g<N>/<partition>.seg``."""
+
+    def __init__(self, root: str | os.PathLike, run_id: str) -> None:
+        self.root = Path(root)
+        self.run_id = check_run_id(run_id)
+        self._files: dict[tuple[int, int], _Appender] = {}
+        self._dropped: set[int] = set()
+        self._rec = RangeRecorder()
+        self._error: SinkError | None = None
+        self._closed = False
+
+    def segment_path(self, generation: int, partition: int) -> Path:
+        return self.root / rows_name(self.run_id, generation) / f"{partition}.seg"
+
+    def write(self, frame: bytes, *, generation: int, partition: int) -> None:
+        if self._closed:
+            raise SinkError("sink is closed")
+        if generation in self._dropped or partition < 0:
+            err = SinkError(f"generation {generation} was dropped; refusing to write it"
+                            if generation in self._dropped else f"bad partition {partition}")
+            self._error = self._error or err  # the flush must not claim a complete write
+            raise err
+        key = (generation, partition)
+        app = self._files.get(key)
+        if app is None:
+            app = self._files[key] = _Appender(self.segment_path(generation, partition))
+        try:
+            pos, end = app.append(frame)
+        except (OSError, FrameError) as e:
+            err = SinkError(f"cannot append to {app.path}: {e}")
+            self._error = self._error or err
+            # The file may end in a partial record now: reopen (and cut it) on next use.
+            self._files.pop(key, None)
+            try:
+                app.close()
+            except OSError:
+                pass
+            raise err from None
+        self._rec.add(key, pos, end)
+
+    def flush(self, timeout_s: float | None = None) -> SinkResult:
+        """fsync every segment written since the last flush (``timeout_s`` is not
+        enforceable for fsync and is ignored)."""
+        if self._closed:
+            raise SinkError("sink is closed")
+        for app in self._files.values():
+            try:
+                app.sync()
+            except OSError as e:
+                self._error = self._error or SinkError(f"cannot fsync {app.path}: {e}")
+        result = self._rec.result(self._error)
+        self._rec, self._error = RangeRecorder(), None
+        if not result.ok:  # reopen (and cut any torn tail) on the next write
+            for app in self._files.values():
+                app.close()
+            self._files.clear()
+        return result
+
+    def drop_generation(self, generation: int) -> None:
+        self._dropped.add(generation)
+        for key in [k for k in self._files if k[0] == generation]:
+            self._files.pop(key).close()
+        d = self.root / rows_name(self.run_id, generation)
+        shutil.rmtree(d, ignore_errors=True)
+        if d.exists():
+            raise SinkError(f"cannot delete {d}")
+        if self.root.exists():
+            _fsync_dir(self.root)
+
+    def close(self) -> None:
+        self._closed = True
+        for app in self._files.values():
+            app.close()
+        self._files.clear()
+
+
+class FsSource:
+    def __init__(self, root: str | os.PathLike, run_id: str) -> None:
+        self.root = Path(root)
+        self.run_id = check_run_id(run_id)
+
+    def segment_path(self, generation: int, partition: int) -> Path:
+        return self.root / rows_name(self.run_id, generation) / f"{partition}.seg"
+
+    def read_range(self, generation: int, partition: int, first: int, last: int
+                   ) -> Iterator[tuple[int, Frame]]:
+        """Frames whose records start at byte offsets ``first`` through ``last``.
+
+        Only the frame CRC is checked here (the record CRC covers the same bytes): the
+        range was acknowledged, so there is no torn tail to tell apart in it.
+        """
+        if not 0 <= first <= last:
+            raise ValueError(f"bad range [{first}, {last}]")
+        path = self.segment_path(generation, partition)
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            raise SourceError(f"segment {path} does not exist (reading bytes {first}..{last})") from None
+        return self._frames(f, path, first, last)
+
+    def _frames(self, f: BinaryIO, path: Path, first: int, last: int) -> Iterator[tuple[int, Frame]]:
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            pos = first
+            f.seek(pos)
+            while True:
+                head = f.read(_REC.size)
+                if len(head) < _REC.size:
+                    raise SourceError(f"segment {path} ends at byte {size}, but the range runs "
+                                      f"through byte {last}")
+                magic, length, _ = _REC.unpack(head)
+                if magic != REC_MAGIC:
+                    raise FrameError(f"no record starts here (magic {magic!r}); range "
+                                     f"[{first}, {last}] is not on record boundaries",
+                                     file_where(path, pos))
+                if pos + _REC.size + length > size:
+                    raise SourceError(f"segment {path} ends inside the record at byte {pos}, "
+                                      f"which the range [{first}, {last}] includes")
+                payload = f.read(length)
+                frame = decode_frame(payload, where=file_where(path, pos))
+                if frame.run_id != self.run_id:
+                    raise FrameError(f"frame of run {frame.run_id!r} in run {self.run_id!r}",
+                                     file_where(path, pos))
+                yield pos, frame
+                if pos == last:
+                    return
+                prev, pos = pos, pos + _REC.size + length
+                if pos > last:
+                    raise SourceError(f"range end {last} is not a record start in {path} "
+                                      f"(records start at {prev} and {pos})")
+
+    def scan(self, generation: int, partition: int) -> Iterator[tuple[int, Frame]]:
+        """Every complete frame of a segment, ignoring a torn tail (diagnostics, tools)."""
+        path = self.segment_path(generation, partition)
+        with open(path, "rb") as f:
+            for pos, _, payload in scan_records(f, path):
+                yield pos, decode_frame(payload, where=file_where(path, pos))
+
+    def close(self) -> None:
+        pass
+
+
+class FsMarkers:
+    """The marker log ``<root>/<run>.markers.log``: each append is fsynced before it returns."""
+
+    def __init__(self, root: str | os.PathLike, run_id: str) -> None:
+        self.root = Path(root)
+        self.run_id = check_run_id(run_id)
+        self.path = self.root / (markers_name(self.run_id) + ".log")
+        self._app = _Appender(self.path)
+
+    def append_marker(self, payload: bytes) -> int:
+        try:
+            pos, _ = self._app.append(payload)
+            self._app.sync()
+        except (OSError, FrameError) as e:
+            self._app.close()
+            self._app = _Appender(self.path)  # reopen: cuts what this append left behind
+            raise SinkError(f"cannot append marker to {self.path}: {e}") from None
+        return pos
+
+    def read_markers(self) -> list[tuple[int, bytes]]:
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
+            return []
+        with f:
+            return [(pos, payload) for pos, _, payload in scan_records(f, self.path)]
+
+    def close(self) -> None:
+        self._app.close()

@@ -1,0 +1,464 @@
+"""Kafka backend: frame sink, frame source and marker log (confluent-kafka).
+
+Rows of full-checkpoint generation N live in topic ``<run>.rows.g<N>`` with one
+partition per rank; markers in ``<run>.markers`` (one partition). Every librdkafka
+setting passes through: ``conf`` goes to every client (bootstrap, SASL, TLS, ...),
+``producer_conf`` / ``consumer_conf`` to one kind only.
+
+Broker facts this code relies on or works around (probed on Tansu, see
+``launch/broker.py``; all hold on Apache Kafka as well):
+
+- Positions come from delivery reports, never from watermarks / ListOffsets (wrong on
+  Tansu) or offsets_for_times.
+- Ends of partitions are detected with ``enable.partition.eof`` (correct on Tansu,
+  whose Fetch responses carry the right high watermark). Fetching past the end is
+  silent on Tansu (no OFFSET_OUT_OF_RANGE), so every wait is bounded and the error
+  names topic, partition and offset.
+- A Metadata request naming a missing topic auto-creates it (4 partitions) on Tansu
+  and on Kafka with default settings, so existence checks use the all-topics listing
+  and topics are created explicitly (AdminClient) before anything is produced.
+- After DeleteTopics a producer with cached metadata still gets *successful* delivery
+  reports on Tansu for data that is gone: a sink refuses to write a generation it
+  dropped.
+- Broker loss: queued messages fail after ``delivery.timeout.ms``; an idempotent
+  producer that meets a restarted (empty) broker fails fatally (UNKNOWN_PRODUCER_ID).
+  Any failed flush therefore recreates the producer and re-checks topics.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any, Callable, Iterator, Mapping
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, \
+    Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from ckpt.frames import Frame, FrameError, decode_frame, kafka_where
+from ckpt.sink import RangeRecorder, SinkError, SinkResult, SourceError, check_run_id, \
+    markers_name, rows_name
+
+log = logging.getLogger(__name__)
+_rdkafka_log = logging.getLogger("deltarec.librdkafka")
+
+DEFAULT_DELIVERY_TIMEOUT_S = 30.0
+DEFAULT_READ_TIMEOUT_S = 30.0
+# Consumers prefetch up to this much per partition (librdkafka default: 64 MiB).
+DEFAULT_READ_BUFFER_KB = 16 * 1024
+# Rows and markers are deleted by dropping whole topics, never by time or size:
+# a base checkpoint can be older than Kafka's default retention of 7 days.
+DEFAULT_TOPIC_CONFIG = {"retention.ms": "-1", "retention.bytes": "-1"}
+_TRANSIENT = {KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._TIMED_OUT,
+              KafkaError._RESOLVE}
+
+
+def _common(conf: Mapping[str, Any]) -> dict[str, Any]:
+    if "bootstrap.servers" not in conf:
+        raise ValueError("Kafka conf needs 'bootstrap.servers'")
+    out = dict(conf)
+    out.setdefault("logger", _rdkafka_log)
+    return out
+
+
+def _admin(conf: Mapping[str, Any]) -> AdminClient:
+    return AdminClient(_common(conf))
+
+
+def _code(e: BaseException) -> Any:
+    err = e.args[0] if e.args else None
+    return err.code() if isinstance(err, KafkaError) else None
+
+
+def topic_partitions(admin: AdminClient, topic: str, timeout_s: float) -> int | None:
+    """Partition count of ``topic``, or None if it does not exist.
+
+    Uses the all-topics listing: a Metadata request naming the topic would create it.
+    """
+    try:
+        md = admin.list_topics(timeout=timeout_s)
+    except KafkaException as e:
+        raise SourceError(f"cannot list topics: {e.args[0]}") from None
+    t = md.topics.get(topic)
+    if t is None or t.error is not None:
+        return None
+    return len(t.partitions)
+
+
+def ensure_topic(admin: AdminClient, topic: str, partitions: int, *, replication_factor: int = -1,
+                 config: Mapping[str, str] | None = None, timeout_s: float = 10.0) -> int:
+    """Create ``topic`` with ``partitions`` partitions unless it exists; returns its
+    partition count. Raises ``SinkError``."""
+    new = NewTopic(topic, num_partitions=partitions, replication_factor=replication_factor,
+                   config={**DEFAULT_TOPIC_CONFIG, **(config or {})})
+    fut = admin.create_topics([new], operation_timeout=timeout_s, request_timeout=timeout_s)[topic]
+    try:
+        fut.result(timeout=timeout_s + 1)
+        return partitions
+    except KafkaException as e:
+        if _code(e) != KafkaError.TOPIC_ALREADY_EXISTS:
+            raise SinkError(f"cannot create topic {topic}: {e.args[0]}") from None
+    except Exception as e:  # concurrent.futures.TimeoutError
+        raise SinkError(f"cannot create topic {topic}: {e!r}") from None
+    try:
+        n = topic_partitions(admin, topic, timeout_s)
+    except SourceError as e:
+        raise SinkError(str(e)) from None
+    if n is None:
+        raise SinkError(f"topic {topic} exists according to the broker but is not listed")
+    return n
+
+
+def drop_generation(conf: Mapping[str, Any], run_id: str, generation: int,
+                    *, timeout_s: float = 10.0) -> None:
+    """Delete the rows topic of ``generation`` (missing already: fine)."""
+    _delete_topic(_admin(conf), rows_name(check_run_id(run_id), generation), timeout_s)
+
+
+def _delete_topic(admin: AdminClient, topic: str, timeout_s: float) -> None:
+    fut = admin.delete_topics([topic], operation_timeout=timeout_s, request_timeout=timeout_s)[topic]
+    try:
+        fut.result(timeout=timeout_s + 1)
+    except KafkaException as e:
+        if _code(e) != KafkaError.UNKNOWN_TOPIC_OR_PART:
+            raise SinkError(f"cannot delete topic {topic}: {e.args[0]}") from None
+    except Exception as e:
+        raise SinkError(f"cannot delete topic {topic}: {e!r}") from None
+
+
+class _Producer:
+    """An idempotent, acks=all producer that can be thrown away and recreated."""
+
+    def __init__(self, conf: Mapping[str, Any], producer_conf: Mapping[str, Any] | None,
+                 delivery_timeout_s: float | None, queue_full_timeout_s: float) -> None:
+        pconf = {**_common(conf), **(producer_conf or {})}
+        if str(pconf.get("enable.idempotence", True)).lower() not in ("true", "1"):
+            raise ValueError("the checkpoint producer needs enable.idempotence=true")
+        if str(pconf.get("acks", "all")).lower() not in ("all", "-1"):
+            raise ValueError("the checkpoint producer needs acks=all")
+        pconf["enable.idempotence"] = True
+        pconf["acks"] = "all"
+        if delivery_timeout_s is not None or "delivery.timeout.ms" not in pconf:
+            pconf["delivery.timeout.ms"] = int(1000 * (delivery_timeout_s or DEFAULT_DELIVERY_TIMEOUT_S))
+        self._conf = pconf
+        self.queue_full_timeout_s = queue_full_timeout_s
+        self.producer = self._new()
+
+    def _new(self) -> Producer:
+        # The fatal error goes to a holder, not to self: no reference cycle, so a
+        # dropped sink's client (and its connections) goes away at once.
+        self._fatal: list[KafkaError] = []
+
+        def on_error(err: KafkaError, fatal: list = self._fatal) -> None:
+            if err.fatal():
+                fatal.append(err)
+            log.debug("kafka producer: %s", err)
+
+        return Producer({**self._conf, "error_cb": on_error})
+
+    def produce(self, topic: str, value: bytes, partition: int,
+                on_delivery: Callable[[KafkaError | None, Message], None]) -> None:
+        """Queue one message; on a full local queue serve callbacks and retry (bounded)."""
+        deadline = None
+        while True:
+            try:
+                self.producer.produce(topic, value, partition=partition, on_delivery=on_delivery)
+                break
+            except BufferError:
+                now = time.monotonic()
+                deadline = deadline or now + self.queue_full_timeout_s
+                if now >= deadline:
+                    raise SinkError(f"producer queue for {topic} stayed full for "
+                                    f"{self.queue_full_timeout_s:.0f}s") from None
+                self.producer.poll(min(0.1, deadline - now))
+            except KafkaException as e:
+                raise SinkError(f"cannot produce to {topic} partition {partition}: {e.args[0]}") from None
+        self.producer.poll(0)
+
+    def flush(self, timeout_s: float) -> SinkError | None:
+        """Wait for every queued message's delivery report; an error if not all came."""
+        try:
+            left = self.producer.flush(timeout_s)
+        except KafkaException as e:  # fatal producer error
+            return SinkError(f"producer failed: {e.args[0]}")
+        if self._fatal:
+            return SinkError(f"producer failed: {self._fatal[0]}")
+        if left:
+            return SinkError(f"flush timed out after {timeout_s:g}s with {left} message(s) unacknowledged")
+        return None
+
+    def recreate(self) -> None:
+        old = self.producer
+        try:
+            old.purge(in_queue=True, in_flight=True, blocking=False)
+            old.poll(0)  # serve the purge reports (callbacks ignore stale epochs)
+        except Exception:
+            pass
+        self.producer = self._new()
+
+    def close(self) -> None:
+        try:
+            self.producer.purge(in_queue=True, in_flight=True, blocking=False)
+            self.producer.poll(0)
+        except Exception:
+            pass
+        self.producer = None  # destroys the client: its connections close now
+
+
+class KafkaSink:
+    """Frames of generation N to topic ``<run>.rows.g<N>``, partition = the given partition.
+
+    ``num_partitions`` (the world size) is used when creating a generation's topic.
+    ``delivery_timeout_s`` bounds how long a frame may stay unacknowledged (librdkafka
+    ``delivery.timeout.ms``); a flush with a dead broker fails after about that long.
+    """
+
+    def __init__(self, run_id: str, conf: Mapping[str, Any], *, num_partitions: int,
+                 producer_conf: Mapping[str, Any] | None = None, replication_factor: int = -1,
+                 topic_config: Mapping[str, str] | None = None,
+                 delivery_timeout_s: float | None = None, queue_full_timeout_s: float = 30.0,
+                 admin_timeout_s: float = 10.0) -> None:
+        self.run_id = check_run_id(run_id)
+        if num_partitions < 1:
+            raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
+        self.num_partitions = num_partitions
+        self.replication_factor = replication_factor
+        self.topic_config = dict(topic_config or {})
+        self.admin_timeout_s = admin_timeout_s
+        self._admin = _admin(conf)
+        self._p = _Producer(conf, producer_conf, delivery_timeout_s, queue_full_timeout_s)
+        self._topics: dict[int, int] = {}     # generation -> partitions, checked on this broker
+        self._dropped: set[int] = set()
+        self._epoch = 0                       # one per flush; late reports of old ones are ignored
+        self._rec = RangeRecorder()
+        self._error: SinkError | None = None
+        self._closed = False
+
+    def topic(self, generation: int) -> str:
+        return rows_name(self.run_id, generation)
+
+    def _topic_for(self, generation: int, partition: int) -> str:
+        topic = self.topic(generation)
+        if generation in self._dropped:
+            raise SinkError(f"generation {generation} ({topic}) was dropped; refusing to write it")
+        parts = self._topics.get(generation)
+        if parts is None:
+            parts = ensure_topic(self._admin, topic, self.num_partitions,
+                                 replication_factor=self.replication_factor,
+                                 config=self.topic_config, timeout_s=self.admin_timeout_s)
+            self._topics[generation] = parts
+        if not 0 <= partition < parts:
+            raise SinkError(f"topic {topic} has {parts} partitions; cannot write partition {partition}")
+        return topic
+
+    def _fail(self, err: SinkError) -> None:
+        if self._error is None:
+            self._error = err
+
+    def _on_delivery(self, epoch: int, key: tuple[int, int], err: KafkaError | None,
+                     msg: Message) -> None:
+        if epoch != self._epoch:
+            return
+        if err is not None:
+            self._fail(SinkError(f"delivery to topic {msg.topic()} partition {msg.partition()} "
+                                 f"failed: {err}"))
+        else:
+            self._rec.add(key, msg.offset(), msg.offset() + 1)
+
+    def write(self, frame: bytes, *, generation: int, partition: int) -> None:
+        if self._closed:
+            raise SinkError("sink is closed")
+        try:
+            topic = self._topic_for(generation, partition)
+            epoch, key = self._epoch, (generation, partition)
+            self._p.produce(topic, frame, partition,
+                            lambda err, msg: self._on_delivery(epoch, key, err, msg))
+        except SinkError as e:
+            self._fail(e)
+            raise
+
+    def flush(self, timeout_s: float) -> SinkResult:
+        if self._closed:
+            raise SinkError("sink is closed")
+        err = self._p.flush(timeout_s)
+        if err is not None:
+            self._fail(err)
+        result = self._rec.result(self._error)
+        self._epoch += 1
+        self._rec, self._error = RangeRecorder(), None
+        if not result.ok:
+            log.warning("kafka sink %s: flush failed (%s); recreating the producer",
+                        self.run_id, result.error)
+            self._p.recreate()
+            self._topics.clear()  # the broker may be a new one: check topics again
+        return result
+
+    def drop_generation(self, generation: int) -> None:
+        self._dropped.add(generation)
+        self._topics.pop(generation, None)
+        _delete_topic(self._admin, self.topic(generation), self.admin_timeout_s)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._p.close()
+            self._admin = None
+
+
+def _consumer_conf(conf: Mapping[str, Any], consumer_conf: Mapping[str, Any] | None) -> dict[str, Any]:
+    # A fetch at the end of a partition waits fetch.wait.max.ms before the broker
+    # answers (and we learn it is the end): keep that short for readers.
+    c = {**_common(conf), "queued.max.messages.kbytes": DEFAULT_READ_BUFFER_KB,
+         "fetch.wait.max.ms": 100, **(consumer_conf or {})}
+    # assign()-only reading: a throwaway group id (confluent-kafka insists on one),
+    # never committed; start offsets are always explicit.
+    c.update({"group.id": f"deltarec-reader-{uuid.uuid4().hex}", "enable.auto.commit": False,
+              "enable.auto.offset.store": False, "enable.partition.eof": True,
+              "auto.offset.reset": "error",
+              "error_cb": lambda err: log.debug("kafka consumer: %s", err)})
+    return c
+
+
+def _read_partition(cconf: Mapping[str, Any], topic: str, partition: int, start: int,
+                    last: int | None, timeout_s: float) -> Iterator[Message]:
+    """Messages of one partition from ``start`` through offset ``last`` (inclusive), or to
+    the end of the partition when ``last`` is None. Raises ``SourceError`` when the
+    partition ends before ``last`` or nothing arrives for ``timeout_s``."""
+    consumer = Consumer(dict(cconf))
+    try:
+        consumer.assign([TopicPartition(topic, partition, start)])
+        want = f"offset {start}"
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msg = consumer.poll(max(0.0, deadline - time.monotonic()))
+            if msg is None:
+                if time.monotonic() >= deadline:
+                    raise SourceError(f"topic {topic} partition {partition}: nothing at {want} within "
+                                      f"{timeout_s:g}s" + (f" (reading through offset {last})"
+                                                           if last is not None else ""))
+                continue
+            err = msg.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    if last is None:
+                        return
+                    raise SourceError(f"topic {topic} partition {partition} ends at offset "
+                                      f"{msg.offset()}, but the range runs through offset {last}")
+                if err.code() in _TRANSIENT and not err.fatal():
+                    log.debug("kafka read %s[%d]: %s", topic, partition, err)
+                    continue
+                raise SourceError(f"topic {topic} partition {partition} at {want}: {err}")
+            off = msg.offset()
+            if last is not None and off > last:  # a gap (compaction/control records) at the end
+                return
+            yield msg
+            if last is not None and off >= last:
+                return
+            want = f"offset {off + 1}"
+            deadline = time.monotonic() + timeout_s
+    finally:
+        consumer.close()
+
+
+class KafkaSource:
+    """Reads frames back by exact offset range (``assign()``, never group subscription)."""
+
+    def __init__(self, run_id: str, conf: Mapping[str, Any], *,
+                 consumer_conf: Mapping[str, Any] | None = None,
+                 timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> None:
+        self.run_id = check_run_id(run_id)
+        self.timeout_s = timeout_s
+        self._cconf = _consumer_conf(conf, consumer_conf)
+        self._admin = _admin(conf)
+
+    def read_range(self, generation: int, partition: int, first: int, last: int, *,
+                   timeout_s: float | None = None) -> Iterator[tuple[int, Frame]]:
+        if not 0 <= first <= last:
+            raise ValueError(f"bad range [{first}, {last}]")
+        topic = rows_name(self.run_id, generation)
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        parts = topic_partitions(self._admin, topic, timeout_s)
+        if parts is None:
+            raise SourceError(f"topic {topic} does not exist (reading partition {partition} "
+                              f"offsets {first}..{last})")
+        if partition >= parts:
+            raise SourceError(f"topic {topic} has {parts} partitions, no partition {partition}")
+        return self._frames(topic, partition, first, last, timeout_s)
+
+    def _frames(self, topic: str, partition: int, first: int, last: int,
+                timeout_s: float) -> Iterator[tuple[int, Frame]]:
+        for msg in _read_partition(self._cconf, topic, partition, first, last, timeout_s):
+            where = kafka_where(topic, partition, msg.offset())
+            frame = decode_frame(msg.value() or b"", where=where)
+            if frame.run_id != self.run_id:
+                raise FrameError(f"frame of run {frame.run_id!r} in run {self.run_id!r}", where)
+            yield msg.offset(), frame
+
+    def close(self) -> None:
+        self._admin = None
+
+
+class KafkaMarkers:
+    """The marker log: topic ``<run>.markers``, one partition, synchronous appends."""
+
+    def __init__(self, run_id: str, conf: Mapping[str, Any], *,
+                 producer_conf: Mapping[str, Any] | None = None,
+                 consumer_conf: Mapping[str, Any] | None = None, replication_factor: int = -1,
+                 timeout_s: float = DEFAULT_DELIVERY_TIMEOUT_S) -> None:
+        self.run_id = check_run_id(run_id)
+        self.topic = markers_name(self.run_id)
+        self.timeout_s = timeout_s
+        self.replication_factor = replication_factor
+        self._admin = _admin(conf)
+        self._p = _Producer(conf, producer_conf, timeout_s, timeout_s)
+        # Read from offset 0, or from the earliest kept offset if retention removed it
+        # (OFFSET_BEGINNING would cost an extra ListOffsets round, ~0.5 s on Tansu).
+        self._cconf = {**_consumer_conf(conf, consumer_conf), "auto.offset.reset": "earliest"}
+        self._topic_ok = False
+        self._last: int | None = None  # offset of our own last append
+        self._closed = False
+
+    def append_marker(self, payload: bytes) -> int:
+        if self._closed:
+            raise SinkError("marker log is closed")
+        if not self._topic_ok:
+            n = ensure_topic(self._admin, self.topic, 1, replication_factor=self.replication_factor,
+                             timeout_s=self.timeout_s)
+            if n != 1:
+                raise SinkError(f"marker topic {self.topic} has {n} partitions, expected 1")
+            self._topic_ok = True
+        box: list = []
+        self._p.produce(self.topic, payload, 0, lambda err, msg: box.append((err, msg)))
+        err = self._p.flush(self.timeout_s)
+        if err is None and box and box[0][0] is not None:
+            err = SinkError(f"marker delivery to {self.topic} failed: {box[0][0]}")
+        if err is None and not box:
+            err = SinkError(f"no delivery report for the marker on {self.topic}")
+        if err is not None:
+            self._p.recreate()
+            self._topic_ok = False
+            raise err
+        self._last = box[0][1].offset()
+        return self._last
+
+    def read_markers(self, *, timeout_s: float | None = None) -> list[tuple[int, bytes]]:
+        """All markers from the start of the topic to its end (end-of-partition event;
+        watermarks are not trusted). No topic yet: no markers."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if topic_partitions(self._admin, self.topic, timeout_s) is None:
+            if self._last is not None:
+                raise SourceError(f"marker topic {self.topic} is gone (we appended offset {self._last})")
+            return []
+        out = [(m.offset(), m.value() or b"")
+               for m in _read_partition(self._cconf, self.topic, 0, 0, None, timeout_s)]
+        if self._last is not None and (not out or out[-1][0] < self._last):
+            raise SourceError(f"marker topic {self.topic} ends before offset {self._last}, "
+                              f"which this process appended")
+        return out
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._p.close()
+            self._admin = None

@@ -1,0 +1,141 @@
+"""Where checkpoint frames and markers go: the interfaces both backends implement.
+
+Two backends, same semantics:
+
+- Kafka (``ckpt.kafka_sink``): rows of full-checkpoint generation N in topic
+  ``<run>.rows.g<N>`` (partitions = world size, partition = rank), positions are Kafka
+  offsets; markers in ``<run>.markers`` (one partition).
+- Filesystem (``ckpt.fs_sink``): the same frames in append-only segment files
+  ``<root>/<run>.rows.g<N>/<partition>.seg``, positions are byte offsets of records;
+  markers in ``<root>/<run>.markers.log``.
+
+A *position* is what a reader needs to find a frame again; a *range* ``(first, last)``
+is inclusive and names the positions of the first and the last frame. Ranges come only
+from ``flush()`` results (delivery reports / fsync), never from broker watermarks, and
+are what a COMMIT marker records.
+
+Threading: a sink is used by one thread (the rank's writer thread); delivery callbacks
+run inside its own ``write``/``flush`` calls.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol
+
+from ckpt.frames import Frame
+
+Range = tuple[int, int]
+Key = tuple[int, int]  # (generation, partition)
+
+_RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+
+
+class SinkError(RuntimeError):
+    """Writing failed: the checkpoint being written is lost; older ones are untouched."""
+
+
+class SourceError(RuntimeError):
+    """Reading failed: data missing, unreachable, or not what was asked for."""
+
+
+def check_run_id(run_id: str) -> str:
+    """Run ids become Kafka topic and file names: ``[A-Za-z0-9._-]``, at most 200 chars."""
+    if not _RUN_ID.match(run_id) or run_id in (".", ".."):
+        raise ValueError(f"run id {run_id!r} must match [A-Za-z0-9._-]{{1,200}}")
+    return run_id
+
+
+def rows_name(run_id: str, generation: int) -> str:
+    """Topic (Kafka) or directory (filesystem) of one full-checkpoint generation."""
+    if generation < 0:
+        raise ValueError(f"generation must be >= 0, got {generation}")
+    return f"{run_id}.rows.g{generation}"
+
+
+def markers_name(run_id: str) -> str:
+    return f"{run_id}.markers"
+
+
+@dataclass
+class SinkResult:
+    """Outcome of one ``flush()``: what became durable since the previous flush.
+
+    ``ranges[(generation, partition)]`` lists the acknowledged position ranges in
+    write order; consecutive positions merge, so one writer per partition gets one
+    range. ``frames`` counts acknowledged frames per key. ``error`` is the first failure;
+    when set, the flushed writes must be treated as lost (some may still have landed).
+    """
+
+    ranges: dict[Key, list[Range]] = field(default_factory=dict)
+    frames: dict[Key, int] = field(default_factory=dict)
+    error: SinkError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def raise_for_error(self) -> "SinkResult":
+        if self.error is not None:
+            raise self.error
+        return self
+
+
+class RangeRecorder:
+    """Accumulates acknowledged positions into inclusive, merged ranges per key.
+
+    ``add(key, position, next_position)``: ``next_position`` is where a directly
+    following frame would be (offset + 1 for Kafka, end byte for files).
+    """
+
+    def __init__(self) -> None:
+        self._runs: dict[Key, list[list[int]]] = {}  # [first, last, next]
+        self._count: dict[Key, int] = {}
+
+    def add(self, key: Key, position: int, next_position: int) -> None:
+        runs = self._runs.setdefault(key, [])
+        if runs and runs[-1][2] == position:
+            runs[-1][1:] = [position, next_position]
+        else:
+            runs.append([position, position, next_position])
+        self._count[key] = self._count.get(key, 0) + 1
+
+    def result(self, error: SinkError | None = None) -> SinkResult:
+        return SinkResult(ranges={k: [(r[0], r[1]) for r in v] for k, v in self._runs.items()},
+                          frames=dict(self._count), error=error)
+
+
+class FrameSink(Protocol):
+    def write(self, frame: bytes, *, generation: int, partition: int) -> None:
+        """Queue one encoded frame. Returns quickly; waits (bounded) only when the local
+        buffer is full. Raises ``SinkError`` when the frame cannot be queued."""
+
+    def flush(self, timeout_s: float) -> SinkResult:
+        """Wait until every write since the previous flush is durable or failed."""
+
+    def drop_generation(self, generation: int) -> None:
+        """Delete all rows of ``generation``; later writes to it are refused."""
+
+    def close(self) -> None:
+        """Release resources. Unflushed writes are abandoned: flush first."""
+
+
+class FrameSource(Protocol):
+    def read_range(self, generation: int, partition: int, first: int, last: int
+                   ) -> Iterator[tuple[int, Frame]]:
+        """Yield ``(position, frame)`` for exactly the frames in ``[first, last]``,
+        verified, streaming. Raises ``SourceError`` if data is missing and
+        ``FrameError`` (with its location) if a frame is corrupt."""
+
+    def close(self) -> None: ...
+
+
+class MarkerLog(Protocol):
+    def append_marker(self, payload: bytes) -> int:
+        """Durably append one marker; returns its position. Raises ``SinkError``."""
+
+    def read_markers(self) -> list[tuple[int, bytes]]:
+        """Every durable marker, in order, as ``(position, payload)``."""
+
+    def close(self) -> None: ...

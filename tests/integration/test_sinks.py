@@ -1,0 +1,374 @@
+"""Frame sinks, sources and marker logs against a real broker and real files.
+
+The common behaviour runs against both backends (``backend`` fixture); broker loss is
+Kafka-only, torn tails are filesystem-only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+from ckpt.frames import FrameError, OptimState, chunk_rows, decode_frame
+from ckpt.fs_sink import REC_MAGIC, FsMarkers, FsSink, FsSource, encode_record
+from ckpt.kafka_sink import KafkaMarkers, KafkaSink, KafkaSource
+from ckpt.sink import SinkError, SourceError
+from launch.broker import EmbeddedBroker
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+
+WORLD = 2
+
+
+@dataclass
+class Backend:
+    name: str
+    run: str
+    sink: Callable[..., object]
+    source: Callable[..., object]
+    markers: Callable[..., object]
+
+
+@pytest.fixture(params=["kafka", "fs"])
+def backend(request, tmp_path, unique_name):
+    run = unique_name("run")
+    if request.param == "kafka":
+        conf = {"bootstrap.servers": request.getfixturevalue("broker").bootstrap}
+        b = Backend("kafka", run,
+                    sink=lambda: KafkaSink(run, conf, num_partitions=WORLD, delivery_timeout_s=10),
+                    source=lambda: KafkaSource(run, conf, timeout_s=3),
+                    markers=lambda: KafkaMarkers(run, conf, timeout_s=10))
+    else:
+        b = Backend("fs", run, sink=lambda: FsSink(tmp_path, run),
+                    source=lambda: FsSource(tmp_path, run), markers=lambda: FsMarkers(tmp_path, run))
+    return b
+
+
+def make_frames(run: str, ckpt: int, rank: int, n: int, *, table: str = "t0", seed: int = 0,
+                max_frame_bytes: int = 4096) -> list[bytes]:
+    g = torch.Generator().manual_seed(seed * 1000 + ckpt * 10 + rank)
+    ids = torch.randperm(100_000, generator=g)[:n]
+    rows = torch.randn(n, 16, generator=g)
+    mom = torch.rand(n, generator=g)
+    return list(chunk_rows(run_id=run, checkpoint_id=ckpt, rank=rank, table=table, col_offset=0,
+                           dim=16, encoding=0, row_ids=ids, payload=rows,
+                           optim=[OptimState("momentum1", 0, mom)], max_frame_bytes=max_frame_bytes))
+
+
+def same(a, b) -> bool:
+    """Two decoded frames carry the same fields and bytes."""
+    return (a.run_id, a.checkpoint_id, a.rank, a.table, a.col_offset, a.dim, a.encoding,
+            a.chunk_index, a.chunk_count) == \
+        (b.run_id, b.checkpoint_id, b.rank, b.table, b.col_offset, b.dim, b.encoding,
+         b.chunk_index, b.chunk_count) and torch.equal(a.row_ids, b.row_ids) and \
+        torch.equal(a.payload, b.payload) and \
+        all(torch.equal(x.rows, y.rows) for x, y in zip(a.optim, b.optim))
+
+
+def read_all(source, gen, part, rng):
+    return list(source.read_range(gen, part, rng[0], rng[1]))
+
+
+def test_round_trip_reads_exactly_the_acknowledged_ranges(backend):
+    sink, source = backend.sink(), backend.source()
+    try:
+        written = {p: make_frames(backend.run, 1, p, 300 + 50 * p) for p in range(WORLD)}
+        assert all(len(v) > 3 for v in written.values())  # several frames per partition
+        for i in range(max(map(len, written.values()))):  # interleave partitions
+            for p in range(WORLD):
+                if i < len(written[p]):
+                    sink.write(written[p][i], generation=0, partition=p)
+        r1 = sink.flush(30).raise_for_error()
+        assert set(r1.ranges) == {(0, p) for p in range(WORLD)}
+        assert all(len(r1.ranges[(0, p)]) == 1 for p in range(WORLD))
+        assert r1.frames == {(0, p): len(written[p]) for p in range(WORLD)}
+
+        # A second checkpoint lands after the first in the same partitions.
+        later = {p: make_frames(backend.run, 2, p, 120) for p in range(WORLD)}
+        for p in range(WORLD):
+            for fr in later[p]:
+                sink.write(fr, generation=0, partition=p)
+        r2 = sink.flush(30).raise_for_error()
+
+        for p in range(WORLD):
+            (rng1,) = r1.ranges[(0, p)]
+            (rng2,) = r2.ranges[(0, p)]
+            assert rng2[0] > rng1[1]
+            got = read_all(source, 0, p, rng1)  # stops at the range end: nothing of ckpt 2
+            assert [pos for pos, _ in got][0] == rng1[0] and got[-1][0] == rng1[1]
+            assert len(got) == len(written[p])
+            assert all(same(f, decode_frame(b)) for (_, f), b in zip(got, written[p]))
+            got2 = read_all(source, 0, p, rng2)
+            assert [f.checkpoint_id for _, f in got2] == [2] * len(later[p])
+            assert all(same(f, decode_frame(b)) for (_, f), b in zip(got2, later[p]))
+            # a sub-range starting mid-checkpoint: exactly those frames
+            sub = read_all(source, 0, p, (got[1][0], got[2][0]))
+            assert [pos for pos, _ in sub] == [got[1][0], got[2][0]]
+    finally:
+        sink.close()
+
+
+def test_empty_flush_and_separate_generations(backend):
+    sink, source = backend.sink(), backend.source()
+    try:
+        assert sink.flush(10).ok and sink.flush(10).ranges == {}
+        f0, f1 = make_frames(backend.run, 1, 0, 5), make_frames(backend.run, 1, 0, 7, seed=1)
+        sink.write(f0[0], generation=0, partition=0)
+        sink.write(f1[0], generation=1, partition=0)
+        r = sink.flush(30).raise_for_error()
+        assert set(r.ranges) == {(0, 0), (1, 0)}
+        assert [f.row_count for _, f in read_all(source, 1, 0, r.ranges[(1, 0)][0])] == [7]
+        assert [f.row_count for _, f in read_all(source, 0, 0, r.ranges[(0, 0)][0])] == [5]
+    finally:
+        sink.close()
+
+
+def test_missing_data_is_a_clear_error(backend):
+    sink, source = backend.sink(), backend.source()
+    try:
+        for fr in make_frames(backend.run, 1, 1, 10):
+            sink.write(fr, generation=0, partition=1)
+        ((first, last),) = sink.flush(30).raise_for_error().ranges[(0, 1)]
+        t0 = time.monotonic()
+        with pytest.raises(SourceError) as e:  # the partition ends before the range does
+            read_all(source, 0, 1, (first, last + 1000))
+        assert ("/1.seg ends at byte" if backend.name == "fs" else "partition 1 ends at offset") \
+            in str(e.value)
+        with pytest.raises(SourceError, match="does not exist"):
+            read_all(source, 7, 1, (0, 0))
+        with pytest.raises(SourceError):  # nothing written to partition 0
+            read_all(source, 0, 0, (0, 0))
+        assert time.monotonic() - t0 < 15
+    finally:
+        sink.close()
+
+
+def test_corrupt_frame_is_reported_with_its_location(backend):
+    sink, source = backend.sink(), backend.source()
+    try:
+        good = make_frames(backend.run, 1, 0, 3)[0]
+        bad = bytearray(good)
+        bad[len(bad) // 2] ^= 1
+        sink.write(good, generation=0, partition=0)
+        sink.write(bytes(bad), generation=0, partition=0)
+        ((first, last),) = sink.flush(30).raise_for_error().ranges[(0, 0)]
+        it = source.read_range(0, 0, first, last)
+        assert next(it)[0] == first
+        with pytest.raises(FrameError, match="CRC mismatch") as e:
+            next(it)
+        where = f"offset {last}" if backend.name == "kafka" else f"0.seg at byte {last}"
+        assert where in str(e.value)
+        # A frame of another run in this run's stream is rejected too.
+        sink.write(make_frames("other-run", 1, 0, 3)[0], generation=0, partition=0)
+        ((pos, _),) = sink.flush(30).raise_for_error().ranges[(0, 0)]
+        with pytest.raises(FrameError, match="run 'other-run'"):
+            read_all(source, 0, 0, (pos, pos))
+    finally:
+        sink.close()
+
+
+def test_drop_generation(backend):
+    sink, source = backend.sink(), backend.source()
+    try:
+        for g in (0, 1):
+            for fr in make_frames(backend.run, g, 0, 10):
+                sink.write(fr, generation=g, partition=0)
+        r = sink.flush(30).raise_for_error()
+        sink.drop_generation(0)
+        with pytest.raises(SourceError):
+            read_all(source, 0, 0, r.ranges[(0, 0)][0])
+        assert len(read_all(source, 1, 0, r.ranges[(1, 0)][0])) == r.frames[(1, 0)]
+        with pytest.raises(SinkError, match="dropped"):
+            sink.write(make_frames(backend.run, 5, 0, 1)[0], generation=0, partition=0)
+        assert not sink.flush(10).ok  # the refused write failed this flush...
+        sink.write(make_frames(backend.run, 6, 0, 1)[0], generation=1, partition=0)
+        assert sink.flush(30).ok      # ...and the next one works
+        sink.drop_generation(0)       # dropping twice is fine
+    finally:
+        sink.close()
+
+
+def test_markers_append_and_read_back(backend):
+    m = backend.markers()
+    try:
+        assert m.read_markers() == []
+        payloads = [b"COMMIT 1", b"", b"COMMIT 2" * 1000]
+        positions = [m.append_marker(p) for p in payloads]
+        assert positions == sorted(set(positions))
+        assert m.read_markers() == list(zip(positions, payloads))
+        fresh = backend.markers()  # another process's view
+        assert fresh.read_markers() == list(zip(positions, payloads))
+        fresh.close()
+    finally:
+        m.close()
+
+
+# --- Kafka only ---------------------------------------------------------------------
+
+def test_killed_broker_fails_flush_then_sink_recovers_on_new_broker(tmp_path, unique_name):
+    run = unique_name("run")
+    delivery_timeout_s = 2.0
+    with EmbeddedBroker(state_dir=tmp_path / "b1") as b:
+        port = b.port
+        conf = {"bootstrap.servers": b.bootstrap}
+        sink = KafkaSink(run, conf, num_partitions=WORLD, delivery_timeout_s=delivery_timeout_s)
+        markers = KafkaMarkers(run, conf, timeout_s=delivery_timeout_s)
+        for fr in make_frames(run, 1, 0, 20):
+            sink.write(fr, generation=0, partition=0)
+        assert sink.flush(30).ok
+        markers.append_marker(b"m1")
+
+        b.kill()
+        t0 = time.monotonic()
+        for fr in make_frames(run, 2, 0, 20):
+            sink.write(fr, generation=0, partition=0)  # queued: write never waits on the broker
+        assert time.monotonic() - t0 < 1.0
+        t0 = time.monotonic()
+        res = sink.flush(30)
+        took = time.monotonic() - t0
+        assert not res.ok and "failed" in str(res.error)
+        assert took < delivery_timeout_s + 3, took
+        with pytest.raises(SinkError):
+            markers.append_marker(b"m2")
+
+    # A new (empty) broker on the same address: a fresh producer, topics recreated.
+    with EmbeddedBroker(port=port, state_dir=tmp_path / "b2") as b2:
+        frames = make_frames(run, 3, 1, 20)
+        for fr in frames:
+            sink.write(fr, generation=0, partition=1)
+        res = sink.flush(30).raise_for_error()
+        got = read_all(KafkaSource(run, conf, timeout_s=5), 0, 1, res.ranges[(0, 1)][0])
+        assert [f.checkpoint_id for _, f in got] == [3] * len(frames)
+        assert markers.append_marker(b"m3") == 0
+        assert markers.read_markers() == [(0, b"m3")]
+        sink.close()
+        markers.close()
+
+
+def test_kafka_full_local_queue_is_back_pressure_not_an_error(broker, unique_name):
+    run = unique_name("run")
+    conf = {"bootstrap.servers": broker.bootstrap}
+    sink = KafkaSink(run, conf, num_partitions=1, queue_full_timeout_s=20,
+                     producer_conf={"queue.buffering.max.messages": 2, "linger.ms": 5})
+    frames = make_frames(run, 1, 0, 2000, max_frame_bytes=1024)
+    assert len(frames) > 50
+    for fr in frames:
+        sink.write(fr, generation=0, partition=0)  # BufferError inside: poll and retry
+    res = sink.flush(30).raise_for_error()
+    assert res.frames[(0, 0)] == len(frames)
+    assert res.ranges[(0, 0)] == [(0, len(frames) - 1)]
+    sink.close()
+
+
+def test_kafka_range_starting_past_the_end_times_out_with_its_location(broker, unique_name):
+    # Tansu answers a fetch past the end with nothing at all (Kafka: OFFSET_OUT_OF_RANGE).
+    run = unique_name("run")
+    conf = {"bootstrap.servers": broker.bootstrap}
+    sink = KafkaSink(run, conf, num_partitions=1)
+    sink.write(make_frames(run, 1, 0, 1)[0], generation=0, partition=0)
+    sink.flush(30).raise_for_error()
+    t0 = time.monotonic()
+    with pytest.raises(SourceError, match=rf"topic {run}.rows.g0 partition 0: nothing at offset 5 "
+                                          r"within 1s \(reading through offset 9\)"):
+        read_all(KafkaSource(run, conf, timeout_s=1), 0, 0, (5, 9))
+    assert time.monotonic() - t0 < 5
+    sink.close()
+
+
+def test_kafka_conf_is_validated(broker, unique_name):
+    conf = {"bootstrap.servers": broker.bootstrap}
+    with pytest.raises(ValueError, match="idempotence"):
+        KafkaSink(unique_name("r"), conf, num_partitions=1, producer_conf={"enable.idempotence": False})
+    with pytest.raises(ValueError, match="acks"):
+        KafkaSink(unique_name("r"), conf, num_partitions=1, producer_conf={"acks": 1})
+    with pytest.raises(ValueError, match="bootstrap"):
+        KafkaSink(unique_name("r"), {}, num_partitions=1)
+    with pytest.raises(ValueError, match="run id"):
+        KafkaSink("bad/run", conf, num_partitions=1)
+    sink = KafkaSink(unique_name("r"), conf, num_partitions=1)
+    with pytest.raises(SinkError, match="1 partitions"):
+        sink.write(b"x", generation=0, partition=1)
+    sink.close()
+
+
+# --- filesystem only ----------------------------------------------------------------
+
+def test_fs_torn_tail_is_ignored_and_cut_by_the_next_writer(tmp_path):
+    run = "torn"
+    sink, source = FsSink(tmp_path, run), FsSource(tmp_path, run)
+    frames = make_frames(run, 1, 0, 400)
+    for fr in frames:
+        sink.write(fr, generation=0, partition=0)
+    ((first, last),) = sink.flush().raise_for_error().ranges[(0, 0)]
+    sink.close()
+    seg = sink.segment_path(0, 0)
+    good_size = seg.stat().st_size
+    nxt = make_frames(run, 2, 0, 10)[0]
+    head, _ = encode_record(nxt)
+
+    tails = {
+        "half a header": head[:5],
+        "header, half a payload": head + nxt[: len(nxt) // 2],
+        "complete record, bad CRC": head + nxt[:-1] + bytes([nxt[-1] ^ 1]),
+        "zero fill": b"\0" * 300,
+    }
+    for what, tail in tails.items():
+        with open(seg, "r+b") as f:
+            f.truncate(good_size)
+            f.seek(good_size)
+            f.write(tail)
+        assert [p for p, _ in source.scan(0, 0)] == [p for p, _ in read_all(source, 0, 0, (first, last))], what
+        assert len(read_all(source, 0, 0, (first, last))) == len(frames), what
+        with pytest.raises((SourceError, FrameError)):
+            read_all(source, 0, 0, (first, good_size))  # the torn record is never returned
+
+    # The next writer cuts the torn tail and appends after the last good record.
+    w = FsSink(tmp_path, run)
+    w.write(nxt, generation=0, partition=0)
+    ((pos, _),) = w.flush().raise_for_error().ranges[(0, 0)]
+    assert pos == good_size
+    (got,) = read_all(source, 0, 0, (pos, pos))
+    assert same(got[1], decode_frame(nxt))
+    assert [p for p, _ in source.scan(0, 0)][-1] == pos
+    w.close()
+
+
+def test_fs_corruption_before_the_tail_is_an_error_not_a_tail(tmp_path):
+    run = "corrupt"
+    sink, source = FsSink(tmp_path, run), FsSource(tmp_path, run)
+    for fr in make_frames(run, 1, 0, 400):
+        sink.write(fr, generation=0, partition=0)
+    ((first, last),) = sink.flush().raise_for_error().ranges[(0, 0)]
+    assert last > first
+    sink.close()
+    seg = sink.segment_path(0, 0)
+    data = bytearray(seg.read_bytes())
+    data[first + 100] ^= 0xFF  # inside the first record, more records follow
+    seg.write_bytes(bytes(data))
+    with pytest.raises(FrameError, match="byte 0"):
+        list(source.scan(0, 0))
+    # A writer reads headers only and cuts nothing but an invalid *last* record:
+    # it appends behind the damage instead of truncating the records after it.
+    w = FsSink(tmp_path, run)
+    w.write(b"x", generation=0, partition=0)
+    assert w.flush().raise_for_error().ranges[(0, 0)] == [(len(data), len(data))]
+    assert seg.read_bytes()[:len(data)] == bytes(data)
+
+
+def test_fs_markers_torn_tail(tmp_path):
+    m = FsMarkers(tmp_path, "mk")
+    p0, p1 = m.append_marker(b"a"), m.append_marker(b"bb")
+    m.close()
+    head, _ = encode_record(b"ccc")
+    with open(m.path, "ab") as f:
+        f.write(head + b"c")  # crash in the middle of the third append
+    assert FsMarkers(tmp_path, "mk").read_markers() == [(p0, b"a"), (p1, b"bb")]
+    m2 = FsMarkers(tmp_path, "mk")
+    p2 = m2.append_marker(b"ddd")
+    assert m2.read_markers() == [(p0, b"a"), (p1, b"bb"), (p2, b"ddd")]
+    assert Path(m2.path).read_bytes().count(REC_MAGIC) == 3

@@ -1,0 +1,178 @@
+import struct
+import zlib
+
+import pytest
+import torch
+
+from ckpt.frames import (DEFAULT_MAX_FRAME_BYTES, MAGIC, VERSION, Frame, FrameError, OptimState,
+                         chunk_rows, decode_frame, encode_frame, file_where, kafka_where)
+
+META = dict(run_id="run-7", checkpoint_id=42, rank=3, table="t_cat_0", col_offset=32, dim=16,
+            encoding=0)
+
+
+def _rows(n: int, dim: int = 16, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(10 * n + 1, generator=g)[:n].to(torch.int64) * 1_000_003  # > 2**32
+    return ids, torch.randn(n, dim, generator=g), torch.rand(n, generator=g)
+
+
+def _frame(n: int = 5, **over) -> bytes:
+    ids, rows, mom = _rows(n)
+    kw = dict(META, row_ids=ids, payload=rows, optim=[OptimState("momentum1", 0, mom)])
+    kw.update(over)
+    return encode_frame(**kw)
+
+
+def test_round_trip_all_fields_and_tensors():
+    ids, rows, mom = _rows(7)
+    half = rows.to(torch.float16)
+    m2 = torch.arange(7 * 3, dtype=torch.int16).view(7, 3)
+    buf = encode_frame(**dict(META, encoding=1), row_ids=ids, payload=half,
+                       optim=[OptimState("momentum1", 0, mom), OptimState("m2", 9, m2)],
+                       chunk_index=2, chunk_count=5)
+    f = decode_frame(buf)
+    assert isinstance(f, Frame)
+    assert (f.run_id, f.checkpoint_id, f.rank, f.table, f.col_offset, f.dim, f.encoding) == \
+        ("run-7", 42, 3, "t_cat_0", 32, 16, 1)
+    assert (f.chunk_index, f.chunk_count, f.row_count, f.row_bytes) == (2, 5, 7, 32)
+    assert f.row_ids.dtype == torch.int64 and torch.equal(f.row_ids, ids)
+    assert f.payload.shape == (7, 32) and f.payload.dtype == torch.uint8
+    assert torch.equal(f.payload.view(torch.float16), half)
+    assert [(o.name, o.encoding, o.row_bytes) for o in f.optim] == [("momentum1", 0, 4), ("m2", 9, 6)]
+    assert torch.equal(f.optim_rows("momentum1").view(torch.float32).view(-1), mom)
+    assert torch.equal(f.optim_rows("m2").view(torch.int16), m2)
+    with pytest.raises(KeyError):
+        f.optim_rows("nope")
+
+
+def test_decoded_tensors_are_views_of_the_buffer():
+    ids, rows, _ = _rows(4)
+    buf = bytearray(encode_frame(**META, row_ids=ids, payload=rows))
+    f = decode_frame(buf)
+    before = f.payload[0, 0].item()
+    at = bytes(buf).index(rows[0].numpy().tobytes())
+    buf[at] ^= 0xFF                       # change the buffer: the tensor sees it
+    assert f.payload[0, 0].item() == before ^ 0xFF
+
+
+def test_unaligned_buffer_still_decodes():
+    buf = _frame()
+    f = decode_frame(memoryview(b"x" + buf)[1:])
+    assert torch.equal(f.row_ids, decode_frame(buf).row_ids)
+
+
+def test_empty_frame_round_trips():
+    f = decode_frame(_frame(0))
+    assert f.row_count == 0 and f.payload.shape == (0, 64) and f.optim[0].rows.shape == (0, 4)
+
+
+def test_every_single_byte_flip_is_detected():
+    buf = _frame(3)
+    for i in range(len(buf)):
+        bad = bytearray(buf)
+        bad[i] ^= 0x5A
+        with pytest.raises(FrameError):
+            decode_frame(bytes(bad))
+
+
+def test_flip_in_a_large_frame_is_a_crc_error():
+    buf = _frame(2000)
+    for i in (len(buf) // 3, len(buf) // 2, len(buf) - 5):
+        bad = bytearray(buf)
+        bad[i] ^= 1
+        with pytest.raises(FrameError, match="CRC mismatch"):
+            decode_frame(bad)
+
+
+def test_truncated_and_trailing_bytes():
+    buf = _frame(3)
+    for n in range(len(buf)):
+        with pytest.raises(FrameError):
+            decode_frame(buf[:n])
+    with pytest.raises(FrameError, match="truncated: frame says"):
+        decode_frame(buf[:-1])
+    with pytest.raises(FrameError, match="trailing bytes"):
+        decode_frame(buf + b"\0")
+
+
+def _reseal(buf: bytes) -> bytes:
+    body = buf[:-4]
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def test_wrong_magic_and_version():
+    buf = _frame()
+    with pytest.raises(FrameError, match="bad magic"):
+        decode_frame(b"XXXX" + buf[4:])
+    v2 = _reseal(buf[:4] + struct.pack("<H", VERSION + 1) + buf[6:])
+    with pytest.raises(FrameError, match=f"unsupported frame version {VERSION + 1}"):
+        decode_frame(v2)
+    assert decode_frame(_reseal(buf)).checkpoint_id == 42  # the helper itself is sound
+
+
+def test_inconsistent_header_with_valid_crc_is_rejected():
+    buf = _frame(3)
+    # row_count field (after prefix 20 bytes + ckpt 8 + rank 4 + col 4) claims 4 rows
+    at = 20 + 16
+    forged = _reseal(buf[:at] + struct.pack("<I", 4) + buf[at + 4:])
+    with pytest.raises(FrameError, match="body length mismatch"):
+        decode_frame(forged)
+
+
+def test_error_location_is_added_by_the_caller():
+    bad = b"XXXX" + _frame()[4:]
+    with pytest.raises(FrameError) as e:
+        decode_frame(bad, where=kafka_where("r.rows.g0", 1, 17))
+    assert str(e.value).startswith("topic r.rows.g0 partition 1 offset 17: bad magic")
+    assert e.value.reason.startswith("bad magic") and e.value.where == "topic r.rows.g0 partition 1 offset 17"
+    try:
+        decode_frame(bad)
+    except FrameError as plain:
+        located = plain.located(file_where("/x/0.seg", 4096))
+    assert str(located).startswith("/x/0.seg at byte 4096: bad magic")
+
+
+def test_encode_rejects_inconsistent_inputs():
+    ids, rows, mom = _rows(5)
+    with pytest.raises(ValueError, match="payload"):
+        encode_frame(**META, row_ids=ids, payload=rows[:4])
+    with pytest.raises(ValueError, match="optimizer state 'm'"):
+        encode_frame(**META, row_ids=ids, payload=rows, optim=[OptimState("m", 0, mom[:3])])
+    with pytest.raises(ValueError, match="chunk_index"):
+        encode_frame(**META, row_ids=ids, payload=rows, chunk_index=1, chunk_count=1)
+    with pytest.raises(ValueError, match="out of range"):
+        encode_frame(**dict(META, rank=-1), row_ids=ids, payload=rows)
+
+
+@pytest.mark.parametrize("n,dim,max_bytes", [
+    (1, 16, 4096), (100, 16, 4096), (1000, 64, 20_000), (5000, 128, DEFAULT_MAX_FRAME_BYTES),
+    (333, 3, 1000),
+])
+def test_chunking_respects_limit_and_covers_rows_once(n, dim, max_bytes):
+    ids, rows, mom = _rows(n, dim)
+    mom2 = torch.randn(n, 2, dtype=torch.float64)
+    optim = [OptimState("momentum1", 0, mom), OptimState("m2", 0, mom2)]
+    frames = list(chunk_rows(**dict(META, dim=dim), row_ids=ids, payload=rows, optim=optim,
+                             max_frame_bytes=max_bytes))
+    assert frames and all(len(b) <= max_bytes for b in frames)
+    dec = [decode_frame(b) for b in frames]
+    assert [f.chunk_index for f in dec] == list(range(len(dec)))
+    assert {f.chunk_count for f in dec} == {len(dec)}
+    assert torch.equal(torch.cat([f.row_ids for f in dec]), ids)
+    assert torch.equal(torch.cat([f.payload for f in dec]).view(torch.float32), rows)
+    assert torch.equal(torch.cat([f.optim_rows("m2") for f in dec]).view(torch.float64), mom2)
+    # Frames are as full as the limit allows: one more row would not have fit.
+    per = dec[0].row_count
+    if len(dec) > 1:
+        one_more = encode_frame(**dict(META, dim=dim), row_ids=ids[:per + 1], payload=rows[:per + 1],
+                                optim=[OptimState(o.name, o.encoding, o.rows[:per + 1]) for o in optim])
+        assert len(one_more) > max_bytes
+
+
+def test_chunking_edge_cases():
+    ids, rows, _ = _rows(3)
+    assert list(chunk_rows(**META, row_ids=ids[:0], payload=rows[:0])) == []
+    with pytest.raises(ValueError, match="more than max_frame_bytes"):
+        list(chunk_rows(**META, row_ids=ids, payload=rows, max_frame_bytes=100))
+    assert MAGIC == b"DRF1"
