@@ -1,0 +1,144 @@
+"""COMMIT (and FAILED) markers: the records that make a checkpoint exist.
+
+A checkpoint exists only once its COMMIT marker is durable, and rank 0 writes one only
+after every rank's rows and the dense file are durable (invariant 1). The marker lists,
+for every checkpoint of the chain a restore must replay (full baseline first, then the
+deltas), the exact offset range of each partition, so recovery never asks the broker
+where a partition ends. FAILED markers are informational: `deltarec-ckpt list` shows
+them; restore ignores them.
+
+Wire form: b"DRM1" + crc32 (u32, little endian) of the JSON body + the JSON body (utf-8).
+JSON keeps the record readable with any Kafka tool; the CRC catches a damaged record.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+MAGIC = b"DRM1"
+FORMAT_VERSION = 1
+_HEAD = struct.Struct("<4sI")
+
+
+class MarkerError(ValueError):
+    """A marker record that cannot be trusted (bad magic, CRC, JSON or fields)."""
+
+
+@dataclass
+class ChainLink:
+    """One checkpoint's rows: where they are and how much there is."""
+
+    checkpoint_id: int
+    full: bool
+    generation: int
+    # partition (= writing rank) -> [[first, last], ...] offsets, both inclusive. Usually
+    # one range; several when frames of an earlier failed flush landed in between (they
+    # belong to no checkpoint and are never read). A partition without frames is absent.
+    ranges: dict[int, list[list[int]]]
+    rows: int
+    bytes: int
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "ChainLink":
+        return cls(
+            checkpoint_id=int(d["checkpoint_id"]),
+            full=bool(d["full"]),
+            generation=int(d["generation"]),
+            ranges={int(p): [[int(a), int(b)] for a, b in rs] for p, rs in d["ranges"].items()},
+            rows=int(d["rows"]),
+            bytes=int(d["bytes"]),
+        )
+
+
+@dataclass
+class Marker:
+    """A COMMIT or FAILED record for one checkpoint."""
+
+    kind: str  # "commit" or "failed"
+    run_id: str
+    checkpoint_id: int
+    step: int
+    world_size: int
+    chain: list[ChainLink] = field(default_factory=list)
+    policy: str = ""
+    plan: dict[str, str] = field(default_factory=dict)  # table -> sharding type of the writing job
+    encodings: dict[str, str] = field(default_factory=dict)  # "weights"/"optimizer" -> codec name
+    dense: dict[str, Any] = field(default_factory=dict)  # path, sha256, bytes
+    stall_ms: list[float] = field(default_factory=list)  # per rank
+    error: str = ""  # why a checkpoint failed
+    created_unix: float = 0.0
+    format: int = FORMAT_VERSION
+
+    @property
+    def full(self) -> bool:
+        return bool(self.chain) and self.chain[-1].full
+
+    @property
+    def bytes(self) -> int:
+        """Bytes this checkpoint itself wrote (rows of its own link)."""
+        return self.chain[-1].bytes if self.chain else 0
+
+    @property
+    def chain_bytes(self) -> int:
+        """Bytes a restore reads (the whole chain)."""
+        return sum(link.bytes for link in self.chain)
+
+
+def encode_marker(marker: Marker) -> bytes:
+    """Serialise with the CRC envelope."""
+    assert marker.kind in ("commit", "failed"), marker.kind
+    body = json.dumps(asdict(marker), sort_keys=True, separators=(",", ":")).encode()
+    return _HEAD.pack(MAGIC, zlib.crc32(body)) + body
+
+
+def decode_marker(data: bytes) -> Marker:
+    """Parse and verify one marker record; raise MarkerError naming what is wrong."""
+    if len(data) < _HEAD.size:
+        raise MarkerError(f"marker record too short ({len(data)} bytes)")
+    magic, crc = _HEAD.unpack_from(data)
+    if magic != MAGIC:
+        raise MarkerError(f"not a marker record (magic {magic!r})")
+    body = bytes(data[_HEAD.size :])
+    if zlib.crc32(body) != crc:
+        raise MarkerError("marker record CRC mismatch")
+    try:
+        d = json.loads(body)
+        if d.get("format") != FORMAT_VERSION:
+            raise MarkerError(f"marker format {d.get('format')} is not {FORMAT_VERSION}; upgrade deltarec")
+        d["chain"] = [ChainLink.from_json(link) for link in d["chain"]]
+        return Marker(**d)
+    except MarkerError:
+        raise
+    except (ValueError, KeyError, TypeError) as exc:
+        raise MarkerError(f"marker record has bad fields: {exc}") from exc
+
+
+def commits(records: Iterable[tuple[Any, bytes]], run_id: str) -> list[tuple[Any, Marker]]:
+    """The COMMIT markers of `run_id` among raw (position, bytes) records, in log order.
+
+    A record that fails to decode is an error: markers are small, synchronous writes, and
+    a damaged one means the markers channel itself is damaged.
+    """
+    out = []
+    for pos, data in records:
+        try:
+            m = decode_marker(data)
+        except MarkerError as exc:
+            raise MarkerError(f"marker at position {pos}: {exc}") from exc
+        if m.kind == "commit" and m.run_id == run_id:
+            out.append((pos, m))
+    return out
+
+
+def select(markers: list[tuple[Any, Marker]], checkpoint_id: int | None = None) -> Marker | None:
+    """The newest COMMIT marker, or the one of `checkpoint_id`; None when there is none."""
+    if checkpoint_id is None:
+        return max((m for _, m in markers), key=lambda m: m.checkpoint_id, default=None)
+    for _, m in markers:
+        if m.checkpoint_id == checkpoint_id:
+            return m
+    return None

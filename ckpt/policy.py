@@ -1,0 +1,89 @@
+"""Which rows a checkpoint writes: Check-N-Run's policies.
+
+- `full`: every checkpoint writes every row (the baseline to beat).
+- `one_shot_diff`: one full baseline, then the rows changed since that baseline.
+- `incremental`: the rows changed since the previous checkpoint; restore replays the chain.
+- `intermittent_diff` (default): one-shot differential that starts a new full baseline
+  when history says it is cheaper: with Sᵢ the i-th diff's size as a fraction of the
+  model, write a full baseline instead of diff i when 1 + ΣS₁..ᵢ ≤ (i+1)·Sᵢ.
+
+Decisions are pure functions of numbers every rank agrees on (all-reduced row counts and
+the shared checkpoint history), so every rank takes the same decision without talking.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+PolicyName = Literal["full", "one_shot_diff", "incremental", "intermittent_diff"]
+POLICIES: tuple[str, ...] = ("full", "one_shot_diff", "incremental", "intermittent_diff")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the next checkpoint writes.
+
+    full: every row; otherwise `since_base` picks rows changed since the last full
+    baseline (one-shot diff) over rows changed since the last checkpoint (incremental).
+    """
+
+    full: bool
+    since_base: bool
+    reason: str
+
+
+@dataclass
+class CheckpointPolicy:
+    """Decides full vs delta checkpoints and remembers what the chain looks like."""
+
+    name: PolicyName = "intermittent_diff"
+    diff_sizes: list[float] = field(default_factory=list)  # S₁..Sᵢ since the current baseline
+    have_base: bool = False
+
+    def __post_init__(self) -> None:
+        if self.name not in POLICIES:
+            raise ValueError(f"unknown checkpoint policy {self.name!r}; choose one of {', '.join(POLICIES)}")
+
+    def decide(self, since_base_fraction: float, since_last_fraction: float, force_full: bool = False) -> Decision:
+        """The next checkpoint's kind. Fractions are changed rows / all rows of the model,
+        summed over every rank. `force_full` after a failed checkpoint or a restore."""
+        if force_full or not self.have_base:
+            return Decision(True, False, "no usable baseline" if not self.have_base else "forced")
+        if self.name == "full":
+            return Decision(True, False, "policy full")
+        if self.name == "incremental":
+            return Decision(False, False, "incremental")
+        if self.name == "one_shot_diff":
+            return Decision(False, True, "one-shot diff")
+        i = len(self.diff_sizes) + 1
+        s_i = since_base_fraction
+        if 1.0 + sum(self.diff_sizes) + s_i <= (i + 1) * s_i:
+            return Decision(True, False, f"reset: 1 + sum(S) = {1 + sum(self.diff_sizes) + s_i:.3f} <= {i + 1} * S_{i} = {(i + 1) * s_i:.3f}")
+        return Decision(False, True, "one-shot diff")
+
+    def record(self, decision: Decision, fraction: float) -> None:
+        """Record a checkpoint as taken. Optimistic: the writer commits it later, and a
+        failure anywhere in a chain calls `reset()` so the next checkpoint is full (the
+        writer also refuses to commit a checkpoint whose chain has a failed link)."""
+        if decision.full:
+            self.diff_sizes = []
+            self.have_base = True
+        else:
+            self.diff_sizes.append(fraction)
+
+    def reset(self) -> None:
+        """Forget the baseline (after a failed checkpoint or a restore)."""
+        self.diff_sizes = []
+        self.have_base = False
+
+    def chain_after(self, chain: list[int], checkpoint_id: int, decision: Decision) -> list[int]:
+        """Checkpoint ids a restore of `checkpoint_id` must replay, given the chain of the
+        previous durable checkpoint: a full starts over, a one-shot diff needs only its
+        baseline, an incremental delta needs the whole chain before it."""
+        if decision.full:
+            return [checkpoint_id]
+        assert chain, "a delta checkpoint needs a durable baseline"
+        if decision.since_base:
+            return [chain[0], checkpoint_id]
+        return [*chain, checkpoint_id]
