@@ -1,0 +1,26 @@
+"""Per-row quantization codecs for embedding-row checkpoints (Check-N-Run).
+
+    codec = get_codec("adaptive4")            # or get_codec(52), the id in the frame header
+    data = codec.encode(rows, table="t_user", row_ids=global_ids)   # float32 [n, d] -> uint8 [n, codec.row_bytes(d)]
+    rows2 = get_codec(code_from_header).decode(data, d)             # -> float32 [n, d]
+
+Rows with NaN/Inf raise :class:`NonFiniteRowError`; finite rows that overflow a codec's fp16
+fields raise :class:`RowRangeError` (both ``ValueError``). See docs/quant.md for layouts,
+accuracy and speed, and :mod:`ckpt.quant.policy` for choosing the bit width.
+"""
+
+from .base import NonFiniteRowError, RowCodec, RowRangeError
+from .policy import BitWidthPolicy, bits_for_expected_restores
+from .registry import CODE_TABLE, codec_names, get_codec, register_codec
+
+__all__ = [
+    "RowCodec",
+    "NonFiniteRowError",
+    "RowRangeError",
+    "get_codec",
+    "codec_names",
+    "register_codec",
+    "CODE_TABLE",
+    "BitWidthPolicy",
+    "bits_for_expected_restores",
+]

@@ -1,0 +1,103 @@
+"""Bit width from the expected number of restores (Check-N-Run, sec. 6.2).
+
+Each restore from a quantized checkpoint adds quantization noise to the model, so the fewer
+restores a job expects, the fewer bits a checkpoint needs: 2-bit when it expects at most one,
+3-bit for up to 3, 4-bit for up to 20, 8-bit beyond. Once a job has restored more often than it
+expected, later checkpoints fall back to 8-bit. Optimizer-state rows are never quantized below
+``optimizer_floor_bits`` (default 8): their errors compound through every later update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .registry import get_codec
+
+__all__ = ["bits_for_expected_restores", "BitWidthPolicy", "LOW_BIT_METHODS", "OPTIMIZER_FLOORS"]
+
+LOW_BIT_METHODS = ("adaptive", "asym", "sym", "kmeans")
+# floor -> codec for optimizer-state rows. 16 is bf16, not fp16: Adagrad accumulators can pass
+# fp16's 65504 and underflow its small end; bf16 keeps fp32's exponent range.
+OPTIMIZER_FLOORS = {8: "asym8", 16: "bf16", 32: "fp32"}
+
+
+def bits_for_expected_restores(n: int) -> int:
+    """2 for <= 1 expected restore, 3 for <= 3, 4 for <= 20, else 8."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"expected restores must be an int, got {type(n).__name__}")
+    if n < 0:
+        raise ValueError(f"expected restores must be >= 0, got {n}")
+    if n <= 1:
+        return 2
+    if n <= 3:
+        return 3
+    if n <= 20:
+        return 4
+    return 8
+
+
+@dataclass(frozen=True)
+class BitWidthPolicy:
+    """Which codec to write weights and optimizer-state rows with.
+
+    >>> p = BitWidthPolicy(expected_restores=3)
+    >>> p.weight_codec(), p.optimizer_codec()
+    ('adaptive3', 'asym8')
+    >>> p.after_restore().after_restore().after_restore().after_restore().weight_codec()
+    'asym8'
+    """
+
+    expected_restores: int
+    restores_so_far: int = 0
+    optimizer_floor_bits: int = 8
+    method: str = "adaptive"  # codec family used for 2..4-bit weights
+
+    def __post_init__(self) -> None:
+        bits_for_expected_restores(self.expected_restores)  # validates
+        if isinstance(self.restores_so_far, bool) or not isinstance(self.restores_so_far, int):
+            raise TypeError("restores_so_far must be an int")
+        if self.restores_so_far < 0:
+            raise ValueError(f"restores_so_far must be >= 0, got {self.restores_so_far}")
+        if self.optimizer_floor_bits not in OPTIMIZER_FLOORS:
+            raise ValueError(
+                f"optimizer_floor_bits must be one of {sorted(OPTIMIZER_FLOORS)} (optimizer-state rows "
+                f"are never quantized below 8 bits), got {self.optimizer_floor_bits}"
+            )
+        if self.method not in LOW_BIT_METHODS:
+            raise ValueError(f"method must be one of {LOW_BIT_METHODS}, got {self.method!r}")
+
+    @property
+    def fell_back(self) -> bool:
+        """True once the job has restored more often than expected: weights go back to 8-bit."""
+        return self.restores_so_far > self.expected_restores
+
+    @property
+    def weight_bits(self) -> int:
+        return 8 if self.fell_back else bits_for_expected_restores(self.expected_restores)
+
+    @property
+    def optimizer_bits(self) -> int:
+        return max(self.weight_bits, self.optimizer_floor_bits)
+
+    def _name(self, bits: int, dim: int | None) -> str:
+        name = f"{self.method}{bits}" if bits < 8 else OPTIMIZER_FLOORS[bits]
+        # tiny rows (e.g. row-wise Adagrad's one-float momentum): the codec's scale/bias header
+        # would make the row no smaller than fp32, which is also lossless
+        if dim is not None and get_codec(name).row_bytes(dim) >= 4 * dim:
+            return "fp32"
+        return name
+
+    def weight_codec(self, dim: int | None = None) -> str:
+        """Codec name for embedding-weight rows (of width ``dim`` when given)."""
+        return self._name(self.weight_bits, dim)
+
+    def optimizer_codec(self, dim: int | None = None) -> str:
+        """Codec name for optimizer-state rows: never below ``optimizer_floor_bits``."""
+        return self._name(self.optimizer_bits, dim)
+
+    def codecs(self, weight_dim: int | None = None, optimizer_dim: int | None = None) -> tuple[str, str]:
+        return self.weight_codec(weight_dim), self.optimizer_codec(optimizer_dim)
+
+    def after_restore(self) -> "BitWidthPolicy":
+        """The policy after one more restore (frozen: returns a new object)."""
+        return replace(self, restores_so_far=self.restores_so_far + 1)

@@ -1,0 +1,95 @@
+"""Bit-width policy: expected restores -> bits, fall back after too many restores, optimizer floor."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckpt.quant import BitWidthPolicy, bits_for_expected_restores, get_codec
+
+
+@pytest.mark.parametrize(
+    "n,bits", [(0, 2), (1, 2), (2, 3), (3, 3), (4, 4), (19, 4), (20, 4), (21, 8), (1000, 8)]
+)
+def test_bits_for_expected_restores(n, bits):
+    assert bits_for_expected_restores(n) == bits
+
+
+def test_bits_for_expected_restores_validates():
+    with pytest.raises(ValueError):
+        bits_for_expected_restores(-1)
+    with pytest.raises(TypeError):
+        bits_for_expected_restores(2.5)
+    with pytest.raises(TypeError):
+        bits_for_expected_restores(True)
+
+
+@pytest.mark.parametrize("n,weight", [(1, "adaptive2"), (3, "adaptive3"), (20, "adaptive4"), (21, "asym8")])
+def test_policy_weight_and_optimizer_codecs(n, weight):
+    p = BitWidthPolicy(expected_restores=n)
+    assert p.weight_codec() == weight
+    assert p.optimizer_codec() == "asym8"  # never below 8 bits
+    assert p.codecs() == (weight, "asym8")
+    get_codec(p.weight_codec())  # names are real codecs
+
+
+def test_fallback_to_8bit_after_more_restores_than_expected():
+    p = BitWidthPolicy(expected_restores=3)
+    seen = []
+    for _ in range(6):
+        seen.append((p.restores_so_far, p.weight_codec(), p.fell_back))
+        p = p.after_restore()
+    assert seen == [
+        (0, "adaptive3", False),
+        (1, "adaptive3", False),
+        (2, "adaptive3", False),
+        (3, "adaptive3", False),  # restored exactly as often as expected: still 3-bit
+        (4, "asym8", True),  # one more than expected: 8-bit from now on
+        (5, "asym8", True),
+    ]
+    assert BitWidthPolicy(1, restores_so_far=2).weight_bits == 8
+    assert BitWidthPolicy(1, restores_so_far=1).weight_bits == 2
+
+
+def test_optimizer_floor_configurable():
+    assert BitWidthPolicy(1, optimizer_floor_bits=16).optimizer_codec() == "bf16"
+    assert BitWidthPolicy(1, optimizer_floor_bits=32).optimizer_codec() == "fp32"
+    assert BitWidthPolicy(100, optimizer_floor_bits=8).optimizer_codec() == "asym8"
+    # the floor is a rule: optimizer state is never quantized below 8 bits
+    for floor in (2, 4, 7, 0):
+        with pytest.raises(ValueError, match="never quantized below 8"):
+            BitWidthPolicy(1, optimizer_floor_bits=floor)
+
+
+def test_optimizer_bits_follow_weights_when_weights_are_wider():
+    p = BitWidthPolicy(50, optimizer_floor_bits=8)
+    assert p.weight_bits == 8 and p.optimizer_bits == 8
+    assert BitWidthPolicy(2).optimizer_bits == 8
+
+
+def test_method_choice():
+    assert BitWidthPolicy(1, method="asym").weight_codec() == "asym2"
+    assert BitWidthPolicy(3, method="kmeans").weight_codec() == "kmeans3"
+    assert BitWidthPolicy(30, method="sym").weight_codec() == "asym8"  # 8-bit is always asym8
+    with pytest.raises(ValueError):
+        BitWidthPolicy(1, method="int4")
+
+
+def test_tiny_rows_use_fp32_when_no_larger():
+    # row-wise Adagrad keeps one float per row: asym8 would be 9 bytes against fp32's 4
+    p = BitWidthPolicy(3)
+    assert p.optimizer_codec(dim=1) == "fp32"
+    assert p.optimizer_codec(dim=2) == "fp32"  # 10 vs 8 bytes
+    assert p.optimizer_codec(dim=3) == "asym8"  # 11 vs 12 bytes
+    assert p.weight_codec(dim=1) == "fp32"  # adaptive3: 5 bytes vs 4
+    assert p.weight_codec(dim=2) == "adaptive3"  # 5 bytes vs 8
+    assert p.weight_codec(dim=64) == "adaptive3"
+
+
+def test_policy_validates():
+    with pytest.raises(ValueError):
+        BitWidthPolicy(-1)
+    with pytest.raises(ValueError):
+        BitWidthPolicy(1, restores_so_far=-1)
+    p = BitWidthPolicy(2)
+    with pytest.raises(Exception):
+        p.restores_so_far = 5  # frozen: use after_restore()
