@@ -41,6 +41,10 @@ class ChainLink:
     ranges: dict[int, list[list[int]]]
     rows: int
     bytes: int
+    # Where each shard's frames are, so a restoring rank reads only what overlaps its
+    # shards: [partition, first position, last position, table, col offset, min row,
+    # max row, cols] per run of consecutive frames of one shard.
+    index: list[list[Any]] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ChainLink":
@@ -51,6 +55,7 @@ class ChainLink:
             ranges={int(p): [[int(a), int(b)] for a, b in rs] for p, rs in d["ranges"].items()},
             rows=int(d["rows"]),
             bytes=int(d["bytes"]),
+            index=[list(e) for e in d.get("index", [])],
         )
 
 
@@ -66,6 +71,7 @@ class Marker:
     chain: list[ChainLink] = field(default_factory=list)
     policy: str = ""
     plan: dict[str, str] = field(default_factory=dict)  # table -> sharding type of the writing job
+    tables: dict[str, list[int]] = field(default_factory=dict)  # table -> [rows, dim]
     encodings: dict[str, str] = field(default_factory=dict)  # "weights"/"optimizer" -> codec name
     dense: dict[str, Any] = field(default_factory=dict)  # path, sha256, bytes
     stall_ms: list[float] = field(default_factory=list)  # per rank

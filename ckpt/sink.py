@@ -64,13 +64,17 @@ class SinkResult:
 
     ``ranges[(generation, partition)]`` lists the acknowledged position ranges in
     write order; consecutive positions merge, so one writer per partition gets one
-    range. ``frames`` counts acknowledged frames per key. ``error`` is the first failure;
+    range. ``frames`` counts acknowledged frames per key; ``positions`` lists each
+    acknowledged frame's position in acknowledgement order, which is write order (one
+    writer per partition; the idempotent producer delivers a partition in order), so a
+    writer can index its frames. ``error`` is the first failure;
     when set, the flushed writes must be treated as lost (some may still have landed).
     """
 
     ranges: dict[Key, list[Range]] = field(default_factory=dict)
     frames: dict[Key, int] = field(default_factory=dict)
     error: SinkError | None = None
+    positions: dict[Key, list[int]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -92,6 +96,7 @@ class RangeRecorder:
     def __init__(self) -> None:
         self._runs: dict[Key, list[list[int]]] = {}  # [first, last, next]
         self._count: dict[Key, int] = {}
+        self._positions: dict[Key, list[int]] = {}
 
     def add(self, key: Key, position: int, next_position: int) -> None:
         runs = self._runs.setdefault(key, [])
@@ -100,10 +105,12 @@ class RangeRecorder:
         else:
             runs.append([position, position, next_position])
         self._count[key] = self._count.get(key, 0) + 1
+        self._positions.setdefault(key, []).append(position)
 
     def result(self, error: SinkError | None = None) -> SinkResult:
         return SinkResult(ranges={k: [(r[0], r[1]) for r in v] for k, v in self._runs.items()},
-                          frames=dict(self._count), error=error)
+                          frames=dict(self._count), error=error,
+                          positions={k: list(v) for k, v in self._positions.items()})
 
 
 class FrameSink(Protocol):

@@ -36,6 +36,7 @@ def spawn_ranks(
     module: str = "trainer.main",
     extra_args: Sequence[str] = (),
     expect_ok: bool = True,
+    env_extra: dict[str, str] | None = None,
 ) -> list[RankResult]:
     """Run `world_size` ranks to completion within `timeout_s` and return their outputs."""
     rdzv = tmp_path / f"rdzv-{time.monotonic_ns()}"
@@ -53,6 +54,7 @@ def spawn_ranks(
             LOCAL_WORLD_SIZE=str(world_size), PYTHONUNBUFFERED="1",
             OMP_NUM_THREADS="1",
         )
+        env.update(env_extra or {})
         out = open(tmp_path / f"rank{rank}.out", "w+")
         err = open(tmp_path / f"rank{rank}.err", "w+")
         logs.append((out, err))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import yaml
 
@@ -133,6 +133,30 @@ class TrainConfig:
 
 
 @dataclass
+class CkptConfig:
+    """Continuous checkpointing: where rows go, how often, which rows, how encoded."""
+
+    enabled: bool = False
+    sink: Literal["kafka", "filesystem"] = "kafka"
+    run_id: str = ""  # default: run.name; names the Kafka topics / segment directories
+    policy: Literal["full", "one_shot_diff", "incremental", "intermittent_diff"] = "intermittent_diff"
+    interval_steps: int = 100  # 0: only by time
+    interval_s: float = 0.0  # 0: only by steps; else rank 0's clock, checked every 10 steps
+    encoding: str = "fp32"  # weight rows codec (ckpt/quant: fp32, fp16, asym8, adaptive4, ...)
+    optimizer_encoding: str = "fp32"  # optimizer-state rows; never below 8 bits
+    max_pending_bytes: int = 1 << 30  # host memory all unwritten snapshots of a rank may hold
+    on_backpressure: Literal["wait", "skip"] = "skip"
+    resume: str = "none"  # "none", "latest", or a checkpoint id
+    final: bool = True  # checkpoint the last step and wait for it before exiting
+    bootstrap_servers: str = ""  # Kafka sink: host:port[,host:port]
+    kafka: dict[str, Any] = field(default_factory=dict)  # any librdkafka setting (SASL/TLS too)
+    fs_root: str = ""  # filesystem sink: default <run_dir>/stream
+    dense_dir: str = ""  # default <run_dir>/dense (a shared filesystem across nodes)
+    max_frame_bytes: int = 998_976  # under Kafka's default message.max.bytes
+    flush_timeout_s: float = 60.0
+
+
+@dataclass
 class JobConfig:
     """The whole job; `source` is the file (and overrides) it was loaded from."""
 
@@ -142,6 +166,7 @@ class JobConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
     source: str = field(default="<defaults>", init=False, compare=False)
 
     def table_sharding(self, table: TableConfig) -> ShardingType:
@@ -215,6 +240,7 @@ def validate(cfg: JobConfig, check_data: bool = True) -> None:
         raise ConfigError(f"{src}: train.eval_every and train.eval_batches must not be negative")
     if d.kind == "synthetic" and d.synthetic.zipf_exponent <= 0:
         raise ConfigError(f"{src}: data.synthetic.zipf_exponent must be > 0, got {d.synthetic.zipf_exponent}")
+    _validate_ckpt(cfg)
     if d.kind == "criteo":
         if len(seen_features) != 26 or m.dense_in_features != 13:
             raise ConfigError(
@@ -223,6 +249,29 @@ def validate(cfg: JobConfig, check_data: bool = True) -> None:
             )
         if check_data:
             _check_criteo_files(src, d.criteo)
+
+
+def _validate_ckpt(cfg: JobConfig) -> None:
+    c, src = cfg.ckpt, cfg.source
+    if not c.enabled:
+        return
+    from ckpt.quant import codec_names, get_codec  # the codec registry is the source of truth
+
+    for key, name in (("ckpt.encoding", c.encoding), ("ckpt.optimizer_encoding", c.optimizer_encoding)):
+        if name not in codec_names():
+            raise ConfigError(f"{src}: {key}={name!r} is not a codec; choose one of {', '.join(codec_names())}")
+    if c.optimizer_encoding not in ("fp32", "fp16", "bf16") and get_codec(c.optimizer_encoding).row_bytes(64) < 64:
+        raise ConfigError(f"{src}: ckpt.optimizer_encoding={c.optimizer_encoding!r}: optimizer state is never stored below 8 bits")
+    if c.interval_steps < 0 or c.interval_s < 0 or (c.interval_steps == 0 and c.interval_s == 0):
+        raise ConfigError(f"{src}: ckpt.interval_steps and/or ckpt.interval_s must be positive")
+    if c.sink == "kafka" and not c.bootstrap_servers and "bootstrap.servers" not in c.kafka:
+        raise ConfigError(
+            f"{src}: ckpt.sink=kafka needs ckpt.bootstrap_servers (e.g. the address `deltarec-broker start` prints)"
+        )
+    if c.resume not in ("none", "latest") and not c.resume.isdigit():
+        raise ConfigError(f"{src}: ckpt.resume must be none, latest or a checkpoint id, got {c.resume!r}")
+    if c.max_pending_bytes <= 0 or c.max_frame_bytes < 16384:
+        raise ConfigError(f"{src}: ckpt.max_pending_bytes must be positive and ckpt.max_frame_bytes at least 16384")
 
 
 def _check_criteo_files(src: str, c: CriteoDataConfig) -> None:

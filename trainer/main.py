@@ -17,6 +17,7 @@ from typing import Sequence
 
 import torch
 
+from ckpt.manager import CheckpointManager
 from sharding.dmp import plan_model, shard_model
 from sharding.plan import PlanError, format_plan, summarize
 from sharding.process_group import DistEnv, destroy_process_group, detect_env, init_process_group, pick_device
@@ -104,7 +105,22 @@ def run_job(cfg: JobConfig, env: DistEnv, device: torch.device) -> None:
     metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=env.rank == 0)
     trainer = Trainer(cfg, env, device, sharded, make_reader(cfg, env, "train"), make_reader(cfg, env, "eval"), metrics)
     try:
+        manager = CheckpointManager(cfg, env, device, sharded, trainer, metrics) if cfg.ckpt.enabled else None
+        if manager is not None:
+            trainer.checkpointer = manager
+            restored = manager.restore()
+            if restored is not None and env.rank == 0:
+                print(
+                    f"deltarec: resumed from checkpoint {restored.checkpoint_id} at step {restored.step} "
+                    f"(chain {restored.chain}: {restored.rows} rows, {restored.bytes / 1e6:.2f} MB read "
+                    f"in {restored.seconds:.2f} s)",
+                    flush=True,
+                )
         result = trainer.fit()
+        if manager is not None:
+            manager.finish(trainer.step)
+            if env.rank == 0:
+                print(checkpoint_summary(manager), flush=True)
     finally:
         metrics.close()
     if cfg.train.save_params:
@@ -112,6 +128,20 @@ def run_job(cfg: JobConfig, env: DistEnv, device: torch.device) -> None:
     if env.rank == 0:
         final = f"eval AUC {result.auc:.4f}, log loss {result.logloss:.4f}" if result else "no evaluation"
         print(f"deltarec: trained {trainer.step} steps; {final}; metrics in {metrics.path}", flush=True)
+
+
+def checkpoint_summary(manager: "CheckpointManager") -> str:
+    """One line: how many checkpoints committed, their bytes and stall."""
+    st = manager.stats
+    done = [o for o in st.outcomes if o.committed]
+    stalls = [max(o.stall_ms) for o in done if o.stall_ms]
+    line = f"deltarec: checkpoints {st.committed} committed, {st.failed} failed, {st.skipped} skipped"
+    if done:
+        line += (
+            f"; {sum(o.bytes for o in done) / 1e6:.2f} MB written; stall per checkpoint "
+            f"mean {sum(stalls) / len(stalls):.1f} ms, max {max(stalls):.1f} ms"
+        )
+    return line
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,12 @@ from trainer.data.reader import Reader
 from trainer.metrics import MetricsLog, Progress
 
 logger = logging.getLogger(__name__)
+
+
+class Checkpointer(Protocol):
+    """What the loop needs from a checkpoint manager: a call after every step."""
+
+    def save(self, step: int) -> None: ...
 
 
 @dataclass
@@ -60,6 +66,7 @@ class Trainer:
         self.step = 0
         self.samples_seen = 0
         self.last_eval: EvalResult | None = None
+        self.checkpointer: Checkpointer | None = None
 
     # -- Stateful -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -100,6 +107,8 @@ class Trainer:
             while self.step < tc.steps:
                 window_loss += self.train_step().double()
                 window_steps += 1
+                if self.checkpointer is not None:
+                    self.checkpointer.save(self.step)
                 if self.step % tc.log_every == 0 or self.step == tc.steps:
                     rate = window_steps * self.cfg.data.batch_size * self.env.world_size / (time.perf_counter() - window_t0)
                     loss = self._global_mean(window_loss / window_steps)

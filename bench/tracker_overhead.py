@@ -1,0 +1,260 @@
+"""Cost of continuous-checkpoint bookkeeping on the training thread: the tracker hook and the snapshot stall.
+
+    python -m bench.tracker_overhead [--config configs/quickstart.yaml] [--ranks 2] [--rounds 8] [--block 25] [key=value ...]
+
+Spawns `--ranks` gloo ranks of the real DMP model and `Trainer.train_step` (synthetic data).
+
+1. Tracker: in the same run, blocks of steps rotate between the RowTracker hook attached,
+   detached, and a do-nothing hook (the A/A control: how much two identical setups differ
+   on this machine); the order rotates every round so drift cancels. Reports median and
+   mean step time per mode and their ratios, plus the time measured inside the hook
+   itself (per step and per 64k ids, and a micro-benchmark of one 64k-id lookup batch).
+2. Snapshot: after `--interval` steps, the stall of `SnapshotTaker.take` (incremental
+   delta, and full) against a bare `index_select` / `clone` of the same rows of the same
+   tensors (weights and optimizer state), medians of `--repeats`.
+
+Prints one JSON object (per-rank numbers and the max over ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# -- launcher ----------------------------------------------------------------------------
+def launch(args: argparse.Namespace, rest: list[str]) -> int:
+    with tempfile.TemporaryDirectory(prefix="tracker-bench-") as tmp:
+        cmd = [
+            sys.executable, "-m", "bench.tracker_overhead", "--worker", "--config", args.config,
+            "--rounds", str(args.rounds), "--block", str(args.block), "--warmup", str(args.warmup),
+            "--interval", str(args.interval), "--repeats", str(args.repeats),
+            f"sharding.init_method=file://{tmp}/rdzv", f"run.dir={tmp}/run", *rest,
+        ]
+        procs = []
+        for rank in range(args.ranks):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(rank),
+                       LOCAL_WORLD_SIZE=str(args.ranks), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.ranks)))
+            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        outs = [p.communicate(timeout=args.timeout_s) for p in procs]
+    if any(p.returncode for p in procs):
+        for p, (_, err) in zip(procs, outs):
+            print(f"rank rc {p.returncode}:\n{err[-3000:]}", file=sys.stderr)
+        return 1
+    ranks = [json.loads(next(ln for ln in out.splitlines() if ln.startswith("{"))) for out, _ in outs]
+    worst = lambda key, sub: max(r[sub][key] for r in ranks)  # noqa: E731
+    result = {
+        "benchmark": "tracker_overhead",
+        "config": args.config,
+        "overrides": rest,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {args.ranks} ranks",
+        "summary": {
+            "step_ms_without_tracker": worst("step_ms_off", "tracker"),
+            "step_ms_with_tracker": worst("step_ms_on", "tracker"),
+            "step_time_ratio_with_over_without": worst("ratio_on_over_off", "tracker"),
+            "mean_step_time_ratio_with_over_without": worst("mean_ratio_on_over_off", "tracker"),
+            "noise_control_noop_hook_ratio": worst("ratio_noop_over_off", "tracker"),
+            "noise_control_noop_hook_mean_ratio": worst("mean_ratio_noop_over_off", "tracker"),
+            "hook_ms_per_step": worst("hook_ms_per_step", "tracker"),
+            "hook_fraction_of_step": worst("hook_fraction_of_step", "tracker"),
+            "hook_ms_per_64k_ids": worst("hook_ms_per_64k_ids", "tracker"),
+            "micro_hook_ms_64k_ids": worst("micro_hook_ms_64k_ids", "tracker"),
+            "delta_stall_ms": worst("stall_ms", "delta"),
+            "delta_bare_index_select_ms": worst("bare_ms", "delta"),
+            "delta_stall_over_bare": worst("ratio", "delta"),
+            "delta_find_rows_ms": worst("find_rows_ms", "delta"),
+            "full_stall_ms": worst("stall_ms", "full"),
+            "full_bare_clone_ms": worst("bare_ms", "full"),
+            "full_stall_over_bare": worst("ratio", "full"),
+        },
+        "ranks": ranks,
+    }
+    print(json.dumps(result, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+# -- one rank ----------------------------------------------------------------------------
+def worker(args: argparse.Namespace, overrides: list[str]) -> int:
+    import torch
+    import torch.distributed as dist
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from ckpt.snapshot import SnapshotTaker
+    from ckpt.tracker import RowTracker
+    from sharding.dmp import shard_model
+    from sharding.process_group import destroy_process_group, detect_env, init_process_group
+    from sharding.shard_views import ShardMap
+    from trainer.config import load_config
+    from trainer.data.factory import make_reader
+    from trainer.metrics import MetricsLog
+    from trainer.model import build_model
+    from trainer.trainer import Trainer
+
+    cfg = load_config(args.config, ["train.eval_batches=0", *overrides])
+    env = detect_env()
+    device = init_process_group(env, init_method=cfg.sharding.init_method)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch.manual_seed(cfg.run.seed)
+    sharded = shard_model(build_model(cfg.model, device), cfg, env, device)
+    smap = ShardMap.from_model(sharded.model)
+    tracker = RowTracker(sharded.model, smap)
+    trainer = Trainer(cfg, env, device, sharded, make_reader(cfg, env, "train"), None, MetricsLog(Path("unused"), False))
+
+    # Time the hook from inside: wrap the registered callback.
+    sebc = tracker._sebc
+    hook_s = [0.0]
+    hook_ids = [0]
+
+    def timed(features, embs, module, raw):
+        t = time.perf_counter()
+        tracker._record(features, embs, module, raw)
+        hook_s[0] += time.perf_counter() - t
+        if features.keys() and tracker._lookups[tuple(features.keys())].any_tracked:
+            hook_ids[0] += features.values().numel()
+
+    def noop(features, embs, module, raw):
+        return None
+
+    hooks = {"on": timed, "off": None, "noop": noop}  # noop: a registered hook doing nothing (the A/A control)
+
+    def attach(mode: str) -> None:
+        sebc.post_lookup_tracker_fn = hooks[mode]
+
+    attach("on")
+    for _ in range(args.warmup):
+        trainer.train_step()
+    times: dict[str, list[float]] = {m: [] for m in hooks}
+    hook_s[0], hook_ids[0] = 0.0, 0
+    orders = [("on", "off", "noop"), ("off", "noop", "on"), ("noop", "on", "off")]
+    for r in range(args.rounds):
+        for mode in orders[r % 3]:
+            attach(mode)
+            dist.barrier()
+            for _ in range(args.block):
+                t = time.perf_counter()
+                trainer.train_step()
+                times[mode].append(time.perf_counter() - t)
+    attach("on")
+    steps_on = len(times["on"])
+    med = {m: median(v) * 1e3 for m, v in times.items()}
+    mean = {m: sum(v) * 1e3 / len(v) for m, v in times.items()}
+    hook_ms_per_step = hook_s[0] * 1e3 / steps_on
+    tr = {
+        "steps_per_mode": steps_on,
+        "step_ms_on": med["on"], "step_ms_off": med["off"], "step_ms_noop": med["noop"],
+        "ratio_on_over_off": med["on"] / med["off"], "ratio_noop_over_off": med["noop"] / med["off"],
+        "mean_step_ms_on": mean["on"], "mean_step_ms_off": mean["off"], "mean_step_ms_noop": mean["noop"],
+        "mean_ratio_on_over_off": mean["on"] / mean["off"], "mean_ratio_noop_over_off": mean["noop"] / mean["off"],
+        "hook_ms_per_step": hook_ms_per_step, "ids_per_step": hook_ids[0] / steps_on,
+        "hook_fraction_of_step": hook_ms_per_step / med["off"],
+        "hook_ms_per_64k_ids": hook_s[0] * 1e3 / max(hook_ids[0], 1) * 65536,
+    }
+    # Micro: one lookup batch of 64k ids into the largest tracked lookup group.
+    m = max(tracker._lookups.values(), key=lambda lm: sum(i is not None for i in lm.shards))
+    rows = torch.tensor([1 if i is None else smap.shards[i].num_rows for i in m.shards])
+    stride = 65536 // len(m.keys)
+    values = (torch.rand(len(m.keys), stride) * rows[:, None]).long().view(-1)
+    kjt = KeyedJaggedTensor(keys=list(m.keys), values=values, lengths=torch.ones(values.numel(), dtype=torch.int32), stride=stride)
+    sebc.train()
+    micro = []
+    for _ in range(50):
+        t = time.perf_counter()
+        tracker._record(kjt, None, sebc, None)
+        micro.append(time.perf_counter() - t)
+    tr["micro_hook_ms_64k_ids"] = median(micro[5:]) * 1e3
+    tr["micro_ids"] = values.numel()
+
+    # Snapshot stall vs a bare index_select of the same rows.
+    taker = SnapshotTaker(smap, tracker, device)
+    tracker.mark_base()
+    for _ in range(args.interval):
+        trainer.train_step()
+    locals_ = [tracker.touched_rows(i, False) for i in range(len(smap.shards))]
+    sizes = {"delta": 0, "full": 0}
+
+    def take(full: bool) -> float:
+        snap = taker.take(1, trainer.step, full=full, since_base=False)
+        sizes["full" if full else "delta"] = snap.nbytes
+        return snap.stall_s
+
+    def bare(full: bool) -> float:
+        t = time.perf_counter()
+        if full:
+            out = [[v.weight.clone(), *(s.clone() for s in v.optimizer_states.values())] for v in smap.shards]
+        else:
+            out = [
+                [v.weight.index_select(0, idx), *(s.index_select(0, idx) for s in v.optimizer_states.values())]
+                for v, idx in zip(smap.shards, locals_)
+            ]
+        dt = time.perf_counter() - t
+        del out
+        return dt
+
+    def find() -> float:
+        t = time.perf_counter()
+        found = [tracker.touched_rows(i, False) for i in range(len(smap.shards))]
+        dt = time.perf_counter() - t
+        del found
+        return dt
+
+    times_: dict[str, list[float]] = {"take_delta": [], "bare_delta": [], "take_full": [], "bare_full": [], "find": []}
+    for r in range(args.repeats):  # alternate the order: fresh host memory costs page faults to whoever comes first
+        for name in (("take", "bare") if r % 2 == 0 else ("bare", "take")):
+            fn = take if name == "take" else bare
+            times_[f"{name}_delta"].append(fn(False))
+            times_[f"{name}_full"].append(fn(True))
+        times_["find"].append(find())
+    stall, bare_ms = median(times_["take_delta"]), median(times_["bare_delta"])
+    fstall, fbare = median(times_["take_full"]), median(times_["bare_full"])
+    nbytes, full_nbytes = sizes["delta"], sizes["full"]
+    rows_delta = sum(int(i.numel()) for i in locals_)
+    total_rows = sum(v.num_rows for v in smap.shards)
+    delta = {
+        "interval_steps": args.interval, "rows": rows_delta, "fraction_of_rows": rows_delta / max(total_rows, 1),
+        "bytes": nbytes, "stall_ms": stall * 1e3, "bare_ms": bare_ms * 1e3,
+        "ratio": stall / bare_ms, "GB_per_s": nbytes / stall / 1e9,
+        "find_rows_ms": median(times_["find"]) * 1e3,  # the nonzero scans of the bitmaps, part of the stall
+    }
+    full = {
+        "rows": total_rows, "bytes": full_nbytes, "stall_ms": fstall * 1e3, "bare_ms": fbare * 1e3,
+        "ratio": fstall / fbare, "GB_per_s": full_nbytes / fstall / 1e9,
+    }
+    print(json.dumps({"rank": env.rank, "threads": torch.get_num_threads(), "tracker": tr, "delta": delta, "full": full}), flush=True)
+    del trainer, tracker, taker, smap, sharded
+    import gc
+
+    gc.collect()
+    destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="configs/quickstart.yaml")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=12, help="rotations of on / off / no-op blocks")
+    p.add_argument("--block", type=int, default=25, help="steps per block")
+    p.add_argument("--interval", type=int, default=50, help="steps between the base and the delta snapshot")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--timeout-s", type=float, default=1200)
+    p.add_argument("--out", type=Path)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args, rest = p.parse_known_args(argv)
+    return worker(args, rest) if args.worker else launch(args, rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

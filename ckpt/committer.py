@@ -1,0 +1,92 @@
+"""Rank 0's half of a checkpoint: the dense file, then the COMMIT marker.
+
+Called by rank 0's writer thread with every rank's report. A checkpoint commits only if
+every rank's rows are durable, every earlier link of its chain committed, and the dense
+file is durable; otherwise a FAILED marker (informational) records why. Nothing here
+touches an older checkpoint, so a failure never harms one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ckpt.dense_store import DenseStore
+from ckpt.faults import maybe_die
+from ckpt.markers import ChainLink, Marker, encode_marker
+from ckpt.sink import MarkerLog
+from ckpt.writer import Outcome, RankReport, WriteJob
+
+logger = logging.getLogger(__name__)
+
+
+class Committer:
+    """Writes dense files and markers; remembers the committed links chains refer to."""
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        markers: MarkerLog,
+        dense: DenseStore,
+        marker_fields: dict[str, Any],
+        committed: list[ChainLink] | None = None,
+    ) -> None:
+        self.run_id = run_id
+        self.markers = markers
+        self.dense = dense
+        self.marker_fields = marker_fields  # policy, plan, encodings, world_size
+        self.links: dict[int, ChainLink] = {link.checkpoint_id: link for link in committed or []}
+
+    def __call__(self, job: WriteJob, reports: list[RankReport]) -> Outcome:
+        cid = job.checkpoint_id
+        stall = [r.stall_ms for r in reports]
+        errors = [r.error for r in reports if not r.ok]
+        missing = [c for c in job.chain[:-1] if c not in self.links]
+        if missing:
+            errors.append(f"chain link(s) {missing} never committed")
+        rows = sum(r.rows for r in reports)
+        nbytes = sum(r.bytes for r in reports)
+        full = len(job.chain) == 1
+        write_s = max(r.write_s for r in reports)
+        if errors:
+            self._failed(job, "; ".join(errors), stall)
+            return Outcome(cid, job.step, False, "; ".join(errors), nbytes, rows, full, stall, write_s)
+        assert job.dense_state is not None, "rank 0 snapshots the dense state"
+        dense_state = dict(job.dense_state)
+        dense_state["readers"] = [r.reader_state for r in reports]
+        dense_state["trainers"] = [r.trainer_state for r in reports]
+        ref = self.dense.write(cid, dense_state)
+        ranges: dict[int, list[list[int]]] = {}
+        index: list[list[Any]] = []
+        for r in reports:
+            ranges.update(r.ranges)
+            index.extend([r.rank, *seg] for seg in r.index)
+        link = ChainLink(cid, full, job.generation, ranges, rows, nbytes, index)
+        marker = Marker(
+            kind="commit",
+            run_id=self.run_id,
+            checkpoint_id=cid,
+            step=job.step,
+            chain=[self.links[c] for c in job.chain[:-1]] + [link],
+            dense=ref.as_json(),
+            stall_ms=stall,
+            created_unix=time.time(),
+            **self.marker_fields,
+        )
+        maybe_die("marker", cid, 0)
+        self.markers.append_marker(encode_marker(marker))
+        self.links[cid] = link
+        return Outcome(cid, job.step, True, "", nbytes, rows, full, stall, write_s)
+
+    def _failed(self, job: WriteJob, error: str, stall: list[float]) -> None:
+        """Best effort: a FAILED record for `deltarec-ckpt list`; its own failure is only logged."""
+        marker = Marker(
+            kind="failed", run_id=self.run_id, checkpoint_id=job.checkpoint_id, step=job.step,
+            error=error, stall_ms=stall, created_unix=time.time(), **self.marker_fields,
+        )
+        try:
+            self.markers.append_marker(encode_marker(marker))
+        except Exception as exc:  # noqa: BLE001 - the broker may be the reason it failed
+            logger.warning("checkpoint %d: could not record its failure either: %s", job.checkpoint_id, exc)

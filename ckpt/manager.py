@@ -1,0 +1,294 @@
+"""The checkpoint manager: owns policy (when, which rows, what on failure) and restore.
+
+The trainer calls `save(step)` after every step and `finish(step)` at the end; on start
+`restore()` brings back the newest (or a chosen) checkpoint. At a checkpoint step the
+training thread: agrees with the other ranks on the checkpoint's kind (one small
+all-reduce of row counts and flags, never a wait on Kafka), copies the chosen rows and
+the dense state to host memory (the stall), and hands them to its writer thread.
+Outcomes come back asynchronously and are logged, counted and written to metrics; a
+failed checkpoint makes the next one full.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ckpt import dense_state
+from ckpt.backends import Backend, dense_dir, open_backend, run_id_of
+from ckpt.committer import Committer
+from ckpt.dense_store import DenseRef, DenseStore
+from ckpt.faults import maybe_die
+from ckpt.markers import Marker, commits, select
+from ckpt.policy import CheckpointPolicy
+from ckpt.restore import RestoreError, restore_rows
+from ckpt.snapshot import SnapshotTaker
+from ckpt.tracker import RowTracker
+from ckpt.writer import Outcome, RankWriter, WriteJob
+from sharding.dmp import ShardedModel
+from sharding.plan import EBC_PATH
+from sharding.process_group import DistEnv
+from sharding.shard_views import ShardMap
+from trainer.config import JobConfig
+from trainer.metrics import MetricsLog
+
+logger = logging.getLogger(__name__)
+
+_TIME_CHECK_EVERY = 10  # steps between agreements on a time-based interval
+
+
+@dataclass
+class RestoreReport:
+    checkpoint_id: int
+    step: int
+    chain: list[int]
+    frames: int
+    rows: int
+    bytes: int
+    seconds: float
+
+
+@dataclass
+class CheckpointStats:
+    committed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    last: Outcome | None = None
+    outcomes: list[Outcome] = field(default_factory=list)
+
+
+class CheckpointManager:
+    """Continuous checkpoints for one rank of a running job."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        env: DistEnv,
+        device: torch.device,
+        sharded: ShardedModel,
+        trainer: Any,
+        metrics: MetricsLog,
+    ) -> None:
+        self.cfg = cfg
+        self.c = cfg.ckpt
+        self.env = env
+        self.sharded = sharded
+        self.trainer = trainer
+        self.metrics = metrics
+        self.run_id = run_id_of(cfg)
+        # Writers coordinate on their own gloo group so the training thread's collectives
+        # and theirs never interleave (see ckpt/writer.py).
+        self.group = dist.new_group(backend="gloo")
+        self.shard_map = ShardMap.from_model(sharded.model)
+        self.tracker = RowTracker(sharded.model, self.shard_map)
+        self.taker = SnapshotTaker(self.shard_map, self.tracker, device)
+        self.policy = CheckpointPolicy(self.c.policy)
+        self.backend: Backend = open_backend(cfg, env.world_size)
+        self.dense = DenseStore(dense_dir(cfg))
+        self.committer = None
+        if env.rank == 0:
+            self.committer = Committer(
+                run_id=self.run_id, markers=self.backend.markers, dense=self.dense, marker_fields=self._marker_fields()
+            )
+        self.writer = RankWriter(
+            run_id=self.run_id, rank=env.rank, sink=self.backend.sink, group=self.group,
+            weight_codec=self.c.encoding, optimizer_codec=self.c.optimizer_encoding,
+            max_frame_bytes=self.c.max_frame_bytes, flush_timeout_s=self.c.flush_timeout_s,
+            committer=self.committer,
+        )
+        self.next_id = 1
+        self.generation = 0
+        self.chain: list[int] = []
+        self.force_full = False
+        self.last_step = -1
+        self.last_time = time.monotonic()
+        self.total_rows = sum(s.num_rows for s in self.shard_map.shards)
+        self.stats = CheckpointStats()
+        full_bytes = self.taker.estimate_bytes(full=True, since_base=False)
+        if full_bytes > self.c.max_pending_bytes:
+            raise ValueError(
+                f"ckpt.max_pending_bytes={self.c.max_pending_bytes} is smaller than one full snapshot of this "
+                f"rank ({full_bytes} bytes): raise it, or no full checkpoint could ever be taken"
+            )
+
+    def _marker_fields(self) -> dict[str, Any]:
+        plan = self.sharded.plan.plan[EBC_PATH]
+        return {
+            "policy": self.c.policy,
+            "world_size": self.env.world_size,
+            "plan": {t: ps.sharding_type for t, ps in plan.items()},
+            "tables": {t.name: [t.num_embeddings, t.embedding_dim] for t in self.cfg.model.tables},
+            "encodings": {"weights": self.c.encoding, "optimizer": self.c.optimizer_encoding},
+        }
+
+    # -- restore ------------------------------------------------------------------------
+    def restore(self) -> RestoreReport | None:
+        """Bring back the checkpoint `ckpt.resume` names; None when there is none to resume."""
+        if self.c.resume == "none":
+            return None
+        marker = self._find_marker()
+        if marker is None:
+            if self.c.resume != "latest":
+                raise RestoreError(f"checkpoint {self.c.resume} of run {self.run_id} has no COMMIT marker in {self.backend.where}")
+            if self.env.rank == 0:
+                logger.info("no checkpoint of run %s in %s: starting from scratch", self.run_id, self.backend.where)
+            return None
+        rows = restore_rows(marker, self.backend.source, self.shard_map, self.run_id, self.backend.where)
+        state = self.dense.read(DenseRef.from_json(marker.dense))
+        dense_state.load(self.sharded, state)
+        self.trainer.load_state_dict(self._trainer_state(state, marker))
+        self.next_id = marker.checkpoint_id + 1
+        self.generation = marker.chain[0].generation
+        self.chain = [link.checkpoint_id for link in marker.chain]
+        if self.committer is not None:
+            self.committer.links = {link.checkpoint_id: link for link in marker.chain}
+        self.force_full = True  # the tracker's history died with the old process
+        self.last_step = marker.step
+        totals = torch.tensor([rows.frames, rows.rows, rows.bytes], dtype=torch.float64)
+        dist.all_reduce(totals)
+        report = RestoreReport(
+            marker.checkpoint_id, marker.step, self.chain, int(totals[0]), int(totals[1]), int(totals[2]), rows.seconds
+        )
+        if self.env.rank == 0:
+            logger.info(
+                "restored checkpoint %d (step %d, chain %s): %d frames, %d rows, %.1f MB in %.2f s",
+                report.checkpoint_id, report.step, report.chain, report.frames, report.rows, report.bytes / 1e6, report.seconds,
+            )
+        return report
+
+    def _find_marker(self) -> Marker | None:
+        """Rank 0 reads the markers log and broadcasts its choice, so all ranks agree."""
+        chosen: list[Any] = [None]
+        if self.env.rank == 0:
+            found = commits(self.backend.markers.read_markers(), self.run_id)
+            chosen[0] = select(found, None if self.c.resume == "latest" else int(self.c.resume))
+        dist.broadcast_object_list(chosen, src=0)
+        return chosen[0]
+
+    def _trainer_state(self, state: dict[str, Any], marker: Marker) -> dict[str, Any]:
+        """This rank's loop state; reader state carries over to another world size only
+        when every rank's was the same (the synthetic stream's global position)."""
+        trainers = state["trainers"]
+        if len(trainers) == self.env.world_size:
+            return trainers[self.env.rank]
+        readers = [t["reader"] for t in trainers]
+        if any(r != readers[0] for r in readers):
+            raise RestoreError(
+                f"checkpoint {marker.checkpoint_id} was written by {len(trainers)} ranks whose readers hold "
+                f"different positions (e.g. Criteo line ranges); resume it with {len(trainers)} ranks"
+            )
+        return trainers[0]
+
+    # -- save -----------------------------------------------------------------------------
+    def _due(self, step: int) -> bool:
+        c = self.c
+        due = c.interval_steps > 0 and step % c.interval_steps == 0
+        if c.interval_s > 0 and step % _TIME_CHECK_EVERY == 0:
+            flag = torch.tensor([float(time.monotonic() - self.last_time >= c.interval_s)])
+            dist.broadcast(flag, src=0)  # rank 0's clock decides, so every rank agrees
+            due = due or bool(flag.item())
+        return due
+
+    def save(self, step: int) -> None:
+        """Called after every training step; takes a checkpoint when one is due."""
+        maybe_die("step", step, self.env.rank)
+        self._collect()
+        if self._due(step):
+            self._checkpoint(step)
+
+    def finish(self, step: int) -> None:
+        """Checkpoint the last step (ckpt.final), wait for every outcome, stop the writer."""
+        if self.c.final and self.last_step != step:
+            self._checkpoint(step)
+        for outcome in self.writer.close():
+            self._record(outcome)
+        self.backend.close()
+        if self.env.rank == 0:
+            logger.info(
+                "checkpoints: %d committed, %d failed, %d skipped", self.stats.committed, self.stats.failed, self.stats.skipped
+            )
+
+    def _collect(self) -> None:
+        for outcome in self.writer.poll():
+            self._record(outcome)
+
+    def _record(self, o: Outcome) -> None:
+        self.stats.outcomes.append(o)
+        self.stats.last = o
+        if o.committed:
+            self.stats.committed += 1
+        else:
+            self.stats.failed += 1
+            self.force_full = True
+        if self.env.rank != 0:
+            return
+        kind = "full" if o.full else "delta"
+        if o.committed:
+            logger.info(
+                "checkpoint %d (step %d, %s) committed: %d rows, %.2f MB, stall %.1f ms (max over ranks), written in %.2f s",
+                o.checkpoint_id, o.step, kind, o.rows, o.bytes / 1e6, max(o.stall_ms or [0]), o.write_s,
+            )
+        else:
+            logger.warning("checkpoint %d (step %d) FAILED: %s", o.checkpoint_id, o.step, o.error)
+        self.metrics.write({
+            "step": o.step, "ckpt_id": o.checkpoint_id, "ckpt_committed": o.committed, "ckpt_full": o.full,
+            "ckpt_rows": o.rows, "ckpt_bytes": o.bytes, "ckpt_stall_ms": max(o.stall_ms or [0]),
+            "ckpt_write_s": o.write_s, "ckpt_error": o.error,
+        })
+
+    def _checkpoint(self, step: int) -> None:
+        t0 = time.perf_counter()
+        self.last_step, self.last_time = step, time.monotonic()
+        c = self.c
+        est = {
+            "full": self.taker.estimate_bytes(full=True, since_base=False),
+            "base": self.taker.estimate_bytes(full=False, since_base=True),
+            "last": self.taker.estimate_bytes(full=False, since_base=False),
+        }
+        pending = self.writer.pending_bytes
+        counts = torch.tensor(
+            [self.tracker.count_since_base(), self.tracker.count_since_last(), self.total_rows], dtype=torch.float64
+        )
+        flags = torch.tensor(
+            [float(self.force_full)] + [float(pending + est[k] > c.max_pending_bytes) for k in ("full", "base", "last")]
+        )
+        dist.all_reduce(counts)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        total = max(counts[2].item(), 1.0)
+        decision = self.policy.decide(counts[0].item() / total, counts[1].item() / total, force_full=bool(flags[0]))
+        kind = "full" if decision.full else ("base" if decision.since_base else "last")
+        overflow = bool(flags[{"full": 1, "base": 2, "last": 3}[kind]])
+        if overflow and c.on_backpressure == "skip":
+            self.stats.skipped += 1
+            if self.env.rank == 0:
+                logger.warning("checkpoint at step %d skipped: writers hold %d bytes of unwritten snapshots", step, pending)
+                self.metrics.write({"step": step, "ckpt_skipped": True})
+            return
+        if overflow:
+            self.writer.wait_for_room(est[kind], c.max_pending_bytes)
+        cid = self.next_id
+        self.next_id += 1
+        if decision.full:
+            self.generation = cid
+        self.chain = self.policy.chain_after(self.chain, cid, decision)
+        snapshot = self.taker.take(cid, step, full=decision.full, since_base=decision.since_base)
+        maybe_die("snapshot", cid, self.env.rank)
+        fraction = (counts[0] if decision.since_base else counts[1]).item() / total
+        if decision.full:
+            self.tracker.mark_base()
+        else:
+            self.tracker.mark_checkpoint()
+        dense = dense_state.capture(self.sharded) if self.env.rank == 0 else None
+        trainer_state = self.trainer.state_dict()
+        self.policy.record(decision, 1.0 if decision.full else fraction)
+        self.force_full = False
+        snapshot.stall_s = time.perf_counter() - t0
+        self.writer.submit(WriteJob(
+            cid, step, self.generation, list(self.chain), snapshot,
+            trainer_state["reader"], trainer_state, dense,
+        ))

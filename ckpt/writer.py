@@ -1,0 +1,273 @@
+"""The per-rank writer thread: quantize, frame and ship a snapshot; rank 0 commits it.
+
+Each rank's writer takes snapshots in checkpoint order. For each it encodes every shard's
+rows (weights and optimizer state, each with its codec) into frames, writes them to its
+partition (= rank) of the generation's rows topic, and flushes. Then all writers meet:
+
+Coordination (why a side process group): the writers report to rank 0 with a
+`gather_object` on a dedicated gloo group that only writer threads use, in checkpoint
+order. The training thread never takes part, so it never waits on Kafka; the writers
+need no polling, no extra topic and no shared filesystem to find each other, and a
+rank's report (offset ranges, frame index, reader state, RNG, stall) travels with the
+same call. Rank 0 then writes the dense file and, only if every rank's rows and the
+dense file are durable and every earlier link of the chain committed, the COMMIT
+marker; it broadcasts the outcome back so every rank learns it in the same order.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ckpt.faults import maybe_die
+from ckpt.frames import OptimState, chunk_rows
+from ckpt.quant import get_codec
+from ckpt.sink import FrameSink
+from ckpt.snapshot import Snapshot
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WriteJob:
+    """What the training thread hands to its writer at a checkpoint step."""
+
+    checkpoint_id: int
+    step: int
+    generation: int
+    chain: list[int]  # checkpoint ids a restore replays, this one last
+    snapshot: Snapshot
+    reader_state: dict[str, Any]
+    trainer_state: dict[str, Any]  # step, samples_seen, RNG: this rank's loop state
+    dense_state: dict[str, Any] | None = None  # rank 0 only: host copies of dense params and optimizer
+
+
+@dataclass
+class RankReport:
+    """One rank's result for one checkpoint, gathered to rank 0."""
+
+    rank: int
+    ok: bool
+    error: str
+    ranges: dict[int, list[list[int]]]  # partition -> [[first, last], ...]
+    # [first position, last position, table, col_offset, min row, max row, cols] per shard segment
+    index: list[list[Any]]
+    rows: int
+    bytes: int
+    stall_ms: float
+    write_s: float
+    reader_state: dict[str, Any]
+    trainer_state: dict[str, Any]
+
+
+@dataclass
+class Outcome:
+    """What every rank learns about a checkpoint once rank 0 decided."""
+
+    checkpoint_id: int
+    step: int
+    committed: bool
+    error: str = ""
+    bytes: int = 0
+    rows: int = 0
+    full: bool = False
+    stall_ms: list[float] = field(default_factory=list)
+    write_s: float = 0.0
+
+
+Committer = Callable[[WriteJob, list[RankReport]], Outcome]
+
+
+class RankWriter:
+    """The writer thread of one rank. `submit` never blocks; `poll` returns outcomes."""
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        rank: int,
+        sink: FrameSink,
+        group: dist.ProcessGroup,
+        weight_codec: str,
+        optimizer_codec: str,
+        max_frame_bytes: int,
+        flush_timeout_s: float,
+        committer: Committer | None,
+    ) -> None:
+        assert (committer is not None) == (rank == 0), "rank 0, and only rank 0, commits"
+        self.run_id = run_id
+        self.rank = rank
+        self.sink = sink
+        self.group = group
+        self.weight_codec = get_codec(weight_codec)
+        self.optimizer_codec = get_codec(optimizer_codec)
+        self.max_frame_bytes = max_frame_bytes
+        self.flush_timeout_s = flush_timeout_s
+        self.committer = committer
+        self._jobs: queue.Queue[WriteJob | None] = queue.Queue()
+        self._outcomes: queue.Queue[Outcome] = queue.Queue()
+        self._pending_bytes = 0
+        self._lock = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=f"deltarec-writer-{rank}", daemon=True)
+        self._thread.start()
+
+    # -- training-thread side ---------------------------------------------------------
+    @property
+    def pending_bytes(self) -> int:
+        """Host bytes held by snapshots not yet written (the bounded quantity)."""
+        with self._lock:
+            return self._pending_bytes
+
+    def submit(self, job: WriteJob) -> None:
+        with self._lock:
+            self._pending_bytes += job.snapshot.nbytes
+        self._jobs.put(job)
+
+    def poll(self) -> list[Outcome]:
+        """Outcomes decided since the last poll, oldest first; never blocks."""
+        out = []
+        while True:
+            try:
+                out.append(self._outcomes.get_nowait())
+            except queue.Empty:
+                return out
+
+    def wait_for_room(self, needed: int, budget: int, timeout_s: float | None = None) -> bool:
+        """Block until `needed` more bytes fit in `budget` (the `wait` back-pressure)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            while self._pending_bytes and self._pending_bytes + needed > budget:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._lock.wait(left)
+            return True
+
+    def close(self, timeout_s: float | None = None) -> list[Outcome]:
+        """Finish every submitted job, stop the thread, return the last outcomes."""
+        self._jobs.put(None)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise RuntimeError(f"checkpoint writer of rank {self.rank} did not finish within {timeout_s}s")
+        return self.poll()
+
+    # -- writer thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                report = self._write(job)
+                outcome = self._coordinate(job, report)
+            except Exception as exc:  # noqa: BLE001 - a writer bug must reach the trainer, not kill the thread silently
+                logger.error("checkpoint %d: writer failed: %s", job.checkpoint_id, traceback.format_exc())
+                outcome = Outcome(job.checkpoint_id, job.step, False, f"writer error on rank {self.rank}: {exc}")
+            finally:
+                with self._lock:
+                    self._pending_bytes -= job.snapshot.nbytes
+                    self._lock.notify_all()
+            self._outcomes.put(outcome)
+
+    def _write(self, job: WriteJob) -> RankReport:
+        t0 = time.perf_counter()
+        job.snapshot.wait()  # on CUDA the device-to-host copies finish after take() returned
+        meta: list[list[Any]] = []  # per frame: table, col_offset, min row, max row, cols
+        rows = nbytes = 0
+        error = ""
+        try:
+            for i, shard in enumerate(job.snapshot.shards):
+                if i == len(job.snapshot.shards) // 2:
+                    maybe_die("rows", job.checkpoint_id, self.rank)
+                if shard.global_rows.numel() == 0:
+                    continue
+                for frame, n_rows, first_row, last_row in self._frames(job, shard):
+                    self.sink.write(frame, generation=job.generation, partition=self.rank)
+                    meta.append([shard.table, shard.col_offset, first_row, last_row, shard.weights.shape[1]])
+                    nbytes += len(frame)
+                rows += shard.global_rows.numel()
+            result = self.sink.flush(self.flush_timeout_s)
+            if result.error is not None:
+                error = f"rank {self.rank}: {result.error}"
+        except Exception as exc:  # noqa: BLE001 - encoding/sink errors fail this checkpoint only
+            error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+            result = None
+        ranges: dict[int, list[list[int]]] = {}
+        index: list[list[Any]] = []
+        if not error and result is not None:
+            key = (job.generation, self.rank)
+            positions = result.positions.get(key, [])
+            if len(positions) != len(meta):
+                error = f"rank {self.rank}: {len(meta)} frames written but {len(positions)} acknowledged"
+            else:
+                ranges = {self.rank: [list(r) for r in result.ranges.get(key, [])]} if positions else {}
+                index = _segments(positions, meta)
+        return RankReport(
+            self.rank, not error, error, ranges, index, rows, nbytes,
+            job.snapshot.stall_s * 1e3, time.perf_counter() - t0, job.reader_state, job.trainer_state,
+        )
+
+    def _frames(self, job: WriteJob, shard: Any):
+        """Encode one shard's rows and split them into frames; yields (frame, n, first, last)."""
+        ids = shard.global_rows
+        payload = self.weight_codec.encode(shard.weights, table=shard.table, row_ids=ids)
+        optim = [
+            OptimState(name, self.optimizer_codec.code, self.optimizer_codec.encode(
+                state.reshape(state.shape[0], -1).float(), table=shard.table, row_ids=ids))
+            for name, state in sorted(shard.optimizer.items())
+        ]
+        per_row = payload.shape[1] + sum(o.rows.shape[1] for o in optim) + 8
+        rows_per_frame = max(1, (self.max_frame_bytes - 4096) // per_row)
+        for start in range(0, ids.numel(), rows_per_frame):
+            sl = slice(start, start + rows_per_frame)
+            part_ids = ids[sl]
+            frames = list(chunk_rows(
+                run_id=self.run_id, checkpoint_id=job.checkpoint_id, rank=self.rank, table=shard.table,
+                col_offset=shard.col_offset, dim=shard.weights.shape[1], encoding=self.weight_codec.code,
+                row_ids=part_ids, payload=payload[sl],
+                optim=[OptimState(o.name, o.encoding, o.rows[sl]) for o in optim],
+                max_frame_bytes=self.max_frame_bytes,
+            ))
+            assert len(frames) == 1, "rows_per_frame leaves room for the header"
+            yield frames[0], part_ids.numel(), int(part_ids[0]), int(part_ids[-1])
+
+    def _coordinate(self, job: WriteJob, report: RankReport) -> Outcome:
+        reports: list[RankReport] | None = [None] * dist.get_world_size(self.group) if self.rank == 0 else None  # type: ignore[list-item]
+        dist.gather_object(report, reports, dst=0, group=self.group)
+        decided: list[Outcome | None] = [None]
+        if self.rank == 0:
+            assert self.committer is not None and reports is not None
+            try:
+                decided[0] = self.committer(job, reports)
+            except Exception as exc:  # noqa: BLE001 - the outcome must still reach every rank
+                logger.error("checkpoint %d: commit failed: %s", job.checkpoint_id, traceback.format_exc())
+                decided[0] = Outcome(job.checkpoint_id, job.step, False, f"commit failed on rank 0: {exc}")
+        dist.broadcast_object_list(decided, src=0, group=self.group)
+        assert decided[0] is not None
+        return decided[0]
+
+
+def _segments(positions: list[int], meta: list[list[Any]]) -> list[list[Any]]:
+    """Group consecutive frames of one shard: [first pos, last pos, table, col, min row, max row, cols]."""
+    out: list[list[Any]] = []
+    for pos, (table, col, lo, hi, cols) in zip(positions, meta):
+        if out and out[-1][2] == table and out[-1][3] == col:
+            out[-1][1] = pos
+            out[-1][4] = min(out[-1][4], lo)
+            out[-1][5] = max(out[-1][5], hi)
+        else:
+            out.append([pos, pos, table, col, lo, hi, cols])
+    return out
+
+
+def host_copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached CPU copies (the dense part of a snapshot, taken during the stall)."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
