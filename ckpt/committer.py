@@ -73,7 +73,7 @@ class Committer:
             dense=ref.as_json(),
             stall_ms=stall,
             created_unix=time.time(),
-            **self.marker_fields,
+            **{**self.marker_fields, "encodings": {"weights": job.weight_codec, "optimizer": job.optimizer_codec}},
         )
         maybe_die("marker", cid, 0)
         self.markers.append_marker(encode_marker(marker))

@@ -26,6 +26,7 @@ from ckpt.dense_store import DenseRef, DenseStore
 from ckpt.faults import maybe_die
 from ckpt.markers import Marker, commits, select
 from ckpt.policy import CheckpointPolicy
+from ckpt.quant import BitWidthPolicy
 from ckpt.restore import RestoreError, restore_rows
 from ckpt.snapshot import SnapshotTaker
 from ckpt.tracker import RowTracker
@@ -97,7 +98,6 @@ class CheckpointManager:
             )
         self.writer = RankWriter(
             run_id=self.run_id, rank=env.rank, sink=self.backend.sink, group=self.group,
-            weight_codec=self.c.encoding, optimizer_codec=self.c.optimizer_encoding,
             max_frame_bytes=self.c.max_frame_bytes, flush_timeout_s=self.c.flush_timeout_s,
             committer=self.committer,
         )
@@ -109,6 +109,7 @@ class CheckpointManager:
         self.last_time = time.monotonic()
         self.total_rows = sum(s.num_rows for s in self.shard_map.shards)
         self.stats = CheckpointStats()
+        self.restores = 0  # restores of this job so far (persisted in the dense state)
         full_bytes = self.taker.estimate_bytes(full=True, since_base=False)
         if full_bytes > self.c.max_pending_bytes:
             raise ValueError(
@@ -123,7 +124,6 @@ class CheckpointManager:
             "world_size": self.env.world_size,
             "plan": {t: ps.sharding_type for t, ps in plan.items()},
             "tables": {t.name: [t.num_embeddings, t.embedding_dim] for t in self.cfg.model.tables},
-            "encodings": {"weights": self.c.encoding, "optimizer": self.c.optimizer_encoding},
         }
 
     # -- restore ------------------------------------------------------------------------
@@ -142,6 +142,7 @@ class CheckpointManager:
         state = self.dense.read(DenseRef.from_json(marker.dense))
         dense_state.load(self.sharded, state)
         self.trainer.load_state_dict(self._trainer_state(state, marker))
+        self.restores = int(state.get("restores", 0)) + 1
         self.next_id = marker.checkpoint_id + 1
         self.generation = marker.chain[0].generation
         self.chain = [link.checkpoint_id for link in marker.chain]
@@ -284,11 +285,23 @@ class CheckpointManager:
         else:
             self.tracker.mark_checkpoint()
         dense = dense_state.capture(self.sharded) if self.env.rank == 0 else None
+        if dense is not None:
+            dense["restores"] = self.restores
+        weight_codec, optimizer_codec = self.codecs()
         trainer_state = self.trainer.state_dict()
         self.policy.record(decision, 1.0 if decision.full else fraction)
         self.force_full = False
         snapshot.stall_s = time.perf_counter() - t0
         self.writer.submit(WriteJob(
             cid, step, self.generation, list(self.chain), snapshot,
-            trainer_state["reader"], trainer_state, dense,
+            trainer_state["reader"], trainer_state, dense, weight_codec, optimizer_codec,
         ))
+
+    def codecs(self) -> tuple[str, str]:
+        """(weight codec, optimizer codec) for the next checkpoint: `ckpt.encoding`, or
+        Check-N-Run's bit width for `ckpt.expected_restores`, which falls back to 8 bits
+        once the job has restored more often than expected."""
+        if self.c.expected_restores <= 0:
+            return self.c.encoding, self.c.optimizer_encoding
+        policy = BitWidthPolicy(expected_restores=self.c.expected_restores, restores_so_far=self.restores)
+        return policy.weight_codec(), policy.optimizer_codec()

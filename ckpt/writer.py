@@ -48,6 +48,8 @@ class WriteJob:
     reader_state: dict[str, Any]
     trainer_state: dict[str, Any]  # step, samples_seen, RNG: this rank's loop state
     dense_state: dict[str, Any] | None = None  # rank 0 only: host copies of dense params and optimizer
+    weight_codec: str = "fp32"
+    optimizer_codec: str = "fp32"
 
 
 @dataclass
@@ -96,8 +98,6 @@ class RankWriter:
         rank: int,
         sink: FrameSink,
         group: dist.ProcessGroup,
-        weight_codec: str,
-        optimizer_codec: str,
         max_frame_bytes: int,
         flush_timeout_s: float,
         committer: Committer | None,
@@ -107,8 +107,6 @@ class RankWriter:
         self.rank = rank
         self.sink = sink
         self.group = group
-        self.weight_codec = get_codec(weight_codec)
-        self.optimizer_codec = get_codec(optimizer_codec)
         self.max_frame_bytes = max_frame_bytes
         self.flush_timeout_s = flush_timeout_s
         self.committer = committer
@@ -218,12 +216,13 @@ class RankWriter:
     def _frames(self, job: WriteJob, shard: Any):
         """Encode one shard's rows and split them into frames; yields (frame, n, first, last)."""
         ids = shard.global_rows
-        payload = self.weight_codec.encode(shard.weights, table=shard.table, row_ids=ids)
-        optim = [
-            OptimState(name, self.optimizer_codec.code, self.optimizer_codec.encode(
-                state.reshape(state.shape[0], -1).float(), table=shard.table, row_ids=ids))
-            for name, state in sorted(shard.optimizer.items())
-        ]
+        weight_codec = get_codec(job.weight_codec)
+        payload = weight_codec.encode(shard.weights, table=shard.table, row_ids=ids)
+        optim = []
+        for name, state in sorted(shard.optimizer.items()):
+            rows = state.reshape(state.shape[0], -1).float()
+            codec = _narrow_aware(job.optimizer_codec, rows.shape[1])
+            optim.append(OptimState(name, codec.code, codec.encode(rows, table=shard.table, row_ids=ids)))
         per_row = payload.shape[1] + sum(o.rows.shape[1] for o in optim) + 8
         rows_per_frame = max(1, (self.max_frame_bytes - 4096) // per_row)
         for start in range(0, ids.numel(), rows_per_frame):
@@ -231,7 +230,7 @@ class RankWriter:
             part_ids = ids[sl]
             frames = list(chunk_rows(
                 run_id=self.run_id, checkpoint_id=job.checkpoint_id, rank=self.rank, table=shard.table,
-                col_offset=shard.col_offset, dim=shard.weights.shape[1], encoding=self.weight_codec.code,
+                col_offset=shard.col_offset, dim=shard.weights.shape[1], encoding=weight_codec.code,
                 row_ids=part_ids, payload=payload[sl],
                 optim=[OptimState(o.name, o.encoding, o.rows[sl]) for o in optim],
                 max_frame_bytes=self.max_frame_bytes,
@@ -253,6 +252,13 @@ class RankWriter:
         dist.broadcast_object_list(decided, src=0, group=self.group)
         assert decided[0] is not None
         return decided[0]
+
+
+def _narrow_aware(name: str, width: int):
+    """The codec for rows of `width` floats: fp32 when `name` would not make them smaller
+    (a row-wise Adagrad momentum is one float; a scale and bias would outweigh it)."""
+    codec = get_codec(name)
+    return codec if codec.row_bytes(width) < 4 * width else get_codec("fp32")
 
 
 def _segments(positions: list[int], meta: list[list[Any]]) -> list[list[Any]]:

@@ -144,6 +144,10 @@ class CkptConfig:
     interval_s: float = 0.0  # 0: only by steps; else rank 0's clock, checked every 10 steps
     encoding: str = "fp32"  # weight rows codec (ckpt/quant: fp32, fp16, asym8, adaptive4, ...)
     optimizer_encoding: str = "fp32"  # optimizer-state rows; never below 8 bits
+    # > 0: pick bit widths from the expected number of restores (Check-N-Run: 2-bit for 1,
+    # 3-bit <= 3, 4-bit <= 20, else 8-bit; 8-bit once restored more often), overriding
+    # `encoding` and `optimizer_encoding`.
+    expected_restores: int = 0
     max_pending_bytes: int = 1 << 30  # host memory all unwritten snapshots of a rank may hold
     on_backpressure: Literal["wait", "skip"] = "skip"
     resume: str = "none"  # "none", "latest", or a checkpoint id
