@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from ckpt.frames import file_where, kafka_where
 from ckpt.fs_sink import FsMarkers, FsSink, FsSource
 from ckpt.kafka_sink import KafkaMarkers, KafkaSink, KafkaSource
-from ckpt.sink import FrameSink, FrameSource, MarkerLog
+from ckpt.sink import FrameSink, FrameSource, MarkerLog, rows_name
 from trainer.config import JobConfig
 
 
@@ -24,6 +25,7 @@ class Backend:
     source: FrameSource
     markers: MarkerLog
     where: str  # for messages: the broker or the directory
+    locate: Callable[[int, int, int], str]  # (generation, partition, position) -> topic/file, partition, offset
 
     def close(self) -> None:
         for part in (self.sink, self.source, self.markers):
@@ -54,7 +56,11 @@ def open_backend(cfg: JobConfig, world_size: int) -> Backend:
     run_id = run_id_of(cfg)
     if cfg.ckpt.sink == "filesystem":
         root = fs_root(cfg)
-        return Backend(FsSink(root, run_id), FsSource(root, run_id), FsMarkers(root, run_id), str(root))
+        source = FsSource(root, run_id)
+        return Backend(
+            FsSink(root, run_id), source, FsMarkers(root, run_id), str(root),
+            lambda g, p, pos: file_where(source.segment_path(g, p), pos),
+        )
     conf = kafka_conf(cfg)
     timeout = cfg.ckpt.flush_timeout_s
     return Backend(
@@ -62,4 +68,5 @@ def open_backend(cfg: JobConfig, world_size: int) -> Backend:
         KafkaSource(run_id, conf),
         KafkaMarkers(run_id, conf, timeout_s=timeout),
         conf.get("bootstrap.servers", "kafka"),
+        lambda g, p, pos: f"{conf.get('bootstrap.servers', 'kafka')} " + kafka_where(rows_name(run_id, g), p, pos),
     )

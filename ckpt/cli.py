@@ -85,7 +85,7 @@ def cmd_list(markers: list[Marker], dense: DenseStore) -> int:
 
 def cmd_verify(marker: Marker, backend, dense: DenseStore, run_id: str) -> int:
     frames = rows = 0
-    for _, frame in iter_chain_frames(marker, backend.source, run_id, backend.where):
+    for _, frame in iter_chain_frames(marker, backend.source, run_id, backend.locate):
         frames += 1
         rows += frame.row_count
     dense.read(DenseRef.from_json(marker.dense))
@@ -127,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             marker = _choose(markers, args.checkpoint)
             if args.command == "verify":
                 return cmd_verify(marker, backend, dense, run_id)
-            model = export(marker, backend.source, dense, run_id, backend.where, args.out, args.dcp)
+            model = export(marker, backend.source, dense, run_id, backend.locate, args.out, args.dcp)
             print(f"exported checkpoint {marker.checkpoint_id} (step {marker.step}, {len(model['tables'])} tables) to {args.out}"
                   + (f" and {args.dcp}" if args.dcp else ""))
             return 0

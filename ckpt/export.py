@@ -9,7 +9,7 @@ row-wise state written by column-wise shards gets one tensor per column shard, s
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -20,7 +20,9 @@ from ckpt.restore import RestoreError, decode_rows, iter_chain_frames
 from ckpt.sink import FrameSource
 
 
-def assemble(marker: Marker, source: FrameSource, run_id: str, where: str) -> dict[str, dict[str, torch.Tensor]]:
+def assemble(
+    marker: Marker, source: FrameSource, run_id: str, locate: Callable[[int, int, int], str]
+) -> dict[str, dict[str, torch.Tensor]]:
     """Replay the whole chain into full tables: {table: {"weight": ..., "<state>": ...}}."""
     if not marker.tables:
         raise RestoreError(f"checkpoint {marker.checkpoint_id}: its marker has no table shapes (written by an older deltarec)")
@@ -28,7 +30,7 @@ def assemble(marker: Marker, source: FrameSource, run_id: str, where: str) -> di
         name: {"weight": torch.zeros(rows, dim)} for name, (rows, dim) in marker.tables.items()
     }
     seen = {name: torch.zeros(rows, dim, dtype=torch.bool) for name, (rows, dim) in marker.tables.items()}
-    for link, frame in iter_chain_frames(marker, source, run_id, where):
+    for link, frame in iter_chain_frames(marker, source, run_id, locate):
         if frame.table not in tables:
             raise RestoreError(f"frame of unknown table {frame.table!r} in checkpoint {link.checkpoint_id}")
         weights, optim = decode_rows(frame)
@@ -50,10 +52,10 @@ def assemble(marker: Marker, source: FrameSource, run_id: str, where: str) -> di
     return tables
 
 
-def export(marker: Marker, source: FrameSource, dense: DenseStore, run_id: str, where: str,
-           out: Path, dcp_dir: Path | None = None) -> dict[str, Any]:
+def export(marker: Marker, source: FrameSource, dense: DenseStore, run_id: str,
+           locate: Callable[[int, int, int], str], out: Path, dcp_dir: Path | None = None) -> dict[str, Any]:
     """Write the unsharded model of `marker` to `out` (and `dcp_dir`); returns what was written."""
-    tables = assemble(marker, source, run_id, where)
+    tables = assemble(marker, source, run_id, locate)
     dense_state = dense.read(DenseRef.from_json(marker.dense))
     model = {
         "checkpoint_id": marker.checkpoint_id,

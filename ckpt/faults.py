@@ -3,7 +3,8 @@
 `DELTAREC_KILL_AT=point:key[@rank]` (e.g. `rows:3@1`: rank 1 dies while writing the rows
 of checkpoint 3). Points: `step` (after training step `key`), `snapshot` (inside the
 stall of checkpoint `key`), `rows` (in the writer, after half the frames of checkpoint
-`key`), `marker` (on rank 0, after the dense file and before the COMMIT marker). Only
+`key`), `marker` (on rank 0, after the dense file and before the COMMIT marker),
+`committed` (once this rank learns checkpoint `key` committed). Only
 a job's first attempt dies (torchrun's TORCHELASTIC_RESTART_COUNT is 0 or unset), so a
 restarted job runs on. Unset, every call is a dictionary lookup and returns. A real SIGKILL, not an exception, so the
 tests see what a crash leaves behind.

@@ -22,9 +22,11 @@ import torch.distributed as dist
 from ckpt import dense_state
 from ckpt.backends import Backend, dense_dir, open_backend, run_id_of
 from ckpt.committer import Committer
-from ckpt.dense_store import DenseRef, DenseStore
+from ckpt.dense_store import DenseRef, DenseStore, DenseStoreError
+from ckpt.frames import FrameError
 from ckpt.faults import maybe_die
-from ckpt.markers import Marker, commits, select
+from ckpt.markers import Marker, commits
+from ckpt.sink import SourceError
 from ckpt.policy import CheckpointPolicy
 from ckpt.quant import BitWidthPolicy
 from ckpt.restore import RestoreError, restore_rows
@@ -110,6 +112,7 @@ class CheckpointManager:
         self.total_rows = sum(s.num_rows for s in self.shard_map.shards)
         self.stats = CheckpointStats()
         self.restores = 0  # restores of this job so far (persisted in the dense state)
+        self._newest_id = 0  # newest checkpoint id in the markers log (ids never repeat)
         full_bytes = self.taker.estimate_bytes(full=True, since_base=False)
         if full_bytes > self.c.max_pending_bytes:
             raise ValueError(
@@ -128,22 +131,44 @@ class CheckpointManager:
 
     # -- restore ------------------------------------------------------------------------
     def restore(self) -> RestoreReport | None:
-        """Bring back the checkpoint `ckpt.resume` names; None when there is none to resume."""
+        """Bring back the checkpoint `ckpt.resume` names; None when there is none to resume.
+
+        A damaged checkpoint (bad CRC, a frame that does not match its marker, missing data,
+        a dense file with the wrong sha256) stops the job naming where, or with
+        `ckpt.on_corrupt: previous` falls back to the newest older one. Every rank agrees
+        on the outcome before anyone falls back, so all restore the same checkpoint.
+        """
         if self.c.resume == "none":
             return None
-        marker = self._find_marker()
-        if marker is None:
+        candidates = self._candidates()
+        if not candidates:
             if self.c.resume != "latest":
                 raise RestoreError(f"checkpoint {self.c.resume} of run {self.run_id} has no COMMIT marker in {self.backend.where}")
             if self.env.rank == 0:
                 logger.info("no checkpoint of run %s in %s: starting from scratch", self.run_id, self.backend.where)
             return None
-        rows = restore_rows(marker, self.backend.source, self.shard_map, self.run_id, self.backend.where)
-        state = self.dense.read(DenseRef.from_json(marker.dense))
+        for marker in candidates:
+            error = ""
+            try:
+                rows = restore_rows(marker, self.backend.source, self.shard_map, self.run_id, self.backend.locate)
+                state = self.dense.read(DenseRef.from_json(marker.dense))
+            except (FrameError, SourceError, RestoreError, DenseStoreError) as exc:
+                error = f"checkpoint {marker.checkpoint_id}: {exc}"
+            failed = torch.tensor([float(bool(error))])
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+            if not failed.item():
+                return self._finish_restore(marker, rows, state)
+            reason = error or f"checkpoint {marker.checkpoint_id}: another rank could not restore it"
+            if self.c.on_corrupt == "fail":
+                raise RestoreError(reason + " (set ckpt.on_corrupt=previous to fall back to an older checkpoint)")
+            logger.warning("%s; falling back to the previous checkpoint", reason)
+        raise RestoreError(f"no restorable checkpoint of run {self.run_id} in {self.backend.where}")
+
+    def _finish_restore(self, marker: Marker, rows: Any, state: dict[str, Any]) -> RestoreReport:
         dense_state.load(self.sharded, state)
         self.trainer.load_state_dict(self._trainer_state(state, marker))
         self.restores = int(state.get("restores", 0)) + 1
-        self.next_id = marker.checkpoint_id + 1
+        self.next_id = max(m for m in [marker.checkpoint_id, self._newest_id]) + 1
         self.generation = marker.chain[0].generation
         self.chain = [link.checkpoint_id for link in marker.chain]
         if self.committer is not None:
@@ -162,14 +187,23 @@ class CheckpointManager:
             )
         return report
 
-    def _find_marker(self) -> Marker | None:
-        """Rank 0 reads the markers log and broadcasts its choice, so all ranks agree."""
+    def _candidates(self) -> list[Marker]:
+        """COMMIT markers to try, newest first (only the chosen one for a given id).
+        Rank 0 reads the markers log and broadcasts, so all ranks agree."""
         chosen: list[Any] = [None]
         if self.env.rank == 0:
-            found = commits(self.backend.markers.read_markers(), self.run_id)
-            chosen[0] = select(found, None if self.c.resume == "latest" else int(self.c.resume))
+            found = [m for _, m in commits(self.backend.markers.read_markers(), self.run_id)]
+            newest = max((m.checkpoint_id for m in found), default=0)
+            if self.c.resume == "latest":
+                ordered = sorted(found, key=lambda m: m.checkpoint_id, reverse=True)
+            else:
+                ordered = [m for m in found if m.checkpoint_id == int(self.c.resume)]
+                ordered += sorted((m for m in found if m.checkpoint_id < int(self.c.resume)),
+                                  key=lambda m: m.checkpoint_id, reverse=True)
+            chosen[0] = (ordered, newest)
         dist.broadcast_object_list(chosen, src=0)
-        return chosen[0]
+        ordered, self._newest_id = chosen[0]
+        return ordered
 
     def _trainer_state(self, state: dict[str, Any], marker: Marker) -> dict[str, Any]:
         """This rank's loop state; reader state carries over to another world size only
@@ -223,6 +257,7 @@ class CheckpointManager:
         self.stats.last = o
         if o.committed:
             self.stats.committed += 1
+            maybe_die("committed", o.checkpoint_id, self.env.rank)
         else:
             self.stats.failed += 1
             self.force_full = True

@@ -56,7 +56,7 @@ def iter_chain_frames(
     marker: Marker,
     source: FrameSource,
     run_id: str,
-    where: str,
+    locate: Callable[[int, int, int], str],
     want: Callable[[str, int, int, int, int], bool] = lambda table, col, cols, lo, hi: True,
 ) -> Iterator[tuple[ChainLink, Frame]]:
     """Every verified frame of the marker's chain, base first, reading only the shard
@@ -71,8 +71,7 @@ def iter_chain_frames(
             for pos, frame in source.read_range(link.generation, partition, first, last):
                 if not _in_ranges(pos, link.ranges.get(partition, [])):
                     continue  # a frame of an earlier failed flush that landed in between
-                verify_frame(frame, link, partition, table, col, run_id,
-                             f"{where} generation {link.generation} partition {partition} position {pos}")
+                verify_frame(frame, link, partition, table, col, run_id, locate(link.generation, partition, pos))
                 yield link, frame
 
 
@@ -89,7 +88,9 @@ def decode_rows(frame: Frame) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return weights, optim
 
 
-def restore_rows(marker: Marker, source: FrameSource, shard_map: ShardMap, run_id: str, where: str) -> RowsRestored:
+def restore_rows(
+    marker: Marker, source: FrameSource, shard_map: ShardMap, run_id: str, locate: Callable[[int, int, int], str]
+) -> RowsRestored:
     """Replay the marker's chain into this rank's shards; verify the base covered them."""
     t0 = time.perf_counter()
     out = RowsRestored()
@@ -98,7 +99,7 @@ def restore_rows(marker: Marker, source: FrameSource, shard_map: ShardMap, run_i
     def want(table: str, col: int, cols: int, lo: int, hi: int) -> bool:
         return any(_overlaps(s, col, cols, lo, hi) for s in shard_map.of_table(table))
 
-    for link, frame in iter_chain_frames(marker, source, run_id, where, want):
+    for link, frame in iter_chain_frames(marker, source, run_id, locate, want):
         targets = [s for s in shard_map.of_table(frame.table)
                    if _overlaps(s, frame.col_offset, frame.dim, int(frame.row_ids.min()), int(frame.row_ids.max()))]
         out.rows += _apply(frame, targets, covered if link.full else None)

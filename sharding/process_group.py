@@ -79,13 +79,18 @@ def init_process_group(
         init_method = f"file://{path}"
     if env.launcher == "slurm" and init_method == "env://":
         _slurm_rendezvous_defaults()
-    dist.init_process_group(
-        backend=backend,
-        init_method=init_method,
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    timeout = timedelta(seconds=timeout_s)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if init_method == "env://" and attempt is not None:
+        # torchrun keeps its agent's store across restarts: without a per-attempt prefix a
+        # restarted rank reads the dead attempt's gloo addresses and cannot connect.
+        store, _, _ = next(dist.rendezvous(init_method, rank=env.rank, world_size=env.world_size, timeout=timeout))
+        store = dist.PrefixStore(f"deltarec/attempt{attempt}/", store)
+        dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    else:
+        dist.init_process_group(
+            backend=backend, init_method=init_method, rank=env.rank, world_size=env.world_size, timeout=timeout
+        )
     if env.rank == 0:
         logger.info("process group: %s, %d ranks (%s), device %s", backend, env.world_size, env.launcher, device)
     return device

@@ -27,6 +27,84 @@ class RankResult:
     stderr: str
 
 
+class RankGroup:
+    """Ranks started by `start_ranks`; `wait` reaps them within a deadline."""
+
+    def __init__(self, procs: list[subprocess.Popen], logs: list[tuple], timeout_s: float) -> None:
+        self.procs = procs
+        self.logs = logs
+        self.deadline = time.monotonic() + timeout_s
+        self.timeout_s = timeout_s
+
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.procs)
+
+    def wait(self, expect_ok: bool = True) -> list[RankResult]:
+        """Wait for every rank; a failing rank or the deadline kills the rest."""
+        failed = None
+        while any(p.poll() is None for p in self.procs):
+            if time.monotonic() > self.deadline:
+                failed = f"ranks still running after {self.timeout_s:.0f}s"
+                break
+            if any(p.returncode not in (None, 0) for p in self.procs):
+                failed = "a rank failed"
+                break
+            time.sleep(0.2)  # polling process exit, not synchronising ranks
+        if failed:
+            for p in self.procs:
+                if p.poll() is None:
+                    p.kill()
+            for p in self.procs:
+                p.wait()
+        results = []
+        for rank, (p, (out, err)) in enumerate(zip(self.procs, self.logs)):
+            out.seek(0)
+            err.seek(0)
+            results.append(RankResult(rank, p.returncode, out.read(), err.read()))
+            out.close()
+            err.close()
+        if failed and expect_ok:
+            tails = "\n".join(f"--- rank {r.rank} (rc {r.returncode}) ---\n{r.stderr[-3000:]}" for r in results)
+            raise AssertionError(f"{failed}\n{tails}")
+        if expect_ok:
+            bad = [r for r in results if r.returncode != 0]
+            assert not bad, "\n".join(f"rank {r.rank} rc {r.returncode}:\n{r.stderr[-3000:]}" for r in bad)
+        return results
+
+
+def start_ranks(
+    config: str | Path,
+    overrides: Sequence[str],
+    tmp_path: Path,
+    world_size: int = 2,
+    timeout_s: float = 240,
+    module: str = "trainer.main",
+    extra_args: Sequence[str] = (),
+    env_extra: dict[str, str] | None = None,
+) -> RankGroup:
+    """Start `world_size` ranks (torchrun's variables, a file rendezvous, run dir tmp_path/run)."""
+    rdzv = tmp_path / f"rdzv-{time.monotonic_ns()}"
+    run_dir = tmp_path / "run"
+    base = [
+        sys.executable, "-m", module, "--config", str(config), *extra_args,
+        f"sharding.init_method=file://{rdzv}", f"run.dir={run_dir}", "train.progress=log", *overrides,
+    ]
+    procs, logs = [], []
+    tag = time.monotonic_ns()
+    for rank in range(world_size):
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world_size), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+        )
+        env.update(env_extra or {})
+        out = open(tmp_path / f"rank{rank}-{tag}.out", "w+")
+        err = open(tmp_path / f"rank{rank}-{tag}.err", "w+")
+        logs.append((out, err))
+        procs.append(subprocess.Popen(base, cwd=REPO, env=env, stdout=out, stderr=err))
+    return RankGroup(procs, logs, timeout_s)
+
+
 def spawn_ranks(
     config: str | Path,
     overrides: Sequence[str],
@@ -39,56 +117,8 @@ def spawn_ranks(
     env_extra: dict[str, str] | None = None,
 ) -> list[RankResult]:
     """Run `world_size` ranks to completion within `timeout_s` and return their outputs."""
-    rdzv = tmp_path / f"rdzv-{time.monotonic_ns()}"
-    run_dir = tmp_path / "run"
-    base = [
-        sys.executable, "-m", module, "--config", str(config), *extra_args,
-        f"sharding.init_method=file://{rdzv}", f"run.dir={run_dir}", "train.progress=log", *overrides,
-    ]
-    procs = []
-    logs = []
-    for rank in range(world_size):
-        env = dict(os.environ)
-        env.update(
-            RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world_size), PYTHONUNBUFFERED="1",
-            OMP_NUM_THREADS="1",
-        )
-        env.update(env_extra or {})
-        out = open(tmp_path / f"rank{rank}.out", "w+")
-        err = open(tmp_path / f"rank{rank}.err", "w+")
-        logs.append((out, err))
-        procs.append(subprocess.Popen(base, cwd=REPO, env=env, stdout=out, stderr=err))
-    deadline = time.monotonic() + timeout_s
-    failed = None
-    while any(p.poll() is None for p in procs):
-        if time.monotonic() > deadline:
-            failed = f"ranks still running after {timeout_s:.0f}s"
-            break
-        if any(p.returncode not in (None, 0) for p in procs):
-            failed = "a rank failed"
-            break
-        time.sleep(0.2)  # polling process exit, not synchronising ranks
-    if failed:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for p in procs:
-            p.wait()
-    results = []
-    for rank, (p, (out, err)) in enumerate(zip(procs, logs)):
-        out.seek(0)
-        err.seek(0)
-        results.append(RankResult(rank, p.returncode, out.read(), err.read()))
-        out.close()
-        err.close()
-    if failed and expect_ok:
-        tails = "\n".join(f"--- rank {r.rank} (rc {r.returncode}) ---\n{r.stderr[-3000:]}" for r in results)
-        raise AssertionError(f"{failed}\n{tails}")
-    if expect_ok:
-        bad = [r for r in results if r.returncode != 0]
-        assert not bad, "\n".join(f"rank {r.rank} rc {r.returncode}:\n{r.stderr[-3000:]}" for r in bad)
-    return results
+    group = start_ranks(config, overrides, tmp_path, world_size, timeout_s, module, extra_args, env_extra)
+    return group.wait(expect_ok)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

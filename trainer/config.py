@@ -151,6 +151,7 @@ class CkptConfig:
     max_pending_bytes: int = 1 << 30  # host memory all unwritten snapshots of a rank may hold
     on_backpressure: Literal["wait", "skip"] = "skip"
     resume: str = "none"  # "none", "latest", or a checkpoint id
+    on_corrupt: Literal["fail", "previous"] = "fail"  # a damaged checkpoint: stop, or try the one before
     final: bool = True  # checkpoint the last step and wait for it before exiting
     bootstrap_servers: str = ""  # Kafka sink: host:port[,host:port]
     kafka: dict[str, Any] = field(default_factory=dict)  # any librdkafka setting (SASL/TLS too)

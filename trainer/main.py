@@ -17,7 +17,12 @@ from typing import Sequence
 
 import torch
 
+from ckpt.dense_store import DenseStoreError
+from ckpt.frames import FrameError
 from ckpt.manager import CheckpointManager
+from ckpt.markers import MarkerError
+from ckpt.restore import RestoreError
+from ckpt.sink import SourceError
 from sharding.dmp import plan_model, shard_model
 from sharding.plan import PlanError, format_plan, summarize
 from sharding.process_group import DistEnv, destroy_process_group, detect_env, init_process_group, pick_device
@@ -153,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides, check_data=not args.dry_run)
         return dry_run(cfg, env, args.device) if args.dry_run else train(cfg, env)
-    except (ConfigError, PlanError, MalformedLineError) as exc:
+    except (ConfigError, PlanError, MalformedLineError, RestoreError, FrameError, SourceError, DenseStoreError, MarkerError) as exc:
         print(f"deltarec-train: error: {exc}", file=sys.stderr)
         return 2
 

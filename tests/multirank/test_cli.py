@@ -142,5 +142,5 @@ def test_malformed_criteo_line_can_be_skipped(tmp_path: Path) -> None:
     rng = random.Random(3)
     lines = [_criteo_line(rng) for _ in range(1000)]
     lines[9] = "1\tnot-a-number" + "\t" * 38
-    spawn_ranks(_criteo_job(tmp_path, lines, "skip"), [], tmp_path)
-    assert "train.tsv:10" in (tmp_path / "rank0.err").read_text()
+    results = spawn_ranks(_criteo_job(tmp_path, lines, "skip"), [], tmp_path)
+    assert "train.tsv:10" in results[0].stderr
