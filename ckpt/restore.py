@@ -14,6 +14,7 @@ match, the same trade-off DCP makes).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from dataclasses import dataclass
@@ -61,18 +62,37 @@ def iter_chain_frames(
 ) -> Iterator[tuple[ChainLink, Frame]]:
     """Every verified frame of the marker's chain, base first, reading only the shard
     segments `want(table, col, cols, min_row, max_row)` accepts, and only positions
-    inside the marker's ranges."""
+    inside the marker's ranges. Consecutive wanted segments of a partition are read with
+    one `read_range`, so a rank that needs a whole partition opens it once."""
     if not marker.chain or not marker.chain[0].full:
         raise RestoreError(f"checkpoint {marker.checkpoint_id}: its chain does not start with a full checkpoint")
     for link in marker.chain:
-        for partition, first, last, table, col, lo, hi, cols in link.index:
-            if not want(table, col, cols, lo, hi):
-                continue
-            for pos, frame in source.read_range(link.generation, partition, first, last):
+        for partition, run in _wanted_runs(link, want):
+            firsts = [entry[1] for entry in run]
+            for pos, frame in source.read_range(link.generation, partition, run[0][1], run[-1][2]):
                 if not _in_ranges(pos, link.ranges.get(partition, [])):
                     continue  # a frame of an earlier failed flush that landed in between
-                verify_frame(frame, link, partition, table, col, run_id, locate(link.generation, partition, pos))
+                entry = run[bisect.bisect_right(firsts, pos) - 1]
+                if not entry[1] <= pos <= entry[2]:
+                    raise FrameError("frame outside every indexed segment of its COMMIT marker",
+                                     locate(link.generation, partition, pos))
+                verify_frame(frame, link, partition, entry[3], entry[4], run_id, locate(link.generation, partition, pos))
                 yield link, frame
+
+
+def _wanted_runs(link: ChainLink, want: Callable[[str, int, int, int, int], bool]) -> list[tuple[int, list[list]]]:
+    """Per partition, maximal runs of consecutive index entries that `want` accepts."""
+    runs: list[tuple[int, list[list]]] = []
+    previous: dict[int, bool] = {}
+    for entry in link.index:
+        partition, first, last, table, col, lo, hi, cols = entry
+        wanted = want(table, col, cols, lo, hi)
+        if wanted and previous.get(partition) and runs and runs[-1][0] == partition:
+            runs[-1][1].append(entry)
+        elif wanted:
+            runs.append((partition, [entry]))
+        previous[partition] = wanted
+    return runs
 
 
 def decode_rows(frame: Frame) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -104,7 +124,7 @@ def restore_rows(
                    if _overlaps(s, frame.col_offset, frame.dim, int(frame.row_ids.min()), int(frame.row_ids.max()))]
         out.rows += _apply(frame, targets, covered if link.full else None)
         out.frames += 1
-        out.bytes += frame.payload.numel() + frame.row_ids.numel() * 8
+        out.bytes += frame.payload.numel() + frame.row_ids.numel() * 8 + sum(o.rows.numel() for o in frame.optim)
     for s in shard_map.shards:
         if not bool(covered[id(s)].all()):
             missing = int((~covered[id(s)].any(dim=1)).sum())

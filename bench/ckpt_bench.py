@@ -1,0 +1,388 @@
+"""Continuous checkpointing on the quickstart model, per checkpoint, against plain baselines.
+
+    python -m bench.ckpt_bench [--out results.json] [--steps 400] [--interval 50] [--repeats 5]
+                               [--quant adaptive4 | --expected-restores N] [key=value ...]
+
+Everything runs in one invocation against one embedded broker (Tansu, `launch.broker`),
+so ratios compare figures taken on the same machine minutes apart:
+
+1. Three training runs of `--config` (quickstart: 2 CPU gloo ranks, spawned like the tests
+   do, `tests.ranks.spawn_ranks`): one without checkpoints (training throughput baseline),
+   two with checkpoints every `--interval` steps to the broker,
+   policy `--policy`: one with fp32 rows, one quantized (`--quant`, or Check-N-Run's bit
+   width for `--expected-restores`). Per checkpoint, from `<run_dir>/metrics.jsonl`: rows,
+   fraction of the model's rows (rows of every shard, a column-wise table counted once per
+   column shard, as the tracker does), bytes, stall, write time. Each rank runs through
+   `bench.ckpt_rank`, which adds per rank: `SnapshotTaker.take` alone and a bare
+   `index_select` / `clone` of exactly the same rows (timed after the checkpoint, so it
+   adds nothing to the recorded stall).
+2. `bench.ckpt_probe` (2 ranks again, the same job built in-process): restore of the
+   newest checkpoint against `dcp.save`/`dcp.load` of the same sharded model; take vs bare
+   copy repeated; deltarec's writer path against a raw confluent-kafka producer sending the
+   same frames to the same broker.
+
+Prints a JSON summary (`summary`: the headline figures and ratios, medians) and writes it
+with `--out`. A benchmark, not a test: nothing is asserted about the figures. About 3
+minutes on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _log(msg: str) -> None:
+    print(f"ckpt_bench: {msg}", file=sys.stderr, flush=True)
+
+
+def _med(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return median(xs) if xs else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _r(x: Any, nd: int = 4) -> Any:
+    if isinstance(x, float):
+        return round(x, nd)
+    if isinstance(x, dict):
+        return {k: _r(v, nd) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_r(v, nd) for v in x]
+    return x
+
+
+# -- 1. training runs ----------------------------------------------------------------------
+def train_run(label: str, extra: list[str], args: argparse.Namespace, work: Path, bootstrap: str,
+              prefix: str) -> dict[str, Any]:
+    from tests.ranks import read_metrics, spawn_ranks
+
+    tmp = work / label
+    tmp.mkdir(parents=True)
+    run_id = f"{prefix}-{label}"
+    overrides = [
+        "ckpt.enabled=true", f"ckpt.bootstrap_servers={bootstrap}", f"ckpt.run_id={run_id}",
+        f"ckpt.policy={args.policy}", f"ckpt.interval_steps={args.interval}", f"train.steps={args.steps}",
+        "train.eval_every=0", "train.eval_batches=0", f"train.log_every={args.interval}", *extra, *args.overrides,
+    ]
+    _log(f"training run {label}: {args.steps} steps, checkpoint every {args.interval}, {' '.join(extra) or 'fp32'}")
+    t = time.perf_counter()
+    spawn_ranks(args.config, overrides, tmp, world_size=args.ranks, timeout_s=args.timeout_s,
+                module="bench.ckpt_rank", env_extra={"DELTAREC_BENCH_SIDE": str(tmp)})
+    wall = time.perf_counter() - t
+    metrics = read_metrics(tmp / "run")
+    ckpts = [m for m in metrics if "ckpt_id" in m]
+    side: dict[int, dict[int, dict[str, Any]]] = {}
+    for rank in range(args.ranks):
+        for line in (tmp / f"rank{rank}.jsonl").read_text().splitlines():
+            rec = json.loads(line)
+            side.setdefault(rec["ckpt_id"], {})[rank] = rec
+    total_rows = sum(next(iter(side.values()))[r]["rank_total_rows"] for r in range(args.ranks))
+    rows = []
+    for m in ckpts:
+        per = side.get(m["ckpt_id"], {})
+        worst = lambda k: max((p[k] for p in per.values() if p.get(k) is not None), default=None)  # noqa: E731
+        bare = worst("bare_ms_first")  # fresh memory, like take's buffers
+        warm = worst("bare_ms")  # median of the three: mostly recycled memory
+        for p in per.values():
+            if p.get("stall_ms") is not None:
+                p["other_ms"] = p["stall_ms"] - p["agree_ms"] - p["take_ms"]
+        row = {
+            "ckpt_id": m["ckpt_id"], "step": m["step"], "kind": "full" if m["ckpt_full"] else "delta",
+            "committed": m["ckpt_committed"], "rows": m["ckpt_rows"], "fraction_of_rows": m["ckpt_rows"] / total_rows,
+            "fraction_changed_since_last": next((p["frac_since_last"] for p in per.values()), None),
+            "bytes": m["ckpt_bytes"], "bytes_per_row": m["ckpt_bytes"] / max(m["ckpt_rows"], 1),
+            "stall_ms": m["ckpt_stall_ms"], "agree_ms": worst("agree_ms"), "take_ms": worst("take_ms"),
+            "other_ms": worst("other_ms"), "find_rows_ms": worst("find_ms"),
+            "bare_copy_ms": bare, "bare_copy_warm_ms": warm,
+            "stall_over_bare": _ratio(m["ckpt_stall_ms"], bare), "take_over_bare": _ratio(worst("take_ms"), bare),
+            "take_over_bare_warm": _ratio(worst("take_ms"), warm),
+            "write_s": m["ckpt_write_s"], "write_MBps": m["ckpt_bytes"] / m["ckpt_write_s"] / 1e6 if m["ckpt_write_s"] else None,
+            "codec": next((p.get("weight_codec") for p in per.values()), None),
+            "per_rank": {r: {k: p.get(k) for k in ("rows", "stall_ms", "agree_ms", "take_ms", "other_ms", "bare_ms_all", "find_ms",
+                                                      "write_s", "write_bytes")} for r, p in sorted(per.items())},
+        }
+        if not m["ckpt_committed"]:
+            row["error"] = m.get("ckpt_error")
+        rows.append(row)
+    rates = [m["samples_per_s"] for m in metrics if "samples_per_s" in m]
+    return {"run_id": run_id, "overrides": overrides, "wall_s": wall, "model_rows": total_rows,
+            "samples_per_s_median": _med(rates[1:] or rates), "checkpoints": rows}
+
+
+def baseline_run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The same job without checkpointing: training throughput to compare the runs with."""
+    from tests.ranks import read_metrics, spawn_ranks
+
+    tmp = work / "no-ckpt"
+    tmp.mkdir(parents=True)
+    _log(f"training run without checkpoints: {args.steps} steps")
+    overrides = [f"train.steps={args.steps}", "train.eval_every=0", "train.eval_batches=0",
+                 f"train.log_every={args.interval}", *args.overrides]
+    t = time.perf_counter()
+    spawn_ranks(args.config, overrides, tmp, world_size=args.ranks, timeout_s=args.timeout_s)
+    wall = time.perf_counter() - t
+    rates = [m["samples_per_s"] for m in read_metrics(tmp / "run") if "samples_per_s" in m]
+    return {"wall_s": wall, "samples_per_s_median": _med(rates[1:] or rates)}
+
+
+def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
+    ck = [c for c in run["checkpoints"] if c["committed"]]
+    out: dict[str, Any] = {"checkpoints": len(run["checkpoints"]), "committed": len(ck)}
+    for kind in ("full", "delta"):
+        cs = [c for c in ck if c["kind"] == kind]
+        if not cs:
+            continue
+        out[kind] = {
+            "count": len(cs),
+            "fraction_of_rows_median": _med([c["fraction_of_rows"] for c in cs]),
+            "fraction_of_rows_range": [min(c["fraction_of_rows"] for c in cs), max(c["fraction_of_rows"] for c in cs)],
+            "bytes_median": _med([c["bytes"] for c in cs]),
+            "bytes_per_row_median": _med([c["bytes_per_row"] for c in cs]),
+            "stall_ms_median": _med([c["stall_ms"] for c in cs]),
+            "take_ms_median": _med([c["take_ms"] for c in cs]),
+            "agree_ms_median": _med([c["agree_ms"] for c in cs]),
+            "other_ms_median": _med([c["other_ms"] for c in cs]),
+            "bare_copy_ms_median": _med([c["bare_copy_ms"] for c in cs]),
+            "bare_copy_warm_ms_median": _med([c["bare_copy_warm_ms"] for c in cs]),
+            "stall_over_bare_median": _med([c["stall_over_bare"] for c in cs]),
+            "take_over_bare_median": _med([c["take_over_bare"] for c in cs]),
+            "take_over_bare_warm_median": _med([c["take_over_bare_warm"] for c in cs]),
+            "write_s_median": _med([c["write_s"] for c in cs]),
+            "write_MBps_median": _med([c["write_MBps"] for c in cs]),
+        }
+    out["fraction_changed_per_interval_median"] = _med(
+        [c["fraction_changed_since_last"] for c in ck if c["kind"] == "delta"])
+    out["bytes_total"] = sum(c["bytes"] for c in ck)
+    return out
+
+
+# -- 2. probe ---------------------------------------------------------------------------------
+def probe(args: argparse.Namespace, work: Path, bootstrap: str, fp32: dict, quant: dict, quant_extra: list[str]) -> list[dict]:
+    from tests.ranks import spawn_ranks
+
+    tmp = work / "probe"
+    tmp.mkdir(parents=True)
+    extra = ["--fp32-run", fp32["run_id"], "--quant-run", quant["run_id"], "--out-dir", str(tmp),
+             "--dcp-dir", str(tmp / "dcp"), "--repeats", str(args.repeats), "--interval", str(args.interval)]
+    for ov in quant_extra:
+        extra += ["--quant-override", ov]
+    _log("probe: restore vs dcp.load, take vs bare copy, writer vs raw producer")
+    spawn_ranks(args.config, [f"ckpt.bootstrap_servers={bootstrap}", *args.overrides], tmp, world_size=args.ranks,
+                timeout_s=args.timeout_s, module="bench.ckpt_probe", extra_args=extra)
+    return [json.loads((tmp / f"probe_rank{r}.json").read_text()) for r in range(args.ranks)]
+
+
+def summarize_probe(ranks: list[dict]) -> dict[str, Any]:
+    r0 = ranks[0]["restore"]  # timed between barriers: the same on every rank
+    restore = {
+        "checkpoint": {k: r0["latest"][k] for k in ("checkpoint_id", "step", "chain", "rows", "bytes")},
+        "deltarec_restore_s_median": _med(r0["restore_s"]),
+        "deltarec_first_restore_s": r0["first_restore_s"],
+        "deltarec_rows_part_s_median": _med(r0["rows_s"]),
+        "deltarec_kafka_poll_s_median": max(_med(r["restore"]["kafka_poll_s"]) for r in ranks),
+        "dcp_load_s_median": _med(r0["dcp_load_s"]),
+        "restore_over_dcp_load": _ratio(_med(r0["restore_s"]), _med(r0["dcp_load_s"])),
+        "raw_kafka_read_s_median": _med(r0["raw_kafka_read_s"]),
+        "raw_kafka_read_bytes": sum(r["restore"]["raw_kafka_bytes"] for r in ranks),
+        "restore_over_raw_kafka_read": _ratio(_med(r0["restore_s"]), _med(r0["raw_kafka_read_s"])),
+        "dcp_save_s_median": _med(r0["dcp_save_s"]),
+        "dcp_bytes_on_disk": r0["dcp_bytes_on_disk"],
+        "restore_s_all": r0["restore_s"], "dcp_load_s_all": r0["dcp_load_s"],
+        "raw_kafka_read_s_all": r0["raw_kafka_read_s"],
+        "same_state_after_each_load": all(r["restore"]["same_state_after_each"] for r in ranks),
+    }
+    if "other_chain" in r0:
+        d = r0["other_chain"]
+        restore["other_chain"] = {"checkpoint_id": d["checkpoint_id"], "chain": d["chain"], "rows": d["rows"],
+                                  "bytes": d["bytes"], "restore_s_median": _med(d["restore_s"]),
+                                  "rows_part_s_median": _med(d["rows_s"]),
+                                  "over_dcp_load": _ratio(_med(d["restore_s"]), _med(r0["dcp_load_s"]))}
+    q = r0["quant"]
+    restore["quantized"] = {"checkpoint_id": q["checkpoint_id"], "chain": q["chain"], "bytes": q["bytes"],
+                            "restore_s_median": _med(q["restore_s"]), "rows_part_s_median": _med(q["rows_s"]),
+                            "over_dcp_load": _ratio(_med(q["restore_s"]), _med(r0["dcp_load_s"]))}
+    if all("weights_rel_l2_error_sq_parts" in r["restore"]["quant"] for r in ranks):
+        num = sum(r["restore"]["quant"]["weights_rel_l2_error_sq_parts"][0] for r in ranks)
+        den = sum(r["restore"]["quant"]["weights_rel_l2_error_sq_parts"][1] for r in ranks)
+        restore["quantized"]["weights_rel_l2_error_vs_fp32"] = (num / den) ** 0.5 if den else None
+
+    tb: dict[str, Any] = {}
+    for kind in ("delta", "full"):
+        takes = [r["take_vs_bare"][f"take_{kind}_ms"] for r in ranks]
+        bares = [r["take_vs_bare"][f"bare_{kind}_ms"] for r in ranks]
+        paired = [median(t / b for t, b in zip(ts, bs)) for ts, bs in zip(takes, bares)]  # per rank, per round
+        tb[kind] = {"rows": sum(r["take_vs_bare"][f"{kind}_rows"] for r in ranks),
+                    "bytes": sum(r["take_vs_bare"][f"{kind}_bytes"] for r in ranks),
+                    "take_ms_median": max(median(t) for t in takes), "bare_copy_ms_median": max(median(b) for b in bares),
+                    "take_over_bare_per_rank": paired, "take_over_bare": max(paired),
+                    "find_rows_ms_median": max(median(r["take_vs_bare"]["find_delta_ms"]) for r in ranks)
+                    if kind == "delta" else 0.0,
+                    "take_ms_per_rank": takes, "bare_ms_per_rank": bares}
+
+    writer = []
+    for i, case in enumerate(ranks[0]["writer"]):
+        per = [r["writer"][i] for r in ranks]
+        nbytes = sum(p["bytes"] for p in per)
+        rounds = len(case["writer_s"])
+        w = [max(p["writer_s"][k] for p in per) for k in range(rounds)]  # both ranks wrote at once
+        raw = [max(p["raw_s"][k] for p in per) for k in range(rounds)]
+        enc = [max(p["writer_s"][k] - p["sink_s"][k] for p in per) for k in range(rounds)]
+        in_sink = [max(p["sink_s"][k] for p in per) for k in range(rounds)]
+        snap_bytes = sum(p["snapshot_bytes"] for p in per)
+        writer.append({
+            "snapshot": case["snapshot"], "codec": case["codec"], "rows": sum(p["rows"] for p in per), "bytes": nbytes,
+            "snapshot_bytes": snap_bytes, "frames": sum(p["frames"] for p in per),
+            "writer_MBps_median": nbytes / median(w) / 1e6, "raw_producer_MBps_median": nbytes / median(raw) / 1e6,
+            "writer_over_raw_throughput": _med([b / a for a, b in zip(w, raw)]),
+            "writer_snapshot_MBps_median": snap_bytes / median(w) / 1e6,
+            "writer_s_median": median(w), "raw_s_median": median(raw), "encode_frame_s_median": median(enc),
+            # what the writer spends besides encoding, against the raw producer (per rank, then the slower)
+            "sink_s_median": median(in_sink),
+            "sink_part_over_raw": _med([a / b for a, b in zip(in_sink, raw)]),
+            "writer_s_all": w, "raw_s_all": raw,
+        })
+    return {"restore": restore, "take_vs_bare": tb, "writer_vs_raw": writer}
+
+
+# -- main -----------------------------------------------------------------------------------------
+def _machine() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                   if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "loadavg_start": list(os.getloadavg())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="configs/quickstart.yaml")
+    p.add_argument("--steps", type=int, default=400, help="training steps per run")
+    p.add_argument("--interval", type=int, default=50, help="ckpt.interval_steps")
+    p.add_argument("--policy", default="intermittent_diff")
+    p.add_argument("--quant", default="adaptive4", help="ckpt.encoding of the quantized run")
+    p.add_argument("--expected-restores", type=int, default=0,
+                   help="> 0: the quantized run uses ckpt.expected_restores=N instead of --quant")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds of each probe comparison")
+    p.add_argument("--timeout-s", type=float, default=300)
+    p.add_argument("--out", type=Path)
+    p.add_argument("--keep", type=Path, help="keep run directories here (default: a temporary directory)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every job")
+    args = p.parse_args(argv)
+    os.chdir(REPO)  # spawn_ranks runs ranks in the repo; relative config paths resolve there
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+
+    from launch.broker import EmbeddedBroker
+
+    started = time.perf_counter()
+    machine = _machine()
+    if args.expected_restores > 0:
+        quant_extra, qlabel = [f"ckpt.expected_restores={args.expected_restores}"], f"restores{args.expected_restores}"
+    else:
+        quant_extra, qlabel = [f"ckpt.encoding={args.quant}"], args.quant
+    prefix = f"ckptbench-{uuid.uuid4().hex[:8]}"
+    with tempfile.TemporaryDirectory(prefix="ckpt-bench-") as tmpdir, EmbeddedBroker() as broker:
+        work = args.keep / prefix if args.keep else Path(tmpdir)
+        work.mkdir(parents=True, exist_ok=True)
+        _log(f"broker {broker.bootstrap}, work dir {work}")
+        base = baseline_run(args, work)
+        fp32 = train_run("fp32", [], args, work, broker.bootstrap, prefix)
+        quant = train_run(qlabel, quant_extra, args, work, broker.bootstrap, prefix)
+        probe_ranks = probe(args, work, broker.bootstrap, fp32, quant, quant_extra)
+    machine["loadavg_end"] = list(os.getloadavg())
+    pr = summarize_probe(probe_ranks)
+    s32, sq = summarize_run(fp32), summarize_run(quant)
+    d32, f32 = s32.get("delta", {}), s32.get("full", {})
+    rs = pr["restore"]
+    links = lambda chain: f"{len(chain)}link"  # noqa: E731
+    from trainer.config import load_config
+
+    cfg = load_config(args.config, args.overrides, check_data=False)
+    summary = {
+        "model_rows": fp32["model_rows"],  # rows of every model-parallel shard (what the tracker counts)
+        "table_rows": sum(t.num_embeddings for t in cfg.model.tables if cfg.table_sharding(t) != "data_parallel"),
+        # 1. rows and bytes (fp32 run; the quantized run has the same rows)
+        "fraction_of_rows_per_delta_median": d32.get("fraction_of_rows_median"),
+        "fraction_changed_per_interval_median": s32["fraction_changed_per_interval_median"],
+        "bytes_full_fp32": f32.get("bytes_median"),
+        "bytes_delta_fp32_median": d32.get("bytes_median"),
+        f"bytes_full_{qlabel}": sq.get("full", {}).get("bytes_median"),
+        f"bytes_delta_{qlabel}_median": sq.get("delta", {}).get("bytes_median"),
+        f"bytes_per_row_{qlabel}_over_fp32": _ratio(sq.get("full", {}).get("bytes_per_row_median"),
+                                                    f32.get("bytes_per_row_median")),
+        # 2. stall (training thread) against a bare copy of the same rows
+        "stall_ms_delta_median": d32.get("stall_ms_median"),
+        "stall_ms_full_median": f32.get("stall_ms_median"),
+        "take_ms_delta_median": d32.get("take_ms_median"),
+        "bare_copy_ms_delta_median": d32.get("bare_copy_ms_median"),
+        "bare_copy_ms_full_median": f32.get("bare_copy_ms_median"),
+        "stall_over_bare_delta_median": d32.get("stall_over_bare_median"),
+        "stall_over_bare_full_median": f32.get("stall_over_bare_median"),
+        "take_over_bare_delta_median": d32.get("take_over_bare_median"),
+        "take_over_bare_full_median": f32.get("take_over_bare_median"),
+        "take_over_bare_delta_controlled": pr["take_vs_bare"]["delta"]["take_over_bare"],
+        "find_rows_ms_delta_controlled": pr["take_vs_bare"]["delta"]["find_rows_ms_median"],
+        "take_over_bare_full_controlled": pr["take_vs_bare"]["full"]["take_over_bare"],
+        # 3. writer against a raw producer of the same bytes
+        **{f"writer_over_raw_{w['snapshot']}_{w['codec']}": w["writer_over_raw_throughput"] for w in pr["writer_vs_raw"]},
+        **{f"writer_MBps_{w['snapshot']}_{w['codec']}": w["writer_MBps_median"] for w in pr["writer_vs_raw"]},
+        **{f"raw_producer_MBps_{w['snapshot']}_{w['codec']}": w["raw_producer_MBps_median"] for w in pr["writer_vs_raw"]},
+        "writer_MBps_in_training_fp32_median": _med([c["write_MBps"] for c in fp32["checkpoints"] if c["committed"]]),
+        f"writer_MBps_in_training_{qlabel}_median": _med([c["write_MBps"] for c in quant["checkpoints"] if c["committed"]]),
+        # 4. restore against dcp.load of the same sharded state
+        "restore_chain": rs["checkpoint"]["chain"],
+        "restore_s_median": rs["deltarec_restore_s_median"],
+        "dcp_load_s_median": rs["dcp_load_s_median"],
+        "restore_over_dcp_load": rs["restore_over_dcp_load"],
+        "restore_over_raw_kafka_read": rs["restore_over_raw_kafka_read"],
+        f"restore_{qlabel}_over_dcp_load": rs["quantized"]["over_dcp_load"],
+        "dcp_save_s_median": rs["dcp_save_s_median"],
+        # training throughput (samples/s, median of the windows after the first)
+        "train_samples_per_s_no_ckpt": base["samples_per_s_median"],
+        "train_samples_per_s_fp32": fp32["samples_per_s_median"],
+        f"train_samples_per_s_{qlabel}": quant["samples_per_s_median"],
+    }
+    if "other_chain" in rs:
+        summary[f"restore_{links(rs['other_chain']['chain'])}_chain_over_dcp_load"] = rs["other_chain"]["over_dcp_load"]
+    result = {
+        "benchmark": "ckpt_bench",
+        "command": "python -m bench.ckpt_bench " + " ".join(sys.argv[1:] if argv is None else argv),
+        "config": args.config,
+        "settings": {"ranks": args.ranks, "steps": args.steps, "interval_steps": args.interval, "policy": args.policy,
+                     "quantized": quant_extra[0], "repeats": args.repeats, "overrides": args.overrides},
+        "machine": machine,
+        "wall_s": time.perf_counter() - started,
+        "summary": summary,
+        "runs": {"no_ckpt": base, "fp32": {**fp32, "summary": s32}, qlabel: {**quant, "summary": sq}},
+        "probe": pr,
+    }
+    text = json.dumps(_r(result), indent=1)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
