@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 ENV = "DELTAREC_KILL_AT"
+SLOW_ENV = "DELTAREC_SLOW_FLUSH"  # "checkpoint_id:seconds": that checkpoint's writer sleeps before flushing
 
 
 def maybe_die(point: str, key: int, rank: int) -> None:
@@ -26,3 +28,12 @@ def maybe_die(point: str, key: int, rank: int) -> None:
     name, _, value = target.partition(":")
     if name == point and int(value) == key and (not only_rank or int(only_rank) == rank):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_slow(checkpoint_id: int) -> None:
+    """Hold the writer of `checkpoint_id` (tests of back-pressure: a provably busy writer)."""
+    spec = os.environ.get(SLOW_ENV)
+    if spec:
+        cid, _, seconds = spec.partition(":")
+        if int(cid) == checkpoint_id:
+            time.sleep(float(seconds))

@@ -239,7 +239,7 @@ class CheckpointManager:
     def finish(self, step: int) -> None:
         """Checkpoint the last step (ckpt.final), wait for every outcome, stop the writer."""
         if self.c.final and self.last_step != step:
-            self._checkpoint(step)
+            self._checkpoint(step, final=True)
         for outcome in self.writer.close():
             self._record(outcome)
         self.backend.close()
@@ -277,9 +277,9 @@ class CheckpointManager:
             "ckpt_write_s": o.write_s, "ckpt_error": o.error,
         })
 
-    def _checkpoint(self, step: int) -> None:
+    def _checkpoint(self, step: int, final: bool = False) -> None:
+        """Take checkpoint at `step`; the final one waits for room rather than being skipped."""
         t0 = time.perf_counter()
-        self.last_step, self.last_time = step, time.monotonic()
         c = self.c
         est = {
             "full": self.taker.estimate_bytes(full=True, since_base=False),
@@ -299,7 +299,7 @@ class CheckpointManager:
         decision = self.policy.decide(counts[0].item() / total, counts[1].item() / total, force_full=bool(flags[0]))
         kind = "full" if decision.full else ("base" if decision.since_base else "last")
         overflow = bool(flags[{"full": 1, "base": 2, "last": 3}[kind]])
-        if overflow and c.on_backpressure == "skip":
+        if overflow and c.on_backpressure == "skip" and not final:
             self.stats.skipped += 1
             if self.env.rank == 0:
                 logger.warning("checkpoint at step %d skipped: writers hold %d bytes of unwritten snapshots", step, pending)
@@ -307,6 +307,7 @@ class CheckpointManager:
             return
         if overflow:
             self.writer.wait_for_room(est[kind], c.max_pending_bytes)
+        self.last_step, self.last_time = step, time.monotonic()
         cid = self.next_id
         self.next_id += 1
         if decision.full:

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ckpt.faults import maybe_die
+from ckpt.faults import maybe_die, maybe_slow
 from ckpt.frames import OptimState, chunk_rows
 from ckpt.quant import get_codec
 from ckpt.sink import FrameSink
@@ -192,6 +192,7 @@ class RankWriter:
                     meta.append([shard.table, shard.col_offset, first_row, last_row, shard.weights.shape[1]])
                     nbytes += len(frame)
                 rows += shard.global_rows.numel()
+            maybe_slow(job.checkpoint_id)
             result = self.sink.flush(self.flush_timeout_s)
             if result.error is not None:
                 error = f"rank {self.rank}: {result.error}"

@@ -208,3 +208,26 @@ def test_torchrun_restarts_a_killed_rank_from_the_newest_marker(tmp_path, broker
     resumed = [x for x in p.stdout.splitlines() if x.startswith("deltarec: resumed from checkpoint")]
     assert len(resumed) == 1 and int(resumed[0].split()[4]) >= 2, p.stdout
     assert "deltarec: trained 40 steps" in p.stdout
+
+
+# Full snapshot of one debug_cpu rank under row_wise: 1532 rows x (8 id + 64 weight + 4 momentum) bytes.
+FULL_SNAPSHOT_BYTES = 1532 * 76
+
+
+@pytest.mark.parametrize("mode", ["skip", "wait"])
+def test_pending_snapshots_stay_within_the_budget(tmp_path, unique_name, mode):
+    """A writer held busy: `skip` drops (and reports) checkpoints that would not fit,
+    `wait` holds training until they fit; neither holds more than the budget."""
+    job = _ckpt(unique_name("budget"), interval_steps=1, max_pending_bytes=FULL_SNAPSHOT_BYTES,
+                on_backpressure=mode)
+    spawn_ranks(DEBUG, [*job, "sharding.default=row_wise", "train.steps=8", "train.eval_batches=1"], tmp_path,
+                env_extra={"DELTAREC_SLOW_FLUSH": "1:1.5" if mode == "wait" else "1:30"})
+    records = read_metrics(tmp_path / "run")
+    skipped = [r["step"] for r in records if r.get("ckpt_skipped")]
+    committed = [r["step"] for r in records if r.get("ckpt_committed")]
+    if mode == "skip":
+        # checkpoint 1 is held for 30 s: steps 2-8 are skipped; then the final checkpoint of step 8 waits for room
+        assert skipped == list(range(2, 9)) and committed == [1, 8], (skipped, committed)
+    else:
+        assert not skipped and committed == list(range(1, 9))
+    assert max(r["step"] for r in records if "loss" in r) == 8
