@@ -221,12 +221,12 @@ def test_pending_snapshots_stay_within_the_budget(tmp_path, unique_name, mode):
     job = _ckpt(unique_name("budget"), interval_steps=1, max_pending_bytes=FULL_SNAPSHOT_BYTES,
                 on_backpressure=mode)
     spawn_ranks(DEBUG, [*job, "sharding.default=row_wise", "train.steps=8", "train.eval_batches=1"], tmp_path,
-                env_extra={"DELTAREC_SLOW_FLUSH": "1:1.5" if mode == "wait" else "1:30"})
+                env_extra={"DELTAREC_SLOW_FLUSH": "1:1.5" if mode == "wait" else "1:6"})
     records = read_metrics(tmp_path / "run")
     skipped = [r["step"] for r in records if r.get("ckpt_skipped")]
     committed = [r["step"] for r in records if r.get("ckpt_committed")]
     if mode == "skip":
-        # checkpoint 1 is held for 30 s: steps 2-8 are skipped; then the final checkpoint of step 8 waits for room
+        # checkpoint 1 is held for 6 s: steps 2-8 are skipped; then the final checkpoint of step 8 waits for room
         assert skipped == list(range(2, 9)) and committed == [1, 8], (skipped, committed)
     else:
         assert not skipped and committed == list(range(1, 9))
