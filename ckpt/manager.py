@@ -11,6 +11,7 @@ failed checkpoint makes the next one full.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -43,6 +44,11 @@ from trainer.metrics import MetricsLog
 logger = logging.getLogger(__name__)
 
 _TIME_CHECK_EVERY = 10  # steps between agreements on a time-based interval
+
+
+def _model_digest(cfg: JobConfig) -> str:
+    """sha256 of the model section: what a checkpoint's rows and dense state depend on."""
+    return hashlib.sha256(repr(cfg.model).encode()).hexdigest()
 
 
 @dataclass
@@ -165,6 +171,11 @@ class CheckpointManager:
         raise RestoreError(f"no restorable checkpoint of run {self.run_id} in {self.backend.where}")
 
     def _finish_restore(self, marker: Marker, rows: Any, state: dict[str, Any]) -> RestoreReport:
+        if self.env.rank == 0 and state.get("model_sha256") not in (None, _model_digest(self.cfg)):
+            logger.warning(
+                "checkpoint %d was written with another model config (sha256 %s…, now %s…); restoring what matches",
+                marker.checkpoint_id, str(state["model_sha256"])[:12], _model_digest(self.cfg)[:12],
+            )
         dense_state.load(self.sharded, state)
         self.trainer.load_state_dict(self._trainer_state(state, marker))
         self.restores = int(state.get("restores", 0)) + 1
@@ -323,6 +334,9 @@ class CheckpointManager:
         dense = dense_state.capture(self.sharded) if self.env.rank == 0 else None
         if dense is not None:
             dense["restores"] = self.restores
+            dense["step"] = step
+            dense["config_sha256"] = self.cfg.digest()
+            dense["model_sha256"] = _model_digest(self.cfg)
         weight_codec, optimizer_codec = self.codecs()
         trainer_state = self.trainer.state_dict()
         self.policy.record(decision, 1.0 if decision.full else fraction)

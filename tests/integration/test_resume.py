@@ -44,13 +44,14 @@ def _assert_identical(got: list[dict[str, torch.Tensor]], want: list[dict[str, t
             assert torch.equal(g[key], w[key]), f"{what}: rank {rank} {key} differs from the uninterrupted run"
 
 
-CASES = [
-    # (policy, crash point, range of the key: a step for "step", else a checkpoint id)
-    ("full", "step", (23, 47)),
-    ("one_shot_diff", "snapshot", (2, 5)),
-    ("incremental", "rows", (2, 5)),
-    ("intermittent_diff", "marker", (2, 5)),
-]
+POLICIES = ["full", "one_shot_diff", "incremental", "intermittent_diff"]
+POINTS = {  # crash point -> range of its key: a step for "step", else a checkpoint id
+    "step": (23, 47),  # during training
+    "snapshot": (2, 5),  # inside the stall
+    "rows": (2, 5),  # while the writer ships rows
+    "marker": (2, 5),  # rows and dense file durable, COMMIT marker not yet written
+}
+CASES = [(policy, point, span) for policy in POLICIES for point, span in POINTS.items()]
 
 
 @pytest.mark.parametrize("policy, point, span", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
