@@ -113,6 +113,7 @@ def train_run(label: str, extra: list[str], args: argparse.Namespace, work: Path
             "take_over_bare_warm": _ratio(worst("take_ms"), warm),
             "write_s": m["ckpt_write_s"], "write_MBps": m["ckpt_bytes"] / m["ckpt_write_s"] / 1e6 if m["ckpt_write_s"] else None,
             "codec": next((p.get("weight_codec") for p in per.values()), None),
+            "committed_at_step": worst("committed_at_step"),
             "per_rank": {r: {k: p.get(k) for k in ("rows", "stall_ms", "agree_ms", "take_ms", "other_ms", "bare_ms_all", "find_ms",
                                                       "write_s", "write_bytes")} for r, p in sorted(per.items())},
         }

@@ -18,7 +18,10 @@ Runs the real trainer (same argv as `trainer.main`) and, per checkpoint, records
   times; ``find_ms`` is the bitmap scan take does first (``touched_rows``), timed on the
   bitmaps of that later moment (its cost depends on the bitmap size, not on its content);
 - ``write_s`` / ``write_bytes``: this rank's writer (encode + frame + produce + flush);
-- ``since_base`` / ``since_last``: the all-reduced fractions of rows the policy saw.
+- ``since_base`` / ``since_last``: the all-reduced fractions of rows the policy saw;
+- ``committed_at_step``: the training step at which this rank learned the checkpoint's
+  outcome (the step end whose `save` collected it; the last step for outcomes collected
+  by `finish`), i.e. from when a crash would have restored it.
 """
 
 from __future__ import annotations
@@ -125,6 +128,7 @@ def install(side: Path, rank: int) -> _Recorder:
     orig_submit, orig_write = RankWriter.submit, RankWriter._write
     orig_save, orig_finish, orig_init = CheckpointManager.save, CheckpointManager.finish, CheckpointManager.__init__
     orig_checkpoint = CheckpointManager._checkpoint
+    orig_record = CheckpointManager._record
 
     def init(self, *a: Any, **kw: Any) -> None:
         orig_init(self, *a, **kw)
@@ -133,6 +137,10 @@ def install(side: Path, rank: int) -> _Recorder:
     def checkpoint(self, step: int) -> None:
         r.agree_s = 0.0
         orig_checkpoint(self, step)
+
+    def record(self, o: Any) -> None:
+        r.rec(o.checkpoint_id).update(committed_at_step=self.trainer.step, committed=o.committed)
+        orig_record(self, o)
 
     def decide(self, since_base_fraction: float, since_last_fraction: float, force_full: bool = False):
         r.fractions.append((since_base_fraction, since_last_fraction))  # a list append: nothing in the stall
@@ -177,6 +185,7 @@ def install(side: Path, rank: int) -> _Recorder:
     CheckpointManager.finish = finish
     CheckpointManager.__init__ = init
     CheckpointManager._checkpoint = checkpoint
+    CheckpointManager._record = record
     return r
 
 
