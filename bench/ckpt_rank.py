@@ -103,7 +103,6 @@ def install(side: Path, rank: int) -> _Recorder:
     """Wrap the checkpoint path's classes (this process only) to record what it does."""
     from ckpt import manager as manager_module
     from ckpt.manager import CheckpointManager
-    from ckpt.policy import CheckpointPolicy
     from ckpt.snapshot import SnapshotTaker
     from ckpt.writer import RankWriter
 
@@ -124,7 +123,7 @@ def install(side: Path, rank: int) -> _Recorder:
                 r.agree_s += time.perf_counter() - t
 
     manager_module.dist = _TimedDist()  # this process only
-    orig_take, orig_decide = SnapshotTaker.take, CheckpointPolicy.decide
+    orig_take, orig_agree = SnapshotTaker.take, CheckpointManager._agree
     orig_submit, orig_write = RankWriter.submit, RankWriter._write
     orig_save, orig_finish, orig_init = CheckpointManager.save, CheckpointManager.finish, CheckpointManager.__init__
     orig_checkpoint = CheckpointManager._checkpoint
@@ -134,17 +133,18 @@ def install(side: Path, rank: int) -> _Recorder:
         orig_init(self, *a, **kw)
         r.total_rows = self.total_rows
 
-    def checkpoint(self, step: int) -> None:
+    def checkpoint(self, step: int, final: bool = False) -> None:
         r.agree_s = 0.0
-        orig_checkpoint(self, step)
+        orig_checkpoint(self, step, final)
 
     def record(self, o: Any) -> None:
         r.rec(o.checkpoint_id).update(committed_at_step=self.trainer.step, committed=o.committed)
         orig_record(self, o)
 
-    def decide(self, since_base_fraction: float, since_last_fraction: float, force_full: bool = False):
-        r.fractions.append((since_base_fraction, since_last_fraction))  # a list append: nothing in the stall
-        return orig_decide(self, since_base_fraction, since_last_fraction, force_full)
+    def agree(self):
+        out = orig_agree(self)
+        r.fractions.append(self.agreed_fractions)  # a list append: nothing in the stall
+        return out
 
     def take(self, checkpoint_id: int, step: int, *, full: bool, since_base: bool):
         snap = orig_take(self, checkpoint_id, step, full=full, since_base=since_base)
@@ -178,7 +178,7 @@ def install(side: Path, rank: int) -> _Recorder:
         r.dump()
 
     SnapshotTaker.take = take
-    CheckpointPolicy.decide = decide
+    CheckpointManager._agree = agree
     RankWriter.submit = submit
     RankWriter._write = write
     CheckpointManager.save = save

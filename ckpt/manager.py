@@ -28,7 +28,7 @@ from ckpt.frames import FrameError
 from ckpt.faults import maybe_die
 from ckpt.markers import Marker, commits
 from ckpt.sink import SourceError
-from ckpt.policy import CheckpointPolicy
+from ckpt.policy import CheckpointPolicy, Decision
 from ckpt.quant import BitWidthPolicy
 from ckpt.restore import RestoreError, restore_rows
 from ckpt.snapshot import SnapshotTaker
@@ -119,6 +119,7 @@ class CheckpointManager:
         self.stats = CheckpointStats()
         self.restores = 0  # restores of this job so far (persisted in the dense state)
         self._newest_id = 0  # newest checkpoint id in the markers log (ids never repeat)
+        self.agreed_fractions = (0.0, 0.0)  # rows changed since the base / the last checkpoint, all ranks
         full_bytes = self.taker.estimate_bytes(full=True, since_base=False)
         if full_bytes > self.c.max_pending_bytes:
             raise ValueError(
@@ -288,10 +289,10 @@ class CheckpointManager:
             "ckpt_write_s": o.write_s, "ckpt_error": o.error,
         })
 
-    def _checkpoint(self, step: int, final: bool = False) -> None:
-        """Take checkpoint at `step`; the final one waits for room rather than being skipped."""
-        t0 = time.perf_counter()
-        c = self.c
+    def _agree(self) -> tuple[Decision, float, dict[str, int], dict[str, bool]]:
+        """Every rank's view in one pair of small all-reduces: the checkpoint's kind, the
+        fraction of rows it writes, and whether any rank's writer is too far behind for it.
+        Numbers only, so the training thread never waits on Kafka here."""
         est = {
             "full": self.taker.estimate_bytes(full=True, since_base=False),
             "base": self.taker.estimate_bytes(full=False, since_base=True),
@@ -302,22 +303,31 @@ class CheckpointManager:
             [self.tracker.count_since_base(), self.tracker.count_since_last(), self.total_rows], dtype=torch.float64
         )
         flags = torch.tensor(
-            [float(self.force_full)] + [float(pending + est[k] > c.max_pending_bytes) for k in ("full", "base", "last")]
+            [float(self.force_full)] + [float(pending + est[k] > self.c.max_pending_bytes) for k in est]
         )
         dist.all_reduce(counts)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         total = max(counts[2].item(), 1.0)
-        decision = self.policy.decide(counts[0].item() / total, counts[1].item() / total, force_full=bool(flags[0]))
+        self.agreed_fractions = (counts[0].item() / total, counts[1].item() / total)  # since base, since last
+        decision = self.policy.decide(self.agreed_fractions[0], force_full=bool(flags[0]))
+        fraction = 1.0 if decision.full else (counts[0] if decision.since_base else counts[1]).item() / total
+        overflow = {k: bool(f) for k, f in zip(est, flags[1:])}
+        return decision, fraction, est, overflow
+
+    def _checkpoint(self, step: int, final: bool = False) -> None:
+        """Take the checkpoint of `step`: agree, copy (the stall), hand to the writer.
+        Under back-pressure `skip` drops it (reported), `wait` blocks; the final one waits."""
+        t0 = time.perf_counter()
+        decision, fraction, est, overflow = self._agree()
         kind = "full" if decision.full else ("base" if decision.since_base else "last")
-        overflow = bool(flags[{"full": 1, "base": 2, "last": 3}[kind]])
-        if overflow and c.on_backpressure == "skip" and not final:
+        if overflow[kind] and self.c.on_backpressure == "skip" and not final:
             self.stats.skipped += 1
             if self.env.rank == 0:
-                logger.warning("checkpoint at step %d skipped: writers hold %d bytes of unwritten snapshots", step, pending)
+                logger.warning("checkpoint at step %d skipped: the writers are behind (ckpt.max_pending_bytes)", step)
                 self.metrics.write({"step": step, "ckpt_skipped": True})
             return
-        if overflow:
-            self.writer.wait_for_room(est[kind], c.max_pending_bytes)
+        if overflow[kind]:
+            self.writer.wait_for_room(est[kind], self.c.max_pending_bytes)
         self.last_step, self.last_time = step, time.monotonic()
         cid = self.next_id
         self.next_id += 1
@@ -326,7 +336,6 @@ class CheckpointManager:
         self.chain = self.policy.chain_after(self.chain, cid, decision)
         snapshot = self.taker.take(cid, step, full=decision.full, since_base=decision.since_base)
         maybe_die("snapshot", cid, self.env.rank)
-        fraction = (counts[0] if decision.since_base else counts[1]).item() / total
         if decision.full:
             self.tracker.mark_base()
         else:
@@ -339,7 +348,7 @@ class CheckpointManager:
             dense["model_sha256"] = _model_digest(self.cfg)
         weight_codec, optimizer_codec = self.codecs()
         trainer_state = self.trainer.state_dict()
-        self.policy.record(decision, 1.0 if decision.full else fraction)
+        self.policy.record(decision, fraction)
         self.force_full = False
         snapshot.stall_s = time.perf_counter() - t0
         self.writer.submit(WriteJob(

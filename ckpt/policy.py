@@ -45,9 +45,10 @@ class CheckpointPolicy:
         if self.name not in POLICIES:
             raise ValueError(f"unknown checkpoint policy {self.name!r}; choose one of {', '.join(POLICIES)}")
 
-    def decide(self, since_base_fraction: float, since_last_fraction: float, force_full: bool = False) -> Decision:
-        """The next checkpoint's kind. Fractions are changed rows / all rows of the model,
-        summed over every rank. `force_full` after a failed checkpoint or a restore."""
+    def decide(self, since_base_fraction: float, force_full: bool = False) -> Decision:
+        """The next checkpoint's kind. The fraction is rows changed since the baseline /
+        all rows of the model, summed over every rank (Sᵢ of the reset rule).
+        `force_full` after a failed checkpoint or a restore."""
         if force_full or not self.have_base:
             return Decision(True, False, "no usable baseline" if not self.have_base else "forced")
         if self.name == "full":

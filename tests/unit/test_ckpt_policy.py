@@ -11,7 +11,7 @@ def _run(policy: CheckpointPolicy, sizes: list[float]) -> list[tuple[bool, list[
     """Decide a checkpoint per diff size; return (full?, chain) per checkpoint."""
     out, chain = [], []
     for cid, s in enumerate(sizes, start=1):
-        d = policy.decide(since_base_fraction=s, since_last_fraction=s)
+        d = policy.decide(since_base_fraction=s)
         chain = policy.chain_after(chain, cid, d)
         policy.record(d, s)
         out.append((d.full, chain))
@@ -54,9 +54,9 @@ def test_small_diffs_never_reset() -> None:
 def test_reset_and_force_full() -> None:
     p = CheckpointPolicy("incremental")
     _run(p, [0.1, 0.1])
-    assert p.decide(0.1, 0.1, force_full=True).full
+    assert p.decide(0.1, force_full=True).full
     p.reset()
-    assert p.decide(0.1, 0.1).full
+    assert p.decide(0.1).full
 
 
 def test_unknown_policy_is_refused() -> None:
