@@ -39,7 +39,7 @@ METHODS = {  # method -> bit widths it has
 SLOW = ("adaptive", "kmeans")
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     default_threads = torch.get_num_threads()
     threads = sorted(set(args.threads)) if args.threads else sorted({1, default_threads})
     info = {
-        "cpu": _cpu_model(), "cpus": os.cpu_count(), "default_threads": default_threads,
+        "cpu": cpu_model(), "cpus": os.cpu_count(), "default_threads": default_threads,
         "fbgemm": fbgemm_available(), "versions": _versions(),
         "loadavg_start": os.getloadavg(), "argv": sys.argv[1:],
     }  # fmt: skip

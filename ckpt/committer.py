@@ -36,7 +36,7 @@ class Committer:
         self.run_id = run_id
         self.markers = markers
         self.dense = dense
-        self.marker_fields = marker_fields  # policy, plan, encodings, world_size
+        self.marker_fields = marker_fields  # policy, plan, tables, world_size
         self.links: dict[int, ChainLink] = {link.checkpoint_id: link for link in committed or []}
 
     def __call__(self, job: WriteJob, reports: list[RankReport]) -> Outcome:
@@ -73,7 +73,7 @@ class Committer:
             dense=ref.as_json(),
             stall_ms=stall,
             created_unix=time.time(),
-            **{**self.marker_fields, "encodings": {"weights": job.weight_codec, "optimizer": job.optimizer_codec}},
+            **{**self.marker_fields, "encodings": {k: v for r in reports for k, v in r.encodings.items()}},
         )
         maybe_die("marker", cid, 0)
         self.markers.append_marker(encode_marker(marker))

@@ -68,6 +68,7 @@ class RankReport:
     write_s: float
     reader_state: dict[str, Any]
     trainer_state: dict[str, Any]
+    encodings: dict[str, str] = field(default_factory=dict)  # "weights" / "optimizer.<state>" -> codec used
 
 
 @dataclass
@@ -110,6 +111,7 @@ class RankWriter:
         self.max_frame_bytes = max_frame_bytes
         self.flush_timeout_s = flush_timeout_s
         self.committer = committer
+        self._used: dict[str, str] = {}  # codecs the current job's frames use (writer thread only)
         self._jobs: queue.Queue[WriteJob | None] = queue.Queue()
         self._outcomes: queue.Queue[Outcome] = queue.Queue()
         self._pending_bytes = 0
@@ -179,6 +181,7 @@ class RankWriter:
         t0 = time.perf_counter()
         job.snapshot.wait()  # on CUDA the device-to-host copies finish after take() returned
         meta: list[list[Any]] = []  # per frame: table, col_offset, min row, max row, cols
+        self._used: dict[str, str] = {}
         rows = nbytes = 0
         error = ""
         try:
@@ -212,6 +215,7 @@ class RankWriter:
         return RankReport(
             self.rank, not error, error, ranges, index, rows, nbytes,
             job.snapshot.stall_s * 1e3, time.perf_counter() - t0, job.reader_state, job.trainer_state,
+            dict(self._used),
         )
 
     def _frames(self, job: WriteJob, shard: Any):
@@ -219,10 +223,12 @@ class RankWriter:
         ids = shard.global_rows
         weight_codec = get_codec(job.weight_codec)
         payload = weight_codec.encode(shard.weights, table=shard.table, row_ids=ids)
+        self._used["weights"] = weight_codec.name
         optim = []
         for name, state in sorted(shard.optimizer.items()):
             rows = state.reshape(state.shape[0], -1).float()
             codec = _narrow_aware(job.optimizer_codec, rows.shape[1])
+            self._used[f"optimizer.{name}"] = codec.name
             optim.append(OptimState(name, codec.code, codec.encode(rows, table=shard.table, row_ids=ids)))
         per_row = payload.shape[1] + sum(o.rows.shape[1] for o in optim) + 8
         rows_per_frame = max(1, (self.max_frame_bytes - 4096) // per_row)

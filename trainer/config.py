@@ -267,6 +267,8 @@ def _validate_ckpt(cfg: JobConfig) -> None:
             raise ConfigError(f"{src}: {key}={name!r} is not a codec; choose one of {', '.join(codec_names())}")
     if c.optimizer_encoding not in ("fp32", "fp16", "bf16") and get_codec(c.optimizer_encoding).row_bytes(64) < 64:
         raise ConfigError(f"{src}: ckpt.optimizer_encoding={c.optimizer_encoding!r}: optimizer state is never stored below 8 bits")
+    if c.expected_restores < 0:
+        raise ConfigError(f"{src}: ckpt.expected_restores must be >= 0 (0: use ckpt.encoding), got {c.expected_restores}")
     if c.interval_steps < 0 or c.interval_s < 0 or (c.interval_steps == 0 and c.interval_s == 0):
         raise ConfigError(f"{src}: ckpt.interval_steps and/or ckpt.interval_s must be positive")
     if c.sink == "kafka" and not c.bootstrap_servers and "bootstrap.servers" not in c.kafka:

@@ -1,0 +1,440 @@
+"""Model accuracy after L restores from quantized checkpoints (Check-N-Run, NSDI'22, Fig. 14).
+
+    python -m bench.quant_accuracy [--out results.json] [--plot-dir docs/img] [--steps 1500] ...
+
+For every cell (a setting, L restores) one job of ``--steps`` steps is trained on 2 gloo ranks
+(the synthetic learnable click stream, ``configs/debug_cpu.yaml`` with ``--set`` overrides, by
+default ``optimizer.sparse.lr=0.2``), checkpointing continuously to the filesystem sink, and split
+into L + 1 segments at ``s_i = round(i * steps / (L + 1))``: segment 0 trains from scratch to
+``s_1``; segment i is a *new process* that resumes with ``ckpt.resume=latest`` and trains to
+``s_{i+1}``. ``ckpt.final`` checkpoints the last step of each segment, so restore i starts from the
+quantized rows of step ``s_i``. Each restore is checked: the resumed rank 0 must print the expected
+step, and the COMMIT marker it restored must name the expected weight codec.
+
+Settings (``--settings``):
+
+* ``default``: the Check-N-Run bit-width policy, ``ckpt.expected_restores=L`` (2-bit for L = 1,
+  3-bit for L <= 3, 4-bit for L <= 20, 8-bit beyond, 8-bit once restored more often than expected).
+* ``adaptive2|adaptive3|adaptive4|asym8`` (or any codec name): ``ckpt.encoding=<name>``. A cell that
+  is the same job as a default-policy cell (``adaptive2@1``, ``adaptive3@3``, ``adaptive4@10|20``)
+  is reported from that cell instead of being trained again (``--no-dedupe`` runs it anyway).
+* controls (``--controls setting@L``): ``fp32`` (restores must be exact: zero degradation) and
+  ``fp16`` (a near-lossless perturbation: how far any perturbed run drifts; the noise floor).
+
+The reference is the same job never interrupted (one segment, fp32 checkpoints). Training is
+deterministic (fp32 restores are bit-exact, DESIGN.md invariant 2), so every number repeats
+exactly; the only differences between cells are the quantized restores. Reported per cell, from
+``metrics.jsonl``: the final eval log loss and AUC (``train.eval_batches`` fixed held-out batches
+of every rank) as ``(logloss_L - logloss_ref) / logloss_ref`` in percent and as an AUC difference,
+and the same averaged over the evals of the last ``--tail`` of the run (steadier). ``--work-dir``
+with ``--keep-runs --reuse`` keeps the runs and re-summarizes (or completes) them without
+re-training finished cells.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.quant_bench import cpu_model
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPO / "configs" / "debug_cpu.yaml"
+# Embedding lr 0.2 (debug_cpu has 0.05): the job leaves its fast-learning phase by ~1000 steps, so the
+# final evals compare models near a plateau, not at different points of a steep learning curve.
+DEFAULT_OVERRIDES = ("optimizer.sparse.lr=0.2",)
+RESUMED = re.compile(r"deltarec: resumed from checkpoint (\d+) at step (\d+)")
+
+
+@dataclass
+class Cell:
+    setting: str
+    restores: int
+    control: bool = False
+    run_dir: Path | None = None
+    boundaries: list[int] = field(default_factory=list)
+    codecs: list[str] = field(default_factory=list)  # weight codec of each restored checkpoint
+    restored: list[tuple[int, int]] = field(default_factory=list)  # (checkpoint id, step)
+    evals: list[dict] = field(default_factory=list)  # eval records of every segment
+    seconds: float = 0.0
+    same_as: "Cell | None" = None  # a cell whose job is identical (reported, not re-run)
+
+    @property
+    def name(self) -> str:
+        return f"{self.setting}@L{self.restores}"
+
+
+def setting_overrides(setting: str, restores: int) -> list[str]:
+    if setting == "default":
+        return [f"ckpt.expected_restores={restores}"]
+    if setting == "reference":
+        return ["ckpt.encoding=fp32"]
+    return [f"ckpt.encoding={setting}"]
+
+
+def expected_codec(setting: str, expected_restores: int, restores_so_far: int) -> str:
+    """The weight codec a checkpoint written after `restores_so_far` restores must carry."""
+    if setting == "default":
+        from ckpt.quant import BitWidthPolicy
+
+        return BitWidthPolicy(expected_restores=expected_restores, restores_so_far=restores_so_far).weight_codec()
+    return "fp32" if setting == "reference" else setting
+
+
+def boundaries(steps: int, restores: int) -> list[int]:
+    """Segment ends s_1 < ... < s_L < steps, spread evenly."""
+    b = [round(i * steps / (restores + 1)) for i in range(1, restores + 1)] + [steps]
+    if len(set(b)) != len(b) or b[0] < 1:
+        raise SystemExit(f"--steps {steps} is too short for {restores} restores")
+    return b
+
+
+def spawn(config: Path, overrides: list[str], run_dir: Path, log_prefix: str, world_size: int, timeout_s: float) -> str:
+    """Run `world_size` ranks of `python -m trainer.main` (file rendezvous); return rank 0's stdout."""
+    rdzv = run_dir / f"rdzv-{time.monotonic_ns()}"
+    cmd = [
+        sys.executable, "-m", "trainer.main", "--config", str(config),
+        f"sharding.init_method=file://{rdzv}", f"run.dir={run_dir}", "train.progress=log", *overrides,
+    ]  # fmt: skip
+    procs, logs = [], []
+    for rank in range(world_size):
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+            PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+        )  # fmt: skip
+        out = open(run_dir / f"{log_prefix}.rank{rank}.out", "w+")
+        err = open(run_dir / f"{log_prefix}.rank{rank}.err", "w+")
+        logs.append((out, err))
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err))
+    deadline = time.monotonic() + timeout_s
+    failed = ""
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline:
+            failed = f"still running after {timeout_s:.0f} s"
+        elif any(p.returncode not in (None, 0) for p in procs):
+            failed = "a rank failed"
+        if failed:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            break
+        time.sleep(0.1)  # polling process exit
+    for p in procs:
+        p.wait()
+    texts = []
+    for p, (out, err) in zip(procs, logs):
+        out.seek(0)
+        err.seek(0)
+        texts.append((p.returncode, out.read(), err.read()))
+        out.close()
+        err.close()
+    if failed or any(rc != 0 for rc, _, _ in texts):
+        tails = "\n".join(f"--- rank {r} rc {rc} ---\n{e[-3000:]}" for r, (rc, _, e) in enumerate(texts))
+        raise RuntimeError(f"{log_prefix} in {run_dir}: {failed or 'non-zero exit'}\n{tails}")
+    return texts[0][1]
+
+
+def marker_codecs(config: Path, overrides: list[str]) -> dict[int, dict]:
+    """checkpoint id -> {step, weights, optimizer, full} of every COMMIT marker of the run."""
+    from ckpt.backends import open_backend, run_id_of
+    from ckpt.markers import commits
+    from trainer.config import load_config
+
+    cfg = load_config(config, overrides, check_data=False)
+    backend = open_backend(cfg, world_size=1)
+    try:
+        found = commits(backend.markers.read_markers(), run_id_of(cfg))
+    finally:
+        backend.close()
+    return {
+        m.checkpoint_id: {"step": m.step, "full": m.chain[-1].full if m.chain else None, **m.encodings}
+        for _, m in found
+    }
+
+
+def read_evals(run_dir: Path) -> list[dict]:
+    out = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if "eval_logloss" in r:
+            out.append({k: r[k] for k in ("step", "eval_logloss", "eval_auc", "eval_samples")})
+    return out
+
+
+def run_cell(cell: Cell, args, base: list[str], work: Path) -> None:
+    run_dir = work / cell.name.replace("@", "-")
+    done = run_dir / "cell.json"
+    common = [*base, *setting_overrides(cell.setting, cell.restores)]
+    if args.reuse and done.exists():
+        d = json.loads(done.read_text())
+        if d["overrides"] == common and d["steps"] == args.steps:
+            cell.run_dir, cell.boundaries, cell.codecs = run_dir, d["boundaries"], d["codecs"]
+            cell.restored, cell.seconds = [tuple(x) for x in d["restored"]], d["seconds"]
+            cell.evals = read_evals(run_dir)
+            print(f"  {cell.name:16s} reused from {run_dir}", flush=True)
+            return
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    cell.run_dir = run_dir
+    L = 0 if cell.setting == "reference" else cell.restores
+    cell.boundaries = boundaries(args.steps, L)
+    t0 = time.perf_counter()
+    prev = 0
+    for i, end in enumerate(cell.boundaries):
+        ov = [*common, f"train.steps={end}", f"ckpt.resume={'latest' if i else 'none'}"]
+        ts = time.perf_counter()
+        out = spawn(args.config, ov, run_dir, f"seg{i:02d}", 2, args.timeout)
+        if i:
+            m = RESUMED.search(out)
+            if not m or int(m.group(2)) != prev:
+                raise RuntimeError(f"{cell.name} segment {i}: expected a restore at step {prev}, rank 0 printed: "
+                                   f"{m.group(0) if m else 'no resume line'}")
+            cell.restored.append((int(m.group(1)), int(m.group(2))))
+        print(f"  {cell.name:16s} segment {i:2d}: steps {prev:5d} -> {end:5d}  {time.perf_counter() - ts:5.1f} s",
+              flush=True)
+        prev = end
+    cell.seconds = time.perf_counter() - t0
+    markers = marker_codecs(args.config, [f"run.dir={run_dir}", *common])
+    for k, (cid, step) in enumerate(cell.restored):
+        got = markers[cid]
+        want = expected_codec(cell.setting, cell.restores, k)
+        if got["step"] != step or got.get("weights") != want:
+            raise RuntimeError(f"{cell.name}: restore {k + 1} read checkpoint {cid} (step {got['step']}) written with "
+                               f"{got.get('weights')!r}, expected {want!r} at step {step}")
+        cell.codecs.append(got["weights"])
+    cell.evals = read_evals(run_dir)
+    if cell.evals[-1]["step"] != args.steps:
+        raise RuntimeError(f"{cell.name}: last eval at step {cell.evals[-1]['step']}, expected {args.steps}")
+    done.write_text(json.dumps({
+        "overrides": common, "steps": args.steps, "boundaries": cell.boundaries, "codecs": cell.codecs,
+        "restored": cell.restored, "seconds": cell.seconds,
+    }))  # fmt: skip
+
+
+def dedupe(cells: list[Cell]) -> None:
+    """An explicit `adaptiveN@L` cell whose every checkpoint uses the codec the default policy
+    picks for L is the same job as `default@L` (same config, same codec at every checkpoint,
+    deterministic training): point it at that cell instead of running it again."""
+    default = {c.restores: c for c in cells if c.setting == "default" and not c.control}
+    for c in cells:
+        d = default.get(c.restores)
+        if c.setting == "default" or c.control or d is None:
+            continue
+        if all(expected_codec("default", c.restores, k) == c.setting for k in range(c.restores + 1)):
+            c.same_as = d
+
+
+def summarize(cells: list[Cell], ref: Cell, tail_from: int) -> list[dict]:
+    """One row per cell: final-step eval against the reference, and the mean over the evals at
+    steps >= `tail_from` that the reference also has (the steadier figure)."""
+    r0 = ref.evals[-1]
+    ref_at = {e["step"]: e for e in ref.evals}
+    rows = []
+    for c in cells:
+        if c.same_as is not None:
+            c.codecs, c.restored, c.evals = c.same_as.codecs, c.same_as.restored, c.same_as.evals
+        e = c.evals[-1]
+        tail = [(x, ref_at[x["step"]]) for x in c.evals if x["step"] >= tail_from and x["step"] in ref_at]
+        tail = list({x["step"]: (x, y) for x, y in tail}.values())  # a segment end may repeat a step
+        rows.append({
+            "setting": c.setting, "restores": c.restores, "control": c.control,
+            "codecs": sorted(set(c.codecs)), "restore_steps": [s for _, s in c.restored],
+            "eval_logloss": e["eval_logloss"], "eval_auc": e["eval_auc"], "eval_samples": e["eval_samples"],
+            "logloss_rel_pct": 100.0 * (e["eval_logloss"] - r0["eval_logloss"]) / r0["eval_logloss"],
+            "auc_delta": e["eval_auc"] - r0["eval_auc"],
+            "tail_steps": [x["step"] for x, _ in tail],
+            "tail_logloss_rel_pct": sum(100.0 * (x["eval_logloss"] - y["eval_logloss"]) / y["eval_logloss"]
+                                        for x, y in tail) / max(len(tail), 1),
+            "tail_auc_delta": sum(x["eval_auc"] - y["eval_auc"] for x, y in tail) / max(len(tail), 1),
+            "segment_evals": c.evals, "seconds": round(c.seconds, 1),
+            "same_run_as": c.same_as.name if c.same_as is not None else None,
+        })  # fmt: skip
+    return rows
+
+
+def table(rows: list[dict], restores: list[int], key: str = "logloss_rel_pct", auc: str = "auc_delta") -> str:
+    settings = list(dict.fromkeys(r["setting"] for r in rows))
+    head = "| setting | codec | " + " | ".join(f"L = {L}" for L in restores) + " |"
+    lines = [head, "|---|---|" + "---:|" * len(restores)]
+    for s in settings:
+        rs = {r["restores"]: r for r in rows if r["setting"] == s}
+        codecs = ", ".join(dict.fromkeys(c for L in restores if L in rs for c in rs[L]["codecs"]))
+        cells = []
+        for L in restores:
+            r = rs.get(L)
+            cells.append("–" if r is None else f"{r[key]:+.4f}% / {r[auc]:+.5f}" + ("¹" if r["same_run_as"] else ""))
+        lines.append(f"| {s} | {codecs} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], restores: list[int], goal_pct: float, floor: dict, plot_dir: Path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return None
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    styles = {"default": ("k", "o", 2.2), "adaptive2": ("C3", "v", 1.4), "adaptive3": ("C1", "^", 1.4),
+              "adaptive4": ("C2", "s", 1.4), "asym8": ("C0", "D", 1.4), "fp16": ("0.55", "x", 1.0),
+              "fp32": ("0.75", "+", 1.0)}  # fmt: skip
+    panels = [
+        ("logloss_rel_pct", "final eval log loss vs uninterrupted (%)", "log loss, last step", floor.get("final_pct")),
+        ("tail_logloss_rel_pct", "mean over the last 20% of evals (%)", "log loss, mean of last evals",
+         floor.get("tail_pct")),
+        ("auc_delta", "final eval AUC minus uninterrupted", "AUC, last step", None),
+    ]  # fmt: skip
+    for ax, (key, ylabel, title, band) in zip(axes, panels):
+        for s in dict.fromkeys(r["setting"] for r in rows):
+            pts = sorted((r["restores"], r[key]) for r in rows if r["setting"] == s)
+            color, marker, lw = styles.get(s, (None, "o", 1.2))
+            control = any(r["control"] for r in rows if r["setting"] == s)
+            label = "default policy (expected_restores = L)" if s == "default" else s + (" (control)" if control else "")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], ":" if control else "-", color=color, marker=marker,
+                    lw=lw, label=label)
+        ax.set_xscale("log")
+        ax.set_xticks(restores)
+        ax.set_xticklabels([str(L) for L in restores])
+        ax.minorticks_off()
+        ax.set_xlabel("restores from a quantized checkpoint (L)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.axhline(0.0, color="0.3", lw=0.8)
+        if key != "auc_delta":
+            ax.set_yscale("symlog", linthresh=goal_pct)
+            ax.axhline(goal_pct, color="r", ls="--", lw=1, label=f"goal: +{goal_pct}%")
+            if band:
+                ax.axhspan(-band, band, color="0.85", alpha=0.6, lw=0, label=f"fp16 control: ±{band:.3f}%")
+    axes[0].legend(fontsize=7.5)
+    fig.tight_layout()
+    f = plot_dir / "quant_accuracy_restores.png"
+    fig.savefig(f, dpi=110)
+    plt.close(fig)
+    return str(f)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench/results/quant_accuracy.json")
+    p.add_argument("--plot-dir", default=None, help="write quant_accuracy_restores.png here")
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    p.add_argument("--set", dest="overrides", nargs="*", default=list(DEFAULT_OVERRIDES), metavar="key=value",
+                   help=f"config overrides for every run (default: {' '.join(DEFAULT_OVERRIDES)})")
+    p.add_argument("--steps", type=int, default=1500, help="training steps of every job")
+    p.add_argument("--eval-batches", type=int, default=100, help="held-out batches per rank at each eval")
+    p.add_argument("--eval-every", type=int, default=150,
+                   help="train.eval_every: the last 20%% of the run's evals are averaged as a second, steadier figure")
+    p.add_argument("--tail", type=float, default=0.2, help="fraction of the run whose evals are averaged")
+    p.add_argument("--interval", type=int, default=100, help="ckpt.interval_steps")
+    p.add_argument("--settings", nargs="*", default=["default", "adaptive2", "adaptive3", "adaptive4", "asym8"])
+    p.add_argument("--restores", type=int, nargs="*", default=[1, 3, 10, 20])
+    p.add_argument("--skip", nargs="*", default=["adaptive2@20", "adaptive3@20"],
+                   help="cells (setting@L) not to run, to fit the time budget")
+    p.add_argument("--controls", nargs="*", default=["fp32@3", "fp16@1", "fp16@3", "fp16@10"],
+                   help="control cells (setting@L)")
+    p.add_argument("--no-dedupe", action="store_true",
+                   help="also run explicit cells that are the same job as a default-policy cell")
+    p.add_argument("--goal", type=float, default=0.01, help="goal: relative log-loss degradation in percent")
+    p.add_argument("--work-dir", type=Path, default=None, help="run directories (default: a temporary one)")
+    p.add_argument("--keep-runs", action="store_true", help="keep the run directories")
+    p.add_argument("--reuse", action="store_true",
+                   help="with --work-dir: reuse cells already finished there with the same overrides")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per segment")
+    args = p.parse_args(argv)
+
+    base = [
+        "ckpt.enabled=true", "ckpt.sink=filesystem", f"ckpt.interval_steps={args.interval}", "ckpt.final=true",
+        f"train.eval_batches={args.eval_batches}", f"train.eval_every={args.eval_every}", *args.overrides,
+    ]  # fmt: skip
+    # controls first (they say how far any perturbed run drifts), then by L, so that the longest
+    # (optional) column comes last
+    cells = [Cell(s, int(L), control=True) for s, L in (c.split("@") for c in args.controls)]
+    cells += [Cell(s, L) for L in args.restores for s in args.settings if f"{s}@{L}" not in args.skip]
+    if not args.no_dedupe:
+        dedupe(cells)
+    ref = Cell("reference", 0)
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="deltarec-quant-acc-"))
+    work.mkdir(parents=True, exist_ok=True)
+    n_seg = 1 + sum(c.restores + 1 for c in cells if c.same_as is None)
+    info = {
+        "cpu": cpu_model(), "cpus": os.cpu_count(), "python": platform.python_version(), "loadavg_start": os.getloadavg(),
+        "argv": sys.argv[1:] if argv is None else argv, "config": str(args.config), "overrides": base,
+        "steps": args.steps, "world_size": 2, "segments": n_seg,
+    }  # fmt: skip
+    print(f"# {len(cells) + 1} jobs, {n_seg} segments (processes x 2 ranks), run dirs in {work}", flush=True)
+    t0 = time.perf_counter()
+    try:
+        run_cell(ref, args, base, work)
+        r0 = ref.evals[-1]
+        print(f"  reference: eval log loss {r0['eval_logloss']:.6f}, AUC {r0['eval_auc']:.5f}", flush=True)
+        for c in cells:
+            if c.same_as is not None:
+                print(f"  {c.name:16s} is the same job as {c.same_as.name}: not run again", flush=True)
+                continue
+            run_cell(c, args, base, work)
+            e = c.evals[-1]
+            rel = 100 * (e["eval_logloss"] - r0["eval_logloss"]) / r0["eval_logloss"]
+            print(f"  {c.name:16s} codecs {sorted(set(c.codecs))}: log loss {e['eval_logloss']:.6f} ({rel:+.4f}%), "
+                  f"AUC {e['eval_auc']:.5f}  [{c.seconds:.0f} s, total {time.perf_counter() - t0:.0f} s]", flush=True)
+    finally:
+        if not args.keep_runs and args.work_dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    info["loadavg_end"] = os.getloadavg()
+    info["seconds"] = round(time.perf_counter() - t0, 1)  # this invocation (reused cells cost nothing)
+    info["seconds_all_cells"] = round(ref.seconds + sum(c.seconds for c in cells if c.same_as is None), 1)
+    rows = summarize(sorted(cells, key=lambda c: c.control), ref, round(args.steps * (1 - args.tail)))
+    fp16 = [r for r in rows if r["setting"] == "fp16"]
+    floor = {
+        "final_pct": max((abs(r["logloss_rel_pct"]) for r in fp16), default=None),
+        "tail_pct": max((abs(r["tail_logloss_rel_pct"]) for r in fp16), default=None),
+    }
+    res = {
+        "machine": info,
+        "reference": {"eval_logloss": ref.evals[-1]["eval_logloss"], "eval_auc": ref.evals[-1]["eval_auc"],
+                      "eval_samples": ref.evals[-1]["eval_samples"], "seconds": round(ref.seconds, 1),
+                      "evals": ref.evals},
+        "goal_pct": args.goal,
+        "noise_floor_fp16": floor,
+        "cells": rows,
+    }  # fmt: skip
+    main_rows = [r for r in rows if r["setting"] == "default"]
+    if main_rows:
+        res["goal_holds_default_policy"] = {
+            "final": all(r["logloss_rel_pct"] < args.goal for r in main_rows),
+            "tail_mean": all(r["tail_logloss_rel_pct"] < args.goal for r in main_rows),
+            # can a degradation of `goal` be told apart from the drift of a near-lossless (fp16) run?
+            "resolvable": None if floor["final_pct"] is None else floor["final_pct"] < args.goal,
+        }
+    all_L = sorted({r["restores"] for r in rows})
+    res["table_md"] = table(rows, all_L)
+    res["table_tail_md"] = table(rows, all_L, "tail_logloss_rel_pct", "tail_auc_delta")
+    print("final step: rel. log loss / AUC delta\n" + res["table_md"])
+    print("mean of the last evals: rel. log loss / AUC delta\n" + res["table_tail_md"])
+    print(f"fp16 control (noise floor): {floor}")
+    if args.plot_dir:
+        res["plot"] = plot(rows, all_L, args.goal, floor, Path(args.plot_dir))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    holds = res.get("goal_holds_default_policy")
+    print(f"wrote {args.out} in {info['seconds']:.0f} s; default policy under {args.goal}%: {holds}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

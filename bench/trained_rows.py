@@ -1,0 +1,88 @@
+"""Embedding rows of a trained model, for the codec L2 benchmark (``bench.quant_bench --rows``).
+
+    python -m bench.trained_rows --out bench/results/trained_rows_d64.pt [--steps 2000] [--set key=value ...]
+    python -m bench.trained_rows --out rows.pt --no-train --run-dir DIR [--set <the job's overrides>]
+
+Trains the job (2 gloo ranks, ``configs/debug_cpu.yaml`` plus ``--set`` overrides, fp32 checkpoints
+to the filesystem sink, the last step checkpointed), exports its newest checkpoint with
+``python -m ckpt.cli ... export`` and saves the weight rows that were trained, concatenated over
+the tables, as one float32 ``[n, d]`` tensor. A row counts as trained when its optimizer state is
+non-zero (row-wise Adagrad's accumulated squared gradient is > 0 exactly for rows that received a
+gradient); rows still at their initial values are left out. Tables must share one width.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from bench.quant_accuracy import DEFAULT_CONFIG, REPO, spawn
+
+CKPT = ["ckpt.enabled=true", "ckpt.sink=filesystem", "ckpt.encoding=fp32", "ckpt.optimizer_encoding=fp32"]
+
+
+def trained_rows(model: dict) -> tuple[torch.Tensor, dict]:
+    """(rows [n, d], per-table stats) of an exported model."""
+    parts, stats = [], {}
+    for name, t in sorted(model["tables"].items()):
+        w = t["weight"].float()
+        states = [v for k, v in t.items() if k != "weight"]
+        if states:
+            touched = torch.zeros(w.shape[0], dtype=torch.bool)
+            for v in states:
+                touched |= (v.reshape(v.shape[0], -1) != 0).any(dim=1)
+        else:  # no optimizer state exported: keep every row
+            touched = torch.ones(w.shape[0], dtype=torch.bool)
+        parts.append(w[touched])
+        stats[name] = {"rows": w.shape[0], "trained": int(touched.sum()), "dim": w.shape[1]}
+    dims = {p.shape[1] for p in parts}
+    if len(dims) != 1:
+        raise SystemExit(f"tables have different widths {sorted(dims)}: export them separately")
+    return torch.cat(parts).contiguous(), stats
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="torch.save'd float32 [n, d] tensor")
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    p.add_argument("--set", dest="overrides", nargs="*", default=[], metavar="key=value")
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--run-dir", type=Path, default=None, help="default: <out without suffix>.run")
+    p.add_argument("--no-train", action="store_true", help="export an existing run in --run-dir")
+    p.add_argument("--timeout", type=float, default=900)
+    args = p.parse_args(argv)
+    run_dir = (args.run_dir or args.out.with_suffix(".run")).resolve()
+    job = [*CKPT, *args.overrides]
+    if not args.no_train:
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True)
+        spawn(args.config, [*job, f"train.steps={args.steps}", "ckpt.final=true", "ckpt.resume=none"],
+              run_dir, "train", 2, args.timeout)
+    model_path = run_dir / "model.pt"
+    cmd = [sys.executable, "-m", "ckpt.cli", "--config", str(args.config), f"run.dir={run_dir}", *job,
+           "export", "--out", str(model_path)]
+    subprocess.run(cmd, cwd=REPO, check=True)
+    model = torch.load(model_path, map_location="cpu", weights_only=False)
+    rows, stats = trained_rows(model)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(rows, args.out)
+    norms = rows.norm(dim=1)
+    summary = {
+        "out": str(args.out), "step": model["step"], "tables": stats, "rows": rows.shape[0], "dim": rows.shape[1],
+        "mean_row_norm": norms.mean().item(), "value_min": rows.min().item(), "value_max": rows.max().item(),
+        "value_std": rows.std().item(),
+        "row_range_over_std": ((rows.amax(1) - rows.amin(1)) / rows.std(1)).mean().item(),
+    }  # fmt: skip
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
