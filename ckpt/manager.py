@@ -120,11 +120,11 @@ class CheckpointManager:
         self.restores = 0  # restores of this job so far (persisted in the dense state)
         self._newest_id = 0  # newest checkpoint id in the markers log (ids never repeat)
         self.agreed_fractions = (0.0, 0.0)  # rows changed since the base / the last checkpoint, all ranks
-        full_bytes = self.taker.estimate_bytes(full=True, since_base=False)
-        if full_bytes > self.c.max_pending_bytes:
+        self.full_bytes = self.taker.estimate_bytes(full=True, since_base=False)  # fixed by the plan
+        if self.full_bytes > self.c.max_pending_bytes:
             raise ValueError(
                 f"ckpt.max_pending_bytes={self.c.max_pending_bytes} is smaller than one full snapshot of this "
-                f"rank ({full_bytes} bytes): raise it, or no full checkpoint could ever be taken"
+                f"rank ({self.full_bytes} bytes): raise it, or no full checkpoint could ever be taken"
             )
 
     def _marker_fields(self) -> dict[str, Any]:
@@ -293,15 +293,10 @@ class CheckpointManager:
         """Every rank's view in one pair of small all-reduces: the checkpoint's kind, the
         fraction of rows it writes, and whether any rank's writer is too far behind for it.
         Numbers only, so the training thread never waits on Kafka here."""
-        est = {
-            "full": self.taker.estimate_bytes(full=True, since_base=False),
-            "base": self.taker.estimate_bytes(full=False, since_base=True),
-            "last": self.taker.estimate_bytes(full=False, since_base=False),
-        }
+        base, last = self.tracker.counts(since_base=True), self.tracker.counts(since_base=False)  # one pass each
+        est = {"full": self.full_bytes, "base": self.taker.bytes_for(base), "last": self.taker.bytes_for(last)}
         pending = self.writer.pending_bytes
-        counts = torch.tensor(
-            [self.tracker.count_since_base(), self.tracker.count_since_last(), self.total_rows], dtype=torch.float64
-        )
+        counts = torch.tensor([sum(base), sum(last), self.total_rows], dtype=torch.float64)
         flags = torch.tensor(
             [float(self.force_full)] + [float(pending + est[k] > self.c.max_pending_bytes) for k in est]
         )

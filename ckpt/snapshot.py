@@ -117,7 +117,11 @@ class SnapshotTaker:
 
     def estimate_bytes(self, full: bool, since_base: bool) -> int:
         """Exactly the bytes `take(full=..., since_base=...)` would hold, from the bitmap counts."""
-        return sum(n * b for n, b in zip(self._counts(full, since_base), self._row_bytes))
+        return self.bytes_for(self._counts(full, since_base))
+
+    def bytes_for(self, counts: list[int]) -> int:
+        """Bytes a snapshot of `counts[i]` rows of shard i holds (counts from `RowTracker.counts`)."""
+        return sum(n * b for n, b in zip(counts, self._row_bytes))
 
     def take(self, checkpoint_id: int, step: int, *, full: bool, since_base: bool) -> Snapshot:
         """Copy every row (`full`), or the rows of `since_base(i)` / `since_last(i)`, of every shard."""

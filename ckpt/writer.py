@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ckpt.faults import maybe_die, maybe_slow
 from ckpt.frames import OptimState, chunk_rows
-from ckpt.quant import get_codec
+from ckpt.quant import codec_for_width, get_codec
 from ckpt.sink import FrameSink
 from ckpt.snapshot import Snapshot
 
@@ -227,7 +227,7 @@ class RankWriter:
         optim = []
         for name, state in sorted(shard.optimizer.items()):
             rows = state.reshape(state.shape[0], -1).float()
-            codec = _narrow_aware(job.optimizer_codec, rows.shape[1])
+            codec = get_codec(codec_for_width(job.optimizer_codec, rows.shape[1]))
             self._used[f"optimizer.{name}"] = codec.name
             optim.append(OptimState(name, codec.code, codec.encode(rows, table=shard.table, row_ids=ids)))
         per_row = payload.shape[1] + sum(o.rows.shape[1] for o in optim) + 8
@@ -259,13 +259,6 @@ class RankWriter:
         dist.broadcast_object_list(decided, src=0, group=self.group)
         assert decided[0] is not None
         return decided[0]
-
-
-def _narrow_aware(name: str, width: int):
-    """The codec for rows of `width` floats: fp32 when `name` would not make them smaller
-    (a row-wise Adagrad momentum is one float; a scale and bias would outweigh it)."""
-    codec = get_codec(name)
-    return codec if codec.row_bytes(width) < 4 * width else get_codec("fp32")
 
 
 def _segments(positions: list[int], meta: list[list[Any]]) -> list[list[Any]]:

@@ -10,7 +10,7 @@ accuracy and speed, and :mod:`ckpt.quant.policy` for choosing the bit width.
 """
 
 from .base import NonFiniteRowError, RowCodec, RowRangeError
-from .policy import BitWidthPolicy, bits_for_expected_restores
+from .policy import BitWidthPolicy, bits_for_expected_restores, codec_for_width
 from .registry import CODE_TABLE, codec_names, get_codec, register_codec
 
 __all__ = [
@@ -23,4 +23,5 @@ __all__ = [
     "CODE_TABLE",
     "BitWidthPolicy",
     "bits_for_expected_restores",
+    "codec_for_width",
 ]

@@ -21,6 +21,13 @@ LOW_BIT_METHODS = ("adaptive", "asym", "sym", "kmeans")
 OPTIMIZER_FLOORS = {8: "asym8", 16: "bf16", 32: "fp32"}
 
 
+def codec_for_width(name: str, dim: int) -> str:
+    """`name`, or "fp32" for rows of `dim` floats that it would not make smaller: for tiny rows
+    (e.g. row-wise Adagrad's one-float momentum) a scale/bias header outweighs the codes,
+    and fp32 is lossless besides."""
+    return name if get_codec(name).row_bytes(dim) < 4 * dim else "fp32"
+
+
 def bits_for_expected_restores(n: int) -> int:
     """2 for <= 1 expected restore, 3 for <= 3, 4 for <= 20, else 8."""
     if isinstance(n, bool) or not isinstance(n, int):
@@ -81,11 +88,7 @@ class BitWidthPolicy:
 
     def _name(self, bits: int, dim: int | None) -> str:
         name = f"{self.method}{bits}" if bits < 8 else OPTIMIZER_FLOORS[bits]
-        # tiny rows (e.g. row-wise Adagrad's one-float momentum): the codec's scale/bias header
-        # would make the row no smaller than fp32, which is also lossless
-        if dim is not None and get_codec(name).row_bytes(dim) >= 4 * dim:
-            return "fp32"
-        return name
+        return name if dim is None else codec_for_width(name, dim)
 
     def weight_codec(self, dim: int | None = None) -> str:
         """Codec name for embedding-weight rows (of width ``dim`` when given)."""
