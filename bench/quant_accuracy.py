@@ -279,7 +279,8 @@ def table(rows: list[dict], restores: list[int], key: str = "logloss_rel_pct", a
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], restores: list[int], goal_pct: float, floor: dict, plot_dir: Path) -> str | None:
+def plot(rows: list[dict], restores: list[int], goal_pct: float, floor: dict, plot_dir: Path,
+         name: str = "quant_accuracy_restores.png") -> str | None:
     try:
         import matplotlib
 
@@ -301,12 +302,13 @@ def plot(rows: list[dict], restores: list[int], goal_pct: float, floor: dict, pl
     ]  # fmt: skip
     for ax, (key, ylabel, title, band) in zip(axes, panels):
         for s in dict.fromkeys(r["setting"] for r in rows):
-            pts = sorted((r["restores"], r[key]) for r in rows if r["setting"] == s)
+            pts = sorted((r["restores"], r[key], r.get(key + "_sd")) for r in rows if r["setting"] == s)
             color, marker, lw = styles.get(s, (None, "o", 1.2))
             control = any(r["control"] for r in rows if r["setting"] == s)
             label = "default policy (expected_restores = L)" if s == "default" else s + (" (control)" if control else "")
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], ":" if control else "-", color=color, marker=marker,
-                    lw=lw, label=label)
+            sd = [p[2] for p in pts] if all(p[2] is not None for p in pts) else None  # mean +- sd over seeds
+            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=sd, ls=":" if control else "-", color=color,
+                        marker=marker, lw=lw, capsize=3, label=label)
         ax.set_xscale("log")
         ax.set_xticks(restores)
         ax.set_xticklabels([str(L) for L in restores])
@@ -323,19 +325,135 @@ def plot(rows: list[dict], restores: list[int], goal_pct: float, floor: dict, pl
                 ax.axhspan(-band, band, color="0.85", alpha=0.6, lw=0, label=f"fp16 control: ±{band:.3f}%")
     axes[0].legend(fontsize=7.5)
     fig.tight_layout()
-    f = plot_dir / "quant_accuracy_restores.png"
+    f = plot_dir / name
     fig.savefig(f, dpi=110)
     plt.close(fig)
     return str(f)
+
+
+def make_cells(args) -> list[Cell]:
+    # controls first (they say how far any perturbed run drifts), then by L, so that the longest
+    # (optional) column comes last
+    cells = [Cell(s, int(L), control=True) for s, L in (c.split("@") for c in args.controls)]
+    cells += [Cell(s, L) for L in args.restores for s in args.settings if f"{s}@{L}" not in args.skip]
+    if not args.no_dedupe:
+        dedupe(cells)
+    return cells
+
+
+def run_grid(args, base: list[str], work: Path) -> dict:
+    """Train the reference and every cell in `work`; return the summary of this one grid."""
+    cells = make_cells(args)
+    ref = Cell("reference", 0)
+    work.mkdir(parents=True, exist_ok=True)
+    n_seg = 1 + sum(c.restores + 1 for c in cells if c.same_as is None)
+    print(f"# {len(cells) + 1} jobs, {n_seg} segments (processes x 2 ranks), run dirs in {work}", flush=True)
+    t0 = time.perf_counter()
+    run_cell(ref, args, base, work)
+    r0 = ref.evals[-1]
+    print(f"  reference: eval log loss {r0['eval_logloss']:.6f}, AUC {r0['eval_auc']:.5f}", flush=True)
+    for c in cells:
+        if c.same_as is not None:
+            print(f"  {c.name:16s} is the same job as {c.same_as.name}: not run again", flush=True)
+            continue
+        run_cell(c, args, base, work)
+        e = c.evals[-1]
+        rel = 100 * (e["eval_logloss"] - r0["eval_logloss"]) / r0["eval_logloss"]
+        print(f"  {c.name:16s} codecs {sorted(set(c.codecs))}: log loss {e['eval_logloss']:.6f} ({rel:+.4f}%), "
+              f"AUC {e['eval_auc']:.5f}  [{c.seconds:.0f} s, total {time.perf_counter() - t0:.0f} s]", flush=True)
+    rows = summarize(sorted(cells, key=lambda c: c.control), ref, round(args.steps * (1 - args.tail)))
+    fp16 = [r for r in rows if r["setting"] == "fp16"]
+    floor = {
+        "final_pct": max((abs(r["logloss_rel_pct"]) for r in fp16), default=None),
+        "tail_pct": max((abs(r["tail_logloss_rel_pct"]) for r in fp16), default=None),
+    }
+    res = {
+        "segments": n_seg,
+        "seconds_all_cells": round(ref.seconds + sum(c.seconds for c in cells if c.same_as is None), 1),
+        "reference": {"eval_logloss": r0["eval_logloss"], "eval_auc": r0["eval_auc"],
+                      "eval_samples": r0["eval_samples"], "seconds": round(ref.seconds, 1), "evals": ref.evals},
+        "goal_pct": args.goal,
+        "noise_floor_fp16": floor,
+        "cells": rows,
+    }  # fmt: skip
+    main_rows = [r for r in rows if r["setting"] == "default"]
+    if main_rows:
+        res["goal_holds_default_policy"] = {
+            "final": all(r["logloss_rel_pct"] < args.goal for r in main_rows),
+            "tail_mean": all(r["tail_logloss_rel_pct"] < args.goal for r in main_rows),
+            # can a degradation of `goal` be told apart from the drift of a near-lossless (fp16) run?
+            "resolvable": None if floor["final_pct"] is None else floor["final_pct"] < args.goal,
+        }
+    all_L = sorted({r["restores"] for r in rows})
+    res["table_md"] = table(rows, all_L)
+    res["table_tail_md"] = table(rows, all_L, "tail_logloss_rel_pct", "tail_auc_delta")
+    print("final step: rel. log loss / AUC delta\n" + res["table_md"])
+    print("mean of the last evals: rel. log loss / AUC delta\n" + res["table_tail_md"])
+    print(f"fp16 control (noise floor): {floor}")
+    return res
+
+
+def _mean_sd(xs: list[float]) -> tuple[float, float]:
+    m = sum(xs) / len(xs)
+    sd = (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else float("nan")
+    return m, sd
+
+
+def combine_seeds(grids: dict[int, dict], goal: float) -> dict:
+    """Per cell, the mean and sample standard deviation over seeds of the paired degradations
+    (each seed's cell against that seed's own uninterrupted run). The fp16 controls' spread is
+    the drift of a near-lossless run; its standard error over seeds is the resolution."""
+    by_cell: dict[tuple[str, int], list[dict]] = {}
+    for g in grids.values():
+        for r in g["cells"]:
+            by_cell.setdefault((r["setting"], r["restores"]), []).append(r)
+    cells = []
+    for (setting, L), rs in by_cell.items():
+        out = {"setting": setting, "restores": L, "control": rs[0]["control"], "n": len(rs),
+               "codecs": sorted({c for r in rs for c in r["codecs"]})}  # fmt: skip
+        for key in ("logloss_rel_pct", "tail_logloss_rel_pct", "auc_delta", "tail_auc_delta"):
+            out[key], out[key + "_sd"] = _mean_sd([r[key] for r in rs])
+            out[key + "_per_seed"] = [r[key] for r in rs]
+        cells.append(out)
+    fp16 = [x for r in by_cell.items() if r[0][0] == "fp16" for x in r[1]]
+    n = len(grids)
+    floor = {}
+    for key in ("logloss_rel_pct", "tail_logloss_rel_pct"):
+        vals = [r[key] for r in fp16]
+        rms = (sum(v * v for v in vals) / len(vals)) ** 0.5 if vals else None
+        floor[key] = {"rms_single_run": rms, "se_of_seed_mean": None if rms is None else rms / n**0.5}
+    default = [c for c in cells if c["setting"] == "default"]
+    return {
+        "seeds": sorted(grids), "cells": cells, "noise_fp16": floor,
+        "goal_holds_default_policy_mean": {
+            "final": all(c["logloss_rel_pct"] < goal for c in default),
+            "tail_mean": all(c["tail_logloss_rel_pct"] < goal for c in default),
+        },
+    }  # fmt: skip
+
+
+def seeds_table(cells: list[dict], key: str) -> str:
+    restores = sorted({c["restores"] for c in cells})
+    lines = ["| setting | codec | " + " | ".join(f"L = {L}" for L in restores) + " |",
+             "|---|---|" + "---:|" * len(restores)]  # fmt: skip
+    for s in dict.fromkeys(c["setting"] for c in cells):
+        rs = {c["restores"]: c for c in cells if c["setting"] == s}
+        codecs = ", ".join(dict.fromkeys(x for L in restores if L in rs for x in rs[L]["codecs"]))
+        vals = [f"{rs[L][key]:+.4f}% ± {rs[L][key + '_sd']:.4f}" if L in rs else "–" for L in restores]
+        lines.append(f"| {s} | {codecs} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results/quant_accuracy.json")
     p.add_argument("--plot-dir", default=None, help="write quant_accuracy_restores.png here")
+    p.add_argument("--plot-name", default="quant_accuracy_restores.png", help="file name of the plot")
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     p.add_argument("--set", dest="overrides", nargs="*", default=list(DEFAULT_OVERRIDES), metavar="key=value",
                    help=f"config overrides for every run (default: {' '.join(DEFAULT_OVERRIDES)})")
+    p.add_argument("--seeds", type=int, nargs="*", default=[],
+                   help="run the whole grid once per run.seed and report mean +- sd of the paired degradations")
     p.add_argument("--steps", type=int, default=1500, help="training steps of every job")
     p.add_argument("--eval-batches", type=int, default=100, help="held-out batches per rank at each eval")
     p.add_argument("--eval-every", type=int, default=150,
@@ -362,76 +480,46 @@ def main(argv: list[str] | None = None) -> int:
         "ckpt.enabled=true", "ckpt.sink=filesystem", f"ckpt.interval_steps={args.interval}", "ckpt.final=true",
         f"train.eval_batches={args.eval_batches}", f"train.eval_every={args.eval_every}", *args.overrides,
     ]  # fmt: skip
-    # controls first (they say how far any perturbed run drifts), then by L, so that the longest
-    # (optional) column comes last
-    cells = [Cell(s, int(L), control=True) for s, L in (c.split("@") for c in args.controls)]
-    cells += [Cell(s, L) for L in args.restores for s in args.settings if f"{s}@{L}" not in args.skip]
-    if not args.no_dedupe:
-        dedupe(cells)
-    ref = Cell("reference", 0)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="deltarec-quant-acc-"))
-    work.mkdir(parents=True, exist_ok=True)
-    n_seg = 1 + sum(c.restores + 1 for c in cells if c.same_as is None)
     info = {
         "cpu": cpu_model(), "cpus": os.cpu_count(), "python": platform.python_version(), "loadavg_start": os.getloadavg(),
         "argv": sys.argv[1:] if argv is None else argv, "config": str(args.config), "overrides": base,
-        "steps": args.steps, "world_size": 2, "segments": n_seg,
+        "steps": args.steps, "world_size": 2,
     }  # fmt: skip
-    print(f"# {len(cells) + 1} jobs, {n_seg} segments (processes x 2 ranks), run dirs in {work}", flush=True)
     t0 = time.perf_counter()
     try:
-        run_cell(ref, args, base, work)
-        r0 = ref.evals[-1]
-        print(f"  reference: eval log loss {r0['eval_logloss']:.6f}, AUC {r0['eval_auc']:.5f}", flush=True)
-        for c in cells:
-            if c.same_as is not None:
-                print(f"  {c.name:16s} is the same job as {c.same_as.name}: not run again", flush=True)
-                continue
-            run_cell(c, args, base, work)
-            e = c.evals[-1]
-            rel = 100 * (e["eval_logloss"] - r0["eval_logloss"]) / r0["eval_logloss"]
-            print(f"  {c.name:16s} codecs {sorted(set(c.codecs))}: log loss {e['eval_logloss']:.6f} ({rel:+.4f}%), "
-                  f"AUC {e['eval_auc']:.5f}  [{c.seconds:.0f} s, total {time.perf_counter() - t0:.0f} s]", flush=True)
+        if args.seeds:
+            grids = {}
+            for seed in args.seeds:
+                print(f"## run.seed={seed}", flush=True)
+                grids[seed] = run_grid(args, [*base, f"run.seed={seed}"], work / f"seed-{seed}")
+        else:
+            res = run_grid(args, base, work)
     finally:
         if not args.keep_runs and args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
     info["loadavg_end"] = os.getloadavg()
     info["seconds"] = round(time.perf_counter() - t0, 1)  # this invocation (reused cells cost nothing)
-    info["seconds_all_cells"] = round(ref.seconds + sum(c.seconds for c in cells if c.same_as is None), 1)
-    rows = summarize(sorted(cells, key=lambda c: c.control), ref, round(args.steps * (1 - args.tail)))
-    fp16 = [r for r in rows if r["setting"] == "fp16"]
-    floor = {
-        "final_pct": max((abs(r["logloss_rel_pct"]) for r in fp16), default=None),
-        "tail_pct": max((abs(r["tail_logloss_rel_pct"]) for r in fp16), default=None),
-    }
-    res = {
-        "machine": info,
-        "reference": {"eval_logloss": ref.evals[-1]["eval_logloss"], "eval_auc": ref.evals[-1]["eval_auc"],
-                      "eval_samples": ref.evals[-1]["eval_samples"], "seconds": round(ref.seconds, 1),
-                      "evals": ref.evals},
-        "goal_pct": args.goal,
-        "noise_floor_fp16": floor,
-        "cells": rows,
-    }  # fmt: skip
-    main_rows = [r for r in rows if r["setting"] == "default"]
-    if main_rows:
-        res["goal_holds_default_policy"] = {
-            "final": all(r["logloss_rel_pct"] < args.goal for r in main_rows),
-            "tail_mean": all(r["tail_logloss_rel_pct"] < args.goal for r in main_rows),
-            # can a degradation of `goal` be told apart from the drift of a near-lossless (fp16) run?
-            "resolvable": None if floor["final_pct"] is None else floor["final_pct"] < args.goal,
-        }
-    all_L = sorted({r["restores"] for r in rows})
-    res["table_md"] = table(rows, all_L)
-    res["table_tail_md"] = table(rows, all_L, "tail_logloss_rel_pct", "tail_auc_delta")
-    print("final step: rel. log loss / AUC delta\n" + res["table_md"])
-    print("mean of the last evals: rel. log loss / AUC delta\n" + res["table_tail_md"])
-    print(f"fp16 control (noise floor): {floor}")
+    if args.seeds:
+        res = {"per_seed": {str(k): v for k, v in grids.items()}, **combine_seeds(grids, args.goal)}
+        res["goal_pct"] = args.goal
+        res["table_md"] = seeds_table(res["cells"], "logloss_rel_pct")
+        res["table_tail_md"] = seeds_table(res["cells"], "tail_logloss_rel_pct")
+        print(f"mean ± sd over seeds {args.seeds}, final step:\n" + res["table_md"])
+        print("mean of the last evals:\n" + res["table_tail_md"])
+        print(f"fp16 drift: {res['noise_fp16']}")
+    res = {"machine": info, **res}
+    rows = res["cells"]
     if args.plot_dir:
-        res["plot"] = plot(rows, all_L, args.goal, floor, Path(args.plot_dir))
+        floor = res.get("noise_floor_fp16") or {
+            "final_pct": res["noise_fp16"]["logloss_rel_pct"]["rms_single_run"],
+            "tail_pct": res["noise_fp16"]["tail_logloss_rel_pct"]["rms_single_run"],
+        }
+        res["plot"] = plot(rows, sorted({r["restores"] for r in rows}), args.goal, floor, Path(args.plot_dir),
+                           args.plot_name)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
-    holds = res.get("goal_holds_default_policy")
+    holds = res.get("goal_holds_default_policy") or res.get("goal_holds_default_policy_mean")
     print(f"wrote {args.out} in {info['seconds']:.0f} s; default policy under {args.goal}%: {holds}")
     return 0
 

@@ -251,6 +251,8 @@ def build_records(s: dict[str, Any], jobs: dict[tuple[str, str], dict], peers: l
             "bare_copy_ms": _med([c["bare_copy_ms"] for c in ok]),
             "stall_over_bare_copy": _med([c["stall_over_bare"] for c in ok]),
             "bytes_written": _mean([c["bytes"] for c in ok]),
+            # between two full checkpoints (the long-run regime of a diff policy; none for `full`)
+            "bytes_written_delta": _mean([c["bytes"] for c in ok if c["kind"] == "delta"]),
             "capacity_bytes": max(caps) if caps else None,
             "capacity_bytes_final": caps[-1] if caps else None,
             "samples_per_s": run["samples_per_s"],
@@ -261,6 +263,8 @@ def build_records(s: dict[str, Any], jobs: dict[tuple[str, str], dict], peers: l
             "committed": len(ok), "checkpoints": len(cks), "skipped": run.get("skipped", 0),
         }
         agg["bytes_written_vs_dcp"] = dcp["bytes_written"] / agg["bytes_written"] if agg["bytes_written"] else None
+        agg["bytes_written_delta_vs_dcp"] = (dcp["bytes_written"] / agg["bytes_written_delta"]
+                                             if agg["bytes_written_delta"] else None)
         agg["capacity_vs_dcp"] = dcp["capacity_bytes"] / agg["capacity_bytes"] if agg["capacity_bytes"] else None
         agg["stall_vs_dcp_save"] = dcp["stall_ms"] / agg["stall_ms"] if agg["stall_ms"] else None
         agg["restore_over_dcp_load"] = agg["restore_s"] / dcp_load if agg["restore_s"] and dcp_load else None
@@ -269,7 +273,8 @@ def build_records(s: dict[str, Any], jobs: dict[tuple[str, str], dict], peers: l
     return rec, summary
 
 
-_UNITS = {"stall_ms": "ms", "bare_copy_ms": "ms", "bytes_written": "B", "capacity_bytes": "B", "capacity_bytes_final": "B",
+_UNITS = {"stall_ms": "ms", "bare_copy_ms": "ms", "bytes_written": "B", "bytes_written_delta": "B", "capacity_bytes": "B",
+          "capacity_bytes_final": "B",
           "samples_per_s": "samples/s", "throughput_overhead": "fraction", "restore_s": "s", "steps_lost_mean": "steps",
           "committed": "checkpoints", "checkpoints": "checkpoints", "skipped": "checkpoints"}
 

@@ -310,7 +310,7 @@ def _consumer_conf(conf: Mapping[str, Any], consumer_conf: Mapping[str, Any] | N
     # A fetch at the end of a partition waits fetch.wait.max.ms before the broker
     # answers (and we learn it is the end): keep that short for readers.
     c = {**_common(conf), "queued.max.messages.kbytes": DEFAULT_READ_BUFFER_KB,
-         "fetch.wait.max.ms": 100, **(consumer_conf or {})}
+         "fetch.wait.max.ms": 10, **(consumer_conf or {})}
     # assign()-only reading: a throwaway group id (confluent-kafka insists on one),
     # never committed; start offsets are always explicit.
     c.update({"group.id": f"deltarec-reader-{uuid.uuid4().hex}", "enable.auto.commit": False,

@@ -107,9 +107,10 @@ class CheckpointManager:
         self.writer = RankWriter(
             run_id=self.run_id, rank=env.rank, sink=self.backend.sink, group=self.group,
             max_frame_bytes=self.c.max_frame_bytes, flush_timeout_s=self.c.flush_timeout_s,
-            committer=self.committer,
+            committer=self.committer, nice=self.c.writer_nice,
         )
         self.next_id = 1
+        self._digest_cache: tuple[str, str] | None = None
         self.generation = 0
         self.chain: list[int] = []
         self.force_full = False
@@ -339,8 +340,7 @@ class CheckpointManager:
         if dense is not None:
             dense["restores"] = self.restores
             dense["step"] = step
-            dense["config_sha256"] = self.cfg.digest()
-            dense["model_sha256"] = _model_digest(self.cfg)
+            dense["config_sha256"], dense["model_sha256"] = self._digests()
         weight_codec, optimizer_codec = self.codecs()
         trainer_state = self.trainer.state_dict()
         self.policy.record(decision, fraction)
@@ -350,6 +350,13 @@ class CheckpointManager:
             cid, step, self.generation, list(self.chain), snapshot,
             trainer_state["reader"], trainer_state, dense, weight_codec, optimizer_codec,
         ))
+
+    def _digests(self) -> tuple[str, str]:
+        """(config, model) sha256, computed once: the config's YAML dump costs ~7 ms, too much
+        to repeat inside every stall, and the config does not change during a job."""
+        if self._digest_cache is None:
+            self._digest_cache = (self.cfg.digest(), _model_digest(self.cfg))
+        return self._digest_cache
 
     def codecs(self) -> tuple[str, str]:
         """(weight codec, optimizer codec) for the next checkpoint: `ckpt.encoding`, or

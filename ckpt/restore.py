@@ -114,7 +114,9 @@ def restore_rows(
     """Replay the marker's chain into this rank's shards; verify the base covered them."""
     t0 = time.perf_counter()
     out = RowsRestored()
-    covered = {id(s): torch.zeros(s.num_rows, s.num_cols, dtype=torch.bool) for s in shard_map.shards}
+    # columns of each local row the base wrote: a base holds every (row, column) exactly once,
+    # so a complete base leaves exactly num_cols per row (an int per row, not a row x column mask)
+    covered = {id(s): torch.zeros(s.num_rows, dtype=torch.int32) for s in shard_map.shards}
 
     def want(table: str, col: int, cols: int, lo: int, hi: int) -> bool:
         return any(_overlaps(s, col, cols, lo, hi) for s in shard_map.of_table(table))
@@ -126,11 +128,13 @@ def restore_rows(
         out.frames += 1
         out.bytes += frame.payload.numel() + frame.row_ids.numel() * 8 + sum(o.rows.numel() for o in frame.optim)
     for s in shard_map.shards:
-        if not bool(covered[id(s)].all()):
-            missing = int((~covered[id(s)].any(dim=1)).sum())
+        wrong = covered[id(s)] != s.num_cols
+        if bool(wrong.any()):
+            first = s.row_offset + int(wrong.nonzero()[0])
             raise RestoreError(
                 f"checkpoint {marker.checkpoint_id}: table {s.table} rows {s.row_offset}..{s.row_offset + s.num_rows - 1} "
-                f"cols {s.col_offset}..: {missing} rows are in no frame of the base checkpoint {marker.chain[0].checkpoint_id}"
+                f"cols {s.col_offset}..{s.col_offset + s.num_cols - 1}: {int(wrong.sum())} rows (first: row {first}) are "
+                f"not covered exactly once by the base checkpoint {marker.chain[0].checkpoint_id}"
             )
     out.seconds = time.perf_counter() - t0
     return out
@@ -153,32 +157,46 @@ def verify_frame(frame: Frame, link: ChainLink, partition: int, table: str, col:
 
 @torch.no_grad()
 def _apply(frame: Frame, targets: list[ShardView], covered: dict[int, torch.Tensor] | None) -> int:
-    """Write one frame's rows into every overlapping local shard; returns rows written."""
+    """Write one frame's rows into every overlapping local shard; returns rows written.
+    Whole-width rows go in with `index_copy_`; a column overlap narrower than the shard
+    (restoring into another column split) with an indexed slice assignment."""
     weights, optim = decode_rows(frame)
     ids = frame.row_ids
     written = 0
     for s in targets:
         local = ids - s.row_offset
         mask = (local >= 0) & (local < s.num_rows)
-        if not bool(mask.any()):
+        if bool(mask.all()):
+            rows, w, opt = local, weights, optim  # the usual case: every row of the frame is this shard's
+        elif bool(mask.any()):
+            rows, w, opt = local[mask], weights[mask], {k: v[mask] for k, v in optim.items()}
+        else:
             continue
-        rows = local[mask]
         c0 = max(frame.col_offset, s.col_offset)
         c1 = min(frame.col_offset + frame.dim, s.col_offset + s.num_cols)
-        s.weight[rows, c0 - s.col_offset : c1 - s.col_offset] = weights[mask][:, c0 - frame.col_offset : c1 - frame.col_offset]
+        _put(s.weight, rows, w, c0 - s.col_offset, c0 - frame.col_offset, c1 - c0)
         for name, state in s.optimizer_states.items():
-            if name not in optim:
+            if name not in opt:
                 raise RestoreError(
-                    f"table {s.table}: optimizer state {name!r} is not in the checkpoint (it has {sorted(optim)}); "
+                    f"table {s.table}: optimizer state {name!r} is not in the checkpoint (it has {sorted(opt)}); "
                     "was it written with another optimizer?"
                 )
-            src = optim[name][mask]
+            src = opt[name]
             if state.dim() == 1:
                 if frame.col_offset <= s.col_offset < frame.col_offset + frame.dim:
-                    state[rows] = src[:, 0] if src.shape[1] == 1 else src[:, s.col_offset - frame.col_offset]
+                    state.index_copy_(0, rows, src[:, 0] if src.shape[1] == 1 else src[:, s.col_offset - frame.col_offset])
             else:
-                state[rows, c0 - s.col_offset : c1 - s.col_offset] = src[:, c0 - frame.col_offset : c1 - frame.col_offset]
+                _put(state, rows, src, c0 - s.col_offset, c0 - frame.col_offset, c1 - c0)
         if covered is not None:
-            covered[id(s)][rows, c0 - s.col_offset : c1 - s.col_offset] = True
-        written += int(mask.sum())
+            counts = covered[id(s)]
+            counts.index_add_(0, rows, torch.full((rows.numel(),), c1 - c0, dtype=counts.dtype))
+        written += rows.numel()
     return written
+
+
+def _put(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor, dst_col: int, src_col: int, cols: int) -> None:
+    """dst[rows, dst_col:dst_col+cols] = src[:, src_col:src_col+cols]."""
+    if dst_col == 0 and src_col == 0 and cols == dst.shape[1] == src.shape[1]:
+        dst.index_copy_(0, rows, src)
+    else:
+        dst[rows, dst_col : dst_col + cols] = src[:, src_col : src_col + cols]

@@ -17,6 +17,7 @@ marker; it broadcasts the outcome back so every rank learns it in the same order
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -102,6 +103,7 @@ class RankWriter:
         max_frame_bytes: int,
         flush_timeout_s: float,
         committer: Committer | None,
+        nice: int = 0,
     ) -> None:
         assert (committer is not None) == (rank == 0), "rank 0, and only rank 0, commits"
         self.run_id = run_id
@@ -111,6 +113,7 @@ class RankWriter:
         self.max_frame_bytes = max_frame_bytes
         self.flush_timeout_s = flush_timeout_s
         self.committer = committer
+        self.nice = nice
         self._used: dict[str, str] = {}  # codecs the current job's frames use (writer thread only)
         self._jobs: queue.Queue[WriteJob | None] = queue.Queue()
         self._outcomes: queue.Queue[Outcome] = queue.Queue()
@@ -160,7 +163,19 @@ class RankWriter:
         return self.poll()
 
     # -- writer thread ----------------------------------------------------------------
+    def _lower_priority(self) -> None:
+        """Add `nice` to this thread's niceness (Linux: per thread), so that encoding and
+        producing yield the cores to the training thread when both want them."""
+        if self.nice <= 0 or not hasattr(os, "setpriority"):
+            return
+        tid = threading.get_native_id()
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + self.nice))
+        except OSError as exc:  # a sandbox may forbid it; the writer still works at normal priority
+            logger.warning("checkpoint writer of rank %d: cannot lower its priority: %s", self.rank, exc)
+
     def _run(self) -> None:
+        self._lower_priority()
         while True:
             job = self._jobs.get()
             if job is None:

@@ -159,6 +159,9 @@ class CkptConfig:
     dense_dir: str = ""  # default <run_dir>/dense (a shared filesystem across nodes)
     max_frame_bytes: int = 998_976  # under Kafka's default message.max.bytes
     flush_timeout_s: float = 60.0
+    # niceness the writer thread adds to itself (Linux): encoding rows on the CPU must not
+    # take cores from the training step; 0 runs it at the training thread's priority
+    writer_nice: int = 10
 
 
 @dataclass
@@ -279,6 +282,8 @@ def _validate_ckpt(cfg: JobConfig) -> None:
         raise ConfigError(f"{src}: ckpt.resume must be none, latest or a checkpoint id, got {c.resume!r}")
     if c.max_pending_bytes <= 0 or c.max_frame_bytes < 16384:
         raise ConfigError(f"{src}: ckpt.max_pending_bytes must be positive and ckpt.max_frame_bytes at least 16384")
+    if not 0 <= c.writer_nice <= 19:
+        raise ConfigError(f"{src}: ckpt.writer_nice must be in 0..19 (added to the writer thread's niceness), got {c.writer_nice}")
 
 
 def _check_criteo_files(src: str, c: CriteoDataConfig) -> None:

@@ -107,3 +107,9 @@ def test_resolved_config_round_trips() -> None:
     assert again == cfg
     assert again.digest() == cfg.digest()
     assert load_config(DEBUG).digest() != cfg.digest()
+
+
+@pytest.mark.parametrize("value", ["-1", "20"])
+def test_writer_nice_out_of_range_is_rejected(value: str) -> None:
+    with pytest.raises(ConfigError, match=rf"ckpt.writer_nice must be in 0..19 .*got {value}"):
+        load_config(DEBUG, ["ckpt.enabled=true", "ckpt.sink=filesystem", f"ckpt.writer_nice={value}"])
