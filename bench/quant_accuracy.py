@@ -39,7 +39,6 @@ import os
 import platform
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -99,50 +98,13 @@ def boundaries(steps: int, restores: int) -> list[int]:
     return b
 
 
-def spawn(config: Path, overrides: list[str], run_dir: Path, log_prefix: str, world_size: int, timeout_s: float) -> str:
-    """Run `world_size` ranks of `python -m trainer.main` (file rendezvous); return rank 0's stdout."""
-    rdzv = run_dir / f"rdzv-{time.monotonic_ns()}"
-    cmd = [
-        sys.executable, "-m", "trainer.main", "--config", str(config),
-        f"sharding.init_method=file://{rdzv}", f"run.dir={run_dir}", "train.progress=log", *overrides,
-    ]  # fmt: skip
-    procs, logs = [], []
-    for rank in range(world_size):
-        env = dict(os.environ)
-        env.update(
-            RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-            PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-        )  # fmt: skip
-        out = open(run_dir / f"{log_prefix}.rank{rank}.out", "w+")
-        err = open(run_dir / f"{log_prefix}.rank{rank}.err", "w+")
-        logs.append((out, err))
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err))
-    deadline = time.monotonic() + timeout_s
-    failed = ""
-    while any(p.poll() is None for p in procs):
-        if time.monotonic() > deadline:
-            failed = f"still running after {timeout_s:.0f} s"
-        elif any(p.returncode not in (None, 0) for p in procs):
-            failed = "a rank failed"
-        if failed:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            break
-        time.sleep(0.1)  # polling process exit
-    for p in procs:
-        p.wait()
-    texts = []
-    for p, (out, err) in zip(procs, logs):
-        out.seek(0)
-        err.seek(0)
-        texts.append((p.returncode, out.read(), err.read()))
-        out.close()
-        err.close()
-    if failed or any(rc != 0 for rc, _, _ in texts):
-        tails = "\n".join(f"--- rank {r} rc {rc} ---\n{e[-3000:]}" for r, (rc, _, e) in enumerate(texts))
-        raise RuntimeError(f"{log_prefix} in {run_dir}: {failed or 'non-zero exit'}\n{tails}")
-    return texts[0][1]
+def spawn(config: Path, overrides: list[str], run_dir: Path, world_size: int, timeout_s: float) -> str:
+    """Run `world_size` ranks of `python -m trainer.main` in `run_dir` (file rendezvous); return
+    rank 0's stdout. A failing or hung rank kills the others and raises."""
+    from tests.ranks import start_ranks
+
+    group = start_ranks(config, [*overrides, f"run.dir={run_dir}"], run_dir, world_size, timeout_s)
+    return group.wait()[0].stdout
 
 
 def marker_codecs(config: Path, overrides: list[str]) -> dict[int, dict]:
@@ -195,7 +157,7 @@ def run_cell(cell: Cell, args, base: list[str], work: Path) -> None:
     for i, end in enumerate(cell.boundaries):
         ov = [*common, f"train.steps={end}", f"ckpt.resume={'latest' if i else 'none'}"]
         ts = time.perf_counter()
-        out = spawn(args.config, ov, run_dir, f"seg{i:02d}", 2, args.timeout)
+        out = spawn(args.config, ov, run_dir, 2, args.timeout)
         if i:
             m = RESUMED.search(out)
             if not m or int(m.group(2)) != prev:
@@ -415,7 +377,7 @@ def combine_seeds(grids: dict[int, dict], goal: float) -> dict:
             out[key], out[key + "_sd"] = _mean_sd([r[key] for r in rs])
             out[key + "_per_seed"] = [r[key] for r in rs]
         cells.append(out)
-    fp16 = [x for r in by_cell.items() if r[0][0] == "fp16" for x in r[1]]
+    fp16 = [r for (setting, _), rs in by_cell.items() if setting == "fp16" for r in rs]
     n = len(grids)
     floor = {}
     for key in ("logloss_rel_pct", "tail_logloss_rel_pct"):

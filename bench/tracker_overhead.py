@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,24 +33,21 @@ REPO = Path(__file__).resolve().parents[1]
 
 # -- launcher ----------------------------------------------------------------------------
 def launch(args: argparse.Namespace, rest: list[str]) -> int:
+    from tests.ranks import start_ranks
+
     with tempfile.TemporaryDirectory(prefix="tracker-bench-") as tmp:
-        cmd = [
-            sys.executable, "-m", "bench.tracker_overhead", "--worker", "--config", args.config,
-            "--rounds", str(args.rounds), "--block", str(args.block), "--warmup", str(args.warmup),
-            "--interval", str(args.interval), "--repeats", str(args.repeats),
-            f"sharding.init_method=file://{tmp}/rdzv", f"run.dir={tmp}/run", *rest,
-        ]
-        procs = []
-        for rank in range(args.ranks):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(rank),
-                       LOCAL_WORLD_SIZE=str(args.ranks), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.ranks)))
-            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        outs = [p.communicate(timeout=args.timeout_s) for p in procs]
-    if any(p.returncode for p in procs):
-        for p, (_, err) in zip(procs, outs):
-            print(f"rank rc {p.returncode}:\n{err[-3000:]}", file=sys.stderr)
+        worker_args = ["--worker", "--rounds", str(args.rounds), "--block", str(args.block), "--warmup", str(args.warmup),
+                       "--interval", str(args.interval), "--repeats", str(args.repeats)]  # fmt: skip
+        threads = str(max(1, (os.cpu_count() or 1) // args.ranks))
+        group = start_ranks(args.config, rest, Path(tmp), args.ranks, args.timeout_s, module="bench.tracker_overhead",
+                            extra_args=worker_args, env_extra={"OMP_NUM_THREADS": threads})
+        results = group.wait(expect_ok=False)
+    if any(r.returncode for r in results):
+        for r in results:
+            print(f"rank {r.rank} rc {r.returncode}:\n{r.stderr[-3000:]}", file=sys.stderr)
         return 1
-    ranks = [json.loads(next(ln for ln in out.splitlines() if ln.startswith("{"))) for out, _ in outs]
+    outs = [r.stdout for r in results]
+    ranks = [json.loads(next(ln for ln in out.splitlines() if ln.startswith("{"))) for out in outs]
     worst = lambda key, sub: max(r[sub][key] for r in ranks)  # noqa: E731
     result = {
         "benchmark": "tracker_overhead",

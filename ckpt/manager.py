@@ -110,7 +110,8 @@ class CheckpointManager:
             committer=self.committer, nice=self.c.writer_nice,
         )
         self.next_id = 1
-        self._digest_cache: tuple[str, str] | None = None
+        # once per job: the config's YAML dump costs ~7 ms, too much to repeat in every stall
+        self.config_sha256, self.model_sha256 = cfg.digest(), _model_digest(cfg)
         self.generation = 0
         self.chain: list[int] = []
         self.force_full = False
@@ -173,10 +174,10 @@ class CheckpointManager:
         raise RestoreError(f"no restorable checkpoint of run {self.run_id} in {self.backend.where}")
 
     def _finish_restore(self, marker: Marker, rows: Any, state: dict[str, Any]) -> RestoreReport:
-        if self.env.rank == 0 and state.get("model_sha256") not in (None, _model_digest(self.cfg)):
+        if self.env.rank == 0 and state.get("model_sha256") not in (None, self.model_sha256):
             logger.warning(
                 "checkpoint %d was written with another model config (sha256 %s…, now %s…); restoring what matches",
-                marker.checkpoint_id, str(state["model_sha256"])[:12], _model_digest(self.cfg)[:12],
+                marker.checkpoint_id, str(state["model_sha256"])[:12], self.model_sha256[:12],
             )
         dense_state.load(self.sharded, state)
         self.trainer.load_state_dict(self._trainer_state(state, marker))
@@ -340,7 +341,7 @@ class CheckpointManager:
         if dense is not None:
             dense["restores"] = self.restores
             dense["step"] = step
-            dense["config_sha256"], dense["model_sha256"] = self._digests()
+            dense["config_sha256"], dense["model_sha256"] = self.config_sha256, self.model_sha256
         weight_codec, optimizer_codec = self.codecs()
         trainer_state = self.trainer.state_dict()
         self.policy.record(decision, fraction)
@@ -350,13 +351,6 @@ class CheckpointManager:
             cid, step, self.generation, list(self.chain), snapshot,
             trainer_state["reader"], trainer_state, dense, weight_codec, optimizer_codec,
         ))
-
-    def _digests(self) -> tuple[str, str]:
-        """(config, model) sha256, computed once: the config's YAML dump costs ~7 ms, too much
-        to repeat inside every stall, and the config does not change during a job."""
-        if self._digest_cache is None:
-            self._digest_cache = (self.cfg.digest(), _model_digest(self.cfg))
-        return self._digest_cache
 
     def codecs(self) -> tuple[str, str]:
         """(weight codec, optimizer codec) for the next checkpoint: `ckpt.encoding`, or
