@@ -26,7 +26,10 @@ deterministic (fp32 restores are bit-exact, DESIGN.md invariant 2), so every num
 exactly; the only differences between cells are the quantized restores. Reported per cell, from
 ``metrics.jsonl``: the final eval log loss and AUC (``train.eval_batches`` fixed held-out batches
 of every rank) as ``(logloss_L - logloss_ref) / logloss_ref`` in percent and as an AUC difference,
-and the same averaged over the evals of the last ``--tail`` of the run (steadier). ``--work-dir``
+the same averaged over the evals of the last ``--tail`` of the run (steadier), and the *lifetime*
+log loss: the mean training loss over every step of the job, each batch scored just before the
+model trains on it. Check-N-Run's Fig. 14 plots "lifetime accuracy"; read as this progressive
+measure, a restore's damage counts for as long as it lasts, not only at the end. ``--work-dir``
 with ``--keep-runs --reuse`` keeps the runs and re-summarizes (or completes) them without
 re-training finished cells.
 """
@@ -65,6 +68,7 @@ class Cell:
     codecs: list[str] = field(default_factory=list)  # weight codec of each restored checkpoint
     restored: list[tuple[int, int]] = field(default_factory=list)  # (checkpoint id, step)
     evals: list[dict] = field(default_factory=list)  # eval records of every segment
+    lifetime: float = float("nan")  # mean training log loss over every step (Check-N-Run's lifetime measure)
     seconds: float = 0.0
     same_as: "Cell | None" = None  # a cell whose job is identical (reported, not re-run)
 
@@ -134,6 +138,32 @@ def read_evals(run_dir: Path) -> list[dict]:
     return out
 
 
+def read_train_losses(run_dir: Path) -> list[tuple[int, float]]:
+    """(step, mean training loss of the window ending there) of every segment, in order."""
+    out = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if "loss" in r:
+            out.append((int(r["step"]), float(r["loss"])))
+    return out
+
+
+def lifetime_logloss(windows: list[tuple[int, float]], steps: int) -> float:
+    """Mean training log loss over steps 1..`steps`, each step's batch scored by the model just
+    before it trained on it (progressive validation, our reading of Check-N-Run's "lifetime
+    accuracy"). The trainer logs a window mean every `train.log_every` steps and at the end of each
+    segment, so window k covers the steps after window k-1; every step must be covered exactly once."""
+    total, prev = 0.0, 0
+    for step, loss in windows:
+        if step <= prev:
+            raise ValueError(f"training-loss windows overlap or repeat at step {step} (previous window ended at {prev})")
+        total += loss * (step - prev)
+        prev = step
+    if prev != steps:
+        raise ValueError(f"training-loss windows end at step {prev}, expected {steps}")
+    return total / steps
+
+
 def run_cell(cell: Cell, args, base: list[str], work: Path) -> None:
     run_dir = work / cell.name.replace("@", "-")
     done = run_dir / "cell.json"
@@ -144,6 +174,7 @@ def run_cell(cell: Cell, args, base: list[str], work: Path) -> None:
             cell.run_dir, cell.boundaries, cell.codecs = run_dir, d["boundaries"], d["codecs"]
             cell.restored, cell.seconds = [tuple(x) for x in d["restored"]], d["seconds"]
             cell.evals = read_evals(run_dir)
+            cell.lifetime = lifetime_logloss(read_train_losses(run_dir), args.steps)
             print(f"  {cell.name:16s} reused from {run_dir}", flush=True)
             return
     if run_dir.exists():
@@ -177,6 +208,7 @@ def run_cell(cell: Cell, args, base: list[str], work: Path) -> None:
                                f"{got.get('weights')!r}, expected {want!r} at step {step}")
         cell.codecs.append(got["weights"])
     cell.evals = read_evals(run_dir)
+    cell.lifetime = lifetime_logloss(read_train_losses(run_dir), args.steps)
     if cell.evals[-1]["step"] != args.steps:
         raise RuntimeError(f"{cell.name}: last eval at step {cell.evals[-1]['step']}, expected {args.steps}")
     done.write_text(json.dumps({
@@ -199,14 +231,16 @@ def dedupe(cells: list[Cell]) -> None:
 
 
 def summarize(cells: list[Cell], ref: Cell, tail_from: int) -> list[dict]:
-    """One row per cell: final-step eval against the reference, and the mean over the evals at
-    steps >= `tail_from` that the reference also has (the steadier figure)."""
+    """One row per cell: final-step eval against the reference, the mean over the evals at
+    steps >= `tail_from` that the reference also has (the steadier figure), and the lifetime
+    (mean training) log loss against the reference's."""
     r0 = ref.evals[-1]
     ref_at = {e["step"]: e for e in ref.evals}
     rows = []
     for c in cells:
         if c.same_as is not None:
-            c.codecs, c.restored, c.evals = c.same_as.codecs, c.same_as.restored, c.same_as.evals
+            same = c.same_as
+            c.codecs, c.restored, c.evals, c.lifetime = same.codecs, same.restored, same.evals, same.lifetime
         e = c.evals[-1]
         tail = [(x, ref_at[x["step"]]) for x in c.evals if x["step"] >= tail_from and x["step"] in ref_at]
         tail = list({x["step"]: (x, y) for x, y in tail}.values())  # a segment end may repeat a step
@@ -220,13 +254,15 @@ def summarize(cells: list[Cell], ref: Cell, tail_from: int) -> list[dict]:
             "tail_logloss_rel_pct": sum(100.0 * (x["eval_logloss"] - y["eval_logloss"]) / y["eval_logloss"]
                                         for x, y in tail) / max(len(tail), 1),
             "tail_auc_delta": sum(x["eval_auc"] - y["eval_auc"] for x, y in tail) / max(len(tail), 1),
+            "lifetime_logloss": c.lifetime,
+            "lifetime_logloss_rel_pct": 100.0 * (c.lifetime - ref.lifetime) / ref.lifetime,
             "segment_evals": c.evals, "seconds": round(c.seconds, 1),
             "same_run_as": c.same_as.name if c.same_as is not None else None,
         })  # fmt: skip
     return rows
 
 
-def table(rows: list[dict], restores: list[int], key: str = "logloss_rel_pct", auc: str = "auc_delta") -> str:
+def table(rows: list[dict], restores: list[int], key: str = "logloss_rel_pct", auc: str | None = "auc_delta") -> str:
     settings = list(dict.fromkeys(r["setting"] for r in rows))
     head = "| setting | codec | " + " | ".join(f"L = {L}" for L in restores) + " |"
     lines = [head, "|---|---|" + "---:|" * len(restores)]
@@ -236,7 +272,8 @@ def table(rows: list[dict], restores: list[int], key: str = "logloss_rel_pct", a
         cells = []
         for L in restores:
             r = rs.get(L)
-            cells.append("–" if r is None else f"{r[key]:+.4f}% / {r[auc]:+.5f}" + ("¹" if r["same_run_as"] else ""))
+            value = f"{r[key]:+.4f}%" + (f" / {r[auc]:+.5f}" if auc else "") if r is not None else "–"
+            cells.append(value + ("¹" if r is not None and r["same_run_as"] else ""))
         lines.append(f"| {s} | {codecs} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -252,7 +289,7 @@ def plot(rows: list[dict], restores: list[int], goal_pct: float, floor: dict, pl
         print("matplotlib not installed: no plot", file=sys.stderr)
         return None
     plot_dir.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.4))
     styles = {"default": ("k", "o", 2.2), "adaptive2": ("C3", "v", 1.4), "adaptive3": ("C1", "^", 1.4),
               "adaptive4": ("C2", "s", 1.4), "asym8": ("C0", "D", 1.4), "fp16": ("0.55", "x", 1.0),
               "fp32": ("0.75", "+", 1.0)}  # fmt: skip
@@ -260,6 +297,8 @@ def plot(rows: list[dict], restores: list[int], goal_pct: float, floor: dict, pl
         ("logloss_rel_pct", "final eval log loss vs uninterrupted (%)", "log loss, last step", floor.get("final_pct")),
         ("tail_logloss_rel_pct", "mean over the last 20% of evals (%)", "log loss, mean of last evals",
          floor.get("tail_pct")),
+        ("lifetime_logloss_rel_pct", "mean training log loss over all steps (%)", "lifetime log loss (Check-N-Run)",
+         floor.get("lifetime_pct")),
         ("auc_delta", "final eval AUC minus uninterrupted", "AUC, last step", None),
     ]  # fmt: skip
     for ax, (key, ylabel, title, band) in zip(axes, panels):
@@ -313,7 +352,8 @@ def run_grid(args, base: list[str], work: Path) -> dict:
     t0 = time.perf_counter()
     run_cell(ref, args, base, work)
     r0 = ref.evals[-1]
-    print(f"  reference: eval log loss {r0['eval_logloss']:.6f}, AUC {r0['eval_auc']:.5f}", flush=True)
+    print(f"  reference: eval log loss {r0['eval_logloss']:.6f}, AUC {r0['eval_auc']:.5f}, "
+          f"lifetime log loss {ref.lifetime:.6f}", flush=True)
     for c in cells:
         if c.same_as is not None:
             print(f"  {c.name:16s} is the same job as {c.same_as.name}: not run again", flush=True)
@@ -321,18 +361,21 @@ def run_grid(args, base: list[str], work: Path) -> dict:
         run_cell(c, args, base, work)
         e = c.evals[-1]
         rel = 100 * (e["eval_logloss"] - r0["eval_logloss"]) / r0["eval_logloss"]
+        life = 100 * (c.lifetime - ref.lifetime) / ref.lifetime
         print(f"  {c.name:16s} codecs {sorted(set(c.codecs))}: log loss {e['eval_logloss']:.6f} ({rel:+.4f}%), "
-              f"AUC {e['eval_auc']:.5f}  [{c.seconds:.0f} s, total {time.perf_counter() - t0:.0f} s]", flush=True)
+              f"AUC {e['eval_auc']:.5f}, lifetime {life:+.4f}%  [{c.seconds:.0f} s, total {time.perf_counter() - t0:.0f} s]",
+              flush=True)
     rows = summarize(sorted(cells, key=lambda c: c.control), ref, round(args.steps * (1 - args.tail)))
     fp16 = [r for r in rows if r["setting"] == "fp16"]
     floor = {
         "final_pct": max((abs(r["logloss_rel_pct"]) for r in fp16), default=None),
         "tail_pct": max((abs(r["tail_logloss_rel_pct"]) for r in fp16), default=None),
+        "lifetime_pct": max((abs(r["lifetime_logloss_rel_pct"]) for r in fp16), default=None),
     }
     res = {
         "segments": n_seg,
         "seconds_all_cells": round(ref.seconds + sum(c.seconds for c in cells if c.same_as is None), 1),
-        "reference": {"eval_logloss": r0["eval_logloss"], "eval_auc": r0["eval_auc"],
+        "reference": {"eval_logloss": r0["eval_logloss"], "eval_auc": r0["eval_auc"], "lifetime_logloss": ref.lifetime,
                       "eval_samples": r0["eval_samples"], "seconds": round(ref.seconds, 1), "evals": ref.evals},
         "goal_pct": args.goal,
         "noise_floor_fp16": floor,
@@ -343,14 +386,18 @@ def run_grid(args, base: list[str], work: Path) -> dict:
         res["goal_holds_default_policy"] = {
             "final": all(r["logloss_rel_pct"] < args.goal for r in main_rows),
             "tail_mean": all(r["tail_logloss_rel_pct"] < args.goal for r in main_rows),
-            # can a degradation of `goal` be told apart from the drift of a near-lossless (fp16) run?
-            "resolvable": None if floor["final_pct"] is None else floor["final_pct"] < args.goal,
+            "lifetime": all(r["lifetime_logloss_rel_pct"] < args.goal for r in main_rows),
+            # per measure: can a degradation of `goal` be told apart from the drift of a near-lossless (fp16) run?
+            "resolvable": {k: None if floor[f] is None else floor[f] < args.goal
+                           for k, f in (("final", "final_pct"), ("tail_mean", "tail_pct"), ("lifetime", "lifetime_pct"))},
         }
     all_L = sorted({r["restores"] for r in rows})
     res["table_md"] = table(rows, all_L)
     res["table_tail_md"] = table(rows, all_L, "tail_logloss_rel_pct", "tail_auc_delta")
+    res["table_lifetime_md"] = table(rows, all_L, "lifetime_logloss_rel_pct", None)
     print("final step: rel. log loss / AUC delta\n" + res["table_md"])
     print("mean of the last evals: rel. log loss / AUC delta\n" + res["table_tail_md"])
+    print("lifetime (mean training log loss over all steps): rel. log loss\n" + res["table_lifetime_md"])
     print(f"fp16 control (noise floor): {floor}")
     return res
 
@@ -373,14 +420,14 @@ def combine_seeds(grids: dict[int, dict], goal: float) -> dict:
     for (setting, L), rs in by_cell.items():
         out = {"setting": setting, "restores": L, "control": rs[0]["control"], "n": len(rs),
                "codecs": sorted({c for r in rs for c in r["codecs"]})}  # fmt: skip
-        for key in ("logloss_rel_pct", "tail_logloss_rel_pct", "auc_delta", "tail_auc_delta"):
+        for key in ("logloss_rel_pct", "tail_logloss_rel_pct", "lifetime_logloss_rel_pct", "auc_delta", "tail_auc_delta"):
             out[key], out[key + "_sd"] = _mean_sd([r[key] for r in rs])
             out[key + "_per_seed"] = [r[key] for r in rs]
         cells.append(out)
     fp16 = [r for (setting, _), rs in by_cell.items() if setting == "fp16" for r in rs]
     n = len(grids)
     floor = {}
-    for key in ("logloss_rel_pct", "tail_logloss_rel_pct"):
+    for key in ("logloss_rel_pct", "tail_logloss_rel_pct", "lifetime_logloss_rel_pct"):
         vals = [r[key] for r in fp16]
         rms = (sum(v * v for v in vals) / len(vals)) ** 0.5 if vals else None
         floor[key] = {"rms_single_run": rms, "se_of_seed_mean": None if rms is None else rms / n**0.5}
@@ -390,6 +437,7 @@ def combine_seeds(grids: dict[int, dict], goal: float) -> dict:
         "goal_holds_default_policy_mean": {
             "final": all(c["logloss_rel_pct"] < goal for c in default),
             "tail_mean": all(c["tail_logloss_rel_pct"] < goal for c in default),
+            "lifetime": all(c["lifetime_logloss_rel_pct"] < goal for c in default),
         },
     }  # fmt: skip
 
@@ -467,8 +515,10 @@ def main(argv: list[str] | None = None) -> int:
         res["goal_pct"] = args.goal
         res["table_md"] = seeds_table(res["cells"], "logloss_rel_pct")
         res["table_tail_md"] = seeds_table(res["cells"], "tail_logloss_rel_pct")
+        res["table_lifetime_md"] = seeds_table(res["cells"], "lifetime_logloss_rel_pct")
         print(f"mean ± sd over seeds {args.seeds}, final step:\n" + res["table_md"])
         print("mean of the last evals:\n" + res["table_tail_md"])
+        print("lifetime (mean training log loss over all steps):\n" + res["table_lifetime_md"])
         print(f"fp16 drift: {res['noise_fp16']}")
     res = {"machine": info, **res}
     rows = res["cells"]
@@ -476,6 +526,7 @@ def main(argv: list[str] | None = None) -> int:
         floor = res.get("noise_floor_fp16") or {
             "final_pct": res["noise_fp16"]["logloss_rel_pct"]["rms_single_run"],
             "tail_pct": res["noise_fp16"]["tail_logloss_rel_pct"]["rms_single_run"],
+            "lifetime_pct": res["noise_fp16"]["lifetime_logloss_rel_pct"]["rms_single_run"],
         }
         res["plot"] = plot(rows, sorted({r["restores"] for r in rows}), args.goal, floor, Path(args.plot_dir),
                            args.plot_name)

@@ -52,3 +52,23 @@ def test_quick_suite_writes_every_peer_and_policy(tmp_path: Path) -> None:
     assert {t["target"] for t in result["targets"]}  # reported, not judged
     assert sorted(p.name for p in img.glob("*.png")) == ["peers_quick_fig15_bytes_written.png",
                                                          "peers_quick_fig16_capacity_bytes.png"]
+
+
+def test_quant_accuracy_restores_are_exact_in_fp32_and_quantized_ones_are_not(tmp_path: Path) -> None:
+    """A tiny Fig. 14 grid on 2 real ranks: every segment is a new process restoring from the
+    filesystem sink. fp32 restores must reproduce the uninterrupted run exactly (final eval and
+    lifetime log loss); a 2-bit restore must move both (or the grid measures nothing)."""
+    out = tmp_path / "acc.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.quant_accuracy", "--out", str(out), "--steps", "60", "--interval", "20",
+         "--eval-every", "30", "--eval-batches", "4", "--settings", "default", "--restores", "1",
+         "--controls", "fp32@1", "--skip", "--work-dir", str(tmp_path / "runs"), "--timeout", "300"],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cells = {(c["setting"], c["restores"]): c for c in json.loads(out.read_text())["cells"]}
+    fp32, default = cells[("fp32", 1)], cells[("default", 1)]
+    assert fp32["restore_steps"] == default["restore_steps"] == [30]
+    assert fp32["logloss_rel_pct"] == 0.0 and fp32["lifetime_logloss_rel_pct"] == 0.0
+    assert default["codecs"] == ["adaptive2"]
+    assert default["logloss_rel_pct"] != 0.0 and default["lifetime_logloss_rel_pct"] != 0.0

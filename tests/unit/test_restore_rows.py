@@ -89,3 +89,24 @@ def test_base_must_cover_every_row_exactly_once(rows: list[int]) -> None:
     with pytest.raises(RestoreError, match=r"table t rows 0\.\.4 cols 0\.\.2: 1 rows \(first: row 3\) are not covered "
                                            r"exactly once by the base checkpoint 1"):
         _restore([(True, base, 0, 3, 0, 4)], [_view(5, 3)])
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("run_id", "another-run", "run id 'another-run' != 'r'"),
+    ("checkpoint_id", 7, "checkpoint id 7 != 1"),
+    ("rank", 3, "rank 3 != partition 0"),
+])  # fmt: skip
+def test_a_frame_that_does_not_match_its_marker_is_refused_before_anything_is_written(field, value, says) -> None:
+    """A frame from another run (a reused topic or directory), another checkpoint or another rank
+    at the position the marker names is refused with its location; the shard keeps its values."""
+    from ckpt.frames import FrameError
+
+    meta = dict(run_id=RUN, checkpoint_id=1, rank=0, table="t", col_offset=0, dim=4, encoding=FP32,
+                row_ids=torch.arange(5), payload=torch.randn(5, 4),
+                optim=[OptimState("momentum1", FP32, torch.ones(5, 1))])  # fmt: skip
+    meta[field] = value
+    view = _view(5, 4)
+    view.weight.fill_(3.0)
+    with pytest.raises(FrameError, match=f"1/0@0: frame does not match its COMMIT marker: {says}"):
+        _restore([(True, [encode_frame(**meta)], 0, 4, 0, 4)], [view])
+    assert bool((view.weight == 3.0).all())
