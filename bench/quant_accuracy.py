@@ -14,7 +14,8 @@ step, and the COMMIT marker it restored must name the expected weight codec.
 Settings (``--settings``):
 
 * ``default``: the Check-N-Run bit-width policy, ``ckpt.expected_restores=L`` (2-bit for L = 1,
-  3-bit for L <= 3, 4-bit for L <= 20, 8-bit beyond, 8-bit once restored more often than expected).
+  3-bit for L <= 3, 4-bit for L <= 20, 8-bit beyond, 8-bit once restored more often than expected;
+  ``--set "ckpt.restore_bit_widths=[[3,4]]"`` measures another table).
 * ``adaptive2|adaptive3|adaptive4|asym8`` (or any codec name): ``ckpt.encoding=<name>``. A cell that
   is the same job as a default-policy cell (``adaptive2@1``, ``adaptive3@3``, ``adaptive4@10|20``)
   is reported from that cell instead of being trained again (``--no-dedupe`` runs it anyway).
@@ -85,12 +86,14 @@ def setting_overrides(setting: str, restores: int) -> list[str]:
     return [f"ckpt.encoding={setting}"]
 
 
-def expected_codec(setting: str, expected_restores: int, restores_so_far: int) -> str:
-    """The weight codec a checkpoint written after `restores_so_far` restores must carry."""
+def expected_codec(setting: str, expected_restores: int, restores_so_far: int, widths) -> str:
+    """The weight codec a checkpoint written after `restores_so_far` restores must carry
+    (`widths`: the job's ckpt.restore_bit_widths)."""
     if setting == "default":
         from ckpt.quant import BitWidthPolicy
 
-        return BitWidthPolicy(expected_restores=expected_restores, restores_so_far=restores_so_far).weight_codec()
+        policy = BitWidthPolicy(expected_restores=expected_restores, restores_so_far=restores_so_far, widths=widths)
+        return policy.weight_codec()
     return "fp32" if setting == "reference" else setting
 
 
@@ -202,7 +205,7 @@ def run_cell(cell: Cell, args, base: list[str], work: Path) -> None:
     markers = marker_codecs(args.config, [f"run.dir={run_dir}", *common])
     for k, (cid, step) in enumerate(cell.restored):
         got = markers[cid]
-        want = expected_codec(cell.setting, cell.restores, k)
+        want = expected_codec(cell.setting, cell.restores, k, args.widths)
         if got["step"] != step or got.get("weights") != want:
             raise RuntimeError(f"{cell.name}: restore {k + 1} read checkpoint {cid} (step {got['step']}) written with "
                                f"{got.get('weights')!r}, expected {want!r} at step {step}")
@@ -217,7 +220,7 @@ def run_cell(cell: Cell, args, base: list[str], work: Path) -> None:
     }))  # fmt: skip
 
 
-def dedupe(cells: list[Cell]) -> None:
+def dedupe(cells: list[Cell], widths) -> None:
     """An explicit `adaptiveN@L` cell whose every checkpoint uses the codec the default policy
     picks for L is the same job as `default@L` (same config, same codec at every checkpoint,
     deterministic training): point it at that cell instead of running it again."""
@@ -226,7 +229,7 @@ def dedupe(cells: list[Cell]) -> None:
         d = default.get(c.restores)
         if c.setting == "default" or c.control or d is None:
             continue
-        if all(expected_codec("default", c.restores, k) == c.setting for k in range(c.restores + 1)):
+        if all(expected_codec("default", c.restores, k, widths) == c.setting for k in range(c.restores + 1)):
             c.same_as = d
 
 
@@ -338,7 +341,7 @@ def make_cells(args) -> list[Cell]:
     cells = [Cell(s, int(L), control=True) for s, L in (c.split("@") for c in args.controls)]
     cells += [Cell(s, L) for L in args.restores for s in args.settings if f"{s}@{L}" not in args.skip]
     if not args.no_dedupe:
-        dedupe(cells)
+        dedupe(cells, args.widths)
     return cells
 
 
@@ -490,6 +493,10 @@ def main(argv: list[str] | None = None) -> int:
         "ckpt.enabled=true", "ckpt.sink=filesystem", f"ckpt.interval_steps={args.interval}", "ckpt.final=true",
         f"train.eval_batches={args.eval_batches}", f"train.eval_every={args.eval_every}", *args.overrides,
     ]  # fmt: skip
+    from trainer.config import load_config
+
+    # the default policy's table, as the jobs will read it (a --set may override it)
+    args.widths = tuple(map(tuple, load_config(args.config, base, check_data=False).ckpt.restore_bit_widths))
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="deltarec-quant-acc-"))
     info = {
         "cpu": cpu_model(), "cpus": os.cpu_count(), "python": platform.python_version(), "loadavg_start": os.getloadavg(),

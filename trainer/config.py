@@ -132,6 +132,12 @@ class TrainConfig:
     save_params: bool = False  # at the end, each rank dumps its tensors to <run_dir>/params/rank<r>.pt
 
 
+def _check_n_run_widths() -> list[list[int]]:
+    from ckpt.quant import CHECK_N_RUN_WIDTHS  # the policy module owns the table
+
+    return [list(pair) for pair in CHECK_N_RUN_WIDTHS]
+
+
 @dataclass
 class CkptConfig:
     """Continuous checkpointing: where rows go, how often, which rows, how encoded."""
@@ -148,6 +154,8 @@ class CkptConfig:
     # 3-bit <= 3, 4-bit <= 20, else 8-bit; 8-bit once restored more often), overriding
     # `encoding` and `optimizer_encoding`.
     expected_restores: int = 0
+    # that table as [most expected restores, bits] pairs (bits 2..4; more restores: 8-bit)
+    restore_bit_widths: list[list[int]] = field(default_factory=_check_n_run_widths)
     max_pending_bytes: int = 1 << 30  # host memory all unwritten snapshots of a rank may hold
     on_backpressure: Literal["wait", "skip"] = "skip"
     resume: str = "none"  # "none", "latest", or a checkpoint id
@@ -263,7 +271,7 @@ def _validate_ckpt(cfg: JobConfig) -> None:
     c, src = cfg.ckpt, cfg.source
     if not c.enabled:
         return
-    from ckpt.quant import codec_names, get_codec  # the codec registry is the source of truth
+    from ckpt.quant import check_widths, codec_names, get_codec  # the codec registry is the source of truth
 
     for key, name in (("ckpt.encoding", c.encoding), ("ckpt.optimizer_encoding", c.optimizer_encoding)):
         if name not in codec_names():
@@ -272,6 +280,10 @@ def _validate_ckpt(cfg: JobConfig) -> None:
         raise ConfigError(f"{src}: ckpt.optimizer_encoding={c.optimizer_encoding!r}: optimizer state is never stored below 8 bits")
     if c.expected_restores < 0:
         raise ConfigError(f"{src}: ckpt.expected_restores must be >= 0 (0: use ckpt.encoding), got {c.expected_restores}")
+    try:
+        check_widths(c.restore_bit_widths)
+    except ValueError as exc:
+        raise ConfigError(f"{src}: ckpt.restore_bit_widths {c.restore_bit_widths}: {exc}") from None
     if c.interval_steps < 0 or c.interval_s < 0 or (c.interval_steps == 0 and c.interval_s == 0):
         raise ConfigError(f"{src}: ckpt.interval_steps and/or ckpt.interval_s must be positive")
     if c.sink == "kafka" and not c.bootstrap_servers and "bootstrap.servers" not in c.kafka:

@@ -10,7 +10,7 @@ accuracy and speed, and :mod:`ckpt.quant.policy` for choosing the bit width.
 """
 
 from .base import NonFiniteRowError, RowCodec, RowRangeError
-from .policy import BitWidthPolicy, bits_for_expected_restores, codec_for_width
+from .policy import CHECK_N_RUN_WIDTHS, BitWidthPolicy, bits_for_expected_restores, check_widths, codec_for_width
 from .registry import CODE_TABLE, codec_names, get_codec, register_codec
 
 __all__ = [
@@ -23,5 +23,7 @@ __all__ = [
     "CODE_TABLE",
     "BitWidthPolicy",
     "bits_for_expected_restores",
+    "check_widths",
+    "CHECK_N_RUN_WIDTHS",
     "codec_for_width",
 ]

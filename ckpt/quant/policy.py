@@ -5,20 +5,30 @@ restores a job expects, the fewer bits a checkpoint needs: 2-bit when it expects
 3-bit for up to 3, 4-bit for up to 20, 8-bit beyond. Once a job has restored more often than it
 expected, later checkpoints fall back to 8-bit. Optimizer-state rows are never quantized below
 ``optimizer_floor_bits`` (default 8): their errors compound through every later update.
+
+That table comes from Check-N-Run's production jobs (billions of samples). On smaller jobs it can
+cost more (docs/quant.md measures 0.04-0.1% lifetime log loss here), so it is a parameter
+(``widths``, config ``ckpt.restore_bit_widths``) that a job can calibrate with bench.quant_accuracy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from .registry import get_codec
 
-__all__ = ["bits_for_expected_restores", "BitWidthPolicy", "LOW_BIT_METHODS", "OPTIMIZER_FLOORS"]
+__all__ = ["bits_for_expected_restores", "check_widths", "BitWidthPolicy", "CHECK_N_RUN_WIDTHS", "LOW_BIT_METHODS",
+           "OPTIMIZER_FLOORS"]  # fmt: skip
 
 LOW_BIT_METHODS = ("adaptive", "asym", "sym", "kmeans")
 # floor -> codec for optimizer-state rows. 16 is bf16, not fp16: Adagrad accumulators can pass
 # fp16's 65504 and underflow its small end; bf16 keeps fp32's exponent range.
 OPTIMIZER_FLOORS = {8: "asym8", 16: "bf16", 32: "fp32"}
+# (most expected restores, bits) in order; a job expecting more restores than the last entry: 8-bit
+Widths = tuple[tuple[int, int], ...]
+CHECK_N_RUN_WIDTHS: Widths = ((1, 2), (3, 3), (20, 4))
+LOW_BITS = (2, 3, 4)
 
 
 def codec_for_width(name: str, dim: int) -> str:
@@ -28,19 +38,35 @@ def codec_for_width(name: str, dim: int) -> str:
     return name if get_codec(name).row_bytes(dim) < 4 * dim else "fp32"
 
 
-def bits_for_expected_restores(n: int) -> int:
-    """2 for <= 1 expected restore, 3 for <= 3, 4 for <= 20, else 8."""
+def check_widths(widths: Sequence[Sequence[int]]) -> Widths:
+    """Validate a restores -> bits table and return it as a tuple of pairs: each entry is
+    [most expected restores, bits] with bits in 2..4; restores strictly increasing, and bits never
+    fewer for more restores (more restores mean more accumulated noise). An empty table is
+    always 8-bit."""
+    out, prev = [], (-1, 0)
+    for i, pair in enumerate(widths):
+        if len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, int) for v in pair):
+            raise ValueError(f"entry {i} must be [most expected restores, bits] (two ints), got {list(pair)}")
+        n, bits = pair
+        if bits not in LOW_BITS:
+            raise ValueError(f"entry {i}: bits must be one of {LOW_BITS} (beyond the last entry is 8-bit), got {bits}")
+        if n <= prev[0] or bits < prev[1]:
+            raise ValueError(
+                f"entry {i} {[n, bits]}: restores must increase and bits must not decrease from entry {i - 1} {list(prev)}"
+            )
+        out.append((n, bits))
+        prev = (n, bits)
+    return tuple(out)
+
+
+def bits_for_expected_restores(n: int, widths: Widths = CHECK_N_RUN_WIDTHS) -> int:
+    """Bits for a job expecting `n` restores: the first entry of `widths` whose restores >= n,
+    else 8 (Check-N-Run's table: 2 for <= 1 expected restore, 3 for <= 3, 4 for <= 20)."""
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"expected restores must be an int, got {type(n).__name__}")
     if n < 0:
         raise ValueError(f"expected restores must be >= 0, got {n}")
-    if n <= 1:
-        return 2
-    if n <= 3:
-        return 3
-    if n <= 20:
-        return 4
-    return 8
+    return next((bits for most, bits in widths if n <= most), 8)
 
 
 @dataclass(frozen=True)
@@ -58,8 +84,10 @@ class BitWidthPolicy:
     restores_so_far: int = 0
     optimizer_floor_bits: int = 8
     method: str = "adaptive"  # codec family used for 2..4-bit weights
+    widths: Widths = CHECK_N_RUN_WIDTHS  # (most expected restores, bits); more: 8-bit
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "widths", check_widths(self.widths))
         bits_for_expected_restores(self.expected_restores)  # validates
         if isinstance(self.restores_so_far, bool) or not isinstance(self.restores_so_far, int):
             raise TypeError("restores_so_far must be an int")
@@ -80,7 +108,7 @@ class BitWidthPolicy:
 
     @property
     def weight_bits(self) -> int:
-        return 8 if self.fell_back else bits_for_expected_restores(self.expected_restores)
+        return 8 if self.fell_back else bits_for_expected_restores(self.expected_restores, self.widths)
 
     @property
     def optimizer_bits(self) -> int:

@@ -113,3 +113,19 @@ def test_resolved_config_round_trips() -> None:
 def test_writer_nice_out_of_range_is_rejected(value: str) -> None:
     with pytest.raises(ConfigError, match=rf"ckpt.writer_nice must be in 0..19 .*got {value}"):
         load_config(DEBUG, ["ckpt.enabled=true", "ckpt.sink=filesystem", f"ckpt.writer_nice={value}"])
+
+
+def test_restore_bit_widths_reach_the_checkpoint_manager_and_bad_tables_are_refused() -> None:
+    from types import SimpleNamespace
+
+    from ckpt.manager import CheckpointManager
+
+    base = ["ckpt.enabled=true", "ckpt.sink=filesystem", "ckpt.expected_restores=3"]
+    default = load_config(DEBUG, base)
+    assert default.ckpt.restore_bit_widths == [[1, 2], [3, 3], [20, 4]]
+    assert CheckpointManager.codecs(SimpleNamespace(c=default.ckpt, restores=0)) == ("adaptive3", "asym8")
+    calibrated = load_config(DEBUG, [*base, "ckpt.restore_bit_widths=[[3,4]]"])
+    assert CheckpointManager.codecs(SimpleNamespace(c=calibrated.ckpt, restores=0)) == ("adaptive4", "asym8")
+    assert CheckpointManager.codecs(SimpleNamespace(c=calibrated.ckpt, restores=4)) == ("asym8", "asym8")
+    with pytest.raises(ConfigError, match=r"ckpt.restore_bit_widths \[\[20, 4\], \[3, 3\]\]: entry 1 .* restores must increase"):
+        load_config(DEBUG, [*base, "ckpt.restore_bit_widths=[[20,4],[3,3]]"])

@@ -93,3 +93,36 @@ def test_policy_validates():
     p = BitWidthPolicy(2)
     with pytest.raises(Exception):
         p.restores_so_far = 5  # frozen: use after_restore()
+
+
+def test_default_table_is_check_n_runs():
+    from ckpt.quant import CHECK_N_RUN_WIDTHS
+
+    assert CHECK_N_RUN_WIDTHS == ((1, 2), (3, 3), (20, 4))
+    assert [bits_for_expected_restores(n, CHECK_N_RUN_WIDTHS) for n in (1, 3, 20, 21)] == [2, 3, 4, 8]
+
+
+@pytest.mark.parametrize("n,weight", [(1, "adaptive4"), (3, "adaptive4"), (4, "asym8"), (50, "asym8")])
+def test_a_calibrated_table_replaces_check_n_runs(n, weight):
+    """4-bit up to 3 restores, 8-bit beyond; the fallback after more restores than expected still applies."""
+    p = BitWidthPolicy(expected_restores=n, widths=[[3, 4]])
+    assert p.widths == ((3, 4),)
+    assert p.weight_codec() == weight
+    assert BitWidthPolicy(expected_restores=1, widths=[[3, 4]], restores_so_far=2).weight_codec() == "asym8"
+    assert BitWidthPolicy(expected_restores=1, widths=[]).weight_codec() == "asym8"  # empty table: always 8-bit
+
+
+@pytest.mark.parametrize("widths,says", [
+    ([[3, 8]], r"entry 0: bits must be one of \(2, 3, 4\)"),
+    ([[3, 4], [3, 4]], r"entry 1 \[3, 4\]: restores must increase"),
+    ([[3, 4], [10, 2]], r"bits must not decrease from entry 0 \[3, 4\]"),
+    ([[3]], r"entry 0 must be \[most expected restores, bits\]"),
+    ([[3, 2.0]], r"entry 0 must be \[most expected restores, bits\] \(two ints\)"),
+])  # fmt: skip
+def test_a_table_that_makes_no_sense_is_refused(widths, says):
+    from ckpt.quant import check_widths
+
+    with pytest.raises(ValueError, match=says):
+        check_widths(widths)
+    with pytest.raises(ValueError, match=says):
+        BitWidthPolicy(expected_restores=2, widths=widths)
