@@ -1,0 +1,38 @@
+"""The bit-width policy end to end, on 2 real ranks and the filesystem sink: every COMMIT marker
+names the weight codec that `ckpt.restore_bit_widths` gives for `ckpt.expected_restores`, and
+checkpoints written after more restores than expected fall back to 8-bit."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckpt.backends import open_backend, run_id_of
+from ckpt.markers import commits
+from tests.ranks import REPO, spawn_ranks
+from trainer.config import load_config
+
+DEBUG = REPO / "configs" / "debug_cpu.yaml"
+pytestmark = [pytest.mark.integration, pytest.mark.multirank]
+
+
+def test_a_calibrated_table_then_8_bit_once_restored_more_often_than_expected(tmp_path) -> None:
+    job = ["ckpt.enabled=true", "ckpt.sink=filesystem", "ckpt.interval_steps=10", "ckpt.expected_restores=1",
+           "ckpt.restore_bit_widths=[[1,3]]", "train.eval_batches=1"]  # fmt: skip
+    spawn_ranks(DEBUG, [*job, "train.steps=20"], tmp_path)
+    for restore, (step, steps) in enumerate([(20, 30), (30, 40)], start=1):
+        out = spawn_ranks(DEBUG, [*job, f"train.steps={steps}", "ckpt.resume=latest"], tmp_path)[0].stdout
+        assert f"at step {step}" in out, out[-2000:]
+
+    cfg = load_config(DEBUG, [*job, f"run.dir={tmp_path / 'run'}"], check_data=False)
+    backend = open_backend(cfg, world_size=1)
+    try:
+        found = commits(backend.markers.read_markers(), run_id_of(cfg))
+    finally:
+        backend.close()
+    weights = {m.step: m.encodings["weights"] for _, m in found}
+    # 3-bit from the table for one expected restore, kept after the first restore; the second
+    # restore is one more than expected, so from then on rows are written at 8 bits
+    assert weights == {10: "adaptive3", 20: "adaptive3", 30: "adaptive3", 40: "asym8"}
+    # row-wise Adagrad's state is one float per row: asym8's scale and bias would make it bigger,
+    # so it stays fp32 (never below the 8-bit floor either way)
+    assert {m.encodings["optimizer.sum"] for _, m in found} == {"fp32"}
