@@ -141,6 +141,13 @@ def baseline_run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return {"wall_s": wall, "samples_per_s_median": _med(rates[1:] or rates)}
 
 
+# per-checkpoint fields summarized as `<field>_median` for full and delta checkpoints
+MEDIAN_FIELDS = (
+    "fraction_of_rows", "bytes", "bytes_per_row", "stall_ms", "take_ms", "agree_ms", "other_ms", "bare_copy_ms",
+    "bare_copy_warm_ms", "stall_over_bare", "take_over_bare", "take_over_bare_warm", "write_s", "write_MBps",
+)
+
+
 def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
     ck = [c for c in run["checkpoints"] if c["committed"]]
     out: dict[str, Any] = {"checkpoints": len(run["checkpoints"]), "committed": len(ck)}
@@ -150,21 +157,8 @@ def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
             continue
         out[kind] = {
             "count": len(cs),
-            "fraction_of_rows_median": _med([c["fraction_of_rows"] for c in cs]),
             "fraction_of_rows_range": [min(c["fraction_of_rows"] for c in cs), max(c["fraction_of_rows"] for c in cs)],
-            "bytes_median": _med([c["bytes"] for c in cs]),
-            "bytes_per_row_median": _med([c["bytes_per_row"] for c in cs]),
-            "stall_ms_median": _med([c["stall_ms"] for c in cs]),
-            "take_ms_median": _med([c["take_ms"] for c in cs]),
-            "agree_ms_median": _med([c["agree_ms"] for c in cs]),
-            "other_ms_median": _med([c["other_ms"] for c in cs]),
-            "bare_copy_ms_median": _med([c["bare_copy_ms"] for c in cs]),
-            "bare_copy_warm_ms_median": _med([c["bare_copy_warm_ms"] for c in cs]),
-            "stall_over_bare_median": _med([c["stall_over_bare"] for c in cs]),
-            "take_over_bare_median": _med([c["take_over_bare"] for c in cs]),
-            "take_over_bare_warm_median": _med([c["take_over_bare_warm"] for c in cs]),
-            "write_s_median": _med([c["write_s"] for c in cs]),
-            "write_MBps_median": _med([c["write_MBps"] for c in cs]),
+            **{f"{key}_median": _med([c[key] for c in cs]) for key in MEDIAN_FIELDS},
         }
     out["fraction_changed_per_interval_median"] = _med(
         [c["fraction_changed_since_last"] for c in ck if c["kind"] == "delta"])

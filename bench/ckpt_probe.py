@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(R + 1):  # round 0: warm-up
             generation += 1
             job = WriteJob(generation, step, generation, [generation], snap, {}, {}, None, codec, "fp32")
-            frames = [f for shard in snap.shards if shard.global_rows.numel() for f, *_ in writer._frames(job, shard)]
+            frames = [f for shard in snap.shards if shard.global_rows.numel() for f, *_ in writer._frames(job, shard, {})]
             raw_topic = f"{bench_run}.raw.g{generation}"
             if rank == 0:
                 ensure_topic(admin, raw_topic, env.world_size)

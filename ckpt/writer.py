@@ -114,7 +114,6 @@ class RankWriter:
         self.flush_timeout_s = flush_timeout_s
         self.committer = committer
         self.nice = nice
-        self._used: dict[str, str] = {}  # codecs the current job's frames use (writer thread only)
         self._jobs: queue.Queue[WriteJob | None] = queue.Queue()
         self._outcomes: queue.Queue[Outcome] = queue.Queue()
         self._pending_bytes = 0
@@ -196,7 +195,7 @@ class RankWriter:
         t0 = time.perf_counter()
         job.snapshot.wait()  # on CUDA the device-to-host copies finish after take() returned
         meta: list[list[Any]] = []  # per frame: table, col_offset, min row, max row, cols
-        self._used: dict[str, str] = {}
+        used: dict[str, str] = {}  # "weights" / "optimizer.<state>" -> codec this job's frames use
         rows = nbytes = 0
         error = ""
         try:
@@ -205,7 +204,7 @@ class RankWriter:
                     maybe_die("rows", job.checkpoint_id, self.rank)
                 if shard.global_rows.numel() == 0:
                     continue
-                for frame, n_rows, first_row, last_row in self._frames(job, shard):
+                for frame, n_rows, first_row, last_row in self._frames(job, shard, used):
                     self.sink.write(frame, generation=job.generation, partition=self.rank)
                     meta.append([shard.table, shard.col_offset, first_row, last_row, shard.weights.shape[1]])
                     nbytes += len(frame)
@@ -230,20 +229,21 @@ class RankWriter:
         return RankReport(
             self.rank, not error, error, ranges, index, rows, nbytes,
             job.snapshot.stall_s * 1e3, time.perf_counter() - t0, job.reader_state, job.trainer_state,
-            dict(self._used),
+            used,
         )
 
-    def _frames(self, job: WriteJob, shard: Any):
-        """Encode one shard's rows and split them into frames; yields (frame, n, first, last)."""
+    def _frames(self, job: WriteJob, shard: Any, used: dict[str, str]):
+        """Encode one shard's rows and split them into frames; yields (frame, n, first, last).
+        Records the codecs it encodes with in `used`."""
         ids = shard.global_rows
         weight_codec = get_codec(job.weight_codec)
         payload = weight_codec.encode(shard.weights, table=shard.table, row_ids=ids)
-        self._used["weights"] = weight_codec.name
+        used["weights"] = weight_codec.name
         optim = []
         for name, state in sorted(shard.optimizer.items()):
             rows = state.reshape(state.shape[0], -1).float()
             codec = get_codec(codec_for_width(job.optimizer_codec, rows.shape[1]))
-            self._used[f"optimizer.{name}"] = codec.name
+            used[f"optimizer.{name}"] = codec.name
             optim.append(OptimState(name, codec.code, codec.encode(rows, table=shard.table, row_ids=ids)))
         per_row = payload.shape[1] + sum(o.rows.shape[1] for o in optim) + 8
         rows_per_frame = max(1, (self.max_frame_bytes - 4096) // per_row)
