@@ -6,7 +6,9 @@
     deltarec-ckpt --config CONFIG [key=value ...] gc --keep N
 
 The job's own config names the backend (Kafka or filesystem), the run id and the dense
-store, so the same overrides that ran the job find its checkpoints.
+store, so the same overrides that ran the job find its checkpoints. Loading that config is
+the trainer layer's job: the console script is `trainer.ckpt_cli`, which hands this module
+the resolved `ckpt` section.
 """
 
 from __future__ import annotations
@@ -15,18 +17,21 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
-from ckpt.backends import dense_dir, open_backend, run_id_of
-from ckpt.dense_store import DenseRef, DenseStore, DenseStoreError
+from ckpt.backends import open_backend
+from ckpt.config import CkptConfig
+from ckpt.dense_store import DenseRef, DenseStore
 from ckpt.export import export
-from ckpt.frames import FrameError
 from ckpt.markers import Marker, MarkerError, decode_marker, select
 from ckpt.restore import RestoreError, iter_chain_frames
-from ckpt.sink import SourceError
-from trainer.config import ConfigError, load_config
+from common.errors import DeltarecError
 
 logger = logging.getLogger(__name__)
+
+
+class CliError(DeltarecError):
+    """A command-line argument that cannot be used."""
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -95,7 +100,7 @@ def cmd_verify(marker: Marker, backend, dense: DenseStore, run_id: str) -> int:
 
 def cmd_gc(markers: list[Marker], keep: int, backend, dense: DenseStore) -> int:
     if keep < 1:
-        raise ValueError("--keep must be at least 1: gc never drops the newest checkpoint")
+        raise CliError("--keep must be at least 1: gc never drops the newest checkpoint")
     commits = sorted((m for m in markers if m.kind == "commit" and Path(m.dense.get("path", "")).is_file()),
                      key=lambda m: m.checkpoint_id)
     kept = commits[-keep:]
@@ -110,14 +115,15 @@ def cmd_gc(markers: list[Marker], keep: int, backend, dense: DenseStore) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+def main(argv: Sequence[str], load_ckpt_config: Callable[[str, list[str]], CkptConfig]) -> int:
+    """Run one command; `load_ckpt_config(path, overrides)` gives the job's resolved `ckpt` section."""
+    args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     try:
-        cfg = load_config(args.config, args.overrides, check_data=False)
-        run_id = run_id_of(cfg)
+        cfg = load_ckpt_config(args.config, args.overrides)
+        run_id = cfg.run_id
         backend = open_backend(cfg, world_size=1)
-        dense = DenseStore(dense_dir(cfg))
+        dense = DenseStore(Path(cfg.dense_dir))
         try:
             markers = _markers(backend, run_id)
             if args.command == "list":
@@ -133,14 +139,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         finally:
             backend.close()
-    except (ConfigError, RestoreError, FrameError, MarkerError, DenseStoreError, SourceError, ValueError) as exc:
+    except DeltarecError as exc:
         print(f"deltarec-ckpt: error: {exc}", file=sys.stderr)
         return 1
-
-
-def cli() -> None:
-    sys.exit(main())
-
-
-if __name__ == "__main__":
-    cli()

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ckpt.restore import RestoreError
 from sharding.dmp import ShardedModel
 
 
@@ -51,14 +52,14 @@ def load(sharded: ShardedModel, state: dict[str, Any]) -> None:
     missing = sorted(set(params) - set(state["params"]))
     extra = sorted(set(state["params"]) - set(params))
     if missing or extra:
-        raise ValueError(
+        raise RestoreError(
             f"dense state does not match this model: missing {missing[:3]}, unexpected {extra[:3]} "
             "(was the checkpoint written with another model config?)"
         )
     for name, p in params.items():
         src = state["params"][name]
         if src.shape != p.shape:
-            raise ValueError(f"dense parameter {name}: checkpoint shape {tuple(src.shape)} != model {tuple(p.shape)}")
+            raise RestoreError(f"dense parameter {name}: checkpoint shape {tuple(src.shape)} != model {tuple(p.shape)}")
         p.copy_(src)
     buffers = dict(sharded.model.named_buffers())
     for name, b in state["buffers"].items():

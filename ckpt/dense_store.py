@@ -18,8 +18,10 @@ from typing import Any
 
 import torch
 
+from common.errors import DeltarecError
 
-class DenseStoreError(RuntimeError):
+
+class DenseStoreError(DeltarecError, RuntimeError):
     """The dense file is missing or does not match the sha256 its marker recorded."""
 
 

@@ -39,6 +39,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from ckpt.frames import Frame, FrameError, decode_frame, kafka_where
 from ckpt.sink import RangeRecorder, SinkError, SinkResult, SourceError, check_run_id, \
     markers_name, rows_name
+from common.errors import ConfigError
 
 log = logging.getLogger(__name__)
 _rdkafka_log = logging.getLogger("deltarec.librdkafka")
@@ -56,7 +57,7 @@ _TRANSIENT = {KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._T
 
 def _common(conf: Mapping[str, Any]) -> dict[str, Any]:
     if "bootstrap.servers" not in conf:
-        raise ValueError("Kafka conf needs 'bootstrap.servers'")
+        raise ConfigError("ckpt.kafka needs 'bootstrap.servers' (or set ckpt.bootstrap_servers)")
     out = dict(conf)
     out.setdefault("logger", _rdkafka_log)
     return out
@@ -134,9 +135,9 @@ class _Producer:
                  delivery_timeout_s: float | None, queue_full_timeout_s: float) -> None:
         pconf = {**_common(conf), **(producer_conf or {})}
         if str(pconf.get("enable.idempotence", True)).lower() not in ("true", "1"):
-            raise ValueError("the checkpoint producer needs enable.idempotence=true")
+            raise ConfigError("ckpt.kafka: the checkpoint producer needs enable.idempotence=true")
         if str(pconf.get("acks", "all")).lower() not in ("all", "-1"):
-            raise ValueError("the checkpoint producer needs acks=all")
+            raise ConfigError("ckpt.kafka: the checkpoint producer needs acks=all")
         pconf["enable.idempotence"] = True
         pconf["acks"] = "all"
         if delivery_timeout_s is not None or "delivery.timeout.ms" not in pconf:

@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
+from common.errors import ConfigError, DeltarecError
 from ckpt.frames import Frame
 
 Range = tuple[int, int]
@@ -32,18 +33,18 @@ Key = tuple[int, int]  # (generation, partition)
 _RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
 
-class SinkError(RuntimeError):
+class SinkError(DeltarecError, RuntimeError):
     """Writing failed: the checkpoint being written is lost; older ones are untouched."""
 
 
-class SourceError(RuntimeError):
+class SourceError(DeltarecError, RuntimeError):
     """Reading failed: data missing, unreachable, or not what was asked for."""
 
 
 def check_run_id(run_id: str) -> str:
     """Run ids become Kafka topic and file names: ``[A-Za-z0-9._-]``, at most 200 chars."""
     if not _RUN_ID.match(run_id) or run_id in (".", ".."):
-        raise ValueError(f"run id {run_id!r} must match [A-Za-z0-9._-]{{1,200}}")
+        raise ConfigError(f"run id {run_id!r} (ckpt.run_id, default run.name) must match [A-Za-z0-9._-]{{1,200}}: it names topics and directories")
     return run_id
 
 

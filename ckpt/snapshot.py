@@ -5,7 +5,7 @@ tracker marked (or every row, for a full checkpoint) — weights *and* every opt
 tensor of each shard — into freshly allocated host tensors, and returns. Training may then
 go on updating the live tables: the snapshot is a copy and does not move.
 
-Rows are addressed by (table, global row, column offset) (DESIGN.md invariant 3):
+Rows are addressed by (table, global row, column offset) (docs/design.md §3, invariant 3):
 ``global_rows = row_offset + local row``.
 
 Host memory: `estimate_bytes` gives, from the bitmap counts and before any copy, exactly

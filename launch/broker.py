@@ -58,7 +58,7 @@ with confluent-kafka 2.16 / librdkafka 2.16, and what the code does about it:
   sends SIGTERM, waits briefly and then SIGKILLs.
 - confluent-kafka requires ``group.id`` even for ``assign()``-only consumers: readers use
   a throwaway unique group id and never commit.
-- Known from DESIGN.md, not relied upon: offsets_for_times, delete_records, aborted
+- Not relied upon (docs/design.md §6): offsets_for_times, delete_records, aborted
   transactions, compaction; no data survives a restart.
 """
 
@@ -83,6 +83,8 @@ import weakref
 from pathlib import Path
 from typing import Callable
 
+from common.errors import DeltarecError
+
 HOST = "127.0.0.1"
 DEFAULT_STATE_DIR = Path("runs") / "broker"
 RECORD_NAME = "broker.json"
@@ -92,7 +94,7 @@ EXIT_NOT_RUNNING = 3
 _log = logging.getLogger(__name__)
 
 
-class BrokerError(RuntimeError):
+class BrokerError(DeltarecError, RuntimeError):
     """The embedded broker could not be started or controlled (message is one line)."""
 
 

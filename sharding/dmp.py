@@ -1,14 +1,14 @@
 """Wrap the model in DistributedModelParallel with the fused sparse optimizer and a dense one.
 
 The sparse optimizer must be applied in backward *before* planning, otherwise the plan
-silently picks the non-fused `dense` kernel (see DESIGN.md, environment facts).
+silently picks the non-fused `dense` kernel (docs/design.md §8).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,9 +21,9 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+from sharding.config import OptimizerConfig, ShardingConfig, TableConfig
 from sharding.plan import EBC_PATH, build_plan
 from sharding.process_group import DistEnv
-from trainer.config import JobConfig
 
 logger = logging.getLogger(__name__)
 
@@ -45,19 +45,32 @@ class ShardedModel:
 
 
 def plan_model(
-    model: nn.Module, cfg: JobConfig, env: DistEnv, device_type: str, collective: bool = True
+    model: nn.Module,
+    tables: Sequence[TableConfig],
+    sharding: ShardingConfig,
+    optimizer: OptimizerConfig,
+    env: DistEnv,
+    device_type: str,
+    collective: bool = True,
 ) -> tuple[ShardingPlan, EmbeddingBagCollectionSharder]:
     """Fuse the sparse optimizer into the tables, then plan (see `sharding.plan`)."""
-    sp = cfg.optimizer.sparse
+    sp = optimizer.sparse
     ebc = model.get_submodule(EBC_PATH)
     apply_optimizer_in_backward(_SPARSE[sp.name], ebc.parameters(), _optimizer_kwargs(sp.name, sp.lr, sp.eps))
     sharder = EmbeddingBagCollectionSharder()
-    return build_plan(model, cfg, env, device_type, sharder, collective), sharder
+    return build_plan(model, tables, sharding, optimizer, env, device_type, sharder, collective), sharder
 
 
-def shard_model(model: nn.Module, cfg: JobConfig, env: DistEnv, device: torch.device) -> ShardedModel:
+def shard_model(
+    model: nn.Module,
+    tables: Sequence[TableConfig],
+    sharding: ShardingConfig,
+    optimizer: OptimizerConfig,
+    env: DistEnv,
+    device: torch.device,
+) -> ShardedModel:
     """Plan, shard with DMP, and build the dense optimizer beside the fused one."""
-    plan, sharder = plan_model(model, cfg, env, device.type)
+    plan, sharder = plan_model(model, tables, sharding, optimizer, env, device.type)
     dmp = DistributedModelParallel(
         module=model,
         device=device,
@@ -65,7 +78,7 @@ def shard_model(model: nn.Module, cfg: JobConfig, env: DistEnv, device: torch.de
         sharders=[sharder],
         env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
     )
-    dp = cfg.optimizer.dense
+    dp = optimizer.dense
     dense_cls: Callable = _DENSE[dp.name]
     dense = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(dmp.named_parameters())),

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Sequence
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -24,10 +24,11 @@ from torchrec.distributed.sharding_plan import (
     table_row_wise,
     table_wise,
 )
-from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding, ShardingPlan
+from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingPlan
 
+from common.errors import DeltarecError
+from sharding.config import OptimizerConfig, ShardingConfig, TableConfig
 from sharding.process_group import DistEnv
-from trainer.config import JobConfig, TableConfig
 
 logger = logging.getLogger(__name__)
 
@@ -37,21 +38,23 @@ EBC_PATH = "model.sparse_arch.embedding_bag_collection"
 PLANNER_CPU_TYPES = ("table_wise", "column_wise", "table_column_wise", "data_parallel")
 
 
-class PlanError(ValueError):
+class PlanError(DeltarecError, ValueError):
     """The requested placement cannot work; the message says what to change."""
 
 
-def validate_sharding(cfg: JobConfig, env: DistEnv, device_type: str) -> None:
+def validate_sharding(
+    tables: Sequence[TableConfig], sharding: ShardingConfig, optimizer: OptimizerConfig, env: DistEnv, device_type: str
+) -> None:
     """Refuse impossible combinations at start-up, naming the table and the fix."""
-    if cfg.optimizer.sparse.name == "adam" and device_type == "cpu":
+    if optimizer.sparse.name == "adam" and device_type == "cpu":
         raise PlanError(
             "optimizer.sparse.name=adam: the fused CPU embedding kernel supports only "
             "row_wise_adagrad, adagrad and sgd; pick one of those or run on GPU"
         )
-    if cfg.sharding.backend == "nccl" and device_type == "cpu":
+    if sharding.backend == "nccl" and device_type == "cpu":
         raise PlanError("sharding.backend=nccl needs GPUs; use gloo (or auto) on CPU")
-    for t in cfg.model.tables:
-        kind = cfg.table_sharding(t)
+    for t in tables:
+        kind = sharding.type_of(t)
         if kind == "row_wise" and t.num_embeddings < env.world_size:
             raise PlanError(
                 f"table {t.name}: row_wise needs at least one row per rank "
@@ -81,7 +84,7 @@ def _table_bytes(t: TableConfig) -> int:
     return t.num_embeddings * t.embedding_dim * 4
 
 
-def _manual_generators(cfg: JobConfig, env: DistEnv) -> dict:
+def _manual_generators(tables: Sequence[TableConfig], sharding: ShardingConfig, env: DistEnv) -> dict:
     """torchrec sharding generators for every explicitly typed table.
 
     table_wise tables go to the least-loaded rank (largest first) so ranks balance;
@@ -89,9 +92,9 @@ def _manual_generators(cfg: JobConfig, env: DistEnv) -> dict:
     """
     load = [0] * env.world_size
     gens = {}
-    explicit = [t for t in cfg.model.tables if cfg.table_sharding(t) != "auto"]
+    explicit = [t for t in tables if sharding.type_of(t) != "auto"]
     for t in sorted(explicit, key=_table_bytes, reverse=True):
-        kind = cfg.table_sharding(t)
+        kind = sharding.type_of(t)
         if kind == "table_wise":
             rank = min(range(env.world_size), key=lambda r: (load[r], r))
             load[rank] += _table_bytes(t)
@@ -112,7 +115,9 @@ def _manual_generators(cfg: JobConfig, env: DistEnv) -> dict:
 
 def build_plan(
     model: nn.Module,
-    cfg: JobConfig,
+    tables: Sequence[TableConfig],
+    sharding: ShardingConfig,
+    optimizer: OptimizerConfig,
     env: DistEnv,
     device_type: str,
     sharder: EmbeddingBagCollectionSharder,
@@ -123,13 +128,13 @@ def build_plan(
     With `collective`, rank 0 plans `auto` tables and broadcasts the result (the normal
     case); without, this process plans alone (`--dry-run` for a world size not launched).
     """
-    validate_sharding(cfg, env, device_type)
+    validate_sharding(tables, sharding, optimizer, env, device_type)
     ebc = model.get_submodule(EBC_PATH)
     params = sharder.shardable_parameters(ebc)
     module_plan = EmbeddingModuleShardingPlan()
-    if any(cfg.table_sharding(t) == "auto" for t in cfg.model.tables):
-        module_plan.update(_planner_plan(model, cfg, env, device_type, sharder, collective))
-    for name, gen in _manual_generators(cfg, env).items():
+    if any(sharding.type_of(t) == "auto" for t in tables):
+        module_plan.update(_planner_plan(model, tables, sharding, env, device_type, sharder, collective))
+    for name, gen in _manual_generators(tables, sharding, env).items():
         module_plan[name] = gen(params[name], env.local_world_size, env.world_size, device_type, sharder)
     missing = set(params) - set(module_plan)
     assert not missing, f"tables without a sharding: {sorted(missing)}"
@@ -138,7 +143,8 @@ def build_plan(
 
 def _planner_plan(
     model: nn.Module,
-    cfg: JobConfig,
+    tables: Sequence[TableConfig],
+    sharding: ShardingConfig,
     env: DistEnv,
     device_type: str,
     sharder: EmbeddingBagCollectionSharder,
@@ -147,8 +153,8 @@ def _planner_plan(
     """Ask torchrec's planner; explicit tables are pinned to a type it accepts here
     (and replaced afterwards by the manual plan), so its balancing accounts for them."""
     constraints = {}
-    for t in cfg.model.tables:
-        kind = cfg.table_sharding(t)
+    for t in tables:
+        kind = sharding.type_of(t)
         if kind == "auto":
             constraints[t.name] = ParameterConstraints(min_partition=min(32, t.embedding_dim))
         else:
@@ -175,29 +181,30 @@ class TablePlacement:
     bytes_per_rank: dict[int, int]
 
 
-def summarize(plan: ShardingPlan, cfg: JobConfig, world_size: int) -> list[TablePlacement]:
+def summarize(
+    plan: ShardingPlan, tables: Sequence[TableConfig], optimizer: OptimizerConfig, world_size: int
+) -> list[TablePlacement]:
     """Per table: sharding type, ranks, and weight + optimizer-state bytes per rank."""
     module_plan = plan.plan[EBC_PATH]
-    tables = {t.name: t for t in cfg.model.tables}
+    by_name = {t.name: t for t in tables}
     out = []
     for name, ps in module_plan.items():
-        t = tables[name]
+        t = by_name[name]
         per_rank: dict[int, int] = {}
         if ps.sharding_spec is None:  # data_parallel: a full replica on every rank
             for r in range(world_size):
-                per_rank[r] = _shard_bytes(t.num_embeddings, t.embedding_dim, cfg)
+                per_rank[r] = _shard_bytes(t.num_embeddings, t.embedding_dim, optimizer.sparse.name)
         else:
             for shard in ps.sharding_spec.shards:
                 rows, cols = shard.shard_sizes
                 r = shard.placement.rank()
-                per_rank[r] = per_rank.get(r, 0) + _shard_bytes(rows, cols, cfg)
+                per_rank[r] = per_rank.get(r, 0) + _shard_bytes(rows, cols, optimizer.sparse.name)
         out.append(TablePlacement(name, ps.sharding_type, tuple(sorted(per_rank)), per_rank))
     return out
 
 
-def _shard_bytes(rows: int, cols: int, cfg: JobConfig) -> int:
-    opt = cfg.optimizer.sparse.name
-    state = {"row_wise_adagrad": rows, "adagrad": rows * cols, "sgd": 0, "adam": 2 * rows * cols}[opt]
+def _shard_bytes(rows: int, cols: int, sparse_optimizer: str) -> int:
+    state = {"row_wise_adagrad": rows, "adagrad": rows * cols, "sgd": 0, "adam": 2 * rows * cols}[sparse_optimizer]
     return 4 * (rows * cols + state)
 
 

@@ -17,7 +17,13 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
+from common.errors import DeltarecError
+
 logger = logging.getLogger(__name__)
+
+
+class ProcessGroupError(DeltarecError, RuntimeError):
+    """The ranks cannot form a group as configured (backend, launcher environment)."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,7 @@ def init_process_group(
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl" and device.type != "cuda":
-        raise ValueError("sharding.backend=nccl needs CUDA, and no GPU is visible; use gloo or auto")
+        raise ProcessGroupError("sharding.backend=nccl needs CUDA, and no GPU is visible; use gloo or auto")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if env.launcher == "single" and init_method == "env://":
@@ -99,7 +105,7 @@ def init_process_group(
 def _slurm_rendezvous_defaults() -> None:
     """srun without torchrun: the sbatch script must export MASTER_ADDR; derive a port."""
     if "MASTER_ADDR" not in os.environ:
-        raise RuntimeError(
+        raise ProcessGroupError(
             "running under srun without torchrun needs MASTER_ADDR (the first node's address); "
             "launch/slurm/deltarec.sbatch exports it, or use torchrun per node"
         )

@@ -11,15 +11,14 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Literal, Sequence
 
 import yaml
 
-from trainer.config_loader import ConfigError, apply_override, build, load_yaml, to_dict
-
-ShardingType = Literal["auto", "table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"]
-SparseOptimizer = Literal["row_wise_adagrad", "adagrad", "sgd", "adam"]
-DenseOptimizer = Literal["adagrad", "sgd", "adam"]
+from ckpt.config import CkptConfig
+from common.errors import ConfigError
+from sharding.config import OptimizerConfig, ShardingConfig, TableConfig
+from trainer.config_loader import apply_override, build, load_yaml, to_dict
 
 
 @dataclass
@@ -36,17 +35,6 @@ class RunConfig:
 
 
 @dataclass
-class TableConfig:
-    """One embedding table: its rows, width, the features that look it up, its sharding."""
-
-    name: str
-    num_embeddings: int
-    embedding_dim: int
-    features: list[str]
-    sharding: ShardingType | None = None  # None: take sharding.default
-
-
-@dataclass
 class ModelConfig:
     """torchrec's DLRM (or DLRM_DCN) with tables declared here."""
 
@@ -57,41 +45,6 @@ class ModelConfig:
     dcn_num_layers: int = 3
     dcn_low_rank_dim: int = 16
     tables: list[TableConfig] = field(default_factory=list)
-
-
-@dataclass
-class ShardingConfig:
-    """How tables are placed on ranks and how ranks find each other."""
-
-    default: ShardingType = "auto"
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    # env:// under torchrun/slurm; tests use file:///<tmp>/rdzv for a file rendezvous.
-    init_method: str = "env://"
-    timeout_s: int = 300
-
-
-@dataclass
-class SparseOptimizerConfig:
-    """The optimizer fused into the embedding kernels (applied in backward)."""
-
-    name: SparseOptimizer = "row_wise_adagrad"
-    lr: float = 0.05
-    eps: float = 1e-8
-
-
-@dataclass
-class DenseOptimizerConfig:
-    """The optimizer of the MLPs and of data-parallel tables."""
-
-    name: DenseOptimizer = "adagrad"
-    lr: float = 0.05
-    eps: float = 1e-8
-
-
-@dataclass
-class OptimizerConfig:
-    sparse: SparseOptimizerConfig = field(default_factory=SparseOptimizerConfig)
-    dense: DenseOptimizerConfig = field(default_factory=DenseOptimizerConfig)
 
 
 @dataclass
@@ -130,46 +83,7 @@ class TrainConfig:
     progress: Literal["auto", "bar", "log"] = "auto"
     threads_per_rank: int = 0  # 0: cores / local ranks
     save_params: bool = False  # at the end, each rank dumps its tensors to <run_dir>/params/rank<r>.pt
-
-
-def _check_n_run_widths() -> list[list[int]]:
-    from ckpt.quant import CHECK_N_RUN_WIDTHS  # the policy module owns the table
-
-    return [list(pair) for pair in CHECK_N_RUN_WIDTHS]
-
-
-@dataclass
-class CkptConfig:
-    """Continuous checkpointing: where rows go, how often, which rows, how encoded."""
-
-    enabled: bool = False
-    sink: Literal["kafka", "filesystem"] = "kafka"
-    run_id: str = ""  # default: run.name; names the Kafka topics / segment directories
-    policy: Literal["full", "one_shot_diff", "incremental", "intermittent_diff"] = "intermittent_diff"
-    interval_steps: int = 100  # 0: only by time
-    interval_s: float = 0.0  # 0: only by steps; else rank 0's clock, checked every 10 steps
-    encoding: str = "fp32"  # weight rows codec (ckpt/quant: fp32, fp16, asym8, adaptive4, ...)
-    optimizer_encoding: str = "fp32"  # optimizer-state rows; never below 8 bits
-    # > 0: pick bit widths from the expected number of restores (Check-N-Run: 2-bit for 1,
-    # 3-bit <= 3, 4-bit <= 20, else 8-bit; 8-bit once restored more often), overriding
-    # `encoding` and `optimizer_encoding`.
-    expected_restores: int = 0
-    # that table as [most expected restores, bits] pairs (bits 2..4; more restores: 8-bit)
-    restore_bit_widths: list[list[int]] = field(default_factory=_check_n_run_widths)
-    max_pending_bytes: int = 1 << 30  # host memory all unwritten snapshots of a rank may hold
-    on_backpressure: Literal["wait", "skip"] = "skip"
-    resume: str = "none"  # "none", "latest", or a checkpoint id
-    on_corrupt: Literal["fail", "previous"] = "fail"  # a damaged checkpoint: stop, or try the one before
-    final: bool = True  # checkpoint the last step and wait for it before exiting
-    bootstrap_servers: str = ""  # Kafka sink: host:port[,host:port]
-    kafka: dict[str, Any] = field(default_factory=dict)  # any librdkafka setting (SASL/TLS too)
-    fs_root: str = ""  # filesystem sink: default <run_dir>/stream
-    dense_dir: str = ""  # default <run_dir>/dense (a shared filesystem across nodes)
-    max_frame_bytes: int = 998_976  # under Kafka's default message.max.bytes
-    flush_timeout_s: float = 60.0
-    # niceness the writer thread adds to itself (Linux): encoding rows on the CPU must not
-    # take cores from the training step; 0 runs it at the training thread's priority
-    writer_nice: int = 10
+    tensorboard: bool = False  # also write metrics.jsonl's scalars to <run_dir>/tensorboard
 
 
 @dataclass
@@ -185,9 +99,6 @@ class JobConfig:
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     source: str = field(default="<defaults>", init=False, compare=False)
 
-    def table_sharding(self, table: TableConfig) -> ShardingType:
-        return table.sharding or self.sharding.default
-
     def to_yaml(self) -> str:
         data = to_dict(self)
         data.pop("source", None)
@@ -196,6 +107,10 @@ class JobConfig:
     def digest(self) -> str:
         """sha256 of the resolved config, to tie checkpoints and metrics to it."""
         return hashlib.sha256(self.to_yaml().encode()).hexdigest()
+
+    def model_digest(self) -> str:
+        """sha256 of the model section: what a checkpoint's rows and dense state depend on."""
+        return hashlib.sha256(repr(self.model).encode()).hexdigest()
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = (), check_data: bool = True) -> JobConfig:
@@ -208,6 +123,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = (), check_data: boo
     source = str(path) + (f" (with overrides {' '.join(overrides)})" if overrides else "")
     cfg = build(JobConfig, data, source=source)
     cfg.source = source
+    cfg.ckpt = cfg.ckpt.resolved(run_name=cfg.run.name, run_dir=cfg.run.run_dir)
     validate(cfg, check_data)
     return cfg
 
@@ -256,7 +172,7 @@ def validate(cfg: JobConfig, check_data: bool = True) -> None:
         raise ConfigError(f"{src}: train.eval_every and train.eval_batches must not be negative")
     if d.kind == "synthetic" and d.synthetic.zipf_exponent <= 0:
         raise ConfigError(f"{src}: data.synthetic.zipf_exponent must be > 0, got {d.synthetic.zipf_exponent}")
-    _validate_ckpt(cfg)
+    cfg.ckpt.validate(src)
     if d.kind == "criteo":
         if len(seen_features) != 26 or m.dense_in_features != 13:
             raise ConfigError(
@@ -267,37 +183,6 @@ def validate(cfg: JobConfig, check_data: bool = True) -> None:
             _check_criteo_files(src, d.criteo)
 
 
-def _validate_ckpt(cfg: JobConfig) -> None:
-    c, src = cfg.ckpt, cfg.source
-    if not c.enabled:
-        return
-    from ckpt.quant import check_widths, codec_names, get_codec  # the codec registry is the source of truth
-
-    for key, name in (("ckpt.encoding", c.encoding), ("ckpt.optimizer_encoding", c.optimizer_encoding)):
-        if name not in codec_names():
-            raise ConfigError(f"{src}: {key}={name!r} is not a codec; choose one of {', '.join(codec_names())}")
-    if c.optimizer_encoding not in ("fp32", "fp16", "bf16") and get_codec(c.optimizer_encoding).row_bytes(64) < 64:
-        raise ConfigError(f"{src}: ckpt.optimizer_encoding={c.optimizer_encoding!r}: optimizer state is never stored below 8 bits")
-    if c.expected_restores < 0:
-        raise ConfigError(f"{src}: ckpt.expected_restores must be >= 0 (0: use ckpt.encoding), got {c.expected_restores}")
-    try:
-        check_widths(c.restore_bit_widths)
-    except ValueError as exc:
-        raise ConfigError(f"{src}: ckpt.restore_bit_widths {c.restore_bit_widths}: {exc}") from None
-    if c.interval_steps < 0 or c.interval_s < 0 or (c.interval_steps == 0 and c.interval_s == 0):
-        raise ConfigError(f"{src}: ckpt.interval_steps and/or ckpt.interval_s must be positive")
-    if c.sink == "kafka" and not c.bootstrap_servers and "bootstrap.servers" not in c.kafka:
-        raise ConfigError(
-            f"{src}: ckpt.sink=kafka needs ckpt.bootstrap_servers (e.g. the address `deltarec-broker start` prints)"
-        )
-    if c.resume not in ("none", "latest") and not c.resume.isdigit():
-        raise ConfigError(f"{src}: ckpt.resume must be none, latest or a checkpoint id, got {c.resume!r}")
-    if c.max_pending_bytes <= 0 or c.max_frame_bytes < 16384:
-        raise ConfigError(f"{src}: ckpt.max_pending_bytes must be positive and ckpt.max_frame_bytes at least 16384")
-    if not 0 <= c.writer_nice <= 19:
-        raise ConfigError(f"{src}: ckpt.writer_nice must be in 0..19 (added to the writer thread's niceness), got {c.writer_nice}")
-
-
 def _check_criteo_files(src: str, c: CriteoDataConfig) -> None:
     if not c.train_paths:
         raise ConfigError(f"{src}: data.kind=criteo needs data.criteo.train_paths (a list of TSV files)")
@@ -305,4 +190,4 @@ def _check_criteo_files(src: str, c: CriteoDataConfig) -> None:
         if not Path(p).is_file():
             raise ConfigError(f"{src}: data file not found: {p}")
 
-__all__ = ["ConfigError", "JobConfig", "TableConfig", "load_config", "validate"]
+__all__ = ["CkptConfig", "ConfigError", "JobConfig", "ShardingConfig", "TableConfig", "load_config", "validate"]

@@ -17,11 +17,9 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 
 import yaml
 
+from common.errors import ConfigError
+
 T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """A user error in a config file or override; the message is one actionable line."""
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -6,27 +6,25 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt.backends import open_backend, run_id_of
+from ckpt.backends import open_backend
 from ckpt.markers import commits
-from tests.ranks import REPO, spawn_ranks
-from trainer.config import load_config
+from launch.ranks import spawn_ranks
 
-DEBUG = REPO / "configs" / "debug_cpu.yaml"
 pytestmark = [pytest.mark.integration, pytest.mark.multirank]
 
 
-def test_a_calibrated_table_then_8_bit_once_restored_more_often_than_expected(tmp_path) -> None:
+def test_a_calibrated_table_then_8_bit_once_restored_more_often_than_expected(tmp_path, debug_config) -> None:
     job = ["ckpt.enabled=true", "ckpt.sink=filesystem", "ckpt.interval_steps=10", "ckpt.expected_restores=1",
            "ckpt.restore_bit_widths=[[1,3]]", "train.eval_batches=1"]  # fmt: skip
-    spawn_ranks(DEBUG, [*job, "train.steps=20"], tmp_path)
+    spawn_ranks(debug_config.path, [*job, "train.steps=20"], tmp_path)
     for restore, (step, steps) in enumerate([(20, 30), (30, 40)], start=1):
-        out = spawn_ranks(DEBUG, [*job, f"train.steps={steps}", "ckpt.resume=latest"], tmp_path)[0].stdout
+        out = spawn_ranks(debug_config.path, [*job, f"train.steps={steps}", "ckpt.resume=latest"], tmp_path)[0].stdout
         assert f"at step {step}" in out, out[-2000:]
 
-    cfg = load_config(DEBUG, [*job, f"run.dir={tmp_path / 'run'}"], check_data=False)
-    backend = open_backend(cfg, world_size=1)
+    cfg = debug_config.load([*job, f"run.dir={tmp_path / 'run'}"], check_data=False)
+    backend = open_backend(cfg.ckpt, world_size=1)
     try:
-        found = commits(backend.markers.read_markers(), run_id_of(cfg))
+        found = commits(backend.markers.read_markers(), cfg.ckpt.run_id)
     finally:
         backend.close()
     weights = {m.step: m.encodings["weights"] for _, m in found}

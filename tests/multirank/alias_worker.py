@@ -31,7 +31,7 @@ def main() -> int:
     env = detect_env()
     device = init_process_group(env, init_method=cfg.sharding.init_method)
     torch.manual_seed(0)
-    sharded = shard_model(build_model(cfg.model, device), cfg, env, device)
+    sharded = shard_model(build_model(cfg.model, device), cfg.model.tables, cfg.sharding, cfg.optimizer, env, device)
     smap = ShardMap.from_model(sharded.model)
     tables = {t.name: t for t in cfg.model.tables}
 

@@ -242,7 +242,7 @@ def main() -> int:
     device = init_process_group(env, init_method=cfg.sharding.init_method)
     torch.set_num_threads(1)
     torch.manual_seed(cfg.run.seed)
-    sharded = shard_model(build_model(cfg.model, device), cfg, env, device)
+    sharded = shard_model(build_model(cfg.model, device), cfg.model.tables, cfg.sharding, cfg.optimizer, env, device)
     smap = ShardMap.from_model(sharded.model)
     tracker = RowTracker(sharded.model, smap)
     metrics = MetricsLog(Path(cfg.run.run_dir) / "metrics.jsonl", enabled=False)

@@ -4,6 +4,7 @@ cross-field rules are rejected with one line naming the key and the file."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import yaml
@@ -11,13 +12,13 @@ import yaml
 from trainer.config import ConfigError, JobConfig, load_config
 from trainer.config_loader import build
 
-REPO = Path(__file__).resolve().parents[2]
-DEBUG = REPO / "configs" / "debug_cpu.yaml"
+if TYPE_CHECKING:
+    from tests.conftest import DebugConfig
 
 
 @pytest.mark.parametrize("name", ["debug_cpu", "quickstart", "criteo_kaggle_8gpu", "slurm_criteo"])
-def test_shipped_configs_load(name: str) -> None:
-    cfg = load_config(REPO / "configs" / f"{name}.yaml", check_data=False)
+def test_shipped_configs_load(name: str, debug_config: DebugConfig) -> None:
+    cfg = load_config(debug_config.path.with_name(f"{name}.yaml"), check_data=False)  # configs/<name>.yaml
     assert cfg.model.tables and cfg.train.steps > 0
 
 
@@ -27,12 +28,8 @@ def _write(tmp_path: Path, data: dict) -> Path:
     return path
 
 
-def _debug_data() -> dict:
-    return yaml.safe_load(DEBUG.read_text())
-
-
-def test_misspelled_key_in_file_is_named_with_the_file(tmp_path: Path) -> None:
-    data = _debug_data()
+def test_misspelled_key_in_file_is_named_with_the_file(tmp_path: Path, debug_config: DebugConfig) -> None:
+    data = debug_config.raw()
     data["train"]["stpes"] = 10
     path = _write(tmp_path, data)
     with pytest.raises(ConfigError) as err:
@@ -41,38 +38,38 @@ def test_misspelled_key_in_file_is_named_with_the_file(tmp_path: Path) -> None:
     assert "'train.stpes'" in msg and str(path) in msg and "\n" not in msg
 
 
-def test_misspelled_key_inside_a_table_is_named(tmp_path: Path) -> None:
-    data = _debug_data()
+def test_misspelled_key_inside_a_table_is_named(tmp_path: Path, debug_config: DebugConfig) -> None:
+    data = debug_config.raw()
     data["model"]["tables"][1]["num_embedings"] = 5
     with pytest.raises(ConfigError, match=r"'model\.tables\.1\.num_embedings'"):
         load_config(_write(tmp_path, data))
 
 
-def test_unknown_top_level_section(tmp_path: Path) -> None:
-    data = _debug_data()
+def test_unknown_top_level_section(tmp_path: Path, debug_config: DebugConfig) -> None:
+    data = debug_config.raw()
     data["trainer"] = {"steps": 1}
     with pytest.raises(ConfigError, match="unknown key 'trainer'"):
         load_config(_write(tmp_path, data))
 
 
-def test_overrides_are_applied_and_type_checked() -> None:
-    cfg = load_config(DEBUG, ["train.steps=7", "optimizer.sparse.lr=1", "model.tables.1.sharding=row_wise"])
+def test_overrides_are_applied_and_type_checked(debug_config: DebugConfig) -> None:
+    cfg = load_config(debug_config.path, ["train.steps=7", "optimizer.sparse.lr=1", "model.tables.1.sharding=row_wise"])
     assert cfg.train.steps == 7
     assert cfg.optimizer.sparse.lr == 1.0 and isinstance(cfg.optimizer.sparse.lr, float)
-    assert cfg.table_sharding(cfg.model.tables[1]) == "row_wise"
-    assert cfg.table_sharding(cfg.model.tables[0]) == "table_wise"  # the file's default
+    assert cfg.sharding.type_of(cfg.model.tables[1]) == "row_wise"
+    assert cfg.sharding.type_of(cfg.model.tables[0]) == "table_wise"  # the file's default
     with pytest.raises(ConfigError, match="train.steps must be int, got str 'many'"):
-        load_config(DEBUG, ["train.steps=many"])
+        load_config(debug_config.path, ["train.steps=many"])
     with pytest.raises(ConfigError, match="train.save_params must be bool"):
-        load_config(DEBUG, ["train.save_params=3"])
+        load_config(debug_config.path, ["train.save_params=3"])
     with pytest.raises(ConfigError, match="unknown key 'train.stepz'"):
-        load_config(DEBUG, ["train.stepz=3"])
+        load_config(debug_config.path, ["train.stepz=3"])
     with pytest.raises(ConfigError, match="sharding.default must be one of"):
-        load_config(DEBUG, ["sharding.default=diagonal"])
+        load_config(debug_config.path, ["sharding.default=diagonal"])
     with pytest.raises(ConfigError, match="not an index"):
-        load_config(DEBUG, ["model.tables.9.sharding=row_wise"])
+        load_config(debug_config.path, ["model.tables.9.sharding=row_wise"])
     with pytest.raises(ConfigError, match="dotted.key=value"):
-        load_config(DEBUG, ["train.steps"])
+        load_config(debug_config.path, ["train.steps"])
 
 
 @pytest.mark.parametrize(
@@ -87,45 +84,45 @@ def test_overrides_are_applied_and_type_checked() -> None:
         ("model.tables=[]", "model.tables is empty"),
     ],
 )
-def test_cross_field_rules_say_what_to_change(override: str, fragment: str) -> None:
+def test_cross_field_rules_say_what_to_change(override: str, fragment: str, debug_config: DebugConfig) -> None:
     with pytest.raises(ConfigError) as err:
-        load_config(DEBUG, [override])
+        load_config(debug_config.path, [override])
     assert fragment in str(err.value)
 
 
-def test_criteo_paths_must_exist(tmp_path: Path) -> None:
-    kaggle = REPO / "configs" / "criteo_kaggle_8gpu.yaml"
+def test_criteo_paths_must_exist(tmp_path: Path, debug_config: DebugConfig) -> None:
+    kaggle = debug_config.path.with_name("criteo_kaggle_8gpu.yaml")
     with pytest.raises(ConfigError, match="needs data.criteo.train_paths"):
         load_config(kaggle)
     with pytest.raises(ConfigError, match="data file not found: .*nope.tsv"):
         load_config(kaggle, [f"data.criteo.train_paths=[{tmp_path / 'nope.tsv'}]"])
 
 
-def test_resolved_config_round_trips() -> None:
-    cfg = load_config(DEBUG, ["train.steps=11", "model.tables.2.sharding=column_wise"])
+def test_resolved_config_round_trips(debug_config: DebugConfig) -> None:
+    cfg = load_config(debug_config.path, ["train.steps=11", "model.tables.2.sharding=column_wise"])
     again = build(JobConfig, yaml.safe_load(cfg.to_yaml()), source="resolved")
     assert again == cfg
     assert again.digest() == cfg.digest()
-    assert load_config(DEBUG).digest() != cfg.digest()
+    assert load_config(debug_config.path).digest() != cfg.digest()
 
 
 @pytest.mark.parametrize("value", ["-1", "20"])
-def test_writer_nice_out_of_range_is_rejected(value: str) -> None:
+def test_writer_nice_out_of_range_is_rejected(value: str, debug_config: DebugConfig) -> None:
     with pytest.raises(ConfigError, match=rf"ckpt.writer_nice must be in 0..19 .*got {value}"):
-        load_config(DEBUG, ["ckpt.enabled=true", "ckpt.sink=filesystem", f"ckpt.writer_nice={value}"])
+        load_config(debug_config.path, ["ckpt.enabled=true", "ckpt.sink=filesystem", f"ckpt.writer_nice={value}"])
 
 
-def test_restore_bit_widths_reach_the_checkpoint_manager_and_bad_tables_are_refused() -> None:
+def test_restore_bit_widths_reach_the_checkpoint_manager_and_bad_tables_are_refused(debug_config: DebugConfig) -> None:
     from types import SimpleNamespace
 
     from ckpt.manager import CheckpointManager
 
     base = ["ckpt.enabled=true", "ckpt.sink=filesystem", "ckpt.expected_restores=3"]
-    default = load_config(DEBUG, base)
+    default = load_config(debug_config.path, base)
     assert default.ckpt.restore_bit_widths == [[1, 2], [3, 3], [20, 4]]
     assert CheckpointManager.codecs(SimpleNamespace(c=default.ckpt, restores=0)) == ("adaptive3", "asym8")
-    calibrated = load_config(DEBUG, [*base, "ckpt.restore_bit_widths=[[3,4]]"])
+    calibrated = load_config(debug_config.path, [*base, "ckpt.restore_bit_widths=[[3,4]]"])
     assert CheckpointManager.codecs(SimpleNamespace(c=calibrated.ckpt, restores=0)) == ("adaptive4", "asym8")
     assert CheckpointManager.codecs(SimpleNamespace(c=calibrated.ckpt, restores=4)) == ("asym8", "asym8")
     with pytest.raises(ConfigError, match=r"ckpt.restore_bit_widths \[\[20, 4\], \[3, 3\]\]: entry 1 .* restores must increase"):
-        load_config(DEBUG, [*base, "ckpt.restore_bit_widths=[[20,4],[3,3]]"])
+        load_config(debug_config.path, [*base, "ckpt.restore_bit_widths=[[20,4],[3,3]]"])

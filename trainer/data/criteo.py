@@ -36,6 +36,7 @@ import numpy as np
 
 from trainer.data.reader import (
     Batch,
+    DataError,
     make_batch,
     validate_features,
     validate_positive_int,
@@ -66,7 +67,7 @@ _HEX_RE = re.compile(rb"[0-9a-fA-F]{1,%d}" % _MAX_HEX_DIGITS)
 _TAB, _NEWLINE, _CR, _MINUS = 9, 10, 13, 45
 
 
-class MalformedLineError(ValueError):
+class MalformedLineError(DataError):
     """A line that is not a valid Criteo record; the message is ``path:line: reason``
     with the 1-based line number within that file."""
 
@@ -283,7 +284,7 @@ def _plan_segments(
     agree and all fail together when some rank would get no line."""
     total = sum(sizes)
     if total == 0:
-        raise ValueError(f"{_OWNER}: the input files are empty: {paths}")
+        raise DataError(f"{_OWNER}: the input files are empty: {paths}")
     file_starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).tolist()
     bounds = [
         _next_line_start(paths, sizes, file_starts, k * total // world_size)
@@ -291,7 +292,7 @@ def _plan_segments(
     ]
     for r in range(world_size):
         if bounds[r] >= bounds[r + 1]:
-            raise ValueError(
+            raise DataError(
                 f"{_OWNER}: the input has too few lines for world_size={world_size} ranks: "
                 f"rank {r}'s byte range of the {total} input bytes holds no line start"
             )
@@ -498,12 +499,12 @@ class CriteoTsvReader:
     ) -> None:
         names, sizes = validate_features(feature_names, num_embeddings, _OWNER)
         if len(names) != NUM_SPARSE:
-            raise ValueError(
+            raise DataError(
                 f"{_OWNER}: feature_names must name the {NUM_SPARSE} categorical fields, "
                 f"got {len(names)}"
             )
         if on_malformed not in _ON_MALFORMED:
-            raise ValueError(
+            raise DataError(
                 f"{_OWNER}: on_malformed must be one of {_ON_MALFORMED}, got {on_malformed!r}"
             )
         validate_rank(rank, world_size, _OWNER)
@@ -557,7 +558,7 @@ class CriteoTsvReader:
         checked = validate_state(state, _STATE_SCHEMA, _OWNER)
         for key, value in checked.items():
             if value < 0:
-                raise ValueError(f"{_OWNER} state key {key!r} must be >= 0, got {value}")
+                raise DataError(f"{_OWNER} state key {key!r} must be >= 0, got {value}")
         segment_index = self._segment_of(checked["file_index"], checked["byte_offset"])
         self._cursor.seek(segment_index, checked["byte_offset"])
         self.epoch = checked["epoch"]
@@ -575,13 +576,13 @@ class CriteoTsvReader:
         for i, segment in enumerate(self._segments):
             if segment.file_index == file_index and segment.start <= offset < segment.end:
                 if offset > 0 and not _is_line_start(self.paths[file_index], offset):
-                    raise ValueError(
+                    raise DataError(
                         f"{_OWNER} state: byte_offset {offset} of {self.paths[file_index]} "
                         "is not the start of a line"
                     )
                 return i
         ranges = ", ".join(f"file {s.file_index} [{s.start}, {s.end})" for s in self._segments)
-        raise ValueError(
+        raise DataError(
             f"{_OWNER} state: file_index {file_index}, byte_offset {offset} is outside rank "
             f"{self.rank}'s range ({ranges}); was it saved with other files or world size?"
         )
@@ -604,7 +605,7 @@ class CriteoTsvReader:
                 pieces.rows += len(parsed.labels)
             wraps += self._advance_past_segment_end()
             if wraps >= 2 and pieces.rows == 0:
-                raise ValueError(
+                raise DataError(
                     f"{_OWNER}: rank {self.rank}'s input range has no valid line "
                     f"({self.skipped_lines} malformed lines skipped so far)"
                 )
@@ -662,13 +663,13 @@ class CriteoTsvReader:
 def _check_paths(paths: Sequence[str]) -> list[str]:
     """``paths`` must be a non-empty sequence of existing files."""
     if isinstance(paths, (str, bytes)) or not isinstance(paths, Sequence) or not paths:
-        raise ValueError(
+        raise DataError(
             f"{_OWNER}: paths must be a non-empty sequence of file paths, got {paths!r}"
         )
     checked = [os.fspath(p) for p in paths]
     for path in checked:
         if not os.path.isfile(path):
-            raise ValueError(f"{_OWNER}: paths: {path!r} is not a file")
+            raise DataError(f"{_OWNER}: paths: {path!r} is not a file")
     return checked
 
 

@@ -2,7 +2,7 @@
 
 A reader is an endless, per-rank source of training batches whose position can be
 saved and restored exactly. The checkpoint stores ``state_dict()`` next to the model
-(DESIGN.md invariant 2: after a restore no sample is trained twice or skipped), so
+(docs/design.md §3, invariant 2: after a restore no sample is trained twice or skipped), so
 the state must be plain JSON and must pin the *exact* next batch.
 """
 
@@ -17,10 +17,13 @@ import torch
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from common.errors import DeltarecError
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "Batch",
+    "DataError",
     "Reader",
     "make_batch",
     "validate_features",
@@ -28,6 +31,10 @@ __all__ = [
     "validate_rank",
     "validate_state",
 ]
+
+
+class DataError(DeltarecError, ValueError):
+    """Input data or a saved reader position that cannot be used; names the file or key."""
 
 
 @runtime_checkable
@@ -60,20 +67,20 @@ def validate_state(state: object, schema: Mapping[str, type], owner: str) -> dic
 
     ``bool`` is rejected where ``int`` is expected (it is an ``int`` subclass, but a
     ``True`` position is always a bug), and a float is accepted where a float is expected
-    only if it is a real ``float``/``int``. Raises ``ValueError`` naming the offending key.
+    only if it is a real ``float``/``int``. Raises ``DataError`` naming the offending key.
     """
     if not isinstance(state, Mapping):
-        raise ValueError(f"{owner} state must be a dict, got {type(state).__name__}")
+        raise DataError(f"{owner} state must be a dict, got {type(state).__name__}")
     missing = sorted(set(schema) - set(state))
     unexpected = sorted(str(k) for k in set(state) - set(schema))
     if missing or unexpected:
-        raise ValueError(
+        raise DataError(
             f"{owner} state has wrong keys: missing {missing}, unexpected {unexpected}"
         )
     for key, expected in schema.items():
         value = state[key]
         if not _has_type(value, expected):
-            raise ValueError(
+            raise DataError(
                 f"{owner} state key {key!r} must be {expected.__name__}, "
                 f"got {type(value).__name__} ({value!r})"
             )
@@ -93,27 +100,27 @@ def validate_features(
     feature_names: Sequence[str], num_embeddings: Sequence[int], owner: str
 ) -> tuple[list[str], list[int]]:
     """Check feature names (non-empty, unique strings) and one positive table size per
-    feature; return them as lists. Raises ``ValueError`` naming the argument."""
+    feature; return them as lists. Raises ``DataError`` naming the argument."""
     if isinstance(feature_names, (str, bytes)) or not isinstance(feature_names, Sequence):
-        raise ValueError(f"{owner}: feature_names must be a sequence of strings")
+        raise DataError(f"{owner}: feature_names must be a sequence of strings")
     names = list(feature_names)
     if not names:
-        raise ValueError(f"{owner}: feature_names must not be empty")
+        raise DataError(f"{owner}: feature_names must not be empty")
     if not all(isinstance(n, str) and n for n in names):
-        raise ValueError(f"{owner}: feature_names must be non-empty strings, got {names!r}")
+        raise DataError(f"{owner}: feature_names must be non-empty strings, got {names!r}")
     if len(set(names)) != len(names):
-        raise ValueError(f"{owner}: feature_names must be unique, got {names!r}")
+        raise DataError(f"{owner}: feature_names must be unique, got {names!r}")
     if isinstance(num_embeddings, (str, bytes)) or not isinstance(num_embeddings, Sequence):
-        raise ValueError(f"{owner}: num_embeddings must be a sequence of ints")
+        raise DataError(f"{owner}: num_embeddings must be a sequence of ints")
     sizes = list(num_embeddings)
     if len(sizes) != len(names):
-        raise ValueError(
+        raise DataError(
             f"{owner}: num_embeddings has {len(sizes)} entries but feature_names has "
             f"{len(names)}; give one table size per feature"
         )
     for name, size in zip(names, sizes):
         if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
-            raise ValueError(
+            raise DataError(
                 f"{owner}: num_embeddings for feature {name!r} must be a positive int, "
                 f"got {size!r}"
             )
@@ -148,15 +155,15 @@ def validate_rank(rank: int, world_size: int, owner: str) -> None:
     """Check ``0 <= rank < world_size`` (both ints); raise ``ValueError`` naming them."""
     for name, value in (("rank", rank), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise ValueError(f"{owner}: {name} must be an int, got {value!r}")
+            raise DataError(f"{owner}: {name} must be an int, got {value!r}")
     if world_size < 1:
-        raise ValueError(f"{owner}: world_size must be >= 1, got {world_size}")
+        raise DataError(f"{owner}: world_size must be >= 1, got {world_size}")
     if not 0 <= rank < world_size:
-        raise ValueError(f"{owner}: rank must be in [0, world_size={world_size}), got {rank}")
+        raise DataError(f"{owner}: rank must be in [0, world_size={world_size}), got {rank}")
 
 
 def validate_positive_int(value: object, name: str, owner: str) -> int:
     """Return ``value`` as an int if it is a positive int; else raise ``ValueError``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
+        raise DataError(f"{owner}: {name} must be a positive int, got {value!r}")
     return int(value)

@@ -30,6 +30,7 @@ import numpy as np
 
 from trainer.data.reader import (
     Batch,
+    DataError,
     make_batch,
     validate_features,
     validate_positive_int,
@@ -131,12 +132,12 @@ class SyntheticClickStream:
         _check_table_sizes(names, sizes)
         validate_rank(rank, world_size, _OWNER)
         if isinstance(num_dense, bool) or not isinstance(num_dense, int) or num_dense < 0:
-            raise ValueError(f"{_OWNER}: num_dense must be an int >= 0, got {num_dense!r}")
+            raise DataError(f"{_OWNER}: num_dense must be an int >= 0, got {num_dense!r}")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"{_OWNER}: seed must be an int >= 0, got {seed!r}")
+            raise DataError(f"{_OWNER}: seed must be an int >= 0, got {seed!r}")
         _check_exponent(zipf_exponent)
         if not isinstance(stream, str) or not stream:
-            raise ValueError(f"{_OWNER}: stream must be a non-empty string, got {stream!r}")
+            raise DataError(f"{_OWNER}: stream must be a non-empty string, got {stream!r}")
         self.feature_names = names
         self.num_embeddings = sizes
         self.num_dense = num_dense
@@ -171,7 +172,7 @@ class SyntheticClickStream:
         checked = validate_state(state, _STATE_SCHEMA, _OWNER)
         position = checked["next_global_batch"]
         if position < 0:
-            raise ValueError(f"{_OWNER} state key 'next_global_batch' must be >= 0, got {position}")
+            raise DataError(f"{_OWNER} state key 'next_global_batch' must be >= 0, got {position}")
         self._next_global_batch = position
 
     # -- random access and the teacher -------------------------------------------------
@@ -197,9 +198,9 @@ class SyntheticClickStream:
     def _draw(self, global_batch: int) -> _Draw:
         """Generate global batch ``global_batch`` from its own seeded generator."""
         if isinstance(global_batch, bool) or not isinstance(global_batch, (int, np.integer)):
-            raise ValueError(f"{_OWNER}: global_batch must be an int, got {global_batch!r}")
+            raise DataError(f"{_OWNER}: global_batch must be an int, got {global_batch!r}")
         if global_batch < 0:
-            raise ValueError(f"{_OWNER}: global_batch must be >= 0, got {global_batch}")
+            raise DataError(f"{_OWNER}: global_batch must be >= 0, got {global_batch}")
         seq = np.random.SeedSequence([self.seed, self._stream_id, int(global_batch)])
         rng = np.random.Generator(np.random.PCG64(seq))
         return _draw_samples(rng, self.batch_size, self.ids_per_feature, self._ids, self._teacher)
@@ -216,17 +217,17 @@ class SyntheticClickStream:
         stream's shape; raise ``ValueError`` if the batch does not fit."""
         kjt = batch.sparse_features
         if list(kjt.keys()) != self.feature_names:
-            raise ValueError(f"{_OWNER}: batch keys {kjt.keys()} != {self.feature_names}")
+            raise DataError(f"{_OWNER}: batch keys {kjt.keys()} != {self.feature_names}")
         dense = batch.dense_features.detach().cpu().numpy()
         n = dense.shape[0]
         f, length = len(self.feature_names), self.ids_per_feature
         lengths = kjt.lengths().detach().cpu().numpy()
         if lengths.shape != (f * n,) or np.any(lengths != length):
-            raise ValueError(f"{_OWNER}: batch bags must all have {length} ids")
+            raise DataError(f"{_OWNER}: batch bags must all have {length} ids")
         values = kjt.values().detach().cpu().numpy().astype(np.int64)
         ids = values.reshape(f, n, length).transpose(1, 0, 2)
         if np.any(ids < 0) or np.any(ids >= np.asarray(self.num_embeddings)[None, :, None]):
-            raise ValueError(f"{_OWNER}: batch ids out of range of num_embeddings")
+            raise DataError(f"{_OWNER}: batch ids out of range of num_embeddings")
         return ids.astype(np.uint64), dense
 
 
@@ -237,7 +238,7 @@ def _check_table_sizes(names: list[str], sizes: list[int]) -> None:
     """Reject tables too large for the uint64 affine scatter."""
     for name, size in zip(names, sizes):
         if size > _MAX_NUM_EMBEDDINGS:
-            raise ValueError(
+            raise DataError(
                 f"{_OWNER}: num_embeddings for {name!r} is {size}; at most "
                 f"{_MAX_NUM_EMBEDDINGS} rows are supported"
             )
@@ -246,9 +247,9 @@ def _check_table_sizes(names: list[str], sizes: list[int]) -> None:
 def _check_exponent(zipf_exponent: float) -> None:
     """The Zipf exponent must be a finite number > 0 (1 is allowed)."""
     if isinstance(zipf_exponent, bool) or not isinstance(zipf_exponent, (int, float)):
-        raise ValueError(f"{_OWNER}: zipf_exponent must be a number, got {zipf_exponent!r}")
+        raise DataError(f"{_OWNER}: zipf_exponent must be a number, got {zipf_exponent!r}")
     if not math.isfinite(zipf_exponent) or zipf_exponent <= 0:
-        raise ValueError(f"{_OWNER}: zipf_exponent must be finite and > 0, got {zipf_exponent}")
+        raise DataError(f"{_OWNER}: zipf_exponent must be finite and > 0, got {zipf_exponent}")
 
 
 def _stream_id(stream: str) -> int:

@@ -1,0 +1,1 @@
+"""What every layer shares: the user-facing error family (`common.errors`)."""

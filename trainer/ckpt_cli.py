@@ -1,0 +1,36 @@
+"""`deltarec-ckpt`: list, verify, export and trim a run's checkpoints.
+
+    deltarec-ckpt --config CONFIG [key=value ...] list | verify | export --out F [--dcp D] | gc --keep N
+    python -m trainer.ckpt_cli ...   (the same)
+
+The commands live in `ckpt/cli.py`; this entry point only loads the job's config (the
+trainer layer owns the whole config) and hands the commands its resolved `ckpt` section,
+so the same file and overrides that ran a job find its checkpoints.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from ckpt import cli as ckpt_cli
+from ckpt.config import CkptConfig
+from trainer.config import load_config
+
+
+def load_ckpt_config(path: str, overrides: list[str]) -> CkptConfig:
+    """The job's `ckpt` section, with run id and directories resolved (no data files checked)."""
+    return load_config(path, overrides, check_data=False).ckpt
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return ckpt_cli.main(sys.argv[1:] if argv is None else argv, load_ckpt_config)
+
+
+def cli() -> None:
+    """Console-script entry point."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()
