@@ -14,7 +14,7 @@ from typing import Any
 
 from ckpt.dense_store import DenseStore
 from ckpt.faults import maybe_die
-from ckpt.markers import ChainLink, Marker, encode_marker
+from ckpt.markers import ChainLink, IndexEntry, Marker, OffsetRange, encode_marker
 from ckpt.sink import MarkerLog
 from ckpt.writer import Outcome, RankReport, WriteJob
 
@@ -52,18 +52,21 @@ class Committer:
         write_s = max(r.write_s for r in reports)
         if errors:
             self._failed(job, "; ".join(errors), stall)
-            return Outcome(cid, job.step, False, "; ".join(errors), nbytes, rows, full, stall, write_s)
+            return Outcome(checkpoint_id=cid, step=job.step, committed=False, error="; ".join(errors), bytes=nbytes,
+                           rows=rows, full=full, stall_ms=stall, write_s=write_s)
         assert job.dense_state is not None, "rank 0 snapshots the dense state"
         dense_state = dict(job.dense_state)
-        dense_state["readers"] = [r.reader_state for r in reports]
+        # every rank's loop state, each with its reader's position: what a restore resumes from
         dense_state["trainers"] = [r.trainer_state for r in reports]
         ref = self.dense.write(cid, dense_state)
-        ranges: dict[int, list[list[int]]] = {}
-        index: list[list[Any]] = []
+        ranges: dict[int, list[OffsetRange]] = {}
+        index: list[IndexEntry] = []
         for r in reports:
+            assert all(e.partition == r.rank for e in r.index), "a rank indexes only its own partition"
             ranges.update(r.ranges)
-            index.extend([r.rank, *seg] for seg in r.index)
-        link = ChainLink(cid, full, job.generation, ranges, rows, nbytes, index)
+            index.extend(r.index)
+        link = ChainLink(checkpoint_id=cid, full=full, generation=job.generation, ranges=ranges, rows=rows,
+                         bytes=nbytes, index=index)
         marker = Marker(
             kind="commit",
             run_id=self.run_id,
@@ -78,7 +81,8 @@ class Committer:
         maybe_die("marker", cid, 0)
         self.markers.append_marker(encode_marker(marker))
         self.links[cid] = link
-        return Outcome(cid, job.step, True, "", nbytes, rows, full, stall, write_s)
+        return Outcome(checkpoint_id=cid, step=job.step, committed=True, bytes=nbytes, rows=rows, full=full,
+                       stall_ms=stall, write_s=write_s, commit_unix=marker.created_unix)
 
     def _failed(self, job: WriteJob, error: str, stall: list[float]) -> None:
         """Best effort: a FAILED record for `deltarec-ckpt list`; its own failure is only logged."""

@@ -13,9 +13,9 @@ checkpoint. Layout, version 1, all integers little-endian::
              uint8[n, its row_bytes]; every section zero-padded to a multiple of 8
     trailer  crc32 u32 over every byte before it
 
-``encoding`` is a codec id of ``ckpt.quant`` (fp32=0, fp16=1, ...), carried as an
-integer: this module never interprets payload bytes. Sections start 8-aligned, so a
-decoder can view them in place (``torch.frombuffer``) without copying.
+``encoding`` is a codec id of ``ckpt.quant``'s registry (fp32=1, fp16=2, asym8=24, ...),
+carried as an integer: this module never interprets payload bytes. Sections start
+8-aligned, so a decoder can view them in place (``torch.frombuffer``) without copying.
 
 CRC: ``zlib.crc32`` (stdlib, ~1.5 GB/s here, detects every error burst up to 32 bits,
 so any single flipped byte). CRC32C would be what Kafka uses for batches but needs a
@@ -35,10 +35,12 @@ import sys
 import warnings
 import zlib
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
+
+from common.errors import DeltarecError
 
 MAGIC = b"DRF1"
 VERSION = 1
@@ -65,7 +67,7 @@ with warnings.catch_warnings():
     torch.frombuffer(b"\0" * 8, dtype=torch.uint8)
 
 
-class FrameError(ValueError):
+class FrameError(DeltarecError, ValueError):
     """A frame failed validation. ``reason`` says what, ``where`` where it came from."""
 
     def __init__(self, reason: str, where: str | None = None) -> None:
@@ -122,12 +124,6 @@ class Frame:
     @property
     def row_count(self) -> int:
         return int(self.row_ids.shape[0])
-
-    def optim_rows(self, name: str) -> torch.Tensor:
-        for o in self.optim:
-            if o.name == name:
-                return o.rows
-        raise KeyError(f"frame has no optimizer state {name!r} (has {[o.name for o in self.optim]})")
 
 
 # --- encoding -------------------------------------------------------------------------
@@ -220,15 +216,26 @@ def encode_frame(*, run_id: str, checkpoint_id: int, rank: int, table: str, col_
     return out
 
 
+class EncodedFrame(NamedTuple):
+    """One frame of a shard as :func:`chunk_rows` made it, with what an index of it needs."""
+
+    data: bytes
+    row_count: int
+    first_row: int  # row id of the frame's first row
+    last_row: int  # row id of its last row
+
+
 def chunk_rows(*, run_id: str, checkpoint_id: int, rank: int, table: str, col_offset: int,
                dim: int, encoding: int, row_ids: torch.Tensor, payload: torch.Tensor,
                optim: Sequence[OptimState] = (),
-               max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Iterator[bytes]:
-    """Split one shard's rows into frames of at most ``max_frame_bytes`` each.
+               max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Iterator[EncodedFrame]:
+    """Split one shard's rows into frames of at most ``max_frame_bytes`` each: the one
+    place that decides how many rows a frame holds.
 
-    Frames are produced lazily, in row order, numbered ``chunk_index`` 0..count-1 with
-    the same ``chunk_count``; every row is in exactly one frame. No rows: no frames.
-    Raises ``ValueError`` if a single row does not fit.
+    Each frame holds as many rows as fit. Frames are produced lazily, in row order,
+    numbered ``chunk_index`` 0..count-1 with the same ``chunk_count``; every row is in
+    exactly one frame. No rows: no frames. Raises ``ValueError`` (at the call, before any
+    frame is made) if a single row does not fit.
     """
     ids = torch.as_tensor(row_ids)
     n = int(ids.shape[0])
@@ -248,15 +255,18 @@ def chunk_rows(*, run_id: str, checkpoint_id: int, rank: int, table: str, col_of
                          f"bytes with its frame header, more than max_frame_bytes={max_frame_bytes}")
     count = -(-n // rows_per_frame)
 
-    def frames() -> Iterator[bytes]:
+    def frames() -> Iterator[EncodedFrame]:
         for i in range(count):
-            sl = slice(i * rows_per_frame, min(n, (i + 1) * rows_per_frame))
-            yield encode_frame(
+            start, stop = i * rows_per_frame, min(n, (i + 1) * rows_per_frame)
+            sl = slice(start, stop)
+            data = encode_frame(
                 run_id=run_id, checkpoint_id=checkpoint_id, rank=rank, table=table,
                 col_offset=col_offset, dim=dim, encoding=encoding, row_ids=ids[sl],
                 payload=payload[sl],
                 optim=[OptimState(o.name, o.encoding, o.rows[sl]) for o in optim],
                 chunk_index=i, chunk_count=count)
+            yield EncodedFrame(data=data, row_count=stop - start, first_row=int(ids[start]),
+                               last_row=int(ids[stop - 1]))
 
     return frames()
 

@@ -17,34 +17,56 @@ import json
 import struct
 import zlib
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
+
+from common.errors import DeltarecError
 
 MAGIC = b"DRM1"
 FORMAT_VERSION = 1
 _HEAD = struct.Struct("<4sI")
 
 
-class MarkerError(ValueError):
+class MarkerError(DeltarecError, ValueError):
     """A marker record that cannot be trusted (bad magic, CRC, JSON or fields)."""
 
 
-@dataclass
+class OffsetRange(NamedTuple):
+    """Positions ``first``..``last`` of one partition, both inclusive (JSON: ``[first, last]``)."""
+
+    first: int
+    last: int
+
+
+class IndexEntry(NamedTuple):
+    """One run of consecutive frames of one shard in one partition (JSON: a list in this
+    field order). Row ids ascend within a shard's frames, so the rows lie in
+    ``min_row``..``max_row``; the frames hold columns ``col_offset``..``col_offset + cols - 1``."""
+
+    partition: int
+    first: int  # position of the run's first frame
+    last: int  # position of its last frame
+    table: str
+    col_offset: int
+    min_row: int
+    max_row: int
+    cols: int
+
+
+@dataclass(kw_only=True)
 class ChainLink:
     """One checkpoint's rows: where they are and how much there is."""
 
     checkpoint_id: int
     full: bool
     generation: int
-    # partition (= writing rank) -> [[first, last], ...] offsets, both inclusive. Usually
-    # one range; several when frames of an earlier failed flush landed in between (they
-    # belong to no checkpoint and are never read). A partition without frames is absent.
-    ranges: dict[int, list[list[int]]]
+    # partition (= writing rank) -> offset ranges. Usually one range; several when frames
+    # of an earlier failed flush landed in between (they belong to no checkpoint and are
+    # never read). A partition without frames is absent.
+    ranges: dict[int, list[OffsetRange]]
     rows: int
     bytes: int
-    # Where each shard's frames are, so a restoring rank reads only what overlaps its
-    # shards: [partition, first position, last position, table, col offset, min row,
-    # max row, cols] per run of consecutive frames of one shard.
-    index: list[list[Any]] = field(default_factory=list)
+    # Where each shard's frames are, so a restoring rank reads only what overlaps its shards.
+    index: list[IndexEntry] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ChainLink":
@@ -52,14 +74,20 @@ class ChainLink:
             checkpoint_id=int(d["checkpoint_id"]),
             full=bool(d["full"]),
             generation=int(d["generation"]),
-            ranges={int(p): [[int(a), int(b)] for a, b in rs] for p, rs in d["ranges"].items()},
+            ranges={int(p): [OffsetRange(int(a), int(b)) for a, b in rs] for p, rs in d["ranges"].items()},
             rows=int(d["rows"]),
             bytes=int(d["bytes"]),
-            index=[list(e) for e in d.get("index", [])],
+            index=[_index_entry(e) for e in d.get("index", [])],
         )
 
 
-@dataclass
+def _index_entry(e: list[Any]) -> IndexEntry:
+    partition, first, last, table, col_offset, min_row, max_row, cols = e
+    return IndexEntry(partition=int(partition), first=int(first), last=int(last), table=str(table),
+                      col_offset=int(col_offset), min_row=int(min_row), max_row=int(max_row), cols=int(cols))
+
+
+@dataclass(kw_only=True)
 class Marker:
     """A COMMIT or FAILED record for one checkpoint."""
 

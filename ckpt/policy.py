@@ -64,19 +64,15 @@ class CheckpointPolicy:
         return Decision(False, True, "one-shot diff")
 
     def record(self, decision: Decision, fraction: float) -> None:
-        """Record a checkpoint as taken. Optimistic: the writer commits it later, and a
-        failure anywhere in a chain calls `reset()` so the next checkpoint is full (the
-        writer also refuses to commit a checkpoint whose chain has a failed link)."""
+        """Record a checkpoint as taken. Optimistic: the writer commits it later; after a
+        failed checkpoint or a restore the caller passes `force_full` to `decide`, so the
+        next checkpoint is full (and the committer refuses a checkpoint whose chain has a
+        link that never committed)."""
         if decision.full:
             self.diff_sizes = []
             self.have_base = True
         else:
             self.diff_sizes.append(fraction)
-
-    def reset(self) -> None:
-        """Forget the baseline (after a failed checkpoint or a restore)."""
-        self.diff_sizes = []
-        self.have_base = False
 
     def chain_after(self, chain: list[int], checkpoint_id: int, decision: Decision) -> list[int]:
         """Checkpoint ids a restore of `checkpoint_id` must replay, given the chain of the

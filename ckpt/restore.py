@@ -22,8 +22,9 @@ from typing import Callable, Iterator
 
 import torch
 
+from common.errors import DeltarecError
 from ckpt.frames import Frame, FrameError
-from ckpt.markers import ChainLink, Marker
+from ckpt.markers import ChainLink, IndexEntry, Marker, OffsetRange
 from ckpt.quant import get_codec
 from ckpt.sink import FrameSource
 from sharding.shard_views import ShardMap, ShardView
@@ -31,25 +32,28 @@ from sharding.shard_views import ShardMap, ShardView
 logger = logging.getLogger(__name__)
 
 
-class RestoreError(RuntimeError):
+class RestoreError(DeltarecError, RuntimeError):
     """The checkpoint cannot be restored as recorded; the message says where and why."""
 
 
 @dataclass
 class RowsRestored:
+    """What this rank's restore read and wrote; the manager sums it over ranks for its report."""
+
     frames: int = 0
     rows: int = 0
     bytes: int = 0
     seconds: float = 0.0
 
 
-def _in_ranges(pos: int, ranges: list[list[int]]) -> bool:
-    return any(a <= pos <= b for a, b in ranges)
+def _in_ranges(pos: int, ranges: list[OffsetRange]) -> bool:
+    return any(r.first <= pos <= r.last for r in ranges)
 
 
-def _overlaps(s: ShardView, col: int, cols: int, lo: int, hi: int) -> bool:
-    rows_ok = lo < s.row_offset + s.num_rows and hi >= s.row_offset
-    cols_ok = col < s.col_offset + s.num_cols and col + cols > s.col_offset
+def _overlaps(s: ShardView, col_offset: int, cols: int, min_row: int, max_row: int) -> bool:
+    """Whether rows min_row..max_row, columns col_offset..col_offset+cols-1 meet shard `s`."""
+    rows_ok = min_row < s.row_offset + s.num_rows and max_row >= s.row_offset
+    cols_ok = col_offset < s.col_offset + s.num_cols and col_offset + cols > s.col_offset
     return rows_ok and cols_ok
 
 
@@ -58,40 +62,40 @@ def iter_chain_frames(
     source: FrameSource,
     run_id: str,
     locate: Callable[[int, int, int], str],
-    want: Callable[[str, int, int, int, int], bool] = lambda table, col, cols, lo, hi: True,
+    want: Callable[[IndexEntry], bool] = lambda entry: True,
 ) -> Iterator[tuple[ChainLink, Frame]]:
     """Every verified frame of the marker's chain, base first, reading only the shard
-    segments `want(table, col, cols, min_row, max_row)` accepts, and only positions
-    inside the marker's ranges. Consecutive wanted segments of a partition are read with
-    one `read_range`, so a rank that needs a whole partition opens it once."""
+    segments (index entries) `want` accepts, and only positions inside the marker's
+    ranges. Consecutive wanted segments of a partition are read with one `read_range`, so
+    a rank that needs a whole partition opens it once."""
     if not marker.chain or not marker.chain[0].full:
         raise RestoreError(f"checkpoint {marker.checkpoint_id}: its chain does not start with a full checkpoint")
     for link in marker.chain:
         for partition, run in _wanted_runs(link, want):
-            firsts = [entry[1] for entry in run]
-            for pos, frame in source.read_range(link.generation, partition, run[0][1], run[-1][2]):
+            firsts = [entry.first for entry in run]
+            for pos, frame in source.read_range(link.generation, partition, run[0].first, run[-1].last):
                 if not _in_ranges(pos, link.ranges.get(partition, [])):
                     continue  # a frame of an earlier failed flush that landed in between
                 entry = run[bisect.bisect_right(firsts, pos) - 1]
-                if not entry[1] <= pos <= entry[2]:
+                if not entry.first <= pos <= entry.last:
                     raise FrameError("frame outside every indexed segment of its COMMIT marker",
                                      locate(link.generation, partition, pos))
-                verify_frame(frame, link, partition, entry[3], entry[4], run_id, locate(link.generation, partition, pos))
+                verify_frame(frame, link, partition, entry.table, entry.col_offset, run_id,
+                             locate(link.generation, partition, pos))
                 yield link, frame
 
 
-def _wanted_runs(link: ChainLink, want: Callable[[str, int, int, int, int], bool]) -> list[tuple[int, list[list]]]:
+def _wanted_runs(link: ChainLink, want: Callable[[IndexEntry], bool]) -> list[tuple[int, list[IndexEntry]]]:
     """Per partition, maximal runs of consecutive index entries that `want` accepts."""
-    runs: list[tuple[int, list[list]]] = []
+    runs: list[tuple[int, list[IndexEntry]]] = []
     previous: dict[int, bool] = {}
     for entry in link.index:
-        partition, first, last, table, col, lo, hi, cols = entry
-        wanted = want(table, col, cols, lo, hi)
-        if wanted and previous.get(partition) and runs and runs[-1][0] == partition:
+        wanted = want(entry)
+        if wanted and previous.get(entry.partition) and runs and runs[-1][0] == entry.partition:
             runs[-1][1].append(entry)
         elif wanted:
-            runs.append((partition, [entry]))
-        previous[partition] = wanted
+            runs.append((entry.partition, [entry]))
+        previous[entry.partition] = wanted
     return runs
 
 
@@ -118,12 +122,13 @@ def restore_rows(
     # so a complete base leaves exactly num_cols per row (an int per row, not a row x column mask)
     covered = {id(s): torch.zeros(s.num_rows, dtype=torch.int32) for s in shard_map.shards}
 
-    def want(table: str, col: int, cols: int, lo: int, hi: int) -> bool:
-        return any(_overlaps(s, col, cols, lo, hi) for s in shard_map.of_table(table))
+    def want(e: IndexEntry) -> bool:
+        return any(_overlaps(s, e.col_offset, e.cols, e.min_row, e.max_row) for s in shard_map.of_table(e.table))
 
     for link, frame in iter_chain_frames(marker, source, run_id, locate, want):
+        min_row, max_row = int(frame.row_ids.min()), int(frame.row_ids.max())
         targets = [s for s in shard_map.of_table(frame.table)
-                   if _overlaps(s, frame.col_offset, frame.dim, int(frame.row_ids.min()), int(frame.row_ids.max()))]
+                   if _overlaps(s, frame.col_offset, frame.dim, min_row, max_row)]
         out.rows += _apply(frame, targets, covered if link.full else None)
         out.frames += 1
         out.bytes += frame.payload.numel() + frame.row_ids.numel() * 8 + sum(o.rows.numel() for o in frame.optim)

@@ -8,10 +8,11 @@ Coordination (why a side process group): the writers report to rank 0 with a
 `gather_object` on a dedicated gloo group that only writer threads use, in checkpoint
 order. The training thread never takes part, so it never waits on Kafka; the writers
 need no polling, no extra topic and no shared filesystem to find each other, and a
-rank's report (offset ranges, frame index, reader state, RNG, stall) travels with the
-same call. Rank 0 then writes the dense file and, only if every rank's rows and the
-dense file are durable and every earlier link of the chain committed, the COMMIT
-marker; it broadcasts the outcome back so every rank learns it in the same order.
+rank's report (offset ranges, frame index, loop state with the reader's position and
+RNG, stall) travels with the same call. Rank 0 then writes the dense file and, only if
+every rank's rows and the dense file are durable and every earlier link of the chain
+committed, the COMMIT marker; it broadcasts the outcome back so every rank learns it in
+the same order.
 """
 
 from __future__ import annotations
@@ -23,21 +24,21 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, NamedTuple
 
-import torch
 import torch.distributed as dist
 
 from ckpt.faults import maybe_die, maybe_slow
-from ckpt.frames import OptimState, chunk_rows
+from ckpt.frames import EncodedFrame, OptimState, chunk_rows
+from ckpt.markers import IndexEntry, OffsetRange
 from ckpt.quant import codec_for_width, get_codec
 from ckpt.sink import FrameSink
-from ckpt.snapshot import Snapshot
+from ckpt.snapshot import ShardRows, Snapshot
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class WriteJob:
     """What the training thread hands to its writer at a checkpoint step."""
 
@@ -46,33 +47,30 @@ class WriteJob:
     generation: int
     chain: list[int]  # checkpoint ids a restore replays, this one last
     snapshot: Snapshot
-    reader_state: dict[str, Any]
-    trainer_state: dict[str, Any]  # step, samples_seen, RNG: this rank's loop state
+    trainer_state: dict[str, Any]  # step, samples_seen, reader position, RNG: this rank's loop state
     dense_state: dict[str, Any] | None = None  # rank 0 only: host copies of dense params and optimizer
     weight_codec: str = "fp32"
     optimizer_codec: str = "fp32"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RankReport:
     """One rank's result for one checkpoint, gathered to rank 0."""
 
     rank: int
     ok: bool
     error: str
-    ranges: dict[int, list[list[int]]]  # partition -> [[first, last], ...]
-    # [first position, last position, table, col_offset, min row, max row, cols] per shard segment
-    index: list[list[Any]]
+    ranges: dict[int, list[OffsetRange]]  # partition (= this rank) -> its acknowledged ranges
+    index: list[IndexEntry]  # this rank's frames, one entry per run of one shard's frames
     rows: int
     bytes: int
     stall_ms: float
     write_s: float
-    reader_state: dict[str, Any]
     trainer_state: dict[str, Any]
     encodings: dict[str, str] = field(default_factory=dict)  # "weights" / "optimizer.<state>" -> codec used
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Outcome:
     """What every rank learns about a checkpoint once rank 0 decided."""
 
@@ -85,6 +83,17 @@ class Outcome:
     full: bool = False
     stall_ms: list[float] = field(default_factory=list)
     write_s: float = 0.0
+    commit_unix: float = 0.0  # time.time() when the COMMIT marker was written; 0 when none was
+
+
+class _FrameMeta(NamedTuple):
+    """What the index needs of one written frame until the sink says where it landed."""
+
+    table: str
+    col_offset: int
+    first_row: int
+    last_row: int
+    cols: int
 
 
 Committer = Callable[[WriteJob, list[RankReport]], Outcome]
@@ -184,7 +193,8 @@ class RankWriter:
                 outcome = self._coordinate(job, report)
             except Exception as exc:  # noqa: BLE001 - a writer bug must reach the trainer, not kill the thread silently
                 logger.error("checkpoint %d: writer failed: %s", job.checkpoint_id, traceback.format_exc())
-                outcome = Outcome(job.checkpoint_id, job.step, False, f"writer error on rank {self.rank}: {exc}")
+                outcome = Outcome(checkpoint_id=job.checkpoint_id, step=job.step, committed=False,
+                                  error=f"writer error on rank {self.rank}: {exc}")
             finally:
                 with self._lock:
                     self._pending_bytes -= job.snapshot.nbytes
@@ -194,7 +204,7 @@ class RankWriter:
     def _write(self, job: WriteJob) -> RankReport:
         t0 = time.perf_counter()
         job.snapshot.wait()  # on CUDA the device-to-host copies finish after take() returned
-        meta: list[list[Any]] = []  # per frame: table, col_offset, min row, max row, cols
+        meta: list[_FrameMeta] = []  # per frame written, in write order
         used: dict[str, str] = {}  # "weights" / "optimizer.<state>" -> codec this job's frames use
         rows = nbytes = 0
         error = ""
@@ -204,10 +214,11 @@ class RankWriter:
                     maybe_die("rows", job.checkpoint_id, self.rank)
                 if shard.global_rows.numel() == 0:
                     continue
-                for frame, n_rows, first_row, last_row in self._frames(job, shard, used):
-                    self.sink.write(frame, generation=job.generation, partition=self.rank)
-                    meta.append([shard.table, shard.col_offset, first_row, last_row, shard.weights.shape[1]])
-                    nbytes += len(frame)
+                for frame in self._frames(job, shard, used):
+                    self.sink.write(frame.data, generation=job.generation, partition=self.rank)
+                    meta.append(_FrameMeta(table=shard.table, col_offset=shard.col_offset, first_row=frame.first_row,
+                                           last_row=frame.last_row, cols=shard.weights.shape[1]))
+                    nbytes += len(frame.data)
                 rows += shard.global_rows.numel()
             maybe_slow(job.checkpoint_id)
             result = self.sink.flush(self.flush_timeout_s)
@@ -216,24 +227,24 @@ class RankWriter:
         except Exception as exc:  # noqa: BLE001 - encoding/sink errors fail this checkpoint only
             error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
             result = None
-        ranges: dict[int, list[list[int]]] = {}
-        index: list[list[Any]] = []
+        ranges: dict[int, list[OffsetRange]] = {}
+        index: list[IndexEntry] = []
         if not error and result is not None:
             key = (job.generation, self.rank)
             positions = result.positions.get(key, [])
             if len(positions) != len(meta):
                 error = f"rank {self.rank}: {len(meta)} frames written but {len(positions)} acknowledged"
             else:
-                ranges = {self.rank: [list(r) for r in result.ranges.get(key, [])]} if positions else {}
-                index = _segments(positions, meta)
+                ranges = {self.rank: [OffsetRange(*r) for r in result.ranges.get(key, [])]} if positions else {}
+                index = _segments(self.rank, positions, meta)
         return RankReport(
-            self.rank, not error, error, ranges, index, rows, nbytes,
-            job.snapshot.stall_s * 1e3, time.perf_counter() - t0, job.reader_state, job.trainer_state,
-            used,
+            rank=self.rank, ok=not error, error=error, ranges=ranges, index=index, rows=rows, bytes=nbytes,
+            stall_ms=job.snapshot.stall_s * 1e3, write_s=time.perf_counter() - t0, trainer_state=job.trainer_state,
+            encodings=used,
         )
 
-    def _frames(self, job: WriteJob, shard: Any, used: dict[str, str]):
-        """Encode one shard's rows and split them into frames; yields (frame, n, first, last).
+    def _frames(self, job: WriteJob, shard: ShardRows, used: dict[str, str]) -> Iterator[EncodedFrame]:
+        """Encode one shard's rows and split them into frames (lazily, in row order).
         Records the codecs it encodes with in `used`."""
         ids = shard.global_rows
         weight_codec = get_codec(job.weight_codec)
@@ -245,20 +256,11 @@ class RankWriter:
             codec = get_codec(codec_for_width(job.optimizer_codec, rows.shape[1]))
             used[f"optimizer.{name}"] = codec.name
             optim.append(OptimState(name, codec.code, codec.encode(rows, table=shard.table, row_ids=ids)))
-        per_row = payload.shape[1] + sum(o.rows.shape[1] for o in optim) + 8
-        rows_per_frame = max(1, (self.max_frame_bytes - 4096) // per_row)
-        for start in range(0, ids.numel(), rows_per_frame):
-            sl = slice(start, start + rows_per_frame)
-            part_ids = ids[sl]
-            frames = list(chunk_rows(
-                run_id=self.run_id, checkpoint_id=job.checkpoint_id, rank=self.rank, table=shard.table,
-                col_offset=shard.col_offset, dim=shard.weights.shape[1], encoding=weight_codec.code,
-                row_ids=part_ids, payload=payload[sl],
-                optim=[OptimState(o.name, o.encoding, o.rows[sl]) for o in optim],
-                max_frame_bytes=self.max_frame_bytes,
-            ))
-            assert len(frames) == 1, "rows_per_frame leaves room for the header"
-            yield frames[0], part_ids.numel(), int(part_ids[0]), int(part_ids[-1])
+        return chunk_rows(
+            run_id=self.run_id, checkpoint_id=job.checkpoint_id, rank=self.rank, table=shard.table,
+            col_offset=shard.col_offset, dim=shard.weights.shape[1], encoding=weight_codec.code,
+            row_ids=ids, payload=payload, optim=optim, max_frame_bytes=self.max_frame_bytes,
+        )
 
     def _coordinate(self, job: WriteJob, report: RankReport) -> Outcome:
         reports: list[RankReport] | None = [None] * dist.get_world_size(self.group) if self.rank == 0 else None  # type: ignore[list-item]
@@ -270,25 +272,23 @@ class RankWriter:
                 decided[0] = self.committer(job, reports)
             except Exception as exc:  # noqa: BLE001 - the outcome must still reach every rank
                 logger.error("checkpoint %d: commit failed: %s", job.checkpoint_id, traceback.format_exc())
-                decided[0] = Outcome(job.checkpoint_id, job.step, False, f"commit failed on rank 0: {exc}")
+                decided[0] = Outcome(checkpoint_id=job.checkpoint_id, step=job.step, committed=False,
+                                     error=f"commit failed on rank 0: {exc}")
         dist.broadcast_object_list(decided, src=0, group=self.group)
         assert decided[0] is not None
         return decided[0]
 
 
-def _segments(positions: list[int], meta: list[list[Any]]) -> list[list[Any]]:
-    """Group consecutive frames of one shard: [first pos, last pos, table, col, min row, max row, cols]."""
-    out: list[list[Any]] = []
-    for pos, (table, col, lo, hi, cols) in zip(positions, meta):
-        if out and out[-1][2] == table and out[-1][3] == col:
-            out[-1][1] = pos
-            out[-1][4] = min(out[-1][4], lo)
-            out[-1][5] = max(out[-1][5], hi)
+def _segments(partition: int, positions: list[int], meta: list[_FrameMeta]) -> list[IndexEntry]:
+    """The index of one partition's frames: consecutive frames of one shard (``meta`` and
+    their ``positions``, both in write order) merged into one entry."""
+    out: list[IndexEntry] = []
+    for pos, m in zip(positions, meta, strict=True):
+        last = out[-1] if out else None
+        if last is not None and last.table == m.table and last.col_offset == m.col_offset:
+            out[-1] = last._replace(last=pos, min_row=min(last.min_row, m.first_row),
+                                    max_row=max(last.max_row, m.last_row))
         else:
-            out.append([pos, pos, table, col, lo, hi, cols])
+            out.append(IndexEntry(partition=partition, first=pos, last=pos, table=m.table, col_offset=m.col_offset,
+                                  min_row=m.first_row, max_row=m.last_row, cols=m.cols))
     return out
-
-
-def host_copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Detached CPU copies (the dense part of a snapshot, taken during the stall)."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}

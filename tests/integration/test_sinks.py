@@ -55,9 +55,9 @@ def make_frames(run: str, ckpt: int, rank: int, n: int, *, table: str = "t0", se
     ids = torch.randperm(100_000, generator=g)[:n]
     rows = torch.randn(n, 16, generator=g)
     mom = torch.rand(n, generator=g)
-    return list(chunk_rows(run_id=run, checkpoint_id=ckpt, rank=rank, table=table, col_offset=0,
+    return [f.data for f in chunk_rows(run_id=run, checkpoint_id=ckpt, rank=rank, table=table, col_offset=0,
                            dim=16, encoding=0, row_ids=ids, payload=rows,
-                           optim=[OptimState("momentum1", 0, mom)], max_frame_bytes=max_frame_bytes))
+                           optim=[OptimState("momentum1", 0, mom)], max_frame_bytes=max_frame_bytes)]
 
 
 def same(a, b) -> bool:

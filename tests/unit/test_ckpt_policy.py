@@ -51,12 +51,12 @@ def test_small_diffs_never_reset() -> None:
     assert [f for f, _ in res] == [True] + [False] * 10
 
 
-def test_reset_and_force_full() -> None:
+def test_force_full_overrides_a_usable_baseline() -> None:
     p = CheckpointPolicy("incremental")
     _run(p, [0.1, 0.1])
-    assert p.decide(0.1, force_full=True).full
-    p.reset()
-    assert p.decide(0.1).full
+    assert not p.decide(0.1).full
+    forced = p.decide(0.1, force_full=True)
+    assert forced.full and forced.reason == "forced"
 
 
 def test_unknown_policy_is_refused() -> None:

@@ -6,7 +6,6 @@ import torch
 
 from ckpt.frames import (DEFAULT_MAX_FRAME_BYTES, MAGIC, VERSION, Frame, FrameError, OptimState,
                          chunk_rows, decode_frame, encode_frame, file_where, kafka_where)
-
 META = dict(run_id="run-7", checkpoint_id=42, rank=3, table="t_cat_0", col_offset=32, dim=16,
             encoding=0)
 
@@ -15,6 +14,10 @@ def _rows(n: int, dim: int = 16, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randperm(10 * n + 1, generator=g)[:n].to(torch.int64) * 1_000_003  # > 2**32
     return ids, torch.randn(n, dim, generator=g), torch.rand(n, generator=g)
+
+
+def _optim(f: Frame) -> dict[str, torch.Tensor]:
+    return {o.name: o.rows for o in f.optim}
 
 
 def _frame(n: int = 5, **over) -> bytes:
@@ -40,10 +43,8 @@ def test_round_trip_all_fields_and_tensors():
     assert f.payload.shape == (7, 32) and f.payload.dtype == torch.uint8
     assert torch.equal(f.payload.view(torch.float16), half)
     assert [(o.name, o.encoding, o.row_bytes) for o in f.optim] == [("momentum1", 0, 4), ("m2", 9, 6)]
-    assert torch.equal(f.optim_rows("momentum1").view(torch.float32).view(-1), mom)
-    assert torch.equal(f.optim_rows("m2").view(torch.int16), m2)
-    with pytest.raises(KeyError):
-        f.optim_rows("nope")
+    assert torch.equal(_optim(f)["momentum1"].view(torch.float32).view(-1), mom)
+    assert torch.equal(_optim(f)["m2"].view(torch.int16), m2)
 
 
 def test_decoded_tensors_are_views_of_the_buffer():
@@ -149,19 +150,22 @@ def test_encode_rejects_inconsistent_inputs():
     (1, 16, 4096), (100, 16, 4096), (1000, 64, 20_000), (5000, 128, DEFAULT_MAX_FRAME_BYTES),
     (333, 3, 1000),
 ])
-def test_chunking_respects_limit_and_covers_rows_once(n, dim, max_bytes):
+def test_chunking_respects_limit_and_covers_rows_once(n, dim, max_bytes, replay_seed):
     ids, rows, mom = _rows(n, dim)
-    mom2 = torch.randn(n, 2, dtype=torch.float64)
+    mom2 = torch.randn(n, 2, dtype=torch.float64, generator=replay_seed.torch_generator())
     optim = [OptimState("momentum1", 0, mom), OptimState("m2", 0, mom2)]
     frames = list(chunk_rows(**dict(META, dim=dim), row_ids=ids, payload=rows, optim=optim,
                              max_frame_bytes=max_bytes))
-    assert frames and all(len(b) <= max_bytes for b in frames)
-    dec = [decode_frame(b) for b in frames]
+    assert frames and all(len(f.data) <= max_bytes for f in frames)
+    dec = [decode_frame(f.data) for f in frames]
     assert [f.chunk_index for f in dec] == list(range(len(dec)))
     assert {f.chunk_count for f in dec} == {len(dec)}
     assert torch.equal(torch.cat([f.row_ids for f in dec]), ids)
     assert torch.equal(torch.cat([f.payload for f in dec]).view(torch.float32), rows)
-    assert torch.equal(torch.cat([f.optim_rows("m2") for f in dec]).view(torch.float64), mom2)
+    assert torch.equal(torch.cat([_optim(f)["m2"] for f in dec]).view(torch.float64), mom2), str(replay_seed)
+    # What the writer indexes comes with each frame and agrees with the frame itself.
+    assert [(e.row_count, e.first_row, e.last_row) for e in frames] == \
+        [(f.row_count, int(f.row_ids[0]), int(f.row_ids[-1])) for f in dec]
     # Frames are as full as the limit allows: one more row would not have fit.
     per = dec[0].row_count
     if len(dec) > 1:
@@ -174,5 +178,5 @@ def test_chunking_edge_cases():
     ids, rows, _ = _rows(3)
     assert list(chunk_rows(**META, row_ids=ids[:0], payload=rows[:0])) == []
     with pytest.raises(ValueError, match="more than max_frame_bytes"):
-        list(chunk_rows(**META, row_ids=ids, payload=rows, max_frame_bytes=100))
+        chunk_rows(**META, row_ids=ids, payload=rows, max_frame_bytes=100)  # refused at the call, before any frame
     assert MAGIC == b"DRF1"

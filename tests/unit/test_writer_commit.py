@@ -1,0 +1,145 @@
+"""One rank's checkpoint without a process group: the writer frames a snapshot into a
+filesystem sink and indexes it, the committer writes the dense file and the COMMIT
+marker, and `restore_rows` reads it back through the marker's typed index."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt.committer import Committer
+from ckpt.dense_store import DenseRef, DenseStore
+from ckpt.frames import OptimState, chunk_rows, decode_frame
+from ckpt.fs_sink import FsMarkers, FsSink, FsSource
+from ckpt.markers import IndexEntry, OffsetRange, commits
+from ckpt.quant import get_codec
+from ckpt.restore import restore_rows
+from ckpt.snapshot import ShardRows, Snapshot
+from ckpt.writer import RankReport, RankWriter, WriteJob, _FrameMeta, _segments
+from sharding.shard_views import ShardMap, ShardView
+
+RUN = "unit-run"
+MAX_FRAME_BYTES = 2048  # small, so one shard takes several frames
+
+
+def _snapshot() -> Snapshot:
+    """A full snapshot of two shards: t_user (whole width, row-wise state) and t_item
+    (the column shard 4..7, element-wise state)."""
+    g = torch.Generator().manual_seed(3)
+    user = ShardRows("t_user", 0, 0, torch.arange(200), torch.randn(200, 8, generator=g),
+                     {"momentum1": torch.rand(200, generator=g)})
+    item = ShardRows("t_item", 0, 4, torch.arange(50), torch.randn(50, 4, generator=g),
+                     {"sum": torch.rand(50, 4, generator=g)})
+    return Snapshot(1, 10, True, [user, item], 0.002)
+
+
+def _job(snapshot: Snapshot) -> WriteJob:
+    return WriteJob(checkpoint_id=1, step=10, generation=1, chain=[1], snapshot=snapshot,
+                    trainer_state={"step": 10, "reader": {"next_global_batch": 11}},
+                    dense_state={"params": {"mlp.w": torch.ones(2, 2)}})
+
+
+@pytest.fixture
+def rank0(tmp_path: Path):
+    sink = FsSink(tmp_path, RUN)
+    markers = FsMarkers(tmp_path, RUN)
+    committer = Committer(run_id=RUN, markers=markers, dense=DenseStore(tmp_path / "dense"),
+                          marker_fields={"policy": "full", "world_size": 1, "plan": {}, "tables": {}})
+    writer = RankWriter(run_id=RUN, rank=0, sink=sink, group=None,  # type: ignore[arg-type]
+                        max_frame_bytes=MAX_FRAME_BYTES, flush_timeout_s=10.0, committer=committer)
+    yield writer, committer, markers
+    assert writer.close(10.0) == []
+    sink.close()
+    markers.close()
+
+
+def test_a_written_and_committed_checkpoint_restores_exactly(tmp_path: Path, rank0) -> None:
+    writer, committer, markers = rank0
+    snap = _snapshot()
+    job = _job(snap)
+    report = writer._write(job)
+    assert report.ok, report.error
+    assert report.rows == 250 and report.encodings == {"weights": "fp32", "optimizer.momentum1": "fp32",
+                                                       "optimizer.sum": "fp32"}
+
+    # frames of a shard are numbered 0..count-1; the report counts their bytes
+    nbytes = sum(len(f.data) for shard in snap.shards for f in writer._frames(job, shard, {}))
+    assert report.bytes == nbytes
+    source = FsSource(tmp_path, RUN)
+    frames = list(source.read_range(1, 0, 0, report.ranges[0][-1].last))
+    by_table: dict[str, list] = {}
+    for _, f in frames:
+        by_table.setdefault(f.table, []).append(f)
+    for table, fs in by_table.items():
+        assert [f.chunk_index for f in fs] == list(range(len(fs))) and {f.chunk_count for f in fs} == {len(fs)}, table
+    assert len(by_table["t_user"]) > 1
+
+    # the index: one entry per shard, typed, with the positions and rows of its frames
+    positions = [pos for pos, _ in frames]
+    n_user = len(by_table["t_user"])
+    assert report.ranges == {0: [OffsetRange(first=0, last=positions[-1])]}
+    assert report.index == [
+        IndexEntry(partition=0, first=0, last=positions[n_user - 1], table="t_user", col_offset=0, min_row=0,
+                   max_row=199, cols=8),
+        IndexEntry(partition=0, first=positions[n_user], last=positions[-1], table="t_item", col_offset=4, min_row=0,
+                   max_row=49, cols=4),
+    ]
+
+    outcome = committer(job, [report])
+    assert outcome.committed and (outcome.rows, outcome.bytes, outcome.full) == (250, nbytes, True)
+    ((_, marker),) = commits(markers.read_markers(), RUN)
+    assert outcome.commit_unix == marker.created_unix > 0
+    assert marker.chain[-1].index == report.index and marker.chain[-1].ranges == report.ranges
+    dense = DenseStore(tmp_path / "dense").read(DenseRef.from_json(marker.dense))
+    assert dense["trainers"] == [job.trainer_state] and "readers" not in dense
+    assert torch.equal(dense["params"]["mlp.w"], torch.ones(2, 2))
+
+    # a rank holding only t_item reads only t_item's frames, and gets back exactly what was written
+    item = ShardView("t_item", 0, 4, torch.zeros(50, 4), {"sum": torch.zeros(50, 4)})
+    got = restore_rows(marker, source, ShardMap([item], []), RUN, lambda g, p, o: f"{g}/{p}@{o}")
+    assert got.frames == len(by_table["t_item"]) and got.rows == 50
+    assert torch.equal(item.weight, snap.shards[1].weights) and torch.equal(item.optimizer_states["sum"],
+                                                                           snap.shards[1].optimizer["sum"])
+    user = ShardView("t_user", 0, 0, torch.zeros(200, 8), {"momentum1": torch.zeros(200)})
+    restore_rows(marker, source, ShardMap([user], []), RUN, lambda g, p, o: f"{g}/{p}@{o}")
+    assert torch.equal(user.weight, snap.shards[0].weights)
+    assert torch.equal(user.optimizer_states["momentum1"], snap.shards[0].optimizer["momentum1"])
+
+
+def test_a_failed_rank_fails_the_checkpoint_without_a_commit_time(rank0) -> None:
+    writer, committer, markers = rank0
+    job = _job(_snapshot())
+    failed = RankReport(rank=0, ok=False, error="rank 0: broker gone", ranges={}, index=[], rows=0, bytes=0,
+                        stall_ms=2.0, write_s=0.1, trainer_state={})
+    outcome = committer(job, [failed])
+    assert not outcome.committed and outcome.error == "rank 0: broker gone" and outcome.commit_unix == 0.0
+    assert commits(markers.read_markers(), RUN) == [] and len(markers.read_markers()) == 1  # the FAILED record
+
+
+def test_segments_merge_consecutive_frames_of_one_shard_only() -> None:
+    meta = [_FrameMeta("t", 0, 0, 4, 8), _FrameMeta("t", 0, 5, 9, 8), _FrameMeta("t", 8, 0, 9, 8),
+            _FrameMeta("t", 0, 10, 12, 8)]
+    assert _segments(3, [0, 100, 200, 300], meta) == [
+        IndexEntry(partition=3, first=0, last=100, table="t", col_offset=0, min_row=0, max_row=9, cols=8),
+        IndexEntry(partition=3, first=200, last=200, table="t", col_offset=8, min_row=0, max_row=9, cols=8),
+        IndexEntry(partition=3, first=300, last=300, table="t", col_offset=0, min_row=10, max_row=12, cols=8),
+    ]
+
+
+def test_the_writer_frames_a_shard_with_the_frames_module_rule(rank0) -> None:
+    """Frames are as full as `chunk_rows` makes them: the writer does not split on its own."""
+    writer, _, _ = rank0
+    snap = _snapshot()
+    shard = snap.shards[0]
+    got = list(writer._frames(_job(snap), shard, {}))
+    fp32 = get_codec("fp32")
+    want = list(chunk_rows(run_id=RUN, checkpoint_id=1, rank=0, table="t_user", col_offset=0, dim=8,
+                           encoding=fp32.code, row_ids=shard.global_rows, payload=shard.weights,
+                           optim=[OptimState("momentum1", fp32.code, shard.optimizer["momentum1"].reshape(-1, 1))],
+                           max_frame_bytes=MAX_FRAME_BYTES))
+    assert [f.data for f in got] == [f.data for f in want]
+    assert len(got) > 1 and all(len(f.data) <= MAX_FRAME_BYTES for f in got)
+    assert sum(f.row_count for f in got) == 200 and got[0].first_row == 0 and got[-1].last_row == 199
+    assert decode_frame(got[0].data).chunk_count == len(got)
