@@ -11,44 +11,76 @@ failed checkpoint makes the next one full.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
 
 from ckpt import dense_state
-from ckpt.backends import Backend, dense_dir, open_backend, run_id_of
+from ckpt.backends import Backend, open_backend
 from ckpt.committer import Committer
+from ckpt.config import CkptConfig
 from ckpt.dense_store import DenseRef, DenseStore, DenseStoreError
-from ckpt.frames import FrameError
 from ckpt.faults import maybe_die
+from ckpt.frames import FrameError
 from ckpt.markers import Marker, commits
-from ckpt.sink import SourceError
 from ckpt.policy import CheckpointPolicy, Decision
 from ckpt.quant import BitWidthPolicy
 from ckpt.restore import RestoreError, restore_rows
+from ckpt.sink import SourceError
 from ckpt.snapshot import SnapshotTaker
 from ckpt.tracker import RowTracker
 from ckpt.writer import Outcome, RankWriter, WriteJob
+from common.errors import ConfigError
+from sharding.config import TableConfig
 from sharding.dmp import ShardedModel
 from sharding.plan import EBC_PATH
 from sharding.process_group import DistEnv
 from sharding.shard_views import ShardMap
-from trainer.config import JobConfig
-from trainer.metrics import MetricsLog
 
 logger = logging.getLogger(__name__)
 
 _TIME_CHECK_EVERY = 10  # steps between agreements on a time-based interval
 
 
-def _model_digest(cfg: JobConfig) -> str:
-    """sha256 of the model section: what a checkpoint's rows and dense state depend on."""
-    return hashlib.sha256(repr(cfg.model).encode()).hexdigest()
+class MetricsSink(Protocol):
+    """Where the manager reports checkpoint outcomes and restores (the trainer's metrics log)."""
+
+    def write(self, record: dict[str, Any]) -> None: ...
+
+
+class JobIdentity(NamedTuple):
+    """What ties a checkpoint to the job that wrote it (stored in every dense file)."""
+
+    config_sha256: str  # the resolved job config
+    model_sha256: str  # the model section: what rows and dense state depend on
+
+
+class StallTiming(NamedTuple):
+    """Where one checkpoint's stall went on this rank (milliseconds)."""
+
+    checkpoint_id: int
+    step: int
+    full: bool
+    agree_ms: float  # the two small all-reduces, including waiting for the other ranks
+    take_ms: float  # copying the chosen rows to host memory
+    dense_ms: float  # tracker marks, dense state capture, loop state
+    stall_ms: float  # all of it: what the training thread lost
+    rows: int  # rows this rank copied
+    snapshot_bytes: int
+    since_base: float  # fraction of all ranks' rows changed since the baseline
+    since_last: float  # ... since the previous checkpoint
+
+
+class _Pending(NamedTuple):
+    """What the manager remembers of a checkpoint between its stall and its outcome."""
+
+    started_unix: float
+    weight_codec: str
 
 
 @dataclass
@@ -69,27 +101,38 @@ class CheckpointStats:
     skipped: int = 0
     last: Outcome | None = None
     outcomes: list[Outcome] = field(default_factory=list)
+    stalls: list[StallTiming] = field(default_factory=list)  # this rank's, one per checkpoint taken
 
 
 class CheckpointManager:
-    """Continuous checkpoints for one rank of a running job."""
+    """Continuous checkpoints for one rank of a running job.
+
+    It reads only its own config section (`cfg`, resolved: run id and directories filled)
+    and the table declarations; the loop it checkpoints is any `Stateful` whose state
+    dict holds this rank's loop position (`step`, and `reader`, the data reader's state).
+    """
 
     def __init__(
         self,
-        cfg: JobConfig,
+        cfg: CkptConfig,
+        *,
+        tables: Sequence[TableConfig],
+        identity: JobIdentity,
         env: DistEnv,
         device: torch.device,
         sharded: ShardedModel,
-        trainer: Any,
-        metrics: MetricsLog,
+        trainer: Stateful,
+        metrics: MetricsSink,
     ) -> None:
-        self.cfg = cfg
-        self.c = cfg.ckpt
+        assert cfg.run_id and cfg.dense_dir, "CkptConfig.resolved() fills the run id and directories"
+        self.c = cfg
+        self.tables = list(tables)
+        self.identity = identity
         self.env = env
         self.sharded = sharded
         self.trainer = trainer
         self.metrics = metrics
-        self.run_id = run_id_of(cfg)
+        self.run_id = cfg.run_id
         # Writers coordinate on their own gloo group so the training thread's collectives
         # and theirs never interleave (see ckpt/writer.py).
         self.group = dist.new_group(backend="gloo")
@@ -98,7 +141,7 @@ class CheckpointManager:
         self.taker = SnapshotTaker(self.shard_map, self.tracker, device)
         self.policy = CheckpointPolicy(self.c.policy)
         self.backend: Backend = open_backend(cfg, env.world_size)
-        self.dense = DenseStore(dense_dir(cfg))
+        self.dense = DenseStore(cfg.dense_dir)
         self.committer = None
         if env.rank == 0:
             self.committer = Committer(
@@ -110,8 +153,6 @@ class CheckpointManager:
             committer=self.committer, nice=self.c.writer_nice,
         )
         self.next_id = 1
-        # once per job: the config's YAML dump costs ~7 ms, too much to repeat in every stall
-        self.config_sha256, self.model_sha256 = cfg.digest(), _model_digest(cfg)
         self.generation = 0
         self.chain: list[int] = []
         self.force_full = False
@@ -122,9 +163,10 @@ class CheckpointManager:
         self.restores = 0  # restores of this job so far (persisted in the dense state)
         self._newest_id = 0  # newest checkpoint id in the markers log (ids never repeat)
         self.agreed_fractions = (0.0, 0.0)  # rows changed since the base / the last checkpoint, all ranks
+        self._pending: dict[int, _Pending] = {}
         self.full_bytes = self.taker.estimate_bytes(full=True, since_base=False)  # fixed by the plan
         if self.full_bytes > self.c.max_pending_bytes:
-            raise ValueError(
+            raise ConfigError(
                 f"ckpt.max_pending_bytes={self.c.max_pending_bytes} is smaller than one full snapshot of this "
                 f"rank ({self.full_bytes} bytes): raise it, or no full checkpoint could ever be taken"
             )
@@ -135,7 +177,7 @@ class CheckpointManager:
             "policy": self.c.policy,
             "world_size": self.env.world_size,
             "plan": {t: ps.sharding_type for t, ps in plan.items()},
-            "tables": {t.name: [t.num_embeddings, t.embedding_dim] for t in self.cfg.model.tables},
+            "tables": {t.name: [t.num_embeddings, t.embedding_dim] for t in self.tables},
         }
 
     # -- restore ------------------------------------------------------------------------
@@ -174,10 +216,11 @@ class CheckpointManager:
         raise RestoreError(f"no restorable checkpoint of run {self.run_id} in {self.backend.where}")
 
     def _finish_restore(self, marker: Marker, rows: Any, state: dict[str, Any]) -> RestoreReport:
-        if self.env.rank == 0 and state.get("model_sha256") not in (None, self.model_sha256):
+        model_sha256 = self.identity.model_sha256
+        if self.env.rank == 0 and state.get("model_sha256") not in (None, model_sha256):
             logger.warning(
                 "checkpoint %d was written with another model config (sha256 %s…, now %s…); restoring what matches",
-                marker.checkpoint_id, str(state["model_sha256"])[:12], self.model_sha256[:12],
+                marker.checkpoint_id, str(state["model_sha256"])[:12], model_sha256[:12],
             )
         dense_state.load(self.sharded, state)
         self.trainer.load_state_dict(self._trainer_state(state, marker))
@@ -195,10 +238,14 @@ class CheckpointManager:
             marker.checkpoint_id, marker.step, self.chain, int(totals[0]), int(totals[1]), int(totals[2]), rows.seconds
         )
         if self.env.rank == 0:
-            logger.info(
+            logger.debug(  # the trainer prints the resume line
                 "restored checkpoint %d (step %d, chain %s): %d frames, %d rows, %.1f MB in %.2f s",
                 report.checkpoint_id, report.step, report.chain, report.frames, report.rows, report.bytes / 1e6, report.seconds,
             )
+            self.metrics.write({
+                "step": report.step, "restored_ckpt": report.checkpoint_id, "restore_s": report.seconds,
+                "restore_bytes": report.bytes, "restore_chain": report.chain,
+            })
         return report
 
     def _candidates(self) -> list[Marker]:
@@ -258,7 +305,7 @@ class CheckpointManager:
             self._record(outcome)
         self.backend.close()
         if self.env.rank == 0:
-            logger.info(
+            logger.debug(  # the trainer prints the summary line
                 "checkpoints: %d committed, %d failed, %d skipped", self.stats.committed, self.stats.failed, self.stats.skipped
             )
 
@@ -269,6 +316,8 @@ class CheckpointManager:
     def _record(self, o: Outcome) -> None:
         self.stats.outcomes.append(o)
         self.stats.last = o
+        pending = self._pending.pop(o.checkpoint_id)
+        durable_s = o.commit_unix - pending.started_unix if o.committed else None
         if o.committed:
             self.stats.committed += 1
             maybe_die("committed", o.checkpoint_id, self.env.rank)
@@ -278,17 +327,23 @@ class CheckpointManager:
         if self.env.rank != 0:
             return
         kind = "full" if o.full else "delta"
+        note = {  # for the console, which folds frequent checkpoints into one line
+            "checkpoint_id": o.checkpoint_id, "step": o.step, "committed": o.committed, "full": o.full,
+            "bytes": o.bytes, "stall_ms": max(o.stall_ms or [0]),
+        }
         if o.committed:
             logger.info(
-                "checkpoint %d (step %d, %s) committed: %d rows, %.2f MB, stall %.1f ms (max over ranks), written in %.2f s",
-                o.checkpoint_id, o.step, kind, o.rows, o.bytes / 1e6, max(o.stall_ms or [0]), o.write_s,
+                "checkpoint %d (step %d, %s) committed: %s rows, %.2f MB, stall %.1f ms (max over ranks), written in %.2f s",
+                o.checkpoint_id, o.step, kind, f"{o.rows:,}", o.bytes / 1e6, max(o.stall_ms or [0]), o.write_s,
+                extra={"ckpt": note},
             )
         else:
-            logger.warning("checkpoint %d (step %d) FAILED: %s", o.checkpoint_id, o.step, o.error)
+            logger.warning("checkpoint %d (step %d) FAILED: %s", o.checkpoint_id, o.step, o.error, extra={"ckpt": note})
         self.metrics.write({
             "step": o.step, "ckpt_id": o.checkpoint_id, "ckpt_committed": o.committed, "ckpt_full": o.full,
             "ckpt_rows": o.rows, "ckpt_bytes": o.bytes, "ckpt_stall_ms": max(o.stall_ms or [0]),
-            "ckpt_write_s": o.write_s, "ckpt_error": o.error,
+            "ckpt_write_s": o.write_s, "ckpt_error": o.error, "ckpt_encoding": pending.weight_codec,
+            "ckpt_durable_s": durable_s,
         })
 
     def _agree(self) -> tuple[Decision, float, dict[str, int], dict[str, bool]]:
@@ -314,13 +369,17 @@ class CheckpointManager:
     def _checkpoint(self, step: int, final: bool = False) -> None:
         """Take the checkpoint of `step`: agree, copy (the stall), hand to the writer.
         Under back-pressure `skip` drops it (reported), `wait` blocks; the final one waits."""
-        t0 = time.perf_counter()
+        started_unix, t0 = time.time(), time.perf_counter()
         decision, fraction, est, overflow = self._agree()
+        t_agreed = time.perf_counter()
         kind = "full" if decision.full else ("base" if decision.since_base else "last")
         if overflow[kind] and self.c.on_backpressure == "skip" and not final:
             self.stats.skipped += 1
             if self.env.rank == 0:
-                logger.warning("checkpoint at step %d skipped: the writers are behind (ckpt.max_pending_bytes)", step)
+                logger.warning(
+                    "checkpoint at step %d skipped: the writers are behind (ckpt.max_pending_bytes)", step,
+                    extra={"ckpt": {"step": step, "skipped": True}},
+                )
                 self.metrics.write({"step": step, "ckpt_skipped": True})
             return
         if overflow[kind]:
@@ -331,7 +390,9 @@ class CheckpointManager:
         if decision.full:
             self.generation = cid
         self.chain = self.policy.chain_after(self.chain, cid, decision)
+        t_take = time.perf_counter()
         snapshot = self.taker.take(cid, step, full=decision.full, since_base=decision.since_base)
+        t_taken = time.perf_counter()
         maybe_die("snapshot", cid, self.env.rank)
         if decision.full:
             self.tracker.mark_base()
@@ -339,17 +400,23 @@ class CheckpointManager:
             self.tracker.mark_checkpoint()
         dense = dense_state.capture(self.sharded) if self.env.rank == 0 else None
         if dense is not None:
-            dense["restores"] = self.restores
-            dense["step"] = step
-            dense["config_sha256"], dense["model_sha256"] = self.config_sha256, self.model_sha256
+            dense.update(restores=self.restores, step=step, **self.identity._asdict())
         weight_codec, optimizer_codec = self.codecs()
         trainer_state = self.trainer.state_dict()
         self.policy.record(decision, fraction)
         self.force_full = False
-        snapshot.stall_s = time.perf_counter() - t0
+        now = time.perf_counter()
+        snapshot.stall_s = now - t0
+        self.stats.stalls.append(StallTiming(
+            checkpoint_id=cid, step=step, full=decision.full, agree_ms=(t_agreed - t0) * 1e3,
+            take_ms=(t_taken - t_take) * 1e3, dense_ms=(now - t_taken) * 1e3, stall_ms=snapshot.stall_s * 1e3,
+            rows=snapshot.rows, snapshot_bytes=snapshot.nbytes,
+            since_base=self.agreed_fractions[0], since_last=self.agreed_fractions[1],
+        ))
+        self._pending[cid] = _Pending(started_unix=started_unix, weight_codec=weight_codec)
         self.writer.submit(WriteJob(
-            cid, step, self.generation, list(self.chain), snapshot,
-            trainer_state["reader"], trainer_state, dense, weight_codec, optimizer_codec,
+            checkpoint_id=cid, step=step, generation=self.generation, chain=list(self.chain), snapshot=snapshot,
+            trainer_state=trainer_state, dense_state=dense, weight_codec=weight_codec, optimizer_codec=optimizer_codec,
         ))
 
     def codecs(self) -> tuple[str, str]:

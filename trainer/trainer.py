@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
 from torchmetrics import MeanMetric
 from torchmetrics.classification import BinaryAUROC
 from torchrec.datasets.utils import Batch
@@ -40,7 +41,7 @@ class EvalResult:
     samples: int
 
 
-class Trainer:
+class Trainer(Stateful):
     """Runs `train.steps` steps of DLRM on this rank's slice of the data."""
 
     def __init__(
@@ -109,6 +110,7 @@ class Trainer:
                 window_steps += 1
                 if self.checkpointer is not None:
                     self.checkpointer.save(self.step)
+                progress.advance(self.step)
                 if self.step % tc.log_every == 0 or self.step == tc.steps:
                     rate = window_steps * self.cfg.data.batch_size * self.env.world_size / (time.perf_counter() - window_t0)
                     loss = self._global_mean(window_loss / window_steps)
