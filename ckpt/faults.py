@@ -1,4 +1,4 @@
-"""Crash points for tests: SIGKILL this very process at a named point of a checkpoint.
+"""Crash points for tests and the quickstart: SIGKILL this very process at a named point of a checkpoint.
 
 `DELTAREC_KILL_AT=point:key[@rank]` (e.g. `rows:3@1`: rank 1 dies while writing the rows
 of checkpoint 3). Points: `step` (after training step `key`), `snapshot` (inside the
@@ -12,21 +12,49 @@ tests see what a crash leaves behind.
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import signal
 import time
+from typing import NamedTuple
+
+from common.errors import DeltarecError
 
 ENV = "DELTAREC_KILL_AT"
 SLOW_ENV = "DELTAREC_SLOW_FLUSH"  # "checkpoint_id:seconds": that checkpoint's writer sleeps before flushing
+POINTS = ("step", "snapshot", "rows", "marker", "committed")
+
+
+class FaultSpecError(DeltarecError):
+    """DELTAREC_KILL_AT does not name a crash point."""
+
+
+class KillAt(NamedTuple):
+    """Where to die: at `point` number `key`, on `rank` (None: every rank that gets there)."""
+
+    point: str
+    key: int
+    rank: int | None
+
+
+@functools.lru_cache(maxsize=4)
+def parse_kill_at(spec: str) -> KillAt:
+    """`committed:3@1` -> KillAt("committed", 3, 1); anything else is a `FaultSpecError`."""
+    m = re.fullmatch(r"(\w+):(\d+)(?:@(\d+))?", spec.strip())
+    if m is None or m[1] not in POINTS:
+        raise FaultSpecError(f"{ENV}={spec!r}: expected point:key[@rank] with point one of {', '.join(POINTS)}")
+    return KillAt(m[1], int(m[2]), int(m[3]) if m[3] is not None else None)
 
 
 def maybe_die(point: str, key: int, rank: int) -> None:
+    """SIGKILL this process if DELTAREC_KILL_AT names `point` number `key` on `rank` and
+    this is the job's first attempt."""
     spec = os.environ.get(ENV)
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
-    target, _, only_rank = spec.partition("@")
-    name, _, value = target.partition(":")
-    if name == point and int(value) == key and (not only_rank or int(only_rank) == rank):
+    target = parse_kill_at(spec)
+    if target.point == point and target.key == key and target.rank in (None, rank):
         os.kill(os.getpid(), signal.SIGKILL)
 
 

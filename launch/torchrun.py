@@ -1,41 +1,138 @@
-"""`deltarec-launch`: torchrun on one node, with deltarec's defaults.
+"""`deltarec-launch`: torchrun on one node, with deltarec's defaults and console.
 
-    deltarec-launch --nproc-per-node 2 [--max-restarts 3] --config configs/quickstart.yaml [key=value ...]
+    deltarec-launch --nproc-per-node 2 [--max-restarts 3] [--verbose] --config configs/quickstart.yaml [key=value ...]
 
-It replaces itself with `python -m torch.distributed.run --standalone ... -m trainer.main`,
-so signals and the exit code are torchrun's own. For several nodes use
+It runs torchrun (`torch.distributed.run --standalone ... -m trainer.main`) in this very
+process: signals reach torchrun's agent as they would, and the ranks write straight to this
+terminal (a progress bar stays a bar). Of the agent's own lines, the known noise is dropped
+(trainer/console.py) and a rank's failure becomes one line, e.g.
+
+    deltarec-launch: rank 1 exited (SIGKILL); torchrun restarts the job, attempt 2/2
+
+Exit status: 0; 1 when the job failed (torchrun's own); 128+N when signal N stopped it.
+With `--verbose` it replaces itself with plain torchrun and passes `--verbose` to the trainer,
+so every line of torchrun, the ranks and the libraries shows. For several nodes use
 launch/slurm/deltarec.sbatch (one torchrun per node, c10d rendezvous on the first node).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import signal
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+from trainer import console
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+# The agent's record for a failed attempt (torch.distributed.elastic.multiprocessing.api);
+# args: exitcode, local_rank, pid, entrypoint. Records that do not match pass through as they are.
+AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+FAILED_RECORD = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"
+
+
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The launcher's own flags, and the trainer's arguments (everything else, in order)."""
+    p = argparse.ArgumentParser(prog="deltarec-launch", description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc-per-node", type=int, default=2, help="ranks on this node (default 2)")
+    p.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts after a rank dies")
+    p.add_argument("--verbose", action="store_true", help="plain torchrun, and every rank's and library's lines")
+    args, trainer_args = p.parse_known_args(argv)
+    if args.nproc_per_node < 1:
+        p.error("--nproc-per-node must be at least 1")
+    return args, trainer_args
 
 
 def build_command(argv: Sequence[str]) -> list[str]:
     """The torchrun command line for `argv` (launcher flags first, trainer arguments after)."""
-    p = argparse.ArgumentParser(prog="deltarec-launch", description=__doc__.split("\n\n")[0])
-    p.add_argument("--nproc-per-node", type=int, default=2, help="ranks on this node (default 2)")
-    p.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts after a rank dies")
-    args, trainer_args = p.parse_known_args(argv)
-    if args.nproc_per_node < 1:
-        p.error("--nproc-per-node must be at least 1")
+    args, trainer_args = parse(argv)
     return [
         sys.executable, "-m", "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={args.nproc_per_node}",
         f"--max-restarts={args.max_restarts}",
         "-m", "trainer.main",
+        *(["--verbose"] if args.verbose else []),
         *trainer_args,
-    ]
+    ]  # fmt: skip
+
+
+def rank_outcome(rank: int, exitcode: int) -> str:
+    """How one rank's process ended, for a user: `rank 1 exited (SIGKILL)`."""
+    if exitcode == console.EXIT_PEER_LOST:
+        return f"rank {rank} stopped (another rank of the job is gone)"
+    return f"rank {rank} exited ({console.exit_description(exitcode)})"
+
+
+def root_cause(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
+    """The rank that failed first of its own accord: not one that only lost its peers, nor
+    one the agent stopped (SIGTERM) because another had failed; by time, then rank."""
+
+    def victim(f: ProcessFailure) -> bool:
+        return f.exitcode in (console.EXIT_PEER_LOST, -signal.SIGTERM)
+
+    return min(failures.items(), key=lambda item: (victim(item[1]), item[1].timestamp, item[0]))
+
+
+class RankFailures(logging.Filter):
+    """Turns the agent's record of a failed attempt into deltarec's line about the rank and
+    the restart; the last attempt's failure is left to `launch` (it knows every rank's)."""
+
+    def __init__(self, max_restarts: int) -> None:
+        super().__init__()
+        self.max_restarts = max_restarts
+        self.failed_attempts = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != FAILED_RECORD or not isinstance(record.args, tuple) or len(record.args) != 4:
+            return True
+        exitcode, local_rank = int(record.args[0]), int(record.args[1])
+        self.failed_attempts += 1
+        if self.failed_attempts <= self.max_restarts:
+            attempt, attempts = self.failed_attempts + 1, self.max_restarts + 1
+            say(f"{rank_outcome(local_rank, exitcode)}; torchrun restarts the job, attempt {attempt}/{attempts}")
+        return False
+
+
+def say(line: str) -> None:
+    """One launcher line on stderr, over what a stopped rank's progress bar left."""
+    print(f"{console.clear_line(sys.stderr)}deltarec-launch: {line}", file=sys.stderr, flush=True)
+
+
+def launch(argv: Sequence[str]) -> int:
+    """Run torchrun in this process with deltarec's console; the exit status."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args, _ = parse(argv)
+    console.quiet_launcher()
+    failures = RankFailures(args.max_restarts)
+    logging.getLogger(AGENT_LOGGER).addFilter(failures)
+    try:
+        torchrun.run(torchrun.parse_args(build_command(argv)[3:]))
+    except ChildFailedError as exc:
+        rank, failure = root_cause(exc.failures)
+        restarts = "no restarts left" if args.max_restarts else "no restarts"
+        say(f"{rank_outcome(rank, failure.exitcode)}; the job failed, {restarts} (--max-restarts {args.max_restarts})")
+        return 1
+    except SignalException as exc:
+        say(f"stopped by {exc.sigval.name}, and the ranks with it")
+        return 128 + int(exc.sigval)
+    return 0
 
 
 def cli() -> None:
-    cmd = build_command(sys.argv[1:])
-    os.execv(cmd[0], cmd)
+    """Console-script entry point."""
+    argv = sys.argv[1:]
+    if parse(argv)[0].verbose:
+        cmd = build_command(argv)
+        os.execv(cmd[0], cmd)
+    sys.exit(launch(argv))
 
 
 if __name__ == "__main__":

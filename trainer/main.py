@@ -1,40 +1,35 @@
 """`deltarec-train`: the thin entry point. One process per rank.
 
-    deltarec-train --config configs/debug_cpu.yaml [dotted.key=value ...] [--dry-run]
+    deltarec-train --config configs/debug_cpu.yaml [dotted.key=value ...] [--dry-run] [--verbose]
 
 Works under torchrun, under srun without torchrun, and as a lone process (world size 1).
+Rank 0 prints deltarec's lines (trainer/console.py); `--verbose` shows the libraries' too.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import logging
 import os
 import sys
+import traceback
 from dataclasses import replace
 from typing import Sequence
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
-from ckpt.dense_store import DenseStoreError
-from ckpt.frames import FrameError
-from ckpt.manager import CheckpointManager
-from ckpt.markers import MarkerError
-from ckpt.restore import RestoreError
-from ckpt.sink import SourceError
-from sharding.dmp import plan_model, shard_model
-from sharding.plan import PlanError, format_plan, summarize
+from ckpt.manager import CheckpointManager, JobIdentity
+from common.errors import DeltarecError
+from sharding.dmp import ShardedModel, plan_model, shard_model
+from sharding.plan import format_plan, summarize
 from sharding.process_group import DistEnv, destroy_process_group, detect_env, init_process_group, pick_device
-from trainer.config import ConfigError, JobConfig, load_config
-from trainer.data.criteo import MalformedLineError
+from trainer.config import JobConfig, load_config
 from trainer.data.factory import make_reader
-from trainer import param_dump
+from trainer import console, param_dump
 from trainer.metrics import MetricsLog
 from trainer.model import build_model
 from trainer.trainer import Trainer
-
-logger = logging.getLogger("deltarec")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -43,23 +38,18 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="print the sharding plan and exit")
     p.add_argument("--world-size", type=int, default=0, help="with --dry-run: plan for this many ranks")
     p.add_argument("--device", choices=["cpu", "cuda"], help="with --dry-run: plan for this device type")
+    p.add_argument(
+        "--verbose", action="store_true",
+        help="every rank's log lines and every library warning (by default known noise is filtered)",
+    )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     return p.parse_args(argv)
 
 
-def setup_logging(rank: int) -> None:
-    """Rank 0 logs deltarec's progress; other ranks, and the libraries, only warnings."""
-    logging.basicConfig(
-        level=logging.WARNING,
-        format=f"%(asctime)s [rank{rank}] %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
-        force=True,  # an import may already have configured the root logger
-    )
-    for name in ("deltarec", "trainer", "sharding", "ckpt", "launch"):
-        logging.getLogger(name).setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    # torchrec's planner warns at length about dry-run estimates; our plan table replaces it.
-    logging.getLogger("torchrec.distributed.planner").setLevel(logging.ERROR)
+def setup_logging(rank: int, verbose: bool = False) -> None:
+    """Rank 0 logs deltarec's progress; other ranks, and the libraries, only warnings; the
+    libraries' known noise is filtered unless `verbose` (see trainer/console.py)."""
+    console.setup_rank(rank, verbose)
 
 
 def set_threads(cfg: JobConfig, env: DistEnv) -> None:
@@ -73,9 +63,9 @@ def dry_run(cfg: JobConfig, env: DistEnv, device_type: str | None) -> int:
     device = torch.device(device_type) if device_type else pick_device(env)
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model, torch.device("meta"))
-    plan, _ = plan_model(model, cfg, env, device.type, collective=False)
+    plan, _ = plan_model(model, cfg.model.tables, cfg.sharding, cfg.optimizer, env, device.type, collective=False)
     print(f"sharding plan for {env.world_size} rank(s) on {device.type}:")
-    print(format_plan(summarize(plan, cfg, env.world_size), env.world_size))
+    print(format_plan(summarize(plan, cfg.model.tables, cfg.optimizer, env.world_size), env.world_size))
     return 0
 
 
@@ -96,71 +86,116 @@ def train(cfg: JobConfig, env: DistEnv) -> int:
     return 0
 
 
+def build_job(
+    cfg: JobConfig, env: DistEnv, device: torch.device, metrics: MetricsLog, evaluate: bool = True
+) -> tuple[ShardedModel, Trainer]:
+    """This rank's sharded model and training loop, built from the config (threads, seed,
+    plan, readers; `evaluate`: give the loop its eval reader). Benchmarks build their rank
+    jobs with it too, so they measure exactly what the trainer runs."""
+    set_threads(cfg, env)
+    torch.manual_seed(cfg.run.seed)
+    sharded = shard_model(build_model(cfg.model, device), cfg.model.tables, cfg.sharding, cfg.optimizer, env, device)
+    eval_reader = make_reader(cfg, env, "eval") if evaluate else None
+    return sharded, Trainer(cfg, env, device, sharded, make_reader(cfg, env, "train"), eval_reader, metrics)
+
+
 def run_job(cfg: JobConfig, env: DistEnv, device: torch.device) -> None:
     """Build the sharded model and readers, train, report. Everything it builds is
     released when it returns."""
-    set_threads(cfg, env)
-    torch.manual_seed(cfg.run.seed)
-    sharded = shard_model(build_model(cfg.model, device), cfg, env, device)
     run_dir = cfg.run.run_dir
+    metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=env.rank == 0,
+                         tensorboard_dir=run_dir / "tensorboard" if cfg.train.tensorboard else None)
+    sharded, trainer = build_job(cfg, env, device, metrics)
     if env.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
-        print(format_plan(summarize(sharded.plan, cfg, env.world_size), env.world_size), file=sys.stderr)
-    metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=env.rank == 0)
-    trainer = Trainer(cfg, env, device, sharded, make_reader(cfg, env, "train"), make_reader(cfg, env, "eval"), metrics)
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":  # torchrun's restarts have the same plan
+            plan = format_plan(summarize(sharded.plan, cfg.model.tables, cfg.optimizer, env.world_size), env.world_size)
+            console.say(f"sharding plan for {env.world_size} rank(s) on {device.type}:\n{plan}", err=True)
+    restored = None
     try:
-        manager = CheckpointManager(cfg, env, device, sharded, trainer, metrics) if cfg.ckpt.enabled else None
+        manager = make_checkpoint_manager(cfg, env, device, sharded, trainer, metrics) if cfg.ckpt.enabled else None
         if manager is not None:
             trainer.checkpointer = manager
             restored = manager.restore()
             if restored is not None and env.rank == 0:
-                print(
+                console.say(
                     f"deltarec: resumed from checkpoint {restored.checkpoint_id} at step {restored.step} "
-                    f"(chain {restored.chain}: {restored.rows} rows, {restored.bytes / 1e6:.2f} MB read "
-                    f"in {restored.seconds:.2f} s)",
-                    flush=True,
+                    f"(chain {restored.chain}: {restored.rows:,} rows, {restored.bytes / 1e6:.2f} MB read "
+                    f"in {restored.seconds:.2f} s)"
                 )
         result = trainer.fit()
         if manager is not None:
             manager.finish(trainer.step)
             if env.rank == 0:
-                print(checkpoint_summary(manager), flush=True)
+                console.say(checkpoint_summary(manager, resumed=restored is not None))
     finally:
         metrics.close()
     if cfg.train.save_params:
         param_dump.dump(sharded.model, sharded.optimizer, run_dir / "params" / f"rank{env.rank}.pt")
     if env.rank == 0:
         final = f"eval AUC {result.auc:.4f}, log loss {result.logloss:.4f}" if result else "no evaluation"
-        print(f"deltarec: trained {trainer.step} steps; {final}; metrics in {metrics.path}", flush=True)
+        console.say(f"deltarec: trained {trainer.step} steps; {final}; metrics in {metrics.path}")
 
 
-def checkpoint_summary(manager: "CheckpointManager") -> str:
-    """One line: how many checkpoints committed, their bytes and stall."""
+def make_checkpoint_manager(
+    cfg: JobConfig, env: DistEnv, device: torch.device, sharded: ShardedModel, trainer: Trainer, metrics: MetricsLog
+) -> CheckpointManager:
+    """The checkpoint manager of this rank, given only what it reads of the job."""
+    return CheckpointManager(
+        cfg.ckpt, tables=cfg.model.tables, identity=JobIdentity(cfg.digest(), cfg.model_digest()),
+        env=env, device=device, sharded=sharded, trainer=trainer, metrics=metrics,
+    )
+
+
+def checkpoint_summary(manager: CheckpointManager, resumed: bool = False) -> str:
+    """One line: how many checkpoints this process committed, their bytes and stall. A
+    `resumed` job counts from its restore (deltarec-report counts every attempt's)."""
     st = manager.stats
     done = [o for o in st.outcomes if o.committed]
     stalls = [max(o.stall_ms) for o in done if o.stall_ms]
-    line = f"deltarec: checkpoints {st.committed} committed, {st.failed} failed, {st.skipped} skipped"
+    since = " since resuming" if resumed else ""
+    line = f"deltarec: checkpoints{since}: {st.committed} committed, {st.failed} failed, {st.skipped} skipped"
     if done:
-        line += (
-            f"; {sum(o.bytes for o in done) / 1e6:.2f} MB written; stall per checkpoint "
-            f"mean {sum(stalls) / len(stalls):.1f} ms, max {max(stalls):.1f} ms"
-        )
+        full = sum(o.full for o in done)
+        line += f" ({full} full, {len(done) - full} delta); {sum(o.bytes for o in done) / 1e6:.2f} MB written"
+    if stalls:
+        line += f"; stall per checkpoint mean {sum(stalls) / len(stalls):.1f} ms, max {max(stalls):.1f} ms"
     return line
 
 
+@record
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the job; a user error (any `DeltarecError`) is one line on stderr and exit code 2.
+    Another rank dying is one line (its traceback too with --verbose) and, unless torchrun's
+    agent stops this rank first, `console.EXIT_PEER_LOST`; Ctrl-C is one line on rank 0 and
+    130. `record` writes any other failure to torchrun's error file, so torchrun names it."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     env = detect_env()
     if args.dry_run and args.world_size:
         env = replace(env, world_size=args.world_size, local_world_size=args.world_size)
-    setup_logging(env.rank)
+    setup_logging(env.rank, args.verbose)
     try:
         cfg = load_config(args.config, args.overrides, check_data=not args.dry_run)
         return dry_run(cfg, env, args.device) if args.dry_run else train(cfg, env)
-    except (ConfigError, PlanError, MalformedLineError, RestoreError, FrameError, SourceError, DenseStoreError, MarkerError) as exc:
+    except DeltarecError as exc:
         print(f"deltarec-train: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if env.rank == 0:
+            console.say("deltarec-train: interrupted", err=True)
+        return 130
+    except RuntimeError as exc:
+        if env.world_size < 2 or not console.is_peer_lost(exc):
+            raise
+        if args.verbose:
+            traceback.print_exc()
+        console.say(console.peer_lost_line(env.rank, exc), err=True)
+        console.wait_for_agent()
+        # Not stopped by an agent: this exit is the failure to report. `record` only writes
+        # exceptions that escape; written earlier, its timestamp would name this rank first.
+        get_error_handler().record_exception(exc)
+        return console.EXIT_PEER_LOST
 
 
 def cli() -> None:

@@ -1,11 +1,16 @@
-"""Launcher detection (torchrun, srun, lone process) and the torchrun wrapper's command."""
+"""Launcher detection (torchrun, srun, lone process), the torchrun wrapper's command, and
+how the wrapper reports a failed rank."""
 
 from __future__ import annotations
 
+import logging
 import sys
 
-from launch.torchrun import build_command
+import pytest
+
+from launch.torchrun import AGENT_LOGGER, FAILED_RECORD, RankFailures, build_command, rank_outcome, root_cause
 from sharding.process_group import detect_env
+from trainer.console import EXIT_PEER_LOST
 
 
 def test_torchrun_variables() -> None:
@@ -37,3 +42,43 @@ def test_wrapper_builds_torchrun_command() -> None:
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert "--nproc-per-node=4" in cmd and "--max-restarts=2" in cmd and "--standalone" in cmd
     assert cmd[-5:] == ["-m", "trainer.main", "--config", "c.yaml", "train.steps=5"]
+
+
+def test_wrapper_passes_verbose_to_the_trainer() -> None:
+    cmd = build_command(["--verbose", "--nproc-per-node", "2", "--config", "c.yaml"])
+    assert cmd[-4:] == ["trainer.main", "--verbose", "--config", "c.yaml"]
+    assert "--verbose" not in build_command(["--config", "c.yaml"])
+
+
+def test_root_cause_is_the_rank_that_died_not_those_it_took_along() -> None:
+    """Rank 0 lost its peers (its own exit status), rank 2 was stopped by the agent (SIGTERM):
+    rank 1, killed, is the cause whatever the timestamps say."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    failures = {
+        0: ProcessFailure(local_rank=0, pid=100, exitcode=EXIT_PEER_LOST, error_file="<N/A>"),
+        1: ProcessFailure(local_rank=1, pid=101, exitcode=-9, error_file="<N/A>"),
+        2: ProcessFailure(local_rank=2, pid=102, exitcode=-15, error_file="<N/A>"),
+    }
+    failures[1].timestamp = failures[0].timestamp + 5  # seen last
+    rank, failure = root_cause(failures)
+    assert (rank, failure.exitcode) == (1, -9)
+    assert rank_outcome(rank, failure.exitcode) == "rank 1 exited (SIGKILL)"
+    assert rank_outcome(0, EXIT_PEER_LOST) == "rank 0 stopped (another rank of the job is gone)"
+    assert rank_outcome(3, 1) == "rank 3 exited (exit code 1)"
+
+
+def _agent_record(msg: str, args: tuple) -> logging.LogRecord:
+    return logging.LogRecord(AGENT_LOGGER, logging.ERROR, "api.py", 1, msg, args, None)
+
+
+def test_the_agents_failure_record_becomes_one_deltarec_line(capsys: pytest.CaptureFixture[str]) -> None:
+    failures = RankFailures(max_restarts=1)
+    assert failures.filter(_agent_record(FAILED_RECORD, (-9, 1, 4321, "/usr/bin/python"))) is False
+    assert capsys.readouterr().err == (
+        "deltarec-launch: rank 1 exited (SIGKILL); torchrun restarts the job, attempt 2/2\n"
+    )
+    # the last attempt's failure is dropped here: `launch` reports it with every rank's status
+    assert failures.filter(_agent_record(FAILED_RECORD, (1, 0, 4322, "/usr/bin/python"))) is False
+    assert capsys.readouterr().err == ""
+    assert failures.filter(_agent_record("Unable to shutdown process %s via %s", (4323, "SIGTERM"))) is True

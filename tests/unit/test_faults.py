@@ -1,0 +1,40 @@
+"""DELTAREC_KILL_AT: what it names, what it refuses, and that it really SIGKILLs (first attempt only)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from ckpt.faults import ENV, FaultSpecError, KillAt, parse_kill_at
+from launch.ranks import REPO
+
+
+def test_a_spec_names_point_key_and_maybe_rank() -> None:
+    assert parse_kill_at("committed:3@1") == KillAt("committed", 3, 1)
+    assert parse_kill_at("rows:12") == KillAt("rows", 12, None)
+
+
+@pytest.mark.parametrize("spec", ["bogus", "commit:3@1", "committed:x", "committed:3@", "committed3"])
+def test_a_malformed_spec_is_one_user_error(spec: str) -> None:
+    with pytest.raises(FaultSpecError, match=rf"{ENV}=.*expected point:key\[@rank\] with point one of step,"):
+        parse_kill_at(spec)
+
+
+def _die_at(point: str, key: int, rank: int, **env: str) -> int:
+    """The exit status of a process that calls maybe_die(point, key, rank) under `env`."""
+    code = f"from ckpt.faults import maybe_die; maybe_die({point!r}, {key}, {rank})"
+    full_env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RESTART_COUNT"} | env
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=full_env, timeout=60).returncode
+
+
+def test_the_named_point_kills_the_named_rank_on_the_first_attempt_only() -> None:
+    assert _die_at("committed", 3, 1, **{ENV: "committed:3@1"}) == -signal.SIGKILL
+    assert _die_at("committed", 3, 0, **{ENV: "committed:3@1"}) == 0  # another rank
+    assert _die_at("committed", 2, 1, **{ENV: "committed:3@1"}) == 0  # another checkpoint
+    assert _die_at("rows", 3, 1, **{ENV: "committed:3@1"}) == 0  # another point
+    assert _die_at("committed", 3, 1, **{ENV: "committed:3@1", "TORCHELASTIC_RESTART_COUNT": "1"}) == 0
+    assert _die_at("committed", 3, 5, **{ENV: "committed:3"}) == -signal.SIGKILL  # every rank
