@@ -1,15 +1,53 @@
-"""Export a checkpoint as the full, unsharded model.
+"""Export a checkpoint as the full, unsharded model, keyed by the model's own state_dict FQNs.
 
-One dense tensor per table (weights [rows, dim], optimizer state [rows] or [rows, dim];
-row-wise state written by column-wise shards gets one tensor per column shard, suffixed
-`@c<col>`), plus the dense state. Written as a `torch.save` file and, optionally, a
-`torch.distributed.checkpoint` directory, so other tools load it without deltarec.
+The chain of a COMMIT marker is replayed into one full tensor per table, and the dense file
+supplies the MLPs (and data-parallel tables). Both go out under the FQNs of the *unsharded*
+`DLRMTrain` that `trainer.model.build_model` returns, so every key starts with ``model.``
+(e.g. ``model.sparse_arch.embedding_bag_collection.embedding_bags.t_user.weight``,
+``model.dense_arch.model._mlp.0._linear.weight``). That root is the module deltarec trains
+and shards; a consumer holding the inner `DLRM` adds the ``model.`` prefix itself. Names
+the dense file recorded through the DMP/DDP wrappers lose their wrapper prefixes
+(``_dmp_wrapped_module.``, ``module.``) on the way out.
+
+Two outputs with the same content:
+
+- a `torch.save` file: ``{"fqn_root": "DLRMTrain", "checkpoint_id", "step",
+  "model": {fqn: tensor}, "optim": {param fqn: {state: value}}, "buffers": {fqn: tensor},
+  "tables": {table name: fqn of its weight in "model"}}``;
+- optionally a `torch.distributed.checkpoint` directory holding the same tensors under flat
+  keys: ``<fqn>`` for the model, ``optim.<param fqn>.<state>`` and ``buffers.<fqn>``.
+
+``"model"`` is exactly ``DLRMTrain.state_dict()``: `model.load_state_dict(f["model"])` and
+`dcp.load(model.state_dict(), checkpoint_id=DIR)` both work with no renaming. DCP's default
+load planner reads only the keys it is asked for, so the extra ``optim.`` and ``buffers.``
+keys do not get in the way; they load as a nested dict too (``{"optim": {fqn: {"sum": t}}}``
+flattens to the same keys). Build the model with `build_model(cfg.model, cpu)` and
+materialise only its embedding collection (`model.get_submodule(EBC_PATH).to_empty(device=
+"cpu")`): `to_empty` on the whole model would also wipe DLRM's ``triu_indices`` buffer,
+which is not in the state_dict and so is not loaded back.
+
+Optimizer state is not part of a module's state_dict, so it sits beside it, keyed by the
+FQN of the parameter it belongs to: the fused sparse optimizer's per-table state from the
+rows (row-wise state ``[rows]``, element-wise state ``[rows, dim]``; row-wise state written
+by column-wise shards is one tensor per column shard, named ``<state>@c<first column>``)
+and the dense optimizer's per-parameter state (``step``, ``sum``, ...). Hyperparameters
+are not exported: they are in the job's config. ``"buffers"`` holds the buffers the dense
+file captured (including sharded modules' own, such as a data-parallel collection's
+``_features_order_tensor``); DLRM and DLRM_DCN register only non-persistent buffers
+(derived from the config), which `state_dict()` leaves out, hence their own group.
+
+Data-parallel tables have no rows in the stream: their weights (and dense-optimizer
+state) come from the dense file, under the same table FQNs as the row-sharded ones.
+
+Rows come out as the checkpoint stored them: bit-exact for fp32 encodings, dequantized
+otherwise. The design is described in docs/design.md.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -18,19 +56,97 @@ from ckpt.dense_store import DenseRef, DenseStore
 from ckpt.markers import Marker
 from ckpt.restore import RestoreError, decode_rows, iter_chain_frames
 from ckpt.sink import FrameSource
+from common.errors import DeltarecError
+from sharding.plan import EBC_PATH
+
+#: The module every exported FQN is relative to (what `trainer.model.build_model` returns).
+FQN_ROOT = "DLRMTrain"
+#: DCP key prefixes of the groups that are not part of the model's state_dict.
+OPTIM_PREFIX = "optim."
+BUFFERS_PREFIX = "buffers."
+#: Prefixes the DMP and DDP wrappers can put in front of a DLRMTrain FQN.
+_WRAPPER_PREFIXES = ("_dmp_wrapped_module.", "module.")
+#: DLRMTrain's only child: every FQN relative to DLRMTrain starts with it.
+_ROOT_CHILD = "model."
+
+
+class ExportError(DeltarecError, ValueError):
+    """The checkpoint's contents cannot be mapped onto the unsharded model's names."""
+
+
+def table_fqn(table: str) -> str:
+    """FQN of `table`'s weight in the unsharded DLRMTrain's state_dict."""
+    return f"{EBC_PATH}.embedding_bags.{table}.weight"
+
+
+def unsharded_fqn(name: str) -> str:
+    """The unsharded DLRMTrain FQN of a parameter or buffer name recorded through the
+    DMP/DDP wrappers (DMP already strips them from `named_parameters`; a name captured
+    from a wrapper directly still carries them)."""
+    fqn = name
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in _WRAPPER_PREFIXES:
+            if fqn.startswith(prefix):
+                fqn, stripped = fqn[len(prefix):], True
+    if not fqn.startswith(_ROOT_CHILD):
+        raise ExportError(
+            f"dense state name {name!r} is not inside a {FQN_ROOT} (expected it to start with {_ROOT_CHILD!r}); "
+            "was the checkpoint written by another model?"
+        )
+    return fqn
+
+
+@dataclass(frozen=True)
+class ExportedModel:
+    """One checkpoint as the unsharded model, keyed by DLRMTrain FQNs."""
+
+    checkpoint_id: int
+    step: int
+    model: dict[str, torch.Tensor]  # exactly the keys of DLRMTrain.state_dict()
+    optim: dict[str, dict[str, Any]]  # parameter FQN -> optimizer state name -> value
+    buffers: dict[str, torch.Tensor]  # captured buffers (DLRM's are non-persistent)
+    tables: dict[str, str]  # table name -> FQN of its weight in `model`
+
+    def to_file(self) -> dict[str, Any]:
+        """The `torch.save` payload (documented in this module's docstring)."""
+        return {
+            "fqn_root": FQN_ROOT,
+            "checkpoint_id": self.checkpoint_id,
+            "step": self.step,
+            "model": self.model,
+            "optim": self.optim,
+            "buffers": self.buffers,
+            "tables": self.tables,
+        }
+
+    def to_dcp(self) -> dict[str, Any]:
+        """Flat DCP keys: model FQNs as they are, the other groups under their prefixes."""
+        flat: dict[str, Any] = dict(self.model)
+        for fqn, states in self.optim.items():
+            flat.update({f"{OPTIM_PREFIX}{fqn}.{name}": value for name, value in states.items()})
+        flat.update({f"{BUFFERS_PREFIX}{fqn}": b for fqn, b in self.buffers.items()})
+        return flat
 
 
 def assemble(
-    marker: Marker, source: FrameSource, run_id: str, locate: Callable[[int, int, int], str]
+    marker: Marker, source: FrameSource, run_id: str, locate: Callable[[int, int, int], str],
+    replicated: Collection[str] = (),
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """Replay the whole chain into full tables: {table: {"weight": ..., "<state>": ...}}."""
+    """Replay the whole chain into full tables: {table: {"weight": ..., "<state>": ...}}.
+
+    Tables in `replicated` (data-parallel: trained by the dense optimizer, they travel with
+    the dense state and have no rows in the stream) are left out."""
     if not marker.tables:
         raise RestoreError(f"checkpoint {marker.checkpoint_id}: its marker has no table shapes (written by an older deltarec)")
-    tables: dict[str, dict[str, torch.Tensor]] = {
-        name: {"weight": torch.zeros(rows, dim)} for name, (rows, dim) in marker.tables.items()
-    }
-    seen = {name: torch.zeros(rows, dim, dtype=torch.bool) for name, (rows, dim) in marker.tables.items()}
+    shapes = {name: shape for name, shape in marker.tables.items() if name not in replicated}
+    tables: dict[str, dict[str, torch.Tensor]] = {name: {"weight": torch.zeros(rows, dim)} for name, (rows, dim) in shapes.items()}
+    seen = {name: torch.zeros(rows, dim, dtype=torch.bool) for name, (rows, dim) in shapes.items()}
     for link, frame in iter_chain_frames(marker, source, run_id, locate):
+        if frame.table in replicated:
+            raise RestoreError(f"checkpoint {link.checkpoint_id}: table {frame.table} has rows in the stream "
+                               "and a replicated copy in the dense state")
         if frame.table not in tables:
             raise RestoreError(f"frame of unknown table {frame.table!r} in checkpoint {link.checkpoint_id}")
         weights, optim = decode_rows(frame)
@@ -52,22 +168,52 @@ def assemble(
     return tables
 
 
+def _put(group: dict[str, Any], fqn: str, value: Any, what: str) -> None:
+    """Add one entry; two sources of the same FQN mean the checkpoint is inconsistent."""
+    if fqn in group:
+        raise ExportError(f"{what} {fqn!r} appears twice in the checkpoint (as rows and in the dense state?)")
+    group[fqn] = value
+
+
+def build_export(marker: Marker, tables: dict[str, dict[str, torch.Tensor]], dense_state: dict[str, Any]) -> ExportedModel:
+    """Rename assembled tables and a captured dense state to unsharded DLRMTrain FQNs."""
+    model: dict[str, torch.Tensor] = {}
+    optim: dict[str, dict[str, Any]] = {}
+    names: dict[str, str] = {}
+    for table, tensors in tables.items():
+        fqn = table_fqn(table)
+        _put(model, fqn, tensors["weight"], "parameter")
+        names[table] = fqn
+        states = {k: v for k, v in tensors.items() if k != "weight"}
+        if states:
+            optim[fqn] = states
+    table_prefix, table_suffix = f"{EBC_PATH}.embedding_bags.", ".weight"
+    for name, value in dense_state["params"].items():
+        fqn = unsharded_fqn(name)
+        _put(model, fqn, value, "parameter")
+        if fqn.startswith(table_prefix) and fqn.endswith(table_suffix):  # a data-parallel table
+            names[fqn[len(table_prefix):-len(table_suffix)]] = fqn
+    for name, states in dense_state["optimizer"].get("state", {}).items():
+        _put(optim, unsharded_fqn(name), dict(states), "optimizer state of")
+    buffers: dict[str, torch.Tensor] = {}
+    for name, value in dense_state["buffers"].items():
+        _put(buffers, unsharded_fqn(name), value, "buffer")
+    return ExportedModel(marker.checkpoint_id, marker.step, model, optim, buffers, names)
+
+
 def export(marker: Marker, source: FrameSource, dense: DenseStore, run_id: str,
            locate: Callable[[int, int, int], str], out: Path, dcp_dir: Path | None = None) -> dict[str, Any]:
-    """Write the unsharded model of `marker` to `out` (and `dcp_dir`); returns what was written."""
-    tables = assemble(marker, source, run_id, locate)
+    """Write the unsharded model of `marker` to `out` (and `dcp_dir`); returns the
+    `torch.save` payload, whose ``"tables"`` maps each table to its weight's FQN."""
     dense_state = dense.read(DenseRef.from_json(marker.dense))
-    model = {
-        "checkpoint_id": marker.checkpoint_id,
-        "step": marker.step,
-        "tables": tables,
-        "dense": {"params": dense_state["params"], "buffers": dense_state["buffers"]},
-        "dense_optimizer": dense_state["optimizer"],
-    }
+    dense_fqns = {unsharded_fqn(name) for name in dense_state["params"]}
+    replicated = {t for t in marker.tables if table_fqn(t) in dense_fqns}
+    tables = assemble(marker, source, run_id, locate, replicated)
+    exported = build_export(marker, tables, dense_state)
+    payload = exported.to_file()
     out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(model, out)
+    torch.save(payload, out)
     if dcp_dir is not None:
-        flat = {f"tables.{t}.{k}": v for t, d in tables.items() for k, v in d.items()}
-        flat.update({f"dense.{k}": v for k, v in dense_state["params"].items()})
-        dcp.save(flat, checkpoint_id=str(dcp_dir))
-    return model
+        # one process writes the whole model, even inside a job's process group
+        dcp.save(exported.to_dcp(), checkpoint_id=str(dcp_dir), no_dist=True)
+    return payload
