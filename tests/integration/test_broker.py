@@ -1,3 +1,5 @@
+from __future__ import annotations
+
 import json
 import logging
 import os
@@ -5,6 +7,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import pytest
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
@@ -12,14 +15,21 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from launch.broker import BrokerError, EmbeddedBroker, pid_alive
 
+if TYPE_CHECKING:
+    from tests.conftest import CliResult, CliRunner
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-ROOT = Path(__file__).resolve().parents[2]
 
+@pytest.fixture
+def cli(run_cli: CliRunner) -> Callable[..., CliResult]:
+    """`cli(*args, state_dir=..., expect_rc=None)`: `deltarec-broker` on one state dir; the tests
+    check the exit status themselves (3 is "not running")."""
 
-def cli(*args: str, state_dir: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launch.broker", *args, "--state-dir", str(state_dir)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    def call(*args: str, state_dir: Path, expect_rc: int | None = None) -> CliResult:
+        return run_cli("launch.broker", *args, "--state-dir", state_dir, expect_rc=expect_rc, timeout_s=60)
+
+    return call
 
 
 def answers(bootstrap: str) -> bool:
@@ -32,14 +42,14 @@ def answers(bootstrap: str) -> bool:
         return False
 
 
-def test_cli_start_status_stop(tmp_path):
+def test_cli_start_status_stop(tmp_path, cli):
     state = tmp_path / "broker"
     r = cli("status", state_dir=state)
-    assert (r.returncode, r.stdout.strip()) == (3, "not running")
+    assert (r.rc, r.stdout.strip()) == (3, "not running")
 
     r = cli("start", state_dir=state)
     try:
-        assert r.returncode == 0, r.stderr
+        assert r.rc == 0, r.stderr
         bootstrap = r.stdout.strip()
         host, port = bootstrap.rsplit(":", 1)
         assert host == "127.0.0.1"
@@ -49,26 +59,26 @@ def test_cli_start_status_stop(tmp_path):
         assert answers(bootstrap)  # detached: outlived the CLI process and serves Kafka
 
         r2 = cli("start", state_dir=state)
-        assert r2.returncode == 0 and r2.stdout.strip() == bootstrap
+        assert r2.rc == 0 and r2.stdout.strip() == bootstrap
         assert "already running" in r2.stderr
 
         r = cli("status", state_dir=state)
-        assert r.returncode == 0
+        assert r.rc == 0
         assert r.stdout.strip() == f"running {bootstrap} pid {rec['pid']}"
     finally:
         r = cli("stop", state_dir=state)
-    assert r.returncode == 0 and r.stdout.strip() == f"stopped pid {rec['pid']}"
+    assert r.rc == 0 and r.stdout.strip() == f"stopped pid {rec['pid']}"
     assert not pid_alive(rec["pid"])
     assert not (state / "broker.json").exists()
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection((host, int(port)), timeout=3).close()
-    assert cli("status", state_dir=state).returncode == 3
+    assert cli("status", state_dir=state).rc == 3
     r = cli("stop", state_dir=state)  # idempotent
-    assert (r.returncode, r.stdout.strip()) == (0, "not running")
+    assert (r.rc, r.stdout.strip()) == (0, "not running")
 
 
 @pytest.mark.parametrize("who", ["dead pid", "reused pid"])
-def test_cli_stale_record_is_detected_and_cleaned(tmp_path, who):
+def test_cli_stale_record_is_detected_and_cleaned(tmp_path, who, cli):
     state = tmp_path / "broker"
     state.mkdir()
     if who == "dead pid":
@@ -79,26 +89,26 @@ def test_cli_stale_record_is_detected_and_cleaned(tmp_path, who):
         pid = os.getpid()
     (state / "broker.json").write_text(json.dumps({"bootstrap": "127.0.0.1:9", "port": 9, "pid": pid}))
     r = cli("status", state_dir=state)
-    assert r.returncode == 3 and "stale" in r.stderr
+    assert r.rc == 3 and "stale" in r.stderr
     assert not (state / "broker.json").exists()
     assert pid_alive(os.getpid())  # status never signals a pid it does not own
 
     (state / "broker.json").write_text(json.dumps({"bootstrap": "127.0.0.1:9", "port": 9, "pid": pid}))
     r = cli("start", state_dir=state)
     try:
-        assert r.returncode == 0 and "stale" in r.stderr
+        assert r.rc == 0 and "stale" in r.stderr
         assert r.stdout.strip() != "127.0.0.1:9" and answers(r.stdout.strip())
     finally:
-        assert cli("stop", state_dir=state).returncode == 0
+        assert cli("stop", state_dir=state).rc == 0
 
 
-def test_cli_start_on_a_busy_port_fails_clearly(tmp_path):
+def test_cli_start_on_a_busy_port_fails_clearly(tmp_path, cli):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
         r = cli("start", "--port", str(port), state_dir=tmp_path)
-    assert r.returncode == 1
+    assert r.rc == 1
     assert len(r.stderr.strip().splitlines()) == 1 and "address in use" in r.stderr
     assert not (tmp_path / "broker.json").exists()
 

@@ -3,12 +3,9 @@ time-based intervals and torchrun's automatic restart. Real broker, real ranks."
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -17,9 +14,11 @@ from ckpt.fs_sink import FsMarkers
 from ckpt.kafka_sink import KafkaMarkers
 from ckpt.markers import decode_marker, encode_marker
 from launch.broker import EmbeddedBroker
-from tests.ranks import REPO, read_metrics, spawn_ranks, start_ranks
+from launch.ranks import spawn_ranks, start_ranks
 
-DEBUG = REPO / "configs" / "debug_cpu.yaml"
+if TYPE_CHECKING:
+    from tests.conftest import CliRunner, DebugConfig, MetricsReader
+
 pytestmark = pytest.mark.integration
 
 
@@ -28,13 +27,6 @@ def _ckpt(run_id: str, sink: str = "filesystem", bootstrap: str = "", **extra: o
     if bootstrap:
         opts["bootstrap_servers"] = bootstrap
     return [f"ckpt.{k}={v}" for k, v in opts.items()]
-
-
-def _cli(tmp_path: Path, job: list[str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ckpt.cli", "--config", str(DEBUG), f"run.dir={tmp_path / 'run'}", *job, *args],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )
 
 
 def _assemble(run_dir: Path, ranks: int) -> dict[str, torch.Tensor]:
@@ -53,27 +45,34 @@ def _assemble(run_dir: Path, ranks: int) -> dict[str, torch.Tensor]:
     return full
 
 
-def test_checkpoint_restores_into_other_world_sizes_and_plans(tmp_path, broker, unique_name):
+def test_checkpoint_restores_into_other_world_sizes_and_plans(
+    tmp_path, broker, unique_name, debug_config: DebugConfig, run_cli: CliRunner
+):
     job = _ckpt(unique_name("reshard"), "kafka", broker.bootstrap)
-    spawn_ranks(DEBUG, [*job, "sharding.default=table_wise", "train.steps=30", "train.eval_batches=1"], tmp_path)
+    spawn_ranks(debug_config.path, [*job, "sharding.default=table_wise", "train.steps=30", "train.eval_batches=1"],
+                tmp_path)  # fmt: skip
     out = tmp_path / "export.pt"
-    p = _cli(tmp_path, job, "export", "--out", str(out), "--dcp", str(tmp_path / "dcp"))
-    assert p.returncode == 0, p.stderr
+    run_cli("trainer.ckpt_cli", "--config", debug_config.path, f"run.dir={tmp_path / 'run'}", *job,
+            "export", "--out", out, "--dcp", tmp_path / "dcp")  # fmt: skip
     exported = torch.load(out)
     assert exported["step"] == 30 and (tmp_path / "dcp" / ".metadata").is_file()
     for world, sharding in [(1, "table_wise"), (2, "row_wise"), (2, "column_wise")]:
         results = spawn_ranks(
-            DEBUG,
+            debug_config.path,
             [*job, f"sharding.default={sharding}", "ckpt.resume=latest", "train.steps=30",
              "train.save_params=true", "train.eval_batches=1"],
             tmp_path, world_size=world,
         )
         assert "resumed from checkpoint 3 at step 30" in results[0].stdout
         got = _assemble(tmp_path / "run", world)
-        for table, tensors in exported["tables"].items():
-            assert torch.equal(got[table], tensors["weight"]), f"{table} differs after restoring into {world} x {sharding}"
-        for name, value in exported["dense"]["params"].items():
-            assert torch.equal(got[f"dense/{name}"], value), f"dense {name} differs in {world} x {sharding}"
+        # export keys the model by the unsharded DLRMTrain's FQNs; "tables" names each table's weight
+        assert sorted(exported["tables"]) == ["t_ctx", "t_item", "t_user"]
+        for table, fqn in exported["tables"].items():
+            assert torch.equal(got[table], exported["model"][fqn]), f"{table} differs after restoring into {world} x {sharding}"
+        dense = {fqn: v for fqn, v in exported["model"].items() if fqn not in exported["tables"].values()}
+        assert dense, "the export holds no dense parameters"
+        for fqn, value in dense.items():
+            assert torch.equal(got[f"dense/{fqn}"], value), f"dense {fqn} differs in {world} x {sharding}"
 
 
 def _newest_marker(tmp_path: Path, run_id: str):
@@ -81,10 +80,10 @@ def _newest_marker(tmp_path: Path, run_id: str):
     return decode_marker(records[-1][1])
 
 
-def test_corrupt_frame_fails_naming_where_or_falls_back(tmp_path, unique_name):
+def test_corrupt_frame_fails_naming_where_or_falls_back(tmp_path, unique_name, debug_config: DebugConfig):
     run_id = unique_name("corrupt")
     job = _ckpt(run_id, policy="incremental")
-    spawn_ranks(DEBUG, [*job, "train.steps=30", "train.eval_batches=1"], tmp_path)
+    spawn_ranks(debug_config.path, [*job, "train.steps=30", "train.eval_batches=1"], tmp_path)
     marker = _newest_marker(tmp_path, run_id)
     assert marker.checkpoint_id == 3
     partition, first, *_ = marker.chain[-1].index[0]
@@ -93,20 +92,21 @@ def test_corrupt_frame_fails_naming_where_or_falls_back(tmp_path, unique_name):
     data[first + 64] ^= 0xFF
     segment.write_bytes(bytes(data))
 
-    failed = spawn_ranks(DEBUG, [*job, "ckpt.resume=latest", "train.steps=40"], tmp_path, expect_ok=False)
+    failed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest", "train.steps=40"], tmp_path, expect_ok=False)
     err = "\n".join(r.stderr for r in failed)
     assert any(r.returncode not in (0, None) for r in failed)
     assert "CRC" in err and f"{partition}.seg" in err and str(first) in err, err[-3000:]
 
-    resumed = spawn_ranks(DEBUG, [*job, "ckpt.resume=latest", "ckpt.on_corrupt=previous", "train.steps=40"], tmp_path)
+    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest", "ckpt.on_corrupt=previous", "train.steps=40"],
+                          tmp_path)  # fmt: skip
     assert "resumed from checkpoint 2 at step 20" in resumed[0].stdout
     assert "falling back to the previous checkpoint" in resumed[0].stderr
 
 
-def test_marker_that_does_not_match_its_frames_is_refused(tmp_path, broker, unique_name):
+def test_marker_that_does_not_match_its_frames_is_refused(tmp_path, broker, unique_name, debug_config: DebugConfig):
     run_id = unique_name("mismatch")
     job = _ckpt(run_id, "kafka", broker.bootstrap, policy="full")
-    spawn_ranks(DEBUG, [*job, "train.steps=20", "train.eval_batches=1"], tmp_path)
+    spawn_ranks(debug_config.path, [*job, "train.steps=20", "train.eval_batches=1"], tmp_path)
     markers = KafkaMarkers(run_id, {"bootstrap.servers": broker.bootstrap})
     try:
         newest = decode_marker(markers.read_markers()[-1][1])
@@ -116,42 +116,37 @@ def test_marker_that_does_not_match_its_frames_is_refused(tmp_path, broker, uniq
         markers.append_marker(encode_marker(newest))
     finally:
         markers.close()
-    failed = spawn_ranks(DEBUG, [*job, "ckpt.resume=latest", "train.steps=30"], tmp_path, expect_ok=False)
+    failed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest", "train.steps=30"], tmp_path, expect_ok=False)
     err = "\n".join(r.stderr for r in failed)
     assert "checkpoint id 2 != 7" in err and f"{run_id}.rows.g2" in err and "partition" in err, err[-3000:]
 
 
-def test_cli_list_verify_and_gc(tmp_path, unique_name):
+def test_cli_list_verify_and_gc(tmp_path, unique_name, debug_config: DebugConfig, run_cli: CliRunner):
     job = _ckpt(unique_name("cli"), policy="full")
-    spawn_ranks(DEBUG, [*job, "train.steps=50", "train.eval_batches=1"], tmp_path)
-    listing = _cli(tmp_path, job, "list")
-    assert listing.returncode == 0, listing.stderr
+    spawn_ranks(debug_config.path, [*job, "train.steps=50", "train.eval_batches=1"], tmp_path)
+    cli = ("trainer.ckpt_cli", "--config", debug_config.path, f"run.dir={tmp_path / 'run'}", *job)
+    listing = run_cli(*cli, "list")
     rows = [line.split() for line in listing.stdout.splitlines()[1:]]
-    assert [r[0] for r in rows] == ["1", "2", "3", "4", "5"]
-    assert all(r[2] == "full" and r[5] == "2" and r[6] == "complete" for r in rows)
-    verify = _cli(tmp_path, job, "verify", "--checkpoint", "4")
-    assert verify.returncode == 0 and "checkpoint 4 (step 40): OK" in verify.stdout, verify.stderr
-    gc = _cli(tmp_path, job, "gc", "--keep", "2")
-    assert gc.returncode == 0 and "dropped generations [1, 2, 3]" in gc.stdout, gc.stdout + gc.stderr
+    assert [r[0] for r in rows] == ["1", "2", "3", "4", "5"], listing.stdout
+    assert all(r[2] == "full" and r[5] == "2" and r[6] == "complete" for r in rows), listing.stdout
+    verify = run_cli(*cli, "verify", "--checkpoint", "4")
+    assert "checkpoint 4 (step 40): OK" in verify.stdout, verify.stdout + verify.stderr
+    gc = run_cli(*cli, "gc", "--keep", "2")
+    assert "dropped generations [1, 2, 3]" in gc.stdout, gc.stdout + gc.stderr
     stream = tmp_path / "run" / "stream"
     assert sorted(p.name.rsplit(".g", 1)[1] for p in stream.glob("*.rows.g*")) == ["4", "5"]
-    after = [line.split() for line in _cli(tmp_path, job, "list").stdout.splitlines()[1:]]
+    after = [line.split() for line in run_cli(*cli, "list").stdout.splitlines()[1:]]
     assert [r[6] for r in after] == ["dropped", "dropped", "dropped", "complete", "complete"]
-    assert _cli(tmp_path, job, "verify", "--checkpoint", "2").returncode == 1
-    resumed = spawn_ranks(DEBUG, [*job, "ckpt.resume=latest", "train.steps=60"], tmp_path)
+    run_cli(*cli, "verify", "--checkpoint", "2", expect_rc=1)
+    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest", "train.steps=60"], tmp_path)
     assert "resumed from checkpoint 5 at step 50" in resumed[0].stdout
 
 
-def test_time_interval_checkpoints(tmp_path, unique_name):
+def test_time_interval_checkpoints(tmp_path, unique_name, debug_config: DebugConfig, metrics: MetricsReader):
     job = _ckpt(unique_name("time"), interval_steps=0, interval_s=0.001)
-    spawn_ranks(DEBUG, [*job, "train.steps=40", "train.eval_batches=1"], tmp_path)
-    steps = [r["step"] for r in read_metrics(tmp_path / "run") if r.get("ckpt_committed")]
+    spawn_ranks(debug_config.path, [*job, "train.steps=40", "train.eval_batches=1"], tmp_path)
+    steps = metrics.values(tmp_path / "run", "step", ckpt_committed=True)
     assert steps == [10, 20, 30, 40]
-
-
-def _records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
 
 
 def _wait_for(predicate, timeout_s: float, what: str) -> None:
@@ -161,20 +156,22 @@ def _wait_for(predicate, timeout_s: float, what: str) -> None:
         time.sleep(0.1)  # polling the job's metrics file
 
 
-def test_broker_gone_training_goes_on_and_recovers_with_a_full_checkpoint(tmp_path, unique_name):
+def test_broker_gone_training_goes_on_and_recovers_with_a_full_checkpoint(
+    tmp_path, unique_name, debug_config: DebugConfig, metrics: MetricsReader
+):
     run_dir = tmp_path / "run"
     first = EmbeddedBroker()
     first.start()
     port = first.port
     job = _ckpt(unique_name("gone"), "kafka", first.bootstrap, flush_timeout_s=2, interval_steps=20,
                 max_pending_bytes=400000)
-    group = start_ranks(DEBUG, [*job, "train.steps=1500", "train.log_every=50", "train.eval_batches=1"],
+    group = start_ranks(debug_config.path, [*job, "train.steps=1500", "train.log_every=50", "train.eval_batches=1"],
                         tmp_path, timeout_s=300)
     second = None
     try:
-        _wait_for(lambda: any(r.get("ckpt_committed") for r in _records(run_dir)), 120, "a first checkpoint")
+        _wait_for(lambda: metrics(run_dir, live=True, ckpt_committed=True), 120, "a first checkpoint")
         first.kill()
-        _wait_for(lambda: any(r.get("ckpt_committed") is False for r in _records(run_dir)), 120, "a failed checkpoint")
+        _wait_for(lambda: metrics(run_dir, live=True, ckpt_committed=False), 120, "a failed checkpoint")
         assert group.running(), "training stopped when the broker died"
         second = EmbeddedBroker(port=port)
         second.start()
@@ -183,29 +180,29 @@ def test_broker_gone_training_goes_on_and_recovers_with_a_full_checkpoint(tmp_pa
         first.kill()
         if second is not None:
             second.stop()
-    records = _records(run_dir)
-    ckpts = [r for r in records if "ckpt_committed" in r]
+    ckpts = metrics(run_dir, "ckpt_committed")
     last_failure = max(i for i, r in enumerate(ckpts) if not r["ckpt_committed"])
     after = [r for r in ckpts[last_failure + 1 :] if r["ckpt_committed"]]
     assert after, "no checkpoint succeeded once the broker was back"
     assert after[0]["ckpt_full"], "the first checkpoint after a failure must be full"
-    assert max(r["step"] for r in records if "loss" in r) == 1500
+    assert max(metrics.values(run_dir, "step", "loss")) == 1500
     failures = [r["ckpt_error"] for r in ckpts if not r["ckpt_committed"]]
     assert all(f for f in failures), "a failed checkpoint must say why"
 
 
-def test_torchrun_restarts_a_killed_rank_from_the_newest_marker(tmp_path, broker, unique_name):
+def test_torchrun_restarts_a_killed_rank_from_the_newest_marker(
+    tmp_path, broker, unique_name, debug_config: DebugConfig, run_cli: CliRunner
+):
     job = _ckpt(unique_name("torchrun"), "kafka", broker.bootstrap)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    env["DELTAREC_KILL_AT"] = "committed:2@1"  # rank 1 dies as soon as it knows checkpoint 2 is durable
-    p = subprocess.run(
-        [sys.executable, "-m", "launch.torchrun", "--nproc-per-node", "2", "--max-restarts", "1",
-         "--config", str(DEBUG), f"run.dir={tmp_path / 'run'}", *job, "ckpt.resume=latest", "train.steps=40"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "exitcode: -9" in p.stderr, p.stderr[-3000:]  # torchrun saw the SIGKILL
-    resumed = [x for x in p.stdout.splitlines() if x.startswith("deltarec: resumed from checkpoint")]
+    p = run_cli(
+        "launch.torchrun", "--nproc-per-node", "2", "--max-restarts", "1",
+        "--config", debug_config.path, f"run.dir={tmp_path / 'run'}", *job, "ckpt.resume=latest", "train.steps=40",
+        env={"DELTAREC_KILL_AT": "committed:2@1"},  # rank 1 dies as soon as it knows checkpoint 2 is durable
+        timeout_s=240,
+    )  # fmt: skip
+    restart = "deltarec-launch: rank 1 exited (SIGKILL); torchrun restarts the job, attempt 2/2"
+    assert restart in p.lines("deltarec-launch:"), p.stderr[-3000:]  # torchrun saw the SIGKILL
+    resumed = p.lines("deltarec: resumed from checkpoint", "stdout")
     assert len(resumed) == 1 and int(resumed[0].split()[4]) >= 2, p.stdout
     assert "deltarec: trained 40 steps" in p.stdout
 
@@ -215,19 +212,21 @@ FULL_SNAPSHOT_BYTES = 1532 * 76
 
 
 @pytest.mark.parametrize("mode", ["skip", "wait"])
-def test_pending_snapshots_stay_within_the_budget(tmp_path, unique_name, mode):
+def test_pending_snapshots_stay_within_the_budget(
+    tmp_path, unique_name, mode, debug_config: DebugConfig, metrics: MetricsReader
+):
     """A writer held busy: `skip` drops (and reports) checkpoints that would not fit,
     `wait` holds training until they fit; neither holds more than the budget."""
     job = _ckpt(unique_name("budget"), interval_steps=1, max_pending_bytes=FULL_SNAPSHOT_BYTES,
                 on_backpressure=mode)
-    spawn_ranks(DEBUG, [*job, "sharding.default=row_wise", "train.steps=8", "train.eval_batches=1"], tmp_path,
-                env_extra={"DELTAREC_SLOW_FLUSH": "1:1.5" if mode == "wait" else "1:6"})
-    records = read_metrics(tmp_path / "run")
-    skipped = [r["step"] for r in records if r.get("ckpt_skipped")]
-    committed = [r["step"] for r in records if r.get("ckpt_committed")]
+    run_dir = tmp_path / "run"
+    spawn_ranks(debug_config.path, [*job, "sharding.default=row_wise", "train.steps=8", "train.eval_batches=1"],
+                tmp_path, env_extra={"DELTAREC_SLOW_FLUSH": "1:1.5" if mode == "wait" else "1:6"})  # fmt: skip
+    skipped = metrics.values(run_dir, "step", ckpt_skipped=True)
+    committed = metrics.values(run_dir, "step", ckpt_committed=True)
     if mode == "skip":
         # checkpoint 1 is held for 6 s: steps 2-8 are skipped; then the final checkpoint of step 8 waits for room
         assert skipped == list(range(2, 9)) and committed == [1, 8], (skipped, committed)
     else:
         assert not skipped and committed == list(range(1, 9))
-    assert max(r["step"] for r in records if "loss" in r) == 8
+    assert max(metrics.values(run_dir, "step", "loss")) == 8

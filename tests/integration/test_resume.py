@@ -1,17 +1,22 @@
 """Exact recovery: a run SIGKILLed anywhere and resumed ends bit-identical to one never
-interrupted (fp32 rows), for every policy, on the real embedded broker and on files."""
+interrupted (fp32 rows), for every policy, on the real embedded broker and on files.
+
+The crash point (rank, and the step or checkpoint id) is drawn from the test's seed: a
+failure names it with the command that replays it (`DELTAREC_TEST_SEED=<seed> ...`)."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
-from tests.ranks import REPO, read_metrics, spawn_ranks
+from launch.ranks import spawn_ranks
 
-DEBUG = REPO / "configs" / "debug_cpu.yaml"
+if TYPE_CHECKING:
+    from tests.conftest import DebugConfig, MetricsReader, ReplaySeed
+
 STEPS = 60
 pytestmark = pytest.mark.integration
 
@@ -29,11 +34,11 @@ def _dumps(run_dir: Path, ranks: int = 2) -> list[dict[str, torch.Tensor]]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> list[dict[str, torch.Tensor]]:
+def reference(tmp_path_factory, debug_config: DebugConfig) -> list[dict[str, torch.Tensor]]:
     """The same job never interrupted, without checkpoints at all."""
     tmp = tmp_path_factory.mktemp("reference")
-    spawn_ranks(DEBUG, [f"train.steps={STEPS}", "train.save_params=true", "train.eval_batches=1",
-                        "sharding.default=row_wise"], tmp)
+    overrides = [f"train.steps={STEPS}", "train.save_params=true", "train.eval_batches=1", "sharding.default=row_wise"]
+    spawn_ranks(debug_config.path, overrides, tmp)
     return _dumps(tmp / "run")
 
 
@@ -55,17 +60,19 @@ CASES = [(policy, point, span) for policy in POLICIES for point, span in POINTS.
 
 
 @pytest.mark.parametrize("policy, point, span", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
-def test_sigkill_anywhere_then_resume_is_bit_exact(tmp_path, broker, unique_name, reference, policy, point, span):
-    seed = random.randrange(1 << 30)
-    rng = random.Random(seed)
+def test_sigkill_anywhere_then_resume_is_bit_exact(
+    tmp_path, broker, unique_name, reference, policy, point, span, debug_config: DebugConfig, replay_seed: ReplaySeed
+):
+    rng = replay_seed.rng()
     key = rng.randint(*span)
     rank = 0 if point == "marker" else rng.randint(0, 1)
+    why = f"killed rank {rank} at {point}:{key}, {replay_seed}"
+    print(why)
     job = _job(unique_name("resume"), "kafka", broker.bootstrap, policy)
-    crashed = spawn_ranks(DEBUG, job, tmp_path, expect_ok=False, timeout_s=180,
+    crashed = spawn_ranks(debug_config.path, job, tmp_path, expect_ok=False, timeout_s=180,
                           env_extra={"DELTAREC_KILL_AT": f"{point}:{key}@{rank}"})
-    why = f"seed {seed}: killed rank {rank} at {point}:{key}"
     assert crashed[rank].returncode == -9, f"{why}: rank did not die by SIGKILL ({crashed[rank].returncode})"
-    resumed = spawn_ranks(DEBUG, [*job, "ckpt.resume=latest"], tmp_path, timeout_s=180)
+    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest"], tmp_path, timeout_s=180)
     lines = [x for x in resumed[0].stdout.splitlines() if x.startswith("deltarec: resumed from checkpoint")]
     if lines:
         restored_id = int(lines[0].split()[4])
@@ -76,11 +83,12 @@ def test_sigkill_anywhere_then_resume_is_bit_exact(tmp_path, broker, unique_name
     _assert_identical(_dumps(tmp_path / "run"), reference, why)
 
 
-def test_filesystem_sink_resumes_bit_exact(tmp_path, unique_name, reference):
+def test_filesystem_sink_resumes_bit_exact(
+    tmp_path, unique_name, reference, debug_config: DebugConfig, metrics: MetricsReader
+):
     job = _job(unique_name("fs"), "filesystem", "", "incremental")
-    spawn_ranks(DEBUG, job, tmp_path, expect_ok=False, env_extra={"DELTAREC_KILL_AT": "rows:4@1"})
-    resumed = spawn_ranks(DEBUG, [*job, "ckpt.resume=latest"], tmp_path)
+    spawn_ranks(debug_config.path, job, tmp_path, expect_ok=False, env_extra={"DELTAREC_KILL_AT": "rows:4@1"})
+    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest"], tmp_path)
     assert "deltarec: resumed from checkpoint 3 at step 30" in resumed[0].stdout
     _assert_identical(_dumps(tmp_path / "run"), reference, "filesystem sink")
-    records = read_metrics(tmp_path / "run")
-    assert any(r.get("ckpt_committed") for r in records)
+    assert metrics(tmp_path / "run", ckpt_committed=True)

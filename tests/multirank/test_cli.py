@@ -2,31 +2,24 @@
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import yaml
 
-from tests.ranks import REPO, read_metrics, spawn_ranks
+from launch.ranks import spawn_ranks
 
-DEBUG = REPO / "configs" / "debug_cpu.yaml"
+if TYPE_CHECKING:
+    from tests.conftest import CliResult, CliRunner, DebugConfig, MetricsReader
+
 pytestmark = pytest.mark.multirank
 
 
-def _train(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
-    return subprocess.run(
-        [sys.executable, "-m", "trainer.main", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
-    )
-
-
-def test_dry_run_prints_plan_and_bytes_per_rank() -> None:
-    p = _train("--config", str(DEBUG), "--dry-run", "--world-size", "2", "model.tables.0.sharding=row_wise")
-    assert p.returncode == 0, p.stderr
+def test_dry_run_prints_plan_and_bytes_per_rank(run_cli: CliRunner, debug_config: DebugConfig) -> None:
+    p = run_cli("trainer.main", "--config", debug_config.path, "--dry-run", "--world-size", "2",
+                "model.tables.0.sharding=row_wise")
     lines = p.stdout.splitlines()
     assert "sharding plan for 2 rank(s) on cpu:" in lines[0]
     assert any(line.split()[:3] == ["t_user", "row_wise", "0,1"] for line in lines)
@@ -38,15 +31,16 @@ def test_dry_run_prints_plan_and_bytes_per_rank() -> None:
     assert total == 4 * (2000 * 17 + 1000 * 17 + 64 * 17)
 
 
-def _error_line(p: subprocess.CompletedProcess) -> str:
-    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
-    errors = [line for line in p.stderr.splitlines() if line.startswith("deltarec-train: error:")]
+def _error_line(run_cli: CliRunner, *args: str | Path) -> str:
+    """The one error line `deltarec-train` prints when it refuses a job (exit status 2)."""
+    p: CliResult = run_cli("trainer.main", *args, expect_rc=2)
+    errors = p.lines("deltarec-train: error:")
     assert len(errors) == 1, p.stderr
     return errors[0]
 
 
-def test_misspelled_key_is_one_line_naming_it() -> None:
-    line = _error_line(_train("--config", str(DEBUG), "--dry-run", "train.stepz=5"))
+def test_misspelled_key_is_one_line_naming_it(run_cli: CliRunner, debug_config: DebugConfig) -> None:
+    line = _error_line(run_cli, "--config", debug_config.path, "--dry-run", "train.stepz=5")
     assert "unknown key 'train.stepz'" in line and "debug_cpu.yaml" in line
 
 
@@ -57,14 +51,18 @@ def test_misspelled_key_is_one_line_naming_it() -> None:
         ("model.tables.2.num_embeddings=1", "row_wise needs at least one row per rank"),
     ],
 )
-def test_impossible_combinations_fail_at_start(override: str, fragment: str) -> None:
-    args = ["--config", str(DEBUG), "--dry-run", "--world-size", "2", override]
+def test_impossible_combinations_fail_at_start(
+    override: str, fragment: str, run_cli: CliRunner, debug_config: DebugConfig
+) -> None:
+    args = ["--config", str(debug_config.path), "--dry-run", "--world-size", "2", override]
     if "num_embeddings" in override:
         args.append("model.tables.2.sharding=row_wise")
-    assert fragment in _error_line(_train(*args))
+    assert fragment in _error_line(run_cli, *args)
 
 
-def test_torchrun_wrapper_trains_every_sharding_type(tmp_path: Path) -> None:
+def test_torchrun_wrapper_trains_every_sharding_type(
+    tmp_path: Path, run_cli: CliRunner, debug_config: DebugConfig, metrics: MetricsReader
+) -> None:
     """Two torchrun jobs cover the five sharding types (one table each in the first)."""
     jobs = [
         ["model.tables.0.sharding=row_wise", "model.tables.1.sharding=column_wise", "model.tables.2.sharding=table_row_wise"],
@@ -72,16 +70,10 @@ def test_torchrun_wrapper_trains_every_sharding_type(tmp_path: Path) -> None:
     ]
     for i, overrides in enumerate(jobs):
         run_dir = tmp_path / f"job{i}"
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-        p = subprocess.run(
-            [sys.executable, "-m", "launch.torchrun", "--nproc-per-node", "2", "--config", str(DEBUG),
-             f"run.dir={run_dir}", "train.steps=40", *overrides],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
-        )
-        assert p.returncode == 0, p.stderr[-3000:]
+        p = run_cli("launch.torchrun", "--nproc-per-node", "2", "--config", debug_config.path,
+                    f"run.dir={run_dir}", "train.steps=40", *overrides, timeout_s=180)
         assert "deltarec: trained 40 steps" in p.stdout
-        records = read_metrics(run_dir)
-        assert [r["step"] for r in records if "loss" in r] == [20, 40]
+        assert metrics.values(run_dir, "step", "loss") == [20, 40]
         assert (run_dir / "config.yaml").is_file()
 
 
@@ -95,13 +87,14 @@ def _criteo_line(rng: random.Random, empty_rate: float = 0.2) -> str:
     return "\t".join([label, *dense, *cats])
 
 
-def _criteo_job(tmp_path: Path, lines: list[str], on_malformed: str) -> Path:
+def _criteo_job(tmp_path: Path, lines: list[str], on_malformed: str, debug_config: DebugConfig) -> Path:
+    """The debug job's model over 26 categorical tables, trained on `lines` as a Criteo TSV."""
     train = tmp_path / "train.tsv"
     train.write_text("\n".join(lines) + "\n")
     evalf = tmp_path / "eval.tsv"
     rng = random.Random(7)
     evalf.write_text("\n".join(_criteo_line(rng) for _ in range(300)) + "\n")
-    cfg = yaml.safe_load(DEBUG.read_text())
+    cfg = debug_config.raw()
     cfg["model"]["tables"] = [
         {"name": f"t_cat_{i}", "num_embeddings": 97, "embedding_dim": 16, "features": [f"cat_{i}"]} for i in range(N_CAT)
     ]
@@ -116,21 +109,22 @@ def _criteo_job(tmp_path: Path, lines: list[str], on_malformed: str) -> Path:
     return path
 
 
-def test_criteo_tsv_with_empty_fields_trains_end_to_end(tmp_path: Path) -> None:
+def test_criteo_tsv_with_empty_fields_trains_end_to_end(
+    tmp_path: Path, debug_config: DebugConfig, metrics: MetricsReader
+) -> None:
     rng = random.Random(1)
     lines = [_criteo_line(rng) for _ in range(1000)]
     assert any("\t\t" in line for line in lines)
-    spawn_ranks(_criteo_job(tmp_path, lines, "stop"), [], tmp_path)
-    records = read_metrics(tmp_path / "run")
-    assert [r["step"] for r in records if "loss" in r] == [10, 20]
-    assert any("eval_auc" in r for r in records)
+    spawn_ranks(_criteo_job(tmp_path, lines, "stop", debug_config), [], tmp_path)
+    assert metrics.values(tmp_path / "run", "step", "loss") == [10, 20]
+    assert metrics(tmp_path / "run", "eval_auc")
 
 
-def test_malformed_criteo_line_names_file_and_line(tmp_path: Path) -> None:
+def test_malformed_criteo_line_names_file_and_line(tmp_path: Path, debug_config: DebugConfig) -> None:
     rng = random.Random(2)
     lines = [_criteo_line(rng) for _ in range(1000)]
     lines[9] = "1\tnot-a-number" + "\t" * 38  # line 10 of the file, read by rank 0
-    job = _criteo_job(tmp_path, lines, "stop")
+    job = _criteo_job(tmp_path, lines, "stop", debug_config)
     results = spawn_ranks(job, [], tmp_path, expect_ok=False, timeout_s=120)
     rank0 = results[0]
     assert rank0.returncode == 2
@@ -138,9 +132,9 @@ def test_malformed_criteo_line_names_file_and_line(tmp_path: Path) -> None:
     assert len(errors) == 1 and f"{tmp_path / 'train.tsv'}:10:" in errors[0], rank0.stderr[-2000:]
 
 
-def test_malformed_criteo_line_can_be_skipped(tmp_path: Path) -> None:
+def test_malformed_criteo_line_can_be_skipped(tmp_path: Path, debug_config: DebugConfig) -> None:
     rng = random.Random(3)
     lines = [_criteo_line(rng) for _ in range(1000)]
     lines[9] = "1\tnot-a-number" + "\t" * 38
-    results = spawn_ranks(_criteo_job(tmp_path, lines, "skip"), [], tmp_path)
+    results = spawn_ranks(_criteo_job(tmp_path, lines, "skip", debug_config), [], tmp_path)
     assert "train.tsv:10" in results[0].stderr

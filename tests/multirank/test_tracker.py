@@ -8,14 +8,16 @@ the assertions are here. One spawn per plan (~8 s), shared by the tests of that 
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.ranks import REPO, spawn_ranks
+from launch.ranks import spawn_ranks
+
+if TYPE_CHECKING:
+    from tests.conftest import DebugConfig
 
 pytestmark = pytest.mark.multirank
-
-DEBUG = REPO / "configs" / "debug_cpu.yaml"
 PLANS = {
     # t_ctx data_parallel in every single-type plan: its ids reach the hook too and must be ignored.
     "table_wise": ["sharding.default=table_wise", "model.tables.2.sharding=data_parallel"],
@@ -30,12 +32,14 @@ PLANS = {
 
 
 @pytest.fixture(scope="module", params=list(PLANS))
-def report(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
+def report(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, debug_config: DebugConfig
+) -> tuple[str, list[dict]]:
     plan = request.param
     tmp = tmp_path_factory.mktemp(f"tracker-{plan}")
     extra = ["--column-shards-per-rank", "2"] if plan == "column_wise_2_per_rank" else []
     results = spawn_ranks(
-        DEBUG, PLANS[plan], tmp, module="tests.multirank.tracker_worker", extra_args=extra, timeout_s=60
+        debug_config.path, PLANS[plan], tmp, module="tests.multirank.tracker_worker", extra_args=extra, timeout_s=180
     )
     reports = []
     for r in results:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
 import torch
 
@@ -14,6 +16,9 @@ from ckpt.quant import (
     get_codec,
     register_codec,
 )
+
+if TYPE_CHECKING:
+    from tests.conftest import ReplaySeed
 
 FROZEN = {
     "fp32": 1, "fp16": 2, "bf16": 3,
@@ -72,8 +77,8 @@ def test_register_refuses_duplicates_and_renumbering():
 
 @pytest.mark.parametrize("name", sorted(FROZEN))
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_nonfinite_rows_refused_naming_table_and_row(name, bad):
-    x = torch.randn(5, 9)
+def test_nonfinite_rows_refused_naming_table_and_row(name, bad, replay_seed: ReplaySeed):
+    x = torch.randn(5, 9, generator=replay_seed.torch_generator())
     x[3, 4] = bad
     ids = torch.tensor([7, 8, 9, 123, 11])
     with pytest.raises(NonFiniteRowError) as ei:
@@ -107,8 +112,8 @@ def test_huge_finite_rows_are_not_mistaken_for_nonfinite():
 @pytest.mark.parametrize(
     "name", ["fp16", "asym2", "asym3", "asym4", "sym2", "sym3", "sym4", "adaptive2", "adaptive4", "kmeans3"]
 )
-def test_rows_beyond_fp16_range_refused(name):
-    x = torch.randn(4, 8)
+def test_rows_beyond_fp16_range_refused(name, replay_seed: ReplaySeed):
+    x = torch.randn(4, 8, generator=replay_seed.torch_generator())
     x[2, 1] = 1e6  # fp16 max is 65504: the codec's fp16 value/scale/absmax would be Inf
     with pytest.raises(RowRangeError) as ei:
         get_codec(name).encode(x, table="t_item", row_ids=torch.tensor([40, 41, 42, 43]))

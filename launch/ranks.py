@@ -1,8 +1,13 @@
-"""Spawn real training ranks as separate processes with a file rendezvous under tmp_path.
+"""The launcher of local ranks without torchrun, used by tests/ and bench/.
 
-Each rank is `python -m trainer.main` with torchrun's environment variables, so the code
-under test is exactly what torchrun runs. Any rank failing, or the group outliving its
-deadline, kills every rank and fails with each rank's stderr tail.
+Each rank is a separate `python -m trainer.main` process (or another module given) started
+with torchrun's environment variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) and a
+file rendezvous under the caller's directory, so the code under test or measured is exactly
+what torchrun runs, without torchrun's agent in the way. Any rank failing, or the group
+outliving its deadline, kills every rank and fails with each rank's stderr tail.
+
+It lives in launch/ (not tests/) because bench/ spawns ranks the same way and must not import
+the test suite.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 @dataclass
 class RankResult:
+    """One rank's exit status (negative: killed by that signal) and its whole output."""
+
     rank: int
     returncode: int
     stdout: str
@@ -121,6 +128,23 @@ def spawn_ranks(
     return group.wait(expect_ok)
 
 
+def read_jsonl(path: Path, live: bool = False) -> list[dict]:
+    """The records of a JSON-lines file, in file order.
+
+    `live=True` reads a file a running job is still writing: a missing file is no records
+    yet, and a last line without its newline is a record not yet complete, so it is left out
+    rather than failing to parse.
+    """
+    path = Path(path)
+    if live and not path.is_file():
+        return []
+    text = path.read_text()
+    lines = text.split("\n")
+    if live and lines and lines[-1]:
+        lines.pop()  # unterminated: the writer has not finished this record
+    return [json.loads(line) for line in lines if line.strip()]
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
-    """The records rank 0 wrote to metrics.jsonl."""
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """The records rank 0 wrote to `run_dir`/metrics.jsonl, in order."""
+    return read_jsonl(Path(run_dir) / "metrics.jsonl")
