@@ -1,21 +1,22 @@
 """Continuous checkpointing on the quickstart model, per checkpoint, against plain baselines.
 
-    python -m bench.ckpt_bench [--out results.json] [--steps 400] [--interval 50] [--repeats 5]
-                               [--quant adaptive4 | --expected-restores N] [key=value ...]
+    python -m bench.run --suite checkpoint [--out results.json] [--steps 400] [--interval 50] [--repeats 5]
+                        [--quant adaptive4 | --expected-restores N] [key=value ...]
 
 Everything runs in one invocation against one embedded broker (Tansu, `launch.broker`),
 so ratios compare figures taken on the same machine minutes apart:
 
 1. Three training runs of `--config` (quickstart: 2 CPU gloo ranks, spawned like the tests
-   do, `tests.ranks.spawn_ranks`): one without checkpoints (training throughput baseline),
+   do, `launch.ranks.spawn_ranks`): one without checkpoints (training throughput baseline),
    two with checkpoints every `--interval` steps to the broker,
    policy `--policy`: one with fp32 rows, one quantized (`--quant`, or Check-N-Run's bit
    width for `--expected-restores`). Per checkpoint, from `<run_dir>/metrics.jsonl`: rows,
    fraction of the model's rows (rows of every shard, a column-wise table counted once per
-   column shard, as the tracker does), bytes, stall, write time. Each rank runs through
-   `bench.ckpt_rank`, which adds per rank: `SnapshotTaker.take` alone and a bare
-   `index_select` / `clone` of exactly the same rows (timed after the checkpoint, so it
-   adds nothing to the recorded stall).
+   column shard, as the tracker does), bytes, stall, write time, encoding, durable time.
+   Each rank runs through `bench.ckpt_rank`, which adds per rank, from the checkpoint
+   manager's public stats: the stall's parts (agreement, `SnapshotTaker.take`, the rest)
+   and the step at which the outcome was known, and a bare `index_select` / `clone` of
+   exactly the same rows (timed after the checkpoint, so it adds nothing to the stall).
 2. `bench.ckpt_probe` (2 ranks again, the same job built in-process): restore of the
    newest checkpoint against `dcp.save`/`dcp.load` of the same sharded model; take vs bare
    copy repeated; deltarec's writer path against a raw confluent-kafka producer sending the
@@ -30,8 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -40,36 +39,17 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _log(msg: str) -> None:
-    print(f"ckpt_bench: {msg}", file=sys.stderr, flush=True)
-
-
-def _med(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return median(xs) if xs else None
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def _r(x: Any, nd: int = 4) -> Any:
-    if isinstance(x, float):
-        return round(x, nd)
-    if isinstance(x, dict):
-        return {k: _r(v, nd) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_r(v, nd) for v in x]
-    return x
+from bench.common import (Measurement, config_path, document_head, loadavg, log, machine_info, median_of, ratio,
+                          rounded, scalars)
 
 
 # -- 1. training runs ----------------------------------------------------------------------
 def train_run(label: str, extra: list[str], args: argparse.Namespace, work: Path, bootstrap: str,
               prefix: str) -> dict[str, Any]:
-    from tests.ranks import read_metrics, spawn_ranks
+    """One checkpointing training run (every rank through `bench.ckpt_rank`): its checkpoints
+    from rank 0's metrics.jsonl joined with what every rank measured of each."""
+    from bench.ckpt_rank import RankCheckpoint, read_side
+    from launch.ranks import read_metrics, spawn_ranks
 
     tmp = work / label
     tmp.mkdir(parents=True)
@@ -79,71 +59,73 @@ def train_run(label: str, extra: list[str], args: argparse.Namespace, work: Path
         f"ckpt.policy={args.policy}", f"ckpt.interval_steps={args.interval}", f"train.steps={args.steps}",
         "train.eval_every=0", "train.eval_batches=0", f"train.log_every={args.interval}", *extra, *args.overrides,
     ]
-    _log(f"training run {label}: {args.steps} steps, checkpoint every {args.interval}, {' '.join(extra) or 'fp32'}")
+    log(f"training run {label}: {args.steps} steps, checkpoint every {args.interval}, {' '.join(extra) or 'fp32'}")
     t = time.perf_counter()
     spawn_ranks(args.config, overrides, tmp, world_size=args.ranks, timeout_s=args.timeout_s,
-                module="bench.ckpt_rank", env_extra={"DELTAREC_BENCH_SIDE": str(tmp)})
+                module="bench.ckpt_rank", extra_args=["--side", str(tmp / "side")])
     wall = time.perf_counter() - t
     metrics = read_metrics(tmp / "run")
-    ckpts = [m for m in metrics if "ckpt_id" in m]
-    side: dict[int, dict[int, dict[str, Any]]] = {}
+    side: dict[int, dict[int, RankCheckpoint]] = {}
+    rank_rows: dict[int, int] = {}
     for rank in range(args.ranks):
-        for line in (tmp / f"rank{rank}.jsonl").read_text().splitlines():
-            rec = json.loads(line)
-            side.setdefault(rec["ckpt_id"], {})[rank] = rec
-    total_rows = sum(next(iter(side.values()))[r]["rank_total_rows"] for r in range(args.ranks))
+        for rec in read_side(tmp / "side" / f"rank{rank}.jsonl"):
+            side.setdefault(rec.checkpoint_id, {})[rank] = rec
+            rank_rows[rank] = rec.rank_total_rows
+    total_rows = sum(rank_rows.values())
     rows = []
-    for m in ckpts:
+    for m in (m for m in metrics if "ckpt_id" in m):
         per = side.get(m["ckpt_id"], {})
-        worst = lambda k: max((p[k] for p in per.values() if p.get(k) is not None), default=None)  # noqa: E731
+
+        def worst(key: str) -> Any:
+            return max((v for v in (getattr(p, key) for p in per.values()) if v is not None), default=None)
+
         bare = worst("bare_ms_first")  # fresh memory, like take's buffers
         warm = worst("bare_ms")  # median of the three: mostly recycled memory
-        for p in per.values():
-            if p.get("stall_ms") is not None:
-                p["other_ms"] = p["stall_ms"] - p["agree_ms"] - p["take_ms"]
+        take = worst("take_ms")
         row = {
             "ckpt_id": m["ckpt_id"], "step": m["step"], "kind": "full" if m["ckpt_full"] else "delta",
-            "committed": m["ckpt_committed"], "rows": m["ckpt_rows"], "fraction_of_rows": m["ckpt_rows"] / total_rows,
-            "fraction_changed_since_last": next((p["frac_since_last"] for p in per.values()), None),
+            "committed": m["ckpt_committed"], "rows": m["ckpt_rows"], "fraction_of_rows": ratio(m["ckpt_rows"], total_rows),
+            "fraction_changed_since_last": next((p.since_last for p in per.values()), None),
             "bytes": m["ckpt_bytes"], "bytes_per_row": m["ckpt_bytes"] / max(m["ckpt_rows"], 1),
-            "stall_ms": m["ckpt_stall_ms"], "agree_ms": worst("agree_ms"), "take_ms": worst("take_ms"),
-            "other_ms": worst("other_ms"), "find_rows_ms": worst("find_ms"),
+            "stall_ms": m["ckpt_stall_ms"], "agree_ms": worst("agree_ms"), "take_ms": take,
+            "dense_ms": worst("dense_ms"), "other_ms": worst("other_ms"), "find_rows_ms": worst("find_ms"),
             "bare_copy_ms": bare, "bare_copy_warm_ms": warm,
-            "stall_over_bare": _ratio(m["ckpt_stall_ms"], bare), "take_over_bare": _ratio(worst("take_ms"), bare),
-            "take_over_bare_warm": _ratio(worst("take_ms"), warm),
+            "stall_over_bare": ratio(m["ckpt_stall_ms"], bare), "take_over_bare": ratio(take, bare),
+            "take_over_bare_warm": ratio(take, warm),
             "write_s": m["ckpt_write_s"], "write_MBps": m["ckpt_bytes"] / m["ckpt_write_s"] / 1e6 if m["ckpt_write_s"] else None,
-            "codec": next((p.get("weight_codec") for p in per.values()), None),
+            "durable_s": m.get("ckpt_durable_s"),  # stall start to COMMIT
+            "codec": m.get("ckpt_encoding"),
             "committed_at_step": worst("committed_at_step"),
-            "per_rank": {r: {k: p.get(k) for k in ("rows", "stall_ms", "agree_ms", "take_ms", "other_ms", "bare_ms_all", "find_ms",
-                                                      "write_s", "write_bytes")} for r, p in sorted(per.items())},
+            "per_rank": {r: {k: getattr(p, k) for k in ("rows", "stall_ms", "agree_ms", "take_ms", "dense_ms", "other_ms",
+                                                        "bare_ms_all", "find_ms")} for r, p in sorted(per.items())},
         }
         if not m["ckpt_committed"]:
             row["error"] = m.get("ckpt_error")
         rows.append(row)
     rates = [m["samples_per_s"] for m in metrics if "samples_per_s" in m]
     return {"run_id": run_id, "overrides": overrides, "wall_s": wall, "model_rows": total_rows,
-            "samples_per_s_median": _med(rates[1:] or rates), "checkpoints": rows}
+            "samples_per_s_median": median_of(rates[1:] or rates), "checkpoints": rows}
 
 
 def baseline_run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """The same job without checkpointing: training throughput to compare the runs with."""
-    from tests.ranks import read_metrics, spawn_ranks
+    from launch.ranks import read_metrics, spawn_ranks
 
     tmp = work / "no-ckpt"
     tmp.mkdir(parents=True)
-    _log(f"training run without checkpoints: {args.steps} steps")
+    log(f"training run without checkpoints: {args.steps} steps")
     overrides = [f"train.steps={args.steps}", "train.eval_every=0", "train.eval_batches=0",
                  f"train.log_every={args.interval}", *args.overrides]
     t = time.perf_counter()
     spawn_ranks(args.config, overrides, tmp, world_size=args.ranks, timeout_s=args.timeout_s)
     wall = time.perf_counter() - t
     rates = [m["samples_per_s"] for m in read_metrics(tmp / "run") if "samples_per_s" in m]
-    return {"wall_s": wall, "samples_per_s_median": _med(rates[1:] or rates)}
+    return {"wall_s": wall, "samples_per_s_median": median_of(rates[1:] or rates)}
 
 
 # per-checkpoint fields summarized as `<field>_median` for full and delta checkpoints
 MEDIAN_FIELDS = (
-    "fraction_of_rows", "bytes", "bytes_per_row", "stall_ms", "take_ms", "agree_ms", "other_ms", "bare_copy_ms",
+    "fraction_of_rows", "bytes", "bytes_per_row", "stall_ms", "take_ms", "agree_ms", "dense_ms", "other_ms", "bare_copy_ms",
     "bare_copy_warm_ms", "stall_over_bare", "take_over_bare", "take_over_bare_warm", "write_s", "write_MBps",
 )
 
@@ -158,9 +140,9 @@ def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
         out[kind] = {
             "count": len(cs),
             "fraction_of_rows_range": [min(c["fraction_of_rows"] for c in cs), max(c["fraction_of_rows"] for c in cs)],
-            **{f"{key}_median": _med([c[key] for c in cs]) for key in MEDIAN_FIELDS},
+            **{f"{key}_median": median_of([c[key] for c in cs]) for key in MEDIAN_FIELDS},
         }
-    out["fraction_changed_per_interval_median"] = _med(
+    out["fraction_changed_per_interval_median"] = median_of(
         [c["fraction_changed_since_last"] for c in ck if c["kind"] == "delta"])
     out["bytes_total"] = sum(c["bytes"] for c in ck)
     return out
@@ -168,7 +150,7 @@ def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
 
 # -- 2. probe ---------------------------------------------------------------------------------
 def probe(args: argparse.Namespace, work: Path, bootstrap: str, fp32: dict, quant: dict, quant_extra: list[str]) -> list[dict]:
-    from tests.ranks import spawn_ranks
+    from launch.ranks import spawn_ranks
 
     tmp = work / "probe"
     tmp.mkdir(parents=True)
@@ -176,7 +158,7 @@ def probe(args: argparse.Namespace, work: Path, bootstrap: str, fp32: dict, quan
              "--dcp-dir", str(tmp / "dcp"), "--repeats", str(args.repeats), "--interval", str(args.interval)]
     for ov in quant_extra:
         extra += ["--quant-override", ov]
-    _log("probe: restore vs dcp.load, take vs bare copy, writer vs raw producer")
+    log("probe: restore vs dcp.load, take vs bare copy, writer vs raw producer")
     spawn_ranks(args.config, [f"ckpt.bootstrap_servers={bootstrap}", *args.overrides], tmp, world_size=args.ranks,
                 timeout_s=args.timeout_s, module="bench.ckpt_probe", extra_args=extra)
     return [json.loads((tmp / f"probe_rank{r}.json").read_text()) for r in range(args.ranks)]
@@ -186,16 +168,16 @@ def summarize_probe(ranks: list[dict]) -> dict[str, Any]:
     r0 = ranks[0]["restore"]  # timed between barriers: the same on every rank
     restore = {
         "checkpoint": {k: r0["latest"][k] for k in ("checkpoint_id", "step", "chain", "rows", "bytes")},
-        "deltarec_restore_s_median": _med(r0["restore_s"]),
+        "deltarec_restore_s_median": median_of(r0["restore_s"]),
         "deltarec_first_restore_s": r0["first_restore_s"],
-        "deltarec_rows_part_s_median": _med(r0["rows_s"]),
-        "deltarec_kafka_poll_s_median": max(_med(r["restore"]["kafka_poll_s"]) for r in ranks),
-        "dcp_load_s_median": _med(r0["dcp_load_s"]),
-        "restore_over_dcp_load": _ratio(_med(r0["restore_s"]), _med(r0["dcp_load_s"])),
-        "raw_kafka_read_s_median": _med(r0["raw_kafka_read_s"]),
+        "deltarec_rows_part_s_median": median_of(r0["rows_s"]),
+        "deltarec_kafka_poll_s_median": max(median_of(r["restore"]["kafka_poll_s"]) for r in ranks),
+        "dcp_load_s_median": median_of(r0["dcp_load_s"]),
+        "restore_over_dcp_load": ratio(median_of(r0["restore_s"]), median_of(r0["dcp_load_s"])),
+        "raw_kafka_read_s_median": median_of(r0["raw_kafka_read_s"]),
         "raw_kafka_read_bytes": sum(r["restore"]["raw_kafka_bytes"] for r in ranks),
-        "restore_over_raw_kafka_read": _ratio(_med(r0["restore_s"]), _med(r0["raw_kafka_read_s"])),
-        "dcp_save_s_median": _med(r0["dcp_save_s"]),
+        "restore_over_raw_kafka_read": ratio(median_of(r0["restore_s"]), median_of(r0["raw_kafka_read_s"])),
+        "dcp_save_s_median": median_of(r0["dcp_save_s"]),
         "dcp_bytes_on_disk": r0["dcp_bytes_on_disk"],
         "restore_s_all": r0["restore_s"], "dcp_load_s_all": r0["dcp_load_s"],
         "raw_kafka_read_s_all": r0["raw_kafka_read_s"],
@@ -204,13 +186,13 @@ def summarize_probe(ranks: list[dict]) -> dict[str, Any]:
     if "other_chain" in r0:
         d = r0["other_chain"]
         restore["other_chain"] = {"checkpoint_id": d["checkpoint_id"], "chain": d["chain"], "rows": d["rows"],
-                                  "bytes": d["bytes"], "restore_s_median": _med(d["restore_s"]),
-                                  "rows_part_s_median": _med(d["rows_s"]),
-                                  "over_dcp_load": _ratio(_med(d["restore_s"]), _med(r0["dcp_load_s"]))}
+                                  "bytes": d["bytes"], "restore_s_median": median_of(d["restore_s"]),
+                                  "rows_part_s_median": median_of(d["rows_s"]),
+                                  "over_dcp_load": ratio(median_of(d["restore_s"]), median_of(r0["dcp_load_s"]))}
     q = r0["quant"]
     restore["quantized"] = {"checkpoint_id": q["checkpoint_id"], "chain": q["chain"], "bytes": q["bytes"],
-                            "restore_s_median": _med(q["restore_s"]), "rows_part_s_median": _med(q["rows_s"]),
-                            "over_dcp_load": _ratio(_med(q["restore_s"]), _med(r0["dcp_load_s"]))}
+                            "restore_s_median": median_of(q["restore_s"]), "rows_part_s_median": median_of(q["rows_s"]),
+                            "over_dcp_load": ratio(median_of(q["restore_s"]), median_of(r0["dcp_load_s"]))}
     if all("weights_rel_l2_error_sq_parts" in r["restore"]["quant"] for r in ranks):
         num = sum(r["restore"]["quant"]["weights_rel_l2_error_sq_parts"][0] for r in ranks)
         den = sum(r["restore"]["quant"]["weights_rel_l2_error_sq_parts"][1] for r in ranks)
@@ -243,33 +225,20 @@ def summarize_probe(ranks: list[dict]) -> dict[str, Any]:
             "snapshot": case["snapshot"], "codec": case["codec"], "rows": sum(p["rows"] for p in per), "bytes": nbytes,
             "snapshot_bytes": snap_bytes, "frames": sum(p["frames"] for p in per),
             "writer_MBps_median": nbytes / median(w) / 1e6, "raw_producer_MBps_median": nbytes / median(raw) / 1e6,
-            "writer_over_raw_throughput": _med([b / a for a, b in zip(w, raw)]),
+            "writer_over_raw_throughput": median_of([b / a for a, b in zip(w, raw)]),
             "writer_snapshot_MBps_median": snap_bytes / median(w) / 1e6,
             "writer_s_median": median(w), "raw_s_median": median(raw), "encode_frame_s_median": median(enc),
             # what the writer spends besides encoding, against the raw producer (per rank, then the slower)
             "sink_s_median": median(in_sink),
-            "sink_part_over_raw": _med([a / b for a, b in zip(in_sink, raw)]),
+            "sink_part_over_raw": median_of([a / b for a, b in zip(in_sink, raw)]),
             "writer_s_all": w, "raw_s_all": raw,
         })
     return {"restore": restore, "take_vs_bare": tb, "writer_vs_raw": writer}
 
 
 # -- main -----------------------------------------------------------------------------------------
-def _machine() -> dict[str, Any]:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                   if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "loadavg_start": list(os.getloadavg())}
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser(prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/quickstart.yaml")
     p.add_argument("--steps", type=int, default=400, help="training steps per run")
     p.add_argument("--interval", type=int, default=50, help="ckpt.interval_steps")
@@ -283,15 +252,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path)
     p.add_argument("--keep", type=Path, help="keep run directories here (default: a temporary directory)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every job")
-    args = p.parse_args(argv)
-    os.chdir(REPO)  # spawn_ranks runs ranks in the repo; relative config paths resolve there
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
+    return p
 
+
+def run(argv: list[str], prog: str = "python -m bench.run --suite checkpoint") -> dict[str, Any]:
+    """Measure, print and (`--out`) write the result document; return it."""
+    args = parser(prog).parse_args(argv)
+    args.config = config_path(args.config)
     from launch.broker import EmbeddedBroker
 
     started = time.perf_counter()
-    machine = _machine()
+    machine = machine_info()
     if args.expected_restores > 0:
         quant_extra, qlabel = [f"ckpt.expected_restores={args.expected_restores}"], f"restores{args.expected_restores}"
     else:
@@ -300,12 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ckpt-bench-") as tmpdir, EmbeddedBroker() as broker:
         work = args.keep / prefix if args.keep else Path(tmpdir)
         work.mkdir(parents=True, exist_ok=True)
-        _log(f"broker {broker.bootstrap}, work dir {work}")
+        log(f"broker {broker.bootstrap}, work dir {work}")
         base = baseline_run(args, work)
         fp32 = train_run("fp32", [], args, work, broker.bootstrap, prefix)
         quant = train_run(qlabel, quant_extra, args, work, broker.bootstrap, prefix)
         probe_ranks = probe(args, work, broker.bootstrap, fp32, quant, quant_extra)
-    machine["loadavg_end"] = list(os.getloadavg())
+    machine["loadavg_end"] = loadavg()
     pr = summarize_probe(probe_ranks)
     s32, sq = summarize_run(fp32), summarize_run(quant)
     d32, f32 = s32.get("delta", {}), s32.get("full", {})
@@ -316,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, args.overrides, check_data=False)
     summary = {
         "model_rows": fp32["model_rows"],  # rows of every model-parallel shard (what the tracker counts)
-        "table_rows": sum(t.num_embeddings for t in cfg.model.tables if cfg.table_sharding(t) != "data_parallel"),
+        "table_rows": sum(t.num_embeddings for t in cfg.model.tables if cfg.sharding.type_of(t) != "data_parallel"),
         # 1. rows and bytes (fp32 run; the quantized run has the same rows)
         "fraction_of_rows_per_delta_median": d32.get("fraction_of_rows_median"),
         "fraction_changed_per_interval_median": s32["fraction_changed_per_interval_median"],
@@ -324,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         "bytes_delta_fp32_median": d32.get("bytes_median"),
         f"bytes_full_{qlabel}": sq.get("full", {}).get("bytes_median"),
         f"bytes_delta_{qlabel}_median": sq.get("delta", {}).get("bytes_median"),
-        f"bytes_per_row_{qlabel}_over_fp32": _ratio(sq.get("full", {}).get("bytes_per_row_median"),
+        f"bytes_per_row_{qlabel}_over_fp32": ratio(sq.get("full", {}).get("bytes_per_row_median"),
                                                     f32.get("bytes_per_row_median")),
         # 2. stall (training thread) against a bare copy of the same rows
         "stall_ms_delta_median": d32.get("stall_ms_median"),
@@ -343,8 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         **{f"writer_over_raw_{w['snapshot']}_{w['codec']}": w["writer_over_raw_throughput"] for w in pr["writer_vs_raw"]},
         **{f"writer_MBps_{w['snapshot']}_{w['codec']}": w["writer_MBps_median"] for w in pr["writer_vs_raw"]},
         **{f"raw_producer_MBps_{w['snapshot']}_{w['codec']}": w["raw_producer_MBps_median"] for w in pr["writer_vs_raw"]},
-        "writer_MBps_in_training_fp32_median": _med([c["write_MBps"] for c in fp32["checkpoints"] if c["committed"]]),
-        f"writer_MBps_in_training_{qlabel}_median": _med([c["write_MBps"] for c in quant["checkpoints"] if c["committed"]]),
+        "writer_MBps_in_training_fp32_median": median_of([c["write_MBps"] for c in fp32["checkpoints"] if c["committed"]]),
+        f"writer_MBps_in_training_{qlabel}_median": median_of([c["write_MBps"] for c in quant["checkpoints"] if c["committed"]]),
         # 4. restore against dcp.load of the same sharded state
         "restore_chain": rs["checkpoint"]["chain"],
         "restore_s_median": rs["deltarec_restore_s_median"],
@@ -361,21 +332,44 @@ def main(argv: list[str] | None = None) -> int:
     if "other_chain" in rs:
         summary[f"restore_{links(rs['other_chain']['chain'])}_chain_over_dcp_load"] = rs["other_chain"]["over_dcp_load"]
     result = {
-        "benchmark": "ckpt_bench",
-        "command": "python -m bench.ckpt_bench " + " ".join(sys.argv[1:] if argv is None else argv),
+        **document_head("checkpoint", prog, argv, machine),
         "config": args.config,
         "settings": {"ranks": args.ranks, "steps": args.steps, "interval_steps": args.interval, "policy": args.policy,
-                     "quantized": quant_extra[0], "repeats": args.repeats, "overrides": args.overrides},
-        "machine": machine,
+                     "quantized": quant_extra[0], "quant_label": qlabel, "repeats": args.repeats,
+                     "overrides": args.overrides},
         "wall_s": time.perf_counter() - started,
         "summary": summary,
         "runs": {"no_ckpt": base, "fp32": {**fp32, "summary": s32}, qlabel: {**quant, "summary": sq}},
         "probe": pr,
     }
-    text = json.dumps(_r(result), indent=1)
+    result = rounded(result)
+    text = json.dumps(result, indent=1)
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
+    return result
+
+
+# per-checkpoint fields written as records (labels: run, checkpoint, step, kind)
+RECORD_FIELDS = ("rows", "fraction_of_rows", "bytes", "stall_ms", "agree_ms", "take_ms", "dense_ms", "other_ms",
+                 "find_rows_ms", "bare_copy_ms", "bare_copy_warm_ms", "stall_over_bare", "take_over_bare", "write_s",
+                 "write_MBps", "durable_s", "committed", "committed_at_step")
+
+
+def measurements(result: dict[str, Any]) -> list[Measurement]:
+    """The headline summary, then every checkpoint of both checkpointing runs."""
+    settings = result["settings"]
+    out = scalars(result["summary"], {"policy": settings["policy"], "quantized": settings["quantized"]})
+    for label in ("fp32", settings["quant_label"]):
+        for c in result["runs"][label]["checkpoints"]:
+            labels = {"run": label, "policy": settings["policy"], "ckpt": c["ckpt_id"], "step": c["step"],
+                      "kind": c["kind"], "codec": c["codec"]}
+            out += scalars({k: c[k] for k in RECORD_FIELDS}, labels, {"committed_at_step": "step"})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    run(sys.argv[1:] if argv is None else argv, "python -m bench.ckpt_bench")
     return 0
 
 

@@ -1,9 +1,11 @@
-"""One rank of `bench.ckpt_bench`'s in-process measurements (spawned like a trainer rank).
+"""One rank of `bench.ckpt_bench`'s in-process measurements (suite `checkpoint`; spawned like a
+trainer rank).
 
     python -m bench.ckpt_probe --config C --fp32-run RUN --quant-run RUN --out-dir DIR \
         --dcp-dir DIR [--quant-override key=value ...] [--repeats 3] [--interval 50] [key=value ...]
 
-Builds the job exactly as `trainer.main` does (same config, same world size), then:
+Builds the job exactly as `trainer.main` does (`bench.job.start_job`: same config, same world
+size), then:
 
 1. Restore vs DCP. `CheckpointManager.restore()` of the fp32 run's newest checkpoint
    (marker lookup, chain replay from Kafka, dense file, reader/RNG state), timed across
@@ -34,7 +36,6 @@ Writes ``<out-dir>/probe_rank<r>.json``.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import time
@@ -47,40 +48,10 @@ import torch
 import torch.distributed as dist
 
 from bench.ckpt_rank import bare_copy, find_rows
+from bench.job import fingerprint, perturb, start_job, stop_job, timed
 
 
 WARMUP_ROUNDS = 2
-
-
-def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    """Seconds of `fn` on the slowest rank (barriers on both sides)."""
-    dist.barrier()
-    t = time.perf_counter()
-    out = fn()
-    dist.barrier()
-    return time.perf_counter() - t, out
-
-
-def _fingerprint(smap: Any, sharded: Any) -> list[float]:
-    out = []
-    for v in smap.shards:
-        out.append(float(v.weight.double().sum()))
-        out.extend(float(s.double().sum()) for s in v.optimizer_states.values())
-    for n, p in sorted(sharded.model.named_parameters()):
-        if not hasattr(p, "_in_backward_optimizers"):
-            out.append(float(p.detach().double().sum()))
-    return out
-
-
-@torch.no_grad()
-def _perturb(smap: Any, sharded: Any) -> None:
-    for v in smap.shards:
-        v.weight.add_(0.5)
-        for s in v.optimizer_states.values():
-            s.add_(0.5)
-    for _, p in sharded.model.named_parameters():
-        if not hasattr(p, "_in_backward_optimizers"):
-            p.add_(0.5)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,36 +71,21 @@ def main(argv: list[str] | None = None) -> int:
     from confluent_kafka.admin import AdminClient
 
     from ckpt import kafka_sink
-    from ckpt.backends import kafka_conf
     from ckpt.kafka_sink import KafkaSink, _delete_topic, ensure_topic
-    from ckpt.manager import CheckpointManager
     from ckpt.markers import commits
     from ckpt.restore import _overlaps
     from ckpt.sink import rows_name
     from ckpt.writer import RankWriter, WriteJob
-    from sharding.dmp import shard_model
-    from sharding.process_group import destroy_process_group, detect_env, init_process_group
     from trainer.config import load_config
-    from trainer.data.factory import make_reader
-    from trainer.main import set_threads
-    from trainer.metrics import MetricsLog
-    from trainer.model import build_model
-    from trainer.trainer import Trainer
+    from trainer.main import make_checkpoint_manager
 
     base = ["ckpt.enabled=true", "ckpt.resume=latest", "ckpt.final=false", "train.eval_batches=0", *overrides]
     cfg = load_config(args.config, [*base, f"ckpt.run_id={args.fp32_run}"])
     cfg_q = load_config(args.config, [*base, f"ckpt.run_id={args.quant_run}", *args.quant_override])
-    env = detect_env()
-    device = init_process_group(env, backend=cfg.sharding.backend, init_method=cfg.sharding.init_method,
-                                timeout_s=cfg.sharding.timeout_s)
-    set_threads(cfg, env)
+    env, device, sharded, trainer, no_metrics = start_job(cfg)
     rank, R = env.rank, args.repeats
-    torch.manual_seed(cfg.run.seed)
-    sharded = shard_model(build_model(cfg.model, device), cfg, env, device)
-    no_metrics = MetricsLog(Path("unused"), enabled=False)
-    trainer = Trainer(cfg, env, device, sharded, make_reader(cfg, env, "train"), None, no_metrics)
-    mgr = CheckpointManager(cfg, env, device, sharded, trainer, no_metrics)
-    mgr_q = CheckpointManager(cfg_q, env, device, sharded, trainer, no_metrics)
+    mgr = make_checkpoint_manager(cfg, env, device, sharded, trainer, no_metrics)
+    mgr_q = make_checkpoint_manager(cfg_q, env, device, sharded, trainer, no_metrics)
     mgr_q.tracker.detach()  # one tracker hook is enough
     quant = mgr_q.codecs()[0]  # the quantized run's weight codec (before any restore changes the count)
     smap = mgr.shard_map
@@ -140,17 +96,17 @@ def main(argv: list[str] | None = None) -> int:
                 "rows": rep.rows, "bytes": rep.bytes, "rows_seconds": rep.seconds}
 
     # -- 1. restore vs dcp ------------------------------------------------------------
-    first_s, rep = _timed(mgr.restore)
+    first_s, rep = timed(mgr.restore)
     assert rep is not None, f"no checkpoint of run {args.fp32_run} to restore"
     latest = report(rep)
-    reference = _fingerprint(smap, sharded)
+    reference = fingerprint(smap, sharded)
     ref_weights = [v.weight.detach().clone() for v in smap.shards]
     found: list[Any] = [None]
     if rank == 0:
         found[0] = [m for _, m in commits(mgr.backend.markers.read_markers(), mgr.run_id)]
     dist.broadcast_object_list(found, src=0)
     markers = {m.checkpoint_id: m for m in found[0]}
-    conf = kafka_conf(cfg)
+    conf = cfg.ckpt.kafka_conf()
 
     def dcp_state() -> dict[str, Any]:
         return {"model": sharded.model.state_dict(), "optim": sharded.optimizer.state_dict()}
@@ -167,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         per span, the fetch settings of deltarec's reader."""
         spans: dict[tuple[str, int], list[list[int]]] = {}
         for link in marker.chain:
-            for part, first, last, table, col, lo, hi, cols in link.index:
-                if any(_overlaps(s, col, cols, lo, hi) for s in smap.of_table(table)):
-                    spans.setdefault((rows_name(mgr.run_id, link.generation), part), []).append([first, last])
+            for e in link.index:
+                if any(_overlaps(s, e.col_offset, e.cols, e.min_row, e.max_row) for s in smap.of_table(e.table)):
+                    spans.setdefault((rows_name(mgr.run_id, link.generation), e.partition), []).append([e.first, e.last])
         n = 0
         for (topic, part), ranges in spans.items():
             merged: list[list[int]] = []
@@ -208,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
 
     kafka_sink.Consumer = _TimedConsumer
 
-    save_s = [_timed(lambda: dcp.save(dcp_state(), checkpoint_id=str(args.dcp_dir)))[0] for _ in range(2)]
+    save_s = [timed(lambda: dcp.save(dcp_state(), checkpoint_id=str(args.dcp_dir)))[0] for _ in range(2)]
     dcp_bytes = sum(f.stat().st_size for f in args.dcp_dir.rglob("*") if f.is_file())
     times: dict[str, list[float]] = {"deltarec": [], "dcp": [], "raw_kafka": []}
     rows_s, kafka_s, matches, raw_bytes = [], [], [], 0
@@ -216,19 +172,19 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(R):
         for kind in kinds[r % 3:] + kinds[: r % 3]:  # rotate the order
             if kind == "raw_kafka":
-                t, raw_bytes = _timed(lambda: raw_kafka_read(markers[latest["checkpoint_id"]]))
+                t, raw_bytes = timed(lambda: raw_kafka_read(markers[latest["checkpoint_id"]]))
                 times[kind].append(t)
                 continue
-            _perturb(smap, sharded)
+            perturb(smap, sharded)
             if kind == "dcp":
-                times[kind].append(_timed(dcp_load)[0])
+                times[kind].append(timed(dcp_load)[0])
             else:
                 poll_s[0] = 0.0
-                t, rp = _timed(mgr.restore)
+                t, rp = timed(mgr.restore)
                 times[kind].append(t)
                 rows_s.append(rp.seconds)
                 kafka_s.append(poll_s[0])
-            matches.append(_fingerprint(smap, sharded) == reference)
+            matches.append(fingerprint(smap, sharded) == reference)
     out["restore"] = {
         "latest": latest, "first_restore_s": first_s, "restore_s": times["deltarec"], "rows_s": rows_s,
         "kafka_poll_s": kafka_s,
@@ -244,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         mgr.c.resume = str(other_id)
         chain_times, reps = [], []
         for _ in range(R):
-            _perturb(smap, sharded)
-            t, rp = _timed(mgr.restore)
+            perturb(smap, sharded)
+            t, rp = timed(mgr.restore)
             chain_times.append(t)
             reps.append(rp)
         out["restore"]["other_chain"] = {**report(reps[-1]), "restore_s": chain_times,
@@ -255,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     # the quantized run's newest checkpoint
     q_times, q_rows = [], []
     for _ in range(R):
-        _perturb(smap, sharded)
-        t, rq = _timed(mgr_q.restore)
+        perturb(smap, sharded)
+        t, rq = timed(mgr_q.restore)
         q_times.append(t)
         q_rows.append(rq.seconds)
     q = {**report(rq), "restore_s": q_times, "rows_s": q_rows}
@@ -334,8 +290,9 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = nframes = 0
         for r in range(R + 1):  # round 0: warm-up
             generation += 1
-            job = WriteJob(generation, step, generation, [generation], snap, {}, {}, None, codec, "fp32")
-            frames = [f for shard in snap.shards if shard.global_rows.numel() for f, *_ in writer._frames(job, shard, {})]
+            job = WriteJob(checkpoint_id=generation, step=step, generation=generation, chain=[generation], snapshot=snap,
+                           trainer_state={}, weight_codec=codec, optimizer_codec="fp32")
+            frames = [f.data for shard in snap.shards if shard.global_rows.numel() for f in writer._frames(job, shard, {})]
             raw_topic = f"{bench_run}.raw.g{generation}"
             if rank == 0:
                 ensure_topic(admin, raw_topic, env.world_size)
@@ -396,8 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     mgr.finish(trainer.step)
     mgr_q.finish(trainer.step)
     del mgr, mgr_q, trainer, sharded, full_snap, delta_snap
-    gc.collect()
-    destroy_process_group()
+    stop_job()
     return 0
 
 

@@ -1,41 +1,51 @@
-"""One rank of `bench.ckpt_bench`'s training runs: `trainer.main`, with the stall instrumented.
+"""One rank of the checkpointing training runs (`bench.ckpt_bench`, `bench.peers`): the
+trainer's job with checkpoints, and per checkpoint what this rank's stall was made of.
 
-    DELTAREC_BENCH_SIDE=<dir> python -m bench.ckpt_rank --config ... [key=value ...]
+    python -m bench.ckpt_rank --config C --side DIR [key=value ...]
 
-Runs the real trainer (same argv as `trainer.main`) and, per checkpoint, records in
-``<dir>/rank<r>.jsonl`` what this rank did, without adding anything to the stall:
+The job is built and trained as `trainer.main` does (`bench.job.start_job`, the manager from
+`trainer.main.make_checkpoint_manager`, `restore`, `Trainer.fit`, `finish`). What it records
+in ``DIR/rank<r>.jsonl`` (one `RankCheckpoint` per line) comes from the manager's public
+stats, read after each step end, never from inside the stall:
 
-- ``take_ms``: `SnapshotTaker.take` alone (its own `Snapshot.stall_s`, read before the
-  manager overwrites it with the whole stall);
-- ``stall_ms``: the manager's whole stall on this rank (what ``ckpt_stall_ms`` reports as
-  the max over ranks): agreement all-reduces, take, tracker marks, dense capture;
-  ``agree_ms``: the part spent in the manager's two all-reduces (row counts, flags), which
-  includes waiting for the other rank to reach the checkpoint;
-- ``bare_ms``: a bare ``index_select`` (``clone`` for a full checkpoint) of exactly the rows
-  that take copied, weights and every optimizer state, from the same live tensors. It runs
-  *after* the checkpoint, at the first step end where this rank's writer holds nothing
-  (so it neither inflates the stall nor competes with this rank's writer thread), three
-  times; ``find_ms`` is the bitmap scan take does first (``touched_rows``), timed on the
-  bitmaps of that later moment (its cost depends on the bitmap size, not on its content);
-- ``write_s`` / ``write_bytes``: this rank's writer (encode + frame + produce + flush);
-- ``since_base`` / ``since_last``: the all-reduced fractions of rows the policy saw;
-- ``committed_at_step``: the training step at which this rank learned the checkpoint's
-  outcome (the step end whose `save` collected it; the last step for outcomes collected
-  by `finish`), i.e. from when a crash would have restored it.
+- from `manager.stats.stalls` (`StallTiming`): ``stall_ms`` (the whole stall on this rank,
+  what ``ckpt_stall_ms`` reports as the max over ranks), ``agree_ms`` (the agreement on the
+  checkpoint's kind: tracker counts and two small all-reduces, which include waiting for the
+  other ranks), ``take_ms`` (`SnapshotTaker.take`), ``dense_ms`` (tracker marks, dense
+  state, loop state), ``rows``, ``snapshot_bytes``, ``since_base`` / ``since_last`` (the
+  all-reduced fractions of rows changed that the policy saw);
+- from `manager.stats.outcomes`: ``committed`` and ``committed_at_step``, the step end at
+  which this rank learned the outcome (the last step for outcomes `finish` collects): from
+  then on a crash would restore this checkpoint;
+- a bare baseline: ``bare_ms_all``, a plain ``index_select`` (``clone`` for a full
+  checkpoint) of exactly the rows the checkpoint copied, weights and every optimizer state,
+  from the same live tensors, three times. It runs *after* the checkpoint, at the first step
+  end where every checkpoint this rank took has its outcome (its writer is idle), so it
+  neither inflates the stall nor competes with the writer. ``find_ms`` is the bitmap scan
+  (`RowTracker.touched_rows`) that found those rows, the scan `take` starts with.
+
+Why one hook remains: the rows a delta copies are known only before its checkpoint marks the
+tracker, so `ObservedCheckpointer` stands in for the manager as the loop's `Checkpointer`
+and scans the tracker at checkpoint steps before calling the manager's public `save`.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
 import sys
-import threading
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import median
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from ckpt.manager import CheckpointManager, StallTiming
+    from ckpt.tracker import RowTracker
+    from trainer.config import JobConfig
 
 BARE_REPEATS = 3
 
@@ -57,144 +67,178 @@ def bare_copy(shards: Sequence[Any], locals_: Sequence[torch.Tensor | None]) -> 
     return dt
 
 
-def find_rows(tracker: Any, n_shards: int, since_base: bool) -> float:
+def find_rows(tracker: RowTracker, n_shards: int, since_base: bool) -> float:
+    """Seconds of the bitmap scans that list every shard's changed rows."""
+    return touched(tracker, n_shards, since_base)[1]
+
+
+def touched(tracker: RowTracker, n_shards: int, since_base: bool) -> tuple[list[torch.Tensor], float]:
+    """(every shard's changed local rows, seconds the scans took)."""
     t = time.perf_counter()
-    found = [tracker.touched_rows(i, since_base) for i in range(n_shards)]
-    dt = time.perf_counter() - t
-    del found
-    return dt
+    rows = [tracker.touched_rows(i, since_base) for i in range(n_shards)]
+    return rows, time.perf_counter() - t
 
 
-class _Recorder:
-    def __init__(self, side: Path, rank: int) -> None:
-        self.path = side / f"rank{rank}.jsonl"
+@dataclass
+class RankCheckpoint:
+    """What one rank measured of one checkpoint (milliseconds unless named otherwise)."""
+
+    checkpoint_id: int
+    step: int
+    full: bool
+    stall_ms: float
+    agree_ms: float
+    take_ms: float
+    dense_ms: float
+    rows: int
+    snapshot_bytes: int
+    since_base: float
+    since_last: float
+    rank: int
+    rank_total_rows: int  # rows of this rank's model-parallel shards (what the tracker counts)
+    committed: bool | None = None
+    committed_at_step: int | None = None
+    find_ms: float | None = None
+    bare_ms_all: list[float] = field(default_factory=list)
+
+    @property
+    def other_ms(self) -> float:
+        """The stall besides the agreement and the copy: tracker marks, dense state, loop state."""
+        return self.stall_ms - self.agree_ms - self.take_ms
+
+    @property
+    def bare_ms(self) -> float | None:
+        """Median of the bare copies (mostly recycled memory)."""
+        return median(self.bare_ms_all) if self.bare_ms_all else None
+
+    @property
+    def bare_ms_first(self) -> float | None:
+        """The first bare copy: fresh memory, like `take`'s buffers."""
+        return self.bare_ms_all[0] if self.bare_ms_all else None
+
+
+@dataclass
+class _ToCopy:
+    """A checkpoint whose bare copy is still to run: its record and the local rows it copied
+    (None: every row of every shard)."""
+
+    record: RankCheckpoint
+    rows: list[torch.Tensor] | None
+
+
+class ObservedCheckpointer:
+    """The loop's `Checkpointer`: the manager's `save`, plus what this rank measures around it.
+
+    Before a step end that checkpoints (`ckpt.interval_steps`), it lists the rows the delta
+    will copy (the tracker forgets them once the checkpoint marks it); after each step end it
+    reads the manager's new `StallTiming`s and outcomes; at the first idle step end it times
+    the bare copies."""
+
+    def __init__(self, manager: CheckpointManager, rank: int) -> None:
+        self.manager = manager
         self.rank = rank
-        self.records: dict[int, dict[str, Any]] = {}
-        self.pending: list[tuple[int, Any, list[torch.Tensor | None], bool, bool]] = []  # global ids (None: all)
-        self.fractions: list[tuple[float, float]] = []
-        self.lock = threading.Lock()
-        self.total_rows = 0
-        self.agree_s = 0.0
-
-    def rec(self, cid: int) -> dict[str, Any]:
-        with self.lock:
-            return self.records.setdefault(cid, {"rank": self.rank, "ckpt_id": cid})
-
-    def measure_pending(self) -> None:
-        """Bare copies of the rows of every checkpoint taken since the last call."""
-        while self.pending:
-            cid, taker, rows, full, since_base = self.pending.pop(0)
-            shards = taker.shard_map.shards
-            locals_ = [None if g is None else g - v.row_offset for g, v in zip(rows, shards)]  # untimed
-            times = [bare_copy(shards, locals_) * 1e3 for _ in range(BARE_REPEATS)]
-            r = self.rec(cid)
-            r["bare_ms_all"] = times
-            r["bare_ms"] = median(times)
-            r["bare_ms_first"] = times[0]
-            r["find_ms"] = 0.0 if full else find_rows(taker.tracker, len(shards), since_base) * 1e3
-
-    def dump(self) -> None:
-        with self.path.open("w") as f:
-            for cid in sorted(self.records):
-                f.write(json.dumps(self.records[cid], sort_keys=True) + "\n")
-
-
-def install(side: Path, rank: int) -> _Recorder:
-    """Wrap the checkpoint path's classes (this process only) to record what it does."""
-    from ckpt import manager as manager_module
-    from ckpt.manager import CheckpointManager
-    from ckpt.snapshot import SnapshotTaker
-    from ckpt.writer import RankWriter
-
-    r = _Recorder(side, rank)
-    real_dist = manager_module.dist
-
-    class _TimedDist:
-        """torch.distributed as the manager module sees it, with all_reduce timed."""
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(real_dist, name)
-
-        def all_reduce(self, *a: Any, **kw: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return real_dist.all_reduce(*a, **kw)
-            finally:
-                r.agree_s += time.perf_counter() - t
-
-    manager_module.dist = _TimedDist()  # this process only
-    orig_take, orig_agree = SnapshotTaker.take, CheckpointManager._agree
-    orig_submit, orig_write = RankWriter.submit, RankWriter._write
-    orig_save, orig_finish, orig_init = CheckpointManager.save, CheckpointManager.finish, CheckpointManager.__init__
-    orig_checkpoint = CheckpointManager._checkpoint
-    orig_record = CheckpointManager._record
-
-    def init(self, *a: Any, **kw: Any) -> None:
-        orig_init(self, *a, **kw)
-        r.total_rows = self.total_rows
-
-    def checkpoint(self, step: int, final: bool = False) -> None:
-        r.agree_s = 0.0
-        orig_checkpoint(self, step, final)
-
-    def record(self, o: Any) -> None:
-        r.rec(o.checkpoint_id).update(committed_at_step=self.trainer.step, committed=o.committed)
-        orig_record(self, o)
-
-    def agree(self):
-        out = orig_agree(self)
-        r.fractions.append(self.agreed_fractions)  # a list append: nothing in the stall
-        return out
-
-    def take(self, checkpoint_id: int, step: int, *, full: bool, since_base: bool):
-        snap = orig_take(self, checkpoint_id, step, full=full, since_base=since_base)
-        rows = [None if full else s.global_rows for s in snap.shards]  # keep the ids; locals computed later
-        r.pending.append((checkpoint_id, self, rows, full, since_base))
-        fb, fl = r.fractions[-1] if r.fractions else (float("nan"), float("nan"))
-        rec = r.rec(checkpoint_id)
-        rec.update(step=step, full=full, since_base=since_base, take_ms=snap.stall_s * 1e3, rows=snap.rows,
-                   snapshot_bytes=snap.nbytes, frac_since_base=fb, frac_since_last=fl, rank_total_rows=r.total_rows,
-                   agree_ms=r.agree_s * 1e3)
-        return snap
-
-    def submit(self, job: Any) -> None:
-        r.rec(job.checkpoint_id)["stall_ms"] = job.snapshot.stall_s * 1e3  # the manager's whole stall
-        orig_submit(self, job)
-
-    def write(self, job: Any):
-        report = orig_write(self, job)
-        r.rec(job.checkpoint_id).update(write_s=report.write_s, write_bytes=report.bytes, write_ok=report.ok,
-                                         weight_codec=job.weight_codec)
-        return report
+        self.since_base = manager.c.policy != "incremental"  # what a delta of this policy copies
+        self.records: dict[int, RankCheckpoint] = {}
+        self.to_copy: list[_ToCopy] = []
 
     def save(self, step: int) -> None:
-        if r.pending and self.writer.pending_bytes == 0:
-            r.measure_pending()
-        orig_save(self, step)
+        """The manager's `save(step)`, observed."""
+        interval = self.manager.c.interval_steps
+        due = interval > 0 and step % interval == 0
+        self._observe(step, lambda: self.manager.save(step), scan=due)
+        st = self.manager.stats
+        if self.to_copy and len(st.outcomes) >= len(st.stalls):  # the writer holds nothing
+            self._copy_bare()
 
     def finish(self, step: int) -> None:
-        orig_finish(self, step)  # may take the final checkpoint; closes the writer
-        r.measure_pending()
-        r.dump()
+        """The manager's `finish(step)` (which may take the final checkpoint), observed; then
+        the bare copies still owed."""
+        self._observe(step, lambda: self.manager.finish(step), scan=True)
+        self._copy_bare()
 
-    SnapshotTaker.take = take
-    CheckpointManager._agree = agree
-    RankWriter.submit = submit
-    RankWriter._write = write
-    CheckpointManager.save = save
-    CheckpointManager.finish = finish
-    CheckpointManager.__init__ = init
-    CheckpointManager._checkpoint = checkpoint
-    CheckpointManager._record = record
-    return r
+    def _observe(self, step: int, call: Callable[[], None], scan: bool) -> None:
+        """Run `call` (a manager method at this step end); turn what it added to the manager's
+        stats into records. `scan`: list the changed rows first (a checkpoint may be taken)."""
+        m, st = self.manager, self.manager.stats
+        rows, find_s = touched(m.tracker, len(m.shard_map.shards), self.since_base) if scan else (None, 0.0)
+        n_stalls, n_outcomes = len(st.stalls), len(st.outcomes)
+        call()
+        for timing in st.stalls[n_stalls:]:
+            rec = self._record(timing)
+            self.records[rec.checkpoint_id] = rec
+            if timing.full:
+                self.to_copy.append(_ToCopy(rec, None))
+            elif rows is not None:
+                rec.find_ms = find_s * 1e3
+                self.to_copy.append(_ToCopy(rec, rows))
+            # else a time-based checkpoint (`ckpt.interval_s`) whose rows were not listed: no bare copy
+        for outcome in st.outcomes[n_outcomes:]:
+            rec = self.records.get(outcome.checkpoint_id)
+            if rec is not None:
+                rec.committed, rec.committed_at_step = outcome.committed, step
+
+    def _record(self, t: StallTiming) -> RankCheckpoint:
+        return RankCheckpoint(
+            checkpoint_id=t.checkpoint_id, step=t.step, full=t.full, stall_ms=t.stall_ms, agree_ms=t.agree_ms,
+            take_ms=t.take_ms, dense_ms=t.dense_ms, rows=t.rows, snapshot_bytes=t.snapshot_bytes,
+            since_base=t.since_base, since_last=t.since_last, rank=self.rank, rank_total_rows=self.manager.total_rows,
+            find_ms=0.0 if t.full else None,
+        )
+
+    def _copy_bare(self) -> None:
+        shards = self.manager.shard_map.shards
+        while self.to_copy:
+            item = self.to_copy.pop(0)
+            rows = [None] * len(shards) if item.rows is None else item.rows
+            item.record.bare_ms_all = [bare_copy(shards, rows) * 1e3 for _ in range(BARE_REPEATS)]
+
+    def dump(self, path: Path) -> None:
+        """This rank's records, one JSON line per checkpoint, in checkpoint order."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w") as f:
+            for cid in sorted(self.records):
+                f.write(json.dumps(asdict(self.records[cid]), sort_keys=True) + "\n")
+
+
+def read_side(path: Path) -> list[RankCheckpoint]:
+    """The records `ObservedCheckpointer.dump` wrote."""
+    return [RankCheckpoint(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run(cfg: JobConfig, side: Path) -> None:
+    """Train `cfg` with checkpoints on this rank (as `trainer.main.run_job` does) and write
+    this rank's `RankCheckpoint`s to `side/rank<r>.jsonl`."""
+    from bench.job import start_job
+    from trainer.main import make_checkpoint_manager
+
+    job = start_job(cfg, cfg.run.run_dir / "metrics.jsonl", evaluate=True)
+    try:
+        manager = make_checkpoint_manager(cfg, job.env, job.device, job.sharded, job.trainer, job.metrics)
+        observed = ObservedCheckpointer(manager, job.env.rank)
+        job.trainer.checkpointer = observed
+        manager.restore()
+        job.trainer.fit()
+        observed.finish(job.trainer.step)
+        observed.dump(side / f"rank{job.env.rank}.jsonl")
+    finally:
+        job.metrics.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    side = Path(os.environ["DELTAREC_BENCH_SIDE"])
-    install(side, int(os.environ.get("RANK", "0")))
-    from trainer.main import main as train_main
+    from bench.job import stop_job
+    from sharding.process_group import detect_env
+    from trainer.config import load_config
+    from trainer.main import setup_logging
 
-    return train_main(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="python -m bench.ckpt_rank", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("--side", type=Path, required=True, help="write rank<r>.jsonl here")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    setup_logging(detect_env().rank)
+    run(load_config(args.config, args.overrides), args.side)
+    stop_job()
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,349 +1,426 @@
-"""One rank of `bench.run`'s in-process peers: the same sharded job checkpointed by
-`dcp.save`, `dcp.async_save` (with a stager that clones local shards) and `torch.save`.
+"""deltarec against its peers, side by side, in one invocation (suites `quick` and `full`).
 
-    python -m bench.peers --config C --out-dir DIR --steps N --interval K \
-        [--restore RUN_ID=RUN_DIR ...] [--restore-override key=value ...] [--repeats R] [key=value ...]
+    python -m bench.run --suite quick|full [--out results.json] [--plots docs/img] [--keep DIR]
 
-Spawned like a trainer rank (`tests.ranks.spawn_ranks`), it builds the job exactly as
-`trainer.main` does (same config, seed, data, world size), warms up, then trains in phases
-of `--steps` steps each, in this order: no checkpointing, `dcp.save`, `dcp.async_save`,
-`torch.save`, no checkpointing again. In a checkpointing phase the peer checkpoints every
-`--interval` steps:
+On one model, one data stream and one checkpoint interval (the suite's), in this order:
 
-- `dcp.save`: `{"model": DMP.state_dict(), "optim": optimizer.state_dict()}` (sharded
-  weights, row-wise momentum, dense params and dense optimizer) to a local directory;
-  the training thread is blocked for the whole save.
-- `dcp.async_save`: the same state with `CloningStager` (the default stager crashes on
-  torchrec ShardedTensors) on its own gloo group (so its background collectives never
-  interleave with training's); the training thread is blocked while the stager clones
-  and the save is planned, and again if the previous save is still running at the next
-  checkpoint (counted in that checkpoint's stall).
-- `torch.save`: each rank pickles its local shards and dense state to its own file.
+1. every deltarec policy (full, one_shot_diff, incremental, intermittent_diff) x encoding
+   (fp32, adaptive4): a real training job of 2 gloo ranks spawned like the tests do
+   (`launch.ranks.spawn_ranks`), checkpointing to one embedded Tansu broker, each rank run
+   through `bench.ckpt_rank` (the trainer's job, plus per checkpoint from the manager's
+   public stats: the stall's parts, a bare copy of the very rows the snapshot copied, and
+   the step at which the outcome was known). From `<run_dir>/metrics.jsonl`: rows, bytes,
+   stall, committed; from the COMMIT markers: the bytes the newest restorable checkpoint
+   needs (its chain plus its dense file).
+2. `bench.peers_rank` (2 ranks, the same job in-process): training with no checkpoint,
+   `dcp.save`, `dcp.async_save` (cloning stager), `torch.save` per rank, every interval,
+   then restore to training-ready: `dcp.load`, `torch.load`, and `CheckpointManager.restore`
+   of the newest checkpoint of each deltarec job of step 1.
 
-Per checkpoint: stall on the training thread (max over ranks), bytes on disk, and the step
-at which it became durable (the next step end at which an async save's future is done).
-Per phase: samples/s over the whole phase (stalls and background work included).
-
-Then restore to training-ready, each into a perturbed model and checked to give back the
-same state: `dcp.load` + `load_state_dict` of the newest `dcp.save` checkpoint,
-`torch.load` + `load_state_dict` of the newest `torch.save` one, and
-`CheckpointManager.restore()` of the newest checkpoint of each deltarec run given with
-`--restore` (its marker lookup, chain replay, dense and loop state), `--repeats` rounds,
-order rotating. Writes ``<out-dir>/peers_rank<r>.json``.
+Writes one flat list of records (`--out`), each ``{peer, policy, encoding, metric, value,
+unit, interval, ckpt}`` (see docs/peers.md), prints a table, and with `--plots` draws
+Check-N-Run's Figure 15 (bytes written per interval) and 16 (storage required per
+interval). A benchmark, not a test: it asserts nothing about the figures.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import shutil
 import sys
+import tempfile
 import time
+import uuid
+from argparse import Namespace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import torch
-import torch.distributed as dist
+from bench.common import (REPO, Measurement, config_path, document_head, figure, harmonic_of, loadavg, log,
+                          machine_info, mean_of, median_of)
 
-from bench.ckpt_probe import _fingerprint, _perturb, _timed
+POLICIES = ("full", "one_shot_diff", "incremental", "intermittent_diff")
+ENCODINGS = ("fp32", "adaptive4")
+DEFAULT_POLICY, DEFAULT_QUANT = "intermittent_diff", "adaptive4"
+PEERS = ("dcp.save", "dcp.async_save", "torch.save")
 
-WARMUP_STEPS = 5
+# Criteo Kaggle's 26 categorical cardinalities (configs/criteo_kaggle_8gpu.yaml)
+CRITEO_KAGGLE = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
+                 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
 
-
-# -- a stager for dcp.async_save that works on torchrec ShardedTensors -------------------------
-def clone_state(obj: Any) -> Any:
-    """A training-safe copy of a state dict: tensors cloned, ShardedTensors rebuilt from
-    cloned local shards with the same global metadata (no collective)."""
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-
-    if isinstance(obj, ShardedTensor):
-        shards = [Shard(s.tensor.detach().clone(), s.metadata) for s in obj.local_shards()]
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            shards, obj.metadata(), process_group=obj._process_group)
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: clone_state(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [clone_state(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(clone_state(v) for v in obj)
-    return obj
+SIZES: dict[str, dict[str, Any]] = {
+    # the quickstart model (8 tables, 457k rows, 2 ranks); ~2.5 minutes here
+    "quick": {"config": "configs/quickstart.yaml", "steps": 48, "interval": 12, "repeats": 1, "overrides": []},
+    # 26 tables with Criteo Kaggle's cardinalities capped at 1M rows, dim 64: 5.6M rows,
+    # 1.43 GB of fp32 embeddings (+ row-wise momentum); not run within CI
+    # steps: ~0.35 s each here, so an interval of 170 steps is about one minute
+    "full": {"config": None, "steps": 510, "interval": 170, "repeats": 2, "cap": 1_000_000, "dim": 64,
+             "overrides": ["data.batch_size=2048"]},
+}
 
 
-def _stager_class() -> type:
-    from torch.distributed.checkpoint.staging import AsyncStager
+def full_config(path: Path, cap: int, dim: int) -> Path:
+    """The full suite's model: quickstart's job with Criteo Kaggle's 26 tables (capped)."""
+    import yaml
 
-    class CloningStager(AsyncStager):
-        """Stage by cloning every local tensor (synchronously, on the training thread)."""
-
-        _synchronize_after_execute = False
-
-        def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-            return clone_state(state_dict)
-
-        def synchronize_staging(self) -> None:
-            pass
-
-        def close(self) -> None:
-            pass
-
-    return CloningStager
+    data = yaml.safe_load((REPO / "configs/quickstart.yaml").read_text())
+    data["run"]["name"] = "bench_full"
+    data["model"]["tables"] = [
+        {"name": f"t_cat_{i}", "num_embeddings": min(n, cap), "embedding_dim": dim, "features": [f"cat_{i}"]}
+        for i, n in enumerate(CRITEO_KAGGLE)]
+    data["model"]["dense_arch_layer_sizes"] = [128, dim]
+    data["model"]["over_arch_layer_sizes"] = [256, 64, 1]
+    data["sharding"] = {"default": "table_wise"}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
 
 
-# -- torch.save per rank -----------------------------------------------------------------------
-def local_state(obj: Any) -> Any:
-    """This rank's part of a state dict: a ShardedTensor becomes the list of its local shard
-    tensors (views, not copies); everything else as is."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
+# -- measurements --------------------------------------------------------------------------------
+def capacity(config: str, overrides: list[str], bootstrap: str, run_id: str, ranks: int) -> dict[int, dict[str, int]]:
+    """Per committed checkpoint id: bytes of its chain (rows of base + deltas) and its dense file."""
+    from ckpt.backends import open_backend
+    from ckpt.markers import commits
+    from trainer.config import load_config
 
-    if isinstance(obj, ShardedTensor):
-        return [s.tensor for s in obj.local_shards()]
-    if isinstance(obj, dict):
-        return {k: local_state(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [local_state(v) for v in obj]
-    return obj
-
-
-@torch.no_grad()
-def copy_local_into(live: Any, saved: Any) -> Any:
-    """Copy `saved` (from `local_state`) into the live state dict's tensors; returns what
-    `load_state_dict` should get."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    if isinstance(live, ShardedTensor):
-        for s, t in zip(live.local_shards(), saved):
-            s.tensor.copy_(t)
-        return live
-    if isinstance(live, torch.Tensor):
-        live.copy_(saved)
-        return live
-    if isinstance(live, dict):
-        return {k: copy_local_into(live[k], saved[k]) for k in live}
-    if isinstance(live, list):
-        return [copy_local_into(a, b) for a, b in zip(live, saved)]
-    return saved
+    cfg = load_config(config, [*overrides, "ckpt.enabled=true", f"ckpt.bootstrap_servers={bootstrap}",
+                               f"ckpt.run_id={run_id}"], check_data=False)
+    backend = open_backend(cfg.ckpt, ranks)
+    try:
+        found = commits(backend.markers.read_markers(), run_id)
+    finally:
+        backend.close()
+    return {m.checkpoint_id: {"chain_bytes": m.chain_bytes, "dense_bytes": int(m.dense.get("bytes", 0)),
+                              "links": len(m.chain)} for _, m in found}
 
 
-def _dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+def steps_lost(ckpts: list[tuple[int, int | None]], interval: int, steps: int) -> float | None:
+    """Expected steps to re-train after a crash at a uniformly random step of [interval, steps):
+    k steps done, restorable = newest checkpoint step whose durable step <= k (0: none)."""
+    ks = range(interval, steps)
+    if not ks:
+        return None
+    lost = []
+    for k in ks:
+        restorable = max((s for s, d in ckpts if d is not None and d <= k), default=0)
+        lost.append(k - restorable)
+    return sum(lost) / len(lost)
 
 
-def _max_over_ranks(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+def deltarec_job(policy: str, encoding: str, s: dict[str, Any], work: Path, bootstrap: str, prefix: str,
+                 timeout_s: float) -> dict[str, Any]:
+    from bench.ckpt_bench import train_run
+    from launch.ranks import read_metrics
+
+    label = f"{policy}-{encoding}"
+    ns = Namespace(policy=policy, interval=s["interval"], steps=s["steps"], overrides=["ckpt.final=false", *s["overrides"]],
+                   config=s["config"], ranks=2, timeout_s=timeout_s)
+    run = train_run(label, [f"ckpt.encoding={encoding}"], ns, work, bootstrap, prefix)
+    metrics = read_metrics(work / label / "run")
+    rates = [m["samples_per_s"] for m in metrics if "samples_per_s" in m]
+    run["skipped"] = sum(1 for m in metrics if m.get("ckpt_skipped"))  # writers still busy: back-pressure
+    run["samples_per_s"] = harmonic_of(rates[1:] or rates)  # every window but the first (start-up)
+    run["capacity"] = capacity(s["config"], [*ns.overrides, f"ckpt.encoding={encoding}"], bootstrap, run["run_id"], 2)
+    run["run_dir"] = str(work / label / "run")
+    return run
+
+
+def baseline_job(s: dict[str, Any], work: Path, timeout_s: float) -> dict[str, Any]:
+    """The same job spawned the same way without checkpointing: deltarec's throughput baseline."""
+    from bench.ckpt_bench import baseline_run
+    from launch.ranks import read_metrics
+
+    ns = Namespace(interval=s["interval"], steps=s["steps"], overrides=s["overrides"], config=s["config"], ranks=2,
+                   timeout_s=timeout_s)
+    run = baseline_run(ns, work)
+    rates = [m["samples_per_s"] for m in read_metrics(work / "no-ckpt" / "run") if "samples_per_s" in m]
+    run["samples_per_s"] = harmonic_of(rates[1:] or rates)
+    return run
+
+
+def peers_job(s: dict[str, Any], work: Path, bootstrap: str, jobs: dict[tuple[str, str], dict], timeout_s: float) -> list[dict]:
+    from launch.ranks import spawn_ranks
+
+    tmp = work / "peers"
+    tmp.mkdir(parents=True)
+    extra = ["--out-dir", str(tmp), "--steps", str(s["steps"]), "--interval", str(s["interval"]),
+             "--repeats", str(s["repeats"])]
+    for (policy, enc), run in jobs.items():
+        label = f"{policy}-{enc}"
+        extra += ["--restore", f"{label}={run['run_id']}={run['run_dir']}", "--restore-override", f"{label}=ckpt.encoding={enc}"]
+    log(f"peers: no checkpoint / {' / '.join(PEERS)}, then restores")
+    spawn_ranks(s["config"], [f"ckpt.bootstrap_servers={bootstrap}", "train.eval_every=0", "train.eval_batches=0",
+                              *s["overrides"]], tmp, world_size=2, timeout_s=timeout_s, module="bench.peers_rank",
+                extra_args=extra)
+    return [json.loads((tmp / f"peers_rank{r}.json").read_text()) for r in range(2)]
+
+
+# -- records ----------------------------------------------------------------------------------------
+@dataclass
+class PeerRecords:
+    """The suite's measurements, labelled by peer, policy, encoding, the interval and the
+    checkpoint (None: an aggregate over the run)."""
+
+    interval: int
+    items: list[Measurement] = field(default_factory=list)
+
+    def add(self, peer: str, policy: str | None, encoding: str | None, metric: str, value: Any, unit: str,
+            ckpt: int | None = None, **extra: Any) -> None:
+        """Record a figure; a missing one (None) is left out."""
+        if value is None:
+            return
+        labels = {"peer": peer, "policy": policy, "encoding": encoding, "interval": self.interval, "ckpt": ckpt, **extra}
+        self.items.append(Measurement(metric, round(value, 6) if isinstance(value, float) else value, unit, labels))
+
+    def series(self, metric: str, **labels: Any) -> list[tuple[int, Any]]:
+        """(checkpoint, value) of the per-checkpoint figures of `metric` whose labels match, in
+        checkpoint order."""
+        return sorted((m.labels["ckpt"], m.value) for m in self.items if m.metric == metric
+                      and m.labels["ckpt"] is not None and all(m.labels.get(k) == v for k, v in labels.items()))
+
+
+def build_records(s: dict[str, Any], jobs: dict[tuple[str, str], dict], peers: list[dict],
+                  base: dict[str, Any]) -> tuple[PeerRecords, dict]:
+    rec = PeerRecords(s["interval"])
+    steps, interval = s["steps"], s["interval"]
+    p0 = peers[0]
+    # peers: no-checkpoint phases of the same process (before and after the peers' phases)
+    none_rate = harmonic_of([ph["samples_per_s"] for ph in p0["phases"] if ph["peer"] == "none"])
+    rec.add("none_inproc", None, None, "samples_per_s", none_rate, "samples/s")
+    for ph in p0["phases"]:
+        if ph["peer"] == "none":
+            rec.add("none_inproc", None, None, "samples_per_s_phase", ph["samples_per_s"], "samples/s")
+    # deltarec: a job spawned like its jobs, without checkpointing
+    job_rate = base["samples_per_s"]
+    rec.add("none", None, None, "samples_per_s", job_rate, "samples/s")
+    summary: dict[str, Any] = {"none_samples_per_s": job_rate, "none_inproc_samples_per_s": none_rate,
+                               "peers": {}, "deltarec": {}}
+
+    restore = p0["restore"]
+    dcp_load = median_of(restore["dcp.load"]["restore_s"])
+    for ph in p0["phases"]:
+        name = ph["peer"]
+        if name == "none":
+            continue
+        cks = ph["checkpoints"]
+        for c in cks:
+            rec.add(name, "full", "fp32", "stall_ms", c["stall_ms"], "ms", c["ckpt"], step=c["step"])
+            rec.add(name, "full", "fp32", "bytes_written", c["bytes"], "B", c["ckpt"], step=c["step"])
+            rec.add(name, "full", "fp32", "capacity_bytes", c["bytes"], "B", c["ckpt"], step=c["step"])
+            rec.add(name, "full", "fp32", "durable_at_step", c["durable_at"], "step", c["ckpt"], step=c["step"])
+        loss = steps_lost([(c["step"], c["durable_at"]) for c in cks], interval, steps)
+        load_key = {"dcp.save": "dcp.load", "dcp.async_save": "dcp.load", "torch.save": "torch.load"}[name]
+        agg = {"stall_ms": median_of([c["stall_ms"] for c in cks]), "bytes_written": mean_of([c["bytes"] for c in cks]),
+               "capacity_bytes": max((c["bytes"] for c in cks), default=None), "samples_per_s": ph["samples_per_s"],
+               "throughput_overhead": 1 - ph["samples_per_s"] / none_rate if none_rate else None,
+               "restore_s": median_of(restore[load_key]["restore_s"]), "steps_lost_mean": loss}
+        summary["peers"][name] = agg
+        _add_agg(rec, name, "full", "fp32", agg)
+    rec.add("dcp.load", "full", "fp32", "restore_same_state", all(restore["dcp.load"]["same_state"]), "bool")
+    rec.add("torch.load", "full", "fp32", "restore_same_state", all(restore["torch.load"]["same_state"]), "bool")
+    dcp = summary["peers"]["dcp.save"]
+
+    for (policy, enc), run in jobs.items():
+        cks = [c for c in run["checkpoints"]]
+        cap = run["capacity"]
+        for c in cks:
+            cid = c["ckpt_id"]
+            capb = cap.get(cid)
+            rec.add("deltarec", policy, enc, "stall_ms", c["stall_ms"], "ms", cid, step=c["step"], kind=c["kind"])
+            rec.add("deltarec", policy, enc, "bytes_written", c["bytes"], "B", cid, step=c["step"], kind=c["kind"])
+            rec.add("deltarec", policy, enc, "rows_written", c["rows"], "rows", cid, step=c["step"])
+            rec.add("deltarec", policy, enc, "committed", bool(c["committed"]), "bool", cid, step=c["step"])
+            if capb:
+                rec.add("deltarec", policy, enc, "capacity_bytes", capb["chain_bytes"] + capb["dense_bytes"], "B", cid,
+                        step=c["step"], chain_links=capb["links"], dense_bytes=capb["dense_bytes"])
+            rec.add("bare_copy", policy, enc, "stall_ms", c["bare_copy_ms"], "ms", cid, step=c["step"])
+            rec.add("deltarec", policy, enc, "durable_at_step", c.get("committed_at_step"), "step", cid, step=c["step"])
+        ok = [c for c in cks if c["committed"]]
+        caps = [cap[c["ckpt_id"]]["chain_bytes"] + cap[c["ckpt_id"]]["dense_bytes"] for c in ok if c["ckpt_id"] in cap]
+        label = f"deltarec:{policy}-{enc}"
+        rs = restore.get(label, {})
+        agg = {
+            "stall_ms": median_of([c["stall_ms"] for c in ok]),
+            "bare_copy_ms": median_of([c["bare_copy_ms"] for c in ok]),
+            "stall_over_bare_copy": median_of([c["stall_over_bare"] for c in ok]),
+            "bytes_written": mean_of([c["bytes"] for c in ok]),
+            # between two full checkpoints (the long-run regime of a diff policy; none for `full`)
+            "bytes_written_delta": mean_of([c["bytes"] for c in ok if c["kind"] == "delta"]),
+            "capacity_bytes": max(caps) if caps else None,
+            "capacity_bytes_final": caps[-1] if caps else None,
+            "samples_per_s": run["samples_per_s"],
+            "throughput_overhead": 1 - run["samples_per_s"] / job_rate if job_rate and run["samples_per_s"] else None,
+            "restore_s": median_of(rs.get("restore_s", [])),
+            "steps_lost_mean": steps_lost([(c["step"], c.get("committed_at_step") if c["committed"] else None)
+                                           for c in cks], interval, steps),
+            "committed": len(ok), "checkpoints": len(cks), "skipped": run.get("skipped", 0),
+        }
+        agg["bytes_written_vs_dcp"] = dcp["bytes_written"] / agg["bytes_written"] if agg["bytes_written"] else None
+        agg["bytes_written_delta_vs_dcp"] = (dcp["bytes_written"] / agg["bytes_written_delta"]
+                                             if agg["bytes_written_delta"] else None)
+        agg["capacity_vs_dcp"] = dcp["capacity_bytes"] / agg["capacity_bytes"] if agg["capacity_bytes"] else None
+        agg["stall_vs_dcp_save"] = dcp["stall_ms"] / agg["stall_ms"] if agg["stall_ms"] else None
+        agg["restore_over_dcp_load"] = agg["restore_s"] / dcp_load if agg["restore_s"] and dcp_load else None
+        summary["deltarec"][f"{policy}/{enc}"] = agg
+        _add_agg(rec, "deltarec", policy, enc, agg)
+    return rec, summary
+
+
+_UNITS = {"stall_ms": "ms", "bare_copy_ms": "ms", "bytes_written": "B", "bytes_written_delta": "B", "capacity_bytes": "B",
+          "capacity_bytes_final": "B",
+          "samples_per_s": "samples/s", "throughput_overhead": "fraction", "restore_s": "s", "steps_lost_mean": "steps",
+          "committed": "checkpoints", "checkpoints": "checkpoints", "skipped": "checkpoints"}
+
+
+def _add_agg(rec: PeerRecords, peer: str, policy: str, enc: str, agg: dict[str, Any]) -> None:
+    for k, v in agg.items():
+        rec.add(peer, policy, enc, k, v, _UNITS.get(k, "ratio"))
+
+
+def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    d = summary["deltarec"].get(f"{DEFAULT_POLICY}/{DEFAULT_QUANT}", {})
+    out = [
+        ("bytes written per interval, dcp.save / deltarec (default policy, 4-bit)", d.get("bytes_written_vs_dcp"), ">=", 17),
+        ("capacity, dcp.save / deltarec (default policy, 4-bit)", d.get("capacity_vs_dcp"), ">=", 8),
+        ("stall, dcp.save / deltarec (default policy, 4-bit)", d.get("stall_vs_dcp_save"), ">=", 20),
+        ("stall, deltarec / bare copy of the same rows", d.get("stall_over_bare_copy"), "<=", 1.5),
+        ("throughput overhead (at this suite's interval, not 1 minute)", d.get("throughput_overhead"), "<=", 0.05),
+        ("restore / dcp.load", d.get("restore_over_dcp_load"), "<=", 1.0),
+    ]
+    return [{"target": t, "value": v, "op": op, "goal": g,
+             "met": None if v is None else (v >= g if op == ">=" else v <= g)} for t, v, op, g in out]
+
+
+# -- output ----------------------------------------------------------------------------------------
+def table(summary: dict[str, Any]) -> str:
+    head = ("| peer | policy / encoding | stall ms | bytes written / interval MB | capacity MB | samples/s | overhead | "
+            "restore s | steps lost | bytes vs dcp | capacity vs dcp | stall vs dcp | stall / bare copy |")
+    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+
+    def f(x: Any, nd: int = 2, scale: float = 1.0) -> str:
+        return "" if x is None else f"{x / scale:.{nd}f}"
+
+    for name, a in summary["peers"].items():
+        lines.append(f"| {name} | full / fp32 | {f(a['stall_ms'], 1)} | {f(a['bytes_written'], 1, 1e6)} | "
+                     f"{f(a['capacity_bytes'], 1, 1e6)} | {f(a['samples_per_s'], 0)} | {f(a['throughput_overhead'] * 100 if a['throughput_overhead'] is not None else None, 1)}% | "
+                     f"{f(a['restore_s'], 3)} | {f(a['steps_lost_mean'], 1)} | 1 | 1 | | |")
+    for key, a in summary["deltarec"].items():
+        ov = a["throughput_overhead"]
+        lines.append(f"| deltarec | {key.replace('/', ' / ')} | {f(a['stall_ms'], 1)} | {f(a['bytes_written'], 2, 1e6)} | "
+                     f"{f(a['capacity_bytes'], 2, 1e6)} | {f(a['samples_per_s'], 0)} | {f(ov * 100 if ov is not None else None, 1)}% | "
+                     f"{f(a['restore_s'], 3)} | {f(a['steps_lost_mean'], 1)} | {f(a['bytes_written_vs_dcp'], 1)} | "
+                     f"{f(a['capacity_vs_dcp'], 1)} | {f(a['stall_vs_dcp_save'], 1)} | {f(a['stall_over_bare_copy'], 2)} |")
+    lines.append(f"| none (job, deltarec's baseline) | | | | | {f(summary['none_samples_per_s'], 0)} | 0% | | | | | | |")
+    lines.append(f"| none (in-process, the peers' baseline) | | | | | {f(summary['none_inproc_samples_per_s'], 0)} | 0% | | | | | | |")
+    return "\n".join(lines)
+
+
+def plots(records: PeerRecords, img: Path, size: str) -> list[str]:
+    """Check-N-Run's Figures 15 and 16 in shape: per interval, bytes written and storage
+    required by every deltarec policy (one panel per encoding) against dcp.save's mean."""
+    from matplotlib.ticker import MaxNLocator
+
+    written = []
+    for metric, fig_no, title in (("bytes_written", 15, "bytes written per interval"),
+                                  ("capacity_bytes", 16, "storage required per interval")):
+        path = img / f"peers_{size}_fig{fig_no}_{metric}.png"
+        with figure(path, 1, len(ENCODINGS), figsize=(11, 4), dpi=100, sharey=True) as (fig, axes):
+            for ax, enc in zip(axes, ENCODINGS):
+                for policy in POLICIES:
+                    pts = records.series(metric, peer="deltarec", policy=policy, encoding=enc)
+                    if pts:
+                        ax.plot([p[0] for p in pts], [p[1] / 1e6 for p in pts], marker="o", label=policy)
+                dcp = mean_of(v for _, v in records.series(metric, peer="dcp.save"))
+                if dcp is not None:
+                    ax.axhline(dcp / 1e6, color="k", ls="--", label="dcp.save (fp32, full)")
+                ax.set_title(f"{enc}")
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+                ax.set_xlabel("checkpoint (interval) number")
+                ax.grid(alpha=0.3)
+            axes[0].set_ylabel("MB")
+            axes[0].legend(fontsize=8)
+            fig.suptitle(f"Check-N-Run Fig. {fig_no} shape: {title} ({size} suite)")
+        written.append(str(path))
+    return written
+
+
+def parser(prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", choices=sorted(SIZES), default="quick", help="the model and steps (the suite's name)")
+    p.add_argument("--out", type=Path, help="write the JSON records and summary here")
+    p.add_argument("--plots", type=Path, help="write the Figure 15/16 PNGs into this directory")
+    p.add_argument("--keep", type=Path, help="keep run directories here (default: a temporary directory)")
+    p.add_argument("--steps", type=int, help="override the suite's training steps (per job and per peer phase)")
+    p.add_argument("--interval", type=int, help="override the suite's checkpoint interval (steps)")
+    p.add_argument("--timeout-s", type=float, default=900)
+    return p
+
+
+def run(argv: list[str], prog: str = "python -m bench.run") -> dict[str, Any]:
+    """Measure, print the table and targets, (`--out`) write the result document; return it
+    (its `records` as `Measurement`s)."""
+    args = parser(prog).parse_args(argv)
+    from launch.broker import EmbeddedBroker
+
+    started = time.perf_counter()
+    machine = machine_info()
+    s = dict(SIZES[args.size])
+    s.update({k: v for k, v in (("steps", args.steps), ("interval", args.interval)) if v})
+    prefix = f"bench-{args.size}-{uuid.uuid4().hex[:8]}"
+    with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmpdir, EmbeddedBroker() as broker:
+        work = args.keep / prefix if args.keep else Path(tmpdir)
+        work.mkdir(parents=True, exist_ok=True)
+        s["config"] = str(full_config(work / "full.yaml", s["cap"], s["dim"])) if s["config"] is None \
+            else config_path(s["config"])
+        log(f"suite {args.size}: {s['config']}, {s['steps']} steps, checkpoint every {s['interval']}; broker "
+             f"{broker.bootstrap}; work dir {work}")
+        base = baseline_job(s, work, args.timeout_s)
+        jobs: dict[tuple[str, str], dict] = {}
+        for policy in POLICIES:
+            for enc in ENCODINGS:
+                jobs[(policy, enc)] = deltarec_job(policy, enc, s, work, broker.bootstrap, prefix, args.timeout_s)
+        peers = peers_job(s, work, broker.bootstrap, jobs, args.timeout_s)
+        batch = _batch(s)
+    machine["loadavg_end"] = loadavg()
+    records, summary = build_records(s, jobs, peers, base)
+    tg = targets(summary)
+    model_rows = next(iter(jobs.values()))["model_rows"]
+    result: dict[str, Any] = {
+        **document_head("peers", prog, argv, machine), "suite": args.size,
+        "settings": {"config": s["config"], "steps": s["steps"], "interval_steps": s["interval"], "ranks": 2,
+                     "overrides": s["overrides"], "model_rows": model_rows,
+                     "interval_s_approx": s["interval"] * 2 * batch / summary["none_samples_per_s"]
+                     if summary["none_samples_per_s"] else None},
+        "wall_s": time.perf_counter() - started,
+        "records": records.items, "summary": summary, "targets": tg,
+    }
+    if args.plots:
+        result["plots"] = plots(records, args.plots, args.size)
+    result["wall_s"] = time.perf_counter() - started
+    print(table(summary))
+    for t in tg:
+        v = t["value"]
+        print(f"target: {t['target']} {t['op']} {t['goal']}: {'n/a' if v is None else f'{v:.3g}'} "
+              f"({'met' if t['met'] else 'NOT met' if t['met'] is not None else 'not measured'})")
+    print(f"wall {result['wall_s']:.0f} s")
+    if args.out:
+        args.out.write_text(json.dumps({**result, "records": [m.flat() for m in records.items]}, indent=1) + "\n")
+    return result
+
+
+def measurements(result: dict[str, Any]) -> list[Measurement]:
+    """Every record of the run, as measured (per checkpoint and aggregated)."""
+    return list(result["records"])
+
+
+def _batch(s: dict[str, Any]) -> int:
+    from trainer.config import load_config
+
+    return load_config(s["config"], s["overrides"], check_data=False).data.batch_size
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--config", required=True)
-    p.add_argument("--out-dir", type=Path, required=True)
-    p.add_argument("--steps", type=int, required=True, help="steps per phase")
-    p.add_argument("--interval", type=int, required=True)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--restore", action="append", default=[], help="LABEL=RUN_ID=RUN_DIR of a deltarec run")
-    p.add_argument("--restore-override", action="append", default=[], help="LABEL=key=value")
-    args, overrides = p.parse_known_args(sys.argv[1:] if argv is None else argv)
-
-    import torch.distributed.checkpoint as dcp
-
-    from ckpt.manager import CheckpointManager
-    from sharding.dmp import shard_model
-    from sharding.process_group import destroy_process_group, detect_env, init_process_group
-    from trainer.config import load_config
-    from trainer.data.factory import make_reader
-    from trainer.main import set_threads
-    from trainer.metrics import MetricsLog
-    from trainer.model import build_model
-    from trainer.trainer import Trainer
-
-    cfg = load_config(args.config, overrides)
-    env = detect_env()
-    device = init_process_group(env, backend=cfg.sharding.backend, init_method=cfg.sharding.init_method,
-                                timeout_s=cfg.sharding.timeout_s)
-    set_threads(cfg, env)
-    rank = env.rank
-    torch.manual_seed(cfg.run.seed)
-    sharded = shard_model(build_model(cfg.model, device), cfg, env, device)
-    no_metrics = MetricsLog(Path("unused"), enabled=False)
-    trainer = Trainer(cfg, env, device, sharded, make_reader(cfg, env, "train"), None, no_metrics)
-    samples_per_step = cfg.data.batch_size * env.world_size
-    async_group = dist.new_group(backend="gloo")
-    stager = _stager_class()()
-    work = args.out_dir / "peers-ckpt"
-    dcp_dir, async_dir, torch_dir = work / "dcp_save", work / "dcp_async_save", work / "torch_save"
-    for d in (dcp_dir, async_dir, torch_dir):
-        d.mkdir(parents=True, exist_ok=True)
-
-    def dcp_state() -> dict[str, Any]:
-        return {"model": sharded.model.state_dict(), "optim": sharded.optimizer.state_dict()}
-
-    for _ in range(WARMUP_STEPS):
-        trainer.train_step()
-
-    pending: list[Any] = [None]  # the async save in flight: (future, ckpt index)
-
-    def async_done() -> bool:
-        f = pending[0]
-        return f is None or f.done()
-
-    def peer_none(i: int) -> None:
-        pass
-
-    def peer_dcp(i: int) -> None:
-        dcp.save(dcp_state(), checkpoint_id=str(dcp_dir / f"c{i}"))
-
-    def peer_async(i: int) -> None:
-        if pending[0] is not None:
-            pending[0].result()  # the previous save must finish first (blocks training)
-        resp = dcp.async_save(dcp_state(), checkpoint_id=str(async_dir / f"c{i}"), async_stager=stager,
-                              process_group=async_group)
-        pending[0] = getattr(resp, "upload_completion", resp)
-
-    def peer_torch(i: int) -> None:
-        torch.save(local_state(dcp_state()), torch_dir / f"c{i}_rank{rank}.pt")
-
-    def run_phase(name: str, ckpt: Callable[[int], None]) -> dict[str, Any]:
-        dist.barrier()
-        ckpts: list[dict[str, Any]] = []
-        awaiting: list[dict[str, Any]] = []
-        t0 = time.perf_counter()
-        for s in range(1, args.steps + 1):
-            trainer.train_step()
-            if name == "dcp.async_save" and awaiting and async_done():
-                for c in awaiting:
-                    c["durable_at"] = s
-                awaiting.clear()
-            if s % args.interval == 0 and name != "none":
-                i = len(ckpts) + 1
-                t = time.perf_counter()
-                ckpt(i)
-                c = {"ckpt": i, "step": s, "stall_s": time.perf_counter() - t}
-                if name == "dcp.async_save":
-                    awaiting[:] = [c]  # the previous one, if any, finished inside ckpt()
-                    for prev in ckpts:
-                        prev.setdefault("durable_at", s)
-                else:
-                    c["durable_at"] = s
-                ckpts.append(c)
-        wall = time.perf_counter() - t0
-        if pending[0] is not None:  # let the last async save finish (outside the timed phase)
-            pending[0].result()
-            pending[0] = None
-            for c in awaiting:
-                c.setdefault("durable_at", args.steps)
-        wall = _max_over_ranks(wall)
-        for c in ckpts:
-            c["stall_ms"] = _max_over_ranks(c.pop("stall_s")) * 1e3
-            c["durable_at"] = int(_max_over_ranks(float(c["durable_at"])))
-        dist.barrier()
-        d = {"dcp.save": dcp_dir, "dcp.async_save": async_dir}.get(name)
-        for c in ckpts:
-            if d is not None:
-                c["bytes"] = _dir_bytes(d / f"c{c['ckpt']}") if rank == 0 else 0  # one directory for all ranks
-            elif name == "torch.save":
-                t = torch.tensor([float((torch_dir / f"c{c['ckpt']}_rank{rank}.pt").stat().st_size)], dtype=torch.float64)
-                dist.all_reduce(t)
-                c["bytes"] = int(t.item())
-        return {"peer": name, "steps": args.steps, "wall_s": wall, "samples_per_s": args.steps * samples_per_step / wall,
-                "checkpoints": ckpts}
-
-    phases = [run_phase("none", peer_none), run_phase("dcp.save", peer_dcp), run_phase("dcp.async_save", peer_async),
-              run_phase("torch.save", peer_torch), run_phase("none", peer_none)]
-    end_step = trainer.step
-    out: dict[str, Any] = {"rank": rank, "phases": phases, "threads": torch.get_num_threads()}
-
-    # -- restore to training-ready ----------------------------------------------------------
-    n = len(phases[1]["checkpoints"])
-    
-    def dcp_load() -> None:
-        st = dcp_state()
-        dcp.load(st, checkpoint_id=str(dcp_dir / f"c{n}"))
-        sharded.model.load_state_dict(st["model"])
-        sharded.optimizer.load_state_dict(st["optim"])
-
-    def torch_load() -> None:
-        saved = torch.load(torch_dir / f"c{n}_rank{rank}.pt", weights_only=False)
-        st = copy_local_into(dcp_state(), saved)
-        sharded.model.load_state_dict(st["model"])
-        sharded.optimizer.load_state_dict(st["optim"])
-
-    # the newest dcp.save / torch.save checkpoints hold an older state than the live one:
-    # save both again from the live state, so every load can be checked against it
-    dcp.save(dcp_state(), checkpoint_id=str(dcp_dir / f"c{n}"))
-    torch.save(local_state(dcp_state()), torch_dir / f"c{n}_rank{rank}.pt")
-    dist.barrier()
-    reference = _fingerprint(_smap(sharded), sharded)
-
-    restore_overrides: dict[str, list[str]] = {}
-    for ov in args.restore_override:
-        label, kv = ov.split("=", 1)
-        restore_overrides.setdefault(label, []).append(kv)
-    runs = []
-    for spec in args.restore:
-        label, run_id, run_dir = spec.split("=", 2)
-        runs.append((label, run_id, run_dir))
-
-    def deltarec_restore(label: str, run_id: str, run_dir: str) -> Callable[[], tuple[float, Any]]:
-        """Build a manager for that run (not timed: a restarted job builds it anyway), then
-        time `restore()` alone (marker lookup, chain replay, dense, reader and RNG state)."""
-        def go() -> tuple[float, Any]:
-            c = load_config(args.config, [*overrides, "ckpt.enabled=true", "ckpt.resume=latest", "ckpt.final=false",
-                                          f"ckpt.run_id={run_id}", f"run.dir={run_dir}",
-                                          *restore_overrides.get(label, [])])
-            mgr = CheckpointManager(c, env, device, sharded, trainer, no_metrics)
-            try:
-                t, rep = _timed(mgr.restore)
-                assert rep is not None, f"no checkpoint of run {run_id}"
-                return t, {"checkpoint_id": rep.checkpoint_id, "step": rep.step, "chain": rep.chain, "rows": rep.rows,
-                           "bytes": rep.bytes}
-            finally:
-                mgr.tracker.detach()
-                mgr.finish(trainer.step)
-        return go
-
-    kinds: list[tuple[str, Callable[[], Any]]] = [("dcp.load", dcp_load), ("torch.load", torch_load)]
-    kinds += [(f"deltarec:{label}", deltarec_restore(label, run_id, run_dir)) for label, run_id, run_dir in runs]
-    restore: dict[str, dict[str, Any]] = {k: {"restore_s": [], "same_state": []} for k, _ in kinds}
-    for r in range(args.repeats):
-        order = kinds[r % len(kinds):] + kinds[: r % len(kinds)]
-        for name, fn in order:
-            if name.startswith("deltarec:"):
-                t, info = fn()  # restores that run's state: not comparable to the reference
-                restore[name]["restore_s"].append(t)
-                restore[name]["checkpoint"] = info
-                continue
-            _perturb(_smap(sharded), sharded)
-            t, _ = _timed(fn)
-            restore[name]["restore_s"].append(t)
-            restore[name]["same_state"].append(_fingerprint(_smap(sharded), sharded) == reference)
-    out["restore"] = restore
-    out["dcp_bytes"] = _dir_bytes(dcp_dir / f"c{n}")
-    out["end_step"] = end_step
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"peers_rank{rank}.json").write_text(json.dumps(out, indent=1) + "\n")
-    dist.barrier()
-    if rank == 0:
-        shutil.rmtree(work, ignore_errors=True)
-    del trainer, sharded
-    gc.collect()
-    destroy_process_group()
+    run(sys.argv[1:] if argv is None else argv, "python -m bench.peers")
     return 0
-
-
-_SMAP: dict[int, Any] = {}
-
-
-def _smap(sharded: Any) -> Any:
-    from sharding.shard_views import ShardMap
-
-    key = id(sharded)
-    if key not in _SMAP:
-        _SMAP[key] = ShardMap.from_model(sharded.model)
-    return _SMAP[key]
 
 
 if __name__ == "__main__":

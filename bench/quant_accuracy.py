@@ -1,6 +1,6 @@
 """Model accuracy after L restores from quantized checkpoints (Check-N-Run, NSDI'22, Fig. 14).
 
-    python -m bench.quant_accuracy [--out results.json] [--plot-dir docs/img] [--steps 1500] ...
+    python -m bench.run --suite accuracy [--out results.json] [--plot-dir docs/img] [--steps 1500] ...
 
 For every cell (a setting, L restores) one job of ``--steps`` steps is trained on 2 gloo ranks
 (the synthetic learnable click stream, ``configs/debug_cpu.yaml`` with ``--set`` overrides, by
@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import re
 import shutil
 import sys
@@ -48,8 +46,10 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import fmean, stdev
+from typing import Any
 
-from bench.quant_bench import cpu_model
+from bench.common import Measurement, config_path, document_head, figure, loadavg, machine_info, scalars
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "configs" / "debug_cpu.yaml"
@@ -108,7 +108,7 @@ def boundaries(steps: int, restores: int) -> list[int]:
 def spawn(config: Path, overrides: list[str], run_dir: Path, world_size: int, timeout_s: float) -> str:
     """Run `world_size` ranks of `python -m trainer.main` in `run_dir` (file rendezvous); return
     rank 0's stdout. A failing or hung rank kills the others and raises."""
-    from tests.ranks import start_ranks
+    from launch.ranks import start_ranks
 
     group = start_ranks(config, [*overrides, f"run.dir={run_dir}"], run_dir, world_size, timeout_s)
     return group.wait()[0].stdout
@@ -116,14 +116,14 @@ def spawn(config: Path, overrides: list[str], run_dir: Path, world_size: int, ti
 
 def marker_codecs(config: Path, overrides: list[str]) -> dict[int, dict]:
     """checkpoint id -> {step, weights, optimizer, full} of every COMMIT marker of the run."""
-    from ckpt.backends import open_backend, run_id_of
+    from ckpt.backends import open_backend
     from ckpt.markers import commits
     from trainer.config import load_config
 
     cfg = load_config(config, overrides, check_data=False)
-    backend = open_backend(cfg, world_size=1)
+    backend = open_backend(cfg.ckpt, world_size=1)
     try:
-        found = commits(backend.markers.read_markers(), run_id_of(cfg))
+        found = commits(backend.markers.read_markers(), cfg.ckpt.run_id)
     finally:
         backend.close()
     return {
@@ -133,22 +133,17 @@ def marker_codecs(config: Path, overrides: list[str]) -> dict[int, dict]:
 
 
 def read_evals(run_dir: Path) -> list[dict]:
-    out = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if "eval_logloss" in r:
-            out.append({k: r[k] for k in ("step", "eval_logloss", "eval_auc", "eval_samples")})
-    return out
+    from launch.ranks import read_metrics
+
+    keys = ("step", "eval_logloss", "eval_auc", "eval_samples")
+    return [{k: r[k] for k in keys} for r in read_metrics(run_dir) if "eval_logloss" in r]
 
 
 def read_train_losses(run_dir: Path) -> list[tuple[int, float]]:
     """(step, mean training loss of the window ending there) of every segment, in order."""
-    out = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if "loss" in r:
-            out.append((int(r["step"]), float(r["loss"])))
-    return out
+    from launch.ranks import read_metrics
+
+    return [(int(r["step"]), float(r["loss"])) for r in read_metrics(run_dir) if "loss" in r]
 
 
 def lifetime_logloss(windows: list[tuple[int, float]], steps: int) -> float:
@@ -282,17 +277,9 @@ def table(rows: list[dict], restores: list[int], key: str = "logloss_rel_pct", a
 
 
 def plot(rows: list[dict], restores: list[int], goal_pct: float, floor: dict, plot_dir: Path,
-         name: str = "quant_accuracy_restores.png") -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
-        return None
-    plot_dir.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.4))
+         name: str = "quant_accuracy_restores.png") -> str:
+    """Check-N-Run's Fig. 14 in shape: per measure, the degradation of every setting against
+    the restores, the goal line and the fp16 control's band."""
     styles = {"default": ("k", "o", 2.2), "adaptive2": ("C3", "v", 1.4), "adaptive3": ("C1", "^", 1.4),
               "adaptive4": ("C2", "s", 1.4), "asym8": ("C0", "D", 1.4), "fp16": ("0.55", "x", 1.0),
               "fp32": ("0.75", "+", 1.0)}  # fmt: skip
@@ -304,34 +291,32 @@ def plot(rows: list[dict], restores: list[int], goal_pct: float, floor: dict, pl
          floor.get("lifetime_pct")),
         ("auc_delta", "final eval AUC minus uninterrupted", "AUC, last step", None),
     ]  # fmt: skip
-    for ax, (key, ylabel, title, band) in zip(axes, panels):
-        for s in dict.fromkeys(r["setting"] for r in rows):
-            pts = sorted((r["restores"], r[key], r.get(key + "_sd")) for r in rows if r["setting"] == s)
-            color, marker, lw = styles.get(s, (None, "o", 1.2))
-            control = any(r["control"] for r in rows if r["setting"] == s)
-            label = "default policy (expected_restores = L)" if s == "default" else s + (" (control)" if control else "")
-            sd = [p[2] for p in pts] if all(p[2] is not None for p in pts) else None  # mean +- sd over seeds
-            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=sd, ls=":" if control else "-", color=color,
-                        marker=marker, lw=lw, capsize=3, label=label)
-        ax.set_xscale("log")
-        ax.set_xticks(restores)
-        ax.set_xticklabels([str(L) for L in restores])
-        ax.minorticks_off()
-        ax.set_xlabel("restores from a quantized checkpoint (L)")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.grid(True, alpha=0.3)
-        ax.axhline(0.0, color="0.3", lw=0.8)
-        if key != "auc_delta":
-            ax.set_yscale("symlog", linthresh=goal_pct)
-            ax.axhline(goal_pct, color="r", ls="--", lw=1, label=f"goal: +{goal_pct}%")
-            if band:
-                ax.axhspan(-band, band, color="0.85", alpha=0.6, lw=0, label=f"fp16 control: ±{band:.3f}%")
-    axes[0].legend(fontsize=7.5)
-    fig.tight_layout()
     f = plot_dir / name
-    fig.savefig(f, dpi=110)
-    plt.close(fig)
+    with figure(f, 1, 4, figsize=(20, 4.4)) as (fig, axes):
+        for ax, (key, ylabel, title, band) in zip(axes, panels):
+            for s in dict.fromkeys(r["setting"] for r in rows):
+                pts = sorted((r["restores"], r[key], r.get(key + "_sd")) for r in rows if r["setting"] == s)
+                color, marker, lw = styles.get(s, (None, "o", 1.2))
+                control = any(r["control"] for r in rows if r["setting"] == s)
+                label = "default policy (expected_restores = L)" if s == "default" else s + (" (control)" if control else "")
+                sd = [p[2] for p in pts] if all(p[2] is not None for p in pts) else None  # mean +- sd over seeds
+                ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=sd, ls=":" if control else "-", color=color,
+                            marker=marker, lw=lw, capsize=3, label=label)
+            ax.set_xscale("log")
+            ax.set_xticks(restores)
+            ax.set_xticklabels([str(L) for L in restores])
+            ax.minorticks_off()
+            ax.set_xlabel("restores from a quantized checkpoint (L)")
+            ax.set_ylabel(ylabel)
+            ax.set_title(title)
+            ax.grid(True, alpha=0.3)
+            ax.axhline(0.0, color="0.3", lw=0.8)
+            if key != "auc_delta":
+                ax.set_yscale("symlog", linthresh=goal_pct)
+                ax.axhline(goal_pct, color="r", ls="--", lw=1, label=f"goal: +{goal_pct}%")
+                if band:
+                    ax.axhspan(-band, band, color="0.85", alpha=0.6, lw=0, label=f"fp16 control: ±{band:.3f}%")
+        axes[0].legend(fontsize=7.5)
     return str(f)
 
 
@@ -406,9 +391,8 @@ def run_grid(args, base: list[str], work: Path) -> dict:
 
 
 def _mean_sd(xs: list[float]) -> tuple[float, float]:
-    m = sum(xs) / len(xs)
-    sd = (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else float("nan")
-    return m, sd
+    """Mean and sample standard deviation (NaN for a single value)."""
+    return fmean(xs), stdev(xs) if len(xs) > 1 else float("nan")
 
 
 def combine_seeds(grids: dict[int, dict], goal: float) -> dict:
@@ -457,8 +441,8 @@ def seeds_table(cells: list[dict], key: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results/quant_accuracy.json")
     p.add_argument("--plot-dir", default=None, help="write quant_accuracy_restores.png here")
     p.add_argument("--plot-name", default="quant_accuracy_restores.png", help="file name of the plot")
@@ -487,8 +471,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reuse", action="store_true",
                    help="with --work-dir: reuse cells already finished there with the same overrides")
     p.add_argument("--timeout", type=float, default=600, help="seconds per segment")
-    args = p.parse_args(argv)
+    return p
 
+
+def run(argv: list[str], prog: str = "python -m bench.run --suite accuracy") -> dict[str, Any]:
+    """Train the grid, print the tables, write `--out` (and the plot); return the result document."""
+    args = parser(prog).parse_args(argv)
+    args.config = Path(config_path(args.config))
     base = [
         "ckpt.enabled=true", "ckpt.sink=filesystem", f"ckpt.interval_steps={args.interval}", "ckpt.final=true",
         f"train.eval_batches={args.eval_batches}", f"train.eval_every={args.eval_every}", *args.overrides,
@@ -498,11 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     # the default policy's table, as the jobs will read it (a --set may override it)
     args.widths = tuple(map(tuple, load_config(args.config, base, check_data=False).ckpt.restore_bit_widths))
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="deltarec-quant-acc-"))
-    info = {
-        "cpu": cpu_model(), "cpus": os.cpu_count(), "python": platform.python_version(), "loadavg_start": os.getloadavg(),
-        "argv": sys.argv[1:] if argv is None else argv, "config": str(args.config), "overrides": base,
-        "steps": args.steps, "world_size": 2,
-    }  # fmt: skip
+    machine = machine_info()
+    settings = {"config": str(args.config), "overrides": base, "steps": args.steps, "world_size": 2}
     t0 = time.perf_counter()
     try:
         if args.seeds:
@@ -515,8 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep_runs and args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
-    info["loadavg_end"] = os.getloadavg()
-    info["seconds"] = round(time.perf_counter() - t0, 1)  # this invocation (reused cells cost nothing)
+    machine["loadavg_end"] = loadavg()
+    seconds = round(time.perf_counter() - t0, 1)  # this invocation (reused cells cost nothing)
     if args.seeds:
         res = {"per_seed": {str(k): v for k, v in grids.items()}, **combine_seeds(grids, args.goal)}
         res["goal_pct"] = args.goal
@@ -527,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         print("mean of the last evals:\n" + res["table_tail_md"])
         print("lifetime (mean training log loss over all steps):\n" + res["table_lifetime_md"])
         print(f"fp16 drift: {res['noise_fp16']}")
-    res = {"machine": info, **res}
+    res = {**document_head("accuracy", prog, argv, machine), "settings": settings, "seconds": seconds, **res}
     rows = res["cells"]
     if args.plot_dir:
         floor = res.get("noise_floor_fp16") or {
@@ -540,7 +526,30 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     holds = res.get("goal_holds_default_policy") or res.get("goal_holds_default_policy_mean")
-    print(f"wrote {args.out} in {info['seconds']:.0f} s; default policy under {args.goal}%: {holds}")
+    print(f"wrote {args.out} in {seconds:.0f} s; default policy under {args.goal}%: {holds}")
+    return res
+
+
+# what a cell reports against the uninterrupted job (and, over seeds, their standard deviations)
+CELL_FIGURES = ("logloss_rel_pct", "tail_logloss_rel_pct", "lifetime_logloss_rel_pct", "auc_delta", "tail_auc_delta",
+                "eval_logloss", "eval_auc", "lifetime_logloss")
+
+
+def measurements(result: dict[str, Any]) -> list[Measurement]:
+    """Per cell (setting, restores): its degradations against the uninterrupted job (means
+    and standard deviations when the grid ran over seeds)."""
+    out = []
+    seeds = result.get("seeds")
+    for c in result["cells"]:
+        labels = {"setting": c["setting"], "restores": c["restores"], "control": c["control"],
+                  "codecs": ",".join(c["codecs"]), **({"seeds": seeds} if seeds else {})}
+        keys = [k for name in CELL_FIGURES for k in (name, f"{name}_sd") if k in c]
+        out += scalars({k: c[k] for k in keys}, labels)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    run(sys.argv[1:] if argv is None else argv, "python -m bench.quant_accuracy")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Benchmark of the per-row quantization codecs (ckpt/quant): speed and accuracy.
 
-    python -m bench.quant_bench --out results.json --plot-dir docs/img [--rows trained_rows.pt]
+    python -m bench.run --suite codecs --out results.json --plot-dir docs/img [--rows trained_rows.pt]
 
 * Throughput: MB/s of fp32 input (n x dim x 4 bytes) for encode and decode of every codec,
   single thread (``torch.set_num_threads(1)``) and the default thread count: the median of
@@ -19,13 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
+from statistics import median
+from typing import Any
 
 import torch
 
+from bench.common import Measurement, document_head, figure, loadavg, machine_info, scalars
 from ckpt.quant import codec_names, get_codec
 from ckpt.quant.adaptive import greedy_range_search
 from ckpt.quant.uniform import fbgemm_available
@@ -37,28 +39,6 @@ METHODS = {  # method -> bit widths it has
     "kmeans": (2, 3, 4),
 }
 SLOW = ("adaptive", "kmeans")
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _versions() -> dict:
-    import importlib.metadata as md
-
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for pkg in ("fbgemm-gpu-cpu", "fbgemm-gpu"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
-    return out
 
 
 def _time(fn, nbytes: int, repeats: int, min_time: float) -> tuple[float, float, float]:
@@ -76,9 +56,7 @@ def _time(fn, nbytes: int, repeats: int, min_time: float) -> tuple[float, float,
         fn()
         walls.append(time.perf_counter() - w0)
         cpus.append(time.thread_time() - c0)
-    walls.sort()
-    cpus.sort()
-    med, best, med_cpu = walls[len(walls) // 2], walls[0], cpus[len(cpus) // 2]
+    med, best, med_cpu = median(walls), min(walls), median(cpus)
     return nbytes / med / 1e6, nbytes / best / 1e6, nbytes / max(med_cpu, 1e-9) / 1e6
 
 
@@ -181,40 +159,29 @@ def accuracy(rowsets: dict[str, torch.Tensor]) -> list[dict]:
 
 
 def plot(acc: list[dict], plot_dir: Path) -> list[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plots (pip install matplotlib)", file=sys.stderr)
-        return []
-    plot_dir.mkdir(parents=True, exist_ok=True)
+    """Check-N-Run's Fig. 9 in shape, one PNG per row set: mean L2 error per row against bits."""
     files = []
     for set_name in dict.fromkeys(r["rows"] for r in acc):
         rs = [r for r in acc if r["rows"] == set_name]
-        fig, ax = plt.subplots(figsize=(5.5, 4))
-        for method, marker in (("sym", "s"), ("asym", "o"), ("adaptive", "^"), ("kmeans", "D")):
-            pts = sorted((r["bits"], r["mean_l2"]) for r in rs if r["method"] == method)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=method)
-        ax.set_xticks([2, 3, 4, 8])
-        ax.set_yscale("log")
-        ax.set_xlabel("bits per element (codes only)")
-        ax.set_ylabel("mean L2 error per row")
-        r0 = rs[0]
-        ax.set_title(f"{set_name} rows ({r0['n']} x {r0['dim']})")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
         f = plot_dir / f"quant_l2_{set_name}.png"
-        fig.savefig(f, dpi=110)
-        plt.close(fig)
+        with figure(f, figsize=(5.5, 4)) as (fig, ax):
+            for method, marker in (("sym", "s"), ("asym", "o"), ("adaptive", "^"), ("kmeans", "D")):
+                pts = sorted((r["bits"], r["mean_l2"]) for r in rs if r["method"] == method)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=method)
+            ax.set_xticks([2, 3, 4, 8])
+            ax.set_yscale("log")
+            ax.set_xlabel("bits per element (codes only)")
+            ax.set_ylabel("mean L2 error per row")
+            r0 = rs[0]
+            ax.set_title(f"{set_name} rows ({r0['n']} x {r0['dim']})")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend()
         files.append(str(f))
     return files
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results/quant.json")
     p.add_argument("--plot-dir", default=None, help="write quant_l2_<rows>.png here")
     p.add_argument("--rows", default=None, help="torch.save'd float32 [n, d] tensor of trained embedding rows")
@@ -225,21 +192,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--min-time", type=float, default=0.3, help="seconds per timed run")
     p.add_argument("--codecs", nargs="*", default=None)
-    p.add_argument("--threads", type=int, nargs="*", default=None, help="thread counts to time (default: 1 and torch's default)")
+    p.add_argument("--threads", type=int, nargs="*", default=None,
+                   help="thread counts to time (default: 1 and torch's default)")
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--skip-accuracy", action="store_true")
-    args = p.parse_args(argv)
+    return p
+
+
+def run(argv: list[str], prog: str = "python -m bench.run --suite codecs") -> dict[str, Any]:
+    """Time and score the codecs, print, write `--out` (and plots); return the result document."""
+    args = parser(prog).parse_args(argv)
     args.codecs = args.codecs or codec_names()
 
     default_threads = torch.get_num_threads()
     threads = sorted(set(args.threads)) if args.threads else sorted({1, default_threads})
-    info = {
-        "cpu": cpu_model(), "cpus": os.cpu_count(), "default_threads": default_threads,
-        "fbgemm": fbgemm_available(), "versions": _versions(),
-        "loadavg_start": os.getloadavg(), "argv": sys.argv[1:],
-    }  # fmt: skip
-    print(f"# {info['cpu']}, {info['cpus']} CPUs, torch {torch.__version__}, fbgemm={info['fbgemm']}")
-    res: dict = {"machine": info}
+    machine = {**machine_info(), "fbgemm": fbgemm_available()}
+    print(f"# {machine['cpu']}, {machine['cores']} CPUs, torch {torch.__version__}, fbgemm={machine['fbgemm']}")
+    res: dict = {**document_head("codecs", prog, argv, machine), "dim": args.dim}
     if not args.skip_speed:
         print("## throughput")
         res["throughput"] = throughput(args, threads)
@@ -260,10 +229,35 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot_dir and res["accuracy"]:
         res["plots"] = plot(res["accuracy"], Path(args.plot_dir))
     torch.set_num_threads(default_threads)
-    info["loadavg_end"] = os.getloadavg()
+    machine["loadavg_end"] = loadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(f"wrote {args.out}")
+    return res
+
+
+def measurements(result: dict[str, Any]) -> list[Measurement]:
+    """Speed per codec and thread count, the baselines, the width sweep, and the L2 error per
+    codec and row set."""
+    speed = ("encode_MBps", "decode_MBps", "encode_MBps_best", "decode_MBps_best", "encode_MBps_cpu", "decode_MBps_cpu")
+    out = []
+    for r in result.get("throughput", []):
+        out += scalars({k: r.get(k) for k in speed}, {"codec": r["codec"], "threads": r["threads"], "dim": r["dim"]})
+    for r in result.get("baselines", []):
+        out += scalars({k: r.get(k) for k in ("encode_MBps", "encode_MBps_cpu")},
+                       {"baseline": r["baseline"], "threads": r["threads"], "dim": result["dim"]})
+    for r in result.get("dim_sweep", []):
+        out += scalars({k: r.get(k) for k in ("encode_MBps", "encode_MBps_cpu")},
+                       {"codec": r["codec"], "threads": r["threads"], "dim": r["dim"]})
+    for r in result.get("accuracy", []):
+        out += scalars({k: r[k] for k in ("mean_l2", "rel_l2", "max_l2", "row_bytes", "encode_s")},
+                       {"rows": r["rows"], "codec": r["codec"], "bits": r["bits"], "dim": r["dim"]},
+                       {"row_bytes": "B/row", "rel_l2": "ratio"})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    run(sys.argv[1:] if argv is None else argv, "python -m bench.quant_bench")
     return 0
 
 

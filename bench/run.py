@@ -1,441 +1,135 @@
-"""deltarec against its peers, side by side, in one invocation.
+"""deltarec's benchmarks, one entry point: `python -m bench.run --suite NAME [options]`.
 
-    python -m bench.run --suite quick|full [--out results.json] [--plots docs/img] [--keep DIR]
+    python -m bench.run --list                          # every suite, what it measures, how long
+    python -m bench.run --suite NAME --help             # that suite's options
+    python -m bench.run --suite NAME [--records FILE] [suite options]
 
-On one model, one data stream and one checkpoint interval (the suite's), in this order:
-
-1. every deltarec policy (full, one_shot_diff, incremental, intermittent_diff) x encoding
-   (fp32, adaptive4): a real training job of 2 gloo ranks spawned like the tests do
-   (`tests.ranks.spawn_ranks`), checkpointing to one embedded Tansu broker, each rank run
-   through `bench.ckpt_rank` (the trainer unchanged, plus per checkpoint: a bare copy of the
-   very rows the snapshot copied, and the step at which the outcome was known). From
-   `<run_dir>/metrics.jsonl`: rows, bytes, stall, committed; from the COMMIT markers:
-   the bytes the newest restorable checkpoint needs (its chain plus its dense file).
-2. `bench.peers` (2 ranks, the same job in-process): training with no checkpoint,
-   `dcp.save`, `dcp.async_save` (cloning stager), `torch.save` per rank, every interval,
-   then restore to training-ready: `dcp.load`, `torch.load`, and `CheckpointManager.restore`
-   of the newest checkpoint of each deltarec job of step 1.
-
-Writes one flat list of records (`--out`), each ``{peer, policy, encoding, metric, value,
-unit, interval, ckpt}`` (see docs/peers.md), prints a table, and with `--plots` draws
-Check-N-Run's Figure 15 (bytes written per interval) and 16 (storage required per
-interval). A benchmark, not a test: it asserts nothing about the figures.
+Each suite measures one thing against a baseline taken in the same invocation (the machines
+are shared and noisy: only ratios within one run compare) and prints its figures; most also
+write a detailed JSON document with `--out`. Whatever the suite, every figure is appended to
+`--records` (default `bench/results/records.jsonl`) as one JSON line per measurement, with
+the machine, the load and the git commit (`bench.common.write_records`). Suite options are
+the suite module's own and pass through unchanged. A benchmark, not a test: nothing here
+asserts anything about a figure.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import importlib
+import shlex
 import sys
-import tempfile
+import textwrap
 import time
-import uuid
-from argparse import Namespace
 from pathlib import Path
-from statistics import median
-from typing import Any
+from typing import Any, NamedTuple, Protocol, Sequence
 
-REPO = Path(__file__).resolve().parents[1]
-POLICIES = ("full", "one_shot_diff", "incremental", "intermittent_diff")
-ENCODINGS = ("fp32", "adaptive4")
-DEFAULT_POLICY, DEFAULT_QUANT = "intermittent_diff", "adaptive4"
-PEERS = ("dcp.save", "dcp.async_save", "torch.save")
+from bench.common import REPO, Measurement, Provenance, log, write_records
 
-# Criteo Kaggle's 26 categorical cardinalities (configs/criteo_kaggle_8gpu.yaml)
-CRITEO_KAGGLE = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
-                 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
-
-SUITES: dict[str, dict[str, Any]] = {
-    # the quickstart model (8 tables, 457k rows, 2 ranks); ~2.5 minutes here
-    "quick": {"config": "configs/quickstart.yaml", "steps": 48, "interval": 12, "repeats": 1, "overrides": []},
-    # 26 tables with Criteo Kaggle's cardinalities capped at 1M rows, dim 64: 5.6M rows,
-    # 1.43 GB of fp32 embeddings (+ row-wise momentum); not run within CI
-    # steps: ~0.35 s each here, so an interval of 170 steps is about one minute
-    "full": {"config": None, "steps": 510, "interval": 170, "repeats": 2, "cap": 1_000_000, "dim": 64,
-             "overrides": ["data.batch_size=2048"]},
-}
+DEFAULT_RECORDS = REPO / "bench" / "results" / "records.jsonl"  # bench/results/ is ignored by git
 
 
-def _log(msg: str) -> None:
-    print(f"bench.run: {msg}", file=sys.stderr, flush=True)
+class SuiteModule(Protocol):
+    """What a suite's module offers the entry point."""
+
+    def run(self, argv: list[str], prog: str) -> dict[str, Any]:
+        """Parse `argv`, measure, print, write `--out`; return the result document (with
+        `machine` and `commit`)."""
+
+    def measurements(self, result: dict[str, Any]) -> list[Measurement]:
+        """The figures of a result document, one per record."""
 
 
-def full_config(path: Path, cap: int, dim: int) -> Path:
-    """The full suite's model: quickstart's job with Criteo Kaggle's 26 tables (capped)."""
-    import yaml
+class Suite(NamedTuple):
+    """A named measurement: the module that runs it and the options it always passes."""
 
-    data = yaml.safe_load((REPO / "configs/quickstart.yaml").read_text())
-    data["run"]["name"] = "bench_full"
-    data["model"]["tables"] = [
-        {"name": f"t_cat_{i}", "num_embeddings": min(n, cap), "embedding_dim": dim, "features": [f"cat_{i}"]}
-        for i, n in enumerate(CRITEO_KAGGLE)]
-    data["model"]["dense_arch_layer_sizes"] = [128, dim]
-    data["model"]["over_arch_layer_sizes"] = [256, 64, 1]
-    data["sharding"] = {"default": "table_wise"}
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
+    name: str
+    module: str
+    fixed: tuple[str, ...]
+    measures: str
 
 
-# -- measurements --------------------------------------------------------------------------------
-def capacity(config: str, overrides: list[str], bootstrap: str, run_id: str, ranks: int) -> dict[int, dict[str, int]]:
-    """Per committed checkpoint id: bytes of its chain (rows of base + deltas) and its dense file."""
-    from ckpt.backends import open_backend
-    from ckpt.markers import commits
-    from trainer.config import load_config
-
-    cfg = load_config(config, [*overrides, "ckpt.enabled=true", f"ckpt.bootstrap_servers={bootstrap}",
-                               f"ckpt.run_id={run_id}"], check_data=False)
-    backend = open_backend(cfg, ranks)
-    try:
-        found = commits(backend.markers.read_markers(), run_id)
-    finally:
-        backend.close()
-    return {m.checkpoint_id: {"chain_bytes": m.chain_bytes, "dense_bytes": int(m.dense.get("bytes", 0)),
-                              "links": len(m.chain)} for _, m in found}
-
-
-def steps_lost(ckpts: list[tuple[int, int | None]], interval: int, steps: int) -> float | None:
-    """Expected steps to re-train after a crash at a uniformly random step of [interval, steps):
-    k steps done, restorable = newest checkpoint step whose durable step <= k (0: none)."""
-    ks = range(interval, steps)
-    if not ks:
-        return None
-    lost = []
-    for k in ks:
-        restorable = max((s for s, d in ckpts if d is not None and d <= k), default=0)
-        lost.append(k - restorable)
-    return sum(lost) / len(lost)
+SUITES = (
+    Suite("quick", "bench.peers", ("--size", "quick"),
+          "deltarec (4 policies x fp32/adaptive4) against dcp.save, dcp.async_save and torch.save on the "
+          "quickstart model: stall, bytes, capacity, throughput, restore, steps lost (~2.5 min; CI smoke)"),
+    Suite("full", "bench.peers", ("--size", "full"),
+          "the same on 26 Criteo-cardinality tables (5.6M rows, 1.43 GB; ~21 min)"),
+    Suite("checkpoint", "bench.ckpt_bench", (),
+          "per checkpoint on the quickstart model: rows, bytes, stall and its parts against a bare copy, "
+          "writer against a raw Kafka producer, restore against dcp.load (~3 min)"),
+    Suite("tracker", "bench.tracker_overhead", (),
+          "the row tracker's hook per training step (against no hook and a no-op hook) and the snapshot "
+          "stall against a bare copy (~2 min)"),
+    Suite("throughput", "bench.train_throughput", (),
+          "training samples/s of a config on N ranks against 1 rank (two torchrun jobs)"),
+    Suite("codecs", "bench.quant_bench", (),
+          "quantization codecs: encode/decode MB/s against torch's 4-bit prepack, L2 error per bit width "
+          "(~2.5 min)"),
+    Suite("accuracy", "bench.quant_accuracy", (),
+          "model log loss and AUC after L restores from quantized checkpoints against the uninterrupted job "
+          "(Check-N-Run Fig. 14; the default grid ~30 min)"),
+    Suite("trained-rows", "bench.trained_rows", (),
+          "not a measurement: trains a job and saves its trained embedding rows for `codecs --rows`"),
+)
 
 
-def harmonic(rates: list[float]) -> float | None:
-    rates = [r for r in rates if r]
-    return len(rates) / sum(1.0 / r for r in rates) if rates else None
+def suite_named(name: str) -> Suite:
+    """The suite called `name` (argparse has checked it exists)."""
+    return next(s for s in SUITES if s.name == name)
 
 
-def deltarec_job(policy: str, encoding: str, s: dict[str, Any], work: Path, bootstrap: str, prefix: str,
-                 timeout_s: float) -> dict[str, Any]:
-    from bench.ckpt_bench import train_run
-    from tests.ranks import read_metrics
-
-    label = f"{policy}-{encoding}"
-    ns = Namespace(policy=policy, interval=s["interval"], steps=s["steps"], overrides=["ckpt.final=false", *s["overrides"]],
-                   config=s["config"], ranks=2, timeout_s=timeout_s)
-    run = train_run(label, [f"ckpt.encoding={encoding}"], ns, work, bootstrap, prefix)
-    metrics = read_metrics(work / label / "run")
-    rates = [m["samples_per_s"] for m in metrics if "samples_per_s" in m]
-    run["skipped"] = sum(1 for m in metrics if m.get("ckpt_skipped"))  # writers still busy: back-pressure
-    run["samples_per_s"] = harmonic(rates[1:] or rates)  # every window but the first (start-up)
-    run["capacity"] = capacity(s["config"], [*ns.overrides, f"ckpt.encoding={encoding}"], bootstrap, run["run_id"], 2)
-    run["run_dir"] = str(work / label / "run")
-    return run
+def listing(columns: int = 100) -> str:
+    """Every suite: its name and what it measures, wrapped to `columns`."""
+    width = max(len(s.name) for s in SUITES)
+    indent = " " * (width + 4)
+    return "\n".join(textwrap.fill(s.measures, columns, initial_indent=f"  {s.name:<{width}}  ",
+                                   subsequent_indent=indent) for s in SUITES)
 
 
-def baseline_job(s: dict[str, Any], work: Path, timeout_s: float) -> dict[str, Any]:
-    """The same job spawned the same way without checkpointing: deltarec's throughput baseline."""
-    from bench.ckpt_bench import baseline_run
-    from tests.ranks import read_metrics
-
-    ns = Namespace(interval=s["interval"], steps=s["steps"], overrides=s["overrides"], config=s["config"], ranks=2,
-                   timeout_s=timeout_s)
-    run = baseline_run(ns, work)
-    rates = [m["samples_per_s"] for m in read_metrics(work / "no-ckpt" / "run") if "samples_per_s" in m]
-    run["samples_per_s"] = harmonic(rates[1:] or rates)
-    return run
-
-
-def peers_job(s: dict[str, Any], work: Path, bootstrap: str, jobs: dict[tuple[str, str], dict], timeout_s: float) -> list[dict]:
-    from tests.ranks import spawn_ranks
-
-    tmp = work / "peers"
-    tmp.mkdir(parents=True)
-    extra = ["--out-dir", str(tmp), "--steps", str(s["steps"]), "--interval", str(s["interval"]),
-             "--repeats", str(s["repeats"])]
-    for (policy, enc), run in jobs.items():
-        label = f"{policy}-{enc}"
-        extra += ["--restore", f"{label}={run['run_id']}={run['run_dir']}", "--restore-override", f"{label}=ckpt.encoding={enc}"]
-    _log(f"peers: no checkpoint / {' / '.join(PEERS)}, then restores")
-    spawn_ranks(s["config"], [f"ckpt.bootstrap_servers={bootstrap}", "train.eval_every=0", "train.eval_batches=0",
-                              *s["overrides"]], tmp, world_size=2, timeout_s=timeout_s, module="bench.peers",
-                extra_args=extra)
-    return [json.loads((tmp / f"peers_rank{r}.json").read_text()) for r in range(2)]
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.run", add_help=False, allow_abbrev=False, description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog="suites:\n" + listing(),
+    )
+    p.add_argument("--suite", choices=[s.name for s in SUITES], help="what to measure (see below)")
+    p.add_argument("--records", type=Path, default=DEFAULT_RECORDS,
+                   help=f"append every figure here, one JSON line each (default {DEFAULT_RECORDS.relative_to(REPO)})")
+    p.add_argument("--list", action="store_true", help="list the suites and exit")
+    p.add_argument("-h", "--help", action="store_true", help="this help, or with --suite that suite's options")
+    return p
 
 
-# -- records --------------------------------------------------------------------------------------
-class Records(list):
-    def __init__(self, interval: int) -> None:
-        super().__init__()
-        self.interval = interval
-
-    def add(self, peer: str, policy: str | None, encoding: str | None, metric: str, value: Any, unit: str,
-            ckpt: int | None = None, **extra: Any) -> None:
-        if value is None:
-            return
-        self.append({"peer": peer, "policy": policy, "encoding": encoding, "metric": metric,
-                     "value": round(value, 6) if isinstance(value, float) else value, "unit": unit,
-                     "interval": self.interval, "ckpt": ckpt, **extra})
-
-
-def _med(xs: list[Any]) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return median(xs) if xs else None
+def run_suite(suite: Suite, argv: list[str], records: Path) -> dict[str, Any]:
+    """Run `suite` with its own options `argv`; append its figures to `records`; return its
+    result document."""
+    module: SuiteModule = importlib.import_module(suite.module)  # type: ignore[assignment]
+    prog = f"python -m bench.run --suite {suite.name}"
+    started = time.time()
+    result = module.run([*suite.fixed, *argv], prog)
+    commit = result.get("commit") or {}
+    provenance = Provenance(suite=suite.name, command=f"{prog} {shlex.join(argv)}".strip(), commit=commit.get("sha"),
+                            dirty=bool(commit.get("dirty")), unix=round(started, 3), machine=result.get("machine", {}))
+    n = write_records(records, provenance, module.measurements(result))
+    log(f"{n} records of suite {suite.name} appended to {records}")
+    return result
 
 
-def _mean(xs: list[Any]) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else None
-
-
-def build_records(s: dict[str, Any], jobs: dict[tuple[str, str], dict], peers: list[dict],
-                  base: dict[str, Any]) -> tuple[Records, dict]:
-    rec = Records(s["interval"])
-    steps, interval = s["steps"], s["interval"]
-    p0 = peers[0]
-    # peers: no-checkpoint phases of the same process (before and after the peers' phases)
-    none_rate = harmonic([ph["samples_per_s"] for ph in p0["phases"] if ph["peer"] == "none"])
-    rec.add("none_inproc", None, None, "samples_per_s", none_rate, "samples/s")
-    for ph in p0["phases"]:
-        if ph["peer"] == "none":
-            rec.add("none_inproc", None, None, "samples_per_s_phase", ph["samples_per_s"], "samples/s")
-    # deltarec: a job spawned like its jobs, without checkpointing
-    job_rate = base["samples_per_s"]
-    rec.add("none", None, None, "samples_per_s", job_rate, "samples/s")
-    summary: dict[str, Any] = {"none_samples_per_s": job_rate, "none_inproc_samples_per_s": none_rate,
-                               "peers": {}, "deltarec": {}}
-
-    restore = p0["restore"]
-    dcp_load = _med(restore["dcp.load"]["restore_s"])
-    for ph in p0["phases"]:
-        name = ph["peer"]
-        if name == "none":
-            continue
-        cks = ph["checkpoints"]
-        for c in cks:
-            rec.add(name, "full", "fp32", "stall_ms", c["stall_ms"], "ms", c["ckpt"], step=c["step"])
-            rec.add(name, "full", "fp32", "bytes_written", c["bytes"], "B", c["ckpt"], step=c["step"])
-            rec.add(name, "full", "fp32", "capacity_bytes", c["bytes"], "B", c["ckpt"], step=c["step"])
-            rec.add(name, "full", "fp32", "durable_at_step", c["durable_at"], "step", c["ckpt"], step=c["step"])
-        loss = steps_lost([(c["step"], c["durable_at"]) for c in cks], interval, steps)
-        load_key = {"dcp.save": "dcp.load", "dcp.async_save": "dcp.load", "torch.save": "torch.load"}[name]
-        agg = {"stall_ms": _med([c["stall_ms"] for c in cks]), "bytes_written": _mean([c["bytes"] for c in cks]),
-               "capacity_bytes": max((c["bytes"] for c in cks), default=None), "samples_per_s": ph["samples_per_s"],
-               "throughput_overhead": 1 - ph["samples_per_s"] / none_rate if none_rate else None,
-               "restore_s": _med(restore[load_key]["restore_s"]), "steps_lost_mean": loss}
-        summary["peers"][name] = agg
-        _add_agg(rec, name, "full", "fp32", agg)
-    rec.add("dcp.load", "full", "fp32", "restore_same_state", all(restore["dcp.load"]["same_state"]), "bool")
-    rec.add("torch.load", "full", "fp32", "restore_same_state", all(restore["torch.load"]["same_state"]), "bool")
-    dcp = summary["peers"]["dcp.save"]
-
-    for (policy, enc), run in jobs.items():
-        cks = [c for c in run["checkpoints"]]
-        cap = run["capacity"]
-        for c in cks:
-            cid = c["ckpt_id"]
-            capb = cap.get(cid)
-            rec.add("deltarec", policy, enc, "stall_ms", c["stall_ms"], "ms", cid, step=c["step"], kind=c["kind"])
-            rec.add("deltarec", policy, enc, "bytes_written", c["bytes"], "B", cid, step=c["step"], kind=c["kind"])
-            rec.add("deltarec", policy, enc, "rows_written", c["rows"], "rows", cid, step=c["step"])
-            rec.add("deltarec", policy, enc, "committed", bool(c["committed"]), "bool", cid, step=c["step"])
-            if capb:
-                rec.add("deltarec", policy, enc, "capacity_bytes", capb["chain_bytes"] + capb["dense_bytes"], "B", cid,
-                        step=c["step"], chain_links=capb["links"], dense_bytes=capb["dense_bytes"])
-            rec.add("bare_copy", policy, enc, "stall_ms", c["bare_copy_ms"], "ms", cid, step=c["step"])
-            rec.add("deltarec", policy, enc, "durable_at_step", c.get("committed_at_step"), "step", cid, step=c["step"])
-        ok = [c for c in cks if c["committed"]]
-        caps = [cap[c["ckpt_id"]]["chain_bytes"] + cap[c["ckpt_id"]]["dense_bytes"] for c in ok if c["ckpt_id"] in cap]
-        label = f"deltarec:{policy}-{enc}"
-        rs = restore.get(label, {})
-        agg = {
-            "stall_ms": _med([c["stall_ms"] for c in ok]),
-            "bare_copy_ms": _med([c["bare_copy_ms"] for c in ok]),
-            "stall_over_bare_copy": _med([c["stall_over_bare"] for c in ok]),
-            "bytes_written": _mean([c["bytes"] for c in ok]),
-            # between two full checkpoints (the long-run regime of a diff policy; none for `full`)
-            "bytes_written_delta": _mean([c["bytes"] for c in ok if c["kind"] == "delta"]),
-            "capacity_bytes": max(caps) if caps else None,
-            "capacity_bytes_final": caps[-1] if caps else None,
-            "samples_per_s": run["samples_per_s"],
-            "throughput_overhead": 1 - run["samples_per_s"] / job_rate if job_rate and run["samples_per_s"] else None,
-            "restore_s": _med(rs.get("restore_s", [])),
-            "steps_lost_mean": steps_lost([(c["step"], c.get("committed_at_step") if c["committed"] else None)
-                                           for c in cks], interval, steps),
-            "committed": len(ok), "checkpoints": len(cks), "skipped": run.get("skipped", 0),
-        }
-        agg["bytes_written_vs_dcp"] = dcp["bytes_written"] / agg["bytes_written"] if agg["bytes_written"] else None
-        agg["bytes_written_delta_vs_dcp"] = (dcp["bytes_written"] / agg["bytes_written_delta"]
-                                             if agg["bytes_written_delta"] else None)
-        agg["capacity_vs_dcp"] = dcp["capacity_bytes"] / agg["capacity_bytes"] if agg["capacity_bytes"] else None
-        agg["stall_vs_dcp_save"] = dcp["stall_ms"] / agg["stall_ms"] if agg["stall_ms"] else None
-        agg["restore_over_dcp_load"] = agg["restore_s"] / dcp_load if agg["restore_s"] and dcp_load else None
-        summary["deltarec"][f"{policy}/{enc}"] = agg
-        _add_agg(rec, "deltarec", policy, enc, agg)
-    return rec, summary
-
-
-_UNITS = {"stall_ms": "ms", "bare_copy_ms": "ms", "bytes_written": "B", "bytes_written_delta": "B", "capacity_bytes": "B",
-          "capacity_bytes_final": "B",
-          "samples_per_s": "samples/s", "throughput_overhead": "fraction", "restore_s": "s", "steps_lost_mean": "steps",
-          "committed": "checkpoints", "checkpoints": "checkpoints", "skipped": "checkpoints"}
-
-
-def _add_agg(rec: Records, peer: str, policy: str, enc: str, agg: dict[str, Any]) -> None:
-    for k, v in agg.items():
-        rec.add(peer, policy, enc, k, v, _UNITS.get(k, "ratio"))
-
-
-def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
-    d = summary["deltarec"].get(f"{DEFAULT_POLICY}/{DEFAULT_QUANT}", {})
-    out = [
-        ("bytes written per interval, dcp.save / deltarec (default policy, 4-bit)", d.get("bytes_written_vs_dcp"), ">=", 17),
-        ("capacity, dcp.save / deltarec (default policy, 4-bit)", d.get("capacity_vs_dcp"), ">=", 8),
-        ("stall, dcp.save / deltarec (default policy, 4-bit)", d.get("stall_vs_dcp_save"), ">=", 20),
-        ("stall, deltarec / bare copy of the same rows", d.get("stall_over_bare_copy"), "<=", 1.5),
-        ("throughput overhead (at this suite's interval, not 1 minute)", d.get("throughput_overhead"), "<=", 0.05),
-        ("restore / dcp.load", d.get("restore_over_dcp_load"), "<=", 1.0),
-    ]
-    return [{"target": t, "value": v, "op": op, "goal": g,
-             "met": None if v is None else (v >= g if op == ">=" else v <= g)} for t, v, op, g in out]
-
-
-# -- output ----------------------------------------------------------------------------------------
-def table(summary: dict[str, Any]) -> str:
-    head = ("| peer | policy / encoding | stall ms | bytes written / interval MB | capacity MB | samples/s | overhead | "
-            "restore s | steps lost | bytes vs dcp | capacity vs dcp | stall vs dcp | stall / bare copy |")
-    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
-
-    def f(x: Any, nd: int = 2, scale: float = 1.0) -> str:
-        return "" if x is None else f"{x / scale:.{nd}f}"
-
-    for name, a in summary["peers"].items():
-        lines.append(f"| {name} | full / fp32 | {f(a['stall_ms'], 1)} | {f(a['bytes_written'], 1, 1e6)} | "
-                     f"{f(a['capacity_bytes'], 1, 1e6)} | {f(a['samples_per_s'], 0)} | {f(a['throughput_overhead'] * 100 if a['throughput_overhead'] is not None else None, 1)}% | "
-                     f"{f(a['restore_s'], 3)} | {f(a['steps_lost_mean'], 1)} | 1 | 1 | | |")
-    for key, a in summary["deltarec"].items():
-        ov = a["throughput_overhead"]
-        lines.append(f"| deltarec | {key.replace('/', ' / ')} | {f(a['stall_ms'], 1)} | {f(a['bytes_written'], 2, 1e6)} | "
-                     f"{f(a['capacity_bytes'], 2, 1e6)} | {f(a['samples_per_s'], 0)} | {f(ov * 100 if ov is not None else None, 1)}% | "
-                     f"{f(a['restore_s'], 3)} | {f(a['steps_lost_mean'], 1)} | {f(a['bytes_written_vs_dcp'], 1)} | "
-                     f"{f(a['capacity_vs_dcp'], 1)} | {f(a['stall_vs_dcp_save'], 1)} | {f(a['stall_over_bare_copy'], 2)} |")
-    lines.append(f"| none (job, deltarec's baseline) | | | | | {f(summary['none_samples_per_s'], 0)} | 0% | | | | | | |")
-    lines.append(f"| none (in-process, the peers' baseline) | | | | | {f(summary['none_inproc_samples_per_s'], 0)} | 0% | | | | | | |")
-    return "\n".join(lines)
-
-
-def plots(records: list[dict], summary: dict[str, Any], img: Path, suite: str) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    img.mkdir(parents=True, exist_ok=True)
-    written = []
-    for metric, fig_no, title in (("bytes_written", 15, "bytes written per interval"),
-                                  ("capacity_bytes", 16, "storage required per interval")):
-        fig, axes = plt.subplots(1, len(ENCODINGS), figsize=(11, 4), sharey=True)
-        for ax, enc in zip(axes, ENCODINGS):
-            for policy in POLICIES:
-                pts = sorted((r["ckpt"], r["value"]) for r in records if r["peer"] == "deltarec" and r["policy"] == policy
-                             and r["encoding"] == enc and r["metric"] == metric and r["ckpt"] is not None)
-                if pts:
-                    ax.plot([p[0] for p in pts], [p[1] / 1e6 for p in pts], marker="o", label=policy)
-            dcp = [r["value"] for r in records if r["peer"] == "dcp.save" and r["metric"] == metric and r["ckpt"]]
-            if dcp:
-                ax.axhline(sum(dcp) / len(dcp) / 1e6, color="k", ls="--", label="dcp.save (fp32, full)")
-            ax.set_title(f"{enc}")
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.set_xlabel("checkpoint (interval) number")
-            ax.grid(alpha=0.3)
-        axes[0].set_ylabel("MB")
-        axes[0].legend(fontsize=8)
-        fig.suptitle(f"Check-N-Run Fig. {fig_no} shape: {title} ({suite} suite)")
-        fig.tight_layout()
-        path = img / f"peers_{suite}_fig{fig_no}_{metric}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(str(path))
-    return written
-
-
-def _machine() -> dict[str, Any]:
-    from bench.ckpt_bench import _machine as m
-
-    out = m()
-    try:
-        out["mem_total_GiB"] = round(int(next(ln.split()[1] for ln in Path("/proc/meminfo").read_text().splitlines()
-                                              if ln.startswith("MemTotal"))) / 2**20, 1)
-    except (OSError, StopIteration):
-        pass
-    return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--suite", choices=sorted(SUITES), default="quick")
-    p.add_argument("--out", type=Path, help="write the JSON records and summary here")
-    p.add_argument("--plots", type=Path, help="write the Figure 15/16 PNGs into this directory")
-    p.add_argument("--keep", type=Path, help="keep run directories here (default: a temporary directory)")
-    p.add_argument("--steps", type=int, help="override the suite's training steps (per job and per peer phase)")
-    p.add_argument("--interval", type=int, help="override the suite's checkpoint interval (steps)")
-    p.add_argument("--timeout-s", type=float, default=900)
-    args = p.parse_args(argv)
-    os.chdir(REPO)
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
-    from launch.broker import EmbeddedBroker
-
-    started = time.perf_counter()
-    machine = _machine()
-    s = dict(SUITES[args.suite])
-    s.update({k: v for k, v in (("steps", args.steps), ("interval", args.interval)) if v})
-    prefix = f"bench-{args.suite}-{uuid.uuid4().hex[:8]}"
-    with tempfile.TemporaryDirectory(prefix="bench-run-") as tmpdir, EmbeddedBroker() as broker:
-        work = args.keep / prefix if args.keep else Path(tmpdir)
-        work.mkdir(parents=True, exist_ok=True)
-        if s["config"] is None:
-            s["config"] = str(full_config(work / "full.yaml", s["cap"], s["dim"]))
-        _log(f"suite {args.suite}: {s['config']}, {s['steps']} steps, checkpoint every {s['interval']}; broker "
-             f"{broker.bootstrap}; work dir {work}")
-        base = baseline_job(s, work, args.timeout_s)
-        jobs: dict[tuple[str, str], dict] = {}
-        for policy in POLICIES:
-            for enc in ENCODINGS:
-                jobs[(policy, enc)] = deltarec_job(policy, enc, s, work, broker.bootstrap, prefix, args.timeout_s)
-        peers = peers_job(s, work, broker.bootstrap, jobs, args.timeout_s)
-        batch = _batch(s)
-    machine["loadavg_end"] = list(os.getloadavg())
-    records, summary = build_records(s, jobs, peers, base)
-    tg = targets(summary)
-    model_rows = next(iter(jobs.values()))["model_rows"]
-    result: dict[str, Any] = {
-        "benchmark": "bench.run", "suite": args.suite,
-        "command": "python -m bench.run " + " ".join(sys.argv[1:] if argv is None else argv),
-        "settings": {"config": s["config"], "steps": s["steps"], "interval_steps": s["interval"], "ranks": 2,
-                     "overrides": s["overrides"], "model_rows": model_rows,
-                     "interval_s_approx": s["interval"] * 2 * batch / summary["none_samples_per_s"]
-                     if summary["none_samples_per_s"] else None},
-        "machine": machine, "wall_s": time.perf_counter() - started,
-        "records": records, "summary": summary, "targets": tg,
-    }
-    if args.plots:
-        result["plots"] = plots(records, summary, args.plots, args.suite)
-    result["wall_s"] = time.perf_counter() - started
-    print(table(summary))
-    for t in tg:
-        v = t["value"]
-        print(f"target: {t['target']} {t['op']} {t['goal']}: {'n/a' if v is None else f'{v:.3g}'} "
-              f"({'met' if t['met'] else 'NOT met' if t['met'] is not None else 'not measured'})")
-    print(f"wall {result['wall_s']:.0f} s")
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser()
+    args, rest = p.parse_known_args(sys.argv[1:] if argv is None else list(argv))
+    if args.list:
+        print(listing())
+        return 0
+    if args.suite is None:
+        if args.help:
+            p.print_help()
+            return 0
+        p.error("--suite is required (--list names them)")
+    if args.help:
+        rest = [*rest, "--help"]  # the suite's module prints its own options
+    run_suite(suite_named(args.suite), rest, args.records)
     return 0
-
-
-def _batch(s: dict[str, Any]) -> int:
-    from trainer.config import load_config
-
-    return load_config(s["config"], s["overrides"], check_data=False).data.batch_size
 
 
 if __name__ == "__main__":

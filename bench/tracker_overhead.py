@@ -1,6 +1,7 @@
 """Cost of continuous-checkpoint bookkeeping on the training thread: the tracker hook and the snapshot stall.
 
-    python -m bench.tracker_overhead [--config configs/quickstart.yaml] [--ranks 2] [--rounds 8] [--block 25] [key=value ...]
+    python -m bench.run --suite tracker [--config configs/quickstart.yaml] [--ranks 2] [--rounds 12] [--block 25]
+                                        [--out results.json] [key=value ...]
 
 Spawns `--ranks` gloo ranks of the real DMP model and `Trainer.train_step` (synthetic data).
 
@@ -13,7 +14,9 @@ Spawns `--ranks` gloo ranks of the real DMP model and `Trainer.train_step` (synt
    delta, and full) against a bare `index_select` / `clone` of the same rows of the same
    tensors (weights and optimizer state), medians of `--repeats`.
 
-Prints one JSON object (per-rank numbers and the max over ranks).
+Prints one JSON object (per-rank numbers and the max over ranks). The hook is timed from
+inside by swapping the torchrec module's `post_lookup_tracker_fn` for a timed call of the
+tracker's own callback (`RowTracker._record`): the tracker has no public timing of its own.
 """
 
 from __future__ import annotations
@@ -21,39 +24,55 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
-from statistics import median
+from statistics import fmean, median
+from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.common import Measurement, config_path, document_head, loadavg, machine_info, scalars
 
 
 # -- launcher ----------------------------------------------------------------------------
-def launch(args: argparse.Namespace, rest: list[str]) -> int:
-    from tests.ranks import start_ranks
+def parser(prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="configs/quickstart.yaml")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=12, help="rotations of on / off / no-op blocks")
+    p.add_argument("--block", type=int, default=25, help="steps per block")
+    p.add_argument("--interval", type=int, default=50, help="steps between the base and the delta snapshot")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--timeout-s", type=float, default=1200)
+    p.add_argument("--out", type=Path)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p
 
+
+def run(argv: list[str], prog: str = "python -m bench.run --suite tracker") -> dict[str, Any]:
+    """Spawn the ranks, print and (`--out`) write the result document; return it."""
+    from launch.ranks import start_ranks
+
+    args, rest = parser(prog).parse_known_args(argv)
+    config = config_path(args.config)
+    machine = machine_info()
     with tempfile.TemporaryDirectory(prefix="tracker-bench-") as tmp:
         worker_args = ["--worker", "--rounds", str(args.rounds), "--block", str(args.block), "--warmup", str(args.warmup),
                        "--interval", str(args.interval), "--repeats", str(args.repeats)]  # fmt: skip
         threads = str(max(1, (os.cpu_count() or 1) // args.ranks))
-        group = start_ranks(args.config, rest, Path(tmp), args.ranks, args.timeout_s, module="bench.tracker_overhead",
+        group = start_ranks(config, rest, Path(tmp), args.ranks, args.timeout_s, module="bench.tracker_overhead",
                             extra_args=worker_args, env_extra={"OMP_NUM_THREADS": threads})
-        results = group.wait(expect_ok=False)
-    if any(r.returncode for r in results):
-        for r in results:
-            print(f"rank {r.rank} rc {r.returncode}:\n{r.stderr[-3000:]}", file=sys.stderr)
-        return 1
-    outs = [r.stdout for r in results]
-    ranks = [json.loads(next(ln for ln in out.splitlines() if ln.startswith("{"))) for out in outs]
+        results = group.wait()
+    machine["loadavg_end"] = loadavg()
+    ranks = [json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("{"))) for r in results]
     worst = lambda key, sub: max(r[sub][key] for r in ranks)  # noqa: E731
     result = {
-        "benchmark": "tracker_overhead",
-        "config": args.config,
+        **document_head("tracker", prog, argv, machine),
+        "config": config,
         "overrides": rest,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {args.ranks} ranks",
+        "settings": {"ranks": args.ranks, "warmup": args.warmup, "rounds": args.rounds, "block": args.block,
+                     "interval": args.interval, "repeats": args.repeats},
         "summary": {
             "step_ms_without_tracker": worst("step_ms_off", "tracker"),
             "step_ms_with_tracker": worst("step_ms_on", "tracker"),
@@ -78,7 +97,12 @@ def launch(args: argparse.Namespace, rest: list[str]) -> int:
     print(json.dumps(result, indent=2))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+    return result
+
+
+def measurements(result: dict[str, Any]) -> list[Measurement]:
+    """The summary: the slower rank's figures."""
+    return scalars(result["summary"], {"config": result["config"], "ranks": result["settings"]["ranks"]})
 
 
 # -- one rank ----------------------------------------------------------------------------
@@ -87,26 +111,18 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch.distributed as dist
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+    from bench.ckpt_rank import bare_copy, find_rows
+    from bench.job import start_job, stop_job
     from ckpt.snapshot import SnapshotTaker
     from ckpt.tracker import RowTracker
-    from sharding.dmp import shard_model
-    from sharding.process_group import destroy_process_group, detect_env, init_process_group
     from sharding.shard_views import ShardMap
     from trainer.config import load_config
-    from trainer.data.factory import make_reader
-    from trainer.metrics import MetricsLog
-    from trainer.model import build_model
-    from trainer.trainer import Trainer
 
     cfg = load_config(args.config, ["train.eval_batches=0", *overrides])
-    env = detect_env()
-    device = init_process_group(env, init_method=cfg.sharding.init_method)
+    env, device, sharded, trainer, _ = start_job(cfg)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    torch.manual_seed(cfg.run.seed)
-    sharded = shard_model(build_model(cfg.model, device), cfg, env, device)
     smap = ShardMap.from_model(sharded.model)
     tracker = RowTracker(sharded.model, smap)
-    trainer = Trainer(cfg, env, device, sharded, make_reader(cfg, env, "train"), None, MetricsLog(Path("unused"), False))
 
     # Time the hook from inside: wrap the registered callback.
     sebc = tracker._sebc
@@ -145,7 +161,7 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> int:
     attach("on")
     steps_on = len(times["on"])
     med = {m: median(v) * 1e3 for m, v in times.items()}
-    mean = {m: sum(v) * 1e3 / len(v) for m, v in times.items()}
+    mean = {m: fmean(v) * 1e3 for m, v in times.items()}
     hook_ms_per_step = hook_s[0] * 1e3 / steps_on
     tr = {
         "steps_per_mode": steps_on,
@@ -186,24 +202,10 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> int:
         return snap.stall_s
 
     def bare(full: bool) -> float:
-        t = time.perf_counter()
-        if full:
-            out = [[v.weight.clone(), *(s.clone() for s in v.optimizer_states.values())] for v in smap.shards]
-        else:
-            out = [
-                [v.weight.index_select(0, idx), *(s.index_select(0, idx) for s in v.optimizer_states.values())]
-                for v, idx in zip(smap.shards, locals_)
-            ]
-        dt = time.perf_counter() - t
-        del out
-        return dt
+        return bare_copy(smap.shards, [None] * len(locals_) if full else locals_)
 
     def find() -> float:
-        t = time.perf_counter()
-        found = [tracker.touched_rows(i, False) for i in range(len(smap.shards))]
-        dt = time.perf_counter() - t
-        del found
-        return dt
+        return find_rows(tracker, len(smap.shards), False)
 
     times_: dict[str, list[float]] = {"take_delta": [], "bare_delta": [], "take_full": [], "bare_full": [], "find": []}
     for r in range(args.repeats):  # alternate the order: fresh host memory costs page faults to whoever comes first
@@ -229,27 +231,17 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> int:
     }
     print(json.dumps({"rank": env.rank, "threads": torch.get_num_threads(), "tracker": tr, "delta": delta, "full": full}), flush=True)
     del trainer, tracker, taker, smap, sharded
-    import gc
-
-    gc.collect()
-    destroy_process_group()
+    stop_job()
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="configs/quickstart.yaml")
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=30)
-    p.add_argument("--rounds", type=int, default=12, help="rotations of on / off / no-op blocks")
-    p.add_argument("--block", type=int, default=25, help="steps per block")
-    p.add_argument("--interval", type=int, default=50, help="steps between the base and the delta snapshot")
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--timeout-s", type=float, default=1200)
-    p.add_argument("--out", type=Path)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args, rest = p.parse_known_args(argv)
-    return worker(args, rest) if args.worker else launch(args, rest)
+    argv = sys.argv[1:] if argv is None else argv
+    args, rest = parser("python -m bench.tracker_overhead").parse_known_args(argv)
+    if args.worker:  # one rank, spawned by `run`
+        return worker(args, rest)
+    run(argv, "python -m bench.tracker_overhead")
+    return 0
 
 
 if __name__ == "__main__":

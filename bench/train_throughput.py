@@ -1,6 +1,6 @@
 """Training throughput of a config: samples/s on N ranks against 1 rank of the same model.
 
-    python -m bench.train_throughput --config configs/quickstart.yaml --steps 1500 [--out results.json]
+    python -m bench.run --suite throughput [--config configs/quickstart.yaml] [--steps 1500] [--out results.json]
 
 Each measurement is a real torchrun job (the quickstart's own launcher); samples/s is read
 from its metrics.jsonl, skipping the first logged window (start-up, allocator warm-up).
@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from statistics import median
+from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.common import (REPO, Measurement, config_path, document_head, loadavg, machine_info, median_of,
+                          scalars)
 
 
 def measure(config: str, ranks: int, steps: int, log_every: int, workdir: Path) -> dict:
+    """One torchrun job of `ranks` ranks: its median samples/s over the windows after the first."""
+    from launch.ranks import read_metrics
+
     run_dir = workdir / f"ranks{ranks}"
     cmd = [
         sys.executable, "-m", "launch.torchrun", f"--nproc-per-node={ranks}", "--config", config,
@@ -32,26 +35,32 @@ def measure(config: str, ranks: int, steps: int, log_every: int, workdir: Path) 
         # table_row_wise / row_wise / column_wise all degenerate to one shard on one rank.
         cmd.append("sharding.default=table_wise")
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rates = [r["samples_per_s"] for r in records if "samples_per_s" in r][1:]
-    return {"ranks": ranks, "samples_per_s_median": median(rates), "windows": len(rates), "steps": steps}
+    rates = [r["samples_per_s"] for r in read_metrics(run_dir) if "samples_per_s" in r][1:]
+    return {"ranks": ranks, "samples_per_s_median": median_of(rates), "windows": len(rates), "steps": steps}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser(prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/quickstart.yaml")
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--out", type=Path)
-    args = p.parse_args(argv)
+    return p
+
+
+def run(argv: list[str], prog: str = "python -m bench.run --suite throughput") -> dict[str, Any]:
+    """Run both jobs, print and (`--out`) write the result document; return it."""
+    args = parser(prog).parse_args(argv)
+    config = config_path(args.config)
+    machine = machine_info()
     with tempfile.TemporaryDirectory() as tmp:
-        multi = measure(args.config, args.ranks, args.steps, args.log_every, Path(tmp))
-        single = measure(args.config, 1, args.steps, args.log_every, Path(tmp))
+        multi = measure(config, args.ranks, args.steps, args.log_every, Path(tmp))
+        single = measure(config, 1, args.steps, args.log_every, Path(tmp))
+    machine["loadavg_end"] = loadavg()
     result = {
-        "benchmark": "train_throughput",
-        "config": args.config,
-        "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores",
+        **document_head("throughput", prog, argv, machine),
+        "config": config,
         "multi": multi,
         "single": single,
         "speedup_vs_1_rank": multi["samples_per_s_median"] / single["samples_per_s_median"],
@@ -59,6 +68,21 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result, indent=2))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def measurements(result: dict[str, Any]) -> list[Measurement]:
+    """samples/s of each job and their ratio."""
+    out = []
+    for job in (result["multi"], result["single"]):
+        out += scalars({"samples_per_s": job["samples_per_s_median"]},
+                       {"config": result["config"], "ranks": job["ranks"]})
+    speedup = {"speedup_vs_1_rank": result["speedup_vs_1_rank"]}
+    return out + scalars(speedup, {"config": result["config"]}, {"speedup_vs_1_rank": "ratio"})
+
+
+def main(argv: list[str] | None = None) -> int:
+    run(sys.argv[1:] if argv is None else argv, "python -m bench.train_throughput")
     return 0
 
 

@@ -1,74 +1,91 @@
-"""Smoke check of `python -m bench.run --suite quick`: it runs end to end and writes a record
-for every peer and every deltarec policy x encoding. Behaviour only: no figure is judged."""
+"""Smoke checks of the benchmark entry point `python -m bench.run --suite NAME`: the quick suites
+run end to end in a tiny form and write what their docs promise (a record for every peer and
+every deltarec policy x encoding, the common JSON-lines records with machine and commit).
+Behaviour only: no figure is judged."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from bench.run import ENCODINGS, PEERS, POLICIES
+from bench.common import read_records
+from bench.peers import ENCODINGS, PEERS, POLICIES
+from bench.run import SUITES
 
-REPO = Path(__file__).resolve().parents[2]
+if TYPE_CHECKING:
+    from tests.conftest import CliRunner
 
 pytestmark = [pytest.mark.integration, pytest.mark.multirank]
 
 FIELDS = {"peer", "policy", "encoding", "metric", "value", "unit", "interval", "ckpt"}
+RECORD_FIELDS = {"suite", "metric", "value", "unit", "labels", "command", "commit", "dirty", "unix", "machine"}
 
 
-def test_quick_suite_writes_every_peer_and_policy(tmp_path: Path) -> None:
-    out = tmp_path / "results.json"
-    img = tmp_path / "img"
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.run", "--suite", "quick", "--out", str(out), "--plots", str(img)],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+def test_the_entry_point_lists_every_suite(run_cli: CliRunner) -> None:
+    listed = run_cli("bench.run", "--list").stdout
+    assert all(f"  {s.name} " in listed for s in SUITES)
+    assert "--size" in run_cli("bench.run", "--suite", "quick", "--help").stdout  # the suite's own options
+
+
+def test_quick_suite_writes_every_peer_and_policy(tmp_path: Path, run_cli: CliRunner) -> None:
+    out, img, records = tmp_path / "results.json", tmp_path / "img", tmp_path / "records.jsonl"
+    run_cli("bench.run", "--suite", "quick", "--records", records, "--out", out, "--plots", img, timeout_s=900)
     result = json.loads(out.read_text())
-    records = result["records"]
-    assert records and all(FIELDS <= set(r) for r in records)
+    flat = result["records"]
+    assert flat and all(FIELDS <= set(r) for r in flat)
 
     # every peer, with the figures the issue asks for
+    asked = {"stall_ms", "bytes_written", "capacity_bytes", "samples_per_s", "restore_s", "steps_lost_mean"}
     for peer in PEERS:
-        metrics = {r["metric"] for r in records if r["peer"] == peer}
-        assert {"stall_ms", "bytes_written", "capacity_bytes", "samples_per_s", "restore_s", "steps_lost_mean"} <= metrics, peer
-    assert {"none", "none_inproc"} <= {r["peer"] for r in records if r["metric"] == "samples_per_s"}
-    assert all(r["value"] for r in records if r["metric"] == "restore_same_state")
+        assert asked <= {r["metric"] for r in flat if r["peer"] == peer}, peer
+    assert {"none", "none_inproc"} <= {r["peer"] for r in flat if r["metric"] == "samples_per_s"}
+    assert all(r["value"] for r in flat if r["metric"] == "restore_same_state")
 
     # every deltarec policy x encoding, per checkpoint and aggregated
     for policy in POLICIES:
         for enc in ENCODINGS:
-            mine = [r for r in records if r["peer"] == "deltarec" and r["policy"] == policy and r["encoding"] == enc]
+            mine = [r for r in flat if r["peer"] == "deltarec" and r["policy"] == policy and r["encoding"] == enc]
             metrics = {r["metric"] for r in mine}
             assert {"stall_ms", "bytes_written", "capacity_bytes", "samples_per_s", "restore_s",
                     "steps_lost_mean", "throughput_overhead"} <= metrics, (policy, enc, metrics)
             assert any(r["ckpt"] is not None and r["metric"] == "bytes_written" for r in mine), (policy, enc)
-            assert any(r["metric"] == "stall_ms" for r in records
+            assert any(r["metric"] == "durable_at_step" for r in mine), (policy, enc)  # committed_at_step
+            assert any(r["metric"] == "stall_ms" for r in flat
                        if r["peer"] == "bare_copy" and r["policy"] == policy and r["encoding"] == enc)
 
     assert {t["target"] for t in result["targets"]}  # reported, not judged
     assert sorted(p.name for p in img.glob("*.png")) == ["peers_quick_fig15_bytes_written.png",
                                                          "peers_quick_fig16_capacity_bytes.png"]
 
+    # the common records: the same figures, one JSON line each, with machine and commit
+    lines = read_records(records)
+    assert len(lines) == len(flat)
+    assert all(RECORD_FIELDS <= set(r) and r["suite"] == "quick" for r in lines)
+    assert all(r["machine"]["cores"] and r["machine"]["loadavg_end"] for r in lines)
+    assert {r["commit"] for r in lines} != {None}  # run from the git checkout
+    assert {r["labels"]["peer"] for r in lines} >= {"deltarec", "bare_copy", *PEERS}
 
-def test_quant_accuracy_restores_are_exact_in_fp32_and_quantized_ones_are_not(tmp_path: Path) -> None:
+
+def test_quant_accuracy_restores_are_exact_in_fp32_and_quantized_ones_are_not(
+    tmp_path: Path, run_cli: CliRunner
+) -> None:
     """A tiny Fig. 14 grid on 2 real ranks: every segment is a new process restoring from the
     filesystem sink. fp32 restores must reproduce the uninterrupted run exactly (final eval and
     lifetime log loss); a 2-bit restore must move both (or the grid measures nothing)."""
-    out = tmp_path / "acc.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.quant_accuracy", "--out", str(out), "--steps", "60", "--interval", "20",
-         "--eval-every", "30", "--eval-batches", "4", "--settings", "default", "--restores", "1",
-         "--controls", "fp32@1", "--skip", "--work-dir", str(tmp_path / "runs"), "--timeout", "300"],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out, records = tmp_path / "acc.json", tmp_path / "records.jsonl"
+    run_cli("bench.run", "--suite", "accuracy", "--records", records, "--out", out, "--steps", "60",
+            "--interval", "20", "--eval-every", "30", "--eval-batches", "4", "--settings", "default",
+            "--restores", "1", "--controls", "fp32@1", "--skip", "--work-dir", tmp_path / "runs",
+            "--timeout", "300", timeout_s=900)  # fmt: skip
     cells = {(c["setting"], c["restores"]): c for c in json.loads(out.read_text())["cells"]}
     fp32, default = cells[("fp32", 1)], cells[("default", 1)]
     assert fp32["restore_steps"] == default["restore_steps"] == [30]
     assert fp32["logloss_rel_pct"] == 0.0 and fp32["lifetime_logloss_rel_pct"] == 0.0
     assert default["codecs"] == ["adaptive2"]
     assert default["logloss_rel_pct"] != 0.0 and default["lifetime_logloss_rel_pct"] != 0.0
+    by_cell = {(r["labels"]["setting"], r["metric"]): r for r in read_records(records)}
+    assert by_cell[("default", "lifetime_logloss_rel_pct")]["unit"] == "%"
+    assert by_cell[("fp32", "logloss_rel_pct")]["value"] == 0.0

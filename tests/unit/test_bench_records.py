@@ -1,0 +1,115 @@
+"""The benchmark instrument's bookkeeping, without running a benchmark: the common record
+schema (`bench.common`) and how `bench.ckpt_rank` turns the checkpoint manager's public stats
+into per-checkpoint records (which rows get a bare copy, when, and at which step an outcome
+was learned). No figure is timed or judged."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from bench.ckpt_rank import ObservedCheckpointer, read_side
+from bench.common import Measurement, Provenance, read_records, scalars, unit_of, write_records
+from ckpt.manager import CheckpointStats, StallTiming
+from ckpt.writer import Outcome
+
+
+def test_metric_names_carry_their_units() -> None:
+    assert unit_of("stall_ms_delta_median") == "ms"
+    assert unit_of("restore_s_median") == "s"
+    assert unit_of("writer_MBps_full_fp32") == "MB/s"
+    assert unit_of("train_samples_per_s_fp32") == "samples/s"
+    assert unit_of("bytes_full_fp32") == "B"
+    assert unit_of("fraction_of_rows_per_delta_median") == "fraction"
+    assert unit_of("restore_over_dcp_load") == "ratio"
+    assert unit_of("lifetime_logloss_rel_pct") == "%"
+    assert unit_of("eval_auc") == ""
+
+
+def test_records_are_one_json_line_per_measurement_with_provenance(tmp_path: Path) -> None:
+    ms = scalars({"stall_ms": 1.5, "committed": True, "skipped": None, "chain": [1, 2]}, {"run": "fp32"})
+    assert [(m.metric, m.unit) for m in ms] == [("stall_ms", "ms"), ("committed", "bool")]  # None and lists left out
+    prov = Provenance(suite="checkpoint", command="python -m bench.run --suite checkpoint", commit="abc", dirty=True,
+                      unix=1.0, machine={"cores": 2})
+    path = tmp_path / "r.jsonl"
+    assert write_records(path, prov, ms) == 2
+    write_records(path, prov, [Measurement("rows", 3, "rows")])  # appends
+    lines = read_records(path)
+    assert len(lines) == 3
+    assert lines[0] == {"suite": "checkpoint", "metric": "stall_ms", "value": 1.5, "unit": "ms",
+                        "labels": {"run": "fp32"}, "command": prov.command, "commit": "abc", "dirty": True,
+                        "unix": 1.0, "machine": {"cores": 2}}
+    assert Measurement("x_ms", 2.0, "ms", {"peer": "dcp.save"}).flat() == {"peer": "dcp.save", "metric": "x_ms",
+                                                                          "value": 2.0, "unit": "ms"}
+
+
+# -- bench.ckpt_rank against a stand-in manager -------------------------------------------------
+@dataclass
+class _Shard:
+    weight: torch.Tensor
+    optimizer_states: dict[str, torch.Tensor]
+
+
+@dataclass
+class _Tracker:
+    touched: list[torch.Tensor]
+    since_base_asked: list[bool] = field(default_factory=list)
+
+    def touched_rows(self, i: int, since_base: bool) -> torch.Tensor:
+        self.since_base_asked.append(since_base)
+        return self.touched[i]
+
+
+class _Manager:
+    """What `ObservedCheckpointer` reads of a `CheckpointManager`: public attributes only. It
+    checkpoints at every 2nd step (a full first, deltas after) and delivers each outcome at
+    the step end after the next."""
+
+    def __init__(self) -> None:
+        self.c = SimpleNamespace(interval_steps=2, policy="one_shot_diff")
+        self.stats = CheckpointStats()
+        self.shard_map = SimpleNamespace(shards=[_Shard(torch.zeros(8, 4), {"momentum": torch.zeros(8)})])
+        self.tracker = _Tracker([torch.tensor([1, 5])])
+        self.total_rows = 8
+        self.owed: list[tuple[int, int]] = []  # (step it is delivered at, checkpoint id)
+
+    def save(self, step: int) -> None:
+        for due, cid in [o for o in self.owed if o[0] <= step]:
+            self.owed.remove((due, cid))
+            self.stats.outcomes.append(Outcome(checkpoint_id=cid, step=2 * cid, committed=True))
+        if step % 2 == 0:
+            cid = step // 2
+            full = cid == 1
+            self.stats.stalls.append(StallTiming(cid, step, full, 1.0, 2.0, 0.5, 3.5, 8 if full else 2, 64, 0.25, 0.25))
+            self.owed.append((step + 2, cid))
+
+    def finish(self, step: int) -> None:
+        for _, cid in self.owed:
+            self.stats.outcomes.append(Outcome(checkpoint_id=cid, step=2 * cid, committed=True))
+        self.owed.clear()
+
+
+def test_ckpt_rank_records_each_checkpoint_from_the_managers_stats(tmp_path: Path) -> None:
+    manager = _Manager()
+    observed = ObservedCheckpointer(manager, rank=0)  # type: ignore[arg-type]
+    for step in range(1, 6):
+        observed.save(step)
+        if step == 4:  # checkpoint 2 (a delta) taken at step 4; its outcome is not in yet
+            assert observed.records[2].bare_ms_all == [] and observed.records[2].committed is None
+    observed.finish(5)
+    observed.dump(tmp_path / "rank0.jsonl")
+    recs = {r.checkpoint_id: r for r in read_side(tmp_path / "rank0.jsonl")}
+
+    assert sorted(recs) == [1, 2]
+    full, delta = recs[1], recs[2]
+    assert full.full and not delta.full
+    assert (full.committed_at_step, delta.committed_at_step) == (4, 5)  # the step end that learned each outcome
+    assert full.committed and delta.committed
+    assert (delta.stall_ms, delta.agree_ms, delta.take_ms, delta.dense_ms) == (3.5, 1.0, 2.0, 0.5)
+    assert delta.other_ms == 0.5
+    assert len(full.bare_ms_all) == len(delta.bare_ms_all) == 3  # bare copies ran, after the checkpoints
+    assert full.find_ms == 0.0 and delta.find_ms is not None
+    assert set(manager.tracker.since_base_asked) == {True}  # a one-shot diff copies rows changed since the base
