@@ -28,7 +28,8 @@ echo "deltarec setup: creating $VENV" >&2
 if [[ ! -x "$VENV/bin/python" ]]; then
   "$PY" -m venv "$VENV"
 fi
-PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+# -qq: pip says only errors (its warnings about index locations of a particular machine are noise here)
+PIP=("$VENV/bin/python" -m pip install -qq --disable-pip-version-check)
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   FBGEMM="fbgemm-gpu==$FBGEMM_VERSION"      # CUDA build (not exercised by CI)
