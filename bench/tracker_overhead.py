@@ -16,7 +16,7 @@ Spawns `--ranks` gloo ranks of the real DMP model and `Trainer.train_step` (synt
 
 Prints one JSON object (per-rank numbers and the max over ranks). The hook is timed from
 inside by swapping the torchrec module's `post_lookup_tracker_fn` for a timed call of the
-tracker's own callback (`RowTracker._record`): the tracker has no public timing of its own.
+tracker's own callback (`RowTracker.record_lookup`, the hook torchrec calls).
 """
 
 from __future__ import annotations
@@ -125,15 +125,15 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> int:
     tracker = RowTracker(sharded.model, smap)
 
     # Time the hook from inside: wrap the registered callback.
-    sebc = tracker._sebc
+    sebc = tracker.sharded_ebc
     hook_s = [0.0]
     hook_ids = [0]
 
     def timed(features, embs, module, raw):
         t = time.perf_counter()
-        tracker._record(features, embs, module, raw)
+        tracker.record_lookup(features, embs, module, raw)
         hook_s[0] += time.perf_counter() - t
-        if features.keys() and tracker._lookups[tuple(features.keys())].any_tracked:
+        if features.keys() and tracker.lookup_groups[tuple(features.keys())].any_tracked:
             hook_ids[0] += features.values().numel()
 
     def noop(features, embs, module, raw):
@@ -174,7 +174,7 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> int:
         "hook_ms_per_64k_ids": hook_s[0] * 1e3 / max(hook_ids[0], 1) * 65536,
     }
     # Micro: one lookup batch of 64k ids into the largest tracked lookup group.
-    m = max(tracker._lookups.values(), key=lambda lm: sum(i is not None for i in lm.shards))
+    m = max(tracker.lookup_groups.values(), key=lambda lm: sum(i is not None for i in lm.shards))
     rows = torch.tensor([1 if i is None else smap.shards[i].num_rows for i in m.shards])
     stride = 65536 // len(m.keys)
     values = (torch.rand(len(m.keys), stride) * rows[:, None]).long().view(-1)
@@ -183,7 +183,7 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> int:
     micro = []
     for _ in range(50):
         t = time.perf_counter()
-        tracker._record(kjt, None, sebc, None)
+        tracker.record_lookup(kjt, None, sebc, None)
         micro.append(time.perf_counter() - t)
     tr["micro_hook_ms_64k_ids"] = median(micro[5:]) * 1e3
     tr["micro_ids"] = values.numel()

@@ -72,13 +72,13 @@ import torch
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from sharding.shard_views import ShardMap, _find_sharded_ebc
+from sharding.shard_views import ShardMap, find_sharded_ebc
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _LookupMap:
+class LookupGroup:
     """Key position -> the shard it looks up, and a view of that shard's since_last bitmap."""
 
     keys: tuple[str, ...]
@@ -102,18 +102,19 @@ class RowTracker:
         self.device = device
         self._last = torch.zeros(total, dtype=torch.bool, device=device)
         self._base = torch.zeros(total, dtype=torch.bool, device=device)  # folded at mark_checkpoint
-        self._sebc = _find_sharded_ebc(model)
-        self._lookups = self._build_lookup_maps(self._sebc)
-        self._previous_fn = self._sebc.post_lookup_tracker_fn
+        self.sharded_ebc = find_sharded_ebc(model)  # the module whose post-lookup hook this is
+        # feature keys of each lookup group -> where its ids go (benchmarks time one group's hook)
+        self.lookup_groups = self._build_lookup_maps(self.sharded_ebc)
+        self._previous_fn = self.sharded_ebc.post_lookup_tracker_fn
         self._attached = True
-        self._sebc.register_post_lookup_tracker_fn(self._record)
+        self.sharded_ebc.register_post_lookup_tracker_fn(self.record_lookup)
 
     # -- mapping ------------------------------------------------------------------------
-    def _build_lookup_maps(self, sebc: nn.Module) -> dict[tuple[str, ...], _LookupMap]:
+    def _build_lookup_maps(self, sebc: nn.Module) -> dict[tuple[str, ...], LookupGroup]:
         index = {
             (id(s.kernel), s.table, s.row_offset, s.col_offset): i for i, s in enumerate(self.shard_map.shards)
         }
-        maps: dict[tuple[str, ...], _LookupMap] = {}
+        maps: dict[tuple[str, ...], LookupGroup] = {}
         used: set[int] = set()
         for lookup in sebc._lookups:
             inner = getattr(lookup, "module", lookup)  # data_parallel lookups are DDP-wrapped
@@ -133,7 +134,7 @@ class RowTracker:
                         owners.append(i)
             key = tuple(keys)
             bitmaps = [None if i is None else self._slice(self._last, i) for i in owners]
-            m = _LookupMap(key, owners, bitmaps, any(i is not None for i in owners))
+            m = LookupGroup(key, owners, bitmaps, any(i is not None for i in owners))
             if key in maps and (maps[key].any_tracked or m.any_tracked):
                 raise RuntimeError(f"two lookup groups receive the same features {key}: cannot tell them apart")
             if key not in maps or m.any_tracked:
@@ -144,20 +145,22 @@ class RowTracker:
         return maps
 
     # -- the hook -----------------------------------------------------------------------
-    def _record(
+    def record_lookup(
         self, features: KeyedJaggedTensor, embs: torch.Tensor, module: nn.Module | None, raw_ids: torch.Tensor | None
     ) -> None:
+        """The post-lookup hook: mark the shard-local ids of one lookup group's input as touched.
+        torchrec calls it after the input all-to-all; public so a benchmark can time it."""
         if self._previous_fn is not None:
             self._previous_fn(features, embs, module, raw_ids)
-        owner = module if module is not None else self._sebc
+        owner = module if module is not None else self.sharded_ebc
         if not (owner.training and torch.is_grad_enabled()):
             return
         keys = tuple(features.keys())
-        m = self._lookups.get(keys)
+        m = self.lookup_groups.get(keys)
         if m is None:
             raise RuntimeError(
                 f"RowTracker: a lookup received features {keys}, which match no lookup group "
-                f"{list(self._lookups)}; rows would go untracked"
+                f"{list(self.lookup_groups)}; rows would go untracked"
             )
         if not m.any_tracked:
             return
@@ -170,14 +173,14 @@ class RowTracker:
     def detach(self) -> None:
         """Stop recording (restores whatever hook was registered before this tracker)."""
         if self._attached:
-            self._sebc.post_lookup_tracker_fn = self._previous_fn
+            self.sharded_ebc.post_lookup_tracker_fn = self._previous_fn
             self._attached = False
 
     def attach(self) -> None:
         """Record again after `detach()`."""
         if not self._attached:
-            self._previous_fn = self._sebc.post_lookup_tracker_fn
-            self._sebc.post_lookup_tracker_fn = self._record
+            self._previous_fn = self.sharded_ebc.post_lookup_tracker_fn
+            self.sharded_ebc.post_lookup_tracker_fn = self.record_lookup
             self._attached = True
 
     # -- queries ------------------------------------------------------------------------

@@ -66,7 +66,7 @@ class ShardMap:
     @classmethod
     def from_model(cls, model: nn.Module) -> "ShardMap":
         """Walk the sharded EmbeddingBagCollection inside a DMP-wrapped DLRMTrain."""
-        sebc = _find_sharded_ebc(model)
+        sebc = find_sharded_ebc(model)
         shards: list[ShardView] = []
         replicated: list[str] = []
         for lookup in sebc._lookups:
@@ -89,7 +89,7 @@ class ShardMap:
         return cls(shards, replicated)
 
 
-def _find_sharded_ebc(model: nn.Module) -> nn.Module:
+def find_sharded_ebc(model: nn.Module) -> nn.Module:
     module = getattr(model, "module", model)  # DMP wraps the DLRMTrain as .module
     ebc = module.get_submodule(EBC_PATH)
     assert hasattr(ebc, "_lookups"), f"{EBC_PATH} is not sharded: {type(ebc).__name__}"
