@@ -31,6 +31,13 @@ class Backend:
             part.close()
 
 
+def open_sink(cfg: CkptConfig, world_size: int) -> FrameSink:
+    """A frame sink alone; on Kafka, new generations get `world_size` partitions."""
+    if cfg.sink == "filesystem":
+        return FsSink(Path(cfg.fs_root), cfg.run_id)
+    return KafkaSink(cfg.run_id, cfg.kafka_conf(), num_partitions=world_size, delivery_timeout_s=cfg.flush_timeout_s)
+
+
 def open_backend(cfg: CkptConfig, world_size: int) -> Backend:
     """Sink, source and markers for this run (`cfg` resolved); nothing is created on the broker yet."""
     run_id = cfg.run_id
@@ -38,13 +45,13 @@ def open_backend(cfg: CkptConfig, world_size: int) -> Backend:
         root = Path(cfg.fs_root)
         source = FsSource(root, run_id)
         return Backend(
-            FsSink(root, run_id), source, FsMarkers(root, run_id), str(root),
+            open_sink(cfg, world_size), source, FsMarkers(root, run_id), str(root),
             lambda g, p, pos: file_where(source.segment_path(g, p), pos),
         )
     conf = cfg.kafka_conf()
     timeout = cfg.flush_timeout_s
     return Backend(
-        KafkaSink(run_id, conf, num_partitions=world_size, delivery_timeout_s=timeout),
+        open_sink(cfg, world_size),
         KafkaSource(run_id, conf),
         KafkaMarkers(run_id, conf, timeout_s=timeout),
         conf.get("bootstrap.servers", "kafka"),

@@ -16,15 +16,20 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Sequence
+
+import torch
 
 from ckpt.backends import open_backend
 from ckpt.config import CkptConfig
 from ckpt.dense_store import DenseRef, DenseStore
-from ckpt.export import export
-from ckpt.markers import Marker, MarkerError, decode_marker, select
+from ckpt.catalog import Catalog, read_catalog
+from ckpt.export import assemble, export, replicated_tables
+from ckpt.markers import DroppedRecord, Marker, encode_marker
 from ckpt.restore import RestoreError, iter_chain_frames
+from ckpt.sink import generation_label, is_compacted
 from common.errors import DeltarecError
 
 logger = logging.getLogger(__name__)
@@ -57,61 +62,111 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def _markers(backend, run_id: str) -> list[Marker]:
-    out = []
-    for pos, data in backend.markers.read_markers():
-        try:
-            m = decode_marker(data)
-        except MarkerError as exc:
-            raise MarkerError(f"{backend.where} markers position {pos}: {exc}") from exc
-        if m.run_id == run_id:
-            out.append(m)
-    return out
+def _choose(catalog: Catalog, checkpoint: int | None) -> Marker:
+    """The newest restorable checkpoint, or the given one, with its cheapest chain."""
+    if checkpoint is not None and checkpoint not in catalog.commits:
+        raise RestoreError(f"no committed checkpoint with id {checkpoint}")
+    found = catalog.restorable() if checkpoint is None else [catalog.cheapest(catalog.commits[checkpoint])]
+    if not found or found[0] is None:
+        raise RestoreError("no restorable checkpoint" + (f" with id {checkpoint}: a generation of every chain of it "
+                                                          "was dropped by gc" if checkpoint is not None else ""))
+    return found[0]
 
 
-def _choose(markers: list[Marker], checkpoint: int | None) -> Marker:
-    found = select([(None, m) for m in markers if m.kind == "commit"], checkpoint)
-    if found is None:
-        raise RestoreError("no committed checkpoint" + (f" with id {checkpoint}" if checkpoint is not None else ""))
-    return found
-
-
-def cmd_list(markers: list[Marker], dense: DenseStore) -> int:
-    print(f"{'id':>5} {'step':>8} {'kind':<6} {'bytes':>12} {'chain':>12} {'ranks':>5}  status")
-    for m in sorted(markers, key=lambda m: m.checkpoint_id):
+def cmd_list(catalog: Catalog) -> int:
+    print(f"{'id':>5} {'step':>8} {'kind':<9} {'bytes':>12} {'restore':>12} {'ranks':>5}  status")
+    rows = [*catalog.commits.values(), *catalog.failed.values(), *catalog.compactions.values(), *catalog.fenced]
+    for m in sorted(rows, key=lambda m: (m.checkpoint_id, m.kind != "commit")):
         if m.kind == "failed":
-            print(f"{m.checkpoint_id:>5} {m.step:>8} {'-':<6} {'-':>12} {'-':>12} {m.world_size:>5}  failed: {m.error}")
-            continue
-        status = "complete" if Path(m.dense.get("path", "")).is_file() else "dropped (gc)"
-        kind = "full" if m.full else "delta"
-        print(f"{m.checkpoint_id:>5} {m.step:>8} {kind:<6} {m.bytes:>12,} {m.chain_bytes:>12,} {m.world_size:>5}  {status}")
+            print(f"{m.checkpoint_id:>5} {m.step:>8} {'-':<9} {'-':>12} {'-':>12} {m.world_size:>5}  failed: {m.error}")
+        elif m.kind == "compacted":
+            link = m.chain[0]
+            fenced = catalog.compactions.get(m.checkpoint_id) is not m
+            status = ("fenced (writer lost the lease)" if fenced else
+                      "dropped (gc)" if link.generation in catalog.dropped else "compacted baseline")
+            print(f"{m.checkpoint_id:>5} {m.step:>8} {'compacted':<9} {m.bytes:>12,} {m.bytes:>12,} "
+                  f"{m.world_size:>5}  {status} in {generation_label(link.generation)}")
+        else:
+            best = catalog.cheapest(m)
+            complete = best is not None and Path(m.dense.get("path", "")).is_file()
+            status = "complete" if complete else "dropped (gc)"
+            if complete and best is not m:
+                status += " via compacted " + "+".join(str(link.checkpoint_id) for link in best.chain)
+            restore = f"{best.chain_bytes:>12,}" if best is not None else f"{'-':>12}"
+            kind = "full" if m.full else "delta"
+            print(f"{m.checkpoint_id:>5} {m.step:>8} {kind:<9} {m.bytes:>12,} {restore} {m.world_size:>5}  {status}")
+    if catalog.lease is not None:
+        lease = catalog.lease
+        print(f"follower lease: {lease.holder} (epoch {lease.epoch}{', released' if lease.released else ''})")
     return 0
 
 
-def cmd_verify(marker: Marker, backend, dense: DenseStore, run_id: str) -> int:
+def _tables(marker: Marker, frames, dense_state) -> dict:
+    return assemble(marker, frames, replicated_tables(marker, dense_state))
+
+
+def cmd_verify(marker: Marker, catalog: Catalog, backend, dense: DenseStore, run_id: str) -> int:
     frames = rows = 0
     for _, frame in iter_chain_frames(marker, backend.source, run_id, backend.locate):
         frames += 1
         rows += frame.row_count
     dense.read(DenseRef.from_json(marker.dense))
-    print(f"checkpoint {marker.checkpoint_id} (step {marker.step}): OK, {frames} frames, {rows} rows, dense sha256 matches")
+    via = "" if marker.chain == catalog.commits[marker.checkpoint_id].chain else \
+        " (chain " + "+".join(str(link.checkpoint_id) for link in marker.chain) + ", from a compacted baseline)"
+    print(f"checkpoint {marker.checkpoint_id} (step {marker.step}): OK{via}, {frames} frames, {rows} rows, dense sha256 matches")
+    base = marker.chain[0]
+    compacted = catalog.compactions.get(base.checkpoint_id)
+    if compacted is not None and compacted.chain[0] == base:
+        _verify_compaction(compacted, catalog, backend, dense, run_id)
     return 0
 
 
-def cmd_gc(markers: list[Marker], keep: int, backend, dense: DenseStore) -> int:
+def _verify_compaction(compacted: Marker, catalog: Catalog, backend, dense: DenseStore, run_id: str) -> None:
+    """A compacted baseline must restore exactly what the chain it replaces restores."""
+    original = catalog.commits.get(compacted.checkpoint_id)
+    cid = compacted.checkpoint_id
+    if original is None or not catalog.complete(original.chain):
+        print(f"compacted baseline of checkpoint {cid}: its original chain is gone (gc), nothing to compare with")
+        return
+    state = dense.read(DenseRef.from_json(original.dense))
+
+    def frames(m: Marker):
+        return ((link.full, f) for link, f in iter_chain_frames(m, backend.source, run_id, backend.locate))
+
+    got, want = _tables(compacted, frames(compacted), state), _tables(original, frames(original), state)
+    for table, tensors in want.items():
+        for name, value in tensors.items():
+            if not torch.equal(got[table][name], value):
+                raise RestoreError(f"compacted baseline of checkpoint {cid} differs from its chain "
+                                   f"{[link.checkpoint_id for link in original.chain]}: table {table} {name}")
+    print(f"compacted baseline of checkpoint {cid}: identical to its chain "
+          f"{'+'.join(str(link.checkpoint_id) for link in original.chain)} "
+          f"({compacted.bytes:,} bytes instead of {original.chain_bytes:,})")
+
+
+def cmd_gc(catalog: Catalog, keep: int, backend, dense: DenseStore) -> int:
+    """Keep the newest `keep` restorable checkpoints and what their cheapest chains read;
+    drop every other generation (recorded in the markers log first) and dense file."""
     if keep < 1:
         raise CliError("--keep must be at least 1: gc never drops the newest checkpoint")
-    commits = sorted((m for m in markers if m.kind == "commit" and Path(m.dense.get("path", "")).is_file()),
-                     key=lambda m: m.checkpoint_id)
-    kept = commits[-keep:]
+    restorable = [m for m in catalog.restorable() if Path(m.dense.get("path", "")).is_file()]
+    kept = restorable[:keep]
     needed = {link.generation for m in kept for link in m.chain}
-    all_generations = {link.generation for m in markers if m.kind == "commit" for link in m.chain}
-    dropped = sorted(g for g in all_generations if g < min(needed, default=0))
+    newest = max(catalog.commits.values(), key=lambda m: m.checkpoint_id, default=None)
+    if newest is not None:
+        needed.add(newest.chain[-1].generation)  # the trainer may still be writing deltas there
+    known = {link.generation for m in [*catalog.commits.values(), *catalog.compactions.values(), *catalog.fenced]
+             for link in m.chain}
+    # a trainer generation newer than the newest COMMIT belongs to a checkpoint in flight
+    dropped = sorted(g for g in known - needed - catalog.dropped if is_compacted(g) or g <= catalog.newest_id)
+    if dropped:
+        record = DroppedRecord(kind="dropped", run_id=catalog.run_id, generations=dropped, created_unix=time.time())
+        backend.markers.append_marker(encode_marker(record))  # first: no restore starts reading them
     for g in dropped:
         backend.sink.drop_generation(g)
     kept_ids = {m.checkpoint_id for m in kept}
-    dense.delete([m.checkpoint_id for m in commits if m.checkpoint_id not in kept_ids])
-    print(f"kept checkpoints {sorted(kept_ids)}; dropped generations {dropped}")
+    dense.delete([cid for cid in catalog.commits if cid not in kept_ids])
+    print(f"kept checkpoints {sorted(kept_ids)}; dropped generations {[generation_label(g) for g in dropped]}")
     return 0
 
 
@@ -125,14 +180,14 @@ def main(argv: Sequence[str], load_ckpt_config: Callable[[str, list[str]], CkptC
         backend = open_backend(cfg, world_size=1)
         dense = DenseStore(Path(cfg.dense_dir))
         try:
-            markers = _markers(backend, run_id)
+            catalog = read_catalog(backend.markers, run_id, f"{backend.where} markers")
             if args.command == "list":
-                return cmd_list(markers, dense)
+                return cmd_list(catalog)
             if args.command == "gc":
-                return cmd_gc(markers, args.keep, backend, dense)
-            marker = _choose(markers, args.checkpoint)
+                return cmd_gc(catalog, args.keep, backend, dense)
+            marker = _choose(catalog, args.checkpoint)
             if args.command == "verify":
-                return cmd_verify(marker, backend, dense, run_id)
+                return cmd_verify(marker, catalog, backend, dense, run_id)
             model = export(marker, backend.source, dense, run_id, backend.locate, args.out, args.dcp)
             print(f"exported checkpoint {marker.checkpoint_id} (step {marker.step}, {len(model['tables'])} tables) to {args.out}"
                   + (f" and {args.dcp}" if args.dcp else ""))

@@ -12,11 +12,13 @@ import logging
 import time
 from typing import Any
 
+from ckpt.catalog import Catalog, catch_up
 from ckpt.dense_store import DenseStore
 from ckpt.faults import maybe_die
 from ckpt.markers import ChainLink, IndexEntry, Marker, OffsetRange, encode_marker
 from ckpt.sink import MarkerLog
 from ckpt.writer import Outcome, RankReport, WriteJob
+from common.errors import DeltarecError
 
 logger = logging.getLogger(__name__)
 
@@ -32,12 +34,16 @@ class Committer:
         dense: DenseStore,
         marker_fields: dict[str, Any],
         committed: list[ChainLink] | None = None,
+        rebase: bool = False,
     ) -> None:
         self.run_id = run_id
         self.markers = markers
         self.dense = dense
         self.marker_fields = marker_fields  # policy, plan, tables, world_size
         self.links: dict[int, ChainLink] = {link.checkpoint_id: link for link in committed or []}
+        # Incremental chains grow by one link per checkpoint; with a follower compacting
+        # them, each new marker starts from the newest compacted baseline it can use.
+        self.catalog = Catalog(run_id) if rebase else None
 
     def __call__(self, job: WriteJob, reports: list[RankReport]) -> Outcome:
         cid = job.checkpoint_id
@@ -78,11 +84,25 @@ class Committer:
             created_unix=time.time(),
             **{**self.marker_fields, "encodings": {k: v for r in reports for k, v in r.encodings.items()}},
         )
+        marker = self._rebased(marker)
         maybe_die("marker", cid, 0)
         self.markers.append_marker(encode_marker(marker))
         self.links[cid] = link
         return Outcome(checkpoint_id=cid, step=job.step, committed=True, bytes=nbytes, rows=rows, full=full,
                        stall_ms=stall, write_s=write_s, commit_unix=marker.created_unix)
+
+    def _rebased(self, marker: Marker) -> Marker:
+        """`marker` with its cheapest complete chain, which starts at a follower's compacted
+        baseline when one of its links has one (docs/design.md §10). Reading the log is
+        best effort: without it the marker keeps its full chain, which is always valid."""
+        if self.catalog is None or len(marker.chain) < 2:
+            return marker
+        try:
+            catch_up(self.catalog, self.markers)
+        except DeltarecError as exc:
+            logger.debug("checkpoint %d: markers log not read for compactions: %s", marker.checkpoint_id, exc)
+            return marker
+        return self.catalog.cheapest(marker) or marker
 
     def _failed(self, job: WriteJob, error: str, stall: list[float]) -> None:
         """Best effort: a FAILED record for `deltarec-ckpt list`; its own failure is only logged."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from ckpt.follow.config import FollowConfig
 from ckpt.quant import CHECK_N_RUN_WIDTHS, check_widths, codec_names, get_codec
 from common.errors import ConfigError
 
@@ -51,6 +52,7 @@ class CkptConfig:
     # niceness the writer thread adds to itself (Linux): encoding rows on the CPU must not
     # take cores from the training step; 0 runs it at the training thread's priority
     writer_nice: int = 10
+    follow: FollowConfig = field(default_factory=FollowConfig)  # `deltarec-follow` (ckpt/follow)
 
     def resolved(self, run_name: str, run_dir: Path) -> "CkptConfig":
         """A copy with the run-derived defaults filled: run id, stream root, dense directory."""
@@ -59,6 +61,11 @@ class CkptConfig:
             run_id=self.run_id or run_name,
             fs_root=self.fs_root or str(run_dir / "stream"),
             dense_dir=self.dense_dir or str(run_dir / "dense"),
+            follow=replace(
+                self.follow,
+                export_dir=self.follow.export_dir or str(run_dir / "serving"),
+                metrics=self.follow.metrics or str(run_dir / "follower.jsonl"),
+            ),
         )
 
     def kafka_conf(self) -> dict[str, Any]:
@@ -74,6 +81,7 @@ class CkptConfig:
         if not self.enabled:
             return
         src = source
+        self.follow.validate(src)
         for key, name in (("ckpt.encoding", self.encoding), ("ckpt.optimizer_encoding", self.optimizer_encoding)):
             if name not in codec_names():
                 raise ConfigError(f"{src}: {key}={name!r} is not a codec; choose one of {', '.join(codec_names())}")

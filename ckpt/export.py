@@ -45,14 +45,17 @@ otherwise. The design is described in docs/design.md.
 
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Iterable
 
 import torch
 import torch.distributed.checkpoint as dcp
 
 from ckpt.dense_store import DenseRef, DenseStore
+from ckpt.frames import Frame
 from ckpt.markers import Marker
 from ckpt.restore import RestoreError, decode_rows, iter_chain_frames
 from ckpt.sink import FrameSource
@@ -61,6 +64,8 @@ from sharding.plan import EBC_PATH
 
 #: The module every exported FQN is relative to (what `trainer.model.build_model` returns).
 FQN_ROOT = "DLRMTrain"
+#: The root of serving snapshots (ckpt/follow/serving.py): the inner DLRM, without the loss.
+SERVING_ROOT = "DLRM"
 #: DCP key prefixes of the groups that are not part of the model's state_dict.
 OPTIM_PREFIX = "optim."
 BUFFERS_PREFIX = "buffers."
@@ -100,7 +105,7 @@ def unsharded_fqn(name: str) -> str:
 
 @dataclass(frozen=True)
 class ExportedModel:
-    """One checkpoint as the unsharded model, keyed by DLRMTrain FQNs."""
+    """One checkpoint as the unsharded model, keyed by FQNs relative to `fqn_root`."""
 
     checkpoint_id: int
     step: int
@@ -108,11 +113,21 @@ class ExportedModel:
     optim: dict[str, dict[str, Any]]  # parameter FQN -> optimizer state name -> value
     buffers: dict[str, torch.Tensor]  # captured buffers (DLRM's are non-persistent)
     tables: dict[str, str]  # table name -> FQN of its weight in `model`
+    fqn_root: str = FQN_ROOT
+
+    def for_serving(self) -> "ExportedModel":
+        """The same model keyed relative to the inner `DLRM` (``model.`` stripped), the module
+        a server runs: `DLRM.load_state_dict(f["model"])` on a freshly built one."""
+        def strip(d: dict[str, Any]) -> dict[str, Any]:
+            assert all(k.startswith(_ROOT_CHILD) for k in d), "every DLRMTrain FQN starts with model."
+            return {k[len(_ROOT_CHILD):]: v for k, v in d.items()}
+        return ExportedModel(self.checkpoint_id, self.step, strip(self.model), strip(self.optim), strip(self.buffers),
+                             {t: fqn[len(_ROOT_CHILD):] for t, fqn in self.tables.items()}, SERVING_ROOT)
 
     def to_file(self) -> dict[str, Any]:
         """The `torch.save` payload (documented in this module's docstring)."""
         return {
-            "fqn_root": FQN_ROOT,
+            "fqn_root": self.fqn_root,
             "checkpoint_id": self.checkpoint_id,
             "step": self.step,
             "model": self.model,
@@ -131,10 +146,10 @@ class ExportedModel:
 
 
 def assemble(
-    marker: Marker, source: FrameSource, run_id: str, locate: Callable[[int, int, int], str],
-    replicated: Collection[str] = (),
+    marker: Marker, frames: Iterable[tuple[bool, Frame]], replicated: Collection[str] = (),
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """Replay the whole chain into full tables: {table: {"weight": ..., "<state>": ...}}.
+    """Write `frames` (each with whether it belongs to the chain's base), base first, into
+    full tables: {table: {"weight": ..., "<state>": ...}}. The base must cover every table.
 
     Tables in `replicated` (data-parallel: trained by the dense optimizer, they travel with
     the dense state and have no rows in the stream) are left out."""
@@ -143,17 +158,17 @@ def assemble(
     shapes = {name: shape for name, shape in marker.tables.items() if name not in replicated}
     tables: dict[str, dict[str, torch.Tensor]] = {name: {"weight": torch.zeros(rows, dim)} for name, (rows, dim) in shapes.items()}
     seen = {name: torch.zeros(rows, dim, dtype=torch.bool) for name, (rows, dim) in shapes.items()}
-    for link, frame in iter_chain_frames(marker, source, run_id, locate):
+    for full, frame in frames:
         if frame.table in replicated:
-            raise RestoreError(f"checkpoint {link.checkpoint_id}: table {frame.table} has rows in the stream "
+            raise RestoreError(f"checkpoint {marker.checkpoint_id}: table {frame.table} has rows in the stream "
                                "and a replicated copy in the dense state")
         if frame.table not in tables:
-            raise RestoreError(f"frame of unknown table {frame.table!r} in checkpoint {link.checkpoint_id}")
+            raise RestoreError(f"frame of unknown table {frame.table!r} in checkpoint {marker.checkpoint_id}")
         weights, optim = decode_rows(frame)
         t = tables[frame.table]
         ids, c0, c1 = frame.row_ids, frame.col_offset, frame.col_offset + frame.dim
         t["weight"][ids, c0:c1] = weights
-        if link.full:
+        if full:
             seen[frame.table][ids, c0:c1] = True
         rows = t["weight"].shape[0]
         for name, values in optim.items():
@@ -201,19 +216,43 @@ def build_export(marker: Marker, tables: dict[str, dict[str, torch.Tensor]], den
     return ExportedModel(marker.checkpoint_id, marker.step, model, optim, buffers, names)
 
 
+def replicated_tables(marker: Marker, dense_state: dict[str, Any]) -> set[str]:
+    """Tables whose weights are dense parameters (data-parallel): they have no rows in the stream."""
+    dense_fqns = {unsharded_fqn(name) for name in dense_state["params"]}
+    return {t for t in marker.tables if table_fqn(t) in dense_fqns}
+
+
+def write_export(exported: ExportedModel, out: Path, dcp_dir: Path | None = None) -> dict[str, Any]:
+    """Write `exported` as a `torch.save` file (and a DCP directory), each atomically: into a
+    temporary name first, then renamed, so a reader never sees half a model."""
+    payload = exported.to_file()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        torch.save(payload, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    if dcp_dir is not None:
+        tmp_dir = dcp_dir.with_name(f".{dcp_dir.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        try:
+            # one process writes the whole model, even inside a job's process group
+            dcp.save(exported.to_dcp(), checkpoint_id=str(tmp_dir), no_dist=True)
+            shutil.rmtree(dcp_dir, ignore_errors=True)
+            os.replace(tmp_dir, dcp_dir)
+        finally:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+    return payload
+
+
 def export(marker: Marker, source: FrameSource, dense: DenseStore, run_id: str,
            locate: Callable[[int, int, int], str], out: Path, dcp_dir: Path | None = None) -> dict[str, Any]:
     """Write the unsharded model of `marker` to `out` (and `dcp_dir`); returns the
     `torch.save` payload, whose ``"tables"`` maps each table to its weight's FQN."""
     dense_state = dense.read(DenseRef.from_json(marker.dense))
-    dense_fqns = {unsharded_fqn(name) for name in dense_state["params"]}
-    replicated = {t for t in marker.tables if table_fqn(t) in dense_fqns}
-    tables = assemble(marker, source, run_id, locate, replicated)
-    exported = build_export(marker, tables, dense_state)
-    payload = exported.to_file()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(payload, out)
-    if dcp_dir is not None:
-        # one process writes the whole model, even inside a job's process group
-        dcp.save(exported.to_dcp(), checkpoint_id=str(dcp_dir), no_dist=True)
-    return payload
+    frames = ((link.full, frame) for link, frame in iter_chain_frames(marker, source, run_id, locate))
+    tables = assemble(marker, frames, replicated_tables(marker, dense_state))
+    return write_export(build_export(marker, tables, dense_state), out, dcp_dir)

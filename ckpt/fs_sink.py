@@ -20,6 +20,7 @@ never skipped: ``FrameError`` names file and byte offset.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
@@ -141,6 +142,24 @@ class _Appender:
             self._f, self.end = f, end
             self._sync_dirs = {d.parent for d in missing} | ({parent} if created else set())
         return self._f
+
+    def open_file(self) -> BinaryIO:
+        """The open file (opening it cuts a torn tail, as every append does)."""
+        return self._open()
+
+    def catch_up(self) -> None:
+        """Move `end` past records another process appended since (call it holding the
+        file's lock); a torn tail after them, left by a killed writer, is cut."""
+        f = self._open()
+        end = self.end
+        for _, end, _ in scan_records(f, self.path, self.end, verify=False):
+            pass
+        size = os.fstat(f.fileno()).st_size
+        if end < size:
+            log.warning("%s: truncating torn tail of %d bytes", self.path, size - end)
+            f.truncate(end)
+            os.fsync(f.fileno())
+        self.end = end
 
     def append(self, payload: bytes | memoryview) -> tuple[int, int]:
         """Append one record; returns (position, end). Not durable until ``sync()``."""
@@ -314,7 +333,12 @@ class FsSource:
 
 
 class FsMarkers:
-    """The marker log ``<root>/<run>.markers.log``: each append is fsynced before it returns."""
+    """The marker log ``<root>/<run>.markers.log``: each append is fsynced before it returns.
+
+    Several processes append (the trainer's rank 0, a follower, `deltarec-ckpt gc`), so an
+    append holds an exclusive `flock` on the file: inside it the appender finds the real end
+    (records other processes added since), cuts a torn tail a killed writer left, writes and
+    fsyncs."""
 
     def __init__(self, root: str | os.PathLike, run_id: str) -> None:
         self.root = Path(root)
@@ -324,21 +348,27 @@ class FsMarkers:
 
     def append_marker(self, payload: bytes) -> int:
         try:
-            pos, _ = self._app.append(payload)
-            self._app.sync()
+            f = self._app.open_file()
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            try:
+                self._app.catch_up()
+                pos, _ = self._app.append(payload)
+                self._app.sync()
+            finally:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
         except (OSError, FrameError) as e:
             self._app.close()
             self._app = _Appender(self.path)  # reopen: cuts what this append left behind
             raise SinkError(f"cannot append marker to {self.path}: {e}") from None
         return pos
 
-    def read_markers(self) -> list[tuple[int, bytes]]:
+    def read_markers(self, start: int = 0) -> list[tuple[int, bytes]]:
         try:
             f = open(self.path, "rb")
         except FileNotFoundError:
             return []
         with f:
-            return [(pos, payload) for pos, _, payload in scan_records(f, self.path)]
+            return [(pos, payload) for pos, _, payload in scan_records(f, self.path, start)]
 
     def close(self) -> None:
         self._app.close()

@@ -443,8 +443,8 @@ class KafkaMarkers:
         self._last = box[0][1].offset()
         return self._last
 
-    def read_markers(self, *, timeout_s: float | None = None) -> list[tuple[int, bytes]]:
-        """All markers from the start of the topic to its end (end-of-partition event;
+    def read_markers(self, start: int = 0, *, timeout_s: float | None = None) -> list[tuple[int, bytes]]:
+        """The markers from offset `start` to the end of the topic (end-of-partition event;
         watermarks are not trusted). No topic yet: no markers."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if topic_partitions(self._admin, self.topic, timeout_s) is None:
@@ -452,8 +452,8 @@ class KafkaMarkers:
                 raise SourceError(f"marker topic {self.topic} is gone (we appended offset {self._last})")
             return []
         out = [(m.offset(), m.value() or b"")
-               for m in _read_partition(self._cconf, self.topic, 0, 0, None, timeout_s)]
-        if self._last is not None and (not out or out[-1][0] < self._last):
+               for m in _read_partition(self._cconf, self.topic, 0, start, None, timeout_s)]
+        if self._last is not None and self._last >= start and (not out or out[-1][0] < self._last):
             raise SourceError(f"marker topic {self.topic} ends before offset {self._last}, "
                               f"which this process appended")
         return out

@@ -27,7 +27,8 @@ from ckpt.config import CkptConfig
 from ckpt.dense_store import DenseRef, DenseStore, DenseStoreError
 from ckpt.faults import maybe_die
 from ckpt.frames import FrameError
-from ckpt.markers import Marker, commits
+from ckpt.catalog import read_catalog
+from ckpt.markers import Marker
 from ckpt.policy import CheckpointPolicy, Decision
 from ckpt.quant import BitWidthPolicy
 from ckpt.restore import RestoreError, restore_rows
@@ -145,7 +146,8 @@ class CheckpointManager:
         self.committer = None
         if env.rank == 0:
             self.committer = Committer(
-                run_id=self.run_id, markers=self.backend.markers, dense=self.dense, marker_fields=self._marker_fields()
+                run_id=self.run_id, markers=self.backend.markers, dense=self.dense, marker_fields=self._marker_fields(),
+                rebase=self.c.policy == "incremental",
             )
         self.writer = RankWriter(
             run_id=self.run_id, rank=env.rank, sink=self.backend.sink, group=self.group,
@@ -253,8 +255,9 @@ class CheckpointManager:
         Rank 0 reads the markers log and broadcasts, so all ranks agree."""
         chosen: list[Any] = [None]
         if self.env.rank == 0:
-            found = [m for _, m in commits(self.backend.markers.read_markers(), self.run_id)]
-            newest = max((m.checkpoint_id for m in found), default=0)
+            catalog = read_catalog(self.backend.markers, self.run_id, self.backend.where)
+            found = catalog.restorable()  # each with its cheapest complete chain
+            newest = catalog.newest_id
             if self.c.resume == "latest":
                 ordered = sorted(found, key=lambda m: m.checkpoint_id, reverse=True)
             else:

@@ -106,6 +106,7 @@ class Marker:
     error: str = ""  # why a checkpoint failed
     created_unix: float = 0.0
     format: int = FORMAT_VERSION
+    follower: str = ""  # "compacted" records: the follower that wrote it (checked against the lease)
 
     @property
     def full(self) -> bool:
@@ -122,15 +123,60 @@ class Marker:
         return sum(link.bytes for link in self.chain)
 
 
-def encode_marker(marker: Marker) -> bytes:
-    """Serialise with the CRC envelope."""
-    assert marker.kind in ("commit", "failed"), marker.kind
-    body = json.dumps(asdict(marker), sort_keys=True, separators=(",", ":")).encode()
+@dataclass(kw_only=True)
+class LeaseRecord:
+    """A follower's claim, renewal or release of the right to compact (ckpt/follow/lease.py).
+    Which claim holds is decided by folding the log in order (ckpt/catalog.py)."""
+
+    kind: str  # "lease"
+    run_id: str
+    follower: str  # the follower's id (host, pid, random suffix)
+    event: str  # "claim", "renew" or "release"
+    lease_s: float  # a holder that has not renewed for this long may be replaced
+    created_unix: float
+    format: int = FORMAT_VERSION
+
+
+@dataclass(kw_only=True)
+class DroppedRecord:
+    """`deltarec-ckpt gc` dropped these generations: no chain through them is restorable.
+    Appended before the data is deleted, so a restore never starts reading a generation
+    that is going away."""
+
+    kind: str  # "dropped"
+    run_id: str
+    generations: list[int]
+    created_unix: float
+    format: int = FORMAT_VERSION
+
+
+#: Every record of the markers log: checkpoint markers (kinds commit, failed, compacted),
+#: follower leases and gc's drops.
+LogRecord = Marker | LeaseRecord | DroppedRecord
+_KINDS: dict[str, type] = {"commit": Marker, "failed": Marker, "compacted": Marker, "lease": LeaseRecord,
+                           "dropped": DroppedRecord}
+
+
+def encode_marker(marker: LogRecord) -> bytes:
+    """Serialise any log record with the CRC envelope."""
+    assert _KINDS.get(marker.kind) is type(marker), marker.kind
+    fields = asdict(marker)
+    if isinstance(marker, Marker) and not marker.follower:
+        del fields["follower"]  # commit and failed markers keep the wire form they always had
+    body = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     return _HEAD.pack(MAGIC, zlib.crc32(body)) + body
 
 
 def decode_marker(data: bytes) -> Marker:
-    """Parse and verify one marker record; raise MarkerError naming what is wrong."""
+    """Parse and verify one checkpoint marker (commit, failed, compacted)."""
+    record = decode_record(data)
+    if not isinstance(record, Marker):
+        raise MarkerError(f"a {record.kind} record where a checkpoint marker was expected")
+    return record
+
+
+def decode_record(data: bytes) -> LogRecord:
+    """Parse and verify one record of the markers log; raise MarkerError naming what is wrong."""
     if len(data) < _HEAD.size:
         raise MarkerError(f"marker record too short ({len(data)} bytes)")
     magic, crc = _HEAD.unpack_from(data)
@@ -143,8 +189,12 @@ def decode_marker(data: bytes) -> Marker:
         d = json.loads(body)
         if d.get("format") != FORMAT_VERSION:
             raise MarkerError(f"marker format {d.get('format')} is not {FORMAT_VERSION}; upgrade deltarec")
-        d["chain"] = [ChainLink.from_json(link) for link in d["chain"]]
-        return Marker(**d)
+        cls = _KINDS.get(d.get("kind"))
+        if cls is None:
+            raise MarkerError(f"unknown record kind {d.get('kind')!r}; upgrade deltarec")
+        if cls is Marker:
+            d["chain"] = [ChainLink.from_json(link) for link in d["chain"]]
+        return cls(**d)
     except MarkerError:
         raise
     except (ValueError, KeyError, TypeError) as exc:
@@ -160,7 +210,7 @@ def commits(records: Iterable[tuple[Any, bytes]], run_id: str) -> list[tuple[Any
     out = []
     for pos, data in records:
         try:
-            m = decode_marker(data)
+            m = decode_record(data)
         except MarkerError as exc:
             raise MarkerError(f"marker at position {pos}: {exc}") from exc
         if m.kind == "commit" and m.run_id == run_id:
@@ -176,3 +226,28 @@ def select(markers: list[tuple[Any, Marker]], checkpoint_id: int | None = None) 
         if m.checkpoint_id == checkpoint_id:
             return m
     return None
+
+
+class FrameMeta(NamedTuple):
+    """What the index needs of one written frame until the sink says where it landed."""
+
+    table: str
+    col_offset: int
+    first_row: int
+    last_row: int
+    cols: int
+
+
+def index_frames(partition: int, positions: list[int], meta: list[FrameMeta]) -> list[IndexEntry]:
+    """The index of one partition's frames: consecutive frames of one shard (``meta`` and
+    their ``positions``, both in write order) merged into one entry."""
+    out: list[IndexEntry] = []
+    for pos, m in zip(positions, meta, strict=True):
+        last = out[-1] if out else None
+        if last is not None and last.table == m.table and last.col_offset == m.col_offset:
+            out[-1] = last._replace(last=pos, min_row=min(last.min_row, m.first_row),
+                                    max_row=max(last.max_row, m.last_row))
+        else:
+            out.append(IndexEntry(partition=partition, first=pos, last=pos, table=m.table, col_offset=m.col_offset,
+                                  min_row=m.first_row, max_row=m.last_row, cols=m.cols))
+    return out

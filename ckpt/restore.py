@@ -64,25 +64,37 @@ def iter_chain_frames(
     locate: Callable[[int, int, int], str],
     want: Callable[[IndexEntry], bool] = lambda entry: True,
 ) -> Iterator[tuple[ChainLink, Frame]]:
-    """Every verified frame of the marker's chain, base first, reading only the shard
-    segments (index entries) `want` accepts, and only positions inside the marker's
-    ranges. Consecutive wanted segments of a partition are read with one `read_range`, so
-    a rank that needs a whole partition opens it once."""
+    """Every verified frame of the marker's chain, base first (see `iter_link_frames`)."""
     if not marker.chain or not marker.chain[0].full:
         raise RestoreError(f"checkpoint {marker.checkpoint_id}: its chain does not start with a full checkpoint")
     for link in marker.chain:
-        for partition, run in _wanted_runs(link, want):
-            firsts = [entry.first for entry in run]
-            for pos, frame in source.read_range(link.generation, partition, run[0].first, run[-1].last):
-                if not _in_ranges(pos, link.ranges.get(partition, [])):
-                    continue  # a frame of an earlier failed flush that landed in between
-                entry = run[bisect.bisect_right(firsts, pos) - 1]
-                if not entry.first <= pos <= entry.last:
-                    raise FrameError("frame outside every indexed segment of its COMMIT marker",
-                                     locate(link.generation, partition, pos))
-                verify_frame(frame, link, partition, entry.table, entry.col_offset, run_id,
-                             locate(link.generation, partition, pos))
-                yield link, frame
+        for frame in iter_link_frames(link, source, run_id, locate, want):
+            yield link, frame
+
+
+def iter_link_frames(
+    link: ChainLink,
+    source: FrameSource,
+    run_id: str,
+    locate: Callable[[int, int, int], str],
+    want: Callable[[IndexEntry], bool] = lambda entry: True,
+) -> Iterator[Frame]:
+    """Every verified frame of one chain link, reading only the shard segments (index
+    entries) `want` accepts, and only positions inside the link's ranges. Consecutive
+    wanted segments of a partition are read with one `read_range`, so a rank that needs a
+    whole partition opens it once."""
+    for partition, run in _wanted_runs(link, want):
+        firsts = [entry.first for entry in run]
+        for pos, frame in source.read_range(link.generation, partition, run[0].first, run[-1].last):
+            if not _in_ranges(pos, link.ranges.get(partition, [])):
+                continue  # a frame of an earlier failed flush that landed in between
+            entry = run[bisect.bisect_right(firsts, pos) - 1]
+            if not entry.first <= pos <= entry.last:
+                raise FrameError("frame outside every indexed segment of its COMMIT marker",
+                                 locate(link.generation, partition, pos))
+            verify_frame(frame, link, partition, entry.table, entry.col_offset, run_id,
+                         locate(link.generation, partition, pos))
+            yield frame
 
 
 def _wanted_runs(link: ChainLink, want: Callable[[IndexEntry], bool]) -> list[tuple[int, list[IndexEntry]]]:

@@ -48,11 +48,36 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
+# Compacted generations (written by the follower, ckpt/follow) share the integer type of
+# the trainer's generations but not their values: the trainer's are checkpoint ids (>= 0),
+# a compacted one is -(epoch << 40 | checkpoint id), unique per follower lease epoch, so a
+# fenced follower and the lease holder never write the same topic or directory.
+_COMPACTED_SHIFT = 40
+
+
+def compacted_generation(epoch: int, checkpoint_id: int) -> int:
+    """The generation a follower of lease `epoch` writes its compacted baseline of `checkpoint_id` to."""
+    assert epoch >= 1 and 0 < checkpoint_id < (1 << _COMPACTED_SHIFT), (epoch, checkpoint_id)
+    return -((epoch << _COMPACTED_SHIFT) | checkpoint_id)
+
+
+def is_compacted(generation: int) -> bool:
+    return generation < 0
+
+
 def rows_name(run_id: str, generation: int) -> str:
-    """Topic (Kafka) or directory (filesystem) of one full-checkpoint generation."""
-    if generation < 0:
-        raise ValueError(f"generation must be >= 0, got {generation}")
+    """Topic (Kafka) or directory (filesystem) of one generation: ``<run>.rows.g<N>`` for the
+    trainer's (opened by full checkpoint N), ``<run>.rows.e<epoch>.c<N>`` for a follower's
+    compacted baseline of checkpoint N."""
+    if is_compacted(generation):
+        epoch, cid = -generation >> _COMPACTED_SHIFT, -generation & ((1 << _COMPACTED_SHIFT) - 1)
+        return f"{run_id}.rows.e{epoch}.c{cid}"
     return f"{run_id}.rows.g{generation}"
+
+
+def generation_label(generation: int) -> str:
+    """How `deltarec-ckpt` and logs name a generation: ``g7`` or ``e2.c41``."""
+    return rows_name("", generation)[len(".rows."):]
 
 
 def markers_name(run_id: str) -> str:
@@ -143,7 +168,9 @@ class MarkerLog(Protocol):
     def append_marker(self, payload: bytes) -> int:
         """Durably append one marker; returns its position. Raises ``SinkError``."""
 
-    def read_markers(self) -> list[tuple[int, bytes]]:
-        """Every durable marker, in order, as ``(position, payload)``."""
+    def read_markers(self, start: int = 0) -> list[tuple[int, bytes]]:
+        """Every durable marker at or after position `start` (0, or a position this log
+        returned), in order, as ``(position, payload)``. Several processes may append (the
+        trainer's rank 0, a follower, `deltarec-ckpt gc`)."""
 
     def close(self) -> None: ...

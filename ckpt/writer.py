@@ -24,13 +24,13 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 
 from ckpt.faults import maybe_die, maybe_slow
 from ckpt.frames import EncodedFrame, OptimState, chunk_rows
-from ckpt.markers import IndexEntry, OffsetRange
+from ckpt.markers import FrameMeta, IndexEntry, OffsetRange, index_frames
 from ckpt.quant import codec_for_width, get_codec
 from ckpt.sink import FrameSink
 from ckpt.snapshot import ShardRows, Snapshot
@@ -84,16 +84,6 @@ class Outcome:
     stall_ms: list[float] = field(default_factory=list)
     write_s: float = 0.0
     commit_unix: float = 0.0  # time.time() when the COMMIT marker was written; 0 when none was
-
-
-class _FrameMeta(NamedTuple):
-    """What the index needs of one written frame until the sink says where it landed."""
-
-    table: str
-    col_offset: int
-    first_row: int
-    last_row: int
-    cols: int
 
 
 Committer = Callable[[WriteJob, list[RankReport]], Outcome]
@@ -204,7 +194,7 @@ class RankWriter:
     def _write(self, job: WriteJob) -> RankReport:
         t0 = time.perf_counter()
         job.snapshot.wait()  # on CUDA the device-to-host copies finish after take() returned
-        meta: list[_FrameMeta] = []  # per frame written, in write order
+        meta: list[FrameMeta] = []  # per frame written, in write order
         used: dict[str, str] = {}  # "weights" / "optimizer.<state>" -> codec this job's frames use
         rows = nbytes = 0
         error = ""
@@ -216,7 +206,7 @@ class RankWriter:
                     continue
                 for frame in self._frames(job, shard, used):
                     self.sink.write(frame.data, generation=job.generation, partition=self.rank)
-                    meta.append(_FrameMeta(table=shard.table, col_offset=shard.col_offset, first_row=frame.first_row,
+                    meta.append(FrameMeta(table=shard.table, col_offset=shard.col_offset, first_row=frame.first_row,
                                            last_row=frame.last_row, cols=shard.weights.shape[1]))
                     nbytes += len(frame.data)
                 rows += shard.global_rows.numel()
@@ -236,7 +226,7 @@ class RankWriter:
                 error = f"rank {self.rank}: {len(meta)} frames written but {len(positions)} acknowledged"
             else:
                 ranges = {self.rank: [OffsetRange(*r) for r in result.ranges.get(key, [])]} if positions else {}
-                index = _segments(self.rank, positions, meta)
+                index = index_frames(self.rank, positions, meta)
         return RankReport(
             rank=self.rank, ok=not error, error=error, ranges=ranges, index=index, rows=rows, bytes=nbytes,
             stall_ms=job.snapshot.stall_s * 1e3, write_s=time.perf_counter() - t0, trainer_state=job.trainer_state,
@@ -277,18 +267,3 @@ class RankWriter:
         dist.broadcast_object_list(decided, src=0, group=self.group)
         assert decided[0] is not None
         return decided[0]
-
-
-def _segments(partition: int, positions: list[int], meta: list[_FrameMeta]) -> list[IndexEntry]:
-    """The index of one partition's frames: consecutive frames of one shard (``meta`` and
-    their ``positions``, both in write order) merged into one entry."""
-    out: list[IndexEntry] = []
-    for pos, m in zip(positions, meta, strict=True):
-        last = out[-1] if out else None
-        if last is not None and last.table == m.table and last.col_offset == m.col_offset:
-            out[-1] = last._replace(last=pos, min_row=min(last.min_row, m.first_row),
-                                    max_row=max(last.max_row, m.last_row))
-        else:
-            out.append(IndexEntry(partition=partition, first=pos, last=pos, table=m.table, col_offset=m.col_offset,
-                                  min_row=m.first_row, max_row=m.last_row, cols=m.cols))
-    return out

@@ -113,6 +113,12 @@ TRAINER_NOISE: tuple[WarningNoise | LogNoise, ...] = (
         "torchrec.distributed.planner", "", "the planner's long estimates; deltarec prints the plan table instead",
         level=logging.ERROR,
     ),
+    WarningNoise(
+        UserWarning, r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to save "
+        r"in a single process", r"torch\.distributed\.checkpoint\.",
+        "dcp.save in a process without a process group (the follower's serving snapshots, deltarec-ckpt export): "
+        "a single process writing the whole model is the intent",
+    ),
 )
 """The noise of a training rank (torchrec, fbgemm, torch); each entry says why it is noise."""
 

@@ -132,7 +132,7 @@ def test_cli_list_verify_and_gc(tmp_path, unique_name, debug_config: DebugConfig
     verify = run_cli(*cli, "verify", "--checkpoint", "4")
     assert "checkpoint 4 (step 40): OK" in verify.stdout, verify.stdout + verify.stderr
     gc = run_cli(*cli, "gc", "--keep", "2")
-    assert "dropped generations [1, 2, 3]" in gc.stdout, gc.stdout + gc.stderr
+    assert "dropped generations ['g1', 'g2', 'g3']" in gc.stdout, gc.stdout + gc.stderr
     stream = tmp_path / "run" / "stream"
     assert sorted(p.name.rsplit(".g", 1)[1] for p in stream.glob("*.rows.g*")) == ["4", "5"]
     after = [line.split() for line in run_cli(*cli, "list").stdout.splitlines()[1:]]

@@ -17,7 +17,8 @@ from ckpt.markers import IndexEntry, OffsetRange, commits
 from ckpt.quant import get_codec
 from ckpt.restore import restore_rows
 from ckpt.snapshot import ShardRows, Snapshot
-from ckpt.writer import RankReport, RankWriter, WriteJob, _FrameMeta, _segments
+from ckpt.markers import FrameMeta, index_frames
+from ckpt.writer import RankReport, RankWriter, WriteJob
 from sharding.shard_views import ShardMap, ShardView
 
 RUN = "unit-run"
@@ -119,9 +120,9 @@ def test_a_failed_rank_fails_the_checkpoint_without_a_commit_time(rank0) -> None
 
 
 def test_segments_merge_consecutive_frames_of_one_shard_only() -> None:
-    meta = [_FrameMeta("t", 0, 0, 4, 8), _FrameMeta("t", 0, 5, 9, 8), _FrameMeta("t", 8, 0, 9, 8),
-            _FrameMeta("t", 0, 10, 12, 8)]
-    assert _segments(3, [0, 100, 200, 300], meta) == [
+    meta = [FrameMeta("t", 0, 0, 4, 8), FrameMeta("t", 0, 5, 9, 8), FrameMeta("t", 8, 0, 9, 8),
+            FrameMeta("t", 0, 10, 12, 8)]
+    assert index_frames(3, [0, 100, 200, 300], meta) == [
         IndexEntry(partition=3, first=0, last=100, table="t", col_offset=0, min_row=0, max_row=9, cols=8),
         IndexEntry(partition=3, first=200, last=200, table="t", col_offset=8, min_row=0, max_row=9, cols=8),
         IndexEntry(partition=3, first=300, last=300, table="t", col_offset=0, min_row=10, max_row=12, cols=8),

@@ -1,0 +1,151 @@
+"""The run's checkpoints as the markers log says they are: one in-order fold of its records.
+
+Every reader of the log (restore, the trainer's committer, the follower, `deltarec-ckpt`)
+sees the same facts because they are derived from the records alone, in log order, never
+from a reader's clock:
+
+- COMMIT and FAILED markers of this run;
+- which follower holds the compaction lease, and so which COMPACTED markers count: a
+  compacted baseline is accepted only when its writer held the lease at that point of the
+  log; one from a fenced follower (it lost the lease while it was writing) is ignored;
+- the generations `deltarec-ckpt gc` dropped.
+
+From these it gives, for any committed checkpoint, the cheapest complete chain: its own
+chain, or an accepted compacted baseline of one of its links plus the links after it,
+whichever reads fewer bytes, never one through a dropped generation (docs/design.md §10).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Iterable
+
+from ckpt.markers import ChainLink, DroppedRecord, LeaseRecord, Marker, MarkerError, decode_record
+from ckpt.sink import MarkerLog
+
+
+@dataclass
+class Lease:
+    """The compaction lease as of some point of the log."""
+
+    holder: str
+    epoch: int  # 1 for the first accepted claim, +1 for each later one
+    renewed_unix: float  # the holder's last claim or renewal (its own clock)
+    lease_s: float
+    released: bool = False
+
+    def free_at(self, when_unix: float) -> bool:
+        """Whether a claim stamped `when_unix` may take the lease over."""
+        return self.released or when_unix - self.renewed_unix > self.lease_s
+
+
+@dataclass
+class Catalog:
+    """Fold of one run's markers log; `feed` more records as the log grows."""
+
+    run_id: str
+    commits: dict[int, Marker] = field(default_factory=dict)
+    failed: dict[int, Marker] = field(default_factory=dict)
+    compactions: dict[int, Marker] = field(default_factory=dict)  # checkpoint id -> newest accepted
+    fenced: list[Marker] = field(default_factory=list)  # compactions by a follower without the lease
+    dropped: set[int] = field(default_factory=set)
+    lease: Lease | None = None
+    epochs: int = 0
+    last_pos: int = -1  # position of the last record fed
+    records: int = 0
+
+    @property
+    def read_from(self) -> int:
+        """Where the next `read_markers` should start: the last record fed, which `feed`
+        skips (a position is a Kafka offset or a byte offset, so "one past it" is not known)."""
+        return max(self.last_pos, 0)
+
+    def feed(self, records: Iterable[tuple[int, bytes]], where: str = "markers") -> "Catalog":
+        """Fold `(position, bytes)` records, in log order; records at or before the last
+        position fed are skipped. A record that fails to decode is an error naming its
+        position: the markers channel itself is damaged."""
+        for pos, data in records:
+            if pos <= self.last_pos:
+                continue
+            try:
+                rec = decode_record(data)
+            except MarkerError as exc:
+                raise MarkerError(f"{where} position {pos}: {exc}") from exc
+            self.last_pos = pos
+            self.records += 1
+            if rec.run_id != self.run_id:
+                continue
+            if isinstance(rec, LeaseRecord):
+                self._lease_event(rec)
+            elif isinstance(rec, DroppedRecord):
+                self.dropped.update(rec.generations)
+            elif rec.kind == "commit":
+                self.commits[rec.checkpoint_id] = rec
+            elif rec.kind == "failed":
+                self.failed[rec.checkpoint_id] = rec
+            elif self.holds(rec.follower):
+                self.compactions[rec.checkpoint_id] = rec
+            else:
+                self.fenced.append(rec)
+        return self
+
+    def _lease_event(self, r: LeaseRecord) -> None:
+        lease = self.lease
+        if r.event == "claim":
+            if lease is None or lease.holder == r.follower or lease.free_at(r.created_unix):
+                self.epochs += 1
+                self.lease = Lease(holder=r.follower, epoch=self.epochs, renewed_unix=r.created_unix, lease_s=r.lease_s)
+        elif lease is not None and lease.holder == r.follower and not lease.released:
+            if r.event == "renew":
+                lease.renewed_unix = max(lease.renewed_unix, r.created_unix)
+            elif r.event == "release":
+                lease.released = True
+
+    def holds(self, follower: str) -> bool:
+        """Whether `follower` holds the lease as of the end of what was fed."""
+        return bool(follower) and self.lease is not None and self.lease.holder == follower and not self.lease.released
+
+    @property
+    def newest_id(self) -> int:
+        """The newest checkpoint id in the log: the next id a trainer may use is one past it."""
+        return max([*self.commits, *self.failed, 0])
+
+    def complete(self, chain: list[ChainLink]) -> bool:
+        return bool(chain) and chain[0].full and not any(link.generation in self.dropped for link in chain)
+
+    def chain_options(self, marker: Marker) -> list[list[ChainLink]]:
+        """Every complete chain that restores `marker`'s checkpoint: its own, and each
+        accepted compacted baseline of one of its links followed by the links after it."""
+        options = [marker.chain] if self.complete(marker.chain) else []
+        for i, link in enumerate(marker.chain):
+            compacted = self.compactions.get(link.checkpoint_id)
+            if compacted is not None:
+                option = [compacted.chain[0], *marker.chain[i + 1:]]
+                if self.complete(option):
+                    options.append(option)
+        return options
+
+    def cheapest(self, marker: Marker) -> Marker | None:
+        """`marker` with the complete chain that reads the fewest bytes (fewest links on a
+        tie); None when every chain of it runs through a dropped generation."""
+        options = self.chain_options(marker)
+        if not options:
+            return None
+        best = min(options, key=lambda chain: (sum(link.bytes for link in chain), len(chain)))
+        return marker if best is marker.chain else replace(marker, chain=best)
+
+    def restorable(self) -> list[Marker]:
+        """Committed checkpoints that still have a complete chain, newest first, each with
+        its cheapest chain."""
+        out = [self.cheapest(m) for _, m in sorted(self.commits.items(), reverse=True)]
+        return [m for m in out if m is not None]
+
+
+def read_catalog(markers: MarkerLog, run_id: str, where: str = "markers") -> Catalog:
+    """The whole log folded."""
+    return Catalog(run_id).feed(markers.read_markers(), where)
+
+
+def catch_up(catalog: Catalog, markers: MarkerLog, where: str = "markers") -> Catalog:
+    """Fold what was appended since the last read."""
+    return catalog.feed(markers.read_markers(catalog.read_from), where)

@@ -1,0 +1,48 @@
+"""Write a compacted baseline: the follower's store as one full chain link.
+
+The rows go, still encoded as the trainer wrote them, into a generation of the follower's
+own (`compacted_generation(epoch, checkpoint id)`), one partition per rank of the writing
+job, each row into the partition that wrote it. The link is returned only when the sink
+acknowledged every frame; the caller publishes the COMPACTED marker after that, so a
+half-written compaction is never referenced (docs/design.md §10).
+"""
+
+from __future__ import annotations
+
+from ckpt.follow.store import RowStore
+from ckpt.frames import chunk_rows
+from ckpt.markers import ChainLink, FrameMeta, IndexEntry, OffsetRange, index_frames
+from ckpt.sink import FrameSink, SinkError
+
+
+def write_compacted(store: RowStore, *, sink: FrameSink, run_id: str, checkpoint_id: int, generation: int,
+                    max_frame_bytes: int, flush_timeout_s: float) -> ChainLink:
+    """Write every row of `store` as checkpoint `checkpoint_id` into `generation`; raises
+    `SinkError` when any frame is not durable."""
+    meta: dict[int, list[FrameMeta]] = {}  # partition -> frames in write order
+    rows = nbytes = 0
+    for frame in store.frames(run_id, checkpoint_id):
+        partition = frame.rank
+        for encoded in chunk_rows(
+            run_id=run_id, checkpoint_id=checkpoint_id, rank=partition, table=frame.table,
+            col_offset=frame.col_offset, dim=frame.dim, encoding=frame.encoding, row_ids=frame.row_ids,
+            payload=frame.payload, optim=frame.optim, max_frame_bytes=max_frame_bytes,
+        ):
+            sink.write(encoded.data, generation=generation, partition=partition)
+            meta.setdefault(partition, []).append(FrameMeta(table=frame.table, col_offset=frame.col_offset,
+                                                            first_row=encoded.first_row, last_row=encoded.last_row,
+                                                            cols=frame.dim))
+            nbytes += len(encoded.data)
+        rows += frame.row_count
+    result = sink.flush(flush_timeout_s).raise_for_error()
+    ranges: dict[int, list[OffsetRange]] = {}
+    index: list[IndexEntry] = []
+    for partition, frames in sorted(meta.items()):
+        positions = result.positions.get((generation, partition), [])
+        if len(positions) != len(frames):
+            raise SinkError(f"compaction of checkpoint {checkpoint_id}: partition {partition}: {len(frames)} frames "
+                            f"written but {len(positions)} acknowledged")
+        ranges[partition] = [OffsetRange(*r) for r in result.ranges[(generation, partition)]]
+        index.extend(index_frames(partition, positions, frames))
+    return ChainLink(checkpoint_id=checkpoint_id, full=True, generation=generation, ranges=ranges, rows=rows,
+                     bytes=nbytes, index=index)

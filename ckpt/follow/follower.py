@@ -1,0 +1,250 @@
+"""`deltarec-follow`: tail a run's COMMITs, keep its model, compact its chain, publish snapshots.
+
+One long-running process per run, on any machine that reaches the stream. For every new
+COMMIT it applies that checkpoint's rows to its `RowStore` (encoded bytes, untouched). When
+the deltas since its newest baseline grow past `ckpt.follow.compact_ratio` of the
+baseline's bytes, or past `compact_links` links, and it holds the lease, it writes a
+compacted baseline and then publishes a COMPACTED marker naming it. Restores, and the
+trainer's next markers, then start from that baseline. It never talks to the trainer: a
+follower that lags or dies costs the trainer nothing but longer chains.
+
+On start it rebuilds the store from the newest COMMIT's cheapest chain, which begins at
+the newest compacted baseline, then follows from there. SIGINT/SIGTERM stop it after the
+step in progress; it releases the lease on the way out (docs/design.md §10).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from ckpt.backends import open_backend, open_sink
+from ckpt.catalog import Catalog, catch_up
+from ckpt.config import CkptConfig
+from ckpt.dense_store import DenseStore
+from ckpt.follow.compact import write_compacted
+from ckpt.follow.lease import LeaseKeeper, new_follower_id
+from ckpt.follow.serving import Publisher
+from ckpt.follow.store import RowStore
+from ckpt.manager import MetricsSink
+from ckpt.markers import ChainLink, Marker, encode_marker
+from ckpt.restore import iter_link_frames
+from ckpt.sink import compacted_generation, generation_label
+from common.errors import DeltarecError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FollowStats:
+    applied: int = 0
+    rebuilt: int = 0
+    compacted: int = 0
+    exported: int = 0
+    bytes_read: int = 0
+    bytes_compacted: int = 0
+
+
+class Follower:
+    """The follower of one run (`cfg` is the job's resolved `ckpt` section)."""
+
+    def __init__(self, cfg: CkptConfig, metrics: MetricsSink, *, export_every: int | None = None,
+                 export_every_s: float | None = None) -> None:
+        self.c = cfg
+        self.f = cfg.follow
+        self.run_id = cfg.run_id
+        self.metrics = metrics
+        self.backend = open_backend(cfg, world_size=1)
+        self.catalog = Catalog(self.run_id)
+        self.follower_id = new_follower_id()
+        self.lease = LeaseKeeper(self.catalog, self.backend.markers, follower_id=self.follower_id, lease_s=self.f.lease_s)
+        self.store = RowStore()
+        self.applied: Marker | None = None  # the checkpoint the store holds
+        self.chain: list[ChainLink] = []  # how the store got there: a baseline, then deltas
+        self.publisher = Publisher(Path(self.f.export_dir), DenseStore(cfg.dense_dir), keep=self.f.export_keep,
+                                   dcp=self.f.export_dcp)
+        self.export_every = self.f.export_every if export_every is None else export_every
+        self.export_every_s = self.f.export_every_s if export_every_s is None else export_every_s
+        self._last_export = time.monotonic()
+        self._since_export = 0
+        self.stats = FollowStats()
+        self.stop = threading.Event()
+
+    # -- the loop -----------------------------------------------------------------------
+    def run(self, until: Callable[["Follower"], bool] | None = None) -> None:
+        """Follow until SIGINT/SIGTERM (or `until(self)` is true after a poll)."""
+        previous = {s: signal.signal(s, lambda *_: self.stop.set()) for s in (signal.SIGINT, signal.SIGTERM)} \
+            if threading.current_thread() is threading.main_thread() else {}
+        logger.info("following run %s in %s as %s", self.run_id, self.backend.where, self.follower_id)
+        try:
+            while not self.stop.is_set():
+                self.poll()
+                if until is not None and until(self):
+                    break
+                self.stop.wait(self.f.poll_s)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            self.close()
+
+    def poll(self) -> None:
+        """One round: the lease, then every new COMMIT in order (the newest at once on start)."""
+        self.lease.tend()
+        pending = [m for cid, m in sorted(self.catalog.commits.items())
+                   if self.applied is None or cid > self.applied.checkpoint_id]
+        if self.applied is None and pending:
+            pending = pending[-1:]  # start from the newest checkpoint's cheapest chain
+        for marker in pending:
+            if self.stop.is_set():
+                return
+            try:
+                self._follow(marker)
+            except DeltarecError as exc:  # the store is half-updated: rebuild on the next round
+                logger.warning("checkpoint %d not applied, retrying in %.0f s: %s", marker.checkpoint_id, self.f.poll_s, exc)
+                self.applied, self.chain = None, []
+                return
+            self._maybe_compact()
+            self._maybe_export()
+            catch_up(self.catalog, self.backend.markers)
+
+    def close(self) -> None:
+        try:
+            self.lease.release()
+        except DeltarecError as exc:
+            logger.warning("could not release the compaction lease: %s", exc)
+        self.backend.close()
+        logger.info("stopped: %d checkpoints applied (%d rebuilds), %d compacted, %d serving snapshots",
+                    self.stats.applied, self.stats.rebuilt, self.stats.compacted, self.stats.exported)
+
+    # -- applying checkpoints -----------------------------------------------------------
+    def _extended(self, marker: Marker) -> list[ChainLink] | None:
+        """The store's chain with `marker`'s newest link on top, when that link applies to
+        what the store holds: a delta of the checkpoint the store holds, or a one-shot diff
+        of the same baseline (it holds every row changed since the baseline, so it
+        overwrites the previous diff). None: the store must be rebuilt."""
+        if self.applied is None or marker.full or len(marker.chain) < 2:
+            return None
+        if marker.chain[-2].checkpoint_id == self.applied.checkpoint_id:
+            return [*self.chain, marker.chain[-1]]
+        if len(marker.chain) == 2 and len(self.chain) == 2 and marker.chain[0] == self.chain[0]:
+            return [self.chain[0], marker.chain[-1]]
+        return None
+
+    def _follow(self, marker: Marker) -> None:
+        t0 = time.perf_counter()
+        extended = self._extended(marker)
+        if extended is not None:
+            read = self._apply(marker.chain[-1], marker)
+            self.chain = extended
+            how = "delta"
+        else:
+            best = self.catalog.cheapest(marker)
+            if best is None:
+                logger.warning("checkpoint %d: no complete chain (a generation was dropped); skipped", marker.checkpoint_id)
+                return
+            read = 0
+            for i, link in enumerate(best.chain):
+                read += self._apply(link, marker)
+                if i == 0:
+                    self.store.check_complete(link.checkpoint_id)
+            self.chain = list(best.chain)
+            self.stats.rebuilt += 1
+            how = "rebuilt from " + "+".join(str(link.checkpoint_id) for link in self.chain)
+        self.applied = marker
+        self.stats.applied += 1
+        self.stats.bytes_read += read
+        behind = sum(1 for cid in self.catalog.commits if cid > marker.checkpoint_id)
+        lag_s = time.time() - marker.created_unix
+        logger.info("checkpoint %d (step %d) applied (%s): %.2f MB in %.2f s; %d behind the newest COMMIT, %.1f s after its COMMIT",
+                    marker.checkpoint_id, marker.step, how, read / 1e6, time.perf_counter() - t0, behind, lag_s)
+        self.metrics.write({
+            "step": marker.step, "follow_ckpt": marker.checkpoint_id, "follow_read_bytes": read,
+            "follow_apply_s": time.perf_counter() - t0, "follow_lag_ckpts": behind, "follow_lag_s": lag_s,
+            "follow_chain": [link.checkpoint_id for link in self.chain], "follow_store_bytes": self.store.nbytes,
+            "follow_rebuilt": how != "delta",
+        })
+
+    def _apply(self, link: ChainLink, marker: Marker) -> int:
+        """Keep one link's rows in the store; returns the bytes read."""
+        if link.full:
+            self.store.reset()
+        read = 0
+        shapes = marker.tables
+        for frame in iter_link_frames(link, self.backend.source, self.run_id, self.backend.locate):
+            self.store.apply(frame, frame.rank, int(shapes[frame.table][0]))
+            read += frame.payload.numel() + frame.row_ids.numel() * 8 + sum(o.rows.numel() for o in frame.optim)
+        return read
+
+    # -- compaction -----------------------------------------------------------------------
+    def _due(self) -> bool:
+        if self.applied is None or len(self.chain) < 2 or self.applied.policy != "incremental":
+            return False  # only incremental chains run through an older checkpoint's baseline
+        deltas = self.chain[1:]
+        return (len(deltas) >= self.f.compact_links
+                or sum(link.bytes for link in deltas) >= self.f.compact_ratio * self.chain[0].bytes)
+
+    def _maybe_compact(self) -> None:
+        if not self._due() or not self.lease.tend():
+            return
+        marker = self.applied
+        assert marker is not None
+        t0 = time.perf_counter()
+        generation = compacted_generation(self.lease.epoch, marker.checkpoint_id)
+        sink = open_sink(self.c, marker.world_size)
+        try:
+            link = write_compacted(self.store, sink=sink, run_id=self.run_id, checkpoint_id=marker.checkpoint_id,
+                                   generation=generation, max_frame_bytes=self.c.max_frame_bytes,
+                                   flush_timeout_s=self.c.flush_timeout_s)
+        except DeltarecError as exc:
+            logger.warning("compaction of checkpoint %d failed (training is not affected): %s", marker.checkpoint_id, exc)
+            return
+        finally:
+            sink.close()
+        if not self.lease.tend():  # fenced while writing: the rows are never referenced
+            logger.warning("lost the compaction lease while compacting checkpoint %d; its rows in %s are unused",
+                           marker.checkpoint_id, generation_label(generation))
+            return
+        record = replace(marker, kind="compacted", chain=[link], follower=self.follower_id, stall_ms=[],
+                         created_unix=time.time())
+        self.backend.markers.append_marker(encode_marker(record))
+        catch_up(self.catalog, self.backend.markers)
+        if self.catalog.compactions.get(marker.checkpoint_id) is None:
+            logger.warning("compaction of checkpoint %d was fenced by another follower", marker.checkpoint_id)
+            return
+        replaced = self.chain
+        self.chain = [link]
+        self.stats.compacted += 1
+        self.stats.bytes_compacted += link.bytes
+        seconds = time.perf_counter() - t0
+        logger.info("checkpoint %d compacted into %s: %.2f MB replace a chain of %d links (%.2f MB) in %.2f s",
+                    marker.checkpoint_id, generation_label(generation), link.bytes / 1e6, len(replaced),
+                    sum(x.bytes for x in replaced) / 1e6, seconds)
+        self.metrics.write({
+            "step": marker.step, "compacted_ckpt": marker.checkpoint_id, "compact_bytes": link.bytes,
+            "compact_replaced_bytes": sum(x.bytes for x in replaced), "compact_replaced_links": len(replaced),
+            "compact_s": seconds, "compact_generation": generation_label(generation),
+        })
+
+    # -- serving snapshots ----------------------------------------------------------------
+    def _maybe_export(self) -> None:
+        self._since_export += 1
+        by_count = self.export_every > 0 and self._since_export >= self.export_every
+        by_time = self.export_every_s > 0 and time.monotonic() - self._last_export >= self.export_every_s
+        if not (by_count or by_time) or self.applied is None:
+            return
+        try:
+            snap = self.publisher.publish(self.store, self.applied, self.run_id)
+        except (DeltarecError, OSError) as exc:
+            logger.warning("serving snapshot of checkpoint %d failed: %s", self.applied.checkpoint_id, exc)
+            return
+        self._since_export, self._last_export = 0, time.monotonic()
+        self.stats.exported += 1
+        logger.info("serving snapshot of checkpoint %d (step %d): %s in %.2f s", snap.checkpoint_id, snap.step,
+                    snap.path, snap.seconds)
+        self.metrics.write({"step": snap.step, "export_ckpt": snap.checkpoint_id, "export_path": str(snap.path),
+                            "export_s": snap.seconds})

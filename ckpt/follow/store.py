@@ -1,0 +1,143 @@
+"""The follower's materialised copy of every table: each row's newest *encoded* bytes.
+
+Rows are kept exactly as the trainer's frames carried them (codec id plus the codec's
+bytes, for the weights and for every optimizer state), addressed by (table, column offset,
+global row) like everything in the stream (invariant 3). Nothing is decoded or re-encoded
+here, so a compacted baseline cut from this store restores bit-identically to replaying
+the chain it replaces, quantized rows included (docs/design.md §10).
+
+Memory: per row of a shard, the widest encoded row seen for the weights and for each
+optimizer state, plus one codec byte for each and two bytes for the writing partition.
+A 4-bit-only stream of 64-dim rows with row-wise Adagrad costs 36 + 4 + 4 bytes a row
+(fp32 rows: 256 + 4 + 4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, NamedTuple
+
+import torch
+
+from ckpt.frames import Frame, OptimState
+from ckpt.quant import get_codec
+from ckpt.restore import RestoreError
+
+
+class ShardKey(NamedTuple):
+    """Columns `col_offset`..`col_offset + dim - 1` of one table (one column shard)."""
+
+    table: str
+    col_offset: int
+    dim: int
+
+
+@dataclass
+class EncodedRows:
+    """One tensor kind (the weights, or one optimizer state) of one shard, row by row."""
+
+    width: int  # values per row: the shard's dim, or 1 for row-wise state
+    data: torch.Tensor  # uint8 [rows, widest row seen]
+    code: torch.Tensor  # uint8 [rows]: the codec id of each row; 0 = not written yet
+
+    @classmethod
+    def empty(cls, rows: int, width: int) -> "EncodedRows":
+        return cls(width, torch.zeros(rows, 0, dtype=torch.uint8), torch.zeros(rows, dtype=torch.uint8))
+
+    def put(self, ids: torch.Tensor, code: int, rows: torch.Tensor) -> None:
+        nbytes = rows.shape[1]
+        if nbytes > self.data.shape[1]:
+            wider = torch.zeros(self.data.shape[0], nbytes, dtype=torch.uint8)
+            wider[:, : self.data.shape[1]] = self.data
+            self.data = wider
+        self.data[ids, :nbytes] = rows
+        self.code[ids] = code
+
+    def row_bytes(self, code: int) -> int:
+        return get_codec(code).row_bytes(self.width)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() + self.code.numel()
+
+
+@dataclass
+class ShardRows:
+    """Every row of one column shard of a table: weights, optimizer states, writing partition."""
+
+    weights: EncodedRows
+    partition: torch.Tensor  # int16 [rows]: the rank whose frame wrote the row last
+    optim: dict[str, EncodedRows] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weights.nbytes + self.partition.numel() * 2 + sum(o.nbytes for o in self.optim.values())
+
+
+class RowStore:
+    """Encoded rows of every table, fed frame by frame in chain order (last write wins)."""
+
+    def __init__(self) -> None:
+        self.shards: dict[ShardKey, ShardRows] = {}
+
+    def reset(self) -> None:
+        """Forget everything: the next frames are a new full baseline."""
+        self.shards = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.shards.values())
+
+    def apply(self, frame: Frame, partition: int, table_rows: int) -> None:
+        """Keep `frame`'s rows (from `partition`) as they are encoded."""
+        key = ShardKey(frame.table, frame.col_offset, frame.dim)
+        shard = self.shards.get(key)
+        if shard is None:
+            shard = self.shards[key] = ShardRows(EncodedRows.empty(table_rows, frame.dim),
+                                                 torch.zeros(table_rows, dtype=torch.int16))
+        ids = frame.row_ids
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= shard.partition.shape[0]):
+            raise RestoreError(f"table {frame.table}: frame of checkpoint {frame.checkpoint_id} has rows outside "
+                               f"0..{shard.partition.shape[0] - 1}")
+        shard.weights.put(ids, frame.encoding, frame.payload)
+        for o in frame.optim:
+            state = shard.optim.get(o.name)
+            if state is None:
+                width = frame.dim if get_codec(o.encoding).row_bytes(frame.dim) == o.rows.shape[1] else 1
+                state = shard.optim[o.name] = EncodedRows.empty(table_rows, width)
+            state.put(ids, o.encoding, o.rows)
+        shard.partition[ids] = partition
+
+    def check_complete(self, checkpoint_id: int) -> None:
+        """Every row of every shard written (and every optimizer state of it): what a base needs."""
+        for key, shard in self.shards.items():
+            for name, rows in [("weights", shard.weights), *shard.optim.items()]:
+                missing = int((rows.code == 0).sum())
+                if missing:
+                    raise RestoreError(f"checkpoint {checkpoint_id}: table {key.table} columns {key.col_offset}.."
+                                       f"{key.col_offset + key.dim - 1}: {missing} rows have no {name} in the chain")
+
+    def frames(self, run_id: str, checkpoint_id: int) -> Iterator[Frame]:
+        """The whole store as frames of checkpoint `checkpoint_id`, unsized (the caller
+        chunks them): one per (shard, writing partition, codecs) group, rows ascending.
+        Each carries the rows' encoded bytes untouched."""
+        for key, shard in sorted(self.shards.items()):
+            states = sorted(shard.optim.items())
+            assert len(states) <= 4, "a signature holds the weights, 4 optimizer states and the partition"
+            signature = shard.weights.code.long() | (shard.partition.long() << 48)
+            for i, (_, rows) in enumerate(states):
+                signature |= rows.code.long() << (8 * (i + 1))
+            values, inverse, counts = torch.unique(signature, return_inverse=True, return_counts=True)
+            order = torch.argsort(inverse, stable=True)  # stable: rows ascend within a group
+            for value, ids in zip(values.tolist(), torch.split(order, counts.tolist())):
+                code = value & 0xFF
+                nbytes = shard.weights.row_bytes(code)
+                optim = []
+                for i, (name, rows) in enumerate(states):
+                    ocode = (value >> (8 * (i + 1))) & 0xFF
+                    optim.append(OptimState(name, ocode, rows.data[ids, : rows.row_bytes(ocode)]))
+                yield Frame(
+                    run_id=run_id, checkpoint_id=checkpoint_id, rank=value >> 48, table=key.table,
+                    col_offset=key.col_offset, dim=key.dim, encoding=code, row_bytes=nbytes, chunk_index=0,
+                    chunk_count=1, row_ids=ids, payload=shard.weights.data[ids, :nbytes], optim=tuple(optim),
+                )

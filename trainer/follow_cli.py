@@ -1,0 +1,41 @@
+"""`deltarec-follow`: the follower of a run (commands and loop in ckpt/follow/).
+
+    deltarec-follow --config CONFIG [key=value ...] [--export-every N] [--export-every-s T]
+    python -m trainer.follow_cli ...   (the same)
+
+This entry point loads the job's config (the trainer layer owns the whole config), sets up
+the console and opens the follower's metrics log (`ckpt.follow.metrics`, default
+`<run_dir>/follower.jsonl`).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from ckpt.config import CkptConfig
+from ckpt.follow import cli as follow_cli
+from trainer import console
+from trainer.config import load_config
+from trainer.metrics import MetricsLog
+
+
+def load(path: str, overrides: list[str]) -> tuple[CkptConfig, MetricsLog]:
+    cfg = load_config(path, overrides, check_data=False).ckpt
+    return cfg, MetricsLog(Path(cfg.follow.metrics), enabled=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    console.setup_rank(0, verbose="--verbose" in argv)
+    return follow_cli.main(argv, load)
+
+
+def cli() -> None:
+    """Console-script entry point."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()
