@@ -228,11 +228,19 @@ class CheckpointManager:
         self.trainer.load_state_dict(self._trainer_state(state, marker))
         self.restores = int(state.get("restores", 0)) + 1
         self.next_id = max(m for m in [marker.checkpoint_id, self._newest_id]) + 1
-        self.generation = marker.chain[0].generation
         self.chain = [link.checkpoint_id for link in marker.chain]
         if self.committer is not None:
             self.committer.links = {link.checkpoint_id: link for link in marker.chain}
-        self.force_full = True  # the tracker's history died with the old process
+        if self.c.policy == "incremental":
+            # The live rows are exactly what the chain restores, so the rows changed from
+            # here on are a delta of it: the chain goes on, in a generation the next
+            # checkpoint opens (this job may have another world size, so other partitions).
+            self.policy.have_base = True
+            self.force_full = False
+            self.generation = 0
+        else:
+            self.generation = marker.chain[0].generation
+            self.force_full = True  # the tracker's history since the base died with the old process
         self.last_step = marker.step
         totals = torch.tensor([rows.frames, rows.rows, rows.bytes], dtype=torch.float64)
         dist.all_reduce(totals)
@@ -390,8 +398,8 @@ class CheckpointManager:
         self.last_step, self.last_time = step, time.monotonic()
         cid = self.next_id
         self.next_id += 1
-        if decision.full:
-            self.generation = cid
+        if decision.full or not self.generation:
+            self.generation = cid  # a full checkpoint, or the first delta after a restore, opens one
         self.chain = self.policy.chain_after(self.chain, cid, decision)
         t_take = time.perf_counter()
         snapshot = self.taker.take(cid, step, full=decision.full, since_base=decision.since_base)
