@@ -29,7 +29,7 @@ from ckpt.catalog import Catalog, read_catalog
 from ckpt.export import assemble, export, replicated_tables
 from ckpt.markers import DroppedRecord, Marker, encode_marker
 from ckpt.restore import RestoreError, iter_chain_frames
-from ckpt.sink import generation_label, is_compacted
+from ckpt.sink import compacted_epoch, generation_label, is_compacted
 from common.errors import DeltarecError
 
 logger = logging.getLogger(__name__)
@@ -144,6 +144,18 @@ def _verify_compaction(compacted: Marker, catalog: Catalog, backend, dense: Dens
           f"({compacted.bytes:,} bytes instead of {original.chain_bytes:,})")
 
 
+def _unused(generation: int, referenced: bool, catalog: Catalog) -> bool:
+    """Whether a generation no kept chain needs may go. A trainer generation newer than the
+    newest id belongs to a checkpoint in flight. A compacted one no marker names is a
+    follower's unfinished compaction: it may go once that follower's epoch is over."""
+    if not is_compacted(generation):
+        return generation <= catalog.newest_id
+    if referenced:
+        return True
+    lease = catalog.lease
+    return lease is None or compacted_epoch(generation) < lease.epoch or lease.released
+
+
 def cmd_gc(catalog: Catalog, keep: int, backend, dense: DenseStore) -> int:
     """Keep the newest `keep` restorable checkpoints and what their cheapest chains read;
     drop every other generation (recorded in the markers log first) and dense file."""
@@ -157,8 +169,8 @@ def cmd_gc(catalog: Catalog, keep: int, backend, dense: DenseStore) -> int:
         needed.add(newest.chain[-1].generation)  # the trainer may still be writing deltas there
     known = {link.generation for m in [*catalog.commits.values(), *catalog.compactions.values(), *catalog.fenced]
              for link in m.chain}
-    # a trainer generation newer than the newest COMMIT belongs to a checkpoint in flight
-    dropped = sorted(g for g in known - needed - catalog.dropped if is_compacted(g) or g <= catalog.newest_id)
+    dropped = sorted(g for g in (known | set(backend.sink.generations())) - needed - catalog.dropped
+                     if _unused(g, g in known, catalog))
     if dropped:
         record = DroppedRecord(kind="dropped", run_id=catalog.run_id, generations=dropped, created_unix=time.time())
         backend.markers.append_marker(encode_marker(record))  # first: no restore starts reading them

@@ -31,7 +31,7 @@ from typing import BinaryIO, Iterator
 
 from ckpt.frames import Frame, FrameError, decode_frame, file_where
 from ckpt.sink import RangeRecorder, SinkError, SinkResult, SourceError, check_run_id, \
-    markers_name, rows_name
+    markers_name, parse_rows_name, rows_name
 
 log = logging.getLogger(__name__)
 
@@ -247,6 +247,12 @@ class FsSink:
                 app.close()
             self._files.clear()
         return result
+
+    def generations(self) -> list[int]:
+        if not self.root.is_dir():
+            return []
+        found = (parse_rows_name(self.run_id, d.name) for d in self.root.iterdir() if d.is_dir())
+        return sorted(g for g in found if g is not None)
 
     def drop_generation(self, generation: int) -> None:
         self._dropped.add(generation)

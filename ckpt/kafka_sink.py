@@ -38,7 +38,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from ckpt.frames import Frame, FrameError, decode_frame, kafka_where
 from ckpt.sink import RangeRecorder, SinkError, SinkResult, SourceError, check_run_id, \
-    markers_name, rows_name
+    markers_name, parse_rows_name, rows_name
 from common.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -294,6 +294,14 @@ class KafkaSink:
             self._p.recreate()
             self._topics.clear()  # the broker may be a new one: check topics again
         return result
+
+    def generations(self) -> list[int]:
+        try:
+            md = self._admin.list_topics(timeout=self.admin_timeout_s)
+        except KafkaException as e:
+            raise SinkError(f"cannot list topics: {e.args[0]}") from None
+        found = (parse_rows_name(self.run_id, t) for t, meta in md.topics.items() if meta.error is None)
+        return sorted(g for g in found if g is not None)
 
     def drop_generation(self, generation: int) -> None:
         self._dropped.add(generation)

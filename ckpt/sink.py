@@ -75,6 +75,27 @@ def rows_name(run_id: str, generation: int) -> str:
     return f"{run_id}.rows.g{generation}"
 
 
+_ROWS_SUFFIX = re.compile(r"^rows\.(?:g(\d+)|e(\d+)\.c(\d+))$")
+
+
+def parse_rows_name(run_id: str, name: str) -> int | None:
+    """The generation a topic or directory `name` holds (inverse of `rows_name`); None when
+    it is not one of this run's generations."""
+    prefix = f"{run_id}."
+    m = _ROWS_SUFFIX.match(name[len(prefix):]) if name.startswith(prefix) else None
+    if m is None:
+        return None
+    if m.group(1) is not None:
+        return int(m.group(1))
+    return compacted_generation(int(m.group(2)), int(m.group(3)))
+
+
+def compacted_epoch(generation: int) -> int:
+    """The lease epoch of the follower that wrote a compacted generation."""
+    assert is_compacted(generation)
+    return -generation >> _COMPACTED_SHIFT
+
+
 def generation_label(generation: int) -> str:
     """How `deltarec-ckpt` and logs name a generation: ``g7`` or ``e2.c41``."""
     return rows_name("", generation)[len(".rows."):]
@@ -146,6 +167,9 @@ class FrameSink(Protocol):
 
     def flush(self, timeout_s: float) -> SinkResult:
         """Wait until every write since the previous flush is durable or failed."""
+
+    def generations(self) -> list[int]:
+        """Every generation of this run that exists in the sink (topics or directories)."""
 
     def drop_generation(self, generation: int) -> None:
         """Delete all rows of ``generation``; later writes to it are refused."""

@@ -32,7 +32,7 @@ from ckpt.follow.lease import LeaseKeeper, new_follower_id
 from ckpt.follow.serving import Publisher
 from ckpt.follow.store import RowStore
 from ckpt.manager import MetricsSink
-from ckpt.markers import ChainLink, Marker, encode_marker
+from ckpt.markers import ChainLink, Marker, MarkerError, encode_marker
 from ckpt.restore import iter_link_frames
 from ckpt.sink import compacted_generation, generation_label
 from common.errors import DeltarecError
@@ -83,7 +83,12 @@ class Follower:
         logger.info("following run %s in %s as %s", self.run_id, self.backend.where, self.follower_id)
         try:
             while not self.stop.is_set():
-                self.poll()
+                try:
+                    self.poll()
+                except MarkerError:
+                    raise  # a damaged markers log does not heal by waiting
+                except DeltarecError as exc:  # the broker or the log is unreachable: try again later
+                    logger.warning("markers log not read, retrying in %.0f s: %s", self.f.poll_s, exc)
                 if until is not None and until(self):
                     break
                 self.stop.wait(self.f.poll_s)

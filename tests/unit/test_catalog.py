@@ -6,7 +6,7 @@ import pytest
 
 from ckpt.catalog import Catalog
 from ckpt.markers import ChainLink, DroppedRecord, LeaseRecord, Marker, MarkerError, encode_marker
-from ckpt.sink import compacted_generation, generation_label, rows_name
+from ckpt.sink import compacted_epoch, compacted_generation, generation_label, parse_rows_name, rows_name
 
 RUN = "cat"
 
@@ -101,3 +101,11 @@ def test_compacted_generations_have_their_own_names_and_never_meet_the_trainers(
     g = compacted_generation(3, 41)
     assert g < 0 and rows_name(RUN, g) == f"{RUN}.rows.e3.c41" and generation_label(g) == "e3.c41"
     assert generation_label(41) == "g41" and compacted_generation(3, 41) != compacted_generation(4, 41)
+
+
+def test_generation_names_parse_back_and_other_names_do_not() -> None:
+    for g in (1, 41, compacted_generation(1, 7), compacted_generation(12, 123456)):
+        assert parse_rows_name(RUN, rows_name(RUN, g)) == g
+    assert compacted_epoch(compacted_generation(12, 5)) == 12
+    for name in (f"{RUN}.markers", f"{RUN}.rows.gx", f"other.rows.g1", f"{RUN}x.rows.g1", f"{RUN}.rows.e1"):
+        assert parse_rows_name(RUN, name) is None
