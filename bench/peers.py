@@ -12,10 +12,20 @@ On one model, one data stream and one checkpoint interval (the suite's), in this
    the step at which the outcome was known). From `<run_dir>/metrics.jsonl`: rows, bytes,
    stall, committed; from the COMMIT markers: the bytes the newest restorable checkpoint
    needs (its chain plus its dense file).
+   Then deltarec + follower (`incremental+follower` x fp32/adaptive4, issue 11): the
+   `incremental` policy (one full checkpoint, then only deltas) over `follower_intervals`
+   intervals, with `ckpt.follow.Follower` tailing the stream on a thread of this process
+   (the job's own resolved `ckpt` section, default `ckpt.follow.*` settings) and folding
+   the deltas into compacted baselines; the trainer's markers then start from the newest
+   one. From `<run_dir>/follower.jsonl`: lag (checkpoints and seconds behind the newest
+   COMMIT) and the compacted bytes; from the markers log folded by `ckpt.catalog` in log
+   order: the bytes of each checkpoint's cheapest restorable chain as of the end of its
+   interval.
 2. `bench.peers_rank` (2 ranks, the same job in-process): training with no checkpoint,
    `dcp.save`, `dcp.async_save` (cloning stager), `torch.save` per rank, every interval,
    then restore to training-ready: `dcp.load`, `torch.load`, and `CheckpointManager.restore`
-   of the newest checkpoint of each deltarec job of step 1.
+   of the newest checkpoint of each deltarec job of step 1 (with a follower: its cheapest
+   chain, from the newest compacted baseline).
 
 Writes one flat list of records (`--out`), each ``{peer, policy, encoding, metric, value,
 unit, interval, ckpt}`` (see docs/peers.md), prints a table, and with `--plots` draws
@@ -29,6 +39,7 @@ import argparse
 import json
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from argparse import Namespace
@@ -37,25 +48,30 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import (REPO, Measurement, config_path, document_head, figure, harmonic_of, loadavg, log,
-                          machine_info, mean_of, median_of)
+                          machine_info, mean_of, median_of, unit_of)
 
 POLICIES = ("full", "one_shot_diff", "incremental", "intermittent_diff")
 ENCODINGS = ("fp32", "adaptive4")
 DEFAULT_POLICY, DEFAULT_QUANT = "intermittent_diff", "adaptive4"
 PEERS = ("dcp.save", "dcp.async_save", "torch.save")
+# deltarec's `incremental` policy with a follower compacting its chain (issue 11): a policy label of the records
+FOLLOWER = "incremental+follower"
 
 # Criteo Kaggle's 26 categorical cardinalities (configs/criteo_kaggle_8gpu.yaml)
 CRITEO_KAGGLE = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
                  5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
 
 SIZES: dict[str, dict[str, Any]] = {
-    # the quickstart model (8 tables, 457k rows, 2 ranks); ~2.5 minutes here
-    "quick": {"config": "configs/quickstart.yaml", "steps": 48, "interval": 12, "repeats": 1, "overrides": []},
+    # the quickstart model (8 tables, 457k rows, 2 ranks); ~2.5-4.5 minutes here with the follower jobs
+    # follower_intervals: checkpoints of the deltarec + follower jobs, enough for the follower's
+    # default thresholds (deltas >= half the baseline's bytes, or 8 deltas) to compact at least once
+    "quick": {"config": "configs/quickstart.yaml", "steps": 48, "interval": 12, "repeats": 1, "overrides": [],
+              "follower_intervals": 12},
     # 26 tables with Criteo Kaggle's cardinalities capped at 1M rows, dim 64: 5.6M rows,
     # 1.43 GB of fp32 embeddings (+ row-wise momentum); not run within CI
     # steps: ~0.35 s each here, so an interval of 170 steps is about one minute
     "full": {"config": None, "steps": 510, "interval": 170, "repeats": 2, "cap": 1_000_000, "dim": 64,
-             "overrides": ["data.batch_size=2048"]},
+             "overrides": ["data.batch_size=2048"], "follower_intervals": 8},
 }
 
 
@@ -121,6 +137,180 @@ def deltarec_job(policy: str, encoding: str, s: dict[str, Any], work: Path, boot
     run["samples_per_s"] = harmonic_of(rates[1:] or rates)  # every window but the first (start-up)
     run["capacity"] = capacity(s["config"], [*ns.overrides, f"ckpt.encoding={encoding}"], bootstrap, run["run_id"], 2)
     run["run_dir"] = str(work / label / "run")
+    return run
+
+
+class _JsonLines:
+    """The follower's metrics sink: `<run_dir>/follower.jsonl`, as `deltarec-follow` writes it,
+    opened at the first record (the run directory is the trainer's to create)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: Any = None
+        self._lock = threading.Lock()
+
+    def write(self, record: dict[str, Any]) -> None:
+        with self._lock:
+            if self._file is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = self.path.open("a", buffering=1)
+            self._file.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+class FollowerThread:
+    """`ckpt.follow.Follower` of one run on a thread of this process, started before the
+    trainer's ranks. Once `finish()` is called (the ranks have exited) it stops as soon as it
+    has applied the newest COMMIT, or after `grace_s`."""
+
+    def __init__(self, cfg: Any, grace_s: float) -> None:
+        self.cfg = cfg
+        self.grace_s = grace_s
+        self.sink = _JsonLines(Path(cfg.follow.metrics))
+        self.training_done = threading.Event()
+        self.deadline = float("inf")
+        self.error: str | None = None
+        self.stats: dict[str, Any] = {}
+        self.caught_up = False
+        self.catch_up_s: float | None = None  # ranks exited -> newest COMMIT applied
+        self._done_at = 0.0
+        self._thread = threading.Thread(target=self._run, name="bench-follower", daemon=True)
+
+    def start(self) -> "FollowerThread":
+        self._thread.start()
+        return self
+
+    def _until(self, f: Any) -> bool:
+        if not self.training_done.is_set():
+            return False
+        newest = max(f.catalog.commits, default=None)
+        if newest is not None and f.applied is not None and f.applied.checkpoint_id >= newest:
+            self.caught_up = True
+            self.catch_up_s = time.monotonic() - self._done_at
+            return True
+        return time.monotonic() > self.deadline
+
+    def _run(self) -> None:
+        from dataclasses import asdict
+
+        from ckpt.follow.follower import Follower
+
+        try:
+            f = Follower(self.cfg, self.sink)
+            try:
+                f.run(until=self._until)
+            finally:
+                self.stats = asdict(f.stats)
+        except Exception as exc:  # noqa: BLE001 - reported with the figures, the suite goes on
+            self.error = f"{type(exc).__name__}: {exc}"
+            log(f"follower of {self.cfg.run_id} failed: {self.error}")
+        finally:
+            self.sink.close()
+
+    def finish(self) -> None:
+        """The ranks have exited: let the follower catch up, then stop it."""
+        self._done_at = time.monotonic()
+        self.deadline = self._done_at + self.grace_s
+        self.training_done.set()
+        self._thread.join(self.grace_s + 120)
+        if self._thread.is_alive():
+            self.error = self.error or f"still running {self.grace_s + 120:.0f} s after training ended"
+
+
+def chain_capacity(config: str, overrides: list[str], bootstrap: str, run_id: str,
+                   ranks: int) -> dict[int, dict[str, Any]]:
+    """Per committed checkpoint id: bytes of its cheapest restorable chain (`ckpt.catalog`,
+    compacted baselines included) and of its dense file, as of the end of its interval: the
+    markers log folded in order up to the next COMMIT (the newest: to the end of the log)."""
+    from ckpt.backends import open_backend
+    from ckpt.catalog import Catalog
+    from ckpt.sink import is_compacted
+    from trainer.config import load_config
+
+    cfg = load_config(config, [*overrides, "ckpt.enabled=true", f"ckpt.bootstrap_servers={bootstrap}",
+                               f"ckpt.run_id={run_id}"], check_data=False)
+    backend = open_backend(cfg.ckpt, ranks)
+    try:
+        records = backend.markers.read_markers()
+    finally:
+        backend.close()
+    catalog = Catalog(run_id)
+    out: dict[int, dict[str, Any]] = {}
+
+    def measure(cid: int) -> None:
+        own = catalog.commits[cid]
+        m = catalog.cheapest(own)
+        if m is not None:
+            out[cid] = {"chain_bytes": m.chain_bytes, "dense_bytes": int(m.dense.get("bytes", 0)),
+                        "links": len(m.chain), "chain": [link.checkpoint_id for link in m.chain],
+                        "from_compacted": is_compacted(m.chain[0].generation),
+                        # the trainer's own COMMIT already starts from a compacted baseline (it rebased)
+                        "marker_from_compacted": is_compacted(own.chain[0].generation)}
+
+    newest: int | None = None
+    for record in records:
+        before = len(catalog.commits)
+        catalog.feed([record])
+        if len(catalog.commits) != before:
+            if newest is not None:
+                measure(newest)
+            newest = max(catalog.commits)
+    if newest is not None:
+        measure(newest)
+    return out
+
+
+def follower_job(encoding: str, s: dict[str, Any], work: Path, bootstrap: str, prefix: str, timeout_s: float,
+                 intervals: int, grace_s: float) -> dict[str, Any]:
+    """deltarec + follower: the `incremental` policy over `intervals` checkpoints with a
+    follower compacting its chain (started before the ranks, stopped once it has applied the
+    newest COMMIT); then its lag and compactions, and the cheapest chain per checkpoint."""
+    from bench.ckpt_bench import train_run
+    from launch.ranks import read_jsonl, read_metrics
+    from trainer.config import load_config
+
+    label = f"incremental-follower-{encoding}"  # a run id: Kafka topic names take no "+"
+    run_id, run_dir = f"{prefix}-{label}", work / label / "run"
+    steps = s["interval"] * intervals
+    ns = Namespace(policy="incremental", interval=s["interval"], steps=steps, config=s["config"], ranks=2,
+                   overrides=["ckpt.final=false", *s["overrides"]], timeout_s=timeout_s)
+    job = [f"run.dir={run_dir}", "ckpt.enabled=true", f"ckpt.bootstrap_servers={bootstrap}",
+           f"ckpt.run_id={run_id}", "ckpt.policy=incremental", f"ckpt.interval_steps={s['interval']}",
+           f"ckpt.encoding={encoding}", *ns.overrides]
+    cfg = load_config(s["config"], job, check_data=False).ckpt  # what `deltarec-follow --config C job...` resolves
+    log(f"follower for run {run_id} (compact at deltas >= {cfg.follow.compact_ratio} x the baseline or "
+        f"{cfg.follow.compact_links} links; poll every {cfg.follow.poll_s} s)")
+    follower = FollowerThread(cfg, grace_s).start()
+    try:
+        run = train_run(label, [f"ckpt.encoding={encoding}"], ns, work, bootstrap, prefix)
+    finally:
+        follower.finish()
+    assert run["run_id"] == run_id, (run["run_id"], run_id)
+    metrics = read_metrics(run_dir)
+    rates = [m["samples_per_s"] for m in metrics if "samples_per_s" in m]
+    run["skipped"] = sum(1 for m in metrics if m.get("ckpt_skipped"))
+    run["samples_per_s"] = harmonic_of(rates[1:] or rates)
+    run["capacity"] = chain_capacity(s["config"], [*ns.overrides, f"ckpt.encoding={encoding}"], bootstrap, run_id, 2)
+    run["run_dir"] = str(run_dir)
+    run["steps"] = steps
+    fol = read_jsonl(Path(cfg.follow.metrics)) if Path(cfg.follow.metrics).is_file() else []
+    run["follower"] = {
+        "applied": [r for r in fol if "follow_ckpt" in r],
+        "compactions": [r for r in fol if "compacted_ckpt" in r],
+        "stats": follower.stats, "error": follower.error, "caught_up": follower.caught_up,
+        "catch_up_s": follower.catch_up_s,
+        "settings": {"compact_ratio": cfg.follow.compact_ratio, "compact_links": cfg.follow.compact_links,
+                     "poll_s": cfg.follow.poll_s, "lease_s": cfg.follow.lease_s},
+    }
+    c = run["follower"]
+    log(f"follower of {run_id}: {len(c['applied'])} checkpoints applied, {len(c['compactions'])} compactions, "
+        f"caught up {c['caught_up']} ({c['catch_up_s'] or 0:.1f} s after training)"
+        + (f"; {c['error']}" if c["error"] else ""))
     return run
 
 
@@ -251,7 +441,7 @@ def build_records(s: dict[str, Any], jobs: dict[tuple[str, str], dict], peers: l
             "throughput_overhead": 1 - run["samples_per_s"] / job_rate if job_rate and run["samples_per_s"] else None,
             "restore_s": median_of(rs.get("restore_s", [])),
             "steps_lost_mean": steps_lost([(c["step"], c.get("committed_at_step") if c["committed"] else None)
-                                           for c in cks], interval, steps),
+                                           for c in cks], interval, run.get("steps", steps)),
             "committed": len(ok), "checkpoints": len(cks), "skipped": run.get("skipped", 0),
         }
         agg["bytes_written_vs_dcp"] = dcp["bytes_written"] / agg["bytes_written"] if agg["bytes_written"] else None
@@ -260,15 +450,92 @@ def build_records(s: dict[str, Any], jobs: dict[tuple[str, str], dict], peers: l
         agg["capacity_vs_dcp"] = dcp["capacity_bytes"] / agg["capacity_bytes"] if agg["capacity_bytes"] else None
         agg["stall_vs_dcp_save"] = dcp["stall_ms"] / agg["stall_ms"] if agg["stall_ms"] else None
         agg["restore_over_dcp_load"] = agg["restore_s"] / dcp_load if agg["restore_s"] and dcp_load else None
+        if policy == FOLLOWER:
+            agg["capacity_final_vs_dcp"] = (dcp["capacity_bytes"] / agg["capacity_bytes_final"]
+                                            if agg["capacity_bytes_final"] else None)
+            summary.setdefault("follower", {})[enc] = _follower_records(rec, enc, run, ok, agg, dcp, rs)
         summary["deltarec"][f"{policy}/{enc}"] = agg
         _add_agg(rec, "deltarec", policy, enc, agg)
     return rec, summary
 
 
+def _follower_records(rec: PeerRecords, enc: str, run: dict[str, Any], ok: list[dict], agg: dict[str, Any],
+                      dcp: dict[str, Any], restore: dict[str, Any]) -> dict[str, Any]:
+    """The follower's own figures (peer `follower`, policy `incremental+follower`) beside the
+    trainer's: per compaction and per applied checkpoint, then aggregated; returns the
+    aggregates (the summary's `follower/<encoding>`)."""
+    fol = run["follower"]
+    compactions, applied = fol["compactions"], fol["applied"]
+    for c in compactions:
+        cid = c["compacted_ckpt"]
+        rec.add("follower", FOLLOWER, enc, "compact_bytes", c["compact_bytes"], "B", cid, step=c["step"],
+                replaced_links=c["compact_replaced_links"], replaced_bytes=c["compact_replaced_bytes"])
+        rec.add("follower", FOLLOWER, enc, "compact_s", c["compact_s"], "s", cid, step=c["step"])
+    for a in applied:
+        cid = a["follow_ckpt"]
+        rec.add("follower", FOLLOWER, enc, "follow_lag_ckpts", a["follow_lag_ckpts"], "checkpoints", cid,
+                step=a["step"])
+        rec.add("follower", FOLLOWER, enc, "follow_lag_s", a["follow_lag_s"], "s", cid, step=a["step"])
+        rec.add("follower", FOLLOWER, enc, "follow_apply_s", a["follow_apply_s"], "s", cid, step=a["step"],
+                rebuilt=a["follow_rebuilt"])
+    for cid, capb in sorted(run["capacity"].items()):
+        rec.add("deltarec", FOLLOWER, enc, "capacity_chain_links", capb["links"], "links", cid,
+                from_compacted=capb["from_compacted"], marker_from_compacted=capb["marker_from_compacted"])
+    n = len(ok)
+    trainer_total = sum(c["bytes"] for c in ok)
+    follower_total = sum(c["compact_bytes"] for c in compactions)
+    total_per_interval = (trainer_total + follower_total) / n if n else None
+    restored = restore.get("checkpoint", {})
+    newest = run["capacity"].get(max(run["capacity"], default=-1), {})
+    lag_c = [a["follow_lag_ckpts"] for a in applied]
+    lag_s = [a["follow_lag_s"] for a in applied]
+    out = {
+        "intervals": n,
+        "trainer_bytes_total": trainer_total,
+        "trainer_bytes_per_interval": agg["bytes_written"],
+        "trainer_bytes_per_interval_delta": agg["bytes_written_delta"],
+        "follower_bytes_total": follower_total,
+        "follower_bytes_per_interval": follower_total / n if n else None,
+        "total_bytes_per_interval": total_per_interval,
+        "total_bytes_vs_dcp": dcp["bytes_written"] / total_per_interval if total_per_interval else None,
+        "follower_read_bytes_total": sum(a["follow_read_bytes"] for a in applied),
+        "compactions": len(compactions),
+        "compact_s_median": median_of([c["compact_s"] for c in compactions]),
+        "rebased_commits": sum(1 for c in run["capacity"].values() if c["marker_from_compacted"]),
+        "follow_applied": len(applied),
+        "follow_rebuilds": sum(1 for a in applied if a["follow_rebuilt"]),
+        "follow_lag_ckpts_mean": mean_of(lag_c),
+        "follow_lag_ckpts_max": max(lag_c, default=None),
+        "follow_lag_s_median": median_of(lag_s),
+        "follow_lag_s_max": max(lag_s, default=None),
+        "follow_catch_up_s": fol["catch_up_s"],
+        "follower_caught_up": fol["caught_up"],
+        "follower_error": fol["error"],
+        "capacity_bytes_final": agg["capacity_bytes_final"],
+        "capacity_final_links": newest.get("links"),
+        "capacity_final_from_compacted": newest.get("from_compacted"),
+        "capacity_final_vs_dcp": agg.get("capacity_final_vs_dcp"),
+        "capacity_vs_dcp": agg["capacity_vs_dcp"],
+        "restore_s": agg["restore_s"],
+        "restore_over_dcp_load": agg["restore_over_dcp_load"],
+        "restore_chain_links": len(restored["chain"]) if restored.get("chain") else None,
+        "restore_chain": "+".join(str(c) for c in restored.get("chain", [])) or None,
+        "restore_bytes": restored.get("bytes"),
+    }
+    for k, v in out.items():
+        rec.add("follower", FOLLOWER, enc, k, v, "bool" if isinstance(v, bool) else _UNITS.get(k) or unit_of(k) or "")
+    return out
+
+
 _UNITS = {"stall_ms": "ms", "bare_copy_ms": "ms", "bytes_written": "B", "bytes_written_delta": "B", "capacity_bytes": "B",
           "capacity_bytes_final": "B",
           "samples_per_s": "samples/s", "throughput_overhead": "fraction", "restore_s": "s", "steps_lost_mean": "steps",
-          "committed": "checkpoints", "checkpoints": "checkpoints", "skipped": "checkpoints"}
+          "committed": "checkpoints", "checkpoints": "checkpoints", "skipped": "checkpoints",
+          "intervals": "checkpoints", "compactions": "checkpoints", "follow_applied": "checkpoints",
+          "follow_rebuilds": "checkpoints", "rebased_commits": "checkpoints", "follow_lag_ckpts_mean": "checkpoints",
+          "follow_lag_ckpts_max": "checkpoints",
+          "capacity_final_links": "links", "restore_chain_links": "links", "restore_chain": "checkpoint ids",
+          "follower_error": "text"}
 
 
 def _add_agg(rec: PeerRecords, peer: str, policy: str, enc: str, agg: dict[str, Any]) -> None:
@@ -286,8 +553,26 @@ def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
         ("throughput overhead (at this suite's interval, not 1 minute)", d.get("throughput_overhead"), "<=", 0.05),
         ("restore / dcp.load", d.get("restore_over_dcp_load"), "<=", 1.0),
     ]
+    f = summary.get("follower", {}).get(DEFAULT_QUANT)
+    if f is not None:  # deltarec + follower (issue 11), 4-bit rows
+        out += [
+            ("trainer bytes per interval, dcp.save / deltarec+follower deltas (4-bit, one full then only deltas)",
+             f["trainer_bytes_per_interval_delta"] and d_vs(summary, f["trainer_bytes_per_interval_delta"]), ">=", 17),
+            (f"trainer bytes per interval, dcp.save / deltarec+follower mean of {f['intervals']} intervals incl. "
+             "the one full (4-bit)", f["trainer_bytes_per_interval"] and d_vs(summary, f["trainer_bytes_per_interval"]),
+             ">=", 17),
+            ("capacity, dcp.save / newest restorable (cheapest) chain with a follower (4-bit)",
+             f["capacity_final_vs_dcp"], ">=", 8),
+            ("restore of that chain / dcp.load (4-bit, with a follower)", f["restore_over_dcp_load"], "<=", 1.0),
+        ]
     return [{"target": t, "value": v, "op": op, "goal": g,
              "met": None if v is None else (v >= g if op == ">=" else v <= g)} for t, v, op, g in out]
+
+
+def d_vs(summary: dict[str, Any], nbytes: float) -> float | None:
+    """dcp.save's bytes per interval / `nbytes`."""
+    dcp = summary["peers"].get("dcp.save", {}).get("bytes_written")
+    return dcp / nbytes if dcp and nbytes else None
 
 
 # -- output ----------------------------------------------------------------------------------------
@@ -314,6 +599,39 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def follower_table(summary: dict[str, Any]) -> str:
+    """deltarec + follower against dcp.save / dcp.load: the trainer's bytes and the follower's
+    beside them, the newest restorable chain, its restore, the follower's lag."""
+    fol = summary.get("follower", {})
+    if not fol:
+        return ""
+    dcp = summary["peers"]["dcp.save"]
+    head = ("| incremental + follower | intervals | trainer MB / interval (all / deltas) | follower MB / interval "
+            "(compactions) | total MB / interval | newest chain MB (links) | restore s (links) | "
+            "lag ckpts mean / max | lag s median / max | trainer vs dcp (all / deltas) | total vs dcp | "
+            "capacity vs dcp | restore / dcp.load |")
+    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+
+    def f(x: Any, nd: int = 2, scale: float = 1.0) -> str:
+        return "" if x is None else f"{x / scale:.{nd}f}"
+
+    lines.append(f"| dcp.save / dcp.load | | {f(dcp['bytes_written'], 1, 1e6)} | | {f(dcp['bytes_written'], 1, 1e6)} | "
+                 f"{f(dcp['capacity_bytes'], 1, 1e6)} | {f(dcp['restore_s'], 3)} | | | 1 | 1 | 1 | 1 |")
+    for enc, a in fol.items():
+        tvd = d_vs(summary, a["trainer_bytes_per_interval"])
+        tvdd = d_vs(summary, a["trainer_bytes_per_interval_delta"])
+        lines.append(
+            f"| {enc} | {a['intervals']} | {f(a['trainer_bytes_per_interval'], 2, 1e6)} / "
+            f"{f(a['trainer_bytes_per_interval_delta'], 2, 1e6)} | {f(a['follower_bytes_per_interval'], 2, 1e6)} "
+            f"({a['compactions']}) | {f(a['total_bytes_per_interval'], 2, 1e6)} | "
+            f"{f(a['capacity_bytes_final'], 2, 1e6)} ({a['capacity_final_links']}) | {f(a['restore_s'], 3)} "
+            f"({a['restore_chain_links']}) | "
+            f"{f(a['follow_lag_ckpts_mean'], 2)} / {a['follow_lag_ckpts_max']} | {f(a['follow_lag_s_median'], 2)} / "
+            f"{f(a['follow_lag_s_max'], 2)} | {f(tvd, 1)} / {f(tvdd, 1)} | {f(a['total_bytes_vs_dcp'], 1)} | "
+            f"{f(a['capacity_final_vs_dcp'], 1)} | {f(a['restore_over_dcp_load'], 2)} |")
+    return "\n".join(lines)
+
+
 def plots(records: PeerRecords, img: Path, size: str) -> list[str]:
     """Check-N-Run's Figures 15 and 16 in shape: per interval, bytes written and storage
     required by every deltarec policy (one panel per encoding) against dcp.save's mean."""
@@ -325,7 +643,7 @@ def plots(records: PeerRecords, img: Path, size: str) -> list[str]:
         path = img / f"peers_{size}_fig{fig_no}_{metric}.png"
         with figure(path, 1, len(ENCODINGS), figsize=(11, 4), dpi=100, sharey=True) as (fig, axes):
             for ax, enc in zip(axes, ENCODINGS):
-                for policy in POLICIES:
+                for policy in (*POLICIES, FOLLOWER):
                     pts = records.series(metric, peer="deltarec", policy=policy, encoding=enc)
                     if pts:
                         ax.plot([p[0] for p in pts], [p[1] / 1e6 for p in pts], marker="o", label=policy)
@@ -351,6 +669,10 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--keep", type=Path, help="keep run directories here (default: a temporary directory)")
     p.add_argument("--steps", type=int, help="override the suite's training steps (per job and per peer phase)")
     p.add_argument("--interval", type=int, help="override the suite's checkpoint interval (steps)")
+    p.add_argument("--follower-intervals", type=int,
+                   help="checkpoints of the deltarec + follower jobs (default: the suite's; 0: leave them out)")
+    p.add_argument("--follower-grace-s", type=float, default=300,
+                   help="how long the follower may take, once training ended, to apply the newest COMMIT")
     p.add_argument("--timeout-s", type=float, default=900)
     return p
 
@@ -378,6 +700,11 @@ def run(argv: list[str], prog: str = "python -m bench.run") -> dict[str, Any]:
         for policy in POLICIES:
             for enc in ENCODINGS:
                 jobs[(policy, enc)] = deltarec_job(policy, enc, s, work, broker.bootstrap, prefix, args.timeout_s)
+        intervals = s["follower_intervals"] if args.follower_intervals is None else args.follower_intervals
+        if intervals > 0:
+            for enc in ENCODINGS:
+                jobs[(FOLLOWER, enc)] = follower_job(enc, s, work, broker.bootstrap, prefix, args.timeout_s, intervals,
+                                                     args.follower_grace_s)
         peers = peers_job(s, work, broker.bootstrap, jobs, args.timeout_s)
         batch = _batch(s)
     machine["loadavg_end"] = loadavg()
@@ -388,6 +715,10 @@ def run(argv: list[str], prog: str = "python -m bench.run") -> dict[str, Any]:
         **document_head("peers", prog, argv, machine), "suite": args.size,
         "settings": {"config": s["config"], "steps": s["steps"], "interval_steps": s["interval"], "ranks": 2,
                      "overrides": s["overrides"], "model_rows": model_rows,
+                     "follower_intervals": next((r["steps"] // s["interval"] for (pol, _), r in jobs.items()
+                                                 if pol == FOLLOWER), 0),
+                     "follower": next((r["follower"]["settings"] for (pol, _), r in jobs.items()
+                                       if pol == FOLLOWER), None),
                      "interval_s_approx": s["interval"] * 2 * batch / summary["none_samples_per_s"]
                      if summary["none_samples_per_s"] else None},
         "wall_s": time.perf_counter() - started,
@@ -397,6 +728,9 @@ def run(argv: list[str], prog: str = "python -m bench.run") -> dict[str, Any]:
         result["plots"] = plots(records, args.plots, args.size)
     result["wall_s"] = time.perf_counter() - started
     print(table(summary))
+    if summary.get("follower"):
+        print()
+        print(follower_table(summary))
     for t in tg:
         v = t["value"]
         print(f"target: {t['target']} {t['op']} {t['goal']}: {'n/a' if v is None else f'{v:.3g}'} "

@@ -51,10 +51,12 @@ class Suite(NamedTuple):
 
 SUITES = (
     Suite("quick", "bench.peers", ("--size", "quick"),
-          "deltarec (4 policies x fp32/adaptive4) against dcp.save, dcp.async_save and torch.save on the "
-          "quickstart model: stall, bytes, capacity, throughput, restore, steps lost (~2.5 min; CI smoke)"),
+          "deltarec (4 policies x fp32/adaptive4, and incremental + a follower compacting its chain) against "
+          "dcp.save, dcp.async_save and torch.save on the quickstart model: stall, bytes (the trainer's and the "
+          "follower's), capacity, throughput, restore, steps lost, follower lag (~4.5 min; CI smoke)"),
     Suite("full", "bench.peers", ("--size", "full"),
-          "the same on 26 Criteo-cardinality tables (5.6M rows, 1.43 GB; ~21 min)"),
+          "the same on 26 Criteo-cardinality tables (5.6M rows, 1.43 GB; ~21 min, "
+          "plus 2 follower jobs of 8 intervals: ~6-16 min more)"),
     Suite("checkpoint", "bench.ckpt_bench", (),
           "per checkpoint on the quickstart model: rows, bytes, stall and its parts against a bare copy, "
           "writer against a raw Kafka producer, restore against dcp.load (~3 min)"),
