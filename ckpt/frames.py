@@ -3,7 +3,7 @@
 One frame holds rows of one (table, column offset) shard of one rank for one
 checkpoint. Layout, version 1, all integers little-endian::
 
-    prefix   magic "DRF1" | version u16 | flags u16 (0) | header_len u32 | total_len u64
+    prefix   magic "DRF1" | version u16 | flags u16 | header_len u32 | total_len u64
     meta     checkpoint_id u64 | rank u32 | col_offset u32 | row_count u32 | dim u32
              | row_bytes u32 | chunk_index u32 | chunk_count u32 | encoding u8 | n_optim u8
              | run_id (u16 length + utf-8) | table (u16 length + utf-8)
@@ -12,6 +12,10 @@ checkpoint. Layout, version 1, all integers little-endian::
     body     row ids int64[n] | payload uint8[n, row_bytes] | each optimizer state
              uint8[n, its row_bytes]; every section zero-padded to a multiple of 8
     trailer  crc32 u32 over every byte before it
+
+``flags`` bit 0 (``FLAG_ROW_RUN``): the rows are the run ``first``..``first + n - 1``, and
+the row-ids section holds only ``first`` (int64): full checkpoints and compacted baselines
+write whole shards, whose ids would otherwise cost 8 bytes a row. Other bits are refused.
 
 ``encoding`` is a codec id of ``ckpt.quant``'s registry (fp32=1, fp16=2, asym8=24, ...),
 carried as an integer: this module never interprets payload bytes. Sections start
@@ -56,6 +60,7 @@ _OPT = struct.Struct("<BI")                # encoding, row_bytes
 _CRC = struct.Struct("<I")
 _ALIGN = 8
 _MAX_STR = 0xFFFF
+FLAG_ROW_RUN = 0x1  # row ids are first..first+n-1; the ids section holds `first` alone
 
 if sys.byteorder != "little":  # pragma: no cover
     raise ImportError("ckpt.frames writes tensors in native byte order and needs a little-endian host")
@@ -167,9 +172,16 @@ def _header_len(tail_len: int) -> int:
     return n + _pad(n)
 
 
-def _frame_len(header_len: int, n: int, row_bytes: int, optim_row_bytes: Sequence[int]) -> int:
-    body = sum(s + _pad(s) for s in [8 * n, n * row_bytes, *(n * rb for rb in optim_row_bytes)])
+def _frame_len(header_len: int, n: int, row_bytes: int, optim_row_bytes: Sequence[int], run: bool = False) -> int:
+    ids = 8 if run else 8 * n
+    body = sum(s + _pad(s) for s in [ids, n * row_bytes, *(n * rb for rb in optim_row_bytes)])
     return header_len + body + _CRC.size
+
+
+def _is_run(ids: torch.Tensor) -> bool:
+    """Whether `ids` (1-D) are first, first+1, ..., first+n-1."""
+    n = int(ids.shape[0])
+    return n > 0 and int(ids[-1]) - int(ids[0]) == n - 1 and (n == 1 or bool((ids[1:] - ids[:-1] == 1).all()))
 
 
 def encode_frame(*, run_id: str, checkpoint_id: int, rank: int, table: str, col_offset: int,
@@ -182,7 +194,9 @@ def encode_frame(*, run_id: str, checkpoint_id: int, rank: int, table: str, col_
     if ids.dim() != 1:
         raise ValueError(f"row_ids must be 1-D, got shape {tuple(ids.shape)}")
     n = int(ids.shape[0])
-    ids_np = ids.detach().cpu().to(torch.int64).contiguous().numpy()
+    ids = ids.detach().cpu().to(torch.int64)
+    run = _is_run(ids)
+    ids_np = (ids[:1] if run else ids).contiguous().numpy()
     pay_np = _as_row_bytes(payload, n, "payload")
     opt_np = [_as_row_bytes(o.rows, n, f"optimizer state {o.name!r}") for o in optim]
     if len(optim) > 255:
@@ -193,9 +207,9 @@ def encode_frame(*, run_id: str, checkpoint_id: int, rank: int, table: str, col_
     layout = [(o.name, o.encoding, a.shape[1]) for o, a in zip(optim, opt_np)]
     tail = _header_tail(run_id, table, layout)
     header_len = _header_len(len(tail))
-    total = _frame_len(header_len, n, row_bytes, [a.shape[1] for a in opt_np])
+    total = _frame_len(header_len, n, row_bytes, [a.shape[1] for a in opt_np], run)
     try:
-        head = (_PREFIX.pack(MAGIC, VERSION, 0, header_len, total)
+        head = (_PREFIX.pack(MAGIC, VERSION, FLAG_ROW_RUN if run else 0, header_len, total)
                 + _META.pack(checkpoint_id, rank, col_offset, n, dim, row_bytes,
                              chunk_index, chunk_count, encoding, len(optim))
                 + tail)
@@ -245,10 +259,11 @@ def chunk_rows(*, run_id: str, checkpoint_id: int, rank: int, table: str, col_of
     opt_rb = [o.row_bytes for o in optim]
     tail = _header_tail(run_id, table, [(o.name, o.encoding, rb) for o, rb in zip(optim, opt_rb)])
     header_len = _header_len(len(tail))
-    per_row = 8 + row_bytes + sum(opt_rb)
+    run = _is_run(ids)  # a whole run: every frame is a run too, and its ids cost 8 bytes
+    per_row = (0 if run else 8) + row_bytes + sum(opt_rb)
     # Largest row count whose frame fits; section padding can cost a few rows less.
-    rows_per_frame = max(0, (max_frame_bytes - header_len - _CRC.size) // per_row)
-    while rows_per_frame and _frame_len(header_len, rows_per_frame, row_bytes, opt_rb) > max_frame_bytes:
+    rows_per_frame = max(0, (max_frame_bytes - header_len - _CRC.size - (8 if run else 0)) // max(per_row, 1))
+    while rows_per_frame and _frame_len(header_len, rows_per_frame, row_bytes, opt_rb, run) > max_frame_bytes:
         rows_per_frame -= 1
     if rows_per_frame < 1:
         raise ValueError(f"one row of table {table!r} needs {header_len + per_row + _CRC.size} "
@@ -305,8 +320,9 @@ def _decode(mv: memoryview) -> Frame:
     if stored != computed:
         raise FrameError(f"CRC mismatch: stored {stored:#010x}, computed {computed:#010x}")
     # The bytes are what the writer wrote; what follows catches writer bugs and forgeries.
-    if flags != 0:
+    if flags & ~FLAG_ROW_RUN:
         raise FrameError(f"unknown flags {flags:#x}")
+    run = bool(flags & FLAG_ROW_RUN)
     if not _PREFIX.size + _META.size <= header_len <= size - _CRC.size or header_len % _ALIGN:
         raise FrameError(f"bad header length {header_len}")
     (ckpt, rank, col, n, dim, row_bytes, idx, cnt, enc, n_opt) = _META.unpack_from(mv, _PREFIX.size)
@@ -339,7 +355,7 @@ def _decode(mv: memoryview) -> Frame:
         layout.append((name, o_enc, o_rb))
     if _header_len(pos - _PREFIX.size - _META.size) != header_len:
         raise FrameError(f"header length {header_len} does not match its fields ({pos} bytes)")
-    expect = _frame_len(header_len, n, row_bytes, [rb for _, _, rb in layout])
+    expect = _frame_len(header_len, n, row_bytes, [rb for _, _, rb in layout], run)
     if expect != total:
         raise FrameError(f"body length mismatch: {n} rows x {row_bytes} bytes (+ optimizer) "
                          f"need a {expect}-byte frame, got {total}")
@@ -347,11 +363,15 @@ def _decode(mv: memoryview) -> Frame:
         raise FrameError(f"chunk index {idx} not below chunk count {cnt}")
 
     off = header_len
-    ids = _u8(mv, off, 8 * n)
+    id_bytes = 8 if run else 8 * n
+    ids = _u8(mv, off, id_bytes)
     if ids.data_ptr() % 8:
         ids = ids.clone()  # buffer base not 8-aligned (a slice of a larger buffer)
     row_ids = ids.view(torch.int64)
-    off += 8 * n + _pad(8 * n)
+    if run:
+        first = int(row_ids[0])
+        row_ids = torch.arange(first, first + n, dtype=torch.int64)
+    off += id_bytes + _pad(id_bytes)
     payload = _u8(mv, off, n * row_bytes).view(n, row_bytes)
     off += n * row_bytes + _pad(n * row_bytes)
     optim = []

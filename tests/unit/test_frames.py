@@ -180,3 +180,36 @@ def test_chunking_edge_cases():
     with pytest.raises(ValueError, match="more than max_frame_bytes"):
         chunk_rows(**META, row_ids=ids, payload=rows, max_frame_bytes=100)  # refused at the call, before any frame
     assert MAGIC == b"DRF1"
+
+
+def test_a_run_of_rows_stores_only_its_first_id_and_decodes_to_the_run():
+    n, first = 300, 5_000_000_123
+    ids = torch.arange(first, first + n, dtype=torch.int64)
+    rows = torch.randn(n, 16)
+    run = encode_frame(**META, row_ids=ids, payload=rows)
+    scattered = encode_frame(**META, row_ids=ids.flip(0), payload=rows)
+    assert struct.unpack_from("<H", run, 6)[0] == 1 and struct.unpack_from("<H", scattered, 6)[0] == 0
+    assert len(scattered) - len(run) == 8 * (n - 1)
+    f = decode_frame(run)
+    assert torch.equal(f.row_ids, ids) and torch.equal(f.payload.view(torch.float32), rows)
+
+
+def test_chunks_of_a_run_hold_more_rows_and_each_is_a_run():
+    n, dim = 5000, 16
+    ids = torch.arange(100, 100 + n, dtype=torch.int64)
+    rows = torch.randn(n, dim)
+    run = list(chunk_rows(**META, row_ids=ids, payload=rows, max_frame_bytes=20_000))
+    gappy = ids.clone()
+    gappy[-1] += 1  # not a run any more
+    other = list(chunk_rows(**META, row_ids=gappy, payload=rows, max_frame_bytes=20_000))
+    assert run[0].row_count > other[0].row_count and all(len(f.data) <= 20_000 for f in run)
+    got = torch.cat([decode_frame(f.data).row_ids for f in run])
+    assert torch.equal(got, ids)
+
+
+def test_an_unknown_flag_bit_is_refused():
+    buf = bytearray(_frame())
+    struct.pack_into("<H", buf, 6, 0x2)
+    struct.pack_into("<I", buf, len(buf) - 4, zlib.crc32(bytes(buf[:-4])))
+    with pytest.raises(FrameError, match="unknown flags 0x2"):
+        decode_frame(bytes(buf))
