@@ -116,6 +116,7 @@ class Follower:
             self._maybe_compact()
             self._maybe_export()
             catch_up(self.catalog, self.backend.markers)
+        self._maybe_compact()  # a chain that was due while another follower held the lease
 
     def close(self) -> None:
         try:
@@ -218,7 +219,8 @@ class Follower:
                          created_unix=time.time())
         self.backend.markers.append_marker(encode_marker(record))
         catch_up(self.catalog, self.backend.markers)
-        if self.catalog.compactions.get(marker.checkpoint_id) is None:
+        accepted = self.catalog.compactions.get(marker.checkpoint_id)
+        if accepted is None or accepted.follower != self.follower_id or accepted.chain[0] != link:
             logger.warning("compaction of checkpoint %d was fenced by another follower", marker.checkpoint_id)
             return
         replaced = self.chain
