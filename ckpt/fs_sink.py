@@ -128,14 +128,7 @@ class _Appender:
             created = not self.path.exists()
             f = open(self.path, "a+b")
             try:
-                end = 0
-                for _, end, _ in scan_records(f, self.path, verify=False):
-                    pass
-                size = os.fstat(f.fileno()).st_size
-                if end < size:
-                    log.warning("%s: truncating torn tail of %d bytes", self.path, size - end)
-                    f.truncate(end)
-                    os.fsync(f.fileno())
+                end = self._cut_torn_tail(f, 0)
             except BaseException:
                 f.close()
                 raise
@@ -150,16 +143,19 @@ class _Appender:
     def catch_up(self) -> None:
         """Move `end` past records another process appended since (call it holding the
         file's lock); a torn tail after them, left by a killed writer, is cut."""
-        f = self._open()
-        end = self.end
-        for _, end, _ in scan_records(f, self.path, self.end, verify=False):
+        self.end = self._cut_torn_tail(self._open(), self.end)
+
+    def _cut_torn_tail(self, f: BinaryIO, start: int) -> int:
+        """The end of the last complete record from `start` on; anything after it is cut."""
+        end = start
+        for _, end, _ in scan_records(f, self.path, start, verify=False):
             pass
         size = os.fstat(f.fileno()).st_size
         if end < size:
             log.warning("%s: truncating torn tail of %d bytes", self.path, size - end)
             f.truncate(end)
             os.fsync(f.fileno())
-        self.end = end
+        return end
 
     def append(self, payload: bytes | memoryview) -> tuple[int, int]:
         """Append one record; returns (position, end). Not durable until ``sync()``."""
