@@ -15,6 +15,7 @@ from typing import Sequence
 
 from ckpt import cli as ckpt_cli
 from ckpt.config import CkptConfig
+from trainer import console
 from trainer.config import load_config
 
 
@@ -24,6 +25,7 @@ def load_ckpt_config(path: str, overrides: list[str]) -> CkptConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    console.install_noise_filters(console.EXPORT_NOISE)
     return ckpt_cli.main(sys.argv[1:] if argv is None else argv, load_ckpt_config)
 
 

@@ -1,10 +1,11 @@
 """What a user sees on the terminal: deltarec's lines, and library output only when it matters.
 
 The one place for logging setup and for the known-noise filters. A training rank calls
-`setup_rank` first thing; `deltarec-launch` calls `quiet_launcher`. Each filter in `TRAINER_NOISE`
-and `LAUNCHER_NOISE` names exactly one library message (by category, message and module for a
-Python warning; by logger and message for a log record) and says in one line why a user can do
-nothing about it. Anything not listed still shows. `--verbose` installs none of them and shows
+`setup_rank` first thing; `deltarec-launch` calls `quiet_launcher`; `deltarec-follow` and
+`deltarec-ckpt` add `EXPORT_NOISE`. Each filter in `TRAINER_NOISE`, `LAUNCHER_NOISE` and
+`EXPORT_NOISE` names exactly one library message (by category, message and module for a Python
+warning; by logger and message for a log record) and says in one line why a user can do nothing
+about it. Anything not listed still shows. `--verbose` installs none of them and shows
 every rank's own log lines, so the libraries' full output comes back.
 
 Rank 0 prints deltarec's lines: the process group, the plan, progress (a bar on a terminal,
@@ -113,6 +114,10 @@ TRAINER_NOISE: tuple[WarningNoise | LogNoise, ...] = (
         "torchrec.distributed.planner", "", "the planner's long estimates; deltarec prints the plan table instead",
         level=logging.ERROR,
     ),
+)
+"""The noise of a training rank (torchrec, fbgemm, torch); each entry says why it is noise."""
+
+EXPORT_NOISE: tuple[WarningNoise, ...] = (
     WarningNoise(
         UserWarning, r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to save "
         r"in a single process", r"torch\.distributed\.checkpoint\.",
@@ -120,7 +125,7 @@ TRAINER_NOISE: tuple[WarningNoise | LogNoise, ...] = (
         "a single process writing the whole model is the intent",
     ),
 )
-"""The noise of a training rank (torchrec, fbgemm, torch); each entry says why it is noise."""
+"""The noise of a single process writing a DCP export (`deltarec-follow`, `deltarec-ckpt`)."""
 
 LAUNCHER_NOISE: tuple[LogNoise, ...] = (
     LogNoise(
@@ -318,9 +323,9 @@ class ConsoleHandler(logging.Handler):
 _handler: ConsoleHandler | None = None
 
 
-def setup_rank(rank: int, verbose: bool = False) -> None:
+def setup_rank(rank: int, verbose: bool = False, noise: Iterable[WarningNoise | LogNoise] = TRAINER_NOISE) -> None:
     """Configure this training rank's console: deltarec's INFO lines on rank 0 only, warnings
-    and errors everywhere, the known noise filtered (none of that with `verbose`)."""
+    and errors everywhere, the known `noise` filtered (none of that with `verbose`)."""
     global _handler
     root = logging.getLogger()
     for h in list(root.handlers):  # an import may already have configured the root logger
@@ -331,7 +336,7 @@ def setup_rank(rank: int, verbose: bool = False) -> None:
     for name in DELTAREC_LOGGERS:
         logging.getLogger(name).setLevel(logging.INFO if rank == 0 or verbose else logging.WARNING)
     if not verbose:
-        install_noise_filters(TRAINER_NOISE)
+        install_noise_filters(noise)
         logging.captureWarnings(True)  # unfiltered warnings go through the handler too (bar-safe)
 
 

@@ -28,7 +28,7 @@ def load(path: str, overrides: list[str]) -> tuple[CkptConfig, MetricsLog]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    console.setup_rank(0, verbose="--verbose" in argv)
+    console.setup_rank(0, verbose="--verbose" in argv, noise=(*console.TRAINER_NOISE, *console.EXPORT_NOISE))
     return follow_cli.main(argv, load)
 
 
