@@ -125,6 +125,7 @@ class Frame:
     row_ids: torch.Tensor            # int64 [n], global row ids
     payload: torch.Tensor            # uint8 [n, row_bytes], read-only view
     optim: tuple[OptimState, ...] = ()
+    first_row: int | None = None     # a run (FLAG_ROW_RUN): row_ids are first_row.. in order
 
     @property
     def row_count(self) -> int:
@@ -368,6 +369,7 @@ def _decode(mv: memoryview) -> Frame:
     if ids.data_ptr() % 8:
         ids = ids.clone()  # buffer base not 8-aligned (a slice of a larger buffer)
     row_ids = ids.view(torch.int64)
+    first = None
     if run:
         first = int(row_ids[0])
         row_ids = torch.arange(first, first + n, dtype=torch.int64)
@@ -380,4 +382,4 @@ def _decode(mv: memoryview) -> Frame:
         off += n * o_rb + _pad(n * o_rb)
     return Frame(run_id=run_id, checkpoint_id=ckpt, rank=rank, table=table, col_offset=col,
                  dim=dim, encoding=enc, row_bytes=row_bytes, chunk_index=idx, chunk_count=cnt,
-                 row_ids=row_ids, payload=payload, optim=tuple(optim))
+                 row_ids=row_ids, payload=payload, optim=tuple(optim), first_row=first)

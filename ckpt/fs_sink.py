@@ -27,11 +27,11 @@ import shutil
 import struct
 import zlib
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Iterator, Sequence
 
 from ckpt.frames import Frame, FrameError, decode_frame, file_where
-from ckpt.sink import RangeRecorder, SinkError, SinkResult, SourceError, check_run_id, \
-    markers_name, parse_rows_name, rows_name
+from ckpt.sink import RangeRead, RangeRecorder, SinkError, SinkResult, SourceError, check_run_id, \
+    markers_name, parse_rows_name, read_one_by_one, rows_name
 
 log = logging.getLogger(__name__)
 
@@ -291,6 +291,10 @@ class FsSource:
         except FileNotFoundError:
             raise SourceError(f"segment {path} does not exist (reading bytes {first}..{last})") from None
         return self._frames(f, path, first, last)
+
+    def read_ranges(self, reads: Sequence[RangeRead]) -> Iterator[tuple[int, int, Frame]]:
+        """Local files: one after another (the page cache makes a read a copy)."""
+        return read_one_by_one(self, reads)
 
     def _frames(self, f: BinaryIO, path: Path, first: int, last: int) -> Iterator[tuple[int, Frame]]:
         with f:

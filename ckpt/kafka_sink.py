@@ -30,14 +30,15 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any, Callable, Iterator, Mapping
+from collections import deque
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, \
     Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from ckpt.frames import Frame, FrameError, decode_frame, kafka_where
-from ckpt.sink import RangeRecorder, SinkError, SinkResult, SourceError, check_run_id, \
+from ckpt.sink import RangeRead, RangeRecorder, SinkError, SinkResult, SourceError, check_run_id, \
     markers_name, parse_rows_name, rows_name
 from common.errors import ConfigError
 
@@ -48,6 +49,9 @@ DEFAULT_DELIVERY_TIMEOUT_S = 30.0
 DEFAULT_READ_TIMEOUT_S = 30.0
 # Consumers prefetch up to this much per partition (librdkafka default: 64 MiB).
 DEFAULT_READ_BUFFER_KB = 16 * 1024
+# Bytes one fetch may return per partition (librdkafka default: 1 MiB, about one frame, so a
+# restore would wait a round trip per frame).
+DEFAULT_FETCH_PARTITION_BYTES = 8 << 20
 # Rows and markers are deleted by dropping whole topics, never by time or size:
 # a base checkpoint can be older than Kafka's default retention of 7 days.
 DEFAULT_TOPIC_CONFIG = {"retention.ms": "-1", "retention.bytes": "-1"}
@@ -77,14 +81,16 @@ def topic_partitions(admin: AdminClient, topic: str, timeout_s: float) -> int | 
 
     Uses the all-topics listing: a Metadata request naming the topic would create it.
     """
+    return topics_partitions(admin, timeout_s).get(topic)
+
+
+def topics_partitions(admin: AdminClient, timeout_s: float) -> dict[str, int]:
+    """Partition count of every existing topic (one Metadata request)."""
     try:
         md = admin.list_topics(timeout=timeout_s)
     except KafkaException as e:
         raise SourceError(f"cannot list topics: {e.args[0]}") from None
-    t = md.topics.get(topic)
-    if t is None or t.error is not None:
-        return None
-    return len(t.partitions)
+    return {name: len(t.partitions) for name, t in md.topics.items() if t.error is None}
 
 
 def ensure_topic(admin: AdminClient, topic: str, partitions: int, *, replication_factor: int = -1,
@@ -319,7 +325,8 @@ def _consumer_conf(conf: Mapping[str, Any], consumer_conf: Mapping[str, Any] | N
     # A fetch at the end of a partition waits fetch.wait.max.ms before the broker
     # answers (and we learn it is the end): keep that short for readers.
     c = {**_common(conf), "queued.max.messages.kbytes": DEFAULT_READ_BUFFER_KB,
-         "fetch.wait.max.ms": 10, **(consumer_conf or {})}
+         "max.partition.fetch.bytes": DEFAULT_FETCH_PARTITION_BYTES, "fetch.wait.max.ms": 10,
+         **(consumer_conf or {})}
     # assign()-only reading: a throwaway group id (confluent-kafka insists on one),
     # never committed; start offsets are always explicit.
     c.update({"group.id": f"deltarec-reader-{uuid.uuid4().hex}", "enable.auto.commit": False,
@@ -329,43 +336,107 @@ def _consumer_conf(conf: Mapping[str, Any], consumer_conf: Mapping[str, Any] | N
     return c
 
 
+class _Read(NamedTuple):
+    """Offsets ``first`` through ``last`` (inclusive; None: to the end) of one partition."""
+
+    topic: str
+    partition: int
+    first: int
+    last: int | None
+
+
+def _past(read: _Read, offset: int) -> bool:
+    return read.last is not None and offset > read.last
+
+
 def _read_partition(cconf: Mapping[str, Any], topic: str, partition: int, start: int,
                     last: int | None, timeout_s: float) -> Iterator[Message]:
     """Messages of one partition from ``start`` through offset ``last`` (inclusive), or to
-    the end of the partition when ``last`` is None. Raises ``SourceError`` when the
-    partition ends before ``last`` or nothing arrives for ``timeout_s``."""
+    the end of the partition when ``last`` is None (see `_read_partitions`)."""
+    return (msg for _, msg in _read_partitions(cconf, [_Read(topic, partition, start, last)], timeout_s))
+
+
+def _read_partitions(cconf: Mapping[str, Any], reads: Sequence[_Read], timeout_s: float
+                     ) -> Iterator[tuple[int, Message]]:
+    """``(index into reads, message)`` for every message of every read, with one consumer.
+
+    Every partition is assigned at once, so librdkafka fetches them all in the background
+    while the caller works on what arrived; messages come in offset order within a read.
+    Reads of the same partition (which must not overlap) are served one after another in the
+    order given, with a seek between them; a partition whose reads are done is paused. Raises ``SourceError`` when a partition
+    ends before a read's ``last`` or nothing arrives for ``timeout_s``.
+    """
+    pending: dict[tuple[str, int], deque[int]] = {}
+    for i, r in enumerate(reads):
+        pending.setdefault((r.topic, r.partition), deque()).append(i)
+    if not pending:
+        return
+    for q in pending.values():
+        spans = sorted((reads[i].first, reads[i].last) for i in q)
+        assert all(a[1] is not None and a[1] < b[0] for a, b in zip(spans, spans[1:])), f"overlapping reads {spans}"
+    expect = {key: reads[q[0]].first for key, q in pending.items()}  # next offset wanted
+    # Just after a seek the next message must be exactly the read's first offset (a position
+    # a delivery report gave): anything else was fetched before the seek.
+    exact: set[tuple[str, int]] = set()
     consumer = Consumer(dict(cconf))
+
+    def next_read(key: tuple[str, int]) -> None:
+        """The current read of `key` is complete: seek to its next one, or pause it."""
+        q = pending[key]
+        q.popleft()
+        if not q:
+            del pending[key]
+            consumer.pause([TopicPartition(*key)])
+        elif reads[q[0]].first != expect[key]:
+            expect[key] = reads[q[0]].first
+            exact.add(key)
+            consumer.seek(TopicPartition(key[0], key[1], expect[key]))
+
     try:
-        consumer.assign([TopicPartition(topic, partition, start)])
-        want = f"offset {start}"
+        consumer.assign([TopicPartition(t, p, expect[(t, p)]) for t, p in pending])
         deadline = time.monotonic() + timeout_s
-        while True:
+        while pending:
             msg = consumer.poll(max(0.0, deadline - time.monotonic()))
             if msg is None:
                 if time.monotonic() >= deadline:
-                    raise SourceError(f"topic {topic} partition {partition}: nothing at {want} within "
+                    (t, p), q = next(iter(pending.items()))
+                    last = reads[q[0]].last
+                    raise SourceError(f"topic {t} partition {p}: nothing at offset {expect[(t, p)]} within "
                                       f"{timeout_s:g}s" + (f" (reading through offset {last})"
                                                            if last is not None else ""))
                 continue
+            key = (msg.topic(), msg.partition())
             err = msg.error()
             if err is not None:
+                if key not in pending:
+                    continue  # about a partition whose reads are done
                 if err.code() == KafkaError._PARTITION_EOF:
+                    last = reads[pending[key][0]].last
                     if last is None:
-                        return
-                    raise SourceError(f"topic {topic} partition {partition} ends at offset "
+                        next_read(key)
+                        continue
+                    raise SourceError(f"topic {key[0]} partition {key[1]} ends at offset "
                                       f"{msg.offset()}, but the range runs through offset {last}")
                 if err.code() in _TRANSIENT and not err.fatal():
-                    log.debug("kafka read %s[%d]: %s", topic, partition, err)
+                    log.debug("kafka read %s[%d]: %s", key[0], key[1], err)
                     continue
-                raise SourceError(f"topic {topic} partition {partition} at {want}: {err}")
+                raise SourceError(f"topic {key[0]} partition {key[1]} at offset {expect[key]}: {err}")
             off = msg.offset()
-            if last is not None and off > last:  # a gap (compaction/control records) at the end
-                return
-            yield msg
-            if last is not None and off >= last:
-                return
-            want = f"offset {off + 1}"
+            if key not in pending or off < expect[key] or (key in exact and off != expect[key]):
+                continue  # fetched before a pause or a seek
+            exact.discard(key)
+            while key in pending and _past(reads[pending[key][0]], off):
+                next_read(key)  # a gap (compaction/control records) at the end of a read
+            if key not in pending or off < expect[key] or (key in exact and off != expect[key]):
+                continue
+            exact.discard(key)
+            i = pending[key][0]
+            yield i, msg
             deadline = time.monotonic() + timeout_s
+            expect[key] = off + 1
+            last = reads[i].last
+            if last is not None and off >= last:
+                next_read(key)
     finally:
         consumer.close()
 
@@ -395,14 +466,39 @@ class KafkaSource:
             raise SourceError(f"topic {topic} has {parts} partitions, no partition {partition}")
         return self._frames(topic, partition, first, last, timeout_s)
 
+    def read_ranges(self, reads: Sequence[RangeRead], *, timeout_s: float | None = None
+                    ) -> Iterator[tuple[int, int, Frame]]:
+        """All reads with one consumer (see `_read_partitions`): one metadata request, every
+        partition fetched at once, frames decoded while librdkafka fetches the next ones."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        plan = []
+        listed: dict[str, int] | None = None
+        for r in reads:
+            if not 0 <= r.first <= r.last:
+                raise ValueError(f"bad range [{r.first}, {r.last}]")
+            topic = rows_name(self.run_id, r.generation)
+            if listed is None:
+                listed = topics_partitions(self._admin, timeout_s)
+            if topic not in listed:
+                raise SourceError(f"topic {topic} does not exist (reading partition {r.partition} "
+                                  f"offsets {r.first}..{r.last})")
+            if r.partition >= listed[topic]:
+                raise SourceError(f"topic {topic} has {listed[topic]} partitions, no partition {r.partition}")
+            plan.append(_Read(topic, r.partition, r.first, r.last))
+        return self._decoded(_read_partitions(self._cconf, plan, timeout_s))
+
     def _frames(self, topic: str, partition: int, first: int, last: int,
                 timeout_s: float) -> Iterator[tuple[int, Frame]]:
-        for msg in _read_partition(self._cconf, topic, partition, first, last, timeout_s):
-            where = kafka_where(topic, partition, msg.offset())
+        reads = _read_partitions(self._cconf, [_Read(topic, partition, first, last)], timeout_s)
+        return ((pos, frame) for _, pos, frame in self._decoded(reads))
+
+    def _decoded(self, messages: Iterator[tuple[int, Message]]) -> Iterator[tuple[int, int, Frame]]:
+        for i, msg in messages:
+            where = kafka_where(msg.topic(), msg.partition(), msg.offset())
             frame = decode_frame(msg.value() or b"", where=where)
             if frame.run_id != self.run_id:
                 raise FrameError(f"frame of run {frame.run_id!r} in run {self.run_id!r}", where)
-            yield msg.offset(), frame
+            yield i, msg.offset(), frame
 
     def close(self) -> None:
         self._admin = None

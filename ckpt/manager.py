@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, Sequence
 
@@ -22,16 +23,16 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ckpt import dense_state
 from ckpt.backends import Backend, open_backend
+from ckpt.catalog import read_catalog
 from ckpt.committer import Committer
 from ckpt.config import CkptConfig
 from ckpt.dense_store import DenseRef, DenseStore, DenseStoreError
 from ckpt.faults import maybe_die
 from ckpt.frames import FrameError
-from ckpt.catalog import read_catalog
 from ckpt.markers import Marker
 from ckpt.policy import CheckpointPolicy, Decision
 from ckpt.quant import BitWidthPolicy
-from ckpt.restore import RestoreError, restore_rows
+from ckpt.restore import RestoreError, RowsRestored, restore_rows
 from ckpt.sink import SourceError
 from ckpt.snapshot import SnapshotTaker
 from ckpt.tracker import RowTracker
@@ -86,6 +87,9 @@ class _Pending(NamedTuple):
 
 @dataclass
 class RestoreReport:
+    """A restore, summed over ranks (frames, rows, bytes) and timed on the slowest rank:
+    `seconds` from the start of `restore()` to training-ready, and its parts."""
+
     checkpoint_id: int
     step: int
     chain: list[int]
@@ -93,6 +97,21 @@ class RestoreReport:
     rows: int
     bytes: int
     seconds: float
+    written: int = 0  # rows written; the rest were replaced by a later link and skipped
+    markers_s: float = 0.0  # reading the markers log (rank 0) and agreeing on the checkpoint
+    fetch_s: float = 0.0  # waiting for frames
+    decode_s: float = 0.0
+    apply_s: float = 0.0
+    dense_s: float = 0.0  # dense state and loop state, after the rows (its read overlaps them)
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
+
+    def parts(self) -> str:
+        """Where the time went, for the resume line."""
+        return (f"markers {self.markers_s:.2f} s, fetch {self.fetch_s:.2f} s, decode {self.decode_s:.2f} s, "
+                f"apply {self.apply_s:.2f} s, dense {self.dense_s:.2f} s")
 
 
 @dataclass
@@ -193,7 +212,9 @@ class CheckpointManager:
         """
         if self.c.resume == "none":
             return None
+        t0 = time.perf_counter()
         candidates = self._candidates()
+        markers_s = time.perf_counter() - t0
         if not candidates:
             if self.c.resume != "latest":
                 raise RestoreError(f"checkpoint {self.c.resume} of run {self.run_id} has no COMMIT marker in {self.backend.where}")
@@ -203,21 +224,25 @@ class CheckpointManager:
         for marker in candidates:
             error = ""
             try:
-                rows = restore_rows(marker, self.backend.source, self.shard_map, self.run_id, self.backend.locate)
-                state = self.dense.read(DenseRef.from_json(marker.dense))
+                with ThreadPoolExecutor(1, thread_name_prefix="deltarec-dense-read") as pool:
+                    dense = pool.submit(self.dense.read, DenseRef.from_json(marker.dense))  # beside the rows
+                    rows = restore_rows(marker, self.backend.source, self.shard_map, self.run_id, self.backend.locate)
+                    state = dense.result()
             except (FrameError, SourceError, RestoreError, DenseStoreError) as exc:
                 error = f"checkpoint {marker.checkpoint_id}: {exc}"
             failed = torch.tensor([float(bool(error))])
             dist.all_reduce(failed, op=dist.ReduceOp.MAX)
             if not failed.item():
-                return self._finish_restore(marker, rows, state)
+                return self._finish_restore(marker, rows, state, t0, markers_s)
             reason = error or f"checkpoint {marker.checkpoint_id}: another rank could not restore it"
             if self.c.on_corrupt == "fail":
                 raise RestoreError(reason + " (set ckpt.on_corrupt=previous to fall back to an older checkpoint)")
             logger.warning("%s; falling back to the previous checkpoint", reason)
         raise RestoreError(f"no restorable checkpoint of run {self.run_id} in {self.backend.where}")
 
-    def _finish_restore(self, marker: Marker, rows: Any, state: dict[str, Any]) -> RestoreReport:
+    def _finish_restore(self, marker: Marker, rows: RowsRestored, state: dict[str, Any], t0: float,
+                        markers_s: float) -> RestoreReport:
+        t_dense = time.perf_counter()
         model_sha256 = self.identity.model_sha256
         if self.env.rank == 0 and state.get("model_sha256") not in (None, model_sha256):
             logger.warning(
@@ -242,19 +267,27 @@ class CheckpointManager:
             self.generation = marker.chain[0].generation
             self.force_full = True  # the tracker's history since the base died with the old process
         self.last_step = marker.step
-        totals = torch.tensor([rows.frames, rows.rows, rows.bytes], dtype=torch.float64)
+        now = time.perf_counter()
+        totals = torch.tensor([rows.frames, rows.rows, rows.bytes, rows.written], dtype=torch.float64)
         dist.all_reduce(totals)
-        report = RestoreReport(
-            marker.checkpoint_id, marker.step, self.chain, int(totals[0]), int(totals[1]), int(totals[2]), rows.seconds
-        )
+        slowest = torch.tensor([now - t0, markers_s, rows.fetch_s, rows.decode_s, rows.apply_s, now - t_dense],
+                               dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        frames, n_rows, n_bytes, written = (int(v) for v in totals.tolist())
+        seconds, markers_s, fetch_s, decode_s, apply_s, dense_s = slowest.tolist()
+        report = RestoreReport(marker.checkpoint_id, marker.step, self.chain, frames, n_rows, n_bytes, seconds,
+                               written, markers_s, fetch_s, decode_s, apply_s, dense_s)
         if self.env.rank == 0:
             logger.debug(  # the trainer prints the resume line
-                "restored checkpoint %d (step %d, chain %s): %d frames, %d rows, %.1f MB in %.2f s",
-                report.checkpoint_id, report.step, report.chain, report.frames, report.rows, report.bytes / 1e6, report.seconds,
+                "restored checkpoint %d (step %d, chain %s): %d frames, %d rows, %.1f MB in %.2f s (%s)",
+                report.checkpoint_id, report.step, report.chain, report.frames, report.rows, report.bytes / 1e6,
+                report.seconds, report.parts(),
             )
             self.metrics.write({
                 "step": report.step, "restored_ckpt": report.checkpoint_id, "restore_s": report.seconds,
-                "restore_bytes": report.bytes, "restore_chain": report.chain,
+                "restore_bytes": report.bytes, "restore_chain": report.chain, "restore_rows_written": report.written,
+                "restore_markers_s": markers_s, "restore_fetch_s": fetch_s, "restore_decode_s": decode_s,
+                "restore_apply_s": apply_s, "restore_dense_s": dense_s,
             })
         return report
 

@@ -2,9 +2,15 @@
 
 Each rank reads only the shard segments (from the marker's frame index) that overlap its
 own shards, exactly the offset ranges the marker lists, verifies every frame's run id,
-checkpoint id, rank and CRC, dequantizes, and writes base then deltas (last write wins)
-into its live shard views, whatever the world size or sharding plan. Rows are addressed
-by (table, global row, column), never by rank-local index (invariant 3).
+checkpoint id, rank and CRC, dequantizes, and writes the rows into its live shard views,
+whatever the world size or sharding plan. Rows are addressed by (table, global row,
+column), never by rank-local index (invariant 3).
+
+Every link of the chain is fetched at once (`FrameSource.read_ranges`: one Kafka consumer
+for all partitions, decoding while the next frames arrive), so frames come in any order
+across links. The last write still wins by chain position: a row is written only by the
+newest link that holds it, and the older copies are skipped before they are decoded
+(`_Replay`). Rows of a contiguous run are copied straight into the shard's slice.
 
 Row-wise optimizer state (one value per row) under column-wise sharding is one value
 per row per column shard; restoring into a different column split takes the value of
@@ -18,7 +24,7 @@ import bisect
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 
@@ -26,7 +32,8 @@ from common.errors import DeltarecError
 from ckpt.frames import Frame, FrameError
 from ckpt.markers import ChainLink, IndexEntry, Marker, OffsetRange
 from ckpt.quant import get_codec
-from ckpt.sink import FrameSource
+from ckpt.quant.base import check_encoded, view_bytes_as
+from ckpt.sink import FrameSource, RangeRead
 from sharding.shard_views import ShardMap, ShardView
 
 logger = logging.getLogger(__name__)
@@ -38,12 +45,17 @@ class RestoreError(DeltarecError, RuntimeError):
 
 @dataclass
 class RowsRestored:
-    """What this rank's restore read and wrote; the manager sums it over ranks for its report."""
+    """What this rank's restore read and wrote, and where its time went; the manager sums it
+    over ranks for its report."""
 
     frames: int = 0
-    rows: int = 0
+    rows: int = 0  # rows of the chain's frames that fall in this rank's shards
+    written: int = 0  # of those, rows written: the others hold values a later link replaces
     bytes: int = 0
     seconds: float = 0.0
+    fetch_s: float = 0.0  # waiting for the next frame: reading, the CRC check
+    decode_s: float = 0.0  # dequantizing the rows written
+    apply_s: float = 0.0  # choosing the rows and copying them into the shards
 
 
 def _in_ranges(pos: int, ranges: list[OffsetRange]) -> bool:
@@ -65,8 +77,7 @@ def iter_chain_frames(
     want: Callable[[IndexEntry], bool] = lambda entry: True,
 ) -> Iterator[tuple[ChainLink, Frame]]:
     """Every verified frame of the marker's chain, base first (see `iter_link_frames`)."""
-    if not marker.chain or not marker.chain[0].full:
-        raise RestoreError(f"checkpoint {marker.checkpoint_id}: its chain does not start with a full checkpoint")
+    _check_base(marker)
     for link in marker.chain:
         for frame in iter_link_frames(link, source, run_id, locate, want):
             yield link, frame
@@ -84,17 +95,55 @@ def iter_link_frames(
     wanted segments of a partition are read with one `read_range`, so a rank that needs a
     whole partition opens it once."""
     for partition, run in _wanted_runs(link, want):
-        firsts = [entry.first for entry in run]
         for pos, frame in source.read_range(link.generation, partition, run[0].first, run[-1].last):
-            if not _in_ranges(pos, link.ranges.get(partition, [])):
-                continue  # a frame of an earlier failed flush that landed in between
-            entry = run[bisect.bisect_right(firsts, pos) - 1]
-            if not entry.first <= pos <= entry.last:
-                raise FrameError("frame outside every indexed segment of its COMMIT marker",
-                                 locate(link.generation, partition, pos))
-            verify_frame(frame, link, partition, entry.table, entry.col_offset, run_id,
+            if _checked(link, partition, run, pos, frame, run_id, locate):
+                yield frame
+
+
+def iter_chain_frames_fetched_together(
+    marker: Marker,
+    source: FrameSource,
+    run_id: str,
+    locate: Callable[[int, int, int], str],
+    want: Callable[[IndexEntry], bool] = lambda entry: True,
+) -> Iterator[tuple[int, ChainLink, Frame]]:
+    """``(link index in the chain, link, frame)`` for every verified frame of the chain, as
+    `iter_chain_frames` reads them, but with one `read_ranges` for the whole chain, newest
+    link first: frames arrive in position order within a segment run, in any order across
+    partitions, and where the source serves reads in order (files, one Kafka partition)
+    the newest link's before the older ones'."""
+    _check_base(marker)
+    reads: list[RangeRead] = []
+    runs: list[tuple[int, ChainLink, int, list[IndexEntry]]] = []
+    for i, link in reversed(list(enumerate(marker.chain))):
+        for partition, run in _wanted_runs(link, want):
+            reads.append(RangeRead(link.generation, partition, run[0].first, run[-1].last))
+            runs.append((i, link, partition, run))
+    for r, pos, frame in source.read_ranges(reads):
+        i, link, partition, run = runs[r]
+        if _checked(link, partition, run, pos, frame, run_id, locate):
+            yield i, link, frame
+
+
+def _check_base(marker: Marker) -> None:
+    if not marker.chain or not marker.chain[0].full:
+        raise RestoreError(f"checkpoint {marker.checkpoint_id}: its chain does not start with a full checkpoint")
+
+
+def _checked(link: ChainLink, partition: int, run: list[IndexEntry], pos: int, frame: Frame, run_id: str,
+             locate: Callable[[int, int, int], str]) -> bool:
+    """Whether the frame at `pos` of a run of index entries is one of the link's (False: a
+    frame of an earlier failed flush that landed in between); raises if it is not what the
+    marker's index says is there."""
+    if not _in_ranges(pos, link.ranges.get(partition, [])):
+        return False
+    entry = run[bisect.bisect_right([e.first for e in run], pos) - 1]
+    if not entry.first <= pos <= entry.last:
+        raise FrameError("frame outside every indexed segment of its COMMIT marker",
                          locate(link.generation, partition, pos))
-            yield frame
+    verify_frame(frame, link, partition, entry.table, entry.col_offset, run_id,
+                 locate(link.generation, partition, pos))
+    return True
 
 
 def _wanted_runs(link: ChainLink, want: Callable[[IndexEntry], bool]) -> list[tuple[int, list[IndexEntry]]]:
@@ -111,48 +160,191 @@ def _wanted_runs(link: ChainLink, want: Callable[[IndexEntry], bool]) -> list[tu
     return runs
 
 
-def decode_rows(frame: Frame) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Dequantized weights [n, dim] and optimizer states [n, dim or 1] of one frame."""
-    weights = get_codec(frame.encoding).decode(frame.payload, frame.dim)
+Rows = slice | torch.Tensor  # rows of a frame or of a shard: a contiguous slice, or indices
+
+
+def decode_rows(frame: Frame, rows: Rows = slice(None), *, copy: bool = True
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Dequantized weights [n, dim] and optimizer states [n, dim or 1] of the frame's `rows`
+    (all of them by default); only those rows are decoded. `copy=False`: fp32 rows may come
+    back as read-only views of the frame's bytes, for a caller that only copies from them."""
+    weights = _decode(frame.encoding, frame.payload[rows], frame.dim, copy)
     optim = {}
     for o in frame.optim:
         oc = get_codec(o.encoding)
         width = frame.dim if oc.row_bytes(frame.dim) == o.rows.shape[1] else 1
         if oc.row_bytes(width) != o.rows.shape[1]:
             raise RestoreError(f"table {frame.table}: optimizer state {o.name} has rows of an unknown width")
-        optim[o.name] = oc.decode(o.rows, width)
+        optim[o.name] = _decode(o.encoding, o.rows[rows], width, copy)
     return weights, optim
+
+
+def _decode(encoding: int, data: torch.Tensor, width: int, copy: bool) -> torch.Tensor:
+    codec = get_codec(encoding)
+    if codec.name == "fp32" and not copy:
+        check_encoded(data, codec.row_bytes(width), codec.name)
+        return view_bytes_as(data, torch.float32)
+    return codec.decode(data, width)
+
+
+class _Span(NamedTuple):
+    """Rows of one frame that fall in one shard: their positions in the frame (`src`) and
+    the shard's local rows (`dst`), slices where the rows are contiguous."""
+
+    src: Rows
+    dst: Rows
+    count: int
+
+
+def _span(frame: Frame, s: ShardView) -> _Span | None:
+    n = frame.row_count
+    if frame.first_row is not None:  # a run of rows: no index arithmetic at all
+        lo = max(frame.first_row, s.row_offset)
+        hi = min(frame.first_row + n, s.row_offset + s.num_rows)
+        if lo >= hi:
+            return None
+        return _Span(slice(lo - frame.first_row, hi - frame.first_row), slice(lo - s.row_offset, hi - s.row_offset), hi - lo)
+    local = frame.row_ids - s.row_offset
+    inside = (local >= 0) & (local < s.num_rows)
+    if bool(inside.all()):
+        return _Span(slice(0, n), local, n)
+    pos = inside.nonzero().flatten()
+    return _Span(pos, local[pos], pos.numel()) if pos.numel() else None
+
+
+def _indices(rows: Rows) -> torch.Tensor:
+    return torch.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows
+
+
+def _newer(span: _Span, written: torch.Tensor, link: int) -> _Span | None:
+    """The part of `span` whose shard rows no later link than `link` has written."""
+    keep = written[span.dst] < link
+    if bool(keep.all()):
+        return span
+    at = keep.nonzero().flatten()
+    return _Span(_indices(span.src)[at], _indices(span.dst)[at], at.numel()) if at.numel() else None
+
+
+class _Replay:
+    """Writes a chain's frames into this rank's shards in whatever order they arrive.
+
+    Last write wins by chain position, not by arrival: for each local row, `written` holds
+    the newest link that wrote all of the shard's columns, and a frame writes only rows no
+    later link has, so the rows a later link replaces are neither decoded nor copied. A
+    frame that covers only some of a shard's columns (restoring into another column split)
+    waits, and is applied after the stream in chain order under the same rule.
+    """
+
+    def __init__(self, marker: Marker, shard_map: ShardMap, out: RowsRestored) -> None:
+        self.marker = marker
+        self.shard_map = shard_map
+        self.out = out
+        self.written = {id(s): torch.full((s.num_rows,), -1, dtype=torch.int32) for s in shard_map.shards}
+        # columns of each local row the base wrote: a base holds every (row, column) exactly
+        # once, so a complete base leaves exactly num_cols per row (not a row x column mask)
+        self.covered = {id(s): torch.zeros(s.num_rows, dtype=torch.int32) for s in shard_map.shards}
+        self.partial: list[tuple[int, Frame, ShardView, _Span]] = []
+
+    @torch.no_grad()
+    def add(self, link_index: int, link: ChainLink, frame: Frame) -> None:
+        t0 = time.perf_counter()
+        decode_s = 0.0
+        self.out.frames += 1
+        self.out.bytes += frame.payload.numel() + frame.row_ids.numel() * 8 + sum(o.rows.numel() for o in frame.optim)
+        for s in self.shard_map.of_table(frame.table):
+            if not (frame.col_offset < s.col_offset + s.num_cols and frame.col_offset + frame.dim > s.col_offset):
+                continue
+            span = _span(frame, s)
+            if span is None:
+                continue
+            c0, c1 = max(frame.col_offset, s.col_offset), min(frame.col_offset + frame.dim, s.col_offset + s.num_cols)
+            self.out.rows += span.count
+            if link.full:
+                _count(self.covered[id(s)], span.dst, c1 - c0)
+            if (c0, c1) != (s.col_offset, s.col_offset + s.num_cols):
+                self.partial.append((link_index, frame, s, span))
+                continue
+            fresh = _newer(span, self.written[id(s)], link_index)
+            if fresh is not None:
+                self.written[id(s)][fresh.dst] = link_index
+                decode_s += self._write(frame, s, fresh, c0, c1)
+        self.out.decode_s += decode_s
+        self.out.apply_s += time.perf_counter() - t0 - decode_s
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Apply the frames that covered part of a shard's columns, then check the base."""
+        t0 = time.perf_counter()
+        decode_s = 0.0
+        for link_index, frame, s, span in sorted(self.partial, key=lambda p: p[0]):
+            fresh = _newer(span, self.written[id(s)], link_index)
+            if fresh is not None:
+                c0, c1 = max(frame.col_offset, s.col_offset), min(frame.col_offset + frame.dim, s.col_offset + s.num_cols)
+                decode_s += self._write(frame, s, fresh, c0, c1)
+        self.out.decode_s += decode_s
+        self.out.apply_s += time.perf_counter() - t0 - decode_s
+        for s in self.shard_map.shards:
+            wrong = self.covered[id(s)] != s.num_cols
+            if bool(wrong.any()):
+                first = s.row_offset + int(wrong.nonzero()[0])
+                raise RestoreError(
+                    f"checkpoint {self.marker.checkpoint_id}: table {s.table} rows {s.row_offset}..{s.row_offset + s.num_rows - 1} "
+                    f"cols {s.col_offset}..{s.col_offset + s.num_cols - 1}: {int(wrong.sum())} rows (first: row {first}) are "
+                    f"not covered exactly once by the base checkpoint {self.marker.chain[0].checkpoint_id}"
+                )
+
+    def _write(self, frame: Frame, s: ShardView, span: _Span, c0: int, c1: int) -> float:
+        """Decode the span's rows and copy columns c0..c1 of them into shard `s`; returns the
+        seconds spent decoding."""
+        t = time.perf_counter()
+        weights, optim = decode_rows(frame, span.src, copy=False)
+        decode_s = time.perf_counter() - t
+        _put(s.weight, span.dst, weights, c0 - s.col_offset, c0 - frame.col_offset, c1 - c0)
+        for name, state in s.optimizer_states.items():
+            if name not in optim:
+                raise RestoreError(
+                    f"table {s.table}: optimizer state {name!r} is not in the checkpoint (it has {sorted(optim)}); "
+                    "was it written with another optimizer?"
+                )
+            src = optim[name]
+            if state.dim() == 1:
+                if frame.col_offset <= s.col_offset < frame.col_offset + frame.dim:
+                    col = src[:, 0] if src.shape[1] == 1 else src[:, s.col_offset - frame.col_offset]
+                    _put(state.unsqueeze(1), span.dst, col.unsqueeze(1), 0, 0, 1)
+            else:
+                _put(state, span.dst, src, c0 - s.col_offset, c0 - frame.col_offset, c1 - c0)
+        self.out.written += span.count
+        return decode_s
+
+
+def _count(counts: torch.Tensor, rows: Rows, cols: int) -> None:
+    if isinstance(rows, slice):
+        counts[rows] += cols
+    else:
+        counts.index_add_(0, rows, torch.full((rows.numel(),), cols, dtype=counts.dtype))
 
 
 def restore_rows(
     marker: Marker, source: FrameSource, shard_map: ShardMap, run_id: str, locate: Callable[[int, int, int], str]
 ) -> RowsRestored:
-    """Replay the marker's chain into this rank's shards; verify the base covered them."""
+    """Replay the marker's chain into this rank's shards (every link fetched at once, rows
+    of older links that a later one replaces skipped); verify the base covered them."""
     t0 = time.perf_counter()
     out = RowsRestored()
-    # columns of each local row the base wrote: a base holds every (row, column) exactly once,
-    # so a complete base leaves exactly num_cols per row (an int per row, not a row x column mask)
-    covered = {id(s): torch.zeros(s.num_rows, dtype=torch.int32) for s in shard_map.shards}
+    replay = _Replay(marker, shard_map, out)
 
     def want(e: IndexEntry) -> bool:
         return any(_overlaps(s, e.col_offset, e.cols, e.min_row, e.max_row) for s in shard_map.of_table(e.table))
 
-    for link, frame in iter_chain_frames(marker, source, run_id, locate, want):
-        min_row, max_row = int(frame.row_ids.min()), int(frame.row_ids.max())
-        targets = [s for s in shard_map.of_table(frame.table)
-                   if _overlaps(s, frame.col_offset, frame.dim, min_row, max_row)]
-        out.rows += _apply(frame, targets, covered if link.full else None)
-        out.frames += 1
-        out.bytes += frame.payload.numel() + frame.row_ids.numel() * 8 + sum(o.rows.numel() for o in frame.optim)
-    for s in shard_map.shards:
-        wrong = covered[id(s)] != s.num_cols
-        if bool(wrong.any()):
-            first = s.row_offset + int(wrong.nonzero()[0])
-            raise RestoreError(
-                f"checkpoint {marker.checkpoint_id}: table {s.table} rows {s.row_offset}..{s.row_offset + s.num_rows - 1} "
-                f"cols {s.col_offset}..{s.col_offset + s.num_cols - 1}: {int(wrong.sum())} rows (first: row {first}) are "
-                f"not covered exactly once by the base checkpoint {marker.chain[0].checkpoint_id}"
-            )
+    frames = iter_chain_frames_fetched_together(marker, source, run_id, locate, want)
+    while True:
+        t = time.perf_counter()
+        item = next(frames, None)
+        out.fetch_s += time.perf_counter() - t
+        if item is None:
+            break
+        replay.add(*item)
+    replay.finish()
     out.seconds = time.perf_counter() - t0
     return out
 
@@ -172,48 +364,13 @@ def verify_frame(frame: Frame, link: ChainLink, partition: int, table: str, col:
         raise FrameError("frame does not match its COMMIT marker: " + ", ".join(problems), where)
 
 
-@torch.no_grad()
-def _apply(frame: Frame, targets: list[ShardView], covered: dict[int, torch.Tensor] | None) -> int:
-    """Write one frame's rows into every overlapping local shard; returns rows written.
-    Whole-width rows go in with `index_copy_`; a column overlap narrower than the shard
-    (restoring into another column split) with an indexed slice assignment."""
-    weights, optim = decode_rows(frame)
-    ids = frame.row_ids
-    written = 0
-    for s in targets:
-        local = ids - s.row_offset
-        mask = (local >= 0) & (local < s.num_rows)
-        if bool(mask.all()):
-            rows, w, opt = local, weights, optim  # the usual case: every row of the frame is this shard's
-        elif bool(mask.any()):
-            rows, w, opt = local[mask], weights[mask], {k: v[mask] for k, v in optim.items()}
-        else:
-            continue
-        c0 = max(frame.col_offset, s.col_offset)
-        c1 = min(frame.col_offset + frame.dim, s.col_offset + s.num_cols)
-        _put(s.weight, rows, w, c0 - s.col_offset, c0 - frame.col_offset, c1 - c0)
-        for name, state in s.optimizer_states.items():
-            if name not in opt:
-                raise RestoreError(
-                    f"table {s.table}: optimizer state {name!r} is not in the checkpoint (it has {sorted(opt)}); "
-                    "was it written with another optimizer?"
-                )
-            src = opt[name]
-            if state.dim() == 1:
-                if frame.col_offset <= s.col_offset < frame.col_offset + frame.dim:
-                    state.index_copy_(0, rows, src[:, 0] if src.shape[1] == 1 else src[:, s.col_offset - frame.col_offset])
-            else:
-                _put(state, rows, src, c0 - s.col_offset, c0 - frame.col_offset, c1 - c0)
-        if covered is not None:
-            counts = covered[id(s)]
-            counts.index_add_(0, rows, torch.full((rows.numel(),), c1 - c0, dtype=counts.dtype))
-        written += rows.numel()
-    return written
-
-
-def _put(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor, dst_col: int, src_col: int, cols: int) -> None:
-    """dst[rows, dst_col:dst_col+cols] = src[:, src_col:src_col+cols]."""
-    if dst_col == 0 and src_col == 0 and cols == dst.shape[1] == src.shape[1]:
+def _put(dst: torch.Tensor, rows: Rows, src: torch.Tensor, dst_col: int, src_col: int, cols: int) -> None:
+    """dst[rows, dst_col:dst_col+cols] = src[:, src_col:src_col+cols]; a plain copy into the
+    slice where the rows are contiguous."""
+    whole = dst_col == 0 and src_col == 0 and cols == dst.shape[1] == src.shape[1]
+    if isinstance(rows, slice):
+        dst[rows, dst_col : dst_col + cols].copy_(src[:, src_col : src_col + cols])
+    elif whole:
         dst.index_copy_(0, rows, src)
     else:
         dst[rows, dst_col : dst_col + cols] = src[:, src_col : src_col + cols]

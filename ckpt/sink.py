@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
+from typing import Iterator, NamedTuple, Protocol, Sequence
 
 from common.errors import ConfigError, DeltarecError
 from ckpt.frames import Frame
@@ -178,6 +178,15 @@ class FrameSink(Protocol):
         """Release resources. Unflushed writes are abandoned: flush first."""
 
 
+class RangeRead(NamedTuple):
+    """One inclusive position range of one partition of one generation, to read back."""
+
+    generation: int
+    partition: int
+    first: int
+    last: int
+
+
 class FrameSource(Protocol):
     def read_range(self, generation: int, partition: int, first: int, last: int
                    ) -> Iterator[tuple[int, Frame]]:
@@ -185,7 +194,20 @@ class FrameSource(Protocol):
         verified, streaming. Raises ``SourceError`` if data is missing and
         ``FrameError`` (with its location) if a frame is corrupt."""
 
+    def read_ranges(self, reads: Sequence[RangeRead]) -> Iterator[tuple[int, int, Frame]]:
+        """Yield ``(index into reads, position, frame)`` for every frame of every read, as
+        ``read_range`` would: in position order within a read, in any order across reads (a
+        backend may fetch them all at once). Same errors as ``read_range``."""
+
     def close(self) -> None: ...
+
+
+def read_one_by_one(source: FrameSource, reads: Sequence[RangeRead]) -> Iterator[tuple[int, int, Frame]]:
+    """``read_ranges`` as consecutive ``read_range`` calls: for a source whose reads gain
+    nothing from running together (local files, memory)."""
+    for i, r in enumerate(reads):
+        for pos, frame in source.read_range(r.generation, r.partition, r.first, r.last):
+            yield i, pos, frame
 
 
 class MarkerLog(Protocol):

@@ -122,7 +122,7 @@ def run_job(cfg: JobConfig, env: DistEnv, device: torch.device) -> None:
                 console.say(
                     f"deltarec: resumed from checkpoint {restored.checkpoint_id} at step {restored.step} "
                     f"(chain {restored.chain}: {restored.rows:,} rows, {restored.bytes / 1e6:.2f} MB read "
-                    f"in {restored.seconds:.2f} s)"
+                    f"in {restored.seconds:.2f} s, {restored.mb_per_s:.0f} MB/s; {restored.parts()})"
                 )
         result = trainer.fit()
         if manager is not None:

@@ -17,7 +17,7 @@ import torch
 from ckpt.frames import FrameError, OptimState, chunk_rows, decode_frame
 from ckpt.fs_sink import REC_MAGIC, FsMarkers, FsSink, FsSource, encode_record
 from ckpt.kafka_sink import KafkaMarkers, KafkaSink, KafkaSource
-from ckpt.sink import SinkError, SourceError
+from ckpt.sink import RangeRead, SinkError, SourceError
 from launch.broker import EmbeddedBroker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
@@ -148,6 +148,37 @@ def test_missing_data_is_a_clear_error(backend):
         sink.close()
 
 
+def test_read_ranges_gives_every_read_in_order_whatever_the_interleaving(backend):
+    """Reads of two generations and two partitions, two of them in one partition with a gap
+    between: `read_ranges` yields exactly what `read_range` does for each, in position order
+    within each read; a read of a missing generation is refused naming it."""
+    sink, source = backend.sink(), backend.source()
+    try:
+        small = 700  # bytes a frame: several frames a partition
+        written = {(0, 0): make_frames(backend.run, 1, 0, 60, max_frame_bytes=small),
+                   (0, 1): make_frames(backend.run, 1, 1, 30, max_frame_bytes=small),
+                   (1, 0): make_frames(backend.run, 2, 0, 20, max_frame_bytes=small)}
+        for (gen, part), frames in written.items():
+            for fr in frames:
+                sink.write(fr, generation=gen, partition=part)
+        res = sink.flush(30).raise_for_error()
+        pos = {key: res.positions[key] for key in written}
+        assert len(pos[(0, 0)]) >= 8, "the test needs a partition of at least 8 frames"
+        reads = [RangeRead(0, 0, pos[(0, 0)][5], pos[(0, 0)][7]), RangeRead(1, 0, pos[(1, 0)][0], pos[(1, 0)][-1]),
+                 RangeRead(0, 0, pos[(0, 0)][0], pos[(0, 0)][2]), RangeRead(0, 1, pos[(0, 1)][0], pos[(0, 1)][-1])]
+        got: dict[int, list] = {i: [] for i in range(len(reads))}
+        for i, p, frame in source.read_ranges(reads):
+            got[i].append((p, frame))
+        for i, r in enumerate(reads):
+            want = read_all(source, r.generation, r.partition, (r.first, r.last))
+            assert [p for p, _ in got[i]] == [p for p, _ in want], (r, [p for p, _ in got[i]])
+            assert all(same(a, b) for (_, a), (_, b) in zip(got[i], want)), r
+        with pytest.raises(SourceError, match="does not exist"):
+            list(source.read_ranges([reads[0], RangeRead(7, 0, 0, 0)]))
+    finally:
+        sink.close()
+
+
 def test_corrupt_frame_is_reported_with_its_location(backend):
     sink, source = backend.sink(), backend.source()
     try:
@@ -237,7 +268,7 @@ def test_killed_broker_fails_flush_then_sink_recovers_on_new_broker(tmp_path, un
             markers.append_marker(b"m2")
 
     # A new (empty) broker on the same address: a fresh producer, topics recreated.
-    with EmbeddedBroker(port=port, state_dir=tmp_path / "b2") as b2:
+    with EmbeddedBroker(port=port, state_dir=tmp_path / "b2"):
         frames = make_frames(run, 3, 1, 20)
         for fr in frames:
             sink.write(fr, generation=0, partition=1)

@@ -107,5 +107,5 @@ def test_generation_names_parse_back_and_other_names_do_not() -> None:
     for g in (1, 41, compacted_generation(1, 7), compacted_generation(12, 123456)):
         assert parse_rows_name(RUN, rows_name(RUN, g)) == g
     assert compacted_epoch(compacted_generation(12, 5)) == 12
-    for name in (f"{RUN}.markers", f"{RUN}.rows.gx", f"other.rows.g1", f"{RUN}x.rows.g1", f"{RUN}.rows.e1"):
+    for name in (f"{RUN}.markers", f"{RUN}.rows.gx", "other.rows.g1", f"{RUN}x.rows.g1", f"{RUN}.rows.e1"):
         assert parse_rows_name(RUN, name) is None
