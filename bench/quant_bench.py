@@ -6,10 +6,13 @@
   single thread (``torch.set_num_threads(1)``) and the default thread count: the median of
   per-call times (and the best), plus, for one thread, the thread's CPU time (on a shared, loaded
   machine it is the steadier number). Baselines: torch's
-  ``embedding_bag_4bit_prepack(optimized_qparams=True)`` (the same greedy search, per row in C++)
-  and the greedy search as a per-row Python loop.
+  ``embedding_bag_4bit_prepack(optimized_qparams=True)`` (fbgemm's greedy search, per row in C++),
+  adaptive4 with that greedy search (``search="greedy"``, the default before the fast search),
+  the fast search's torch reference (``impl="torch"``), and the greedy search as a per-row Python
+  loop.
 * Accuracy: mean per-row L2 error ``||x - decode(encode(x))||_2`` against bit width for each
-  method (sym, asym, adaptive, k-means; Check-N-Run Fig. 9), on Gaussian rows and, with
+  method (sym, asym, adaptive, adaptive with the greedy search, k-means; Check-N-Run Fig. 9), on
+  Gaussian and Student-t(3) rows and, with
   ``--rows PATH`` (a ``torch.save``'d float32 [n, d] tensor), on rows of a trained model. Written
   to the JSON and as one PNG per row set.
 """
@@ -29,7 +32,7 @@ import torch
 
 from bench.common import Measurement, document_head, figure, loadavg, machine_info, scalars
 from ckpt.quant import codec_names, get_codec
-from ckpt.quant.adaptive import greedy_range_search
+from ckpt.quant.adaptive import AdaptiveCodec, greedy_range_search
 from ckpt.quant.uniform import fbgemm_available
 
 METHODS = {  # method -> bit widths it has
@@ -100,6 +103,11 @@ def baselines(args, threads: list[int]) -> list[dict]:
         )
         out.append({"baseline": "torch embedding_bag_4bit_prepack(optimized_qparams=True)", "threads": th,
                     "encode_MBps": round(w, 1), **({"encode_MBps_cpu": round(cpu, 1)} if th == 1 else {})})  # fmt: skip
+        for label, codec in (("adaptive4, greedy search (nbins 200)", AdaptiveCodec(4, search="greedy")),
+                             ("adaptive4, fast search, torch reference", AdaptiveCodec(4, impl="torch"))):
+            w, _, cpu = _time(lambda: codec.encode(x), nbytes, args.repeats, args.min_time)
+            out.append({"baseline": label, "threads": th, "encode_MBps": round(w, 1),
+                        **({"encode_MBps_cpu": round(cpu, 1)} if th == 1 else {})})  # fmt: skip
     # the same greedy search, one row at a time from Python (what a straightforward port does)
     torch.set_num_threads(1)
     xs = x[:64]
@@ -117,15 +125,16 @@ def baselines(args, threads: list[int]) -> list[dict]:
 
 
 def dim_sweep(args) -> list[dict]:
-    """adaptive4 / asym4 encode at other row widths (single thread)."""
+    """asym4 / adaptive4 (fast search) / adaptive4 (greedy search) encode at other row widths
+    (single thread)."""
     torch.set_num_threads(1)
     out = []
     g = torch.Generator().manual_seed(2)
     for dim in (16, 32, 64, 128, 256):
-        for name in ("asym4", "adaptive4"):
-            n = (args.n_slow if name == "adaptive4" else args.n_fast) * 64 // dim
+        for name in ("asym4", "adaptive4", "adaptive4-greedy"):
+            n = (args.n_fast if name == "asym4" else args.n_slow) * 64 // dim
             x = torch.randn(n, dim, generator=g)
-            c = get_codec(name)
+            c = AdaptiveCodec(4, search="greedy") if name == "adaptive4-greedy" else get_codec(name)
             w, _, cpu = _time(lambda: c.encode(x), x.numel() * 4, args.repeats, args.min_time)
             out.append({"codec": name, "dim": dim, "threads": 1, "encode_MBps": round(w, 1), "encode_MBps_cpu": round(cpu, 1)})
             print(f"  {name:10s} dim={dim:4d} enc {w:9.1f} MB/s (cpu-time {cpu:.1f})", flush=True)
@@ -140,9 +149,10 @@ def accuracy(rowsets: dict[str, torch.Tensor]) -> list[dict]:
         norm = x.norm(dim=1).mean().item()
         ref = [("fp32", 32), ("bf16", 16), ("fp16", 16)]
         items = [(m, b) for m, bits in METHODS.items() for b in bits]
-        for method, bits in items + [(n, b) for n, b in ref]:
+        greedy = [("adaptive-greedy", b) for b in METHODS["adaptive"]]
+        for method, bits in items + greedy + [(n, b) for n, b in ref]:
             name = method if method in ("fp32", "bf16", "fp16") else f"{method}{bits}"
-            c = get_codec(name)
+            c = AdaptiveCodec(bits, search="greedy") if method == "adaptive-greedy" else get_codec(name)
             t0 = time.perf_counter()
             enc = c.encode(x)
             secs = time.perf_counter() - t0
@@ -165,7 +175,8 @@ def plot(acc: list[dict], plot_dir: Path) -> list[str]:
         rs = [r for r in acc if r["rows"] == set_name]
         f = plot_dir / f"quant_l2_{set_name}.png"
         with figure(f, figsize=(5.5, 4)) as (fig, ax):
-            for method, marker in (("sym", "s"), ("asym", "o"), ("adaptive", "^"), ("kmeans", "D")):
+            for method, marker in (("sym", "s"), ("asym", "o"), ("adaptive", "^"), ("adaptive-greedy", "v"),
+                                   ("kmeans", "D")):
                 pts = sorted((r["bits"], r["mean_l2"]) for r in rs if r["method"] == method)
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=method)
             ax.set_xticks([2, 3, 4, 8])
@@ -216,7 +227,10 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite codecs") -> di
         res["baselines"] = baselines(args, threads)
         print("## dim sweep")
         res["dim_sweep"] = dim_sweep(args)
-    rowsets = {"gaussian": torch.randn(args.n_acc, args.dim, generator=torch.Generator().manual_seed(3))}
+    student_t = torch.distributions.StudentT(3.0).sample  # heavy tails: what range clipping is for
+    torch.manual_seed(4)
+    rowsets = {"gaussian": torch.randn(args.n_acc, args.dim, generator=torch.Generator().manual_seed(3)),
+               "student_t3": student_t((args.n_acc, args.dim)).to(torch.float32)}
     if args.skip_accuracy:
         rowsets = {}
     if args.rows:

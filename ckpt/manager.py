@@ -31,7 +31,7 @@ from ckpt.faults import maybe_die
 from ckpt.frames import FrameError
 from ckpt.markers import Marker
 from ckpt.policy import CheckpointPolicy, Decision
-from ckpt.quant import BitWidthPolicy
+from ckpt.quant import BitWidthPolicy, warm_up_codecs
 from ckpt.restore import RestoreError, RowsRestored, restore_rows
 from ckpt.sink import SourceError
 from ckpt.snapshot import SnapshotTaker
@@ -185,6 +185,7 @@ class CheckpointManager:
         self._newest_id = 0  # newest checkpoint id in the markers log (ids never repeat)
         self.agreed_fractions = (0.0, 0.0)  # rows changed since the base / the last checkpoint, all ranks
         self._pending: dict[int, _Pending] = {}
+        warm_up_codecs([self.codecs()[0]])  # before training, not in the first checkpoint's write
         self.full_bytes = self.taker.estimate_bytes(full=True, since_base=False)  # fixed by the plan
         if self.full_bytes > self.c.max_pending_bytes:
             raise ConfigError(

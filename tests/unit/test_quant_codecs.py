@@ -23,13 +23,7 @@ FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthChe
 ALL = codec_names()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small tensors: intra-op threads only add OpenMP barriers (and stall on a loaded 2-core box)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---------------------------------------------------------------------------------------------

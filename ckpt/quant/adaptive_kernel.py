@@ -1,0 +1,64 @@
+"""Fused CPU kernel of the fast adaptive search (the algorithm: :mod:`ckpt.quant.adaptive`).
+
+Tool: numba (``@njit(nogil=True, cache=True)``) -- a wheel from the package index, so no compiler is
+needed at install; it releases the GIL, so the checkpoint writer thread encodes beside training;
+its on-disk cache makes later processes load the machine code instead of compiling it again.
+
+One call encodes a batch, one block of ``block_rows(dim)`` rows at a time. The block is transposed
+into an L1-sized ``[dim, rows]`` scratch so that every step of the search -- min/max, the greedy
+candidates' fp16 parameters and errors, the greedy choice, the least-squares refits -- is a loop over
+the rows of the block that the compiler vectorises (one row per SIMD lane), and each row's error sum
+stays in its lane: no horizontal reductions, no per-row branches. The final codes are computed the
+same way into a transposed byte scratch and packed from there.
+
+The numba code lives in :mod:`ckpt.quant.adaptive_numba`, imported on the first encode (or
+:func:`warm_up`): it produces bytes identical to :func:`ckpt.quant.adaptive.fast_encode_torch`.
+
+Nothing here validates input: callers pass finite, C-contiguous float32 rows (the codec does).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import torch
+
+__all__ = ["AVAILABLE", "block_rows", "encode_rows", "keep_factor", "warm_up"]
+
+BLOCK_ELEMS = 4096  # floats per transposed block (16 KiB: half of L1d)
+# the kernel is optional: without numba the codec runs the torch reference on CPU too
+AVAILABLE = importlib.util.find_spec("numba") is not None
+
+
+def block_rows(dim: int) -> int:
+    """Rows per transposed block: ``BLOCK_ELEMS // dim``, a multiple of 16 in [16, 256]."""
+    return max(16, min(256, BLOCK_ELEMS // max(dim, 1)) // 16 * 16)
+
+
+def keep_factor(dim: int) -> float:
+    """A searched row replaces plain asymN only if its squared error is below plain's times this.
+
+    The margin, 4*(dim+1) fp32 units, covers the rounding of any order of summing the row's
+    squared errors, so "never worse than asymN" holds for whoever measures it (torch's norm,
+    another reduction order), not just for our element order.
+    """
+    return float(np.float32(1.0 - (4 * dim + 4) * 2.0**-24))
+
+
+def encode_rows(x: torch.Tensor, bits: int, nbins: int, steps: int, refits: int) -> torch.Tensor:
+    """float32 [n, dim] (CPU, C-contiguous, finite) -> asymN-layout rows uint8 [n, bytes]."""
+    n, dim = x.shape
+    out = torch.empty(n, (dim * bits + 7) // 8 + 4, dtype=torch.uint8)
+    if n:
+        from . import adaptive_numba  # noqa: PLC0415 - numba's import is paid on first use only
+
+        adaptive_numba.encode(
+            x.numpy(), out.numpy(), bits, nbins, steps, refits, np.float32(keep_factor(dim)), block_rows(dim)
+        )
+    return out
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the kernel now rather than in the first checkpoint."""
+    encode_rows(torch.zeros(1, 3), 4, 4, 1, 1)  # bits, dims, counts are run-time values: one signature
