@@ -3,7 +3,9 @@
 Called by rank 0's writer thread with every rank's report. A checkpoint commits only if
 every rank's rows are durable, every earlier link of its chain committed, and the dense
 file is durable; otherwise a FAILED marker (informational) records why. Nothing here
-touches an older checkpoint, so a failure never harms one.
+touches an older checkpoint, so a failure never harms one. After the COMMIT, the dense
+store's local history records it (`DenseStore.record_commit`): what tells a lost stream from a
+run that never committed.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 from typing import Any
 
 from ckpt.catalog import Catalog, catch_up
-from ckpt.dense_store import DenseStore
+from ckpt.dense_store import CommitRecord, DenseStore
 from ckpt.faults import maybe_die
 from ckpt.markers import ChainLink, IndexEntry, Marker, OffsetRange, encode_marker
 from ckpt.sink import MarkerLog
@@ -35,8 +37,10 @@ class Committer:
         marker_fields: dict[str, Any],
         committed: list[ChainLink] | None = None,
         rebase: bool = False,
+        where: str = "",
     ) -> None:
         self.run_id = run_id
+        self.where = where  # the stream, as the local history names it
         self.markers = markers
         self.dense = dense
         self.marker_fields = marker_fields  # policy, plan, tables, world_size
@@ -88,6 +92,10 @@ class Committer:
         maybe_die("marker", cid, 0)
         self.markers.append_marker(encode_marker(marker))
         self.links[cid] = link
+        try:
+            self.dense.record_commit(CommitRecord(cid, job.step, self.where, marker.created_unix))
+        except OSError as exc:  # committed all the same; only the lost-stream check loses this entry
+            logger.warning("checkpoint %d: committed, but not recorded in %s: %s", cid, self.dense.root, exc)
         return Outcome(checkpoint_id=cid, step=job.step, committed=True, bytes=nbytes, rows=rows, full=full,
                        stall_ms=stall, write_s=write_s, commit_unix=marker.created_unix)
 

@@ -4,17 +4,24 @@ Holds the dense parameters (MLPs and data-parallel tables), the dense optimizer 
 every rank's reader state, RNG states, the step and the config digest. Written to a
 temporary file, fsynced, renamed into place and the directory fsynced, so a crash leaves
 either the old file set or the new one. Loading verifies the sha256 first and uses
-`torch.load(weights_only=True)`, which never unpickles arbitrary objects.
+`torch.load(weights_only=True)`, which never unpickles arbitrary objects. A dense file is
+never replaced: checkpoint ids never repeat within a run directory (docs/design.md §1).
+
+The store also keeps the run's local history: `commits.jsonl`, one line per COMMIT marker rank 0
+appended (id, step, where the stream is). A stream that was lost (a broker restarted empty, a
+wrong address, an emptied filesystem sink) is then told apart from a run that never committed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -22,7 +29,32 @@ from common.errors import DeltarecError
 
 
 class DenseStoreError(DeltarecError, RuntimeError):
-    """The dense file is missing or does not match the sha256 its marker recorded."""
+    """The dense file is missing or does not match the sha256 its marker recorded, or a write
+    would replace an existing one."""
+
+
+JOURNAL = "commits.jsonl"
+_DENSE_NAME = re.compile(r"dense-(\d{8,})\.pt")
+
+
+class CommitRecord(NamedTuple):
+    """One line of the local history: a COMMIT marker rank 0 appended."""
+
+    checkpoint_id: int
+    step: int
+    where: str  # the stream the marker went to (a Kafka bootstrap + run, or a directory)
+    unix: float
+
+
+class DenseHistory(NamedTuple):
+    """What a run directory says about earlier checkpoints, whatever the stream says."""
+
+    newest_file_id: int  # highest checkpoint id with a dense file (committed or not); 0: none
+    commits: list[CommitRecord]
+
+    @property
+    def newest_id(self) -> int:
+        return max([self.newest_file_id, *(c.checkpoint_id for c in self.commits)])
 
 
 @dataclass(frozen=True)
@@ -58,16 +90,20 @@ class DenseStore:
         final = self.path_for(checkpoint_id)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        dir_fd = os.open(final.parent, os.O_RDONLY)
         try:
-            os.fsync(dir_fd)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.link(tmp, final)  # atomic and never replaces: an existing file raises
+        except FileExistsError:
+            raise DenseStoreError(
+                f"dense file {final} already exists: checkpoint ids never repeat in a run directory, "
+                f"so this would overwrite an earlier checkpoint"
+            ) from None
         finally:
-            os.close(dir_fd)
+            tmp.unlink(missing_ok=True)
+        _fsync_dir(final.parent)
         return DenseRef(str(final), hashlib.sha256(data).hexdigest(), len(data))
 
     def read(self, ref: DenseRef) -> dict[str, Any]:
@@ -81,7 +117,39 @@ class DenseStore:
             raise DenseStoreError(f"dense file {path}: sha256 {digest[:12]}… does not match its marker ({ref.sha256[:12]}…)")
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
 
+    def record_commit(self, record: CommitRecord) -> None:
+        """Append a COMMIT to the local history, durably."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / JOURNAL, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record._asdict(), sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def history(self) -> DenseHistory:
+        """Dense files and recorded COMMITs of this directory. A torn or damaged journal line (a
+        crash mid-append) is skipped: the dense files still count."""
+        if not self.root.is_dir():
+            return DenseHistory(0, [])
+        ids = [int(m.group(1)) for p in self.root.iterdir() if (m := _DENSE_NAME.fullmatch(p.name))]
+        commits = []
+        journal = self.root / JOURNAL
+        if journal.is_file():
+            for line in journal.read_text(encoding="utf-8", errors="replace").splitlines():
+                try:
+                    commits.append(CommitRecord(**json.loads(line)))
+                except (ValueError, TypeError):
+                    continue
+        return DenseHistory(max(ids, default=0), commits)
+
     def delete(self, checkpoint_ids: list[int]) -> None:
         """Remove the dense files of dropped checkpoints (gc)."""
         for cid in checkpoint_ids:
             self.path_for(cid).unlink(missing_ok=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    dir_fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

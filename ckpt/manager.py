@@ -26,7 +26,7 @@ from ckpt.backends import Backend, open_backend
 from ckpt.catalog import read_catalog
 from ckpt.committer import Committer
 from ckpt.config import CkptConfig
-from ckpt.dense_store import DenseRef, DenseStore, DenseStoreError
+from ckpt.dense_store import DenseHistory, DenseRef, DenseStore, DenseStoreError
 from ckpt.faults import maybe_die
 from ckpt.frames import FrameError
 from ckpt.markers import Marker
@@ -37,7 +37,7 @@ from ckpt.sink import SourceError
 from ckpt.snapshot import SnapshotTaker
 from ckpt.tracker import RowTracker
 from ckpt.writer import Outcome, RankWriter, WriteJob
-from common.errors import ConfigError
+from common.errors import ConfigError, DeltarecError
 from sharding.config import TableConfig
 from sharding.dmp import ShardedModel
 from sharding.plan import EBC_PATH
@@ -166,7 +166,7 @@ class CheckpointManager:
         if env.rank == 0:
             self.committer = Committer(
                 run_id=self.run_id, markers=self.backend.markers, dense=self.dense, marker_fields=self._marker_fields(),
-                rebase=self.c.policy == "incremental",
+                rebase=self.c.policy == "incremental", where=self.backend.where,
             )
         self.writer = RankWriter(
             run_id=self.run_id, rank=env.rank, sink=self.backend.sink, group=self.group,
@@ -183,6 +183,7 @@ class CheckpointManager:
         self.stats = CheckpointStats()
         self.restores = 0  # restores of this job so far (persisted in the dense state)
         self._newest_id = 0  # newest checkpoint id in the markers log (ids never repeat)
+        self._history = DenseHistory(0, [])  # what the run directory remembers (rank 0's, broadcast)
         self.agreed_fractions = (0.0, 0.0)  # rows changed since the base / the last checkpoint, all ranks
         self._pending: dict[int, _Pending] = {}
         warm_up_codecs([self.codecs()[0]])  # before training, not in the first checkpoint's write
@@ -211,17 +212,19 @@ class CheckpointManager:
         `ckpt.on_corrupt: previous` falls back to the newest older one. Every rank agrees
         on the outcome before anyone falls back, so all restore the same checkpoint.
         """
-        if self.c.resume == "none":
-            return None
         t0 = time.perf_counter()
         candidates = self._candidates()
         markers_s = time.perf_counter() - t0
+        if self.c.resume == "none":
+            return self._start_fresh()
         if not candidates:
             if self.c.resume != "latest":
                 raise RestoreError(f"checkpoint {self.c.resume} of run {self.run_id} has no COMMIT marker in {self.backend.where}")
+            if self._history.commits:
+                raise RestoreError(self._lost_stream())
             if self.env.rank == 0:
                 logger.info("no checkpoint of run %s in %s: starting from scratch", self.run_id, self.backend.where)
-            return None
+            return self._start_fresh()
         for marker in candidates:
             error = ""
             try:
@@ -253,7 +256,7 @@ class CheckpointManager:
         dense_state.load(self.sharded, state)
         self.trainer.load_state_dict(self._trainer_state(state, marker))
         self.restores = int(state.get("restores", 0)) + 1
-        self.next_id = max(m for m in [marker.checkpoint_id, self._newest_id]) + 1
+        self.next_id = max(marker.checkpoint_id, self._newest_id, self._history.newest_id) + 1
         self.chain = [link.checkpoint_id for link in marker.chain]
         if self.committer is not None:
             self.committer.links = {link.checkpoint_id: link for link in marker.chain}
@@ -292,23 +295,54 @@ class CheckpointManager:
             })
         return report
 
+    def _start_fresh(self) -> None:
+        """Train from step 0 with checkpoint ids after every id the stream or the run directory
+        has seen, so nothing earlier is overwritten."""
+        self.next_id = max(self._newest_id, self._history.newest_id) + 1
+        if self.env.rank == 0 and self.next_id > 1:
+            logger.info("run %s starts over; its checkpoint ids continue from %d (earlier files are kept)",
+                        self.run_id, self.next_id)
+        return None
+
+    def _lost_stream(self) -> str:
+        """The one-line refusal of `resume=latest` when the run directory has committed
+        checkpoints that the stream does not."""
+        newest = max(self._history.commits, key=lambda c: c.checkpoint_id)
+        return (
+            f"run {self.run_id}: {self.dense.root} records {len(self._history.commits)} committed checkpoint(s) "
+            f"(newest {newest.checkpoint_id} at step {newest.step}, in {newest.where or 'an unnamed stream'}) but "
+            f"{self.backend.where} has no COMMIT marker of this run: the stream was lost or this job points at "
+            f"another one. Point ckpt.sink / ckpt.bootstrap_servers / ckpt.fs_root at the stream that holds them, "
+            f"or set ckpt.resume=none to start over (earlier files are kept)"
+        )
+
     def _candidates(self) -> list[Marker]:
-        """COMMIT markers to try, newest first (only the chosen one for a given id).
-        Rank 0 reads the markers log and broadcasts, so all ranks agree."""
+        """COMMIT markers to try, newest first (only the chosen one for a given id), and what
+        the run directory remembers (`self._history`). Rank 0 reads the markers log and the
+        dense store and broadcasts, so all ranks agree. With `resume=none` only the newest id
+        matters, and a markers log that cannot be read is not an error."""
         chosen: list[Any] = [None]
         if self.env.rank == 0:
-            catalog = read_catalog(self.backend.markers, self.run_id, self.backend.where)
-            found = catalog.restorable()  # each with its cheapest complete chain
-            newest = catalog.newest_id
-            if self.c.resume == "latest":
+            history = self.dense.history()
+            try:
+                catalog = read_catalog(self.backend.markers, self.run_id, self.backend.where)
+            except DeltarecError:
+                if self.c.resume != "none":
+                    raise
+                catalog = None
+            found = catalog.restorable() if catalog is not None else []  # each with its cheapest complete chain
+            newest = catalog.newest_id if catalog is not None else 0
+            if self.c.resume == "none":
+                ordered = []
+            elif self.c.resume == "latest":
                 ordered = sorted(found, key=lambda m: m.checkpoint_id, reverse=True)
             else:
                 ordered = [m for m in found if m.checkpoint_id == int(self.c.resume)]
                 ordered += sorted((m for m in found if m.checkpoint_id < int(self.c.resume)),
                                   key=lambda m: m.checkpoint_id, reverse=True)
-            chosen[0] = (ordered, newest)
+            chosen[0] = (ordered, newest, history)
         dist.broadcast_object_list(chosen, src=0)
-        ordered, self._newest_id = chosen[0]
+        ordered, self._newest_id, self._history = chosen[0]
         return ordered
 
     def _trainer_state(self, state: dict[str, Any], marker: Marker) -> dict[str, Any]:

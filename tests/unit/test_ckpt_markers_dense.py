@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from ckpt.dense_store import DenseRef, DenseStore, DenseStoreError
+from ckpt.dense_store import JOURNAL, CommitRecord, DenseHistory, DenseRef, DenseStore, DenseStoreError
 from ckpt.markers import (MAGIC, ChainLink, IndexEntry, Marker, MarkerError, OffsetRange, commits, decode_marker,
                           encode_marker, select)
 
@@ -127,3 +127,30 @@ def test_dense_store_refuses_pickled_objects(tmp_path: Path) -> None:
     ref = DenseRef(str(path), hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_size)
     with pytest.raises(Exception, match="[Ww]eights only load failed|Unsupported global"):
         DenseStore(tmp_path).read(ref)
+
+
+def test_dense_store_never_replaces_a_file(tmp_path: Path) -> None:
+    store = DenseStore(tmp_path / "dense")
+    ref = store.write(3, {"step": 30})
+    before = Path(ref.path).read_bytes()
+    with pytest.raises(DenseStoreError, match=r"dense-00000003\.pt already exists"):
+        store.write(3, {"step": 0})
+    assert Path(ref.path).read_bytes() == before
+    assert sorted(p.name for p in (tmp_path / "dense").iterdir()) == ["dense-00000003.pt"]  # no temp file left
+
+
+def test_dense_history_counts_files_and_recorded_commits(tmp_path: Path) -> None:
+    store = DenseStore(tmp_path / "dense")
+    assert store.history() == DenseHistory(0, [])
+    store.write(2, {"step": 20})
+    store.write(7, {"step": 70})  # written, never committed (a crash before its marker)
+    (tmp_path / "dense" / "dense-x.pt").write_bytes(b"")  # not a checkpoint's name
+    store.record_commit(CommitRecord(1, 10, "127.0.0.1:9092 run r", 1.0))
+    store.record_commit(CommitRecord(2, 20, "127.0.0.1:9092 run r", 2.0))
+    with open(tmp_path / "dense" / JOURNAL, "a") as f:
+        f.write('{"checkpoint_id": 3, "st')  # torn by a crash mid-append
+    h = store.history()
+    assert h.newest_file_id == 7 and [c.checkpoint_id for c in h.commits] == [1, 2]
+    assert h.commits[1] == CommitRecord(2, 20, "127.0.0.1:9092 run r", 2.0)
+    assert h.newest_id == 7
+    assert DenseHistory(0, h.commits).newest_id == 2
