@@ -424,6 +424,7 @@ def build_records(s: dict[str, Any], jobs: dict[tuple[str, str], dict], peers: l
                         step=c["step"], chain_links=capb["links"], dense_bytes=capb["dense_bytes"])
             rec.add("bare_copy", policy, enc, "stall_ms", c["bare_copy_ms"], "ms", cid, step=c["step"])
             rec.add("deltarec", policy, enc, "durable_at_step", c.get("committed_at_step"), "step", cid, step=c["step"])
+            rec.add("deltarec", policy, enc, "durable_s", c.get("durable_s"), "s", cid, step=c["step"], kind=c["kind"])
         ok = [c for c in cks if c["committed"]]
         caps = [cap[c["ckpt_id"]]["chain_bytes"] + cap[c["ckpt_id"]]["dense_bytes"] for c in ok if c["ckpt_id"] in cap]
         label = f"deltarec:{policy}-{enc}"
@@ -443,7 +444,12 @@ def build_records(s: dict[str, Any], jobs: dict[tuple[str, str], dict], peers: l
             "steps_lost_mean": steps_lost([(c["step"], c.get("committed_at_step") if c["committed"] else None)
                                            for c in cks], interval, run.get("steps", steps)),
             "committed": len(ok), "checkpoints": len(cks), "skipped": run.get("skipped", 0),
+            # checkpoint step (its stall) to COMMIT, per checkpoint: median and worst
+            "durable_s": median_of([c["durable_s"] for c in ok if c.get("durable_s") is not None]),
+            "durable_s_max": max((c["durable_s"] for c in ok if c.get("durable_s") is not None), default=None),
         }
+        agg["steps_lost_vs_dcp"] = (agg["steps_lost_mean"] / dcp["steps_lost_mean"]
+                                    if agg["steps_lost_mean"] is not None and dcp.get("steps_lost_mean") else None)
         agg["bytes_written_vs_dcp"] = dcp["bytes_written"] / agg["bytes_written"] if agg["bytes_written"] else None
         agg["bytes_written_delta_vs_dcp"] = (dcp["bytes_written"] / agg["bytes_written_delta"]
                                              if agg["bytes_written_delta"] else None)
@@ -530,6 +536,7 @@ def _follower_records(rec: PeerRecords, enc: str, run: dict[str, Any], ok: list[
 _UNITS = {"stall_ms": "ms", "bare_copy_ms": "ms", "bytes_written": "B", "bytes_written_delta": "B", "capacity_bytes": "B",
           "capacity_bytes_final": "B",
           "samples_per_s": "samples/s", "throughput_overhead": "fraction", "restore_s": "s", "steps_lost_mean": "steps",
+          "durable_s": "s", "durable_s_max": "s",
           "committed": "checkpoints", "checkpoints": "checkpoints", "skipped": "checkpoints",
           "intervals": "checkpoints", "compactions": "checkpoints", "follow_applied": "checkpoints",
           "follow_rebuilds": "checkpoints", "rebased_commits": "checkpoints", "follow_lag_ckpts_mean": "checkpoints",
@@ -552,6 +559,7 @@ def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
         ("stall, deltarec / bare copy of the same rows", d.get("stall_over_bare_copy"), "<=", 1.5),
         ("throughput overhead (at this suite's interval, not 1 minute)", d.get("throughput_overhead"), "<=", 0.05),
         ("restore / dcp.load", d.get("restore_over_dcp_load"), "<=", 1.0),
+        ("steps lost on a crash, deltarec (default policy, 4-bit) / dcp.save", d.get("steps_lost_vs_dcp"), "<=", 1.5),
     ]
     f = summary.get("follower", {}).get(DEFAULT_QUANT)
     if f is not None:  # deltarec + follower (issue 11), 4-bit rows
@@ -578,7 +586,8 @@ def d_vs(summary: dict[str, Any], nbytes: float) -> float | None:
 # -- output ----------------------------------------------------------------------------------------
 def table(summary: dict[str, Any]) -> str:
     head = ("| peer | policy / encoding | stall ms | bytes written / interval MB | capacity MB | samples/s | overhead | "
-            "restore s | steps lost | bytes vs dcp | capacity vs dcp | stall vs dcp | stall / bare copy |")
+            "restore s | steps lost | durable s (median / max) | bytes vs dcp | capacity vs dcp | stall vs dcp | "
+            "stall / bare copy |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
 
     def f(x: Any, nd: int = 2, scale: float = 1.0) -> str:
@@ -587,15 +596,16 @@ def table(summary: dict[str, Any]) -> str:
     for name, a in summary["peers"].items():
         lines.append(f"| {name} | full / fp32 | {f(a['stall_ms'], 1)} | {f(a['bytes_written'], 1, 1e6)} | "
                      f"{f(a['capacity_bytes'], 1, 1e6)} | {f(a['samples_per_s'], 0)} | {f(a['throughput_overhead'] * 100 if a['throughput_overhead'] is not None else None, 1)}% | "
-                     f"{f(a['restore_s'], 3)} | {f(a['steps_lost_mean'], 1)} | 1 | 1 | | |")
+                     f"{f(a['restore_s'], 3)} | {f(a['steps_lost_mean'], 1)} | | 1 | 1 | | |")
     for key, a in summary["deltarec"].items():
         ov = a["throughput_overhead"]
         lines.append(f"| deltarec | {key.replace('/', ' / ')} | {f(a['stall_ms'], 1)} | {f(a['bytes_written'], 2, 1e6)} | "
                      f"{f(a['capacity_bytes'], 2, 1e6)} | {f(a['samples_per_s'], 0)} | {f(ov * 100 if ov is not None else None, 1)}% | "
-                     f"{f(a['restore_s'], 3)} | {f(a['steps_lost_mean'], 1)} | {f(a['bytes_written_vs_dcp'], 1)} | "
+                     f"{f(a['restore_s'], 3)} | {f(a['steps_lost_mean'], 1)} | "
+                     f"{f(a['durable_s'], 2)} / {f(a['durable_s_max'], 2)} | {f(a['bytes_written_vs_dcp'], 1)} | "
                      f"{f(a['capacity_vs_dcp'], 1)} | {f(a['stall_vs_dcp_save'], 1)} | {f(a['stall_over_bare_copy'], 2)} |")
-    lines.append(f"| none (job, deltarec's baseline) | | | | | {f(summary['none_samples_per_s'], 0)} | 0% | | | | | | |")
-    lines.append(f"| none (in-process, the peers' baseline) | | | | | {f(summary['none_inproc_samples_per_s'], 0)} | 0% | | | | | | |")
+    lines.append(f"| none (job, deltarec's baseline) | | | | | {f(summary['none_samples_per_s'], 0)} | 0% | | | | | | | |")
+    lines.append(f"| none (in-process, the peers' baseline) | | | | | {f(summary['none_inproc_samples_per_s'], 0)} | 0% | | | | | | | |")
     return "\n".join(lines)
 
 
