@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -63,7 +64,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides = [a for a in args if a != "--verbose"]
     RUN_DIR.mkdir(parents=True, exist_ok=True)
     metrics = RUN_DIR / "metrics.jsonl"
-    metrics.unlink(missing_ok=True)  # this run's records only: the broker starts empty too
+    # The demo starts over every time: its broker keeps the stream in memory, so the previous
+    # run's records and dense files describe checkpoints no stream holds any more (a job would
+    # rightly refuse to resume over them, docs/reliability.md).
+    metrics.unlink(missing_ok=True)
+    shutil.rmtree(RUN_DIR / "dense", ignore_errors=True)
     crash = os.environ.get(KILL_AT, CRASH)
     try:
         parse_kill_at(crash)
