@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from ckpt.catalog import Catalog, catch_up
-from ckpt.dense_store import CommitRecord, DenseStore
+from ckpt.dense_store import CommitRecord, DenseStore, DenseStoreError
 from ckpt.faults import maybe_die
 from ckpt.markers import ChainLink, IndexEntry, Marker, OffsetRange, encode_marker
 from ckpt.sink import MarkerLog
@@ -68,7 +68,12 @@ class Committer:
         dense_state = dict(job.dense_state)
         # every rank's loop state, each with its reader's position: what a restore resumes from
         dense_state["trainers"] = [r.trainer_state for r in reports]
-        ref = self.dense.write(cid, dense_state)
+        try:
+            ref = self.dense.write(cid, dense_state)
+        except DenseStoreError as exc:
+            self._failed(job, str(exc), stall)
+            return Outcome(checkpoint_id=cid, step=job.step, committed=False, error=str(exc), bytes=nbytes,
+                           rows=rows, full=full, stall_ms=stall, write_s=write_s)
         ranges: dict[int, list[OffsetRange]] = {}
         index: list[IndexEntry] = []
         for r in reports:

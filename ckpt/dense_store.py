@@ -14,6 +14,7 @@ wrong address, an emptied filesystem sink) is then told apart from a run that ne
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -25,6 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ckpt.faults import maybe_fail_dense_write
 from common.errors import DeltarecError
 
 
@@ -92,18 +94,24 @@ class DenseStore:
         tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
         try:
             with open(tmp, "wb") as f:
+                maybe_fail_dense_write(checkpoint_id, tmp)
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
             os.link(tmp, final)  # atomic and never replaces: an existing file raises
+            _fsync_dir(final.parent)
         except FileExistsError:
             raise DenseStoreError(
                 f"dense file {final} already exists: checkpoint ids never repeat in a run directory, "
                 f"so this would overwrite an earlier checkpoint"
             ) from None
+        except OSError as exc:  # a full disk, a permission error: this checkpoint fails, nothing older
+            raise DenseStoreError(
+                f"dense file {final}: cannot write it: {exc.strerror or exc} "
+                f"({errno.errorcode.get(exc.errno, exc.errno)})"
+            ) from None
         finally:
             tmp.unlink(missing_ok=True)
-        _fsync_dir(final.parent)
         return DenseRef(str(final), hashlib.sha256(data).hexdigest(), len(data))
 
     def read(self, ref: DenseRef) -> dict[str, Any]:

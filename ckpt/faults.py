@@ -12,6 +12,7 @@ tests see what a crash leaves behind.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import re
@@ -23,6 +24,8 @@ from common.errors import DeltarecError
 
 ENV = "DELTAREC_KILL_AT"
 SLOW_ENV = "DELTAREC_SLOW_FLUSH"  # "checkpoint_id:seconds": that checkpoint's writer sleeps before flushing
+# "checkpoint_id:ERRNO" (e.g. "3:ENOSPC"): writing that checkpoint's dense file fails with that OSError
+DENSE_ERROR_ENV = "DELTAREC_DENSE_ERROR"
 POINTS = ("step", "snapshot", "rows", "marker", "committed")
 
 
@@ -65,3 +68,17 @@ def maybe_slow(checkpoint_id: int) -> None:
         cid, _, seconds = spec.partition(":")
         if int(cid) == checkpoint_id:
             time.sleep(float(seconds))
+
+
+def maybe_fail_dense_write(checkpoint_id: int, path: os.PathLike | str) -> None:
+    """Raise the OSError DELTAREC_DENSE_ERROR names for `checkpoint_id`'s dense file (tests of a
+    full disk or a permission error at the write, which root cannot provoke with chmod)."""
+    spec = os.environ.get(DENSE_ERROR_ENV)
+    if not spec:
+        return
+    cid, _, name = spec.partition(":")
+    code = getattr(errno, name.strip(), None)
+    if not cid.strip().isdigit() or not isinstance(code, int):
+        raise FaultSpecError(f"{DENSE_ERROR_ENV}={spec!r}: expected checkpoint_id:ERRNO, e.g. 3:ENOSPC")
+    if int(cid) == checkpoint_id:
+        raise OSError(code, os.strerror(code), str(path))

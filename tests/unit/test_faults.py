@@ -38,3 +38,18 @@ def test_the_named_point_kills_the_named_rank_on_the_first_attempt_only() -> Non
     assert _die_at("rows", 3, 1, **{ENV: "committed:3@1"}) == 0  # another point
     assert _die_at("committed", 3, 1, **{ENV: "committed:3@1", "TORCHELASTIC_RESTART_COUNT": "1"}) == 0
     assert _die_at("committed", 3, 5, **{ENV: "committed:3"}) == -signal.SIGKILL  # every rank
+
+
+def test_dense_write_error_injection(tmp_path, monkeypatch) -> None:
+    from ckpt.dense_store import DenseStore, DenseStoreError
+    from ckpt.faults import DENSE_ERROR_ENV
+
+    store = DenseStore(tmp_path)
+    monkeypatch.setenv(DENSE_ERROR_ENV, "2:ENOSPC")
+    store.write(1, {"step": 1})  # another checkpoint: untouched
+    with pytest.raises(DenseStoreError, match=r"dense-00000002\.pt: cannot write it: No space left on device \(ENOSPC\)"):
+        store.write(2, {"step": 2})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dense-00000001.pt"]  # no temp file left
+    monkeypatch.setenv(DENSE_ERROR_ENV, "2:ENOTANERRNO")
+    with pytest.raises(FaultSpecError, match="checkpoint_id:ERRNO"):
+        store.write(3, {"step": 3})
