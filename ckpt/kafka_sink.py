@@ -392,6 +392,10 @@ def _read_partitions(cconf: Mapping[str, Any], reads: Sequence[_Read], timeout_s
             exact.add(key)
             consumer.seek(TopicPartition(key[0], key[1], expect[key]))
 
+    def stale(key: tuple[str, int], off: int) -> bool:
+        """A message fetched before a pause or a seek of its partition."""
+        return key not in pending or off < expect[key] or (key in exact and off != expect[key])
+
     try:
         consumer.assign([TopicPartition(t, p, expect[(t, p)]) for t, p in pending])
         deadline = time.monotonic() + timeout_s
@@ -422,12 +426,12 @@ def _read_partitions(cconf: Mapping[str, Any], reads: Sequence[_Read], timeout_s
                     continue
                 raise SourceError(f"topic {key[0]} partition {key[1]} at offset {expect[key]}: {err}")
             off = msg.offset()
-            if key not in pending or off < expect[key] or (key in exact and off != expect[key]):
-                continue  # fetched before a pause or a seek
+            if stale(key, off):
+                continue
             exact.discard(key)
             while key in pending and _past(reads[pending[key][0]], off):
                 next_read(key)  # a gap (compaction/control records) at the end of a read
-            if key not in pending or off < expect[key] or (key in exact and off != expect[key]):
+            if stale(key, off):  # the read it belonged to ended; the next one starts elsewhere
                 continue
             exact.discard(key)
             i = pending[key][0]
@@ -454,31 +458,21 @@ class KafkaSource:
 
     def read_range(self, generation: int, partition: int, first: int, last: int, *,
                    timeout_s: float | None = None) -> Iterator[tuple[int, Frame]]:
-        if not 0 <= first <= last:
-            raise ValueError(f"bad range [{first}, {last}]")
-        topic = rows_name(self.run_id, generation)
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        parts = topic_partitions(self._admin, topic, timeout_s)
-        if parts is None:
-            raise SourceError(f"topic {topic} does not exist (reading partition {partition} "
-                              f"offsets {first}..{last})")
-        if partition >= parts:
-            raise SourceError(f"topic {topic} has {parts} partitions, no partition {partition}")
-        return self._frames(topic, partition, first, last, timeout_s)
+        frames = self.read_ranges([RangeRead(generation, partition, first, last)], timeout_s=timeout_s)
+        return ((pos, frame) for _, pos, frame in frames)
 
     def read_ranges(self, reads: Sequence[RangeRead], *, timeout_s: float | None = None
                     ) -> Iterator[tuple[int, int, Frame]]:
         """All reads with one consumer (see `_read_partitions`): one metadata request, every
-        partition fetched at once, frames decoded while librdkafka fetches the next ones."""
+        partition fetched at once, frames decoded while librdkafka fetches the next ones.
+        Missing topics and partitions raise here, before the first frame is asked for."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        listed = topics_partitions(self._admin, timeout_s) if reads else {}
         plan = []
-        listed: dict[str, int] | None = None
         for r in reads:
             if not 0 <= r.first <= r.last:
                 raise ValueError(f"bad range [{r.first}, {r.last}]")
             topic = rows_name(self.run_id, r.generation)
-            if listed is None:
-                listed = topics_partitions(self._admin, timeout_s)
             if topic not in listed:
                 raise SourceError(f"topic {topic} does not exist (reading partition {r.partition} "
                                   f"offsets {r.first}..{r.last})")
@@ -486,11 +480,6 @@ class KafkaSource:
                 raise SourceError(f"topic {topic} has {listed[topic]} partitions, no partition {r.partition}")
             plan.append(_Read(topic, r.partition, r.first, r.last))
         return self._decoded(_read_partitions(self._cconf, plan, timeout_s))
-
-    def _frames(self, topic: str, partition: int, first: int, last: int,
-                timeout_s: float) -> Iterator[tuple[int, Frame]]:
-        reads = _read_partitions(self._cconf, [_Read(topic, partition, first, last)], timeout_s)
-        return ((pos, frame) for _, pos, frame in self._decoded(reads))
 
     def _decoded(self, messages: Iterator[tuple[int, Message]]) -> Iterator[tuple[int, int, Frame]]:
         for i, msg in messages:

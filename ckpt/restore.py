@@ -95,8 +95,9 @@ def iter_link_frames(
     wanted segments of a partition are read with one `read_range`, so a rank that needs a
     whole partition opens it once."""
     for partition, run in _wanted_runs(link, want):
+        firsts = [entry.first for entry in run]
         for pos, frame in source.read_range(link.generation, partition, run[0].first, run[-1].last):
-            if _checked(link, partition, run, pos, frame, run_id, locate):
+            if _checked(link, partition, run, firsts, pos, frame, run_id, locate):
                 yield frame
 
 
@@ -114,14 +115,14 @@ def iter_chain_frames_fetched_together(
     the newest link's before the older ones'."""
     _check_base(marker)
     reads: list[RangeRead] = []
-    runs: list[tuple[int, ChainLink, int, list[IndexEntry]]] = []
+    runs: list[tuple[int, ChainLink, int, list[IndexEntry], list[int]]] = []
     for i, link in reversed(list(enumerate(marker.chain))):
         for partition, run in _wanted_runs(link, want):
             reads.append(RangeRead(link.generation, partition, run[0].first, run[-1].last))
-            runs.append((i, link, partition, run))
+            runs.append((i, link, partition, run, [entry.first for entry in run]))
     for r, pos, frame in source.read_ranges(reads):
-        i, link, partition, run = runs[r]
-        if _checked(link, partition, run, pos, frame, run_id, locate):
+        i, link, partition, run, firsts = runs[r]
+        if _checked(link, partition, run, firsts, pos, frame, run_id, locate):
             yield i, link, frame
 
 
@@ -130,14 +131,14 @@ def _check_base(marker: Marker) -> None:
         raise RestoreError(f"checkpoint {marker.checkpoint_id}: its chain does not start with a full checkpoint")
 
 
-def _checked(link: ChainLink, partition: int, run: list[IndexEntry], pos: int, frame: Frame, run_id: str,
-             locate: Callable[[int, int, int], str]) -> bool:
-    """Whether the frame at `pos` of a run of index entries is one of the link's (False: a
-    frame of an earlier failed flush that landed in between); raises if it is not what the
-    marker's index says is there."""
+def _checked(link: ChainLink, partition: int, run: list[IndexEntry], firsts: list[int], pos: int, frame: Frame,
+             run_id: str, locate: Callable[[int, int, int], str]) -> bool:
+    """Whether the frame at `pos` of a run of index entries (`firsts`: their first positions)
+    is one of the link's (False: a frame of an earlier failed flush that landed in between);
+    raises if it is not what the marker's index says is there."""
     if not _in_ranges(pos, link.ranges.get(partition, [])):
         return False
-    entry = run[bisect.bisect_right([e.first for e in run], pos) - 1]
+    entry = run[bisect.bisect_right(firsts, pos) - 1]
     if not entry.first <= pos <= entry.last:
         raise FrameError("frame outside every indexed segment of its COMMIT marker",
                          locate(link.generation, partition, pos))
@@ -243,7 +244,7 @@ class _Replay:
         # columns of each local row the base wrote: a base holds every (row, column) exactly
         # once, so a complete base leaves exactly num_cols per row (not a row x column mask)
         self.covered = {id(s): torch.zeros(s.num_rows, dtype=torch.int32) for s in shard_map.shards}
-        self.partial: list[tuple[int, Frame, ShardView, _Span]] = []
+        self.partial: list[tuple[int, Frame, ShardView, _Span, int, int]] = []  # + columns c0..c1
 
     @torch.no_grad()
     def add(self, link_index: int, link: ChainLink, frame: Frame) -> None:
@@ -262,7 +263,7 @@ class _Replay:
             if link.full:
                 _count(self.covered[id(s)], span.dst, c1 - c0)
             if (c0, c1) != (s.col_offset, s.col_offset + s.num_cols):
-                self.partial.append((link_index, frame, s, span))
+                self.partial.append((link_index, frame, s, span, c0, c1))
                 continue
             fresh = _newer(span, self.written[id(s)], link_index)
             if fresh is not None:
@@ -276,10 +277,9 @@ class _Replay:
         """Apply the frames that covered part of a shard's columns, then check the base."""
         t0 = time.perf_counter()
         decode_s = 0.0
-        for link_index, frame, s, span in sorted(self.partial, key=lambda p: p[0]):
+        for link_index, frame, s, span, c0, c1 in sorted(self.partial, key=lambda p: p[0]):
             fresh = _newer(span, self.written[id(s)], link_index)
             if fresh is not None:
-                c0, c1 = max(frame.col_offset, s.col_offset), min(frame.col_offset + frame.dim, s.col_offset + s.num_cols)
                 decode_s += self._write(frame, s, fresh, c0, c1)
         self.out.decode_s += decode_s
         self.out.apply_s += time.perf_counter() - t0 - decode_s
