@@ -1,6 +1,13 @@
-"""`deltarec-launch`: torchrun on one node, with deltarec's defaults and console.
+"""`deltarec-launch`: torchrun with deltarec's defaults and console, on one node or several.
 
     deltarec-launch --nproc-per-node 2 [--max-restarts 3] [--verbose] --config configs/quickstart.yaml [key=value ...]
+
+One node is torchrun's `--standalone`. For several nodes run it once per node with the same
+`--nnodes`, `--rdzv-endpoint` (host:port of the first node, where torchrun's c10d store
+listens) and `--rdzv-id`; `--local-addr` is the address this node's agent advertises:
+
+    deltarec-launch --nnodes 2 --rdzv-endpoint 10.0.0.1:29500 --rdzv-id job7 --local-addr 10.0.0.2 \
+        --nproc-per-node 8 --config configs/criteo_kaggle_8gpu.yaml
 
 It runs torchrun (`torch.distributed.run --standalone ... -m trainer.main`) in this very
 process: signals reach torchrun's agent as they would, and the ranks write straight to this
@@ -33,6 +40,9 @@ if TYPE_CHECKING:
 # args: exitcode, local_rank, pid, entrypoint. Records that do not match pass through as they are.
 AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 FAILED_RECORD = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"
+# torchrun shares its rendezvous store with the ranks unless this is "1"; a shared store
+# outlives attempts, and ranks of different nodes cannot agree on which attempt they are in.
+FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -41,10 +51,27 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--nproc-per-node", type=int, default=2, help="ranks on this node (default 2)")
     p.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts after a rank dies")
     p.add_argument("--verbose", action="store_true", help="plain torchrun, and every rank's and library's lines")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes of the job (default 1: --standalone)")
+    p.add_argument("--rdzv-endpoint", default="", help="host:port of the c10d rendezvous (several nodes)")
+    p.add_argument("--rdzv-id", default="", help="the job's rendezvous id, the same on every node")
+    p.add_argument("--local-addr", default="", help="address this node's agent advertises (default: host name)")
     args, trainer_args = p.parse_known_args(argv)
     if args.nproc_per_node < 1:
         p.error("--nproc-per-node must be at least 1")
+    if args.nnodes < 1:
+        p.error("--nnodes must be at least 1")
+    if args.nnodes > 1 and not (args.rdzv_endpoint and args.rdzv_id):
+        p.error("--nnodes > 1 needs --rdzv-endpoint (the first node's host:port) and --rdzv-id")
     return args, trainer_args
+
+
+def rendezvous_flags(args: argparse.Namespace) -> list[str]:
+    """torchrun's rendezvous flags: `--standalone` on one node, c10d on several."""
+    if args.nnodes == 1 and not args.rdzv_endpoint:
+        return ["--standalone"]
+    flags = [f"--nnodes={args.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}",
+             f"--rdzv-id={args.rdzv_id or 'deltarec'}"]
+    return [*flags, f"--local-addr={args.local_addr}"] if args.local_addr else flags
 
 
 def build_command(argv: Sequence[str]) -> list[str]:
@@ -52,7 +79,7 @@ def build_command(argv: Sequence[str]) -> list[str]:
     args, trainer_args = parse(argv)
     return [
         sys.executable, "-m", "torch.distributed.run",
-        "--standalone",
+        *rendezvous_flags(args),
         f"--nproc-per-node={args.nproc_per_node}",
         f"--max-restarts={args.max_restarts}",
         "-m", "trainer.main",
@@ -61,11 +88,12 @@ def build_command(argv: Sequence[str]) -> list[str]:
     ]  # fmt: skip
 
 
-def rank_outcome(rank: int, exitcode: int) -> str:
-    """How one rank's process ended, for a user: `rank 1 exited (SIGKILL)`."""
+def rank_outcome(rank: int, exitcode: int, what: str = "rank") -> str:
+    """How one rank's process ended, for a user: `rank 1 exited (SIGKILL)`; `what` is
+    "local rank" where only the rank on this node is known (the agent's record, several nodes)."""
     if exitcode == console.EXIT_PEER_LOST:
-        return f"rank {rank} stopped (another rank of the job is gone)"
-    return f"rank {rank} exited ({console.exit_description(exitcode)})"
+        return f"{what} {rank} stopped (another rank of the job is gone)"
+    return f"{what} {rank} exited ({console.exit_description(exitcode)})"
 
 
 def root_cause(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
@@ -82,10 +110,11 @@ class RankFailures(logging.Filter):
     """Turns the agent's record of a failed attempt into deltarec's line about the rank and
     the restart; the last attempt's failure is left to `launch` (it knows every rank's)."""
 
-    def __init__(self, max_restarts: int) -> None:
+    def __init__(self, max_restarts: int, multi_node: bool = False) -> None:
         super().__init__()
         self.max_restarts = max_restarts
         self.failed_attempts = 0
+        self.what = "local rank" if multi_node else "rank"
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.msg != FAILED_RECORD or not isinstance(record.args, tuple) or len(record.args) != 4:
@@ -94,7 +123,7 @@ class RankFailures(logging.Filter):
         self.failed_attempts += 1
         if self.failed_attempts <= self.max_restarts:
             attempt, attempts = self.failed_attempts + 1, self.max_restarts + 1
-            say(f"{rank_outcome(local_rank, exitcode)}; torchrun restarts the job, attempt {attempt}/{attempts}")
+            say(f"{rank_outcome(local_rank, exitcode, self.what)}; torchrun restarts the job, attempt {attempt}/{attempts}")
         return False
 
 
@@ -110,9 +139,14 @@ def launch(argv: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args, _ = parse(argv)
+    # A fresh worker store per attempt, hosted by rank 0 (sharding/process_group.py says why).
+    os.environ.setdefault(FRESH_STORE_ENV, "1")
     console.quiet_launcher()
-    failures = RankFailures(args.max_restarts)
+    failures = RankFailures(args.max_restarts, multi_node=args.nnodes > 1)
     logging.getLogger(AGENT_LOGGER).addFilter(failures)
+    if args.rdzv_endpoint:
+        say(f"c10d rendezvous at {args.rdzv_endpoint}, id {args.rdzv_id}, "
+            f"{args.nnodes} node(s) x {args.nproc_per_node} rank(s)")
     try:
         torchrun.run(torchrun.parse_args(build_command(argv)[3:]))
     except ChildFailedError as exc:
@@ -129,6 +163,7 @@ def launch(argv: Sequence[str]) -> int:
 def cli() -> None:
     """Console-script entry point."""
     argv = sys.argv[1:]
+    os.environ.setdefault(FRESH_STORE_ENV, "1")
     if parse(argv)[0].verbose:
         cmd = build_command(argv)
         os.execv(cmd[0], cmd)

@@ -87,9 +87,12 @@ def init_process_group(
         _slurm_rendezvous_defaults()
     timeout = timedelta(seconds=timeout_s)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if init_method == "env://" and attempt is not None:
-        # torchrun keeps its agent's store across restarts: without a per-attempt prefix a
-        # restarted rank reads the dead attempt's gloo addresses and cannot connect.
+    if init_method == "env://" and attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's shared store outlives an attempt: without a per-attempt prefix a restarted
+        # rank reads the dead attempt's gloo addresses and cannot connect. On several nodes the
+        # agents' restart counts can differ (a failure on one, a membership change on another),
+        # which is why deltarec-launch and the sbatch template turn sharing off (a fresh store
+        # per attempt, no prefix needed); see docs/design.md §8.
         store, _, _ = next(dist.rendezvous(init_method, rank=env.rank, world_size=env.world_size, timeout=timeout))
         store = dist.PrefixStore(f"deltarec/attempt{attempt}/", store)
         dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)

@@ -44,6 +44,23 @@ def test_wrapper_builds_torchrun_command() -> None:
     assert cmd[-5:] == ["-m", "trainer.main", "--config", "c.yaml", "train.steps=5"]
 
 
+def test_wrapper_builds_a_multi_node_c10d_rendezvous() -> None:
+    cmd = build_command(["--nnodes", "2", "--rdzv-endpoint", "127.0.0.2:29400", "--rdzv-id", "j1",
+                         "--local-addr", "127.0.0.3", "--config", "c.yaml"])
+    assert "--standalone" not in cmd
+    for flag in ["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.2:29400", "--rdzv-id=j1",
+                 "--local-addr=127.0.0.3"]:
+        assert flag in cmd
+    assert cmd[-4:] == ["-m", "trainer.main", "--config", "c.yaml"]
+    assert "--local-addr" not in " ".join(build_command(["--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-id", "j"]))
+
+
+def test_wrapper_refuses_several_nodes_without_a_rendezvous(capsys) -> None:
+    with pytest.raises(SystemExit):
+        build_command(["--nnodes", "2", "--config", "c.yaml"])
+    assert "--nnodes > 1 needs --rdzv-endpoint" in capsys.readouterr().err
+
+
 def test_wrapper_passes_verbose_to_the_trainer() -> None:
     cmd = build_command(["--verbose", "--nproc-per-node", "2", "--config", "c.yaml"])
     assert cmd[-4:] == ["trainer.main", "--verbose", "--config", "c.yaml"]
