@@ -3,7 +3,8 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash launch/setup.sh || exit 1
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@" tests
+# -rs: every skip says why (root, apt); --durations: where CI time goes
+.venv/bin/python -m pytest -q -rs --durations=15 -p no:cacheprovider "$@" tests
 rc=$?
 if [[ $rc -eq 5 ]]; then
   echo "launch/test.sh: pytest collected no tests; that is a failure" >&2
