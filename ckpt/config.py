@@ -13,11 +13,21 @@ from typing import Any, Literal
 
 from ckpt.follow.config import FollowConfig
 from ckpt.quant import CHECK_N_RUN_WIDTHS, check_widths, codec_names, get_codec
+from ckpt.sink import check_run_id
 from common.errors import ConfigError
 
 
 def _check_n_run_widths() -> list[list[int]]:
     return [list(pair) for pair in CHECK_N_RUN_WIDTHS]
+
+
+REDACTED = "<redacted>"
+# librdkafka settings that hold a secret: passwords, client secrets, private keys, OAuth configs.
+_SECRET_WORDS = ("password", "secret", "ssl.key.pem", "oauthbearer.config", "keystore")
+
+
+def _is_secret(name: str) -> bool:
+    return any(word in name for word in _SECRET_WORDS)
 
 
 @dataclass
@@ -81,6 +91,10 @@ class CkptConfig:
         if not self.enabled:
             return
         src = source
+        try:  # it names topics and directories: refused here, not when the first sink opens
+            check_run_id(self.run_id)
+        except ConfigError as exc:
+            raise ConfigError(f"{src}: {exc}") from None
         self.follow.validate(src)
         for key, name in (("ckpt.encoding", self.encoding), ("ckpt.optimizer_encoding", self.optimizer_encoding)):
             if name not in codec_names():
@@ -99,9 +113,28 @@ class CkptConfig:
             raise ConfigError(
                 f"{src}: ckpt.sink=kafka needs ckpt.bootstrap_servers (e.g. the address `deltarec-broker start` prints)"
             )
+        self._validate_kafka(src)
+        if self.flush_timeout_s <= 0:
+            raise ConfigError(f"{src}: ckpt.flush_timeout_s must be positive (it bounds every flush), got {self.flush_timeout_s}")
         if self.resume not in ("none", "latest") and not self.resume.isdigit():
             raise ConfigError(f"{src}: ckpt.resume must be none, latest or a checkpoint id, got {self.resume!r}")
         if self.max_pending_bytes <= 0 or self.max_frame_bytes < 16384:
             raise ConfigError(f"{src}: ckpt.max_pending_bytes must be positive and ckpt.max_frame_bytes at least 16384")
         if not 0 <= self.writer_nice <= 19:
             raise ConfigError(f"{src}: ckpt.writer_nice must be in 0..19 (added to the writer thread's niceness), got {self.writer_nice}")
+
+    def redacted_kafka(self) -> dict[str, Any]:
+        """`kafka` with every secret replaced by REDACTED: what may be written to a file or a log
+        (the resolved config in the run directory). The clients get `kafka` itself."""
+        return {k: REDACTED if _is_secret(k) else v for k, v in self.kafka.items()}
+
+    def _validate_kafka(self, src: str) -> None:
+        """librdkafka settings are flat `name: scalar` pairs. A nested mapping comes from an
+        override like `ckpt.kafka.sasl.password=x` (its dots split the key): refused here with
+        the way to write it, not as a TypeError when the first client is created."""
+        for key, value in self.kafka.items():
+            if not isinstance(value, (str, int, float, bool)):
+                raise ConfigError(
+                    f"{src}: ckpt.kafka.{key} must be a string, number or boolean (a librdkafka setting), got "
+                    f"{type(value).__name__}; on the command line write ckpt.kafka={{name.with.dots: value, ...}}"
+                )

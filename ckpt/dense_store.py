@@ -19,6 +19,7 @@ import hashlib
 import io
 import json
 import os
+import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +32,8 @@ from common.errors import DeltarecError
 
 
 class DenseStoreError(DeltarecError, RuntimeError):
-    """The dense file is missing or does not match the sha256 its marker recorded, or a write
-    would replace an existing one."""
+    """The dense file is missing, does not match the sha256 its marker recorded or holds pickled
+    objects a weights-only load refuses, or a write would replace an existing one."""
 
 
 JOURNAL = "commits.jsonl"
@@ -123,7 +124,13 @@ class DenseStore:
         digest = hashlib.sha256(data).hexdigest()
         if digest != ref.sha256:
             raise DenseStoreError(f"dense file {path}: sha256 {digest[:12]}… does not match its marker ({ref.sha256[:12]}…)")
-        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        try:
+            return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        except pickle.UnpicklingError as exc:
+            raise DenseStoreError(
+                f"dense file {path}: refused: it holds pickled objects that are not tensors or plain data "
+                f"({_unpickling_reason(exc)}); deltarec loads dense files weights-only and never runs code from them"
+            ) from None
 
     def record_commit(self, record: CommitRecord) -> None:
         """Append a COMMIT to the local history, durably."""
@@ -153,6 +160,14 @@ class DenseStore:
         """Remove the dense files of dropped checkpoints (gc)."""
         for cid in checkpoint_ids:
             self.path_for(cid).unlink(missing_ok=True)
+
+
+def _unpickling_reason(exc: pickle.UnpicklingError) -> str:
+    """What torch's weights-only loader refused (`GLOBAL posix.system`, `Unsupported operand
+    149`), without the rest of its many-line message, whose advice to retry with
+    `weights_only=False` is exactly what must not be done with such a file."""
+    found = re.search(r"GLOBAL [\w.]+|Unsupported operand \S+", str(exc))
+    return found.group(0) if found else "not a weights-only file"
 
 
 def _fsync_dir(path: Path) -> None:

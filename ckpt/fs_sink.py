@@ -66,6 +66,39 @@ def _zeros_to_end(f: BinaryIO, pos: int) -> bool:
     return True
 
 
+def _valid_record_after(f: BinaryIO, start: int, size: int) -> int | None:
+    """The byte offset of the first complete record with a valid CRC at or after `start`, if any.
+
+    A record whose length runs past the end of the file is a torn tail only if nothing valid
+    follows it: the last append of a killed writer. A flipped bit in the length of an earlier
+    record looks the same from its header, and taking it for a tail would hide (and a writer
+    would cut) every record after it. Only called on that path, so the extra reading is rare;
+    it goes in chunks, reading a candidate's payload only where its magic is."""
+    chunk_start = start
+    while chunk_start < size:
+        f.seek(chunk_start)
+        chunk = f.read(_ZERO_CHECK_CHUNK + len(REC_MAGIC) - 1)  # a magic across the boundary too
+        at = chunk.find(REC_MAGIC)
+        while 0 <= at < _ZERO_CHECK_CHUNK:
+            f.seek(chunk_start + at)
+            head = f.read(_REC.size)
+            if len(head) == _REC.size:
+                _, length, crc = _REC.unpack(head)
+                if chunk_start + at + _REC.size + length <= size and _rec_crc(length, f.read(length)) == crc:
+                    return chunk_start + at
+            at = chunk.find(REC_MAGIC, at + 1)
+        chunk_start += _ZERO_CHECK_CHUNK
+    return None
+
+
+def _refuse_if_records_follow(f: BinaryIO, path: object, pos: int, size: int, what: str) -> None:
+    """Raise ``FrameError`` when the would-be torn tail at `pos` has a valid record inside it."""
+    later = _valid_record_after(f, pos + _REC.size, size)
+    if later is not None:
+        raise FrameError(f"{what}, but a complete record starts at byte {later}: a damaged length, "
+                         f"not a torn tail", file_where(path, pos))
+
+
 def scan_records(f: BinaryIO, path: object, start: int = 0, *,
                  verify: bool = True) -> Iterator[tuple[int, int, bytes | None]]:
     """Yield ``(position, end, payload)`` of every complete, valid record from ``start``,
@@ -92,6 +125,7 @@ def scan_records(f: BinaryIO, path: object, start: int = 0, *,
             raise FrameError(f"bad record magic {magic!r}, expected {REC_MAGIC!r}",
                              file_where(path, pos))
         if end > size:
+            _refuse_if_records_follow(f, path, pos, size, f"record length {length} runs past the end of the file")
             log.info("%s: %s (record of %d bytes cut short)", file_where(path, pos), torn, length)
             return
         payload = None
@@ -100,6 +134,7 @@ def scan_records(f: BinaryIO, path: object, start: int = 0, *,
             payload = f.read(length)
             if _rec_crc(length, payload) != crc:
                 if end == size:
+                    _refuse_if_records_follow(f, path, pos, size, "the record that ends the file fails its CRC")
                     log.info("%s: %s (last record fails its CRC)", file_where(path, pos), torn)
                     return
                 raise FrameError(f"record CRC mismatch ({length}-byte record, more data follows)",

@@ -13,6 +13,7 @@ JSON keeps the record readable with any Kafka tool; the CRC catches a damaged re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 import zlib
@@ -187,18 +188,42 @@ def decode_record(data: bytes) -> LogRecord:
         raise MarkerError("marker record CRC mismatch")
     try:
         d = json.loads(body)
+        if not isinstance(d, dict):
+            raise MarkerError(f"marker record body is a JSON {type(d).__name__}, not an object")
         if d.get("format") != FORMAT_VERSION:
             raise MarkerError(f"marker format {d.get('format')} is not {FORMAT_VERSION}; upgrade deltarec")
         cls = _KINDS.get(d.get("kind"))
         if cls is None:
             raise MarkerError(f"unknown record kind {d.get('kind')!r}; upgrade deltarec")
+        _check_field_types(cls, d)
         if cls is Marker:
             d["chain"] = [ChainLink.from_json(link) for link in d["chain"]]
         return cls(**d)
     except MarkerError:
         raise
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
+        # OverflowError: a JSON `Infinity` where an integer belongs; AttributeError: a list
+        # or number where the chain's `ranges` mapping belongs
         raise MarkerError(f"marker record has bad fields: {exc}") from exc
+
+
+# The JSON type each annotation of a log record's own fields must arrive as (the nested chain
+# links are converted, and checked, by `ChainLink.from_json`).
+_JSON_TYPES: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,),
+                                            "list": (list,), "dict": (dict,)}
+
+
+def _check_field_types(cls: type, d: dict[str, Any]) -> None:
+    """Refuse a record whose top-level fields have the wrong JSON type (a string where the
+    checkpoint id belongs, a list where the plan belongs), which `cls(**d)` would take as it
+    is and a later comparison or lookup would trip over far from the record."""
+    for f in dataclasses.fields(cls):
+        kind = str(f.type).split("[", 1)[0]
+        if f.name not in d or kind not in _JSON_TYPES:  # missing: cls() says so; an unlisted type: unchecked
+            continue
+        want, value = _JSON_TYPES[kind], d[f.name]
+        if not isinstance(value, want) or (isinstance(value, bool) and bool not in want):
+            raise MarkerError(f"marker record field {f.name!r} must be a JSON {kind}, got {type(value).__name__}")
 
 
 def commits(records: Iterable[tuple[Any, bytes]], run_id: str) -> list[tuple[Any, Marker]]:

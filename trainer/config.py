@@ -9,9 +9,10 @@ section, so a newcomer finds a knob by the folder that uses it.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Literal, Mapping, Sequence
 
 import yaml
 
@@ -19,6 +20,11 @@ from ckpt.config import CkptConfig
 from common.errors import ConfigError
 from sharding.config import OptimizerConfig, ShardingConfig, TableConfig
 from trainer.config_loader import apply_override, build, load_yaml, to_dict
+
+# A table name is a key of torchrec's module dicts (no dots), a parameter name and the table
+# field of every checkpoint frame and marker: plain ASCII, like a run id, so it can never be
+# read as a path or split as a dotted name wherever a tool puts it.
+_TABLE_NAME = re.compile(r"[A-Za-z0-9_-]{1,200}")
 
 
 @dataclass
@@ -100,8 +106,11 @@ class JobConfig:
     source: str = field(default="<defaults>", init=False, compare=False)
 
     def to_yaml(self) -> str:
+        """The resolved config as YAML, librdkafka secrets redacted (it is written to the run
+        directory, which is shared more widely than the config file the user keeps)."""
         data = to_dict(self)
         data.pop("source", None)
+        data["ckpt"]["kafka"] = self.ckpt.redacted_kafka()
         return yaml.safe_dump(data, sort_keys=False)
 
     def digest(self) -> str:
@@ -134,8 +143,17 @@ def validate(cfg: JobConfig, check_data: bool = True) -> None:
     m = cfg.model
     if not m.tables:
         raise ConfigError(f"{src}: model.tables is empty; declare at least one table")
-    if not m.dense_arch_layer_sizes or not m.over_arch_layer_sizes:
-        raise ConfigError(f"{src}: model.dense_arch_layer_sizes and over_arch_layer_sizes must not be empty")
+    for key, layers in (("dense_arch_layer_sizes", m.dense_arch_layer_sizes), ("over_arch_layer_sizes", m.over_arch_layer_sizes)):
+        if not layers:
+            raise ConfigError(f"{src}: model.{key} must not be empty")
+    sizes: dict[str, list[int]] = {
+        "model.dense_in_features": [m.dense_in_features],
+        "model.dense_arch_layer_sizes": m.dense_arch_layer_sizes,
+        "model.over_arch_layer_sizes": m.over_arch_layer_sizes,
+    }
+    if m.kind == "dlrm_dcn":
+        sizes.update({"model.dcn_num_layers": [m.dcn_num_layers], "model.dcn_low_rank_dim": [m.dcn_low_rank_dim]})
+    _check_minimum(src, sizes, 1)
     if m.over_arch_layer_sizes[-1] != 1:
         raise ConfigError(f"{src}: model.over_arch_layer_sizes must end with 1 (one logit), got {m.over_arch_layer_sizes}")
     dim = m.dense_arch_layer_sizes[-1]
@@ -143,6 +161,11 @@ def validate(cfg: JobConfig, check_data: bool = True) -> None:
     seen_features: dict[str, str] = {}
     for i, t in enumerate(m.tables):
         where = f"model.tables.{i} ({t.name})"
+        if not _TABLE_NAME.fullmatch(t.name):
+            raise ConfigError(
+                f"{src}: model.tables.{i}.name {t.name!r} must match [A-Za-z0-9_-]{{1,200}}: it names the table "
+                f"in the model's parameters and in every checkpoint frame and marker"
+            )
         if t.name in seen_tables:
             raise ConfigError(f"{src}: {where}: duplicate table name {t.name!r}")
         seen_tables.add(t.name)
@@ -170,6 +193,11 @@ def validate(cfg: JobConfig, check_data: bool = True) -> None:
         raise ConfigError(f"{src}: train.log_every must be positive, got {tr.log_every}")
     if tr.eval_every < 0 or tr.eval_batches < 0:
         raise ConfigError(f"{src}: train.eval_every and train.eval_batches must not be negative")
+    _check_minimum(src, {"sharding.timeout_s": [cfg.sharding.timeout_s]}, 1)
+    _check_minimum(src, {"train.threads_per_rank": [tr.threads_per_rank]}, 0)
+    o = cfg.optimizer
+    _check_minimum(src, {"optimizer.sparse.lr": [o.sparse.lr], "optimizer.sparse.eps": [o.sparse.eps],
+                         "optimizer.dense.lr": [o.dense.lr], "optimizer.dense.eps": [o.dense.eps]}, 0)
     if d.kind == "synthetic" and d.synthetic.zipf_exponent <= 0:
         raise ConfigError(f"{src}: data.synthetic.zipf_exponent must be > 0, got {d.synthetic.zipf_exponent}")
     cfg.ckpt.validate(src)
@@ -181,6 +209,16 @@ def validate(cfg: JobConfig, check_data: bool = True) -> None:
             )
         if check_data:
             _check_criteo_files(src, d.criteo)
+
+
+def _check_minimum(src: str, values: Mapping[str, Sequence[float]], minimum: int) -> None:
+    """Refuse the first key (dotted path -> its value, or a list's items) below `minimum`: sizes,
+    counts, timeouts and learning rates the YAML types accept but torch would refuse with a
+    traceback when the job starts."""
+    for key, items in values.items():
+        for value in items:
+            if value < minimum:
+                raise ConfigError(f"{src}: {key} must be at least {minimum}, got {items if len(items) > 1 else value}")
 
 
 def _check_criteo_files(src: str, c: CriteoDataConfig) -> None:

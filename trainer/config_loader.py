@@ -29,6 +29,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file not found: {p}")
     try:
         data = yaml.safe_load(p.read_text())
+    except UnicodeDecodeError as exc:  # a damaged or binary file: not a traceback either
+        raise ConfigError(f"{p}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p}: not valid YAML: {exc}".replace("\n", " ")) from exc
     if data is None:
@@ -62,8 +64,10 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     if isinstance(node, list):
         idx = _index(node, last, key)
         node[idx] = value
-    else:
+    elif isinstance(node, dict):
         node[last] = value
+    else:  # `train.steps.x=1`: the parent is a value, not a section
+        raise ConfigError(f"override key {key!r}: {'.'.join(parts[:-1])!r} is a value, not a mapping")
 
 
 def _index(node: list[Any], part: str, path: str) -> int:
@@ -91,6 +95,10 @@ def build(cls: type[T], data: Any, *, source: str, path: str = "") -> T:
         raise ConfigError(f"{source}: {path or 'top level'} must be a mapping, got {_tname(data)}")
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for name in data:
+        if not isinstance(name, str):  # YAML `1:`, `~:`, `true:`: never a config key
+            key = f"{path}.{name}" if path else str(name)
+            raise ConfigError(f"{source}: key {key!r} ({_tname(name)}) is not a name (known keys here: {', '.join(sorted(fields))})")
     unknown = sorted(set(data) - set(fields))
     if unknown:
         key = f"{path}.{unknown[0]}" if path else unknown[0]

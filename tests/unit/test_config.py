@@ -82,6 +82,13 @@ def test_overrides_are_applied_and_type_checked(debug_config: DebugConfig) -> No
         ("data.kind=criteo", "needs 26 categorical features"),
         ("data.synthetic.zipf_exponent=0", "zipf_exponent must be > 0"),
         ("model.tables=[]", "model.tables is empty"),
+        # values the YAML types accept but torch refuses with a traceback when the job starts
+        ("model.over_arch_layer_sizes=[-5, 1]", "model.over_arch_layer_sizes must be at least 1, got [-5, 1]"),
+        ("model.dense_arch_layer_sizes=[]", "model.dense_arch_layer_sizes must not be empty"),
+        ("model.dense_in_features=0", "model.dense_in_features must be at least 1"),
+        ("train.threads_per_rank=-2", "train.threads_per_rank must be at least 0"),
+        ("sharding.timeout_s=0", "sharding.timeout_s must be at least 1"),
+        ("optimizer.dense.lr=-0.1", "optimizer.dense.lr must be at least 0"),
     ],
 )
 def test_cross_field_rules_say_what_to_change(override: str, fragment: str, debug_config: DebugConfig) -> None:
