@@ -93,6 +93,8 @@ def rank_outcome(rank: int, exitcode: int, what: str = "rank") -> str:
     "local rank" where only the rank on this node is known (the agent's record, several nodes)."""
     if exitcode == console.EXIT_PEER_LOST:
         return f"{what} {rank} stopped (another rank of the job is gone)"
+    if exitcode == console.EXIT_STALLED:
+        return f"{what} {rank} stopped (a collective timed out: another rank does not answer)"
     return f"{what} {rank} exited ({console.exit_description(exitcode)})"
 
 
@@ -101,7 +103,7 @@ def root_cause(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure
     one the agent stopped (SIGTERM) because another had failed; by time, then rank."""
 
     def victim(f: ProcessFailure) -> bool:
-        return f.exitcode in (console.EXIT_PEER_LOST, -signal.SIGTERM)
+        return f.exitcode in (console.EXIT_PEER_LOST, console.EXIT_STALLED, -signal.SIGTERM)
 
     return min(failures.items(), key=lambda item: (victim(item[1]), item[1].timestamp, item[0]))
 

@@ -34,6 +34,10 @@ EXIT_PEER_LOST = 3
 """The exit status of a rank that stopped because another rank of the job died; the launcher
 tells such a rank apart from the one that failed first."""
 
+EXIT_STALLED = 4
+"""The exit status of a rank whose collective timed out: another rank stopped answering (hung,
+SIGSTOPped, stuck in I/O) but did not die; like EXIT_PEER_LOST, not the job's root cause."""
+
 CHECKPOINT_WINDOW_S = 2.0
 """Checkpoints that come closer together than this are frequent: folded into one line..."""
 CHECKPOINT_HOLD_S = 10.0
@@ -365,6 +369,51 @@ def says_peer_lost(text: str) -> bool:
 def is_peer_lost(exc: BaseException) -> bool:
     """Whether `exc` is a collective failing because another rank's process is gone."""
     return isinstance(exc, RuntimeError) and says_peer_lost(str(exc))
+
+
+STALLED = re.compile(r"Timed out waiting (\d+)ms for (send|recv) operation")
+"""What gloo says when a collective's peer stopped answering within the process group's timeout."""
+_COLLECTIVE_CODE = ("/torchrec/", "/torch/distributed/", "/torch/nn/parallel/")
+
+
+def is_stalled_collective(exc: BaseException) -> bool:
+    """Whether `exc` is a collective that timed out waiting for another rank (alive, silent)."""
+    return isinstance(exc, RuntimeError) and "gloo" in str(exc) and STALLED.search(str(exc)) is not None
+
+
+def stalled_collective(exc: BaseException) -> str:
+    """Where `exc` stalled: the innermost frame of torchrec's or torch.distributed's code (the
+    collective), and the innermost of deltarec's own (what deltarec was doing), from its traceback."""
+    frames = [(tb.tb_frame.f_code, tb.tb_lineno) for tb in _tracebacks(exc)]
+
+    def name(found: tuple | None) -> str | None:
+        if found is None:
+            return None
+        code, line = found
+        parts = code.co_filename.replace(os.sep, "/").split("/")
+        return f"{code.co_qualname} ({'/'.join(parts[-2:])}:{line})"
+
+    library = name(next((f for f in reversed(frames) if any(p in f[0].co_filename for p in _COLLECTIVE_CODE)), None))
+    ours = name(next((f for f in reversed(frames) if "site-packages" not in f[0].co_filename
+                      and "/lib/python" not in f[0].co_filename), None))
+    where = " in ".join(n for n in (library, ours) if n)
+    return where or "an unknown collective"
+
+
+def _tracebacks(exc: BaseException) -> list:
+    out, tb = [], exc.__traceback__
+    while tb is not None:
+        out.append(tb)
+        tb = tb.tb_next
+    return out
+
+
+def stalled_line(rank: int, exc: BaseException) -> str:
+    """The one line a rank prints when a collective timed out: how long it waited, where."""
+    m = STALLED.search(str(exc))
+    waited = f"{int(m[1]) / 1000:g} s" if m else "the timeout"
+    return (f"deltarec-train: rank {rank} stopped: a collective waited {waited} (sharding.timeout_s) for a rank that "
+            f"does not answer: {stalled_collective(exc)}")
 
 
 def reports_peer_lost(record: logging.LogRecord) -> bool:

@@ -168,7 +168,8 @@ def checkpoint_summary(manager: CheckpointManager, resumed: bool = False) -> str
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the job; a user error (any `DeltarecError`) is one line on stderr and exit code 2.
     Another rank dying is one line (its traceback too with --verbose) and, unless torchrun's
-    agent stops this rank first, `console.EXIT_PEER_LOST`; Ctrl-C is one line on rank 0 and
+    agent stops this rank first, `console.EXIT_PEER_LOST`; a collective timing out on a rank
+    that does not answer is one line naming the collective and `console.EXIT_STALLED`; Ctrl-C is one line on rank 0 and
     130. `record` writes any other failure to torchrun's error file, so torchrun names it."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     env = detect_env()
@@ -186,16 +187,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             console.say("deltarec-train: interrupted", err=True)
         return 130
     except RuntimeError as exc:
-        if env.world_size < 2 or not console.is_peer_lost(exc):
+        stalled = console.is_stalled_collective(exc)
+        if env.world_size < 2 or not (stalled or console.is_peer_lost(exc)):
             raise
         if args.verbose:
             traceback.print_exc()
-        console.say(console.peer_lost_line(env.rank, exc), err=True)
-        console.wait_for_agent()
+        console.say(console.stalled_line(env.rank, exc) if stalled else console.peer_lost_line(env.rank, exc), err=True)
+        if not stalled:  # a silent rank has not exited, so no agent knows of a failure: exit now
+            console.wait_for_agent()
         # Not stopped by an agent: this exit is the failure to report. `record` only writes
         # exceptions that escape; written earlier, its timestamp would name this rank first.
         get_error_handler().record_exception(exc)
-        return console.EXIT_PEER_LOST
+        return console.EXIT_STALLED if stalled else console.EXIT_PEER_LOST
 
 
 def cli() -> None:

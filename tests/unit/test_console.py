@@ -207,3 +207,27 @@ def test_what_counts_as_a_peer_gone() -> None:
     assert console.peer_lost_line(0, RuntimeError(GLOO_RESET)) == (
         "deltarec-train: rank 0 stopped: another rank of the job is gone (Connection reset by peer)"
     )
+
+
+GLOO_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] "
+                "Timed out waiting 5000ms for send operation to complete")
+
+
+def _train_step_that_stalls() -> None:
+    raise RuntimeError(GLOO_TIMEOUT)
+
+
+def test_a_timed_out_collective_is_one_line_with_the_wait_and_where() -> None:
+    try:
+        _train_step_that_stalls()
+    except RuntimeError as exc:
+        caught = exc
+    assert console.is_stalled_collective(caught) and not console.is_peer_lost(caught)
+    line = console.stalled_line(1, caught)
+    assert line.startswith("deltarec-train: rank 1 stopped: a collective waited 5 s (sharding.timeout_s) "
+                           "for a rank that does not answer: ")
+    # no torchrec or torch.distributed frame here: the innermost frame outside the libraries
+    assert line.endswith("_train_step_that_stalls (unit/test_console.py:" + str(
+        _train_step_that_stalls.__code__.co_firstlineno + 1) + ")"), line
+    assert not console.is_stalled_collective(RuntimeError("Timed out waiting 5000ms for the broker"))
+    assert not console.is_stalled_collective(RuntimeError(GLOO_RESET))

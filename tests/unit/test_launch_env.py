@@ -10,7 +10,7 @@ import pytest
 
 from launch.torchrun import AGENT_LOGGER, FAILED_RECORD, RankFailures, build_command, rank_outcome, root_cause
 from sharding.process_group import detect_env
-from trainer.console import EXIT_PEER_LOST
+from trainer.console import EXIT_PEER_LOST, EXIT_STALLED
 
 
 def test_torchrun_variables() -> None:
@@ -99,3 +99,17 @@ def test_the_agents_failure_record_becomes_one_deltarec_line(capsys: pytest.Capt
     assert failures.filter(_agent_record(FAILED_RECORD, (1, 0, 4322, "/usr/bin/python"))) is False
     assert capsys.readouterr().err == ""
     assert failures.filter(_agent_record("Unable to shutdown process %s via %s", (4323, "SIGTERM"))) is True
+
+
+def test_a_rank_whose_collective_timed_out_is_not_the_root_cause() -> None:
+    """Rank 0 exits after its collective timed out (EXIT_STALLED); rank 1, stopped, is killed by
+    the agent: neither failed of its own accord, so the first to exit is named, and says why."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    assert rank_outcome(0, EXIT_STALLED) == "rank 0 stopped (a collective timed out: another rank does not answer)"
+    failures = {
+        0: ProcessFailure(local_rank=0, pid=100, exitcode=EXIT_STALLED, error_file="<N/A>"),
+        1: ProcessFailure(local_rank=1, pid=101, exitcode=-15, error_file="<N/A>"),
+    }
+    failures[0].timestamp, failures[1].timestamp = 10, 11
+    assert root_cause(failures)[0] == 0
