@@ -59,6 +59,7 @@ class CkptConfig:
     dense_dir: str = ""  # default <run_dir>/dense (a shared filesystem across nodes)
     max_frame_bytes: int = 998_976  # under Kafka's default message.max.bytes
     flush_timeout_s: float = 60.0
+    connect_timeout_s: float = 15.0  # at start: how long a broker may take to answer before the job stops
     # niceness the writer thread adds to itself (Linux): encoding rows on the CPU must not
     # take cores from the training step; 0 runs it at the training thread's priority
     writer_nice: int = 10
@@ -114,6 +115,8 @@ class CkptConfig:
                 f"{src}: ckpt.sink=kafka needs ckpt.bootstrap_servers (e.g. the address `deltarec-broker start` prints)"
             )
         self._validate_kafka(src)
+        if self.connect_timeout_s <= 0:
+            raise ConfigError(f"{src}: ckpt.connect_timeout_s must be positive, got {self.connect_timeout_s}")
         if self.flush_timeout_s <= 0:
             raise ConfigError(f"{src}: ckpt.flush_timeout_s must be positive (it bounds every flush), got {self.flush_timeout_s}")
         if self.resume not in ("none", "latest") and not self.resume.isdigit():

@@ -403,6 +403,9 @@ class FsMarkers:
             raise SinkError(f"cannot append marker to {self.path}: {e}") from None
         return pos
 
+    def check_reachable(self, timeout_s: float) -> None:
+        """Files need no connection: a root that does not exist yet holds no checkpoint."""
+
     def read_markers(self, start: int = 0) -> list[tuple[int, bytes]]:
         try:
             f = open(self.path, "rb")

@@ -493,6 +493,24 @@ class KafkaSource:
         self._admin = None
 
 
+class BrokerUnreachable(SinkError):
+    """No broker answered a metadata request within ``ckpt.connect_timeout_s``."""
+
+
+def check_reachable(admin: AdminClient, bootstrap: str, timeout_s: float) -> None:
+    """One metadata request, bounded by `timeout_s`; ``BrokerUnreachable`` naming the address
+    and librdkafka's reason when nothing answers (refused, unresolvable, silent)."""
+    try:
+        admin.list_topics(timeout=timeout_s)
+    except KafkaException as exc:
+        err = exc.args[0] if exc.args else None
+        reason = err.str() if isinstance(err, KafkaError) else str(exc)
+        raise BrokerUnreachable(
+            f"no Kafka broker answered at {bootstrap} within {timeout_s:g} s (ckpt.connect_timeout_s): {reason}; "
+            f"start it (deltarec-broker start) or fix ckpt.bootstrap_servers"
+        ) from None
+
+
 class KafkaMarkers:
     """The marker log: topic ``<run>.markers``, one partition, synchronous appends."""
 
@@ -505,6 +523,7 @@ class KafkaMarkers:
         self.timeout_s = timeout_s
         self.replication_factor = replication_factor
         self._admin = _admin(conf)
+        self.bootstrap = str(conf.get("bootstrap.servers", "kafka"))
         self._p = _Producer(conf, producer_conf, timeout_s, timeout_s)
         # Read from offset 0, or from the earliest kept offset if retention removed it
         # (OFFSET_BEGINNING would cost an extra ListOffsets round, ~0.5 s on Tansu).
@@ -535,6 +554,10 @@ class KafkaMarkers:
             raise err
         self._last = box[0][1].offset()
         return self._last
+
+    def check_reachable(self, timeout_s: float) -> None:
+        """Raise ``BrokerUnreachable`` unless a broker answers within `timeout_s`."""
+        check_reachable(self._admin, self.bootstrap, timeout_s)
 
     def read_markers(self, start: int = 0, *, timeout_s: float | None = None) -> list[tuple[int, bytes]]:
         """The markers from offset `start` to the end of the topic (end-of-partition event;

@@ -322,28 +322,41 @@ class CheckpointManager:
         dense store and broadcasts, so all ranks agree. With `resume=none` only the newest id
         matters, and a markers log that cannot be read is not an error."""
         chosen: list[Any] = [None]
+        failure: DeltarecError | None = None
         if self.env.rank == 0:
-            history = self.dense.history()
             try:
-                catalog = read_catalog(self.backend.markers, self.run_id, self.backend.where)
-            except DeltarecError:
-                if self.c.resume != "none":
-                    raise
-                catalog = None
-            found = catalog.restorable() if catalog is not None else []  # each with its cheapest complete chain
-            newest = catalog.newest_id if catalog is not None else 0
-            if self.c.resume == "none":
-                ordered = []
-            elif self.c.resume == "latest":
-                ordered = sorted(found, key=lambda m: m.checkpoint_id, reverse=True)
-            else:
-                ordered = [m for m in found if m.checkpoint_id == int(self.c.resume)]
-                ordered += sorted((m for m in found if m.checkpoint_id < int(self.c.resume)),
-                                  key=lambda m: m.checkpoint_id, reverse=True)
-            chosen[0] = (ordered, newest, history)
+                chosen[0] = self._read_candidates()
+            except DeltarecError as exc:  # every rank stops with it, none waits at the broadcast
+                failure = exc
+                chosen[0] = str(exc)
         dist.broadcast_object_list(chosen, src=0)
+        if isinstance(chosen[0], str):
+            raise failure or RestoreError(chosen[0])
         ordered, self._newest_id, self._history = chosen[0]
         return ordered
+
+    def _read_candidates(self) -> tuple[list[Marker], int, DenseHistory]:
+        """Rank 0's part of `_candidates`: the broker answers (bounded), then the markers log
+        and the dense store are read."""
+        self.backend.markers.check_reachable(self.c.connect_timeout_s)
+        history = self.dense.history()
+        try:
+            catalog = read_catalog(self.backend.markers, self.run_id, self.backend.where)
+        except DeltarecError:
+            if self.c.resume != "none":
+                raise
+            catalog = None
+        found = catalog.restorable() if catalog is not None else []  # each with its cheapest complete chain
+        newest = catalog.newest_id if catalog is not None else 0
+        if self.c.resume == "none":
+            ordered = []
+        elif self.c.resume == "latest":
+            ordered = sorted(found, key=lambda m: m.checkpoint_id, reverse=True)
+        else:
+            ordered = [m for m in found if m.checkpoint_id == int(self.c.resume)]
+            ordered += sorted((m for m in found if m.checkpoint_id < int(self.c.resume)),
+                              key=lambda m: m.checkpoint_id, reverse=True)
+        return ordered, newest, history
 
     def _trainer_state(self, state: dict[str, Any], marker: Marker) -> dict[str, Any]:
         """This rank's loop state; reader state carries over to another world size only

@@ -214,6 +214,10 @@ class MarkerLog(Protocol):
     def append_marker(self, payload: bytes) -> int:
         """Durably append one marker; returns its position. Raises ``SinkError``."""
 
+    def check_reachable(self, timeout_s: float) -> None:
+        """Raise a ``SinkError`` naming the address unless the log's storage answers within
+        `timeout_s` (a broker); files always do."""
+
     def read_markers(self, start: int = 0) -> list[tuple[int, bytes]]:
         """Every durable marker at or after position `start` (0, or a position this log
         returned), in order, as ``(position, payload)``. Several processes may append (the

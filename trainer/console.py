@@ -43,6 +43,9 @@ CHECKPOINT_WINDOW_S = 2.0
 CHECKPOINT_HOLD_S = 10.0
 """...printed at least this often (or before deltarec's next other line)."""
 
+LIBRDKAFKA_LOGGER = "deltarec.librdkafka"  # where ckpt/kafka_sink.py sends librdkafka's log
+REPEAT_WINDOW_S = 60.0
+
 AGENT_GRACE_S = 30.0
 """How long a rank that lost its peers waits for torchrun's agent to stop it (`wait_for_agent`)."""
 
@@ -342,6 +345,33 @@ def setup_rank(rank: int, verbose: bool = False, noise: Iterable[WarningNoise | 
     if not verbose:
         install_noise_filters(noise)
         logging.captureWarnings(True)  # unfiltered warnings go through the handler too (bar-safe)
+        # librdkafka repeats a connection failure at every reconnect (every second or faster)
+        # while a broker is down: the first shows, then one line per minute with the count.
+        logging.getLogger(LIBRDKAFKA_LOGGER).addFilter(RepeatFilter(REPEAT_WINDOW_S))
+
+
+class RepeatFilter(logging.Filter):
+    """Lets a message through once per `window_s`; the next one after the window says how
+    many like it were held back. Messages count as alike when they differ only in numbers."""
+
+    def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.window_s = window_s
+        self.clock = clock
+        self.seen: dict[str, tuple[float, int]] = {}  # shape -> (when last shown, held back since)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        shape = re.sub(r"\d+", "#", record.getMessage())
+        now = self.clock()
+        shown, held = self.seen.get(shape, (None, 0))
+        if shown is not None and now - shown < self.window_s:
+            self.seen[shape] = (shown, held + 1)
+            return False
+        self.seen[shape] = (now, 0)
+        if held:
+            record.msg = f"{record.getMessage()} ({held} more like it in the last {self.window_s:g} s)"
+            record.args = None
+        return True
 
 
 def say(line: str, err: bool = False) -> None:

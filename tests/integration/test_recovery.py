@@ -13,8 +13,8 @@ import torch
 from ckpt.fs_sink import FsMarkers
 from ckpt.kafka_sink import KafkaMarkers
 from ckpt.markers import decode_marker, encode_marker
-from launch.broker import EmbeddedBroker
-from launch.ranks import spawn_ranks, start_ranks
+from launch.broker import EmbeddedBroker, free_port
+from launch.ranks import read_metrics, spawn_ranks, start_ranks
 
 if TYPE_CHECKING:
     from tests.conftest import CliRunner, DebugConfig, MetricsReader
@@ -175,7 +175,7 @@ def test_broker_gone_training_goes_on_and_recovers_with_a_full_checkpoint(
         assert group.running(), "training stopped when the broker died"
         second = EmbeddedBroker(port=port)
         second.start()
-        group.wait()
+        results = group.wait()
     finally:
         first.kill()
         if second is not None:
@@ -188,6 +188,33 @@ def test_broker_gone_training_goes_on_and_recovers_with_a_full_checkpoint(
     assert max(metrics.values(run_dir, "step", "loss")) == 1500
     failures = [r["ckpt_error"] for r in ckpts if not r["ckpt_committed"]]
     assert all(f for f in failures), "a failed checkpoint must say why"
+    for r in results:  # librdkafka's reconnect failures: the first, then one a minute with a count
+        refused = [line for line in r.stderr.splitlines() if "Connection refused" in line]
+        assert 1 <= len(refused) <= 4, "\n".join(refused[:20])
+
+
+def test_broker_unreachable_at_start_stops_every_rank_with_one_line(
+    tmp_path, unique_name, debug_config: DebugConfig
+):
+    """Nothing listens at the bootstrap address: within ckpt.connect_timeout_s every rank stops
+    (none waits for rank 0 at a broadcast) with the line naming the address, before training
+    and before anything is written; resume=latest and resume=none alike (neither can tell
+    which checkpoint ids the stream holds)."""
+    bootstrap = f"127.0.0.1:{free_port()}"
+    for resume in ("latest", "none"):
+        job = _ckpt(unique_name("unreachable"), "kafka", bootstrap, connect_timeout_s=3, resume=resume)
+        (tmp_path / resume).mkdir()
+        results = spawn_ranks(debug_config.path, [*job, "train.steps=20"], tmp_path / resume, expect_ok=False,
+                              timeout_s=120)  # fmt: skip
+        line = (f"deltarec-train: error: no Kafka broker answered at {bootstrap} within 3 s (ckpt.connect_timeout_s): ")
+        for r in results:
+            assert r.returncode == 2, f"rank {r.rank}: exit {r.returncode}\n{r.stderr[-3000:]}"
+            assert [x for x in r.stderr.splitlines() if x.startswith(line)], r.stderr[-3000:]
+            assert "Traceback" not in r.stderr, r.stderr[-3000:]
+        run_dir = tmp_path / resume / "run"
+        assert not (run_dir / "dense").exists() or not any((run_dir / "dense").iterdir())
+        trained = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+        assert not trained, trained
 
 
 def test_torchrun_restarts_a_killed_rank_from_the_newest_marker(

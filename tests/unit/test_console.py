@@ -231,3 +231,22 @@ def test_a_timed_out_collective_is_one_line_with_the_wait_and_where() -> None:
         _train_step_that_stalls.__code__.co_firstlineno + 1) + ")"), line
     assert not console.is_stalled_collective(RuntimeError("Timed out waiting 5000ms for the broker"))
     assert not console.is_stalled_collective(RuntimeError(GLOO_RESET))
+
+
+def test_a_repeated_library_message_shows_once_a_window_with_the_count() -> None:
+    now = [0.0]
+    f = console.RepeatFilter(60.0, clock=lambda: now[0])
+
+    def rec(msg: str) -> logging.LogRecord:
+        return logging.LogRecord("deltarec.librdkafka", logging.ERROR, "x", 1, msg, None, None)
+
+    refused = "FAIL [rdkafka#producer-{}]: Connect to ipv4#127.0.0.1:1 failed: Connection refused (after {}ms)"
+    assert f.filter(rec(refused.format(1, 0)))
+    now[0] = 10.0
+    assert not f.filter(rec(refused.format(1, 3)))  # the same but for its numbers
+    assert f.filter(rec("FAIL: Receive failed: Disconnected"))  # another message
+    now[0] = 59.0
+    assert not f.filter(rec(refused.format(2, 1)))
+    now[0] = 61.0
+    later = rec(refused.format(1, 2))
+    assert f.filter(later) and later.getMessage().endswith("(after 2ms) (2 more like it in the last 60 s)")
