@@ -17,6 +17,7 @@ import argparse
 import logging
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -27,6 +28,7 @@ from ckpt.config import CkptConfig
 from ckpt.dense_store import DenseRef, DenseStore
 from ckpt.catalog import Catalog, read_catalog
 from ckpt.export import assemble, export, replicated_tables
+from ckpt.faults import maybe_die
 from ckpt.markers import DroppedRecord, Marker, encode_marker
 from ckpt.restore import RestoreError, iter_chain_frames
 from ckpt.sink import compacted_epoch, generation_label, is_compacted
@@ -158,7 +160,11 @@ def _unused(generation: int, referenced: bool, catalog: Catalog) -> bool:
 
 def cmd_gc(catalog: Catalog, keep: int, backend, dense: DenseStore) -> int:
     """Keep the newest `keep` restorable checkpoints and what their cheapest chains read;
-    drop every other generation (recorded in the markers log first) and dense file."""
+    drop every other generation (recorded in the markers log first) and dense file.
+
+    Restartable: a gc killed after its DROPPED record leaves generations the log already calls
+    dropped (restores never read them) but the sink still holds, whole or half deleted, and
+    dense files; the next gc deletes them without recording them again."""
     if keep < 1:
         raise CliError("--keep must be at least 1: gc never drops the newest checkpoint")
     restorable = [m for m in catalog.restorable() if Path(m.dense.get("path", "")).is_file()]
@@ -169,16 +175,23 @@ def cmd_gc(catalog: Catalog, keep: int, backend, dense: DenseStore) -> int:
         needed.add(newest.chain[-1].generation)  # the trainer may still be writing deltas there
     known = {link.generation for m in [*catalog.commits.values(), *catalog.compactions.values(), *catalog.fenced]
              for link in m.chain}
-    dropped = sorted(g for g in (known | set(backend.sink.generations())) - needed - catalog.dropped
-                     if _unused(g, g in known, catalog))
+    present = set(backend.sink.generations())
+    dropped = sorted(g for g in (known | present) - needed - catalog.dropped if _unused(g, g in known, catalog))
+    unfinished = sorted((present & catalog.dropped) - needed)  # recorded by a gc that was killed
     if dropped:
         record = DroppedRecord(kind="dropped", run_id=catalog.run_id, generations=dropped, created_unix=time.time())
         backend.markers.append_marker(encode_marker(record))  # first: no restore starts reading them
-    for g in dropped:
-        backend.sink.drop_generation(g)
+    maybe_die("gc", 0, 0)
     kept_ids = {m.checkpoint_id for m in kept}
-    dense.delete([cid for cid in catalog.commits if cid not in kept_ids])
-    print(f"kept checkpoints {sorted(kept_ids)}; dropped generations {[generation_label(g) for g in dropped]}")
+    stale = [cid for cid in sorted(catalog.commits) if cid not in kept_ids and dense.path_for(cid).exists()]
+    deletions = [*(partial(backend.sink.drop_generation, g) for g in sorted([*unfinished, *dropped])),
+                 *(partial(dense.delete, [cid]) for cid in stale)]
+    for n, delete in enumerate(deletions, 1):
+        delete()
+        maybe_die("gc", n, 0)
+    finished = f"; finished deleting {[generation_label(g) for g in unfinished]} (an earlier gc was interrupted)"
+    print(f"kept checkpoints {sorted(kept_ids)}; dropped generations {[generation_label(g) for g in dropped]}"
+          + (finished if unfinished else ""))
     return 0
 
 

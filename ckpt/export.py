@@ -46,7 +46,9 @@ otherwise. The design is described in docs/design.md.
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterable
@@ -54,7 +56,8 @@ from typing import Any, Callable, Collection, Iterable
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ckpt.dense_store import DenseRef, DenseStore
+from ckpt.dense_store import DenseRef, DenseStore, _fsync_dir
+from ckpt.faults import maybe_die
 from ckpt.frames import Frame
 from ckpt.markers import Marker
 from ckpt.restore import RestoreError, decode_rows, iter_chain_frames
@@ -223,29 +226,96 @@ def replicated_tables(marker: Marker, dense_state: dict[str, Any]) -> set[str]:
 
 
 def write_export(exported: ExportedModel, out: Path, dcp_dir: Path | None = None) -> dict[str, Any]:
-    """Write `exported` as a `torch.save` file (and a DCP directory), each atomically: into a
-    temporary name first, then renamed, so a reader never sees half a model."""
+    """Write `exported` as a `torch.save` file (and a DCP directory), each atomically: both are
+    written under temporary names first, then renamed into place, so `out` and `dcp_dir` are
+    always a whole export, never half of one.
+
+    A process killed on the way leaves at most its temporary names beside them (see
+    `_temporary`); the next export to the same path removes them, and puts back a previous DCP
+    directory that was moved aside when the kill came just before the new one was renamed in.
+    Between the two renames `out` may be the new export and `dcp_dir` still the old one."""
     payload = exported.to_file()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    _clear_leftovers(out)
+    tmp, tmp_dir = _temporary(out, "tmp"), None
     try:
         torch.save(payload, tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    if dcp_dir is not None:
-        tmp_dir = dcp_dir.with_name(f".{dcp_dir.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        try:
+        maybe_die("export", 1, 0)
+        if dcp_dir is not None:
+            dcp_dir.parent.mkdir(parents=True, exist_ok=True)
+            _clear_leftovers(dcp_dir)
+            tmp_dir = _temporary(dcp_dir, "tmp")
             # one process writes the whole model, even inside a job's process group
             dcp.save(exported.to_dcp(), checkpoint_id=str(tmp_dir), no_dist=True)
-            shutil.rmtree(dcp_dir, ignore_errors=True)
-            os.replace(tmp_dir, dcp_dir)
-        finally:
+            maybe_die("export", 2, 0)
+        os.replace(tmp, out)
+        _fsync_dir(out.parent)
+        if tmp_dir is not None:
+            _swap_in(tmp_dir, dcp_dir)
+    finally:
+        tmp.unlink(missing_ok=True)
+        if tmp_dir is not None:
             shutil.rmtree(tmp_dir, ignore_errors=True)
     return payload
+
+
+_LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<host>[^/]+)-(?P<pid>\d+)")
+
+
+def _temporary(path: Path, kind: str) -> Path:
+    """`.<name>.<kind>-<host>-<pid>` beside `path`: `tmp` while it is written, `old` for the
+    previous DCP directory while the new one is renamed in. Host and pid tell a leftover of a
+    dead process from the work of a live one (on a filesystem several hosts share, too)."""
+    return path.with_name(f".{path.name}.{kind}-{socket.gethostname()}-{os.getpid()}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _clear_leftovers(path: Path) -> None:
+    """Remove what an export to `path` killed on this host left (its temporary names); put
+    back the previous DCP directory if it was killed after moving it aside and before renaming
+    the new one in."""
+    if not path.parent.is_dir():
+        return
+    host = socket.gethostname()
+    for p in sorted(path.parent.iterdir(), key=lambda q: q.name):
+        m = _LEFTOVER.fullmatch(p.name)
+        if m is None or m["name"] != path.name or m["host"] != host or _alive(int(m["pid"])):
+            continue
+        if m["kind"] == "old" and not path.exists():
+            os.replace(p, path)
+        else:
+            _remove(p)
+
+
+def _swap_in(new: Path, final: Path) -> None:
+    """Rename directory `new` to `final`, replacing what is there: the old one is renamed
+    aside first (a non-empty directory cannot be replaced by a rename) and removed last."""
+    old = _temporary(final, "old") if final.exists() else None
+    if old is not None:
+        os.replace(final, old)
+    maybe_die("export", 3, 0)
+    os.replace(new, final)
+    _fsync_dir(final.parent)
+    if old is not None:
+        _remove(old)
 
 
 def export(marker: Marker, source: FrameSource, dense: DenseStore, run_id: str,

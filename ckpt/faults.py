@@ -1,13 +1,20 @@
-"""Crash points for tests and the quickstart: SIGKILL this very process at a named point of a checkpoint.
+"""Crash points for tests and the quickstart: SIGKILL this very process at a named point.
 
 `DELTAREC_KILL_AT=point:key[@rank]` (e.g. `rows:3@1`: rank 1 dies while writing the rows
-of checkpoint 3). Points: `step` (after training step `key`), `snapshot` (inside the
-stall of checkpoint `key`), `rows` (in the writer, after half the frames of checkpoint
-`key`), `marker` (on rank 0, after the dense file and before the COMMIT marker),
-`committed` (once this rank learns checkpoint `key` committed). Only
-a job's first attempt dies (torchrun's TORCHELASTIC_RESTART_COUNT is 0 or unset), so a
-restarted job runs on. Unset, every call is a dictionary lookup and returns. A real SIGKILL, not an exception, so the
-tests see what a crash leaves behind.
+of checkpoint 3). Points of a training job: `step` (after training step `key`), `snapshot`
+(inside the stall of checkpoint `key`), `rows` (in the writer, after half the frames of
+checkpoint `key`), `marker` (on rank 0, after the dense file and before the COMMIT marker),
+`committed` (once this rank learns checkpoint `key` committed), `restore` (while this rank
+restores checkpoint `key`: its first frame is written into the live shards, the rest of the
+chain and the dense state are not). Points of the `deltarec-ckpt` tools, whose process is
+rank 0: `gc` (after `key` deletions, generations first and then dense files; 0: once gc's
+DROPPED record is durable, before it deletes anything), `export` (at stage `key` of writing
+an export, also a follower's serving snapshot: 1 the `torch.save` file is written under its
+temporary name, 2 the DCP directory too, 3 the file is in place and the old DCP directory
+moved aside, the new one not yet in place). Only a job's first attempt dies (torchrun's
+TORCHELASTIC_RESTART_COUNT is 0 or unset), so a restarted job runs on. Unset, every call is a
+dictionary lookup and returns. A real SIGKILL, not an exception, so the tests see what a crash
+leaves behind.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import functools
 import os
 import re
 import signal
+import sys
 import time
 from typing import NamedTuple
 
@@ -26,7 +34,10 @@ ENV = "DELTAREC_KILL_AT"
 SLOW_ENV = "DELTAREC_SLOW_FLUSH"  # "checkpoint_id:seconds": that checkpoint's writer sleeps before flushing
 # "checkpoint_id:ERRNO" (e.g. "3:ENOSPC"): writing that checkpoint's dense file fails with that OSError
 DENSE_ERROR_ENV = "DELTAREC_DENSE_ERROR"
-POINTS = ("step", "snapshot", "rows", "marker", "committed")
+# "checkpoint_id:seconds": a rank restoring that checkpoint holds where the `restore` point
+# would kill it, and says so on stderr (a test then SIGKILLs it from outside)
+SLOW_RESTORE_ENV = "DELTAREC_SLOW_RESTORE"
+POINTS = ("step", "snapshot", "rows", "marker", "committed", "restore", "gc", "export")
 
 
 class FaultSpecError(DeltarecError):
@@ -68,6 +79,20 @@ def maybe_slow(checkpoint_id: int) -> None:
         cid, _, seconds = spec.partition(":")
         if int(cid) == checkpoint_id:
             time.sleep(float(seconds))
+
+
+def maybe_hold_restore(checkpoint_id: int, rank: int) -> None:
+    """Hold this rank's restore of `checkpoint_id` as DELTAREC_SLOW_RESTORE says, announcing it
+    on stderr first, so that a test can SIGKILL the rank from outside in the middle of a restore
+    (which takes milliseconds on the tests' tables)."""
+    spec = os.environ.get(SLOW_RESTORE_ENV)
+    if not spec:
+        return
+    cid, _, seconds = spec.partition(":")
+    if int(cid) == checkpoint_id:
+        print(f"deltarec fault: rank {rank} holds its restore of checkpoint {checkpoint_id} for {seconds} s",
+              file=sys.stderr, flush=True)
+        time.sleep(float(seconds))
 
 
 def maybe_fail_dense_write(checkpoint_id: int, path: os.PathLike | str) -> None:

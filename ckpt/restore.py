@@ -27,8 +27,10 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from common.errors import DeltarecError
+from ckpt.faults import maybe_die, maybe_hold_restore
 from ckpt.frames import Frame, FrameError
 from ckpt.markers import ChainLink, IndexEntry, Marker, OffsetRange
 from ckpt.quant import get_codec
@@ -344,6 +346,10 @@ def restore_rows(
         if item is None:
             break
         replay.add(*item)
+        if out.frames == 1:  # crash points: the shards hold part of the chain (ckpt/faults.py)
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            maybe_hold_restore(marker.checkpoint_id, rank)
+            maybe_die("restore", marker.checkpoint_id, rank)
     replay.finish()
     out.seconds = time.perf_counter() - t0
     return out

@@ -9,13 +9,29 @@ import sys
 
 import pytest
 
-from ckpt.faults import ENV, FaultSpecError, KillAt, parse_kill_at
+from ckpt.faults import ENV, SLOW_RESTORE_ENV, FaultSpecError, KillAt, maybe_hold_restore, parse_kill_at
 from launch.ranks import REPO
 
 
 def test_a_spec_names_point_key_and_maybe_rank() -> None:
     assert parse_kill_at("committed:3@1") == KillAt("committed", 3, 1)
     assert parse_kill_at("rows:12") == KillAt("rows", 12, None)
+
+
+def test_the_points_of_restore_and_the_tools() -> None:
+    assert parse_kill_at("restore:3@1") == KillAt("restore", 3, 1)  # rank 1 restoring checkpoint 3
+    assert parse_kill_at("gc:0") == KillAt("gc", 0, None)  # after gc's DROPPED record, before any deletion
+    assert parse_kill_at("export:2@0") == KillAt("export", 2, 0)  # the CLI process is rank 0
+    with pytest.raises(FaultSpecError, match="restore, gc, export"):
+        parse_kill_at("verify:1")
+
+
+def test_a_held_restore_says_so_on_stderr(monkeypatch, capsys) -> None:
+    monkeypatch.setenv(SLOW_RESTORE_ENV, "3:0.01")
+    maybe_hold_restore(2, 0)  # another checkpoint: no hold, no line
+    assert capsys.readouterr().err == ""
+    maybe_hold_restore(3, 1)
+    assert capsys.readouterr().err == "deltarec fault: rank 1 holds its restore of checkpoint 3 for 0.01 s\n"
 
 
 @pytest.mark.parametrize("spec", ["bogus", "commit:3@1", "committed:x", "committed:3@", "committed3"])
@@ -38,6 +54,8 @@ def test_the_named_point_kills_the_named_rank_on_the_first_attempt_only() -> Non
     assert _die_at("rows", 3, 1, **{ENV: "committed:3@1"}) == 0  # another point
     assert _die_at("committed", 3, 1, **{ENV: "committed:3@1", "TORCHELASTIC_RESTART_COUNT": "1"}) == 0
     assert _die_at("committed", 3, 5, **{ENV: "committed:3"}) == -signal.SIGKILL  # every rank
+    assert _die_at("gc", 2, 0, **{ENV: "gc:2"}) == -signal.SIGKILL  # a tool's process is rank 0
+    assert _die_at("gc", 1, 0, **{ENV: "gc:2"}) == 0
 
 
 def test_dense_write_error_injection(tmp_path, monkeypatch) -> None:
