@@ -52,7 +52,10 @@ class RankGroup:
         once when every rank should succeed, else once the others had `PEER_GRACE_S` to end on
         their own (a test expecting a failure wants each rank's own exit status)."""
         failed, failed_at = None, None
-        while any(code is None for code in (codes := [p.poll() for p in self.procs])):  # every rank polled
+        while True:
+            codes = [p.poll() for p in self.procs]  # every rank polled (any() would stop early)
+            if all(code is not None for code in codes):
+                break
             now = time.monotonic()
             if now > self.deadline:
                 failed = f"ranks still running after {self.timeout_s:.0f}s"
