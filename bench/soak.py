@@ -21,6 +21,7 @@ tests/integration/test_soak.py runs a short version.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -36,7 +37,7 @@ from typing import Sequence
 import torch
 
 from launch.broker import EmbeddedBroker
-from launch.ranks import REPO, spawn_ranks
+from launch.ranks import REPO, descendant_pids, rank_pids, spawn_ranks
 from trainer.report import read_metrics
 
 CONFIG = REPO / "configs" / "debug_cpu.yaml"
@@ -58,25 +59,6 @@ class SoakResult:
     wall_s: float
     reference_wall_s: float
     kill_delays_s: list[float]
-
-
-def _rank_pids(launcher: int) -> dict[int, int]:
-    """rank -> pid of the trainer processes torchrun (in the launcher's process) runs now."""
-    ranks: dict[int, int] = {}
-    for task in Path(f"/proc/{launcher}/task").iterdir():
-        try:
-            children = (task / "children").read_text().split()
-        except FileNotFoundError:
-            continue
-        for child in children:
-            try:
-                env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
-            if rank is not None:
-                ranks[rank] = int(child)
-    return ranks
 
 
 def _records(metrics: Path) -> int:
@@ -145,7 +127,7 @@ def soak(sink: str, steps: int, kills: int, seed: int, interval: int, delay_s: t
         deadline = time.monotonic() + timeout_s
         killed: set[int] = set()
         while len(delays) < kills and job.poll() is None and time.monotonic() < deadline:
-            ranks = _rank_pids(job.pid)
+            ranks = rank_pids(job.pid)
             if len(ranks) < RANKS or killed & set(ranks.values()):
                 time.sleep(0.05)  # waiting for the next attempt's ranks
                 continue
@@ -153,7 +135,7 @@ def soak(sink: str, steps: int, kills: int, seed: int, interval: int, delay_s: t
                 continue
             delay = rng.uniform(*delay_s)
             time.sleep(delay)
-            ranks = _rank_pids(job.pid)
+            ranks = rank_pids(job.pid)
             if len(ranks) < RANKS:
                 continue  # the attempt ended meanwhile (finished, or failed on its own)
             victim = ranks[rng.randrange(RANKS)]
@@ -163,8 +145,9 @@ def soak(sink: str, steps: int, kills: int, seed: int, interval: int, delay_s: t
         rc = job.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         if job.poll() is None:
-            for pid in [*_rank_pids(job.pid).values(), job.pid]:
-                os.kill(pid, signal.SIGKILL)
+            for pid in [*descendant_pids(job.pid), job.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             job.wait()
         if broker is not None:
             broker.stop()

@@ -497,20 +497,6 @@ class BrokerUnreachable(SinkError):
     """No broker answered a metadata request within ``ckpt.connect_timeout_s``."""
 
 
-def check_reachable(admin: AdminClient, bootstrap: str, timeout_s: float) -> None:
-    """One metadata request, bounded by `timeout_s`; ``BrokerUnreachable`` naming the address
-    and librdkafka's reason when nothing answers (refused, unresolvable, silent)."""
-    try:
-        admin.list_topics(timeout=timeout_s)
-    except KafkaException as exc:
-        err = exc.args[0] if exc.args else None
-        reason = err.str() if isinstance(err, KafkaError) else str(exc)
-        raise BrokerUnreachable(
-            f"no Kafka broker answered at {bootstrap} within {timeout_s:g} s (ckpt.connect_timeout_s): {reason}; "
-            f"start it (deltarec-broker start) or fix ckpt.bootstrap_servers"
-        ) from None
-
-
 class KafkaMarkers:
     """The marker log: topic ``<run>.markers``, one partition, synchronous appends."""
 
@@ -556,8 +542,17 @@ class KafkaMarkers:
         return self._last
 
     def check_reachable(self, timeout_s: float) -> None:
-        """Raise ``BrokerUnreachable`` unless a broker answers within `timeout_s`."""
-        check_reachable(self._admin, self.bootstrap, timeout_s)
+        """One metadata request, bounded by `timeout_s`; ``BrokerUnreachable`` naming the address
+        and librdkafka's reason when nothing answers (refused, unresolvable, silent)."""
+        try:
+            self._admin.list_topics(timeout=timeout_s)
+        except KafkaException as exc:
+            err = exc.args[0] if exc.args else None
+            reason = err.str() if isinstance(err, KafkaError) else str(exc)
+            raise BrokerUnreachable(
+                f"no Kafka broker answered at {self.bootstrap} within {timeout_s:g} s (ckpt.connect_timeout_s): "
+                f"{reason}; start it (deltarec-broker start) or fix ckpt.bootstrap_servers"
+            ) from None
 
     def read_markers(self, start: int = 0, *, timeout_s: float | None = None) -> list[tuple[int, bytes]]:
         """The markers from offset `start` to the end of the topic (end-of-partition event;

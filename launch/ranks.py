@@ -137,6 +137,42 @@ def spawn_ranks(
     return group.wait(expect_ok)
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes `pid` started that are still alive (from /proc; empty once it ended)."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:
+        return []
+    children: list[int] = []
+    for task in tasks:
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+    return children
+
+
+def descendant_pids(pid: int) -> list[int]:
+    """Every process below `pid`: what to SIGKILL, by pid, to leave nothing of a launcher behind
+    (torchrun starts each rank in a session of its own, so no process group holds them all)."""
+    return [d for child in child_pids(pid) for d in (child, *descendant_pids(child))]
+
+
+def rank_pids(launcher: int) -> dict[int, int]:
+    """rank -> pid of the trainer ranks a launcher runs now (torchrun's agent, in it or below
+    it, gives each its RANK): what a test or the soak script kills from outside."""
+    ranks: dict[int, int] = {}
+    for pid in descendant_pids(launcher):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
+        if rank is not None:
+            ranks.setdefault(rank, pid)
+    return ranks
+
+
 def read_jsonl(path: Path, live: bool = False) -> list[dict]:
     """The records of a JSON-lines file, in file order.
 

@@ -141,8 +141,6 @@ def launch(argv: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args, _ = parse(argv)
-    # A fresh worker store per attempt, hosted by rank 0 (sharding/process_group.py says why).
-    os.environ.setdefault(FRESH_STORE_ENV, "1")
     console.quiet_launcher()
     failures = RankFailures(args.max_restarts, multi_node=args.nnodes > 1)
     logging.getLogger(AGENT_LOGGER).addFilter(failures)
@@ -165,6 +163,7 @@ def launch(argv: Sequence[str]) -> int:
 def cli() -> None:
     """Console-script entry point."""
     argv = sys.argv[1:]
+    # A fresh worker store per attempt, hosted by rank 0 (sharding/process_group.py says why).
     os.environ.setdefault(FRESH_STORE_ENV, "1")
     if parse(argv)[0].verbose:
         cmd = build_command(argv)

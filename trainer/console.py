@@ -24,6 +24,7 @@ import re
 import signal
 import sys
 import time
+import traceback
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -414,7 +415,7 @@ def is_stalled_collective(exc: BaseException) -> bool:
 def stalled_collective(exc: BaseException) -> str:
     """Where `exc` stalled: the innermost frame of torchrec's or torch.distributed's code (the
     collective), and the innermost of deltarec's own (what deltarec was doing), from its traceback."""
-    frames = [(tb.tb_frame.f_code, tb.tb_lineno) for tb in _tracebacks(exc)]
+    frames = [(frame.f_code, line) for frame, line in traceback.walk_tb(exc.__traceback__)]
 
     def name(found: tuple | None) -> str | None:
         if found is None:
@@ -428,14 +429,6 @@ def stalled_collective(exc: BaseException) -> str:
                       and "/lib/python" not in f[0].co_filename), None))
     where = " in ".join(n for n in (library, ours) if n)
     return where or "an unknown collective"
-
-
-def _tracebacks(exc: BaseException) -> list:
-    out, tb = [], exc.__traceback__
-    while tb is not None:
-        out.append(tb)
-        tb = tb.tb_next
-    return out
 
 
 def stalled_line(rank: int, exc: BaseException) -> str:

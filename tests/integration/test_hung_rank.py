@@ -10,6 +10,7 @@ the job learns of it, are what is under test)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from launch.ranks import REPO, read_jsonl, spawn_ranks
+from launch.ranks import REPO, descendant_pids, rank_pids, read_jsonl, spawn_ranks
 
 if TYPE_CHECKING:
     from tests.conftest import DebugConfig
@@ -32,18 +33,6 @@ STEPS = 400
 TIMEOUT_S = 5  # sharding.timeout_s: how long a collective waits for a silent rank
 DEADLINE_S = 240
 TRAIN = [f"train.steps={STEPS}", "train.save_params=true", "train.eval_batches=1", "train.log_every=100"]
-
-
-def _rank_pid(launcher: int, rank: int) -> int | None:
-    """The pid of trainer rank `rank` among the launcher's children (torchrun runs in it)."""
-    for task in Path(f"/proc/{launcher}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            try:
-                if f"RANK={rank}".encode() in Path(f"/proc/{child}/environ").read_bytes().split(b"\0"):
-                    return int(child)
-            except FileNotFoundError:
-                continue
-    return None
 
 
 def _wait_for(what: str, done, proc: subprocess.Popen, log: Path) -> None:
@@ -79,7 +68,7 @@ def test_a_stopped_rank_fails_the_job_naming_the_collective_and_torchrun_resumes
         metrics = run_dir / "metrics.jsonl"
         _wait_for("first checkpoint", lambda: any(r.get("ckpt_committed") for r in read_jsonl(metrics, live=True)),
                   proc, log)  # fmt: skip
-        stopped = _rank_pid(proc.pid, 1)
+        stopped = rank_pids(proc.pid).get(1)
         assert stopped is not None, "rank 1 is not running"
         os.kill(stopped, signal.SIGSTOP)
         _wait_for("stall line", lambda: "deltarec-train: rank 0 stopped: a collective" in log.read_text(), proc, log)
@@ -87,8 +76,9 @@ def test_a_stopped_rank_fails_the_job_naming_the_collective_and_torchrun_resumes
         proc.wait(timeout=DEADLINE_S)
     finally:
         if proc.poll() is None:
-            for pid in filter(None, (_rank_pid(proc.pid, 0), _rank_pid(proc.pid, 1), proc.pid)):
-                os.kill(pid, signal.SIGKILL)
+            for pid in [*descendant_pids(proc.pid), proc.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             proc.wait(timeout=30)
     text = log.read_text()
     assert proc.returncode == 0, text[-4000:]

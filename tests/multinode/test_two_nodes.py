@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 import pytest
 import torch
 
-from launch.ranks import REPO, read_jsonl, spawn_ranks
+from launch.ranks import REPO, descendant_pids, rank_pids, read_jsonl, spawn_ranks
 
 if TYPE_CHECKING:
     from tests.conftest import DebugConfig
@@ -110,7 +110,7 @@ class Agents:
         starts each rank in a session of its own, so the agent's group does not hold them)."""
         for proc in self.procs:
             if proc.poll() is None:
-                for pid in [*_descendants(proc.pid), proc.pid]:
+                for pid in [*descendant_pids(proc.pid), proc.pid]:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
                 proc.wait(timeout=30)
@@ -139,33 +139,6 @@ def _node_cmd(netns: Namespace, node: int, config: Path, job: list[str], rdzv_id
         "--rdzv-endpoint", f"{NODES[0]}:{RDZV_PORT}", "--rdzv-id", rdzv_id, "--local-addr", NODES[node],
         "--config", str(config), *job,
     ])  # fmt: skip
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
-    except FileNotFoundError:  # it ended meanwhile
-        return []
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid`, children before their parents' siblings' children."""
-    found = []
-    for child in _children(pid):
-        found += [child, *_descendants(child)]
-    return found
-
-
-def _ranks_of(agent_pid: int) -> list[int]:
-    """The trainer processes torchrun's agent started (its children running trainer.main)."""
-    pids = []
-    for child in _children(agent_pid):
-        try:
-            if b"trainer.main" in Path(f"/proc/{child}/cmdline").read_bytes():
-                pids.append(child)
-        except FileNotFoundError:
-            continue
-    return pids
 
 
 def _wait_committed(run_dir: Path, step: int, agents: Sequence[subprocess.Popen], logs: Sequence[Path]) -> None:
@@ -220,7 +193,7 @@ def test_second_node_killed_resumes_bit_identical_then_one_node_restores(
         for n in NODES
     ]  # fmt: skip
     _wait_committed(run_dir, KILL_AFTER_STEP, nodes, logs)
-    victims = _ranks_of(nodes[1].pid)
+    victims = list(rank_pids(nodes[1].pid).values())
     assert victims, "the second node runs no trainer rank"
     for pid in victims:
         os.kill(pid, signal.SIGKILL)
