@@ -8,7 +8,12 @@ from a reader's clock:
 - which follower holds the compaction lease, and so which COMPACTED markers count: a
   compacted baseline is accepted only when its writer held the lease at that point of the
   log; one from a fenced follower (it lost the lease while it was writing) is ignored;
-- the generations `deltarec-ckpt gc` dropped.
+- the generations `deltarec-ckpt gc` dropped;
+- which trainer attempt holds the run, and so which COMMIT and FAILED markers count: the
+  newest trainer ATTEMPT record holds it from its position on, and a marker of an older
+  attempt after that point (a zombie: an old attempt still alive after a restart, or a
+  second job with the same run id) is fenced, never restored (docs/design.md §7). The same
+  rule says which `deltarec-ckpt gc` may delete.
 
 From these it gives, for any committed checkpoint, the cheapest complete chain: its own
 chain, or an accepted compacted baseline of one of its links plus the links after it,
@@ -17,11 +22,14 @@ whichever reads fewer bytes, never one through a dropped generation (docs/design
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, replace
 from typing import Iterable
 
-from ckpt.markers import ChainLink, DroppedRecord, LeaseRecord, Marker, MarkerError, decode_record
+from ckpt.markers import AttemptRecord, ChainLink, DroppedRecord, LeaseRecord, Marker, MarkerError, decode_record
 from ckpt.sink import MarkerLog
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,6 +47,15 @@ class Lease:
         return self.released or when_unix - self.renewed_unix > self.lease_s
 
 
+@dataclass(frozen=True)
+class Holder:
+    """The writer of one role that holds the run as of some point of the log."""
+
+    attempt: str
+    epoch: int  # 1 for the role's first ATTEMPT record, +1 for each later one
+    created_unix: float  # the holder's own clock, for messages
+
+
 @dataclass
 class Catalog:
     """Fold of one run's markers log; `feed` more records as the log grows."""
@@ -48,10 +65,15 @@ class Catalog:
     failed: dict[int, Marker] = field(default_factory=dict)
     compactions: dict[int, Marker] = field(default_factory=dict)  # checkpoint id -> newest accepted
     fenced: list[Marker] = field(default_factory=list)  # compactions by a follower without the lease
+    # commit and failed markers of a trainer attempt that no longer held the run
+    fenced_commits: list[Marker] = field(default_factory=list)
+    holders: dict[str, Holder] = field(default_factory=dict)  # role -> newest ATTEMPT record
+    epochs_of: dict[str, int] = field(default_factory=dict)  # attempt id -> its epoch
     dropped: set[int] = field(default_factory=set)
     lease: Lease | None = None
     epochs: int = 0
     last_pos: int = -1  # position of the last record fed
+    damaged: list[int] = field(default_factory=list)  # positions of records that failed to decode
     records: int = 0
 
     @property
@@ -62,23 +84,33 @@ class Catalog:
 
     def feed(self, records: Iterable[tuple[int, bytes]], where: str = "markers") -> "Catalog":
         """Fold `(position, bytes)` records, in log order; records at or before the last
-        position fed are skipped. A record that fails to decode is an error naming its
-        position: the markers channel itself is damaged."""
+        position fed are skipped. A record that fails to decode (a damaged one) is skipped with
+        a warning naming its position and kept in `damaged` (docs/design.md §7): what it said is
+        lost (a COMMIT: that checkpoint is not restorable; a DROPPED record: a restore through
+        those generations fails on their missing data), never what the other records say."""
         for pos, data in records:
             if pos <= self.last_pos:
                 continue
+            self.last_pos = pos
             try:
                 rec = decode_record(data)
             except MarkerError as exc:
-                raise MarkerError(f"{where} position {pos}: {exc}") from exc
-            self.last_pos = pos
+                logger.warning("%s position %s: %s; record skipped", where, pos, exc)
+                self.damaged.append(pos)
+                continue
             self.records += 1
             if rec.run_id != self.run_id:
                 continue
             if isinstance(rec, LeaseRecord):
                 self._lease_event(rec)
-            elif isinstance(rec, DroppedRecord):
+            elif isinstance(rec, AttemptRecord):
+                held = self.holders.get(rec.role)
+                self.holders[rec.role] = Holder(rec.attempt, (held.epoch if held else 0) + 1, rec.created_unix)
+                self.epochs_of[rec.attempt] = self.holders[rec.role].epoch
+            elif isinstance(rec, DroppedRecord):  # honoured whoever wrote it: its deletions may have begun
                 self.dropped.update(rec.generations)
+            elif rec.kind in ("commit", "failed") and not self._from_holder(rec):
+                self.fenced_commits.append(rec)
             elif rec.kind == "commit":
                 self.commits[rec.checkpoint_id] = rec
             elif rec.kind == "failed":
@@ -101,14 +133,29 @@ class Catalog:
             elif r.event == "release":
                 lease.released = True
 
+    def _from_holder(self, marker: Marker) -> bool:
+        """Whether a trainer marker counts at its point of the log: its attempt holds the run,
+        or there is no ATTEMPT record yet (logs of older deltarec versions). A marker of an
+        attempt whose own ATTEMPT record was damaged (skipped) counts too: nothing says a newer
+        attempt started after it, and a damaged record must not cost that attempt's work."""
+        held = self.holders.get("trainer")
+        if held is None or marker.attempt == held.attempt:
+            return True
+        return bool(marker.attempt) and marker.attempt not in self.epochs_of
+
+    def holder(self, role: str) -> Holder | None:
+        """The newest writer of `role` ("trainer", "gc") as of the end of what was fed."""
+        return self.holders.get(role)
+
     def holds(self, follower: str) -> bool:
         """Whether `follower` holds the lease as of the end of what was fed."""
         return bool(follower) and self.lease is not None and self.lease.holder == follower and not self.lease.released
 
     @property
     def newest_id(self) -> int:
-        """The newest checkpoint id in the log: the next id a trainer may use is one past it."""
-        return max([*self.commits, *self.failed, 0])
+        """The newest checkpoint id in the log, fenced markers included (their dense files
+        exist): the next id a trainer may use is one past it."""
+        return max([*self.commits, *self.failed, *(m.checkpoint_id for m in self.fenced_commits), 0])
 
     def complete(self, chain: list[ChainLink]) -> bool:
         return bool(chain) and chain[0].full and not any(link.generation in self.dropped for link in chain)

@@ -23,13 +23,14 @@ from typing import Callable, Sequence
 
 import torch
 
+from ckpt.attempts import Fenced, announce, fenced_by, fenced_message
 from ckpt.backends import open_backend
 from ckpt.config import CkptConfig
 from ckpt.dense_store import DenseRef, DenseStore
-from ckpt.catalog import Catalog, read_catalog
+from ckpt.catalog import Catalog, catch_up, read_catalog
 from ckpt.export import assemble, export, replicated_tables
-from ckpt.faults import maybe_die
-from ckpt.markers import DroppedRecord, Marker, encode_marker
+from ckpt.faults import maybe_die, maybe_hold
+from ckpt.markers import AttemptRecord, DroppedRecord, Marker, encode_marker
 from ckpt.restore import RestoreError, iter_chain_frames
 from ckpt.sink import compacted_epoch, generation_label, is_compacted
 from common.errors import DeltarecError
@@ -77,9 +78,14 @@ def _choose(catalog: Catalog, checkpoint: int | None) -> Marker:
 
 def cmd_list(catalog: Catalog) -> int:
     print(f"{'id':>5} {'step':>8} {'kind':<9} {'bytes':>12} {'restore':>12} {'ranks':>5}  status")
-    rows = [*catalog.commits.values(), *catalog.failed.values(), *catalog.compactions.values(), *catalog.fenced]
+    rows = [*catalog.commits.values(), *catalog.failed.values(), *catalog.compactions.values(), *catalog.fenced,
+            *catalog.fenced_commits]
+    fenced_commits = {id(m) for m in catalog.fenced_commits}
     for m in sorted(rows, key=lambda m: (m.checkpoint_id, m.kind != "commit")):
-        if m.kind == "failed":
+        if id(m) in fenced_commits:
+            print(f"{m.checkpoint_id:>5} {m.step:>8} {'-':<9} {m.bytes:>12,} {'-':>12} {m.world_size:>5}  "
+                  f"fenced {m.kind}: attempt {m.attempt or '(none)'} wrote it after a newer attempt started")
+        elif m.kind == "failed":
             print(f"{m.checkpoint_id:>5} {m.step:>8} {'-':<9} {'-':>12} {'-':>12} {m.world_size:>5}  failed: {m.error}")
         elif m.kind == "compacted":
             link = m.chain[0]
@@ -97,6 +103,9 @@ def cmd_list(catalog: Catalog) -> int:
             restore = f"{best.chain_bytes:>12,}" if best is not None else f"{'-':>12}"
             kind = "full" if m.full else "delta"
             print(f"{m.checkpoint_id:>5} {m.step:>8} {kind:<9} {m.bytes:>12,} {restore} {m.world_size:>5}  {status}")
+    trainer = catalog.holder("trainer")
+    if trainer is not None:
+        print(f"trainer attempt: {trainer.attempt} (epoch {trainer.epoch})")
     if catalog.lease is not None:
         lease = catalog.lease
         print(f"follower lease: {lease.holder} (epoch {lease.epoch}{', released' if lease.released else ''})")
@@ -158,7 +167,25 @@ def _unused(generation: int, referenced: bool, catalog: Catalog) -> bool:
     return lease is None or compacted_epoch(generation) < lease.epoch or lease.released
 
 
-def cmd_gc(catalog: Catalog, keep: int, backend, dense: DenseStore) -> int:
+class GcGuard:
+    """gc's fencing (ckpt/attempts.py): its ATTEMPT record went into the log before the log was
+    read; before its DROPPED record and before each deletion it reads what the log gained and
+    stops when a newer gc announced itself. That one read the log later, so it deletes what this
+    one recorded as dropped; of two gcs at once exactly one deletes."""
+
+    def __init__(self, catalog: Catalog, markers, mine: AttemptRecord) -> None:
+        self.catalog, self.markers, self.mine = catalog, markers, mine
+
+    def check(self, read: bool = True) -> None:
+        """Stop (`Fenced`) when a newer gc announced itself; `read`: first read what the log gained."""
+        if read:
+            catch_up(self.catalog, self.markers)
+        newer = fenced_by(self.catalog, self.mine)
+        if newer is not None:
+            raise Fenced(fenced_message(self.catalog.run_id, self.mine, newer))
+
+
+def cmd_gc(catalog: Catalog, keep: int, backend, dense: DenseStore, guard: GcGuard) -> int:
     """Keep the newest `keep` restorable checkpoints and what their cheapest chains read;
     drop every other generation (recorded in the markers log first) and dense file.
 
@@ -167,26 +194,31 @@ def cmd_gc(catalog: Catalog, keep: int, backend, dense: DenseStore) -> int:
     dense files; the next gc deletes them without recording them again."""
     if keep < 1:
         raise CliError("--keep must be at least 1: gc never drops the newest checkpoint")
+    guard.check(read=False)  # the log was read through this gc's ATTEMPT record
     restorable = [m for m in catalog.restorable() if Path(m.dense.get("path", "")).is_file()]
     kept = restorable[:keep]
     needed = {link.generation for m in kept for link in m.chain}
     newest = max(catalog.commits.values(), key=lambda m: m.checkpoint_id, default=None)
     if newest is not None:
         needed.add(newest.chain[-1].generation)  # the trainer may still be writing deltas there
-    known = {link.generation for m in [*catalog.commits.values(), *catalog.compactions.values(), *catalog.fenced]
-             for link in m.chain}
+    known = {link.generation for m in [*catalog.commits.values(), *catalog.compactions.values(), *catalog.fenced,
+                                       *catalog.fenced_commits] for link in m.chain}
     present = set(backend.sink.generations())
     dropped = sorted(g for g in (known | present) - needed - catalog.dropped if _unused(g, g in known, catalog))
     unfinished = sorted((present & catalog.dropped) - needed)  # recorded by a gc that was killed
     if dropped:
+        guard.check()
         record = DroppedRecord(kind="dropped", run_id=catalog.run_id, generations=dropped, created_unix=time.time())
         backend.markers.append_marker(encode_marker(record))  # first: no restore starts reading them
     maybe_die("gc", 0, 0)
+    maybe_hold("gc", 0)
     kept_ids = {m.checkpoint_id for m in kept}
-    stale = [cid for cid in sorted(catalog.commits) if cid not in kept_ids and dense.path_for(cid).exists()]
+    ids = {*catalog.commits, *(m.checkpoint_id for m in catalog.fenced_commits if m.kind == "commit")}
+    stale = [cid for cid in sorted(ids) if cid not in kept_ids and dense.path_for(cid).exists()]
     deletions = [*(partial(backend.sink.drop_generation, g) for g in sorted([*unfinished, *dropped])),
                  *(partial(dense.delete, [cid]) for cid in stale)]
     for n, delete in enumerate(deletions, 1):
+        guard.check()
         delete()
         maybe_die("gc", n, 0)
     finished = f"; finished deleting {[generation_label(g) for g in unfinished]} (an earlier gc was interrupted)"
@@ -205,11 +237,12 @@ def main(argv: Sequence[str], load_ckpt_config: Callable[[str, list[str]], CkptC
         backend = open_backend(cfg, world_size=1)
         dense = DenseStore(Path(cfg.dense_dir))
         try:
+            mine = announce(backend.markers, run_id, "gc") if args.command == "gc" else None
             catalog = read_catalog(backend.markers, run_id, f"{backend.where} markers")
             if args.command == "list":
                 return cmd_list(catalog)
-            if args.command == "gc":
-                return cmd_gc(catalog, args.keep, backend, dense)
+            if mine is not None:
+                return cmd_gc(catalog, args.keep, backend, dense, GcGuard(catalog, backend.markers, mine))
             marker = _choose(catalog, args.checkpoint)
             if args.command == "verify":
                 return cmd_verify(marker, catalog, backend, dense, run_id)

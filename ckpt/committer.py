@@ -6,6 +6,10 @@ file is durable; otherwise a FAILED marker (informational) records why. Nothing 
 touches an older checkpoint, so a failure never harms one. After the COMMIT, the dense
 store's local history records it (`DenseStore.record_commit`): what tells a lost stream from a
 run that never committed.
+
+Fencing: before the dense file, rank 0 reads what the markers log gained since its last look;
+when a newer trainer attempt announced itself there, this attempt writes nothing more (no
+dense file, no marker) and every rank learns it from the outcome and stops (ckpt/attempts.py).
 """
 
 from __future__ import annotations
@@ -14,10 +18,11 @@ import logging
 import time
 from typing import Any
 
+from ckpt.attempts import fenced_by, fenced_message
 from ckpt.catalog import Catalog, catch_up
 from ckpt.dense_store import CommitRecord, DenseStore, DenseStoreError
 from ckpt.faults import maybe_die
-from ckpt.markers import ChainLink, IndexEntry, Marker, OffsetRange, encode_marker
+from ckpt.markers import AttemptRecord, ChainLink, IndexEntry, Marker, OffsetRange, encode_marker
 from ckpt.sink import MarkerLog
 from ckpt.writer import Outcome, RankReport, WriteJob
 from common.errors import DeltarecError
@@ -47,7 +52,15 @@ class Committer:
         self.links: dict[int, ChainLink] = {link.checkpoint_id: link for link in committed or []}
         # Incremental chains grow by one link per checkpoint; with a follower compacting
         # them, each new marker starts from the newest compacted baseline it can use.
-        self.catalog = Catalog(run_id) if rebase else None
+        self.rebase = rebase
+        self.catalog = Catalog(run_id)
+        self.attempt: AttemptRecord | None = None  # set by `start_attempt`; None: no fencing
+        self.epoch = 0
+        self._read_ok = False  # whether the last commit's read of the markers log succeeded
+
+    def start_attempt(self, attempt: AttemptRecord, catalog: Catalog) -> None:
+        """This trainer attempt's record and the log as read through it (the manager's start)."""
+        self.attempt, self.epoch, self.catalog = attempt, catalog.epochs_of.get(attempt.attempt, 0), catalog
 
     def __call__(self, job: WriteJob, reports: list[RankReport]) -> Outcome:
         cid = job.checkpoint_id
@@ -64,6 +77,12 @@ class Committer:
             self._failed(job, "; ".join(errors), stall)
             return Outcome(checkpoint_id=cid, step=job.step, committed=False, error="; ".join(errors), bytes=nbytes,
                            rows=rows, full=full, stall_ms=stall, write_s=write_s)
+        # before the dense file: a replaced attempt writes nothing more (a failed checkpoint's
+        # FAILED record above needs no read of the log; the fold ignores it all the same)
+        fenced = self._fenced()
+        if fenced:
+            return Outcome(checkpoint_id=cid, step=job.step, committed=False, error=fenced, bytes=nbytes, rows=rows,
+                           full=full, stall_ms=stall, write_s=write_s, fenced=True)
         assert job.dense_state is not None, "rank 0 snapshots the dense state"
         dense_state = dict(job.dense_state)
         # every rank's loop state, each with its reader's position: what a restore resumes from
@@ -81,7 +100,7 @@ class Committer:
             ranges.update(r.ranges)
             index.extend(r.index)
         link = ChainLink(checkpoint_id=cid, full=full, generation=job.generation, ranges=ranges, rows=rows,
-                         bytes=nbytes, index=index)
+                         bytes=nbytes, index=index, epoch=job.epoch)
         marker = Marker(
             kind="commit",
             run_id=self.run_id,
@@ -91,6 +110,7 @@ class Committer:
             dense=ref.as_json(),
             stall_ms=stall,
             created_unix=time.time(),
+            attempt=self.attempt.attempt if self.attempt else "",
             **{**self.marker_fields, "encodings": {k: v for r in reports for k, v in r.encodings.items()}},
         )
         marker = self._rebased(marker)
@@ -104,16 +124,28 @@ class Committer:
         return Outcome(checkpoint_id=cid, step=job.step, committed=True, bytes=nbytes, rows=rows, full=full,
                        stall_ms=stall, write_s=write_s, commit_unix=marker.created_unix)
 
-    def _rebased(self, marker: Marker) -> Marker:
-        """`marker` with its cheapest complete chain, which starts at a follower's compacted
-        baseline when one of its links has one (docs/design.md §10). Reading the log is
-        best effort: without it the marker keeps its full chain, which is always valid."""
-        if self.catalog is None or len(marker.chain) < 2:
-            return marker
+    def _fenced(self) -> str:
+        """Read what the markers log gained; the one-line reason to stop when a newer attempt
+        holds the run, else "". Reading is best effort: a log that cannot be read now fences
+        nothing here, and a marker this attempt writes after a newer ATTEMPT record is ignored
+        by every reader all the same."""
+        self._read_ok = False
+        if self.attempt is None and not self.rebase:
+            return ""
         try:
             catch_up(self.catalog, self.markers)
         except DeltarecError as exc:
-            logger.debug("checkpoint %d: markers log not read for compactions: %s", marker.checkpoint_id, exc)
+            logger.debug("markers log not read before a commit: %s", exc)
+            return ""
+        self._read_ok = True
+        newer = fenced_by(self.catalog, self.attempt) if self.attempt is not None else None
+        return fenced_message(self.run_id, self.attempt, newer) if newer is not None else ""
+
+    def _rebased(self, marker: Marker) -> Marker:
+        """`marker` with its cheapest complete chain, which starts at a follower's compacted
+        baseline when one of its links has one (docs/design.md §10), as of the log `_fenced`
+        just read. Without that read the marker keeps its full chain, which is always valid."""
+        if not self.rebase or not self._read_ok or len(marker.chain) < 2:
             return marker
         return self.catalog.cheapest(marker) or marker
 

@@ -37,6 +37,10 @@ DENSE_ERROR_ENV = "DELTAREC_DENSE_ERROR"
 # "checkpoint_id:seconds": a rank restoring that checkpoint holds where the `restore` point
 # would kill it, and says so on stderr (a test then SIGKILLs it from outside)
 SLOW_RESTORE_ENV = "DELTAREC_SLOW_RESTORE"
+# "point:key=PATH" (a crash point's name and number): the process holds there, saying so on
+# stderr, for as long as the file PATH exists (a test of two writers at once lets the other go,
+# then deletes it)
+HOLD_ENV = "DELTAREC_HOLD_AT"
 POINTS = ("step", "snapshot", "rows", "marker", "committed", "restore", "gc", "export")
 
 
@@ -93,6 +97,22 @@ def maybe_hold_restore(checkpoint_id: int, rank: int) -> None:
         print(f"deltarec fault: rank {rank} holds its restore of checkpoint {checkpoint_id} for {seconds} s",
               file=sys.stderr, flush=True)
         time.sleep(float(seconds))
+
+
+def maybe_hold(point: str, key: int) -> None:
+    """Hold at crash point `point` number `key` while the file DELTAREC_HOLD_AT names exists."""
+    spec = os.environ.get(HOLD_ENV)
+    if not spec:
+        return
+    where, sep, path = spec.partition("=")
+    target = parse_kill_at(where)
+    if not sep or not path:
+        raise FaultSpecError(f"{HOLD_ENV}={spec!r}: expected point:key=PATH")
+    if target.point != point or target.key != key:
+        return
+    print(f"deltarec fault: holding at {point}:{key} while {path} exists", file=sys.stderr, flush=True)
+    while os.path.exists(path):
+        time.sleep(0.05)
 
 
 def maybe_fail_dense_write(checkpoint_id: int, path: os.PathLike | str) -> None:

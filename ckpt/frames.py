@@ -15,7 +15,10 @@ checkpoint. Layout, version 1, all integers little-endian::
 
 ``flags`` bit 0 (``FLAG_ROW_RUN``): the rows are the run ``first``..``first + n - 1``, and
 the row-ids section holds only ``first`` (int64): full checkpoints and compacted baselines
-write whole shards, whose ids would otherwise cost 8 bytes a row. Other bits are refused.
+write whole shards, whose ids would otherwise cost 8 bytes a row. Bit 1 (``FLAG_EPOCH``):
+the header tail ends with the writing trainer attempt's epoch (u32) after the optimizer
+layout; a restore checks it against the COMMIT marker's link (frames without it are epoch
+0). Other bits are refused.
 
 ``encoding`` is a codec id of ``ckpt.quant``'s registry (fp32=1, fp16=2, asym8=24, ...),
 carried as an integer: this module never interprets payload bytes. Sections start
@@ -61,6 +64,8 @@ _CRC = struct.Struct("<I")
 _ALIGN = 8
 _MAX_STR = 0xFFFF
 FLAG_ROW_RUN = 0x1  # row ids are first..first+n-1; the ids section holds `first` alone
+FLAG_EPOCH = 0x2  # the header tail ends with the writer's epoch (u32)
+_EPOCH = struct.Struct("<I")
 
 if sys.byteorder != "little":  # pragma: no cover
     raise ImportError("ckpt.frames writes tensors in native byte order and needs a little-endian host")
@@ -126,6 +131,7 @@ class Frame:
     payload: torch.Tensor            # uint8 [n, row_bytes], read-only view
     optim: tuple[OptimState, ...] = ()
     first_row: int | None = None     # a run (FLAG_ROW_RUN): row_ids are first_row.. in order
+    epoch: int = 0                   # the writing trainer attempt (FLAG_EPOCH); 0: none recorded
 
     @property
     def row_count(self) -> int:
@@ -161,10 +167,15 @@ def _str_field(s: str, what: str) -> bytes:
     return _STR_LEN.pack(len(b)) + b
 
 
-def _header_tail(run_id: str, table: str, optim_layout: Sequence[tuple[str, int, int]]) -> bytes:
+def _header_tail(run_id: str, table: str, optim_layout: Sequence[tuple[str, int, int]], epoch: int = 0) -> bytes:
     parts = [_str_field(run_id, "run id"), _str_field(table, "table name")]
     for name, enc, rb in optim_layout:
         parts += [_str_field(name, "optimizer state name"), _OPT.pack(enc, rb)]
+    if epoch:
+        try:
+            parts.append(_EPOCH.pack(epoch))
+        except struct.error:
+            raise ValueError(f"epoch {epoch} out of range") from None
     return b"".join(parts)
 
 
@@ -188,7 +199,7 @@ def _is_run(ids: torch.Tensor) -> bool:
 def encode_frame(*, run_id: str, checkpoint_id: int, rank: int, table: str, col_offset: int,
                  dim: int, encoding: int, row_ids: torch.Tensor, payload: torch.Tensor,
                  optim: Sequence[OptimState] = (), chunk_index: int = 0,
-                 chunk_count: int = 1) -> bytes:
+                 chunk_count: int = 1, epoch: int = 0) -> bytes:
     """Encode one frame. ``payload`` is [n, ...] of any dtype (stored as its raw bytes:
     the quantizer's output, or ``rows`` themselves for fp32); so is each ``optim[i].rows``."""
     ids = torch.as_tensor(row_ids)
@@ -206,11 +217,12 @@ def encode_frame(*, run_id: str, checkpoint_id: int, rank: int, table: str, col_
         raise ValueError(f"chunk_index {chunk_index} not in [0, chunk_count={chunk_count})")
     row_bytes = pay_np.shape[1]
     layout = [(o.name, o.encoding, a.shape[1]) for o, a in zip(optim, opt_np)]
-    tail = _header_tail(run_id, table, layout)
+    tail = _header_tail(run_id, table, layout, epoch)
     header_len = _header_len(len(tail))
     total = _frame_len(header_len, n, row_bytes, [a.shape[1] for a in opt_np], run)
+    flags = (FLAG_ROW_RUN if run else 0) | (FLAG_EPOCH if epoch else 0)
     try:
-        head = (_PREFIX.pack(MAGIC, VERSION, FLAG_ROW_RUN if run else 0, header_len, total)
+        head = (_PREFIX.pack(MAGIC, VERSION, flags, header_len, total)
                 + _META.pack(checkpoint_id, rank, col_offset, n, dim, row_bytes,
                              chunk_index, chunk_count, encoding, len(optim))
                 + tail)
@@ -243,7 +255,7 @@ class EncodedFrame(NamedTuple):
 def chunk_rows(*, run_id: str, checkpoint_id: int, rank: int, table: str, col_offset: int,
                dim: int, encoding: int, row_ids: torch.Tensor, payload: torch.Tensor,
                optim: Sequence[OptimState] = (),
-               max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Iterator[EncodedFrame]:
+               max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, epoch: int = 0) -> Iterator[EncodedFrame]:
     """Split one shard's rows into frames of at most ``max_frame_bytes`` each: the one
     place that decides how many rows a frame holds.
 
@@ -258,7 +270,7 @@ def chunk_rows(*, run_id: str, checkpoint_id: int, rank: int, table: str, col_of
         return iter(())
     row_bytes = _row_bytes(torch.as_tensor(payload))
     opt_rb = [o.row_bytes for o in optim]
-    tail = _header_tail(run_id, table, [(o.name, o.encoding, rb) for o, rb in zip(optim, opt_rb)])
+    tail = _header_tail(run_id, table, [(o.name, o.encoding, rb) for o, rb in zip(optim, opt_rb)], epoch)
     header_len = _header_len(len(tail))
     run = _is_run(ids)  # a whole run: every frame is a run too, and its ids cost 8 bytes
     per_row = (0 if run else 8) + row_bytes + sum(opt_rb)
@@ -280,7 +292,7 @@ def chunk_rows(*, run_id: str, checkpoint_id: int, rank: int, table: str, col_of
                 col_offset=col_offset, dim=dim, encoding=encoding, row_ids=ids[sl],
                 payload=payload[sl],
                 optim=[OptimState(o.name, o.encoding, o.rows[sl]) for o in optim],
-                chunk_index=i, chunk_count=count)
+                chunk_index=i, chunk_count=count, epoch=epoch)
             yield EncodedFrame(data=data, row_count=stop - start, first_row=int(ids[start]),
                                last_row=int(ids[stop - 1]))
 
@@ -321,7 +333,7 @@ def _decode(mv: memoryview) -> Frame:
     if stored != computed:
         raise FrameError(f"CRC mismatch: stored {stored:#010x}, computed {computed:#010x}")
     # The bytes are what the writer wrote; what follows catches writer bugs and forgeries.
-    if flags & ~FLAG_ROW_RUN:
+    if flags & ~(FLAG_ROW_RUN | FLAG_EPOCH):
         raise FrameError(f"unknown flags {flags:#x}")
     run = bool(flags & FLAG_ROW_RUN)
     if not _PREFIX.size + _META.size <= header_len <= size - _CRC.size or header_len % _ALIGN:
@@ -354,6 +366,14 @@ def _decode(mv: memoryview) -> Frame:
         o_enc, o_rb = _OPT.unpack_from(mv, pos)
         pos += _OPT.size
         layout.append((name, o_enc, o_rb))
+    epoch = 0
+    if flags & FLAG_EPOCH:
+        if pos + _EPOCH.size > header_len:
+            raise FrameError("header too short for the epoch")
+        (epoch,) = _EPOCH.unpack_from(mv, pos)
+        pos += _EPOCH.size
+        if not epoch:
+            raise FrameError("epoch flag set with epoch 0")
     if _header_len(pos - _PREFIX.size - _META.size) != header_len:
         raise FrameError(f"header length {header_len} does not match its fields ({pos} bytes)")
     expect = _frame_len(header_len, n, row_bytes, [rb for _, _, rb in layout], run)
@@ -382,4 +402,4 @@ def _decode(mv: memoryview) -> Frame:
         off += n * o_rb + _pad(n * o_rb)
     return Frame(run_id=run_id, checkpoint_id=ckpt, rank=rank, table=table, col_offset=col,
                  dim=dim, encoding=enc, row_bytes=row_bytes, chunk_index=idx, chunk_count=cnt,
-                 row_ids=row_ids, payload=payload, optim=tuple(optim), first_row=first)
+                 row_ids=row_ids, payload=payload, optim=tuple(optim), first_row=first, epoch=epoch)

@@ -99,13 +99,16 @@ def _refuse_if_records_follow(f: BinaryIO, path: object, pos: int, size: int, wh
                          f"not a torn tail", file_where(path, pos))
 
 
-def scan_records(f: BinaryIO, path: object, start: int = 0, *,
-                 verify: bool = True) -> Iterator[tuple[int, int, bytes | None]]:
+def scan_records(f: BinaryIO, path: object, start: int = 0, *, verify: bool = True,
+                 skip_damaged: bool = False) -> Iterator[tuple[int, int, bytes | None]]:
     """Yield ``(position, end, payload)`` of every complete, valid record from ``start``,
     stopping silently before a torn tail and raising ``FrameError`` on corruption.
 
     ``verify=False`` reads headers only (payload None) and checks the CRC of the last
     record alone: that is where a torn write can be (used to find a writer's end).
+    ``skip_damaged`` (the markers log, docs/design.md §7): corruption with an intact record
+    after it is skipped with a warning naming file and bytes, and reading goes on at that
+    record; damage with nothing intact after it reads as a torn tail.
     """
     size = os.fstat(f.fileno()).st_size
     pos = start
@@ -118,38 +121,55 @@ def scan_records(f: BinaryIO, path: object, start: int = 0, *,
             return
         magic, length, crc = _REC.unpack(head)
         end = pos + _REC.size + length
-        if magic != REC_MAGIC:
-            if _zeros_to_end(f, pos):
-                log.info("%s: %s (zero fill)", file_where(path, pos), torn)
-                return
-            raise FrameError(f"bad record magic {magic!r}, expected {REC_MAGIC!r}",
-                             file_where(path, pos))
-        if end > size:
-            _refuse_if_records_follow(f, path, pos, size, f"record length {length} runs past the end of the file")
-            log.info("%s: %s (record of %d bytes cut short)", file_where(path, pos), torn, length)
-            return
-        payload = None
-        if verify or end == size:
-            f.seek(pos + _REC.size)
-            payload = f.read(length)
-            if _rec_crc(length, payload) != crc:
-                if end == size:
-                    _refuse_if_records_follow(f, path, pos, size, "the record that ends the file fails its CRC")
-                    log.info("%s: %s (last record fails its CRC)", file_where(path, pos), torn)
+        try:
+            if magic != REC_MAGIC:
+                if _zeros_to_end(f, pos):
+                    log.info("%s: %s (zero fill)", file_where(path, pos), torn)
                     return
-                raise FrameError(f"record CRC mismatch ({length}-byte record, more data follows)",
-                                 file_where(path, pos))
-            if not verify:
-                payload = None
+                raise FrameError(f"bad record magic {magic!r}, expected {REC_MAGIC!r}", file_where(path, pos))
+            if end > size:
+                _refuse_if_records_follow(f, path, pos, size, f"record length {length} runs past the end of the file")
+                log.info("%s: %s (record of %d bytes cut short)", file_where(path, pos), torn, length)
+                return
+            payload = None
+            if verify or end == size:
+                f.seek(pos + _REC.size)
+                payload = f.read(length)
+                if _rec_crc(length, payload) != crc:
+                    if end == size:
+                        _refuse_if_records_follow(f, path, pos, size, "the record that ends the file fails its CRC")
+                        log.info("%s: %s (last record fails its CRC)", file_where(path, pos), torn)
+                        return
+                    raise FrameError(f"record CRC mismatch ({length}-byte record, more data follows)",
+                                     file_where(path, pos))
+                if not verify:
+                    payload = None
+        except FrameError as exc:
+            if not skip_damaged:
+                raise
+            later = _valid_record_after(f, pos + 1, size)
+            if later is None:
+                log.warning("%s; nothing intact after it: read as a torn tail", exc)
+                return
+            log.warning("%s; skipped %d damaged bytes, the next intact record starts at byte %d",
+                        exc, later - pos, later)
+            pos = later
+            continue
         yield pos, end, payload
         pos = end
 
 
 class _Appender:
-    """One append-only record file, opened lazily; truncates a torn tail on open."""
+    """One append-only record file, opened lazily; truncates a torn tail on open.
 
-    def __init__(self, path: Path) -> None:
+    ``exclusive``: hold an exclusive `flock` while open, so a segment has one writer at a time.
+    Two processes appending to one file would interleave their records; a second writer
+    (another trainer attempt of the same run, ckpt/attempts.py) fails its write instead."""
+
+    def __init__(self, path: Path, *, exclusive: bool = False, skip_damaged: bool = False) -> None:
         self.path = path
+        self.exclusive = exclusive
+        self.skip_damaged = skip_damaged  # the markers log: damage mid-file is skipped, not an error
         self._f: BinaryIO | None = None
         self.end = 0
         self._sync_dirs: set[Path] = set()  # dirs whose entries we created: fsync once
@@ -163,6 +183,8 @@ class _Appender:
             created = not self.path.exists()
             f = open(self.path, "a+b")
             try:
+                if self.exclusive:
+                    self._lock(f)
                 end = self._cut_torn_tail(f, 0)
             except BaseException:
                 f.close()
@@ -170,6 +192,13 @@ class _Appender:
             self._f, self.end = f, end
             self._sync_dirs = {d.parent for d in missing} | ({parent} if created else set())
         return self._f
+
+    def _lock(self, f: BinaryIO) -> None:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SinkError(f"{self.path} is being written by another process (two attempts of one run at "
+                            f"once?); this checkpoint's rows are not written") from None
 
     def open_file(self) -> BinaryIO:
         """The open file (opening it cuts a torn tail, as every append does)."""
@@ -183,7 +212,7 @@ class _Appender:
     def _cut_torn_tail(self, f: BinaryIO, start: int) -> int:
         """The end of the last complete record from `start` on; anything after it is cut."""
         end = start
-        for _, end, _ in scan_records(f, self.path, start, verify=False):
+        for _, end, _ in scan_records(f, self.path, start, verify=False, skip_damaged=self.skip_damaged):
             pass
         size = os.fstat(f.fileno()).st_size
         if end < size:
@@ -246,11 +275,11 @@ class FsSink:
         key = (generation, partition)
         app = self._files.get(key)
         if app is None:
-            app = self._files[key] = _Appender(self.segment_path(generation, partition))
+            app = self._files[key] = _Appender(self.segment_path(generation, partition), exclusive=True)
         try:
             pos, end = app.append(frame)
-        except (OSError, FrameError) as e:
-            err = SinkError(f"cannot append to {app.path}: {e}")
+        except (OSError, FrameError, SinkError) as e:
+            err = e if isinstance(e, SinkError) else SinkError(f"cannot append to {app.path}: {e}")
             self._error = self._error or err
             # The file may end in a partial record now: reopen (and cut it) on next use.
             self._files.pop(key, None)
@@ -379,13 +408,15 @@ class FsMarkers:
     Several processes append (the trainer's rank 0, a follower, `deltarec-ckpt gc`), so an
     append holds an exclusive `flock` on the file: inside it the appender finds the real end
     (records other processes added since), cuts a torn tail a killed writer left, writes and
-    fsyncs."""
+    fsyncs. A damaged record in the middle is skipped by readers and writers alike, with a
+    warning naming file and bytes (docs/design.md §7): one flipped byte must not make every
+    later checkpoint of the run unreadable."""
 
     def __init__(self, root: str | os.PathLike, run_id: str) -> None:
         self.root = Path(root)
         self.run_id = check_run_id(run_id)
         self.path = self.root / (markers_name(self.run_id) + ".log")
-        self._app = _Appender(self.path)
+        self._app = _Appender(self.path, skip_damaged=True)
 
     def append_marker(self, payload: bytes) -> int:
         try:
@@ -399,7 +430,7 @@ class FsMarkers:
                 fcntl.flock(f.fileno(), fcntl.LOCK_UN)
         except (OSError, FrameError) as e:
             self._app.close()
-            self._app = _Appender(self.path)  # reopen: cuts what this append left behind
+            self._app = _Appender(self.path, skip_damaged=True)  # reopen: cuts what this append left behind
             raise SinkError(f"cannot append marker to {self.path}: {e}") from None
         return pos
 
@@ -412,7 +443,7 @@ class FsMarkers:
         except FileNotFoundError:
             return []
         with f:
-            return [(pos, payload) for pos, _, payload in scan_records(f, self.path, start)]
+            return [(pos, payload) for pos, _, payload in scan_records(f, self.path, start, skip_damaged=True)]
 
     def close(self) -> None:
         self._app.close()

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ckpt import dense_state
+from ckpt.attempts import Fenced, announce, fenced_by, fenced_message
 from ckpt.backends import Backend, open_backend
 from ckpt.catalog import read_catalog
 from ckpt.committer import Committer
@@ -183,6 +184,7 @@ class CheckpointManager:
         self.stats = CheckpointStats()
         self.restores = 0  # restores of this job so far (persisted in the dense state)
         self._newest_id = 0  # newest checkpoint id in the markers log (ids never repeat)
+        self.epoch = 0  # this attempt's number among the run's trainer attempts (in every frame)
         self._history = DenseHistory(0, [])  # what the run directory remembers (rank 0's, broadcast)
         self.agreed_fractions = (0.0, 0.0)  # rows changed since the base / the last checkpoint, all ranks
         self._pending: dict[int, _Pending] = {}
@@ -318,9 +320,9 @@ class CheckpointManager:
 
     def _candidates(self) -> list[Marker]:
         """COMMIT markers to try, newest first (only the chosen one for a given id), and what
-        the run directory remembers (`self._history`). Rank 0 reads the markers log and the
-        dense store and broadcasts, so all ranks agree. With `resume=none` only the newest id
-        matters, and a markers log that cannot be read is not an error."""
+        the run directory remembers (`self._history`). Rank 0 announces this attempt in the
+        markers log, reads it and the dense store and broadcasts, so all ranks agree. With
+        `resume=none` only the newest id matters."""
         chosen: list[Any] = [None]
         failure: DeltarecError | None = None
         if self.env.rank == 0:
@@ -332,31 +334,42 @@ class CheckpointManager:
         dist.broadcast_object_list(chosen, src=0)
         if isinstance(chosen[0], str):
             raise failure or RestoreError(chosen[0])
-        ordered, self._newest_id, self._history = chosen[0]
+        ordered, self._newest_id, self._history, self.epoch = chosen[0]
         return ordered
 
-    def _read_candidates(self) -> tuple[list[Marker], int, DenseHistory]:
-        """Rank 0's part of `_candidates`: the broker answers (bounded), then the markers log
-        and the dense store are read."""
+    def _read_candidates(self) -> tuple[list[Marker], int, DenseHistory, int]:
+        """Rank 0's part of `_candidates`: the broker answers (bounded), this attempt's ATTEMPT
+        record goes into the markers log, then the log (through that record) and the dense store
+        are read. A newer attempt's record after this one's: this one stops at once."""
         self.backend.markers.check_reachable(self.c.connect_timeout_s)
         history = self.dense.history()
-        try:
-            catalog = read_catalog(self.backend.markers, self.run_id, self.backend.where)
-        except DeltarecError:
-            if self.c.resume != "none":
-                raise
-            catalog = None
-        found = catalog.restorable() if catalog is not None else []  # each with its cheapest complete chain
-        newest = catalog.newest_id if catalog is not None else 0
+        attempt = announce(self.backend.markers, self.run_id, "trainer", self.env.world_size)
+        catalog = read_catalog(self.backend.markers, self.run_id, self.backend.where)
+        newer = fenced_by(catalog, attempt)
+        if newer is not None:
+            raise Fenced(fenced_message(self.run_id, attempt, newer))
+        assert self.committer is not None
+        self.committer.start_attempt(attempt, catalog)
+        found = catalog.restorable()  # each with its cheapest complete chain
+        newest = catalog.newest_id
         if self.c.resume == "none":
             ordered = []
         elif self.c.resume == "latest":
             ordered = sorted(found, key=lambda m: m.checkpoint_id, reverse=True)
         else:
-            ordered = [m for m in found if m.checkpoint_id == int(self.c.resume)]
-            ordered += sorted((m for m in found if m.checkpoint_id < int(self.c.resume)),
-                              key=lambda m: m.checkpoint_id, reverse=True)
-        return ordered, newest, history
+            chosen = int(self.c.resume)
+            ordered = [m for m in found if m.checkpoint_id == chosen]
+            if not ordered:
+                why = (f"checkpoint {chosen} of run {self.run_id}: every chain that restores it reads a generation "
+                       f"deltarec-ckpt gc dropped ({sorted(catalog.dropped)}); `deltarec-ckpt list` shows what is left"
+                       if chosen in catalog.commits else
+                       f"checkpoint {chosen} of run {self.run_id} has no COMMIT marker in {self.backend.where}")
+                if self.c.on_corrupt == "fail":
+                    raise RestoreError(why + " (or set ckpt.on_corrupt=previous to fall back to an older checkpoint)")
+                logger.warning("%s; falling back to the previous checkpoint", why)
+            ordered += sorted((m for m in found if m.checkpoint_id < chosen), key=lambda m: m.checkpoint_id,
+                              reverse=True)
+        return ordered, newest, history, self.committer.epoch
 
     def _trainer_state(self, state: dict[str, Any], marker: Marker) -> dict[str, Any]:
         """This rank's loop state; reader state carries over to another world size only
@@ -409,6 +422,8 @@ class CheckpointManager:
         self.stats.outcomes.append(o)
         self.stats.last = o
         pending = self._pending.pop(o.checkpoint_id)
+        if o.fenced:  # every rank learns it from the same outcome and stops
+            raise Fenced(o.error)
         durable_s = o.commit_unix - pending.started_unix if o.committed else None
         if o.committed:
             self.stats.committed += 1
@@ -509,6 +524,7 @@ class CheckpointManager:
         self.writer.submit(WriteJob(
             checkpoint_id=cid, step=step, generation=self.generation, chain=list(self.chain), snapshot=snapshot,
             trainer_state=trainer_state, dense_state=dense, weight_codec=weight_codec, optimizer_codec=optimizer_codec,
+            epoch=self.epoch,
         ))
 
     def codecs(self) -> tuple[str, str]:

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import struct
 import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, NamedTuple
 
 from common.errors import DeltarecError
+
+logger = logging.getLogger(__name__)
 
 MAGIC = b"DRM1"
 FORMAT_VERSION = 1
@@ -68,6 +71,9 @@ class ChainLink:
     bytes: int
     # Where each shard's frames are, so a restoring rank reads only what overlaps its shards.
     index: list[IndexEntry] = field(default_factory=list)
+    # The trainer attempt that wrote the link (its frames carry the same number; 0: written
+    # before attempts were recorded, or by a follower's compaction).
+    epoch: int = 0
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ChainLink":
@@ -79,6 +85,7 @@ class ChainLink:
             rows=int(d["rows"]),
             bytes=int(d["bytes"]),
             index=[_index_entry(e) for e in d.get("index", [])],
+            epoch=int(d.get("epoch", 0)),
         )
 
 
@@ -108,6 +115,7 @@ class Marker:
     created_unix: float = 0.0
     format: int = FORMAT_VERSION
     follower: str = ""  # "compacted" records: the follower that wrote it (checked against the lease)
+    attempt: str = ""  # commit and failed records: the trainer attempt that wrote it (ckpt/catalog.py)
 
     @property
     def full(self) -> bool:
@@ -151,19 +159,41 @@ class DroppedRecord:
     format: int = FORMAT_VERSION
 
 
+@dataclass(kw_only=True)
+class AttemptRecord:
+    """A writer announcing itself before it writes anything: every trainer attempt (rank 0,
+    at start) and every `deltarec-ckpt gc`. Of each role, the newest record in the log holds
+    the run; an older writer is fenced from that point on (its later COMMITs are ignored,
+    and it stops when it sees the newer record). Epochs count a role's records in log order."""
+
+    kind: str  # "attempt"
+    run_id: str
+    role: str  # "trainer" or "gc"
+    attempt: str  # host, pid and a random suffix
+    world_size: int
+    created_unix: float
+    format: int = FORMAT_VERSION
+
+
 #: Every record of the markers log: checkpoint markers (kinds commit, failed, compacted),
-#: follower leases and gc's drops.
-LogRecord = Marker | LeaseRecord | DroppedRecord
+#: follower leases, gc's drops and writers' attempts.
+LogRecord = Marker | LeaseRecord | DroppedRecord | AttemptRecord
 _KINDS: dict[str, type] = {"commit": Marker, "failed": Marker, "compacted": Marker, "lease": LeaseRecord,
-                           "dropped": DroppedRecord}
+                           "dropped": DroppedRecord, "attempt": AttemptRecord}
+ROLES = ("trainer", "gc")
 
 
 def encode_marker(marker: LogRecord) -> bytes:
     """Serialise any log record with the CRC envelope."""
     assert _KINDS.get(marker.kind) is type(marker), marker.kind
     fields = asdict(marker)
-    if isinstance(marker, Marker) and not marker.follower:
-        del fields["follower"]  # commit and failed markers keep the wire form they always had
+    if isinstance(marker, Marker):
+        for name in ("follower", "attempt"):  # empty ones keep the wire form markers always had
+            if not fields[name]:
+                del fields[name]
+        for link in fields["chain"]:
+            if not link["epoch"]:
+                del link["epoch"]
     body = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     return _HEAD.pack(MAGIC, zlib.crc32(body)) + body
 
@@ -196,6 +226,8 @@ def decode_record(data: bytes) -> LogRecord:
         if cls is None:
             raise MarkerError(f"unknown record kind {d.get('kind')!r}; upgrade deltarec")
         _check_field_types(cls, d)
+        if cls is AttemptRecord and d.get("role") not in ROLES:
+            raise MarkerError(f"attempt record of unknown role {d.get('role')!r}")
         if cls is Marker:
             d["chain"] = [ChainLink.from_json(link) for link in d["chain"]]
         return cls(**d)
@@ -227,17 +259,16 @@ def _check_field_types(cls: type, d: dict[str, Any]) -> None:
 
 
 def commits(records: Iterable[tuple[Any, bytes]], run_id: str) -> list[tuple[Any, Marker]]:
-    """The COMMIT markers of `run_id` among raw (position, bytes) records, in log order.
-
-    A record that fails to decode is an error: markers are small, synchronous writes, and
-    a damaged one means the markers channel itself is damaged.
-    """
+    """The COMMIT markers of `run_id` among raw (position, bytes) records, in log order, as
+    written (diagnostics and benchmarks; restores fold the log with `ckpt.catalog`, which also
+    fences markers of a replaced trainer attempt). A damaged record is skipped with a warning."""
     out = []
     for pos, data in records:
         try:
             m = decode_record(data)
         except MarkerError as exc:
-            raise MarkerError(f"marker at position {pos}: {exc}") from exc
+            logger.warning("marker at position %s: %s; record skipped", pos, exc)
+            continue
         if m.kind == "commit" and m.run_id == run_id:
             out.append((pos, m))
     return out

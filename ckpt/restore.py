@@ -98,8 +98,9 @@ def iter_link_frames(
     whole partition opens it once."""
     for partition, run in _wanted_runs(link, want):
         firsts = [entry.first for entry in run]
+        chunks = _Chunks()
         for pos, frame in source.read_range(link.generation, partition, run[0].first, run[-1].last):
-            if _checked(link, partition, run, firsts, pos, frame, run_id, locate):
+            if _checked(link, partition, run, firsts, pos, frame, run_id, locate, chunks):
                 yield frame
 
 
@@ -117,14 +118,14 @@ def iter_chain_frames_fetched_together(
     the newest link's before the older ones'."""
     _check_base(marker)
     reads: list[RangeRead] = []
-    runs: list[tuple[int, ChainLink, int, list[IndexEntry], list[int]]] = []
+    runs: list[tuple[int, ChainLink, int, list[IndexEntry], list[int], _Chunks]] = []
     for i, link in reversed(list(enumerate(marker.chain))):
         for partition, run in _wanted_runs(link, want):
             reads.append(RangeRead(link.generation, partition, run[0].first, run[-1].last))
-            runs.append((i, link, partition, run, [entry.first for entry in run]))
+            runs.append((i, link, partition, run, [entry.first for entry in run], _Chunks()))
     for r, pos, frame in source.read_ranges(reads):
-        i, link, partition, run, firsts = runs[r]
-        if _checked(link, partition, run, firsts, pos, frame, run_id, locate):
+        i, link, partition, run, firsts, chunks = runs[r]
+        if _checked(link, partition, run, firsts, pos, frame, run_id, locate, chunks):
             yield i, link, frame
 
 
@@ -133,11 +134,41 @@ def _check_base(marker: Marker) -> None:
         raise RestoreError(f"checkpoint {marker.checkpoint_id}: its chain does not start with a full checkpoint")
 
 
+class _Chunks:
+    """Where one range read is in the chunk sequences of its index entries (see `_check_chunk`)."""
+
+    def __init__(self) -> None:
+        self.entry = -1  # first position of the entry of the previous frame read; -1: none yet
+        self.index = 0  # that frame's chunk index ...
+        self.count = 0  # ... and chunk count
+
+
+def _check_chunk(entry: IndexEntry, pos: int, frame: Frame, chunks: _Chunks, where: str) -> None:
+    """The frames of an index entry must be whole chunk sequences (0..count-1, as
+    `chunk_rows` numbers one shard's frames), in order, ending with a last chunk at the
+    entry's last position. A duplicated frame inside the range keeps every other check
+    happy when the frames are of one size (table, checkpoint id, rank all match, and the
+    range end lands on a record start), but the restore would write that frame's rows twice
+    and skip the frame the range end now falls short of: refused here, where it is."""
+    index, count = frame.chunk_index, frame.chunk_count
+    follows = pos != entry.first and chunks.entry == entry.first and chunks.index + 1 < chunks.count
+    expected = (chunks.index + 1, chunks.count) if follows else (0, count)  # the next chunk, or a new sequence
+    if (index, count) != expected:
+        want = f"chunk {expected[0]} of {expected[1]}" if follows else "chunk 0"
+        raise FrameError(f"frame is chunk {index} of {count} of shard {frame.table}@{frame.col_offset}, expected {want}: "
+                         "a frame duplicated, missing or out of order in the range its COMMIT marker names", where)
+    if pos == entry.last and index != count - 1:
+        raise FrameError(f"frame is chunk {index} of {count} of shard {frame.table}@{frame.col_offset}, but the COMMIT "
+                         "marker's index ends the shard here: a frame duplicated or missing in the range it names", where)
+    chunks.entry, chunks.index, chunks.count = entry.first, index, count
+
+
 def _checked(link: ChainLink, partition: int, run: list[IndexEntry], firsts: list[int], pos: int, frame: Frame,
-             run_id: str, locate: Callable[[int, int, int], str]) -> bool:
+             run_id: str, locate: Callable[[int, int, int], str], chunks: _Chunks) -> bool:
     """Whether the frame at `pos` of a run of index entries (`firsts`: their first positions)
     is one of the link's (False: a frame of an earlier failed flush that landed in between);
-    raises if it is not what the marker's index says is there."""
+    raises if it is not what the marker's index says is there. `chunks`: the read's place in
+    its entries' chunk sequences (the frames of one read, in position order)."""
     if not _in_ranges(pos, link.ranges.get(partition, [])):
         return False
     entry = run[bisect.bisect_right(firsts, pos) - 1]
@@ -146,6 +177,7 @@ def _checked(link: ChainLink, partition: int, run: list[IndexEntry], firsts: lis
                          locate(link.generation, partition, pos))
     verify_frame(frame, link, partition, entry.table, entry.col_offset, run_id,
                  locate(link.generation, partition, pos))
+    _check_chunk(entry, pos, frame, chunks, locate(link.generation, partition, pos))
     return True
 
 
@@ -362,6 +394,8 @@ def verify_frame(frame: Frame, link: ChainLink, partition: int, table: str, col:
         problems.append(f"run id {frame.run_id!r} != {run_id!r}")
     if frame.checkpoint_id != link.checkpoint_id:
         problems.append(f"checkpoint id {frame.checkpoint_id} != {link.checkpoint_id}")
+    if frame.epoch != link.epoch:  # a frame of another trainer attempt (ckpt/attempts.py)
+        problems.append(f"attempt epoch {frame.epoch} != {link.epoch}")
     if frame.rank != partition:
         problems.append(f"rank {frame.rank} != partition {partition}")
     if frame.table != table or frame.col_offset != col:

@@ -51,6 +51,7 @@ class WriteJob:
     dense_state: dict[str, Any] | None = None  # rank 0 only: host copies of dense params and optimizer
     weight_codec: str = "fp32"
     optimizer_codec: str = "fp32"
+    epoch: int = 0  # the trainer attempt's epoch, written into every frame (ckpt/attempts.py)
 
 
 @dataclass(kw_only=True)
@@ -84,6 +85,7 @@ class Outcome:
     stall_ms: list[float] = field(default_factory=list)
     write_s: float = 0.0
     commit_unix: float = 0.0  # time.time() when the COMMIT marker was written; 0 when none was
+    fenced: bool = False  # a newer attempt holds the run: this one must stop (`error` says which)
 
 
 Committer = Callable[[WriteJob, list[RankReport]], Outcome]
@@ -249,7 +251,7 @@ class RankWriter:
         return chunk_rows(
             run_id=self.run_id, checkpoint_id=job.checkpoint_id, rank=self.rank, table=shard.table,
             col_offset=shard.col_offset, dim=shard.weights.shape[1], encoding=weight_codec.code,
-            row_ids=ids, payload=payload, optim=optim, max_frame_bytes=self.max_frame_bytes,
+            row_ids=ids, payload=payload, optim=optim, max_frame_bytes=self.max_frame_bytes, epoch=job.epoch,
         )
 
     def _coordinate(self, job: WriteJob, report: RankReport) -> Outcome:

@@ -23,12 +23,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from ckpt.attempts import new_writer_id
 from ckpt.backends import open_backend, open_sink
 from ckpt.catalog import Catalog, catch_up
 from ckpt.config import CkptConfig
 from ckpt.dense_store import DenseStore
 from ckpt.follow.compact import write_compacted
-from ckpt.follow.lease import LeaseKeeper, new_follower_id
+from ckpt.follow.lease import LeaseKeeper
 from ckpt.follow.serving import Publisher
 from ckpt.follow.store import RowStore
 from ckpt.manager import MetricsSink
@@ -61,7 +62,7 @@ class Follower:
         self.metrics = metrics
         self.backend = open_backend(cfg, world_size=1)
         self.catalog = Catalog(self.run_id)
-        self.follower_id = new_follower_id()
+        self.follower_id = new_writer_id()  # a restarted follower is a new follower
         self.lease = LeaseKeeper(self.catalog, self.backend.markers, follower_id=self.follower_id, lease_s=self.f.lease_s)
         self.store = RowStore()
         self.applied: Marker | None = None  # the checkpoint the store holds

@@ -16,21 +16,13 @@ holder's rows nor get its own baseline used.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
-import uuid
 
 from ckpt.catalog import Catalog, catch_up
 from ckpt.markers import LeaseRecord, encode_marker
 from ckpt.sink import MarkerLog
 
 logger = logging.getLogger(__name__)
-
-
-def new_follower_id() -> str:
-    """host:pid:random, unique per process (a restarted follower is a new follower)."""
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
 class LeaseKeeper:

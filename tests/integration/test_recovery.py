@@ -126,8 +126,10 @@ def test_cli_list_verify_and_gc(tmp_path, unique_name, debug_config: DebugConfig
     spawn_ranks(debug_config.path, [*job, "train.steps=50", "train.eval_batches=1"], tmp_path)
     cli = ("trainer.ckpt_cli", "--config", debug_config.path, f"run.dir={tmp_path / 'run'}", *job)
     listing = run_cli(*cli, "list")
-    rows = [line.split() for line in listing.stdout.splitlines()[1:]]
+    *table, attempt = listing.stdout.splitlines()[1:]
+    rows = [line.split() for line in table]
     assert [r[0] for r in rows] == ["1", "2", "3", "4", "5"], listing.stdout
+    assert attempt.startswith("trainer attempt: ") and attempt.endswith(" (epoch 1)"), listing.stdout
     assert all(r[2] == "full" and r[5] == "2" and r[6] == "complete" for r in rows), listing.stdout
     verify = run_cli(*cli, "verify", "--checkpoint", "4")
     assert "checkpoint 4 (step 40): OK" in verify.stdout, verify.stdout + verify.stderr
@@ -135,7 +137,7 @@ def test_cli_list_verify_and_gc(tmp_path, unique_name, debug_config: DebugConfig
     assert "dropped generations ['g1', 'g2', 'g3']" in gc.stdout, gc.stdout + gc.stderr
     stream = tmp_path / "run" / "stream"
     assert sorted(p.name.rsplit(".g", 1)[1] for p in stream.glob("*.rows.g*")) == ["4", "5"]
-    after = [line.split() for line in run_cli(*cli, "list").stdout.splitlines()[1:]]
+    after = [line.split() for line in run_cli(*cli, "list").stdout.splitlines()[1:-1]]
     assert [r[6] for r in after] == ["dropped", "dropped", "dropped", "complete", "complete"]
     run_cli(*cli, "verify", "--checkpoint", "2", expect_rc=1)
     resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest", "train.steps=60"], tmp_path)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
 
 from ckpt.catalog import Catalog
-from ckpt.markers import ChainLink, DroppedRecord, LeaseRecord, Marker, MarkerError, encode_marker
+from ckpt.markers import AttemptRecord, ChainLink, DroppedRecord, LeaseRecord, Marker, encode_marker
 from ckpt.sink import compacted_epoch, compacted_generation, generation_label, parse_rows_name, rows_name
 
 RUN = "cat"
@@ -15,9 +14,13 @@ def _link(cid: int, *, full: bool = False, generation: int = 1, nbytes: int = 10
     return ChainLink(checkpoint_id=cid, full=full, generation=generation, ranges={0: []}, rows=1, bytes=nbytes)
 
 
-def _commit(chain: list[ChainLink]) -> Marker:
+def _commit(chain: list[ChainLink], attempt: str = "") -> Marker:
     return Marker(kind="commit", run_id=RUN, checkpoint_id=chain[-1].checkpoint_id, step=10 * chain[-1].checkpoint_id,
-                  world_size=2, chain=chain, policy="incremental")
+                  world_size=2, chain=chain, policy="incremental", attempt=attempt)
+
+
+def _attempt(attempt: str, role: str = "trainer", at: float = 100.0) -> AttemptRecord:
+    return AttemptRecord(kind="attempt", run_id=RUN, role=role, attempt=attempt, world_size=2, created_unix=at)
 
 
 def _compacted(cid: int, follower: str, epoch: int = 1, nbytes: int = 500) -> Marker:
@@ -92,9 +95,41 @@ def test_feeding_in_pieces_skips_what_was_read_and_other_runs_do_not_count() -> 
     assert 99 not in c.feed([(9, encode_marker(other))]).commits
 
 
-def test_a_damaged_record_is_an_error_naming_its_position() -> None:
-    with pytest.raises(MarkerError, match="position 4"):
-        Catalog(RUN).feed([(4, b"DRM1\0\0\0\0{}")])
+def test_a_damaged_record_is_skipped_with_a_warning_naming_its_position(caplog) -> None:
+    good = [(0, encode_marker(_commit([BASE]))), (4, b"DRM1\0\0\0\0{}"),
+            (9, encode_marker(_commit(CHAIN[:2])))]
+    c = Catalog(RUN).feed(good, "markers of x")
+    assert sorted(c.commits) == [1, 2] and c.damaged == [4] and c.last_pos == 9
+    assert any("markers of x position 4: marker record CRC mismatch; record skipped" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_markers_of_an_attempt_after_a_newer_attempt_started_are_fenced() -> None:
+    """The newest ATTEMPT record holds the run from its position on: the old attempt's COMMIT
+    that lands after it is ignored (and listed), even with a new id; ids still never repeat."""
+    c = _fold(_attempt("a"), _commit([BASE], "a"), _commit(CHAIN[:2], "a"), _attempt("b"),
+              _commit(CHAIN[:3], "a"), _commit([_link(4, full=True, generation=4)], "b"))
+    assert sorted(c.commits) == [1, 2, 4] and [m.checkpoint_id for m in c.fenced_commits] == [3]
+    assert c.holder("trainer").attempt == "b" and c.holder("trainer").epoch == 2 and c.epochs_of == {"a": 1, "b": 2}
+    assert c.newest_id == 4 and [m.checkpoint_id for m in c.restorable()] == [4, 2, 1]
+
+
+def test_markers_before_any_attempt_record_count_and_a_marker_without_attempt_after_one_does_not() -> None:
+    c = _fold(_commit([BASE]), _attempt("a"), _commit(CHAIN[:2]), _commit(CHAIN[:3], "a"))
+    assert sorted(c.commits) == [1, 3] and [m.checkpoint_id for m in c.fenced_commits] == [2]
+
+
+def test_an_attempt_whose_own_record_was_damaged_keeps_its_markers() -> None:
+    records = [(0, encode_marker(_attempt("a"))), (1, encode_marker(_commit([BASE], "a"))),
+               (2, b"DRM1 damaged attempt record of b"), (3, encode_marker(_commit(CHAIN[:2], "b")))]
+    c = Catalog(RUN).feed(records)
+    assert sorted(c.commits) == [1, 2] and not c.fenced_commits and c.damaged == [2]
+
+
+def test_trainer_and_gc_attempts_hold_separately() -> None:
+    c = _fold(_attempt("t1"), _attempt("g1", "gc"), _attempt("g2", "gc"), _commit([BASE], "t1"))
+    assert c.holder("trainer").attempt == "t1" and c.holder("gc").attempt == "g2" and c.holder("gc").epoch == 2
+    assert sorted(c.commits) == [1]
 
 
 def test_compacted_generations_have_their_own_names_and_never_meet_the_trainers() -> None:

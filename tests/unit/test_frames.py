@@ -209,7 +209,25 @@ def test_chunks_of_a_run_hold_more_rows_and_each_is_a_run():
 
 def test_an_unknown_flag_bit_is_refused():
     buf = bytearray(_frame())
-    struct.pack_into("<H", buf, 6, 0x2)
+    struct.pack_into("<H", buf, 6, 0x4)
     struct.pack_into("<I", buf, len(buf) - 4, zlib.crc32(bytes(buf[:-4])))
-    with pytest.raises(FrameError, match="unknown flags 0x2"):
+    with pytest.raises(FrameError, match="unknown flags 0x4"):
+        decode_frame(bytes(buf))
+
+
+def test_the_writer_epoch_round_trips_and_old_frames_are_epoch_0():
+    ids = torch.arange(5, 9)
+    rows = torch.randn(4, 4)
+    assert decode_frame(encode_frame(**META, row_ids=ids, payload=rows)).epoch == 0
+    with_epoch = encode_frame(**META, row_ids=ids, payload=rows, epoch=7)
+    back = decode_frame(with_epoch)
+    assert back.epoch == 7 and torch.equal(back.payload.view(torch.float32), rows)
+    frames = list(chunk_rows(**META, row_ids=torch.arange(100), payload=torch.randn(100, 4), epoch=3,
+                             max_frame_bytes=600))
+    assert len(frames) > 1 and {decode_frame(f.data).epoch for f in frames} == {3}
+    # the flag without its field: the header ends too early
+    buf = bytearray(encode_frame(**META, row_ids=ids, payload=rows))
+    struct.pack_into("<H", buf, 6, struct.unpack_from("<H", buf, 6)[0] | 0x2)
+    struct.pack_into("<I", buf, len(buf) - 4, zlib.crc32(bytes(buf[:-4])))
+    with pytest.raises(FrameError, match="epoch|header length"):
         decode_frame(bytes(buf))

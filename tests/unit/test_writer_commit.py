@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckpt.attempts import announce
+from ckpt.catalog import read_catalog
 from ckpt.committer import Committer
 from ckpt.dense_store import DenseRef, DenseStore
 from ckpt.frames import OptimState, chunk_rows, decode_frame
@@ -117,6 +119,34 @@ def test_a_failed_rank_fails_the_checkpoint_without_a_commit_time(rank0) -> None
     outcome = committer(job, [failed])
     assert not outcome.committed and outcome.error == "rank 0: broker gone" and outcome.commit_unix == 0.0
     assert commits(markers.read_markers(), RUN) == [] and len(markers.read_markers()) == 1  # the FAILED record
+
+
+def test_an_attempt_replaced_by_a_newer_one_writes_nothing_more_and_its_epoch_marks_its_frames(
+        tmp_path: Path, rank0) -> None:
+    """The committer of attempt A (epoch 1) commits with its attempt id and epoch in marker and
+    frames; once attempt B announced itself, A's next checkpoint writes no dense file and no
+    marker, and its outcome says it is fenced, naming B."""
+    writer, committer, markers = rank0
+    mine = announce(markers, RUN, "trainer")
+    committer.start_attempt(mine, read_catalog(markers, RUN))
+    job = _job(_snapshot())
+    job.epoch = committer.epoch
+    assert job.epoch == 1
+    report = writer._write(job)
+    outcome = committer(job, [report])
+    assert outcome.committed and not outcome.fenced
+    marker = read_catalog(markers, RUN).commits[1]
+    assert marker.attempt == mine.attempt and marker.chain[-1].epoch == 1
+    assert {f.epoch for _, f in FsSource(tmp_path, RUN).read_range(1, 0, 0, report.ranges[0][-1].last)} == {1}
+
+    newer = announce(markers, RUN, "trainer")
+    second = WriteJob(**{**job.__dict__, "checkpoint_id": 2, "chain": [1, 2], "generation": 1})
+    outcome = committer(second, [writer._write(second)])
+    assert outcome.fenced and not outcome.committed
+    assert f"a newer trainer attempt ({newer.attempt}, epoch 2" in outcome.error and mine.attempt in outcome.error
+    assert not DenseStore(tmp_path / "dense").path_for(2).exists()
+    catalog = read_catalog(markers, RUN)
+    assert sorted(catalog.commits) == [1] and not catalog.failed and catalog.holder("trainer").attempt == newer.attempt
 
 
 def test_segments_merge_consecutive_frames_of_one_shard_only() -> None:
