@@ -52,7 +52,7 @@ class Holder:
     """The writer of one role that holds the run as of some point of the log."""
 
     attempt: str
-    epoch: int  # 1 for the role's first ATTEMPT record, +1 for each later one
+    epoch: int  # the ATTEMPT record's position + 1: ordered like the log
     created_unix: float  # the holder's own clock, for messages
 
 
@@ -104,9 +104,8 @@ class Catalog:
             if isinstance(rec, LeaseRecord):
                 self._lease_event(rec)
             elif isinstance(rec, AttemptRecord):
-                held = self.holders.get(rec.role)
-                self.holders[rec.role] = Holder(rec.attempt, (held.epoch if held else 0) + 1, rec.created_unix)
-                self.epochs_of[rec.attempt] = self.holders[rec.role].epoch
+                self.holders[rec.role] = Holder(rec.attempt, pos + 1, rec.created_unix)
+                self.epochs_of[rec.attempt] = pos + 1
             elif isinstance(rec, DroppedRecord):  # honoured whoever wrote it: its deletions may have begun
                 self.dropped.update(rec.generations)
             elif rec.kind in ("commit", "failed") and not self._from_holder(rec):

@@ -237,7 +237,7 @@ def main(argv: Sequence[str], load_ckpt_config: Callable[[str, list[str]], CkptC
         backend = open_backend(cfg, world_size=1)
         dense = DenseStore(Path(cfg.dense_dir))
         try:
-            mine = announce(backend.markers, run_id, "gc") if args.command == "gc" else None
+            mine = announce(backend.markers, run_id, "gc").record if args.command == "gc" else None
             catalog = read_catalog(backend.markers, run_id, f"{backend.where} markers")
             if args.command == "list":
                 return cmd_list(catalog)

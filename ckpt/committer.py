@@ -58,9 +58,10 @@ class Committer:
         self.epoch = 0
         self._read_ok = False  # whether the last commit's read of the markers log succeeded
 
-    def start_attempt(self, attempt: AttemptRecord, catalog: Catalog) -> None:
-        """This trainer attempt's record and the log as read through it (the manager's start)."""
-        self.attempt, self.epoch, self.catalog = attempt, catalog.epochs_of.get(attempt.attempt, 0), catalog
+    def start_attempt(self, attempt: AttemptRecord, epoch: int, catalog: Catalog) -> None:
+        """This trainer attempt's record and epoch, and the log as the manager read it at start
+        (just before the record; the first commit reads the rest)."""
+        self.attempt, self.epoch, self.catalog = attempt, epoch, catalog
 
     def __call__(self, job: WriteJob, reports: list[RankReport]) -> Outcome:
         cid = job.checkpoint_id

@@ -16,7 +16,7 @@ checkpoint. Layout, version 1, all integers little-endian::
 ``flags`` bit 0 (``FLAG_ROW_RUN``): the rows are the run ``first``..``first + n - 1``, and
 the row-ids section holds only ``first`` (int64): full checkpoints and compacted baselines
 write whole shards, whose ids would otherwise cost 8 bytes a row. Bit 1 (``FLAG_EPOCH``):
-the header tail ends with the writing trainer attempt's epoch (u32) after the optimizer
+the header tail ends with the writing trainer attempt's epoch (u64) after the optimizer
 layout; a restore checks it against the COMMIT marker's link (frames without it are epoch
 0). Other bits are refused.
 
@@ -64,8 +64,8 @@ _CRC = struct.Struct("<I")
 _ALIGN = 8
 _MAX_STR = 0xFFFF
 FLAG_ROW_RUN = 0x1  # row ids are first..first+n-1; the ids section holds `first` alone
-FLAG_EPOCH = 0x2  # the header tail ends with the writer's epoch (u32)
-_EPOCH = struct.Struct("<I")
+FLAG_EPOCH = 0x2  # the header tail ends with the writer's epoch (u64)
+_EPOCH = struct.Struct("<Q")
 
 if sys.byteorder != "little":  # pragma: no cover
     raise ImportError("ckpt.frames writes tensors in native byte order and needs a little-endian host")

@@ -22,9 +22,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ckpt import dense_state
-from ckpt.attempts import Fenced, announce, fenced_by, fenced_message
+from ckpt.attempts import Fenced, announce
 from ckpt.backends import Backend, open_backend
-from ckpt.catalog import read_catalog
+from ckpt.catalog import Catalog, read_catalog
 from ckpt.committer import Committer
 from ckpt.config import CkptConfig
 from ckpt.dense_store import DenseHistory, DenseRef, DenseStore, DenseStoreError
@@ -184,7 +184,7 @@ class CheckpointManager:
         self.stats = CheckpointStats()
         self.restores = 0  # restores of this job so far (persisted in the dense state)
         self._newest_id = 0  # newest checkpoint id in the markers log (ids never repeat)
-        self.epoch = 0  # this attempt's number among the run's trainer attempts (in every frame)
+        self.epoch = 0  # this attempt's epoch (ckpt/attempts.py), written into every frame
         self._history = DenseHistory(0, [])  # what the run directory remembers (rank 0's, broadcast)
         self.agreed_fractions = (0.0, 0.0)  # rows changed since the base / the last checkpoint, all ranks
         self._pending: dict[int, _Pending] = {}
@@ -219,11 +219,7 @@ class CheckpointManager:
         markers_s = time.perf_counter() - t0
         if self.c.resume == "none":
             return self._start_fresh()
-        if not candidates:
-            if self.c.resume != "latest":
-                raise RestoreError(f"checkpoint {self.c.resume} of run {self.run_id} has no COMMIT marker in {self.backend.where}")
-            if self._history.commits:
-                raise RestoreError(self._lost_stream())
+        if not candidates:  # `resume=latest` of a run without history (`_choose` refused the rest)
             if self.env.rank == 0:
                 logger.info("no checkpoint of run %s in %s: starting from scratch", self.run_id, self.backend.where)
             return self._start_fresh()
@@ -306,12 +302,12 @@ class CheckpointManager:
                         self.run_id, self.next_id)
         return None
 
-    def _lost_stream(self) -> str:
+    def _lost_stream(self, history: DenseHistory) -> str:
         """The one-line refusal of `resume=latest` when the run directory has committed
         checkpoints that the stream does not."""
-        newest = max(self._history.commits, key=lambda c: c.checkpoint_id)
+        newest = max(history.commits, key=lambda c: c.checkpoint_id)
         return (
-            f"run {self.run_id}: {self.dense.root} records {len(self._history.commits)} committed checkpoint(s) "
+            f"run {self.run_id}: {self.dense.root} records {len(history.commits)} committed checkpoint(s) "
             f"(newest {newest.checkpoint_id} at step {newest.step}, in {newest.where or 'an unnamed stream'}) but "
             f"{self.backend.where} has no COMMIT marker of this run: the stream was lost or this job points at "
             f"another one. Point ckpt.sink / ckpt.bootstrap_servers / ckpt.fs_root at the stream that holds them, "
@@ -320,8 +316,8 @@ class CheckpointManager:
 
     def _candidates(self) -> list[Marker]:
         """COMMIT markers to try, newest first (only the chosen one for a given id), and what
-        the run directory remembers (`self._history`). Rank 0 announces this attempt in the
-        markers log, reads it and the dense store and broadcasts, so all ranks agree. With
+        the run directory remembers (`self._history`). Rank 0 reads the markers log and the
+        dense store, announces this attempt and broadcasts, so all ranks agree. With
         `resume=none` only the newest id matters."""
         chosen: list[Any] = [None]
         failure: DeltarecError | None = None
@@ -338,38 +334,43 @@ class CheckpointManager:
         return ordered
 
     def _read_candidates(self) -> tuple[list[Marker], int, DenseHistory, int]:
-        """Rank 0's part of `_candidates`: the broker answers (bounded), this attempt's ATTEMPT
-        record goes into the markers log, then the log (through that record) and the dense store
-        are read. A newer attempt's record after this one's: this one stops at once."""
+        """Rank 0's part of `_candidates`: the broker answers (bounded), the markers log and the
+        dense store are read and the checkpoint to resume chosen, or the start refused (a lost
+        stream, an id that cannot be restored) before anything is written. Then this attempt's
+        ATTEMPT record goes into the log (ckpt/attempts.py); the first commit reads what landed
+        meanwhile, a newer attempt's record included."""
         self.backend.markers.check_reachable(self.c.connect_timeout_s)
         history = self.dense.history()
-        attempt = announce(self.backend.markers, self.run_id, "trainer", self.env.world_size)
         catalog = read_catalog(self.backend.markers, self.run_id, self.backend.where)
-        newer = fenced_by(catalog, attempt)
-        if newer is not None:
-            raise Fenced(fenced_message(self.run_id, attempt, newer))
+        ordered = self._choose(catalog, history)
+        attempt, epoch = announce(self.backend.markers, self.run_id, "trainer", self.env.world_size)
         assert self.committer is not None
-        self.committer.start_attempt(attempt, catalog)
-        found = catalog.restorable()  # each with its cheapest complete chain
-        newest = catalog.newest_id
+        self.committer.start_attempt(attempt, epoch, catalog)
+        return ordered, catalog.newest_id, history, epoch
+
+    def _choose(self, catalog: Catalog, history: DenseHistory) -> list[Marker]:
+        """The checkpoints `ckpt.resume` asks for, newest first, each with its cheapest complete
+        chain: [] to start fresh; a `RestoreError` when the start must be refused."""
+        found = catalog.restorable()
         if self.c.resume == "none":
-            ordered = []
-        elif self.c.resume == "latest":
-            ordered = sorted(found, key=lambda m: m.checkpoint_id, reverse=True)
-        else:
-            chosen = int(self.c.resume)
-            ordered = [m for m in found if m.checkpoint_id == chosen]
-            if not ordered:
-                why = (f"checkpoint {chosen} of run {self.run_id}: every chain that restores it reads a generation "
-                       f"deltarec-ckpt gc dropped ({sorted(catalog.dropped)}); `deltarec-ckpt list` shows what is left"
-                       if chosen in catalog.commits else
-                       f"checkpoint {chosen} of run {self.run_id} has no COMMIT marker in {self.backend.where}")
-                if self.c.on_corrupt == "fail":
-                    raise RestoreError(why + " (or set ckpt.on_corrupt=previous to fall back to an older checkpoint)")
-                logger.warning("%s; falling back to the previous checkpoint", why)
-            ordered += sorted((m for m in found if m.checkpoint_id < chosen), key=lambda m: m.checkpoint_id,
-                              reverse=True)
-        return ordered, newest, history, self.committer.epoch
+            return []
+        if self.c.resume == "latest":
+            if not found and history.commits:
+                raise RestoreError(self._lost_stream(history))
+            return sorted(found, key=lambda m: m.checkpoint_id, reverse=True)
+        chosen = int(self.c.resume)
+        ordered = [m for m in found if m.checkpoint_id == chosen]
+        older = sorted((m for m in found if m.checkpoint_id < chosen), key=lambda m: m.checkpoint_id, reverse=True)
+        if not ordered:
+            why = (f"checkpoint {chosen} of run {self.run_id}: every chain that restores it reads a generation "
+                   f"deltarec-ckpt gc dropped ({sorted(catalog.dropped)}); `deltarec-ckpt list` shows what is left"
+                   if chosen in catalog.commits else
+                   f"checkpoint {chosen} of run {self.run_id} has no COMMIT marker in {self.backend.where}")
+            if self.c.on_corrupt == "fail" or not older:
+                raise RestoreError(why + (" (or set ckpt.on_corrupt=previous to fall back to an older checkpoint)"
+                                          if older else ""))
+            logger.warning("%s; falling back to the previous checkpoint", why)
+        return ordered + older
 
     def _trainer_state(self, state: dict[str, Any], marker: Marker) -> dict[str, Any]:
         """This rank's loop state; reader state carries over to another world size only

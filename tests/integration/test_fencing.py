@@ -71,7 +71,7 @@ def test_an_old_attempt_that_wakes_up_after_a_newer_one_started_stops_and_is_nev
             os.kill(proc.pid, signal.SIGSTOP)
         before = _catalog(debug_config, tmp_path, job)
         newest = max(before.commits)
-        assert newest >= 2 and before.holder("trainer").epoch == 1
+        assert newest >= 2 and before.holder("trainer").epoch == 1  # the first record of the markers topic
 
         b = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest", f"train.steps={newest * 10 + 30}"],
                         tmp_path, timeout_s=180)  # fmt: skip
@@ -79,7 +79,8 @@ def test_an_old_attempt_that_wakes_up_after_a_newer_one_started_stops_and_is_nev
         b_state = _dumps(run)
         after_b = _catalog(debug_config, tmp_path, job)
         b_ids = sorted(set(after_b.commits) - set(before.commits))
-        assert len(b_ids) == 3 and after_b.holder("trainer").epoch == 2, b_ids
+        epoch_b = after_b.holder("trainer").epoch
+        assert len(b_ids) == 3 and epoch_b > 1, b_ids
 
         for proc in a.procs:
             os.kill(proc.pid, signal.SIGCONT)
@@ -91,13 +92,14 @@ def test_an_old_attempt_that_wakes_up_after_a_newer_one_started_stops_and_is_nev
                 proc.kill()
     assert all(r.returncode not in (0, None) for r in results), [r.returncode for r in results]
     line = [ln for ln in results[0].stderr.splitlines() if "a newer trainer attempt" in ln]
-    assert line and "took over this run's markers log" in line[0] and "epoch 2" in line[0], results[0].stderr[-3000:]
+    assert line and "took over this run's markers log" in line[0] and f"epoch {epoch_b}," in line[0], \
+        results[0].stderr[-3000:]
 
     final = _catalog(debug_config, tmp_path, job)
     assert sorted(final.commits) == sorted(after_b.commits), "attempt A committed after B started"
     assert {final.commits[i].attempt for i in b_ids} == {final.holder("trainer").attempt}
-    assert all(link.epoch in (1, 2) for m in final.commits.values() for link in m.chain)
-    assert [link.epoch for link in final.commits[b_ids[-1]].chain][-1] == 2
+    assert all(link.epoch in (1, epoch_b) for m in final.commits.values() for link in m.chain)
+    assert {link.epoch for i in b_ids for link in final.commits[i].chain if link.checkpoint_id in b_ids} == {epoch_b}
     dense_ids = sorted(int(p.stem.split("-")[1]) for p in (run / "dense").glob("dense-*.pt"))
     assert dense_ids == sorted(final.commits), f"attempt A wrote a dense file: {dense_ids}"
 
@@ -147,12 +149,12 @@ def test_of_two_gcs_at_once_exactly_one_deletes(tmp_path, unique_name, debug_con
         hold.unlink(missing_ok=True)
     out, rest = a.communicate(timeout=60)
     assert a.returncode == 1, (out, err + rest)
-    assert "deltarec-ckpt: error: run" in rest and "a newer deltarec-ckpt gc" in rest and "epoch 2" in rest, rest
+    assert "deltarec-ckpt: error: run" in rest and "a newer deltarec-ckpt gc" in rest, rest
     assert "kept checkpoints" not in out
 
     catalog = _catalog(debug_config, tmp_path, job)
     assert catalog.dropped == {1, 2, 3} and [m.checkpoint_id for m in catalog.restorable()] == [4]
-    assert catalog.holder("gc").epoch == 2
+    assert f"epoch {catalog.holder('gc').epoch}," in rest, rest  # gc B's
     # a checkpoint whose generation gc dropped: named, refused, never silently replaced by an older one
     refused = spawn_ranks(debug_config.path, [*job, "ckpt.resume=2", "train.steps=50"], tmp_path, world_size=1,
                           timeout_s=120, expect_ok=False)  # fmt: skip

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from confluent_kafka.admin import AdminClient
 
 from launch.broker import EmbeddedBroker
 from launch.ranks import read_jsonl, spawn_ranks
@@ -87,6 +88,41 @@ def test_broker_restarted_empty_is_refused_not_started_over(tmp_path, unique_nam
     finally:
         for b in [first, *second]:
             b.stop()
+
+
+def test_another_broker_or_deleted_topics_are_refused_and_nothing_is_written(
+    tmp_path, broker, unique_name, debug_config: DebugConfig
+):
+    """The two other ways a stream goes missing: the job pointed at another (live) broker, and
+    the run's topics deleted. `resume=latest` stops with the same line, and writes nothing to
+    the stream it was pointed at (no topic is created there)."""
+    run_id = unique_name("lost-topics")
+    job = _job(run_id, "kafka", broker.bootstrap)
+    spawn_ranks(debug_config.path, job, tmp_path)
+    assert _committed_ids(tmp_path / "run") == [1, 2, 3]
+    admin = AdminClient({"bootstrap.servers": broker.bootstrap})
+    ours = sorted(t for t in admin.list_topics(timeout=10).topics if t.startswith(run_id))
+    assert f"{run_id}.markers" in ours and len(ours) > 1, ours
+
+    other = EmbeddedBroker(state_dir=tmp_path / "other")
+    other.start()
+    try:
+        for bootstrap, lose in [(other.bootstrap, None), (broker.bootstrap, ours)]:
+            if lose:
+                for future in admin.delete_topics(lose, operation_timeout=30).values():
+                    future.result()
+            refused = spawn_ranks(debug_config.path, [*job, f"ckpt.bootstrap_servers={bootstrap}", "ckpt.resume=latest"],
+                                  tmp_path, expect_ok=False)  # fmt: skip
+            assert all(r.returncode == 2 for r in refused), [r.returncode for r in refused]
+            line = next((x for x in refused[0].stderr.splitlines() if "committed checkpoint(s)" in x), "")
+            assert "records 3 committed checkpoint(s) (newest 3 at step 30" in line and bootstrap in line, \
+                refused[0].stderr[-3000:]
+        leaked = [t for t in AdminClient({"bootstrap.servers": other.bootstrap}).list_topics(timeout=10).topics
+                  if t.startswith(run_id)]
+        assert leaked == [], f"the refused start wrote to the broker it was wrongly pointed at: {leaked}"
+    finally:
+        other.stop()
+    assert _committed_ids(tmp_path / "run") == [1, 2, 3]
 
 
 def test_filesystem_sink_emptied_is_refused_not_started_over(tmp_path, unique_name, debug_config: DebugConfig):

@@ -110,7 +110,8 @@ def test_markers_of_an_attempt_after_a_newer_attempt_started_are_fenced() -> Non
     c = _fold(_attempt("a"), _commit([BASE], "a"), _commit(CHAIN[:2], "a"), _attempt("b"),
               _commit(CHAIN[:3], "a"), _commit([_link(4, full=True, generation=4)], "b"))
     assert sorted(c.commits) == [1, 2, 4] and [m.checkpoint_id for m in c.fenced_commits] == [3]
-    assert c.holder("trainer").attempt == "b" and c.holder("trainer").epoch == 2 and c.epochs_of == {"a": 1, "b": 2}
+    # an epoch is the record's position + 1
+    assert c.holder("trainer").attempt == "b" and c.holder("trainer").epoch == 4 and c.epochs_of == {"a": 1, "b": 4}
     assert c.newest_id == 4 and [m.checkpoint_id for m in c.restorable()] == [4, 2, 1]
 
 
@@ -128,7 +129,7 @@ def test_an_attempt_whose_own_record_was_damaged_keeps_its_markers() -> None:
 
 def test_trainer_and_gc_attempts_hold_separately() -> None:
     c = _fold(_attempt("t1"), _attempt("g1", "gc"), _attempt("g2", "gc"), _commit([BASE], "t1"))
-    assert c.holder("trainer").attempt == "t1" and c.holder("gc").attempt == "g2" and c.holder("gc").epoch == 2
+    assert c.holder("trainer").attempt == "t1" and c.holder("gc").attempt == "g2" and c.holder("gc").epoch == 3
     assert sorted(c.commits) == [1]
 
 

@@ -127,11 +127,12 @@ def test_an_attempt_replaced_by_a_newer_one_writes_nothing_more_and_its_epoch_ma
     frames; once attempt B announced itself, A's next checkpoint writes no dense file and no
     marker, and its outcome says it is fenced, naming B."""
     writer, committer, markers = rank0
-    mine = announce(markers, RUN, "trainer")
-    committer.start_attempt(mine, read_catalog(markers, RUN))
+    catalog = read_catalog(markers, RUN)
+    mine, epoch = announce(markers, RUN, "trainer")
+    committer.start_attempt(mine, epoch, catalog)
     job = _job(_snapshot())
     job.epoch = committer.epoch
-    assert job.epoch == 1
+    assert job.epoch == 1  # the record's byte offset 0, + 1
     report = writer._write(job)
     outcome = committer(job, [report])
     assert outcome.committed and not outcome.fenced
@@ -139,11 +140,13 @@ def test_an_attempt_replaced_by_a_newer_one_writes_nothing_more_and_its_epoch_ma
     assert marker.attempt == mine.attempt and marker.chain[-1].epoch == 1
     assert {f.epoch for _, f in FsSource(tmp_path, RUN).read_range(1, 0, 0, report.ranges[0][-1].last)} == {1}
 
-    newer = announce(markers, RUN, "trainer")
+    newer, newer_epoch = announce(markers, RUN, "trainer")
+    assert newer_epoch > 1
     second = WriteJob(**{**job.__dict__, "checkpoint_id": 2, "chain": [1, 2], "generation": 1})
     outcome = committer(second, [writer._write(second)])
     assert outcome.fenced and not outcome.committed
-    assert f"a newer trainer attempt ({newer.attempt}, epoch 2" in outcome.error and mine.attempt in outcome.error
+    assert f"a newer trainer attempt ({newer.attempt}, epoch {newer_epoch}," in outcome.error
+    assert mine.attempt in outcome.error
     assert not DenseStore(tmp_path / "dense").path_for(2).exists()
     catalog = read_catalog(markers, RUN)
     assert sorted(catalog.commits) == [1] and not catalog.failed and catalog.holder("trainer").attempt == newer.attempt
