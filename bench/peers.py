@@ -642,7 +642,7 @@ def follower_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plots(records: PeerRecords, img: Path, size: str) -> list[str]:
+def plots(records: PeerRecords, img: Path, size: str, encodings: tuple[str, ...] = ENCODINGS) -> list[str]:
     """Check-N-Run's Figures 15 and 16 in shape: per interval, bytes written and storage
     required by every deltarec policy (one panel per encoding) against dcp.save's mean."""
     from matplotlib.ticker import MaxNLocator
@@ -651,8 +651,9 @@ def plots(records: PeerRecords, img: Path, size: str) -> list[str]:
     for metric, fig_no, title in (("bytes_written", 15, "bytes written per interval"),
                                   ("capacity_bytes", 16, "storage required per interval")):
         path = img / f"peers_{size}_fig{fig_no}_{metric}.png"
-        with figure(path, 1, len(ENCODINGS), figsize=(11, 4), dpi=100, sharey=True) as (fig, axes):
-            for ax, enc in zip(axes, ENCODINGS):
+        with figure(path, 1, len(encodings), figsize=(11, 4), dpi=100, sharey=True, squeeze=False) as (fig, grid):
+            axes = grid[0]
+            for ax, enc in zip(axes, encodings):
                 for policy in (*POLICIES, FOLLOWER):
                     pts = records.series(metric, peer="deltarec", policy=policy, encoding=enc)
                     if pts:
@@ -679,6 +680,8 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--keep", type=Path, help="keep run directories here (default: a temporary directory)")
     p.add_argument("--steps", type=int, help="override the suite's training steps (per job and per peer phase)")
     p.add_argument("--interval", type=int, help="override the suite's checkpoint interval (steps)")
+    p.add_argument("--encodings", nargs="+", choices=ENCODINGS, default=list(ENCODINGS),
+                   help="row encodings of the deltarec jobs (default: all)")
     p.add_argument("--follower-intervals", type=int,
                    help="checkpoints of the deltarec + follower jobs (default: the suite's; 0: leave them out)")
     p.add_argument("--follower-grace-s", type=float, default=300,
@@ -707,12 +710,13 @@ def run(argv: list[str], prog: str = "python -m bench.run") -> dict[str, Any]:
              f"{broker.bootstrap}; work dir {work}")
         base = baseline_job(s, work, args.timeout_s)
         jobs: dict[tuple[str, str], dict] = {}
+        encodings = tuple(args.encodings)
         for policy in POLICIES:
-            for enc in ENCODINGS:
+            for enc in encodings:
                 jobs[(policy, enc)] = deltarec_job(policy, enc, s, work, broker.bootstrap, prefix, args.timeout_s)
         intervals = s["follower_intervals"] if args.follower_intervals is None else args.follower_intervals
         if intervals > 0:
-            for enc in ENCODINGS:
+            for enc in encodings:
                 jobs[(FOLLOWER, enc)] = follower_job(enc, s, work, broker.bootstrap, prefix, args.timeout_s, intervals,
                                                      args.follower_grace_s)
         peers = peers_job(s, work, broker.bootstrap, jobs, args.timeout_s)
@@ -724,6 +728,7 @@ def run(argv: list[str], prog: str = "python -m bench.run") -> dict[str, Any]:
     result: dict[str, Any] = {
         **document_head("peers", prog, argv, machine), "suite": args.size,
         "settings": {"config": s["config"], "steps": s["steps"], "interval_steps": s["interval"], "ranks": 2,
+                     "encodings": list(encodings),
                      "overrides": s["overrides"], "model_rows": model_rows,
                      "follower_intervals": next((r["steps"] // s["interval"] for (pol, _), r in jobs.items()
                                                  if pol == FOLLOWER), 0),
@@ -735,7 +740,7 @@ def run(argv: list[str], prog: str = "python -m bench.run") -> dict[str, Any]:
         "records": records.items, "summary": summary, "targets": tg,
     }
     if args.plots:
-        result["plots"] = plots(records, args.plots, args.size)
+        result["plots"] = plots(records, args.plots, args.size, encodings)
     result["wall_s"] = time.perf_counter() - started
     print(table(summary))
     if summary.get("follower"):

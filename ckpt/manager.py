@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, Sequence
 
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ckpt import dense_state
-from ckpt.attempts import Fenced, announce
+from ckpt.attempts import Announced, Fenced, announce
 from ckpt.backends import Backend, open_backend
 from ckpt.catalog import Catalog, read_catalog
 from ckpt.committer import Committer
@@ -34,7 +34,7 @@ from ckpt.markers import Marker
 from ckpt.policy import CheckpointPolicy, Decision
 from ckpt.quant import BitWidthPolicy, warm_up_codecs
 from ckpt.restore import RestoreError, RowsRestored, restore_rows
-from ckpt.sink import SourceError
+from ckpt.sink import SinkError, SourceError
 from ckpt.snapshot import SnapshotTaker
 from ckpt.tracker import RowTracker
 from ckpt.writer import Outcome, RankWriter, WriteJob
@@ -184,7 +184,8 @@ class CheckpointManager:
         self.stats = CheckpointStats()
         self.restores = 0  # restores of this job so far (persisted in the dense state)
         self._newest_id = 0  # newest checkpoint id in the markers log (ids never repeat)
-        self.epoch = 0  # this attempt's epoch (ckpt/attempts.py), written into every frame
+        self.epoch = 0  # this attempt's epoch (ckpt/attempts.py), written into every frame; 0: not yet known
+        self._announcing: tuple[Future[Announced], Catalog] | None = None  # rank 0, from the start on
         self._history = DenseHistory(0, [])  # what the run directory remembers (rank 0's, broadcast)
         self.agreed_fractions = (0.0, 0.0)  # rows changed since the base / the last checkpoint, all ranks
         self._pending: dict[int, _Pending] = {}
@@ -236,11 +237,22 @@ class CheckpointManager:
             dist.all_reduce(failed, op=dist.ReduceOp.MAX)
             if not failed.item():
                 return self._finish_restore(marker, rows, state, t0, markers_s)
-            reason = error or f"checkpoint {marker.checkpoint_id}: another rank could not restore it"
+            reason = self._first_error(error)
             if self.c.on_corrupt == "fail":
                 raise RestoreError(reason + " (set ckpt.on_corrupt=previous to fall back to an older checkpoint)")
             logger.warning("%s; falling back to the previous checkpoint", reason)
         raise RestoreError(f"no restorable checkpoint of run {self.run_id} in {self.backend.where}")
+
+    def _first_error(self, error: str) -> str:
+        """Why a restore failed, on every rank: its own reason, or the first other rank's, so
+        the line each rank stops with names the file and offset whichever rank read the damage
+        (only on failure: the happy path pays one all-reduce, not this gather)."""
+        errors: list[str] = [""] * self.env.world_size
+        dist.all_gather_object(errors, error)
+        if error:
+            return error
+        rank, first = next((r, e) for r, e in enumerate(errors) if e)
+        return f"{first} (read by rank {rank})"
 
     def _finish_restore(self, marker: Marker, rows: RowsRestored, state: dict[str, Any], t0: float,
                         markers_s: float) -> RestoreReport:
@@ -317,8 +329,8 @@ class CheckpointManager:
     def _candidates(self) -> list[Marker]:
         """COMMIT markers to try, newest first (only the chosen one for a given id), and what
         the run directory remembers (`self._history`). Rank 0 reads the markers log and the
-        dense store, announces this attempt and broadcasts, so all ranks agree. With
-        `resume=none` only the newest id matters."""
+        dense store and broadcasts, so all ranks agree, and starts announcing this attempt.
+        With `resume=none` only the newest id matters."""
         chosen: list[Any] = [None]
         failure: DeltarecError | None = None
         if self.env.rank == 0:
@@ -330,23 +342,45 @@ class CheckpointManager:
         dist.broadcast_object_list(chosen, src=0)
         if isinstance(chosen[0], str):
             raise failure or RestoreError(chosen[0])
-        ordered, self._newest_id, self._history, self.epoch = chosen[0]
+        ordered, self._newest_id, self._history = chosen[0]
         return ordered
 
-    def _read_candidates(self) -> tuple[list[Marker], int, DenseHistory, int]:
+    def _read_candidates(self) -> tuple[list[Marker], int, DenseHistory]:
         """Rank 0's part of `_candidates`: the broker answers (bounded), the markers log and the
         dense store are read and the checkpoint to resume chosen, or the start refused (a lost
         stream, an id that cannot be restored) before anything is written. Then this attempt's
-        ATTEMPT record goes into the log (ckpt/attempts.py); the first commit reads what landed
-        meanwhile, a newer attempt's record included."""
+        ATTEMPT record (ckpt/attempts.py) is appended in the background: a fresh idempotent
+        producer's first append takes about a second on the embedded broker, which the restore
+        need not wait for; the first checkpoint does (`_join_attempt`)."""
         self.backend.markers.check_reachable(self.c.connect_timeout_s)
         history = self.dense.history()
         catalog = read_catalog(self.backend.markers, self.run_id, self.backend.where)
         ordered = self._choose(catalog, history)
-        attempt, epoch = announce(self.backend.markers, self.run_id, "trainer", self.env.world_size)
-        assert self.committer is not None
-        self.committer.start_attempt(attempt, epoch, catalog)
-        return ordered, catalog.newest_id, history, epoch
+        pool = ThreadPoolExecutor(1, thread_name_prefix="deltarec-announce")
+        self._announcing = (pool.submit(announce, self.backend.markers, self.run_id, "trainer", self.env.world_size),
+                            catalog)
+        pool.shutdown(wait=False)
+        return ordered, catalog.newest_id, history
+
+    def _join_attempt(self) -> None:
+        """Before this attempt's first checkpoint: rank 0 waits for its ATTEMPT record, hands it
+        to the committer, and every rank learns the epoch its frames carry."""
+        box: list[Any] = [None]
+        failure: DeltarecError | None = None
+        if self.env.rank == 0:
+            assert self._announcing is not None and self.committer is not None
+            future, catalog = self._announcing
+            try:
+                attempt, epoch = future.result()
+                self.committer.start_attempt(attempt, epoch, catalog)
+                box[0] = epoch
+            except Exception as exc:  # noqa: BLE001 - every rank stops with it, none waits at the broadcast
+                failure = exc if isinstance(exc, DeltarecError) else None
+                box[0] = f"run {self.run_id}: cannot announce this attempt in the markers log: {exc}"
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], str):
+            raise failure or SinkError(box[0])
+        self.epoch = box[0]
 
     def _choose(self, catalog: Catalog, history: DenseHistory) -> list[Marker]:
         """The checkpoints `ckpt.resume` asks for, newest first, each with its cheapest complete
@@ -477,6 +511,8 @@ class CheckpointManager:
     def _checkpoint(self, step: int, final: bool = False) -> None:
         """Take the checkpoint of `step`: agree, copy (the stall), hand to the writer.
         Under back-pressure `skip` drops it (reported), `wait` blocks; the final one waits."""
+        if not self.epoch:
+            self._join_attempt()
         started_unix, t0 = time.time(), time.perf_counter()
         decision, fraction, est, overflow = self._agree()
         t_agreed = time.perf_counter()

@@ -112,10 +112,10 @@ def test_restore_killed_by_its_fault_hook_and_from_outside_then_resume_is_bit_ex
     group.wait(expect_ok=False)
 
     after, _, _ = _state(debug_config, tmp_path, job)
-    # each attempt announced itself (ckpt/attempts.py) and wrote nothing else
-    assert after.records == records + 2 and after.holder("trainer").epoch > catalog.holder("trainer").epoch, \
-        f"{why}: a killed restore wrote to the markers log"
-    assert after.commits.keys() == catalog.commits.keys() and after.dropped == catalog.dropped, why
+    # an attempt announces itself in the background (ckpt/attempts.py), and wrote nothing else
+    assert records <= after.records <= records + 2, f"{why}: a killed restore wrote to the markers log"
+    assert after.commits.keys() == catalog.commits.keys() and after.failed.keys() == catalog.failed.keys(), why
+    assert after.dropped == catalog.dropped and not after.fenced_commits, why
     resumed = spawn_ranks(debug_config.path, resume, tmp_path, timeout_s=120)
     assert f"deltarec: resumed from checkpoint {newest} at step {newest * 10}" in resumed[0].stdout, why
     for rank, (got, want) in enumerate(zip(_dumps(tmp_path / "run"), _dumps(reference / "run"))):

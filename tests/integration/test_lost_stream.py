@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import pytest
 from confluent_kafka.admin import AdminClient
@@ -38,7 +38,11 @@ def _committed_ids(run_dir: Path) -> list[int]:
     return [r["ckpt_id"] for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("ckpt_committed")]
 
 
-def _refused_then_started_over(debug_config: DebugConfig, job: list[str], tmp_path: Path, lose_stream) -> None:
+def _refused_then_started_over(debug_config: DebugConfig, job: list[str], tmp_path: Path,
+                               *losses: Callable[[], tuple[list[str], str]]) -> None:
+    """Train, then for each loss: lose the stream (the callable returns overrides, such as
+    another broker's address, and the stream the job then points at) and check `resume=latest`
+    is refused naming that stream; then start over."""
     run_dir = tmp_path / "run"
     spawn_ranks(debug_config.path, job, tmp_path)
     first = _committed_ids(run_dir)
@@ -46,16 +50,18 @@ def _refused_then_started_over(debug_config: DebugConfig, job: list[str], tmp_pa
     before = _dense_files(run_dir)
     assert sorted(before) == [f"dense-{i:08d}.pt" for i in first]
 
-    lose_stream()
-    refused = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest"], tmp_path, expect_ok=False)
-    assert all(r.returncode != 0 for r in refused), [r.returncode for r in refused]
-    out = refused[0].stdout + refused[0].stderr
-    line = next((x for x in out.splitlines() if "committed checkpoint(s)" in x), None)
-    assert line is not None, out[-3000:]
-    assert "records 3 committed checkpoint(s) (newest 3 at step 30" in line and "ckpt.resume=none" in line, line
-    assert "starting from scratch" not in out and "Traceback" not in refused[0].stderr, out[-3000:]
-    assert _dense_files(run_dir) == before  # nothing written, nothing replaced
-    assert _committed_ids(run_dir) == first  # no checkpoint taken by the refused attempt
+    for lose_stream in losses:
+        overrides, where = lose_stream()
+        refused = spawn_ranks(debug_config.path, [*job, *overrides, "ckpt.resume=latest"], tmp_path, expect_ok=False)
+        assert all(r.returncode == 2 for r in refused), [r.returncode for r in refused]
+        out = refused[0].stdout + refused[0].stderr
+        line = next((x for x in out.splitlines() if "committed checkpoint(s)" in x), None)
+        assert line is not None, out[-3000:]
+        assert "records 3 committed checkpoint(s) (newest 3 at step 30" in line and "ckpt.resume=none" in line, line
+        assert f"but {where} has no COMMIT marker" in line, line
+        assert "starting from scratch" not in out and "Traceback" not in refused[0].stderr, out[-3000:]
+        assert _dense_files(run_dir) == before  # nothing written, nothing replaced
+        assert _committed_ids(run_dir) == first  # no checkpoint taken by the refused attempt
 
     # The user chooses to start over: the old files stay, ids go on after them.
     spawn_ranks(debug_config.path, [*job, "ckpt.resume=none"], tmp_path)
@@ -70,61 +76,48 @@ def _refused_then_started_over(debug_config: DebugConfig, job: list[str], tmp_pa
 
 
 def test_broker_restarted_empty_is_refused_not_started_over(tmp_path, unique_name, debug_config: DebugConfig):
+    """Also the two other ways a Kafka stream goes missing, first: the job pointed at another
+    live broker (where the refused start must not even create a topic), and the run's topics
+    deleted."""
     run_id = unique_name("lost")
     first = EmbeddedBroker(state_dir=tmp_path / "broker1")
     first.start()
     port = first.port
     job = _job(run_id, "kafka", first.bootstrap)
-    second: list[EmbeddedBroker] = []
+    others: list[EmbeddedBroker] = []
 
-    def restart_empty() -> None:
+    def another_broker() -> tuple[list[str], str]:
+        b = EmbeddedBroker(state_dir=tmp_path / "other")
+        b.start()
+        others.append(b)
+        return [f"ckpt.bootstrap_servers={b.bootstrap}"], b.bootstrap
+
+    def topics_deleted() -> tuple[list[str], str]:
+        leaked = [t for t in AdminClient({"bootstrap.servers": others[0].bootstrap}).list_topics(timeout=10).topics
+                  if t.startswith(run_id)]
+        assert leaked == [], f"the refused start wrote to the broker it was wrongly pointed at: {leaked}"
+        admin = AdminClient({"bootstrap.servers": first.bootstrap})
+        ours = [t for t in admin.list_topics(timeout=10).topics if t.startswith(run_id)]
+        assert f"{run_id}.markers" in ours and len(ours) > 1, ours
+        for future in admin.delete_topics(ours, operation_timeout=30).values():
+            future.result()
+        return [], first.bootstrap
+
+    def restart_empty() -> tuple[list[str], str]:
         first.stop()
         b = EmbeddedBroker(port=port, state_dir=tmp_path / "broker2")  # memory storage: nothing survives
         b.start()
-        second.append(b)
+        others.append(b)
+        return [], first.bootstrap
 
     try:
-        _refused_then_started_over(debug_config, job, tmp_path, restart_empty)
+        _refused_then_started_over(debug_config, job, tmp_path, another_broker, topics_deleted, restart_empty)
     finally:
-        for b in [first, *second]:
+        for b in [first, *others]:
             b.stop()
-
-
-def test_another_broker_or_deleted_topics_are_refused_and_nothing_is_written(
-    tmp_path, broker, unique_name, debug_config: DebugConfig
-):
-    """The two other ways a stream goes missing: the job pointed at another (live) broker, and
-    the run's topics deleted. `resume=latest` stops with the same line, and writes nothing to
-    the stream it was pointed at (no topic is created there)."""
-    run_id = unique_name("lost-topics")
-    job = _job(run_id, "kafka", broker.bootstrap)
-    spawn_ranks(debug_config.path, job, tmp_path)
-    assert _committed_ids(tmp_path / "run") == [1, 2, 3]
-    admin = AdminClient({"bootstrap.servers": broker.bootstrap})
-    ours = sorted(t for t in admin.list_topics(timeout=10).topics if t.startswith(run_id))
-    assert f"{run_id}.markers" in ours and len(ours) > 1, ours
-
-    other = EmbeddedBroker(state_dir=tmp_path / "other")
-    other.start()
-    try:
-        for bootstrap, lose in [(other.bootstrap, None), (broker.bootstrap, ours)]:
-            if lose:
-                for future in admin.delete_topics(lose, operation_timeout=30).values():
-                    future.result()
-            refused = spawn_ranks(debug_config.path, [*job, f"ckpt.bootstrap_servers={bootstrap}", "ckpt.resume=latest"],
-                                  tmp_path, expect_ok=False)  # fmt: skip
-            assert all(r.returncode == 2 for r in refused), [r.returncode for r in refused]
-            line = next((x for x in refused[0].stderr.splitlines() if "committed checkpoint(s)" in x), "")
-            assert "records 3 committed checkpoint(s) (newest 3 at step 30" in line and bootstrap in line, \
-                refused[0].stderr[-3000:]
-        leaked = [t for t in AdminClient({"bootstrap.servers": other.bootstrap}).list_topics(timeout=10).topics
-                  if t.startswith(run_id)]
-        assert leaked == [], f"the refused start wrote to the broker it was wrongly pointed at: {leaked}"
-    finally:
-        other.stop()
-    assert _committed_ids(tmp_path / "run") == [1, 2, 3]
 
 
 def test_filesystem_sink_emptied_is_refused_not_started_over(tmp_path, unique_name, debug_config: DebugConfig):
     job = _job(unique_name("lost-fs"), "filesystem")
-    _refused_then_started_over(debug_config, job, tmp_path, lambda: shutil.rmtree(tmp_path / "run" / "stream"))
+    stream = tmp_path / "run" / "stream"
+    _refused_then_started_over(debug_config, job, tmp_path, lambda: (shutil.rmtree(stream) or [], str(stream)))

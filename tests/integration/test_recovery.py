@@ -10,11 +10,13 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
+from ckpt import cli as ckpt_cli
 from ckpt.fs_sink import FsMarkers
 from ckpt.kafka_sink import KafkaMarkers
 from ckpt.markers import decode_marker, encode_marker
 from launch.broker import EmbeddedBroker, free_port
 from launch.ranks import read_metrics, spawn_ranks, start_ranks
+from trainer.ckpt_cli import load_ckpt_config
 
 if TYPE_CHECKING:
     from tests.conftest import CliRunner, DebugConfig, MetricsReader
@@ -93,9 +95,10 @@ def test_corrupt_frame_fails_naming_where_or_falls_back(tmp_path, unique_name, d
     segment.write_bytes(bytes(data))
 
     failed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest", "train.steps=40"], tmp_path, expect_ok=False)
-    err = "\n".join(r.stderr for r in failed)
-    assert any(r.returncode not in (0, None) for r in failed)
-    assert "CRC" in err and f"{partition}.seg" in err and str(first) in err, err[-3000:]
+    assert all(r.returncode == 2 for r in failed), [r.returncode for r in failed]
+    for rank, r in enumerate(failed):  # every rank names where, also the one that did not read it
+        assert "CRC" in r.stderr and f"{partition}.seg at byte {first}" in r.stderr, r.stderr[-3000:]
+        assert (f"(read by rank {partition})" in r.stderr) == (rank != partition), r.stderr[-3000:]
 
     resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest", "ckpt.on_corrupt=previous", "train.steps=40"],
                           tmp_path)  # fmt: skip
@@ -121,27 +124,36 @@ def test_marker_that_does_not_match_its_frames_is_refused(tmp_path, broker, uniq
     assert "checkpoint id 2 != 7" in err and f"{run_id}.rows.g2" in err and "partition" in err, err[-3000:]
 
 
-def test_cli_list_verify_and_gc(tmp_path, unique_name, debug_config: DebugConfig, run_cli: CliRunner):
+def _cli(capsys, *argv: object) -> tuple[int, str]:
+    """`deltarec-ckpt argv` in this process (no interpreter start per command): (status, stdout + stderr)."""
+    capsys.readouterr()
+    rc = ckpt_cli.main([str(a) for a in argv], load_ckpt_config)
+    out = capsys.readouterr()
+    return rc, out.out + out.err
+
+
+def test_cli_list_verify_and_gc(tmp_path, unique_name, debug_config: DebugConfig, capsys):
+    """`list`, `verify` and `gc` on a real run (the commands run in this process; a killed gc,
+    a resume after gc and gc as a subprocess: tests/integration/test_kill_during_tools.py)."""
     job = _ckpt(unique_name("cli"), policy="full")
     spawn_ranks(debug_config.path, [*job, "train.steps=50", "train.eval_batches=1"], tmp_path)
-    cli = ("trainer.ckpt_cli", "--config", debug_config.path, f"run.dir={tmp_path / 'run'}", *job)
-    listing = run_cli(*cli, "list")
-    *table, attempt = listing.stdout.splitlines()[1:]
+    cli = ("--config", debug_config.path, f"run.dir={tmp_path / 'run'}", *job)
+    rc, listing = _cli(capsys, *cli, "list")
+    *table, attempt = listing.splitlines()[1:]
     rows = [line.split() for line in table]
-    assert [r[0] for r in rows] == ["1", "2", "3", "4", "5"], listing.stdout
-    assert attempt.startswith("trainer attempt: ") and attempt.endswith(" (epoch 1)"), listing.stdout
-    assert all(r[2] == "full" and r[5] == "2" and r[6] == "complete" for r in rows), listing.stdout
-    verify = run_cli(*cli, "verify", "--checkpoint", "4")
-    assert "checkpoint 4 (step 40): OK" in verify.stdout, verify.stdout + verify.stderr
-    gc = run_cli(*cli, "gc", "--keep", "2")
-    assert "dropped generations ['g1', 'g2', 'g3']" in gc.stdout, gc.stdout + gc.stderr
+    assert rc == 0 and [r[0] for r in rows] == ["1", "2", "3", "4", "5"], listing
+    assert all(r[2] == "full" and r[5] == "2" and r[6] == "complete" for r in rows), listing
+    assert attempt.startswith("trainer attempt: ") and attempt.endswith(" (epoch 1)"), listing
+    rc, verify = _cli(capsys, *cli, "verify", "--checkpoint", "4")
+    assert rc == 0 and "checkpoint 4 (step 40): OK" in verify, verify
+    rc, gc = _cli(capsys, *cli, "gc", "--keep", "2")
+    assert rc == 0 and "dropped generations ['g1', 'g2', 'g3']" in gc, gc
     stream = tmp_path / "run" / "stream"
     assert sorted(p.name.rsplit(".g", 1)[1] for p in stream.glob("*.rows.g*")) == ["4", "5"]
-    after = [line.split() for line in run_cli(*cli, "list").stdout.splitlines()[1:-1]]
-    assert [r[6] for r in after] == ["dropped", "dropped", "dropped", "complete", "complete"]
-    run_cli(*cli, "verify", "--checkpoint", "2", expect_rc=1)
-    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest", "train.steps=60"], tmp_path)
-    assert "resumed from checkpoint 5 at step 50" in resumed[0].stdout
+    rc, after = _cli(capsys, *cli, "list")
+    assert [r.split()[6] for r in after.splitlines()[1:-1]] == ["dropped", "dropped", "dropped", "complete", "complete"]
+    rc, refused = _cli(capsys, *cli, "verify", "--checkpoint", "2")
+    assert rc == 1 and "deltarec-ckpt: error: no restorable checkpoint with id 2" in refused, refused
 
 
 def test_time_interval_checkpoints(tmp_path, unique_name, debug_config: DebugConfig, metrics: MetricsReader):
