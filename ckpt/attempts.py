@@ -9,8 +9,8 @@ filesystem sink (docs/design.md §7). A writer's epoch is its record's position 
 offset or a byte offset): unique, ordered like the log, and known from the append alone.
 
 Two writers started at once both append; the older learns it at its next read of the log (a
-trainer before its first dense file, gc at once), so exactly one goes on. A writer that was SIGKILLed needs no cleanup: the next one's record
-is newer. Followers hold a lease instead (ckpt/follow/lease.py): a second follower is a
+trainer before its first dense file, gc at once), so exactly one goes on. A writer that was
+SIGKILLed needs no cleanup: the next one's record is newer. Followers hold a lease instead (ckpt/follow/lease.py): a second follower is a
 standby that must not displace a live one, whereas a new trainer attempt or gc is always the
 one to keep.
 """
@@ -22,7 +22,6 @@ import os
 import socket
 import time
 import uuid
-
 from typing import NamedTuple
 
 from ckpt.catalog import Catalog, Holder
