@@ -164,7 +164,8 @@ class AttemptRecord:
     """A writer announcing itself before it writes anything: every trainer attempt (rank 0,
     at start) and every `deltarec-ckpt gc`. Of each role, the newest record in the log holds
     the run; an older writer is fenced from that point on (its later COMMITs are ignored,
-    and it stops when it sees the newer record). Epochs count a role's records in log order."""
+    and it stops when it sees the newer record). A writer's epoch is the record's position
+    + 1 (ckpt/attempts.py)."""
 
     kind: str  # "attempt"
     run_id: str

@@ -175,9 +175,9 @@ def _checked(link: ChainLink, partition: int, run: list[IndexEntry], firsts: lis
     if not entry.first <= pos <= entry.last:
         raise FrameError("frame outside every indexed segment of its COMMIT marker",
                          locate(link.generation, partition, pos))
-    verify_frame(frame, link, partition, entry.table, entry.col_offset, run_id,
-                 locate(link.generation, partition, pos))
-    _check_chunk(entry, pos, frame, chunks, locate(link.generation, partition, pos))
+    where = locate(link.generation, partition, pos)
+    verify_frame(frame, link, partition, entry.table, entry.col_offset, run_id, where)
+    _check_chunk(entry, pos, frame, chunks, where)
     return True
 
 
