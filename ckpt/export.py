@@ -39,6 +39,9 @@ file captured (including sharded modules' own, such as a data-parallel collectio
 Data-parallel tables have no rows in the stream: their weights (and dense-optimizer
 state) come from the dense file, under the same table FQNs as the row-sharded ones.
 
+A chain whose marker names a row initialisation stores only trained rows; the others come
+out at their initial values, regenerated (sharding/row_init.py).
+
 Rows come out as the checkpoint stored them: bit-exact for fp32 encodings, dequantized
 otherwise. The design is described in docs/design.md.
 """
@@ -64,6 +67,7 @@ from ckpt.restore import RestoreError, decode_rows, iter_chain_frames
 from ckpt.sink import FrameSource
 from common.errors import DeltarecError
 from sharding.plan import EBC_PATH
+from sharding.row_init import RowInit, fill_rows
 
 #: The module every exported FQN is relative to (what `trainer.model.build_model` returns).
 FQN_ROOT = "DLRMTrain"
@@ -159,7 +163,16 @@ def assemble(
     if not marker.tables:
         raise RestoreError(f"checkpoint {marker.checkpoint_id}: its marker has no table shapes (written by an older deltarec)")
     shapes = {name: shape for name, shape in marker.tables.items() if name not in replicated}
-    tables: dict[str, dict[str, torch.Tensor]] = {name: {"weight": torch.zeros(rows, dim)} for name, (rows, dim) in shapes.items()}
+    try:
+        init = RowInit.from_json(marker.init)
+    except ValueError as exc:
+        raise RestoreError(f"checkpoint {marker.checkpoint_id}: {exc}") from None
+    tables: dict[str, dict[str, torch.Tensor]] = {}
+    for name, (rows, dim) in shapes.items():
+        weight = torch.zeros(rows, dim)
+        if init is not None:  # the chain holds only trained rows: the others are at their initial values
+            fill_rows(init, name, rows, dim, weight, 0, 0)
+        tables[name] = {"weight": weight}
     seen = {name: torch.zeros(rows, dim, dtype=torch.bool) for name, (rows, dim) in shapes.items()}
     for full, frame in frames:
         if frame.table in replicated:
@@ -181,7 +194,7 @@ def assemble(
             else:
                 t.setdefault(name, torch.zeros(rows, t["weight"].shape[1]))[ids, c0:c1] = values
     for name, mask in seen.items():
-        if not bool(mask.all()):
+        if init is None and not bool(mask.all()):
             raise RestoreError(f"checkpoint {marker.checkpoint_id}: table {name} is not fully covered by its base checkpoint")
     return tables
 

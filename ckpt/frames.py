@@ -18,7 +18,10 @@ the row-ids section holds only ``first`` (int64): full checkpoints and compacted
 write whole shards, whose ids would otherwise cost 8 bytes a row. Bit 1 (``FLAG_EPOCH``):
 the header tail ends with the writing trainer attempt's epoch (u64) after the optimizer
 layout; a restore checks it against the COMMIT marker's link (frames without it are epoch
-0). Other bits are refused.
+0). Bit 2 (``FLAG_ROW_BITMAP``): the rows ascend, and the row-ids section holds ``first``
+(int64), ``span`` (int64) and a bitmap of ``span`` bits (LSB first), bit i set for row
+``first + i``: what a frame of scattered trained rows uses when that is smaller than 8 bytes
+a row. Other bits are refused.
 
 ``encoding`` is a codec id of ``ckpt.quant``'s registry (fp32=1, fp16=2, asym8=24, ...),
 carried as an integer: this module never interprets payload bytes. Sections start
@@ -65,6 +68,8 @@ _ALIGN = 8
 _MAX_STR = 0xFFFF
 FLAG_ROW_RUN = 0x1  # row ids are first..first+n-1; the ids section holds `first` alone
 FLAG_EPOCH = 0x2  # the header tail ends with the writer's epoch (u64)
+FLAG_ROW_BITMAP = 0x4  # the ids section holds first, span and a bitmap of the rows in first..first+span-1
+_BITMAP_HEAD = struct.Struct("<qq")  # first, span
 _EPOCH = struct.Struct("<Q")
 
 if sys.byteorder != "little":  # pragma: no cover
@@ -184,10 +189,36 @@ def _header_len(tail_len: int) -> int:
     return n + _pad(n)
 
 
-def _frame_len(header_len: int, n: int, row_bytes: int, optim_row_bytes: Sequence[int], run: bool = False) -> int:
-    ids = 8 if run else 8 * n
+def _frame_len(header_len: int, n: int, row_bytes: int, optim_row_bytes: Sequence[int], run: bool = False,
+               span: int | None = None) -> int:
+    """Bytes of a frame; its ids are a run, a bitmap of `span` rows, or 8 bytes a row."""
+    ids = 8 if run else _bitmap_len(span) if span is not None else 8 * n
     body = sum(s + _pad(s) for s in [ids, n * row_bytes, *(n * rb for rb in optim_row_bytes)])
     return header_len + body + _CRC.size
+
+
+def _bitmap_len(span: int) -> int:
+    return _BITMAP_HEAD.size + (span + 7) // 8
+
+
+def _bitmap_span(ids: torch.Tensor) -> int | None:
+    """The span of a bitmap holding `ids` (1-D) when it is smaller than 8 bytes a row and the
+    ids strictly ascend; else None."""
+    n = int(ids.shape[0])
+    if n < 2:
+        return None
+    span = int(ids[-1]) - int(ids[0]) + 1
+    size = _bitmap_len(span)
+    if size + _pad(size) >= 8 * n or not bool((ids[1:] > ids[:-1]).all()):
+        return None
+    return span
+
+
+def _bitmap(ids: torch.Tensor, span: int) -> np.ndarray:
+    bits = np.zeros(span, dtype=np.uint8)
+    bits[(ids - ids[0]).numpy()] = 1
+    head = np.frombuffer(_BITMAP_HEAD.pack(int(ids[0]), span), dtype=np.uint8)
+    return np.concatenate([head, np.packbits(bits, bitorder="little")])
 
 
 def _is_run(ids: torch.Tensor) -> bool:
@@ -208,7 +239,8 @@ def encode_frame(*, run_id: str, checkpoint_id: int, rank: int, table: str, col_
     n = int(ids.shape[0])
     ids = ids.detach().cpu().to(torch.int64)
     run = _is_run(ids)
-    ids_np = (ids[:1] if run else ids).contiguous().numpy()
+    span = None if run else _bitmap_span(ids)
+    ids_np = ids[:1].numpy() if run else _bitmap(ids, span) if span is not None else ids.contiguous().numpy()
     pay_np = _as_row_bytes(payload, n, "payload")
     opt_np = [_as_row_bytes(o.rows, n, f"optimizer state {o.name!r}") for o in optim]
     if len(optim) > 255:
@@ -219,8 +251,8 @@ def encode_frame(*, run_id: str, checkpoint_id: int, rank: int, table: str, col_
     layout = [(o.name, o.encoding, a.shape[1]) for o, a in zip(optim, opt_np)]
     tail = _header_tail(run_id, table, layout, epoch)
     header_len = _header_len(len(tail))
-    total = _frame_len(header_len, n, row_bytes, [a.shape[1] for a in opt_np], run)
-    flags = (FLAG_ROW_RUN if run else 0) | (FLAG_EPOCH if epoch else 0)
+    total = _frame_len(header_len, n, row_bytes, [a.shape[1] for a in opt_np], run, span)
+    flags = (FLAG_ROW_RUN if run else 0) | (FLAG_EPOCH if epoch else 0) | (FLAG_ROW_BITMAP if span is not None else 0)
     try:
         head = (_PREFIX.pack(MAGIC, VERSION, flags, header_len, total)
                 + _META.pack(checkpoint_id, rank, col_offset, n, dim, row_bytes,
@@ -273,6 +305,8 @@ def chunk_rows(*, run_id: str, checkpoint_id: int, rank: int, table: str, col_of
     tail = _header_tail(run_id, table, [(o.name, o.encoding, rb) for o, rb in zip(optim, opt_rb)], epoch)
     header_len = _header_len(len(tail))
     run = _is_run(ids)  # a whole run: every frame is a run too, and its ids cost 8 bytes
+    # Otherwise frames are sized for 8 bytes of id a row; a frame whose ids pack smaller as a
+    # bitmap (`encode_frame` decides) comes out that much under max_frame_bytes.
     per_row = (0 if run else 8) + row_bytes + sum(opt_rb)
     # Largest row count whose frame fits; section padding can cost a few rows less.
     rows_per_frame = max(0, (max_frame_bytes - header_len - _CRC.size - (8 if run else 0)) // max(per_row, 1))
@@ -333,7 +367,7 @@ def _decode(mv: memoryview) -> Frame:
     if stored != computed:
         raise FrameError(f"CRC mismatch: stored {stored:#010x}, computed {computed:#010x}")
     # The bytes are what the writer wrote; what follows catches writer bugs and forgeries.
-    if flags & ~(FLAG_ROW_RUN | FLAG_EPOCH):
+    if flags & ~(FLAG_ROW_RUN | FLAG_EPOCH | FLAG_ROW_BITMAP) or flags & FLAG_ROW_RUN and flags & FLAG_ROW_BITMAP:
         raise FrameError(f"unknown flags {flags:#x}")
     run = bool(flags & FLAG_ROW_RUN)
     if not _PREFIX.size + _META.size <= header_len <= size - _CRC.size or header_len % _ALIGN:
@@ -376,7 +410,14 @@ def _decode(mv: memoryview) -> Frame:
             raise FrameError("epoch flag set with epoch 0")
     if _header_len(pos - _PREFIX.size - _META.size) != header_len:
         raise FrameError(f"header length {header_len} does not match its fields ({pos} bytes)")
-    expect = _frame_len(header_len, n, row_bytes, [rb for _, _, rb in layout], run)
+    span = None
+    if flags & FLAG_ROW_BITMAP:
+        if header_len + _BITMAP_HEAD.size > size - _CRC.size:
+            raise FrameError("frame too short for its row bitmap")
+        first, span = _BITMAP_HEAD.unpack_from(mv, header_len)
+        if not n <= span <= 8 * n or not 0 <= first <= 2**63 - 1 - span:  # written only when smaller than 8 B a row
+            raise FrameError(f"row bitmap of {span} rows from row {first} for {n} rows")
+    expect = _frame_len(header_len, n, row_bytes, [rb for _, _, rb in layout], run, span)
     if expect != total:
         raise FrameError(f"body length mismatch: {n} rows x {row_bytes} bytes (+ optimizer) "
                          f"need a {expect}-byte frame, got {total}")
@@ -384,12 +425,15 @@ def _decode(mv: memoryview) -> Frame:
         raise FrameError(f"chunk index {idx} not below chunk count {cnt}")
 
     off = header_len
-    id_bytes = 8 if run else 8 * n
-    ids = _u8(mv, off, id_bytes)
-    if ids.data_ptr() % 8:
-        ids = ids.clone()  # buffer base not 8-aligned (a slice of a larger buffer)
-    row_ids = ids.view(torch.int64)
+    id_bytes = 8 if run else _bitmap_len(span) if span is not None else 8 * n
     first = None
+    if span is not None:
+        row_ids = _bitmap_rows(mv, off, n, span)
+    else:
+        ids = _u8(mv, off, id_bytes)
+        if ids.data_ptr() % 8:
+            ids = ids.clone()  # buffer base not 8-aligned (a slice of a larger buffer)
+        row_ids = ids.view(torch.int64)
     if run:
         first = int(row_ids[0])
         row_ids = torch.arange(first, first + n, dtype=torch.int64)
@@ -403,3 +447,14 @@ def _decode(mv: memoryview) -> Frame:
     return Frame(run_id=run_id, checkpoint_id=ckpt, rank=rank, table=table, col_offset=col,
                  dim=dim, encoding=enc, row_bytes=row_bytes, chunk_index=idx, chunk_count=cnt,
                  row_ids=row_ids, payload=payload, optim=tuple(optim), first_row=first, epoch=epoch)
+
+
+def _bitmap_rows(mv: memoryview, off: int, n: int, span: int) -> torch.Tensor:
+    """The row ids a FLAG_ROW_BITMAP section at `off` names: exactly `n`, the last at first + span - 1."""
+    first, _ = _BITMAP_HEAD.unpack_from(mv, off)
+    packed = np.frombuffer(mv, dtype=np.uint8, count=(span + 7) // 8, offset=off + _BITMAP_HEAD.size)
+    offsets = np.flatnonzero(np.unpackbits(packed, count=span, bitorder="little"))
+    if offsets.size != n or offsets[-1] != span - 1:
+        raise FrameError(f"row bitmap names {offsets.size} rows (last {first + int(offsets[-1]) if offsets.size else None}), "
+                         f"the frame has {n} ending at row {first + span - 1}")
+    return torch.from_numpy(offsets).add_(first)

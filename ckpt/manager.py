@@ -43,6 +43,7 @@ from sharding.config import TableConfig
 from sharding.dmp import ShardedModel
 from sharding.plan import EBC_PATH
 from sharding.process_group import DistEnv
+from sharding.row_init import RowInit
 from sharding.shard_views import ShardMap
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,8 @@ class RestoreReport:
     decode_s: float = 0.0
     apply_s: float = 0.0
     dense_s: float = 0.0  # dense state and loop state, after the rows (its read overlaps them)
+    regenerated: int = 0  # rows no link held, regenerated from the row initialisation
+    init_s: float = 0.0  # regenerating them (slowest rank)
 
     @property
     def mb_per_s(self) -> float:
@@ -111,8 +114,9 @@ class RestoreReport:
 
     def parts(self) -> str:
         """Where the time went, for the resume line."""
+        regen = f", regenerate {self.init_s:.2f} s" if self.regenerated else ""
         return (f"markers {self.markers_s:.2f} s, fetch {self.fetch_s:.2f} s, decode {self.decode_s:.2f} s, "
-                f"apply {self.apply_s:.2f} s, dense {self.dense_s:.2f} s")
+                f"apply {self.apply_s:.2f} s{regen}, dense {self.dense_s:.2f} s")
 
 
 @dataclass
@@ -159,7 +163,11 @@ class CheckpointManager:
         self.group = dist.new_group(backend="gloo")
         self.shard_map = ShardMap.from_model(sharded.model)
         self.tracker = RowTracker(sharded.model, self.shard_map)
-        self.taker = SnapshotTaker(self.shard_map, self.tracker, device)
+        # With a row initialisation the untrained rows need not be stored (sharding/row_init.py):
+        # full checkpoints hold the rows trained since, and markers say how to regenerate the rest.
+        self.row_init = sharded.row_init
+        regenerate = self.row_init is not None and cfg.untrained_rows == "regenerate"
+        self.taker = SnapshotTaker(self.shard_map, self.tracker, device, trained_only=regenerate)
         self.policy = CheckpointPolicy(self.c.policy)
         self.backend: Backend = open_backend(cfg, env.world_size)
         self.dense = DenseStore(cfg.dense_dir)
@@ -190,7 +198,7 @@ class CheckpointManager:
         self.agreed_fractions = (0.0, 0.0)  # rows changed since the base / the last checkpoint, all ranks
         self._pending: dict[int, _Pending] = {}
         warm_up_codecs([self.codecs()[0]])  # before training, not in the first checkpoint's write
-        self.full_bytes = self.taker.estimate_bytes(full=True, since_base=False)  # fixed by the plan
+        self.full_bytes = self.taker.upper_bound_bytes()  # fixed by the plan
         if self.full_bytes > self.c.max_pending_bytes:
             raise ConfigError(
                 f"ckpt.max_pending_bytes={self.c.max_pending_bytes} is smaller than one full snapshot of this "
@@ -204,6 +212,7 @@ class CheckpointManager:
             "world_size": self.env.world_size,
             "plan": {t: ps.sharding_type for t, ps in plan.items()},
             "tables": {t.name: [t.num_embeddings, t.embedding_dim] for t in self.tables},
+            "init": self.row_init.to_json() if self.row_init is not None and self.taker.trained_only else {},
         }
 
     # -- restore ------------------------------------------------------------------------
@@ -224,15 +233,18 @@ class CheckpointManager:
             if self.env.rank == 0:
                 logger.info("no checkpoint of run %s in %s: starting from scratch", self.run_id, self.backend.where)
             return self._start_fresh()
+        pristine = self.row_init  # the shards hold exactly these initial values until a restore writes
         for marker in candidates:
             error = ""
             try:
                 with ThreadPoolExecutor(1, thread_name_prefix="deltarec-dense-read") as pool:
                     dense = pool.submit(self.dense.read, DenseRef.from_json(marker.dense))  # beside the rows
-                    rows = restore_rows(marker, self.backend.source, self.shard_map, self.run_id, self.backend.locate)
+                    rows = restore_rows(marker, self.backend.source, self.shard_map, self.run_id, self.backend.locate,
+                                        shards_hold_init=pristine)
                     state = dense.result()
             except (FrameError, SourceError, RestoreError, DenseStoreError) as exc:
                 error = f"checkpoint {marker.checkpoint_id}: {exc}"
+            pristine = None
             failed = torch.tensor([float(bool(error))])
             dist.all_reduce(failed, op=dist.ReduceOp.MAX)
             if not failed.item():
@@ -265,6 +277,7 @@ class CheckpointManager:
             )
         dense_state.load(self.sharded, state)
         self.trainer.load_state_dict(self._trainer_state(state, marker))
+        self._adopt_rows(marker, rows)
         self.restores = int(state.get("restores", 0)) + 1
         self.next_id = max(marker.checkpoint_id, self._newest_id, self._history.newest_id) + 1
         self.chain = [link.checkpoint_id for link in marker.chain]
@@ -284,13 +297,15 @@ class CheckpointManager:
         now = time.perf_counter()
         totals = torch.tensor([rows.frames, rows.rows, rows.bytes, rows.written], dtype=torch.float64)
         dist.all_reduce(totals)
-        slowest = torch.tensor([now - t0, markers_s, rows.fetch_s, rows.decode_s, rows.apply_s, now - t_dense],
-                               dtype=torch.float64)
+        slowest = torch.tensor([now - t0, markers_s, rows.fetch_s, rows.decode_s, rows.apply_s, now - t_dense,
+                                rows.init_s], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        regenerated = torch.tensor([rows.regenerated], dtype=torch.float64)
+        dist.all_reduce(regenerated)
         frames, n_rows, n_bytes, written = (int(v) for v in totals.tolist())
-        seconds, markers_s, fetch_s, decode_s, apply_s, dense_s = slowest.tolist()
+        seconds, markers_s, fetch_s, decode_s, apply_s, dense_s, init_s = slowest.tolist()
         report = RestoreReport(marker.checkpoint_id, marker.step, self.chain, frames, n_rows, n_bytes, seconds,
-                               written, markers_s, fetch_s, decode_s, apply_s, dense_s)
+                               written, markers_s, fetch_s, decode_s, apply_s, dense_s, int(regenerated.item()), init_s)
         if self.env.rank == 0:
             logger.debug(  # the trainer prints the resume line
                 "restored checkpoint %d (step %d, chain %s): %d frames, %d rows, %.1f MB in %.2f s (%s)",
@@ -301,9 +316,24 @@ class CheckpointManager:
                 "step": report.step, "restored_ckpt": report.checkpoint_id, "restore_s": report.seconds,
                 "restore_bytes": report.bytes, "restore_chain": report.chain, "restore_rows_written": report.written,
                 "restore_markers_s": markers_s, "restore_fetch_s": fetch_s, "restore_decode_s": decode_s,
-                "restore_apply_s": apply_s, "restore_dense_s": dense_s,
+                "restore_apply_s": apply_s, "restore_dense_s": dense_s, "restore_regenerated_rows": report.regenerated,
+                "restore_regenerate_s": init_s,
             })
         return report
+
+    def _adopt_rows(self, marker: Marker, rows: RowsRestored) -> None:
+        """The restored rows become the rows trained so far, and the untrained ones follow the
+        chain's row initialisation from here on (the next markers name it, unless
+        `ckpt.untrained_rows=store`): a chain without one stored every row, so every row
+        counts as trained."""
+        assert rows.held is not None
+        self.tracker.load_trained(rows.held)
+        chain_init = RowInit.from_json(marker.init)
+        if chain_init is not None and self.c.untrained_rows == "regenerate":
+            self.row_init = chain_init
+            self.taker.trained_only = True
+            if self.committer is not None:
+                self.committer.marker_fields["init"] = chain_init.to_json()
 
     def _start_fresh(self) -> None:
         """Train from step 0 with checkpoint ids after every id the stream or the run directory
@@ -493,9 +523,12 @@ class CheckpointManager:
         fraction of rows it writes, and whether any rank's writer is too far behind for it.
         Numbers only, so the training thread never waits on Kafka here."""
         base, last = self.tracker.counts(since_base=True), self.tracker.counts(since_base=False)  # one pass each
-        est = {"full": self.full_bytes, "base": self.taker.bytes_for(base), "last": self.taker.bytes_for(last)}
+        full = self.tracker.counts(since_base=True, trained=True) if self.taker.trained_only else None
+        est = {"full": self.taker.bytes_for(full) if full is not None else self.full_bytes,
+               "base": self.taker.bytes_for(base), "last": self.taker.bytes_for(last)}
         pending = self.writer.pending_bytes
-        counts = torch.tensor([sum(base), sum(last), self.total_rows], dtype=torch.float64)
+        counts = torch.tensor([sum(base), sum(last), self.total_rows, sum(full) if full is not None else self.total_rows],
+                              dtype=torch.float64)
         flags = torch.tensor(
             [float(self.force_full)] + [float(pending + est[k] > self.c.max_pending_bytes) for k in est]
         )
@@ -503,8 +536,9 @@ class CheckpointManager:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         total = max(counts[2].item(), 1.0)
         self.agreed_fractions = (counts[0].item() / total, counts[1].item() / total)  # since base, since last
-        decision = self.policy.decide(self.agreed_fractions[0], force_full=bool(flags[0]))
-        fraction = 1.0 if decision.full else (counts[0] if decision.since_base else counts[1]).item() / total
+        full_fraction = counts[3].item() / total  # what a full checkpoint would write
+        decision = self.policy.decide(self.agreed_fractions[0], force_full=bool(flags[0]), full_fraction=full_fraction)
+        fraction = full_fraction if decision.full else (counts[0] if decision.since_base else counts[1]).item() / total
         overflow = {k: bool(f) for k, f in zip(est, flags[1:])}
         return decision, fraction, est, overflow
 

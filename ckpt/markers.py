@@ -116,6 +116,9 @@ class Marker:
     format: int = FORMAT_VERSION
     follower: str = ""  # "compacted" records: the follower that wrote it (checked against the lease)
     attempt: str = ""  # commit and failed records: the trainer attempt that wrote it (ckpt/catalog.py)
+    # How rows were initialised (sharding/row_init.py `RowInit.to_json`): the chain then holds
+    # only rows trained since, and restore regenerates the others. Empty: every row is stored.
+    init: dict[str, Any] = field(default_factory=dict)
 
     @property
     def full(self) -> bool:
@@ -189,7 +192,7 @@ def encode_marker(marker: LogRecord) -> bytes:
     assert _KINDS.get(marker.kind) is type(marker), marker.kind
     fields = asdict(marker)
     if isinstance(marker, Marker):
-        for name in ("follower", "attempt"):  # empty ones keep the wire form markers always had
+        for name in ("follower", "attempt", "init"):  # empty ones keep the wire form markers always had
             if not fields[name]:
                 del fields[name]
         for link in fields["chain"]:

@@ -5,7 +5,9 @@
 - `incremental`: the rows changed since the previous checkpoint; restore replays the chain.
 - `intermittent_diff` (default): one-shot differential that starts a new full baseline
   when history says it is cheaper: with Sᵢ the i-th diff's size as a fraction of the
-  model, write a full baseline instead of diff i when 1 + ΣS₁..ᵢ ≤ (i+1)·Sᵢ.
+  model, write a full baseline instead of diff i when F + ΣS₁..ᵢ ≤ (i+1)·Sᵢ, where F is
+  the size of a full baseline (1, or the fraction of rows trained so far when untrained rows
+  are not stored; Check-N-Run's rule has F = 1).
 
 Decisions are pure functions of numbers every rank agrees on (all-reduced row counts and
 the shared checkpoint history), so every rank takes the same decision without talking.
@@ -45,10 +47,11 @@ class CheckpointPolicy:
         if self.name not in POLICIES:
             raise ValueError(f"unknown checkpoint policy {self.name!r}; choose one of {', '.join(POLICIES)}")
 
-    def decide(self, since_base_fraction: float, force_full: bool = False) -> Decision:
+    def decide(self, since_base_fraction: float, force_full: bool = False, full_fraction: float = 1.0) -> Decision:
         """The next checkpoint's kind. The fraction is rows changed since the baseline /
-        all rows of the model, summed over every rank (Sᵢ of the reset rule).
-        `force_full` after a failed checkpoint or a restore."""
+        all rows of the model, summed over every rank (Sᵢ of the reset rule); `full_fraction`
+        is what a full checkpoint writes on the same scale (F). `force_full` after a failed
+        checkpoint or a restore."""
         if force_full or not self.have_base:
             return Decision(True, False, "no usable baseline" if not self.have_base else "forced")
         if self.name == "full":
@@ -59,8 +62,9 @@ class CheckpointPolicy:
             return Decision(False, True, "one-shot diff")
         i = len(self.diff_sizes) + 1
         s_i = since_base_fraction
-        if 1.0 + sum(self.diff_sizes) + s_i <= (i + 1) * s_i:
-            return Decision(True, False, f"reset: 1 + sum(S) = {1 + sum(self.diff_sizes) + s_i:.3f} <= {i + 1} * S_{i} = {(i + 1) * s_i:.3f}")
+        cost = full_fraction + sum(self.diff_sizes) + s_i
+        if cost <= (i + 1) * s_i:
+            return Decision(True, False, f"reset: F + sum(S) = {cost:.3f} <= {i + 1} * S_{i} = {(i + 1) * s_i:.3f}")
         return Decision(False, True, "one-shot diff")
 
     def record(self, decision: Decision, fraction: float) -> None:

@@ -12,6 +12,12 @@ across links. The last write still wins by chain position: a row is written only
 newest link that holds it, and the older copies are skipped before they are decoded
 (`_Replay`). Rows of a contiguous run are copied straight into the shard's slice.
 
+A chain whose marker names a row initialisation (`Marker.init`, sharding/row_init.py) holds
+only the rows trained since the model was initialised: every other row of the shards is
+regenerated from it bit-exactly (weights; optimizer state zero), unless the caller says the
+shards already hold exactly those values (a model just initialised with the same
+`RowInit`, as the trainer's is).
+
 Row-wise optimizer state (one value per row) under column-wise sharding is one value
 per row per column shard; restoring into a different column split takes the value of
 the source shard that holds the target shard's first column (exact when the splits
@@ -36,6 +42,7 @@ from ckpt.markers import ChainLink, IndexEntry, Marker, OffsetRange
 from ckpt.quant import get_codec
 from ckpt.quant.base import check_encoded, view_bytes_as
 from ckpt.sink import FrameSource, RangeRead
+from sharding.row_init import RowInit, initialise_shards
 from sharding.shard_views import ShardMap, ShardView
 
 logger = logging.getLogger(__name__)
@@ -58,6 +65,9 @@ class RowsRestored:
     fetch_s: float = 0.0  # waiting for the next frame: reading, the CRC check
     decode_s: float = 0.0  # dequantizing the rows written
     apply_s: float = 0.0  # choosing the rows and copying them into the shards
+    regenerated: int = 0  # rows no link holds, set to their initial values (sharding/row_init.py)
+    init_s: float = 0.0  # regenerating them
+    held: list[torch.Tensor] | None = None  # per shard (shard order): bool mask of the rows the chain holds
 
 
 def _in_ranges(pos: int, ranges: list[OffsetRange]) -> bool:
@@ -274,7 +284,12 @@ class _Replay:
         self.marker = marker
         self.shard_map = shard_map
         self.out = out
+        try:
+            self.init = RowInit.from_json(marker.init)
+        except ValueError as exc:
+            raise RestoreError(f"checkpoint {marker.checkpoint_id}: {exc}") from None
         self.written = {id(s): torch.full((s.num_rows,), -1, dtype=torch.int32) for s in shard_map.shards}
+        self.held = {id(s): torch.zeros(s.num_rows, dtype=torch.bool) for s in shard_map.shards}
         # columns of each local row the base wrote: a base holds every (row, column) exactly
         # once, so a complete base leaves exactly num_cols per row (not a row x column mask)
         self.covered = {id(s): torch.zeros(s.num_rows, dtype=torch.int32) for s in shard_map.shards}
@@ -294,6 +309,7 @@ class _Replay:
                 continue
             c0, c1 = max(frame.col_offset, s.col_offset), min(frame.col_offset + frame.dim, s.col_offset + s.num_cols)
             self.out.rows += span.count
+            _mark(self.held[id(s)], span.dst)
             if link.full:
                 _count(self.covered[id(s)], span.dst, c1 - c0)
             if (c0, c1) != (s.col_offset, s.col_offset + s.num_cols):
@@ -307,8 +323,9 @@ class _Replay:
         self.out.apply_s += time.perf_counter() - t0 - decode_s
 
     @torch.no_grad()
-    def finish(self) -> None:
-        """Apply the frames that covered part of a shard's columns, then check the base."""
+    def finish(self, fill: bool) -> None:
+        """Apply the frames that covered part of a shard's columns, check the base, and
+        (`fill`) regenerate the rows no link holds."""
         t0 = time.perf_counter()
         decode_s = 0.0
         for link_index, frame, s, span, c0, c1 in sorted(self.partial, key=lambda p: p[0]):
@@ -318,7 +335,10 @@ class _Replay:
         self.out.decode_s += decode_s
         self.out.apply_s += time.perf_counter() - t0 - decode_s
         for s in self.shard_map.shards:
-            wrong = self.covered[id(s)] != s.num_cols
+            covered = self.covered[id(s)]
+            wrong = covered != s.num_cols
+            if self.init is not None:  # a base holds the rows trained so far, each exactly once
+                wrong &= covered != 0
             if bool(wrong.any()):
                 first = s.row_offset + int(wrong.nonzero()[0])
                 raise RestoreError(
@@ -326,6 +346,17 @@ class _Replay:
                     f"cols {s.col_offset}..{s.col_offset + s.num_cols - 1}: {int(wrong.sum())} rows (first: row {first}) are "
                     f"not covered exactly once by the base checkpoint {self.marker.chain[0].checkpoint_id}"
                 )
+        self.out.held = [self.held[id(s)] for s in self.shard_map.shards]
+        unknown = sorted({s.table for s in self.shard_map.shards} - set(self.marker.tables))
+        if self.init is not None and unknown:
+            raise RestoreError(f"checkpoint {self.marker.checkpoint_id} has no table {unknown[0]!r}; "
+                               f"it holds {sorted(self.marker.tables)}")
+        if self.init is not None and fill:
+            t = time.perf_counter()
+            tables = {name: (rows, dim) for name, (rows, dim) in self.marker.tables.items()}
+            masks = {id(s): ~self.held[id(s)] for s in self.shard_map.shards}
+            self.out.regenerated = initialise_shards(self.init, self.shard_map.shards, tables, masks)
+            self.out.init_s = time.perf_counter() - t
 
     def _write(self, frame: Frame, s: ShardView, span: _Span, c0: int, c1: int) -> float:
         """Decode the span's rows and copy columns c0..c1 of them into shard `s`; returns the
@@ -351,6 +382,13 @@ class _Replay:
         return decode_s
 
 
+def _mark(mask: torch.Tensor, rows: Rows) -> None:
+    if isinstance(rows, slice):
+        mask[rows] = True
+    else:
+        mask.index_fill_(0, rows, True)
+
+
 def _count(counts: torch.Tensor, rows: Rows, cols: int) -> None:
     if isinstance(rows, slice):
         counts[rows] += cols
@@ -359,10 +397,13 @@ def _count(counts: torch.Tensor, rows: Rows, cols: int) -> None:
 
 
 def restore_rows(
-    marker: Marker, source: FrameSource, shard_map: ShardMap, run_id: str, locate: Callable[[int, int, int], str]
+    marker: Marker, source: FrameSource, shard_map: ShardMap, run_id: str, locate: Callable[[int, int, int], str],
+    *, shards_hold_init: RowInit | None = None,
 ) -> RowsRestored:
     """Replay the marker's chain into this rank's shards (every link fetched at once, rows
-    of older links that a later one replaces skipped); verify the base covered them."""
+    of older links that a later one replaces skipped); verify the base covered them, and
+    regenerate the rows the chain leaves out from its row initialisation unless
+    `shards_hold_init` says the shards hold exactly those initial values already."""
     t0 = time.perf_counter()
     out = RowsRestored()
     replay = _Replay(marker, shard_map, out)
@@ -382,7 +423,7 @@ def restore_rows(
             rank = dist.get_rank() if dist.is_initialized() else 0
             maybe_hold_restore(marker.checkpoint_id, rank)
             maybe_die("restore", marker.checkpoint_id, rank)
-    replay.finish()
+    replay.finish(fill=replay.init is not None and replay.init != shards_hold_init)
     out.seconds = time.perf_counter() - t0
     return out
 

@@ -57,7 +57,11 @@ rank, 0.6-0.9% of a 29-37 ms step (cold caches: one random byte write per id); 0
 for one 64k-id lookup batch in isolation.
 
 ``since_last`` is filled by the hook; ``since_base`` is kept as the rows folded in at
-earlier ``mark_checkpoint`` calls, and reported OR-ed with ``since_last``. Besides the
+earlier ``mark_checkpoint`` calls, and reported OR-ed with ``since_last``; ``trained``
+keeps the rows folded in at earlier ``mark_base`` calls (or that a restore found in the
+stream), so OR-ed with ``since_base`` it is every row touched since the model was
+initialised: what a full checkpoint stores when untouched rows can be regenerated
+(sharding/row_init.py). Besides the
 per-shard masks, `touched_rows(i, since_base)` (sorted local indices) and
 `counts(since_base)` (rows per shard) serve `ckpt.snapshot.SnapshotTaker` without copying
 bitmaps. Not tested on CUDA (no GPU here); nothing in the hook syncs the host.
@@ -102,6 +106,7 @@ class RowTracker:
         self.device = device
         self._last = torch.zeros(total, dtype=torch.bool, device=device)
         self._base = torch.zeros(total, dtype=torch.bool, device=device)  # folded at mark_checkpoint
+        self._trained = torch.zeros(total, dtype=torch.bool, device=device)  # folded at mark_base
         self.sharded_ebc = find_sharded_ebc(model)  # the module whose post-lookup hook this is
         # feature keys of each lookup group -> where its ids go (benchmarks time one group's hook)
         self.lookup_groups = self._build_lookup_maps(self.sharded_ebc)
@@ -201,15 +206,26 @@ class RowTracker:
         mask = self.since_base(i) if since_base else self._slice(self._last, i)
         return mask.nonzero().view(-1)
 
-    def counts(self, since_base: bool) -> list[int]:
-        """Rows marked per shard (one host sync for all shards)."""
+    def trained(self, i: int) -> torch.Tensor:
+        """bool [num_rows] of shard `i`: rows touched since the model was initialised."""
+        return self._slice(self._trained, i) | self.since_base(i)
+
+    def trained_rows(self, i: int) -> torch.Tensor:
+        """Sorted int64 local row indices of shard `i` that `trained(i)` marks."""
+        return self.trained(i).nonzero().view(-1)
+
+    def counts(self, since_base: bool, trained: bool = False) -> list[int]:
+        """Rows marked per shard (one host sync for all shards): since the last checkpoint,
+        since the base, or (`trained`) since the model was initialised."""
         if not self._starts:
             return []
         sums = []
         for i in range(len(self._starts)):
             mask = self._slice(self._last, i)
-            if since_base:
+            if since_base or trained:
                 mask = mask | self._slice(self._base, i)
+            if trained:
+                mask = mask | self._slice(self._trained, i)
             sums.append(mask.sum())
         return [int(c) for c in torch.stack(sums).tolist()]
 
@@ -228,7 +244,18 @@ class RowTracker:
         self._last.zero_()
 
     def mark_base(self) -> None:
-        """Clear both bitmaps (right after a full snapshot)."""
+        """Clear both bitmaps, folding them into `trained` (right after a full snapshot)."""
+        torch.logical_or(self._trained, self._base, out=self._trained)
+        torch.logical_or(self._trained, self._last, out=self._trained)
+        self._base.zero_()
+        self._last.zero_()
+
+    def load_trained(self, masks: list[torch.Tensor]) -> None:
+        """After a restore: the rows the stream held, one bool mask per shard (in shard
+        order), are the rows trained so far; the other bitmaps start empty."""
+        assert len(masks) == len(self._starts), (len(masks), len(self._starts))
+        for i, mask in enumerate(masks):
+            self._slice(self._trained, i).copy_(mask)
         self._base.zero_()
         self._last.zero_()
 
@@ -236,28 +263,33 @@ class RowTracker:
     def _names(self) -> list[str]:
         return [f"{s.table}.r{s.row_offset}.c{s.col_offset}" for s in self.shard_map.shards]
 
+    _KINDS = ("since_last", "folded_base", "trained")
+
+    def _flat(self, kind: str) -> torch.Tensor:
+        return {"since_last": self._last, "folded_base": self._base, "trained": self._trained}[kind]
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Per shard `<table>.r<row_offset>.c<col_offset>.{since_last,folded_base}`: bool CPU tensors."""
+        """Per shard `<table>.r<row_offset>.c<col_offset>.{since_last,folded_base,trained}`: bool CPU tensors."""
         out: dict[str, torch.Tensor] = {}
         for i, name in enumerate(self._names()):
-            out[f"{name}.since_last"] = self._slice(self._last, i).cpu().clone()
-            out[f"{name}.folded_base"] = self._slice(self._base, i).cpu().clone()
+            for kind in self._KINDS:
+                out[f"{name}.{kind}"] = self._slice(self._flat(kind), i).cpu().clone()
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load bitmaps saved by `state_dict()` of a tracker over the same shards (same plan)."""
-        expected = {f"{n}.{kind}" for n in self._names() for kind in ("since_last", "folded_base")}
+        expected = {f"{n}.{kind}" for n in self._names() for kind in self._KINDS}
         if set(state) != expected:
             raise ValueError(
                 f"RowTracker state does not match this rank's shards: missing {sorted(expected - set(state))}, "
                 f"unexpected {sorted(set(state) - expected)}"
             )
         for i, name in enumerate(self._names()):
-            for kind, flat in (("since_last", self._last), ("folded_base", self._base)):
+            for kind in self._KINDS:
                 t = state[f"{name}.{kind}"]
-                dst = self._slice(flat, i)
+                dst = self._slice(self._flat(kind), i)
                 if t.dtype != torch.bool or t.shape != dst.shape:
                     raise ValueError(f"RowTracker state {name}.{kind}: {t.dtype} {tuple(t.shape)}, want bool {tuple(dst.shape)}")
         for i, name in enumerate(self._names()):
-            self._slice(self._last, i).copy_(state[f"{name}.since_last"])
-            self._slice(self._base, i).copy_(state[f"{name}.folded_base"])
+            for kind in self._KINDS:
+                self._slice(self._flat(kind), i).copy_(state[f"{name}.{kind}"])

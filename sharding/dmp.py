@@ -24,6 +24,8 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from sharding.config import OptimizerConfig, ShardingConfig, TableConfig
 from sharding.plan import EBC_PATH, build_plan
 from sharding.process_group import DistEnv
+from sharding.row_init import RowInit, initialise_shards
+from sharding.shard_views import ShardMap
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,7 @@ class ShardedModel:
     model: DistributedModelParallel
     optimizer: CombinedOptimizer
     plan: ShardingPlan
+    row_init: RowInit | None = None  # how the model-parallel rows were initialised; None: torchrec's own
 
 
 def plan_model(
@@ -68,8 +71,11 @@ def shard_model(
     optimizer: OptimizerConfig,
     env: DistEnv,
     device: torch.device,
+    row_init: RowInit | None = None,
 ) -> ShardedModel:
-    """Plan, shard with DMP, and build the dense optimizer beside the fused one."""
+    """Plan, shard with DMP, and build the dense optimizer beside the fused one. With
+    `row_init`, every model-parallel row is then set to its plan-independent initial value
+    (sharding/row_init.py), which lets checkpoints leave out rows never trained."""
     plan, sharder = plan_model(model, tables, sharding, optimizer, env, device.type)
     dmp = DistributedModelParallel(
         module=model,
@@ -84,4 +90,7 @@ def shard_model(
         dict(in_backward_optimizer_filter(dmp.named_parameters())),
         lambda params: dense_cls(params, **_optimizer_kwargs(dp.name, dp.lr, dp.eps)),
     )
-    return ShardedModel(dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), plan)
+    if row_init is not None:
+        shapes = {t.name: (t.num_embeddings, t.embedding_dim) for t in tables}
+        initialise_shards(row_init, ShardMap.from_model(dmp).shards, shapes)
+    return ShardedModel(dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), plan, row_init)

@@ -24,6 +24,7 @@ from common.errors import DeltarecError
 from sharding.dmp import ShardedModel, plan_model, shard_model
 from sharding.plan import format_plan, summarize
 from sharding.process_group import DistEnv, destroy_process_group, detect_env, init_process_group, pick_device
+from sharding.row_init import RowInit
 from trainer.config import JobConfig, load_config
 from trainer.data.factory import make_reader
 from trainer import console, param_dump
@@ -94,7 +95,8 @@ def build_job(
     jobs with it too, so they measure exactly what the trainer runs."""
     set_threads(cfg, env)
     torch.manual_seed(cfg.run.seed)
-    sharded = shard_model(build_model(cfg.model, device), cfg.model.tables, cfg.sharding, cfg.optimizer, env, device)
+    sharded = shard_model(build_model(cfg.model, device), cfg.model.tables, cfg.sharding, cfg.optimizer, env, device,
+                          row_init=RowInit(cfg.run.seed))
     eval_reader = make_reader(cfg, env, "eval") if evaluate else None
     return sharded, Trainer(cfg, env, device, sharded, make_reader(cfg, env, "train"), eval_reader, metrics)
 

@@ -158,7 +158,7 @@ class Follower:
             for i, link in enumerate(best.chain):
                 read += self._apply(link, marker)
                 if i == 0:
-                    self.store.check_complete(link.checkpoint_id)
+                    self.store.check_complete(link.checkpoint_id, untrained_ok=bool(marker.init))
             self.chain = list(best.chain)
             self.stats.rebuilt += 1
             how = "rebuilt from " + "+".join(str(link.checkpoint_id) for link in self.chain)

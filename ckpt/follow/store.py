@@ -6,6 +6,10 @@ global row) like everything in the stream (invariant 3). Nothing is decoded or r
 here, so a compacted baseline cut from this store restores bit-identically to replaying
 the chain it replaces, quantized rows included (docs/design.md §10).
 
+A chain whose marker names a row initialisation holds only the rows trained since it, so
+rows may stay unwritten (codec 0); they are left out of compacted baselines, and restore
+regenerates them.
+
 Memory: per row of a shard, the widest encoded row seen for the weights and for each
 optimizer state, plus one codec byte for each and two bytes for the writing partition.
 A 4-bit-only stream of 64-dim rows with row-wise Adagrad costs 36 + 4 + 4 bytes a row
@@ -108,11 +112,14 @@ class RowStore:
             state.put(ids, o.encoding, o.rows)
         shard.partition[ids] = partition
 
-    def check_complete(self, checkpoint_id: int) -> None:
-        """Every row of every shard written (and every optimizer state of it): what a base needs."""
+    def check_complete(self, checkpoint_id: int, untrained_ok: bool = False) -> None:
+        """Every row of every shard written (and every optimizer state of it): what a base
+        needs. `untrained_ok` (a chain with a row initialisation): rows may be absent, but a
+        row present has its weights and every optimizer state."""
         for key, shard in self.shards.items():
+            present = shard.weights.code != 0
             for name, rows in [("weights", shard.weights), *shard.optim.items()]:
-                missing = int((rows.code == 0).sum())
+                missing = int(((rows.code == 0) & present).sum()) if untrained_ok else int((rows.code == 0).sum())
                 if missing:
                     raise RestoreError(f"checkpoint {checkpoint_id}: table {key.table} columns {key.col_offset}.."
                                        f"{key.col_offset + key.dim - 1}: {missing} rows have no {name} in the chain")
@@ -131,6 +138,8 @@ class RowStore:
             order = torch.argsort(inverse, stable=True)  # stable: rows ascend within a group
             for value, ids in zip(values.tolist(), torch.split(order, counts.tolist())):
                 code = value & 0xFF
+                if code == 0:  # rows no frame held: never trained (a chain with a row initialisation)
+                    continue
                 nbytes = shard.weights.row_bytes(code)
                 optim = []
                 for i, (name, rows) in enumerate(states):

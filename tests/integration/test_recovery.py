@@ -259,7 +259,7 @@ def test_pending_snapshots_stay_within_the_budget(
     """A writer held busy: `skip` drops (and reports) checkpoints that would not fit,
     `wait` holds training until they fit; neither holds more than the budget."""
     job = _ckpt(unique_name("budget"), interval_steps=1, max_pending_bytes=FULL_SNAPSHOT_BYTES,
-                on_backpressure=mode)
+                on_backpressure=mode, untrained_rows="store")  # every full snapshot is FULL_SNAPSHOT_BYTES
     run_dir = tmp_path / "run"
     spawn_ranks(debug_config.path, [*job, "sharding.default=row_wise", "train.steps=8", "train.eval_batches=1"],
                 tmp_path, env_extra={"DELTAREC_SLOW_FLUSH": "1:1.5" if mode == "wait" else "1:6"})  # fmt: skip

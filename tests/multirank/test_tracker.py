@@ -103,6 +103,7 @@ def test_mark_checkpoint_and_mark_base(report: tuple[str, list[dict]]) -> None:
         assert not failed, f"{plan} rank {rep['rank']}: {failed}"
         assert m["last_after_mark_checkpoint"] == 0
         assert m["last_after_mark_base"] == 0 and m["base_after_mark_base"] == 0
+        assert m["trained_is_folded_base"] and m["trained_counts_ok"]
 
 
 def test_snapshot_copies_the_tracked_rows(report: tuple[str, list[dict]]) -> None:

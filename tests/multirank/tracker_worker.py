@@ -143,6 +143,9 @@ def check_marks(trainer: Trainer, smap: ShardMap, tracker: RowTracker) -> dict:
     tracker.mark_base()
     r["last_after_mark_base"] = tracker.count_since_last()
     r["base_after_mark_base"] = tracker.count_since_base()
+    # mark_base folds what it clears into `trained`; a full snapshot then takes exactly those rows
+    r["trained_is_folded_base"] = all(torch.equal(tracker.trained(i), base[i]) for i in range(n))
+    r["trained_counts_ok"] = tracker.counts(False, trained=True) == [int(b.sum()) for b in base]
     tracker.load_state_dict(sd)
     r["state_dict_roundtrip"] = all(
         torch.equal(tracker.since_last(i), second[i]) and torch.equal(tracker.since_base(i), base[i]) for i in range(n)

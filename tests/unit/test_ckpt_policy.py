@@ -62,3 +62,16 @@ def test_force_full_overrides_a_usable_baseline() -> None:
 def test_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown checkpoint policy 'sometimes'"):
         CheckpointPolicy("sometimes")  # type: ignore[arg-type]
+
+
+def test_a_baseline_of_trained_rows_only_costs_its_fraction_in_the_reset_rule() -> None:
+    # F = 0.4 (untrained rows not stored), S1 = 0.3: 0.4 + 0.3 = 0.7 > 0.6 -> diff; S2 = 0.35:
+    # 0.4 + 0.65 = 1.05 <= 3 * 0.35 = 1.05 -> reset. With F = 1 the same diffs never reset.
+    p = CheckpointPolicy("intermittent_diff")
+    p.record(p.decide(0.0), 1.0)
+    first = p.decide(0.3, full_fraction=0.4)
+    assert not first.full
+    p.record(first, 0.3)
+    second = p.decide(0.35, full_fraction=0.4)
+    assert second.full and second.reason == "reset: F + sum(S) = 1.050 <= 3 * S_2 = 1.050"
+    assert not p.decide(0.35).full

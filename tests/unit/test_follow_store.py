@@ -87,3 +87,18 @@ def test_column_shards_are_kept_apart() -> None:
     store.apply(_frame(list(range(ROWS)), "fp32", seed=0, col=0, dim=4), 0, ROWS)
     store.apply(_frame(list(range(ROWS)), "fp32", seed=1, col=4, dim=4), 1, ROWS)
     assert sorted((f.col_offset, f.dim) for f in store.frames("r", 1)) == [(0, 4), (4, 4)]
+
+
+def test_untrained_rows_stay_out_of_compacted_frames_but_a_half_written_row_is_refused() -> None:
+    """A chain with a row initialisation holds only trained rows: the rest stay absent from the
+    store's frames (restore regenerates them), while a row without its optimizer state is damage."""
+    store = RowStore()
+    store.apply(_frame([3, 9, 10], "fp32", seed=0), 0, ROWS)
+    with pytest.raises(RestoreError, match="47 rows have no weights"):
+        store.check_complete(1)
+    store.check_complete(1, untrained_ok=True)
+    assert sorted(int(i) for f in store.frames("r", 1) for i in f.row_ids) == [3, 9, 10]
+    shard = next(iter(store.shards.values()))
+    shard.optim["momentum"].code[9] = 0
+    with pytest.raises(RestoreError, match="1 rows have no momentum"):
+        store.check_complete(1, untrained_ok=True)

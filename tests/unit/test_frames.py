@@ -209,9 +209,9 @@ def test_chunks_of_a_run_hold_more_rows_and_each_is_a_run():
 
 def test_an_unknown_flag_bit_is_refused():
     buf = bytearray(_frame())
-    struct.pack_into("<H", buf, 6, 0x4)
+    struct.pack_into("<H", buf, 6, 0x8)
     struct.pack_into("<I", buf, len(buf) - 4, zlib.crc32(bytes(buf[:-4])))
-    with pytest.raises(FrameError, match="unknown flags 0x4"):
+    with pytest.raises(FrameError, match="unknown flags 0x8"):
         decode_frame(bytes(buf))
 
 
@@ -230,4 +230,32 @@ def test_the_writer_epoch_round_trips_and_old_frames_are_epoch_0():
     struct.pack_into("<H", buf, 6, struct.unpack_from("<H", buf, 6)[0] | 0x2)
     struct.pack_into("<I", buf, len(buf) - 4, zlib.crc32(bytes(buf[:-4])))
     with pytest.raises(FrameError, match="epoch|header length"):
+        decode_frame(bytes(buf))
+
+
+def _flags(buf: bytes) -> int:
+    return struct.unpack_from("<H", buf, 6)[0]
+
+
+def test_scattered_ascending_rows_pack_as_a_bitmap_when_that_is_smaller():
+    ids = torch.arange(0, 3000, 3, dtype=torch.int64) + 7_000_000_000  # every third row: 3 bits a row, not 64
+    n, span = ids.numel(), 2998
+    rows = torch.randn(n, 4)
+    bitmap = encode_frame(**META, row_ids=ids, payload=rows)
+    explicit = encode_frame(**META, row_ids=ids.flip(0), payload=rows.flip(0))  # not ascending: ids as given
+    assert _flags(bitmap) == 0x4 and _flags(explicit) == 0
+    ids_len = 16 + (span + 7) // 8
+    assert len(explicit) - len(bitmap) == 8 * n - (ids_len + -ids_len % 8)
+    f = decode_frame(bitmap)
+    assert torch.equal(f.row_ids, ids) and torch.equal(f.payload.view(torch.float32), rows) and f.first_row is None
+    assert _flags(encode_frame(**META, row_ids=torch.tensor([0, 10**6]), payload=torch.randn(2, 4))) == 0  # too sparse
+    frames = list(chunk_rows(**META, row_ids=ids, payload=rows, max_frame_bytes=4000))
+    assert len(frames) > 1 and all(len(fr.data) <= 4000 and _flags(fr.data) == 0x4 for fr in frames)
+    assert torch.equal(torch.cat([decode_frame(fr.data).row_ids for fr in frames]), ids)
+    # a bitmap naming another number of rows than the frame holds (a valid CRC): refused
+    buf = bytearray(bitmap)
+    header_len = struct.unpack_from("<I", buf, 8)[0]
+    buf[header_len + 16] ^= 0x02
+    struct.pack_into("<I", buf, len(buf) - 4, zlib.crc32(bytes(buf[:-4])))
+    with pytest.raises(FrameError, match="row bitmap names 1001 rows"):
         decode_frame(bytes(buf))

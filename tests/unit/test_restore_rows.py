@@ -13,6 +13,7 @@ import torch
 from ckpt.frames import OptimState, decode_frame, encode_frame
 from ckpt.markers import ChainLink, IndexEntry, Marker, OffsetRange
 from ckpt.restore import RestoreError, restore_rows
+from sharding.row_init import RowInit, fill_rows
 from sharding.shard_views import ShardMap, ShardView
 
 if TYPE_CHECKING:
@@ -76,13 +77,16 @@ def _view(rows: int, cols: int, row_offset: int = 0, col_offset: int = 0) -> Sha
     return ShardView("t", row_offset, col_offset, torch.zeros(rows, cols), {"momentum1": torch.zeros(rows)})
 
 
-def _restore(frames_by_link: list[tuple[bool, list[bytes], int, int, int, int]], views: list[ShardView]):
+def _restore(frames_by_link: list[tuple[bool, list[bytes], int, int, int, int]], views: list[ShardView],
+             hold: RowInit | None = None, **marker_fields):
     chain, store = [], {}
     for cid, (full, frames, col, cols, lo, hi) in enumerate(frames_by_link, start=1):
         chain.append(_link(cid, full, frames, "t", col, cols, lo, hi))
         store[(cid, 0)] = frames
-    marker = Marker(kind="commit", run_id=RUN, checkpoint_id=len(chain), step=10, world_size=1, chain=chain)
-    return restore_rows(marker, ListSource(store), ShardMap(views, []), RUN, lambda g, p, o: f"{g}/{p}@{o}")
+    marker = Marker(kind="commit", run_id=RUN, checkpoint_id=len(chain), step=10, world_size=1, chain=chain,
+                    **marker_fields)
+    return restore_rows(marker, ListSource(store), ShardMap(views, []), RUN, lambda g, p, o: f"{g}/{p}@{o}",
+                        shards_hold_init=hold)
 
 
 def test_base_then_delta_whole_width_and_row_split(replay_seed: ReplaySeed) -> None:
@@ -224,3 +228,46 @@ def test_rows_a_later_link_replaces_are_neither_decoded_nor_written(replay_seed:
                        lambda g, p, o: f"{g}/{p}@{o}")  # fmt: skip
     assert (out.rows, out.written) == (13, 10), out
     torch.testing.assert_close(view.weight[[1, 5, 9]], delta_w, rtol=0, atol=0, msg=lambda m: f"{m}\n{replay_seed}")
+
+
+def test_a_base_of_trained_rows_only_regenerates_every_other_row(replay_seed: ReplaySeed) -> None:
+    """A marker with a row initialisation: rows no link holds get their initial values and a
+    zero optimizer state, unless the caller says the shards hold exactly those already."""
+    g = replay_seed.torch_generator()
+    init = RowInit(seed=7)
+    base_rows, delta_rows = torch.tensor([1, 4, 5]), torch.tensor([4, 7])
+    w, dw = torch.randn(3, 4, generator=g), torch.randn(2, 4, generator=g)
+    base = [_frame(1, "t", 0, base_rows, w, torch.tensor([1.0, 2.0, 3.0]))]
+    delta = [_frame(2, "t", 0, delta_rows, dw, torch.tensor([4.0, 5.0]))]
+    links = [(True, base, 0, 4, 1, 5), (False, delta, 0, 4, 4, 7)]
+    want = torch.empty(10, 4)
+    fill_rows(init, "t", 10, 4, want, 0, 0)
+    want[base_rows], want[delta_rows] = w, dw
+    held = torch.zeros(10, dtype=torch.bool)
+    held[[1, 4, 5, 7]] = True
+    for hold in (None, init):
+        views = [_view(6, 4), _view(4, 4, row_offset=6)]
+        for v in views:
+            v.weight.fill_(9.0)
+            v.optimizer_states["momentum1"].fill_(6.0)
+        out = _restore(links, views, hold, tables={"t": [10, 4]}, init=init.to_json())
+        weights = torch.cat([v.weight for v in views])
+        momentum = torch.cat([v.optimizer_states["momentum1"] for v in views])
+        assert torch.equal(torch.cat(out.held), held), replay_seed
+        assert torch.equal(weights[held], want[held]), replay_seed
+        assert momentum[held].tolist() == [1.0, 4.0, 3.0, 5.0]
+        if hold is None:
+            assert out.regenerated == 6
+            assert torch.equal(weights, want), replay_seed
+            assert momentum[~held].tolist() == [0.0] * 6
+        else:  # the shards are trusted to hold the initial values: nothing regenerated
+            assert out.regenerated == 0
+            assert bool((weights[~held] == 9.0).all()) and bool((momentum[~held] == 6.0).all())
+
+
+def test_a_marker_with_a_row_initialisation_must_name_every_table_it_restores() -> None:
+    base = [_frame(1, "t", 0, torch.tensor([0]), torch.ones(1, 2), torch.ones(1))]
+    with pytest.raises(RestoreError, match="checkpoint 1 has no table 't'"):
+        _restore([(True, base, 0, 2, 0, 0)], [_view(3, 2)], tables={"u": [3, 2]}, init=RowInit(1).to_json())
+    with pytest.raises(RestoreError, match="not covered exactly once"):  # without one, every row must be there
+        _restore([(True, base, 0, 2, 0, 0)], [_view(3, 2)], tables={"t": [3, 2]})
