@@ -415,7 +415,9 @@ def _decode(mv: memoryview) -> Frame:
         if header_len + _BITMAP_HEAD.size > size - _CRC.size:
             raise FrameError("frame too short for its row bitmap")
         first, span = _BITMAP_HEAD.unpack_from(mv, header_len)
-        if not n <= span <= 8 * n or not 0 <= first <= 2**63 - 1 - span:  # written only when smaller than 8 B a row
+        size = _bitmap_len(span)
+        # written only when smaller than 8 bytes a row
+        if span < n or size + _pad(size) >= 8 * n or not 0 <= first <= 2**63 - 1 - span:
             raise FrameError(f"row bitmap of {span} rows from row {first} for {n} rows")
     expect = _frame_len(header_len, n, row_bytes, [rb for _, _, rb in layout], run, span)
     if expect != total:

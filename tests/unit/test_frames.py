@@ -249,6 +249,9 @@ def test_scattered_ascending_rows_pack_as_a_bitmap_when_that_is_smaller():
     f = decode_frame(bitmap)
     assert torch.equal(f.row_ids, ids) and torch.equal(f.payload.view(torch.float32), rows) and f.first_row is None
     assert _flags(encode_frame(**META, row_ids=torch.tensor([0, 10**6]), payload=torch.randn(2, 4))) == 0  # too sparse
+    sparse = torch.arange(0, 50 * 400, 50, dtype=torch.int64)  # one row in 50: still under 8 bytes a row
+    back = decode_frame(encode_frame(**META, row_ids=sparse, payload=torch.randn(400, 4)))
+    assert torch.equal(back.row_ids, sparse)
     frames = list(chunk_rows(**META, row_ids=ids, payload=rows, max_frame_bytes=4000))
     assert len(frames) > 1 and all(len(fr.data) <= 4000 and _flags(fr.data) == 0x4 for fr in frames)
     assert torch.equal(torch.cat([decode_frame(fr.data).row_ids for fr in frames]), ids)
