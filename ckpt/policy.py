@@ -1,6 +1,6 @@
 """Which rows a checkpoint writes: Check-N-Run's policies.
 
-- `full`: every checkpoint writes every row (the baseline to beat).
+- `full`: every checkpoint writes every row (every trained row, sharding/row_init.py) (the baseline to beat).
 - `one_shot_diff`: one full baseline, then the rows changed since that baseline.
 - `incremental`: the rows changed since the previous checkpoint; restore replays the chain.
 - `intermittent_diff` (default): one-shot differential that starts a new full baseline
