@@ -118,6 +118,7 @@ def check_eval(trainer: Trainer, tracker: RowTracker) -> dict:
 def check_marks(trainer: Trainer, smap: ShardMap, tracker: RowTracker) -> dict:
     n = len(smap.shards)
     tracker.mark_base()
+    trained_before = [tracker.trained(i).clone() for i in range(n)]  # what earlier bases folded in
     trainer.train_step()
     first = [tracker.since_last(i) for i in range(n)]
     r: dict = {"first": sum(int(f.sum()) for f in first)}
@@ -144,8 +145,9 @@ def check_marks(trainer: Trainer, smap: ShardMap, tracker: RowTracker) -> dict:
     r["last_after_mark_base"] = tracker.count_since_last()
     r["base_after_mark_base"] = tracker.count_since_base()
     # mark_base folds what it clears into `trained`; a full snapshot then takes exactly those rows
-    r["trained_is_folded_base"] = all(torch.equal(tracker.trained(i), base[i]) for i in range(n))
-    r["trained_counts_ok"] = tracker.counts(False, trained=True) == [int(b.sum()) for b in base]
+    trained = [t | b for t, b in zip(trained_before, base)]
+    r["trained_is_folded_base"] = all(torch.equal(tracker.trained(i), trained[i]) for i in range(n))
+    r["trained_counts_ok"] = tracker.counts(False, trained=True) == [int(t.sum()) for t in trained]
     tracker.load_state_dict(sd)
     r["state_dict_roundtrip"] = all(
         torch.equal(tracker.since_last(i), second[i]) and torch.equal(tracker.since_base(i), base[i]) for i in range(n)
