@@ -63,11 +63,11 @@ from ckpt.dense_store import DenseRef, DenseStore, _fsync_dir
 from ckpt.faults import maybe_die
 from ckpt.frames import Frame
 from ckpt.markers import Marker
-from ckpt.restore import RestoreError, decode_rows, iter_chain_frames
+from ckpt.restore import RestoreError, decode_rows, iter_chain_frames, row_init_of
 from ckpt.sink import FrameSource
 from common.errors import DeltarecError
 from sharding.plan import EBC_PATH
-from sharding.row_init import RowInit, fill_rows
+from sharding.row_init import fill_rows
 
 #: The module every exported FQN is relative to (what `trainer.model.build_model` returns).
 FQN_ROOT = "DLRMTrain"
@@ -163,13 +163,10 @@ def assemble(
     if not marker.tables:
         raise RestoreError(f"checkpoint {marker.checkpoint_id}: its marker has no table shapes (written by an older deltarec)")
     shapes = {name: shape for name, shape in marker.tables.items() if name not in replicated}
-    try:
-        init = RowInit.from_json(marker.init)
-    except ValueError as exc:
-        raise RestoreError(f"checkpoint {marker.checkpoint_id}: {exc}") from None
+    init = row_init_of(marker)
     tables: dict[str, dict[str, torch.Tensor]] = {}
     for name, (rows, dim) in shapes.items():
-        weight = torch.zeros(rows, dim)
+        weight = torch.zeros(rows, dim) if init is None else torch.empty(rows, dim)
         if init is not None:  # the chain holds only trained rows: the others are at their initial values
             fill_rows(init, name, rows, dim, weight, 0, 0)
         tables[name] = {"weight": weight}

@@ -33,7 +33,7 @@ from ckpt.frames import FrameError
 from ckpt.markers import Marker
 from ckpt.policy import CheckpointPolicy, Decision
 from ckpt.quant import BitWidthPolicy, warm_up_codecs
-from ckpt.restore import RestoreError, RowsRestored, restore_rows
+from ckpt.restore import RestoreError, RowsRestored, restore_rows, row_init_of
 from ckpt.sink import SinkError, SourceError
 from ckpt.snapshot import SnapshotTaker
 from ckpt.tracker import RowTracker
@@ -43,7 +43,6 @@ from sharding.config import TableConfig
 from sharding.dmp import ShardedModel
 from sharding.plan import EBC_PATH
 from sharding.process_group import DistEnv
-from sharding.row_init import RowInit
 from sharding.shard_views import ShardMap
 
 logger = logging.getLogger(__name__)
@@ -328,7 +327,7 @@ class CheckpointManager:
         counts as trained."""
         assert rows.held is not None
         self.tracker.load_trained(rows.held)
-        chain_init = RowInit.from_json(marker.init)
+        chain_init = row_init_of(marker)
         if chain_init is not None and self.c.untrained_rows == "regenerate":
             self.row_init = chain_init
             self.taker.trained_only = True

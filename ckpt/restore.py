@@ -70,6 +70,14 @@ class RowsRestored:
     held: list[torch.Tensor] | None = None  # per shard (shard order): bool mask of the rows the chain holds
 
 
+def row_init_of(marker: Marker) -> RowInit | None:
+    """How the rows the marker's chain leaves out were initialised (None: it stores every row)."""
+    try:
+        return RowInit.from_json(marker.init)
+    except ValueError as exc:
+        raise RestoreError(f"checkpoint {marker.checkpoint_id}: {exc}") from None
+
+
 def _in_ranges(pos: int, ranges: list[OffsetRange]) -> bool:
     return any(r.first <= pos <= r.last for r in ranges)
 
@@ -284,10 +292,7 @@ class _Replay:
         self.marker = marker
         self.shard_map = shard_map
         self.out = out
-        try:
-            self.init = RowInit.from_json(marker.init)
-        except ValueError as exc:
-            raise RestoreError(f"checkpoint {marker.checkpoint_id}: {exc}") from None
+        self.init = row_init_of(marker)
         self.written = {id(s): torch.full((s.num_rows,), -1, dtype=torch.int32) for s in shard_map.shards}
         self.held = {id(s): torch.zeros(s.num_rows, dtype=torch.bool) for s in shard_map.shards}
         # columns of each local row the base wrote: a base holds every (row, column) exactly
