@@ -13,7 +13,9 @@ from a reader's clock:
   newest trainer ATTEMPT record holds it from its position on, and a marker of an older
   attempt after that point (a zombie: an old attempt still alive after a restart, or a
   second job with the same run id) is fenced, never restored (docs/design.md §7). The same
-  rule says which `deltarec-ckpt gc` may delete.
+  rule says which `deltarec-ckpt gc` may delete;
+- the survivor snapshots each trainer attempt's ranks left when another rank died
+  (`ckpt.recovery: partial`, ckpt/partial.py chooses which a restore uses).
 
 From these it gives, for any committed checkpoint, the cheapest complete chain: its own
 chain, or an accepted compacted baseline of one of its links plus the links after it,
@@ -26,7 +28,8 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Iterable
 
-from ckpt.markers import AttemptRecord, ChainLink, DroppedRecord, LeaseRecord, Marker, MarkerError, decode_record
+from ckpt.markers import (AttemptRecord, ChainLink, DroppedRecord, LeaseRecord, Marker, MarkerError, SurvivorRecord,
+                          decode_record)
 from ckpt.sink import MarkerLog
 
 logger = logging.getLogger(__name__)
@@ -69,6 +72,8 @@ class Catalog:
     fenced_commits: list[Marker] = field(default_factory=list)
     holders: dict[str, Holder] = field(default_factory=dict)  # role -> newest ATTEMPT record
     epochs_of: dict[str, int] = field(default_factory=dict)  # attempt id -> its epoch
+    trainer_attempts: list[Holder] = field(default_factory=list)  # every trainer ATTEMPT record, in log order
+    survivors: dict[str, dict[int, SurvivorRecord]] = field(default_factory=dict)  # attempt -> rank -> record
     dropped: set[int] = field(default_factory=set)
     lease: Lease | None = None
     epochs: int = 0
@@ -106,6 +111,10 @@ class Catalog:
             elif isinstance(rec, AttemptRecord):
                 self.holders[rec.role] = Holder(rec.attempt, pos + 1, rec.created_unix)
                 self.epochs_of[rec.attempt] = pos + 1
+                if rec.role == "trainer":
+                    self.trainer_attempts.append(self.holders[rec.role])
+            elif isinstance(rec, SurvivorRecord):
+                self.survivors.setdefault(rec.attempt, {})[rec.rank] = rec
             elif isinstance(rec, DroppedRecord):  # honoured whoever wrote it: its deletions may have begun
                 self.dropped.update(rec.generations)
             elif rec.kind in ("commit", "failed") and not self._from_holder(rec):
@@ -152,9 +161,10 @@ class Catalog:
 
     @property
     def newest_id(self) -> int:
-        """The newest checkpoint id in the log, fenced markers included (their dense files
-        exist): the next id a trainer may use is one past it."""
-        return max([*self.commits, *self.failed, *(m.checkpoint_id for m in self.fenced_commits), 0])
+        """The newest checkpoint id in the log, fenced markers and survivor snapshots included
+        (their dense files and generations exist): the next id a trainer may use is one past it."""
+        survivors = (r.link.checkpoint_id for ranks in self.survivors.values() for r in ranks.values())
+        return max([*self.commits, *self.failed, *(m.checkpoint_id for m in self.fenced_commits), *survivors, 0])
 
     def complete(self, chain: list[ChainLink]) -> bool:
         return bool(chain) and chain[0].full and not any(link.generation in self.dropped for link in chain)

@@ -198,11 +198,14 @@ def cmd_gc(catalog: Catalog, keep: int, backend, dense: DenseStore, guard: GcGua
     restorable = [m for m in catalog.restorable() if Path(m.dense.get("path", "")).is_file()]
     kept = restorable[:keep]
     needed = {link.generation for m in kept for link in m.chain}
+    kept_bases = {m.checkpoint_id for m in kept}  # survivor snapshots on a kept checkpoint may still be restored
+    survivors = [r for ranks in catalog.survivors.values() for r in ranks.values()]
+    needed |= {r.link.generation for r in survivors if r.base in kept_bases}
     newest = max(catalog.commits.values(), key=lambda m: m.checkpoint_id, default=None)
     if newest is not None:
         needed.add(newest.chain[-1].generation)  # the trainer may still be writing deltas there
     known = {link.generation for m in [*catalog.commits.values(), *catalog.compactions.values(), *catalog.fenced,
-                                       *catalog.fenced_commits] for link in m.chain}
+                                       *catalog.fenced_commits] for link in m.chain} | {r.link.generation for r in survivors}
     present = set(backend.sink.generations())
     dropped = sorted(g for g in (known | present) - needed - catalog.dropped if _unused(g, g in known, catalog))
     unfinished = sorted((present & catalog.dropped) - needed)  # recorded by a gc that was killed

@@ -67,6 +67,19 @@ class CkptConfig:
     # take cores from the training step; 0 runs it at the training thread's priority
     writer_nice: int = 10
     follow: FollowConfig = field(default_factory=FollowConfig)  # `deltarec-follow` (ckpt/follow)
+    # When a rank dies: every rank rolls back to the newest checkpoint (`full`), or the
+    # surviving ranks save what they have and keep it, only the dead ranks' shards rolling
+    # back (`partial`, CPR; ckpt/survivor.py, ckpt/partial.py, docs/design.md §12)
+    recovery: Literal["full", "partial"] = "full"
+    # how long a surviving rank may take to save its snapshot (torchrun SIGKILLs a rank 30 s
+    # after its SIGTERM); one that cannot finish leaves nothing a restore would use
+    survivor_timeout_s: float = 20.0
+    # > 0 (with recovery=partial): checkpoint interval from CPR's analysis, 2 * target_pls *
+    # MTBF / (the largest share of the embedding parameters one rank holds) (ckpt/pls.py)
+    target_pls: float = 0.0
+    # mean time between failures for `target_pls`; 0: estimated from this run's attempts
+    # (it must then have restarted at least once)
+    mtbf_s: float = 0.0
 
     def resolved(self, run_name: str, run_dir: Path) -> "CkptConfig":
         """A copy with the run-derived defaults filled: run id, stream root, dense directory."""
@@ -111,8 +124,9 @@ class CkptConfig:
             check_widths(self.restore_bit_widths)
         except ValueError as exc:
             raise ConfigError(f"{src}: ckpt.restore_bit_widths {self.restore_bit_widths}: {exc}") from None
-        if self.interval_steps < 0 or self.interval_s < 0 or (self.interval_steps == 0 and self.interval_s == 0):
-            raise ConfigError(f"{src}: ckpt.interval_steps and/or ckpt.interval_s must be positive")
+        if self.interval_steps < 0 or self.interval_s < 0 or (
+                self.interval_steps == 0 and self.interval_s == 0 and self.target_pls == 0):
+            raise ConfigError(f"{src}: ckpt.interval_steps and/or ckpt.interval_s (or ckpt.target_pls) must be positive")
         if self.sink == "kafka" and not self.bootstrap_servers and "bootstrap.servers" not in self.kafka:
             raise ConfigError(
                 f"{src}: ckpt.sink=kafka needs ckpt.bootstrap_servers (e.g. the address `deltarec-broker start` prints)"
@@ -126,8 +140,21 @@ class CkptConfig:
             raise ConfigError(f"{src}: ckpt.resume must be none, latest or a checkpoint id, got {self.resume!r}")
         if self.max_pending_bytes <= 0 or self.max_frame_bytes < 16384:
             raise ConfigError(f"{src}: ckpt.max_pending_bytes must be positive and ckpt.max_frame_bytes at least 16384")
+        self._validate_recovery(src)
         if not 0 <= self.writer_nice <= 19:
             raise ConfigError(f"{src}: ckpt.writer_nice must be in 0..19 (added to the writer thread's niceness), got {self.writer_nice}")
+
+    def _validate_recovery(self, src: str) -> None:
+        if self.survivor_timeout_s <= 0:
+            raise ConfigError(f"{src}: ckpt.survivor_timeout_s must be positive, got {self.survivor_timeout_s}")
+        if not 0 <= self.target_pls < 1 or self.mtbf_s < 0:
+            raise ConfigError(f"{src}: ckpt.target_pls must be in [0, 1) and ckpt.mtbf_s >= 0, "
+                              f"got {self.target_pls} and {self.mtbf_s}")
+        if self.target_pls > 0 and self.recovery != "partial":
+            raise ConfigError(f"{src}: ckpt.target_pls={self.target_pls} needs ckpt.recovery=partial: under full "
+                              "recovery no sample is lost (everything since the checkpoint is trained again)")
+        if self.target_pls > 0 and self.interval_s > 0:
+            raise ConfigError(f"{src}: set ckpt.target_pls or ckpt.interval_s, not both: the target sets the interval")
 
     def redacted_kafka(self) -> dict[str, Any]:
         """`kafka` with every secret replaced by REDACTED: what may be written to a file or a log

@@ -85,12 +85,21 @@ class DenseStore:
     def path_for(self, checkpoint_id: int) -> Path:
         return self.root / f"dense-{checkpoint_id:08d}.pt"
 
+    def survivor_path(self, checkpoint_id: int, rank: int) -> Path:
+        return self.root / f"survivor-{checkpoint_id:08d}-r{rank}.pt"
+
     def write(self, checkpoint_id: int, state: dict[str, Any]) -> DenseRef:
         """Serialise `state` (tensors, numbers, strings, lists, dicts) durably."""
+        return self._write(self.path_for(checkpoint_id), checkpoint_id, state)
+
+    def write_survivor(self, checkpoint_id: int, rank: int, state: dict[str, Any]) -> DenseRef:
+        """The dense file of a surviving rank's snapshot (ckpt/survivor.py), as durably."""
+        return self._write(self.survivor_path(checkpoint_id, rank), checkpoint_id, state)
+
+    def _write(self, final: Path, checkpoint_id: int, state: dict[str, Any]) -> DenseRef:
         buf = io.BytesIO()
         torch.save(state, buf)
         data = buf.getvalue()
-        final = self.path_for(checkpoint_id)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
         try:

@@ -11,7 +11,9 @@ rank 0: `gc` (after `key` deletions, generations first and then dense files; 0: 
 DROPPED record is durable, before it deletes anything), `export` (at stage `key` of writing
 an export, also a follower's serving snapshot: 1 the `torch.save` file is written under its
 temporary name, 2 the DCP directory too, 3 the file is in place and the old DCP directory
-moved aside, the new one not yet in place). Only a job's first attempt dies (torchrun's
+moved aside, the new one not yet in place). `survivor` (a surviving rank under
+`ckpt.recovery: partial`, once its snapshot's frames and dense file are durable and before
+its SURVIVOR record; `key` is the snapshot's checkpoint id). Only a job's first attempt dies (torchrun's
 TORCHELASTIC_RESTART_COUNT is 0 or unset), so a restarted job runs on. Unset, every call is a
 dictionary lookup and returns. A real SIGKILL, not an exception, so the tests see what a crash
 leaves behind.
@@ -41,7 +43,7 @@ SLOW_RESTORE_ENV = "DELTAREC_SLOW_RESTORE"
 # stderr, for as long as the file PATH exists (a test of two writers at once lets the other go,
 # then deletes it)
 HOLD_ENV = "DELTAREC_HOLD_AT"
-POINTS = ("step", "snapshot", "rows", "marker", "committed", "restore", "gc", "export")
+POINTS = ("step", "snapshot", "rows", "marker", "committed", "restore", "gc", "export", "survivor")
 
 
 class FaultSpecError(DeltarecError):

@@ -30,12 +30,15 @@ from ckpt.config import CkptConfig
 from ckpt.dense_store import DenseHistory, DenseRef, DenseStore, DenseStoreError
 from ckpt.faults import maybe_die
 from ckpt.frames import FrameError
-from ckpt.markers import Marker
+from ckpt.markers import Marker, SurvivorRecord
+from ckpt.partial import PartialOutcome, SkipsBatches, compose, usable_survivors, with_survivors
+from ckpt.pls import estimate_mtbf, interval_for_pls, run_pls
 from ckpt.policy import CheckpointPolicy, Decision
 from ckpt.quant import BitWidthPolicy, warm_up_codecs
 from ckpt.restore import RestoreError, RowsRestored, restore_rows, row_init_of
 from ckpt.sink import SinkError, SourceError
 from ckpt.snapshot import SnapshotTaker
+from ckpt.survivor import save_survivor
 from ckpt.tracker import RowTracker
 from ckpt.writer import Outcome, RankWriter, WriteJob
 from common.errors import ConfigError, DeltarecError
@@ -106,6 +109,8 @@ class RestoreReport:
     dense_s: float = 0.0  # dense state and loop state, after the rows (its read overlaps them)
     regenerated: int = 0  # rows no link held, regenerated from the row initialisation
     init_s: float = 0.0  # regenerating them (slowest rank)
+    partial: PartialOutcome | None = None  # a partial recovery: what it kept, rolled back and lost
+    run_pls: float = 0.0  # the run's portion of lost samples so far (ckpt/pls.py)
 
     @property
     def mb_per_s(self) -> float:
@@ -116,6 +121,16 @@ class RestoreReport:
         regen = f", regenerate {self.init_s:.2f} s" if self.regenerated else ""
         return (f"markers {self.markers_s:.2f} s, fetch {self.fetch_s:.2f} s, decode {self.decode_s:.2f} s, "
                 f"apply {self.apply_s:.2f} s{regen}, dense {self.dense_s:.2f} s")
+
+
+class _Candidates(NamedTuple):
+    """What rank 0 reads of the markers log and the run directory at start, for every rank."""
+
+    ordered: list[Marker]  # checkpoints to try, newest first
+    newest_id: int
+    history: DenseHistory
+    survivors: list[SurvivorRecord]  # usable with the first of `ordered` (ckpt/partial.py)
+    mtbf_s: float | None  # estimated from the run's attempts (ckpt/pls.py)
 
 
 @dataclass
@@ -192,6 +207,14 @@ class CheckpointManager:
         self.restores = 0  # restores of this job so far (persisted in the dense state)
         self._newest_id = 0  # newest checkpoint id in the markers log (ids never repeat)
         self.epoch = 0  # this attempt's epoch (ckpt/attempts.py), written into every frame; 0: not yet known
+        self.attempt = ""  # this attempt's id, known with its epoch
+        self.last_committed = 0  # the newest checkpoint this rank knows committed (restored or written)
+        self.lost_samples = 0.0  # samples whose updates partial recoveries lost, over the run (ckpt/pls.py)
+        self.interval_s = cfg.interval_s  # or what `ckpt.target_pls` sets at start
+        self._survivors: list[SurvivorRecord] = []
+        self._mtbf_s: float | None = None
+        if cfg.recovery == "partial":
+            self.tracker.keep_uncommitted()
         self._announcing: tuple[Future[Announced], Catalog] | None = None  # rank 0, from the start on
         self._history = DenseHistory(0, [])  # what the run directory remembers (rank 0's, broadcast)
         self.agreed_fractions = (0.0, 0.0)  # rows changed since the base / the last checkpoint, all ranks
@@ -223,6 +246,11 @@ class CheckpointManager:
         `ckpt.on_corrupt: previous` falls back to the newest older one. Every rank agrees
         on the outcome before anyone falls back, so all restore the same checkpoint.
         """
+        report = self._restore()
+        self._start_attempt()
+        return report
+
+    def _restore(self) -> RestoreReport | None:
         t0 = time.perf_counter()
         candidates = self._candidates()
         markers_s = time.perf_counter() - t0
@@ -233,26 +261,46 @@ class CheckpointManager:
                 logger.info("no checkpoint of run %s in %s: starting from scratch", self.run_id, self.backend.where)
             return self._start_fresh()
         pristine = self.row_init  # the shards hold exactly these initial values until a restore writes
-        for marker in candidates:
+        tries = [(m, self._survivors if i == 0 else []) for i, m in enumerate(candidates)]
+        if self._survivors:  # survivor snapshots that fail to read: the same checkpoint without them
+            tries.insert(1, (candidates[0], []))
+        for marker, survivors in tries:
             error = ""
             try:
-                with ThreadPoolExecutor(1, thread_name_prefix="deltarec-dense-read") as pool:
-                    dense = pool.submit(self.dense.read, DenseRef.from_json(marker.dense))  # beside the rows
-                    rows = restore_rows(marker, self.backend.source, self.shard_map, self.run_id, self.backend.locate,
-                                        shards_hold_init=pristine)
-                    state = dense.result()
+                rows, state, partial, skips = self._read(marker, survivors, pristine)
             except (FrameError, SourceError, RestoreError, DenseStoreError) as exc:
-                error = f"checkpoint {marker.checkpoint_id}: {exc}"
+                error = f"checkpoint {marker.checkpoint_id}{' with survivor snapshots' if survivors else ''}: {exc}"
             pristine = None
             failed = torch.tensor([float(bool(error))])
             dist.all_reduce(failed, op=dist.ReduceOp.MAX)
             if not failed.item():
-                return self._finish_restore(marker, rows, state, t0, markers_s)
+                return self._finish_restore(marker, rows, state, t0, markers_s, partial, skips)
             reason = self._first_error(error)
+            if survivors:
+                logger.warning("%s; every rank rolls back to the checkpoint instead (full recovery)", reason)
+                continue
             if self.c.on_corrupt == "fail":
                 raise RestoreError(reason + " (set ckpt.on_corrupt=previous to fall back to an older checkpoint)")
             logger.warning("%s; falling back to the previous checkpoint", reason)
         raise RestoreError(f"no restorable checkpoint of run {self.run_id} in {self.backend.where}")
+
+    def _read(self, marker: Marker, survivors: list[SurvivorRecord], pristine: Any
+              ) -> tuple[RowsRestored, dict[str, Any], PartialOutcome | None, list[int]]:
+        """Replay `marker`'s chain (and the survivors' links after it) into the shards and read
+        the dense state beside the rows: the state to load, and for a partial recovery its
+        outcome and the batches each rank's reader skips."""
+        with ThreadPoolExecutor(2, thread_name_prefix="deltarec-dense-read") as pool:
+            dense = pool.submit(self.dense.read, DenseRef.from_json(marker.dense))  # beside the rows
+            theirs = {r.rank: pool.submit(self.dense.read, DenseRef.from_json(r.dense)) for r in survivors}
+            chain = with_survivors(marker, survivors) if survivors else marker
+            rows = restore_rows(chain, self.backend.source, self.shard_map, self.run_id, self.backend.locate,
+                                shards_hold_init=pristine)
+            state = dense.result()
+            if not survivors:
+                return rows, state, None, []
+            state, skips, partial = compose(marker, survivors, state, {r: f.result() for r, f in theirs.items()},
+                                            world_now=self.env.world_size)
+            return rows, state, partial, skips
 
     def _first_error(self, error: str) -> str:
         """Why a restore failed, on every rank: its own reason, or the first other rank's, so
@@ -266,7 +314,8 @@ class CheckpointManager:
         return f"{first} (read by rank {rank})"
 
     def _finish_restore(self, marker: Marker, rows: RowsRestored, state: dict[str, Any], t0: float,
-                        markers_s: float) -> RestoreReport:
+                        markers_s: float, partial: PartialOutcome | None = None, skips: Sequence[int] = ()
+                        ) -> RestoreReport:
         t_dense = time.perf_counter()
         model_sha256 = self.identity.model_sha256
         if self.env.rank == 0 and state.get("model_sha256") not in (None, model_sha256):
@@ -277,7 +326,11 @@ class CheckpointManager:
         dense_state.load(self.sharded, state)
         self.trainer.load_state_dict(self._trainer_state(state, marker))
         self._adopt_rows(marker, rows)
+        if partial is not None:
+            self._adopt_partial(marker, rows, skips)
         self.restores = int(state.get("restores", 0)) + 1
+        self.lost_samples = float(state.get("lost_samples", 0.0))
+        self.last_committed = marker.checkpoint_id
         self.next_id = max(marker.checkpoint_id, self._newest_id, self._history.newest_id) + 1
         self.chain = [link.checkpoint_id for link in marker.chain]
         if self.committer is not None:
@@ -292,6 +345,8 @@ class CheckpointManager:
         else:
             self.generation = marker.chain[0].generation
             self.force_full = True  # the tracker's history since the base died with the old process
+        if partial is not None:
+            self.force_full = True  # the next checkpoint is the new base: no committed one holds these rows
         self.last_step = marker.step
         now = time.perf_counter()
         totals = torch.tensor([rows.frames, rows.rows, rows.bytes, rows.written], dtype=torch.float64)
@@ -304,7 +359,8 @@ class CheckpointManager:
         frames, n_rows, n_bytes, written = (int(v) for v in totals.tolist())
         seconds, markers_s, fetch_s, decode_s, apply_s, dense_s, init_s = slowest.tolist()
         report = RestoreReport(marker.checkpoint_id, marker.step, self.chain, frames, n_rows, n_bytes, seconds,
-                               written, markers_s, fetch_s, decode_s, apply_s, dense_s, int(regenerated.item()), init_s)
+                               written, markers_s, fetch_s, decode_s, apply_s, dense_s, int(regenerated.item()), init_s,
+                               partial, run_pls(self.lost_samples, float(state["trainers"][0]["samples_seen"])))
         if self.env.rank == 0:
             logger.debug(  # the trainer prints the resume line
                 "restored checkpoint %d (step %d, chain %s): %d frames, %d rows, %.1f MB in %.2f s (%s)",
@@ -316,9 +372,30 @@ class CheckpointManager:
                 "restore_bytes": report.bytes, "restore_chain": report.chain, "restore_rows_written": report.written,
                 "restore_markers_s": markers_s, "restore_fetch_s": fetch_s, "restore_decode_s": decode_s,
                 "restore_apply_s": apply_s, "restore_dense_s": dense_s, "restore_regenerated_rows": report.regenerated,
-                "restore_regenerate_s": init_s,
+                "restore_regenerate_s": init_s, "run_pls": report.run_pls,
             })
+            if partial is not None:
+                self.metrics.write({
+                    "step": partial.step, "partial_restore": True, "partial_kept_ranks": partial.kept,
+                    "partial_rolled_back_ranks": partial.rolled_back, "partial_rolled_back_fraction":
+                    partial.rolled_back_fraction, "partial_rolled_back_tables": partial.rolled_back_tables,
+                    "partial_samples_since_ckpt": partial.samples_since, "partial_lost_samples": partial.lost_samples,
+                    "run_pls": report.run_pls,
+                })
         return report
+
+    def _adopt_partial(self, marker: Marker, rows: RowsRestored, skips: Sequence[int]) -> None:
+        """After a partial restore: rows the survivors' links wrote are changes no committed
+        checkpoint holds (a survivor of this attempt saves them again), and this rank's reader
+        moves past the batches its dead predecessor would have trained."""
+        assert rows.link_of is not None
+        self.tracker.touch([link >= len(marker.chain) for link in rows.link_of])
+        skip = skips[self.env.rank] if len(skips) == self.env.world_size else 0
+        if skip > 0:
+            if not isinstance(self.trainer, SkipsBatches):
+                raise RestoreError(f"partial recovery: this rank's reader must skip {skip} batches, but the loop "
+                                   f"({type(self.trainer).__name__}) cannot")
+            self.trainer.skip_batches(skip)
 
     def _adopt_rows(self, marker: Marker, rows: RowsRestored) -> None:
         """The restored rows become the rows trained so far, and the untrained ones follow the
@@ -371,10 +448,12 @@ class CheckpointManager:
         dist.broadcast_object_list(chosen, src=0)
         if isinstance(chosen[0], str):
             raise failure or RestoreError(chosen[0])
-        ordered, self._newest_id, self._history = chosen[0]
-        return ordered
+        found: _Candidates = chosen[0]
+        self._newest_id, self._history, self._survivors, self._mtbf_s = (
+            found.newest_id, found.history, found.survivors, found.mtbf_s)
+        return found.ordered
 
-    def _read_candidates(self) -> tuple[list[Marker], int, DenseHistory]:
+    def _read_candidates(self) -> _Candidates:
         """Rank 0's part of `_candidates`: the broker answers (bounded), the markers log and the
         dense store are read and the checkpoint to resume chosen, or the start refused (a lost
         stream, an id that cannot be restored) before anything is written. Then this attempt's
@@ -389,7 +468,9 @@ class CheckpointManager:
         self._announcing = (pool.submit(announce, self.backend.markers, self.run_id, "trainer", self.env.world_size),
                             catalog)
         pool.shutdown(wait=False)
-        return ordered, catalog.newest_id, history
+        survivors = usable_survivors(catalog, ordered[0]) if ordered and self.c.recovery == "partial" else []
+        mtbf = estimate_mtbf([a.created_unix for a in catalog.trainer_attempts], time.time())
+        return _Candidates(ordered, catalog.newest_id, history, survivors, mtbf)
 
     def _join_attempt(self) -> None:
         """Before this attempt's first checkpoint: rank 0 waits for its ATTEMPT record, hands it
@@ -402,14 +483,41 @@ class CheckpointManager:
             try:
                 attempt, epoch = future.result()
                 self.committer.start_attempt(attempt, epoch, catalog)
-                box[0] = epoch
+                box[0] = (epoch, attempt.attempt)
             except Exception as exc:  # noqa: BLE001 - every rank stops with it, none waits at the broadcast
                 failure = exc if isinstance(exc, DeltarecError) else None
                 box[0] = f"run {self.run_id}: cannot announce this attempt in the markers log: {exc}"
         dist.broadcast_object_list(box, src=0)
         if isinstance(box[0], str):
             raise failure or SinkError(box[0])
-        self.epoch = box[0]
+        self.epoch, self.attempt = box[0]
+
+    def _start_attempt(self) -> None:
+        """After the restore (or a fresh start): under partial recovery every rank learns its
+        attempt now (a survivor's record names it), and `ckpt.target_pls` sets the interval."""
+        if self.c.recovery == "partial" and not self.epoch:
+            self._join_attempt()
+        if self.c.target_pls > 0:
+            self.interval_s = self._pls_interval()
+
+    def _pls_interval(self) -> float:
+        """CPR's interval for `ckpt.target_pls` (ckpt/pls.py): the rank holding the largest share
+        of the embedding parameters is the one whose failure loses the most."""
+        local = float(sum(s.num_rows * s.num_cols for s in self.shard_map.shards))
+        total, largest = torch.tensor([local], dtype=torch.float64), torch.tensor([local], dtype=torch.float64)
+        dist.all_reduce(total)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        share = largest.item() / max(total.item(), 1.0)
+        mtbf = self.c.mtbf_s or self._mtbf_s
+        if not mtbf:
+            raise ConfigError("ckpt.target_pls needs ckpt.mtbf_s (seconds) until the run has restarted at least once "
+                              "(then its own attempts give the mean time between failures)")
+        interval = interval_for_pls(self.c.target_pls, mtbf, share)
+        if self.env.rank == 0:
+            logger.info("checkpoint interval %.1f s for PLS %.4g: mean time between failures %.0f s (%s), a rank "
+                        "holds up to %.1f%% of the embedding parameters", interval, self.c.target_pls, mtbf,
+                        "ckpt.mtbf_s" if self.c.mtbf_s else "this run's attempts", share * 100)
+        return interval
 
     def _choose(self, catalog: Catalog, history: DenseHistory) -> list[Marker]:
         """The checkpoints `ckpt.resume` asks for, newest first, each with its cheapest complete
@@ -453,8 +561,8 @@ class CheckpointManager:
     def _due(self, step: int) -> bool:
         c = self.c
         due = c.interval_steps > 0 and step % c.interval_steps == 0
-        if c.interval_s > 0 and step % _TIME_CHECK_EVERY == 0:
-            flag = torch.tensor([float(time.monotonic() - self.last_time >= c.interval_s)])
+        if self.interval_s > 0 and step % _TIME_CHECK_EVERY == 0:
+            flag = torch.tensor([float(time.monotonic() - self.last_time >= self.interval_s)])
             dist.broadcast(flag, src=0)  # rank 0's clock decides, so every rank agrees
             due = due or bool(flag.item())
         return due
@@ -491,6 +599,8 @@ class CheckpointManager:
         durable_s = o.commit_unix - pending.started_unix if o.committed else None
         if o.committed:
             self.stats.committed += 1
+            self.last_committed = max(self.last_committed, o.checkpoint_id)
+            self.tracker.committed(o.checkpoint_id)
             maybe_die("committed", o.checkpoint_id, self.env.rank)
         else:
             self.stats.failed += 1
@@ -571,13 +681,14 @@ class CheckpointManager:
         snapshot = self.taker.take(cid, step, full=decision.full, since_base=decision.since_base)
         t_taken = time.perf_counter()
         maybe_die("snapshot", cid, self.env.rank)
+        self.tracker.remember(cid)
         if decision.full:
             self.tracker.mark_base()
         else:
             self.tracker.mark_checkpoint()
         dense = dense_state.capture(self.sharded) if self.env.rank == 0 else None
         if dense is not None:
-            dense.update(restores=self.restores, step=step, **self.identity._asdict())
+            dense.update(restores=self.restores, lost_samples=self.lost_samples, step=step, **self.identity._asdict())
         weight_codec, optimizer_codec = self.codecs()
         trainer_state = self.trainer.state_dict()
         self.policy.record(decision, fraction)
@@ -596,6 +707,31 @@ class CheckpointManager:
             trainer_state=trainer_state, dense_state=dense, weight_codec=weight_codec, optimizer_codec=optimizer_codec,
             epoch=self.epoch,
         ))
+
+    # -- partial recovery -------------------------------------------------------------------
+    def save_survivor(self, loop_state: dict[str, Any]) -> SurvivorRecord | None:
+        """Another rank died: under `ckpt.recovery: partial` save this rank's rows changed since
+        the newest checkpoint it knows committed, its dense and loop state (`loop_state`: as of
+        its last completed step) within `ckpt.survivor_timeout_s` (ckpt/survivor.py). None when
+        there is nothing a restore could use: full recovery, or no committed checkpoint yet."""
+        if self.c.recovery != "partial" or not self.last_committed or not self.epoch:
+            return None
+        deadline = time.monotonic() + self.c.survivor_timeout_s
+        step, sid = int(loop_state["step"]), self.next_id
+        rows = [self.tracker.since_committed_rows(i) for i in range(len(self.shard_map.shards))]
+        snapshot = self.taker.take_rows(sid, step, rows)
+        weight_codec, optimizer_codec = self.codecs()
+        job = WriteJob(checkpoint_id=sid, step=step, generation=sid, chain=[], snapshot=snapshot,
+                       trainer_state=loop_state, weight_codec=weight_codec, optimizer_codec=optimizer_codec,
+                       epoch=self.epoch)
+        dense = dense_state.capture(self.sharded)
+        dense.update(restores=self.restores, lost_samples=self.lost_samples, step=step, trainer=loop_state,
+                     **self.identity._asdict())
+        shards = [[s.table, s.row_offset, s.num_rows, s.col_offset, s.num_cols] for s in self.shard_map.shards]
+        record = save_survivor(self.c, rank=self.env.rank, job=job, attempt=self.attempt,
+                               world_size=self.env.world_size, base=self.last_committed, dense_state=dense,
+                               shards=shards, deadline=deadline)
+        return record
 
     def codecs(self) -> tuple[str, str]:
         """(weight codec, optimizer codec) for the next checkpoint: `ckpt.encoding`, or the bit

@@ -179,11 +179,35 @@ class AttemptRecord:
     format: int = FORMAT_VERSION
 
 
+@dataclass(kw_only=True)
+class SurvivorRecord:
+    """One surviving rank's snapshot after another rank died (`ckpt.recovery: partial`,
+    ckpt/survivor.py): the rows of its shards changed since checkpoint `base`, as one chain
+    link of frames, and its dense and loop state in a dense file. Appended last, once the
+    frames and the file are durable, so a snapshot whose writer died or ran out of time has
+    no record and is never used (docs/design.md §12)."""
+
+    kind: str  # "survivor"
+    run_id: str
+    attempt: str  # the trainer attempt the rank belonged to
+    rank: int
+    world_size: int
+    base: int  # the newest checkpoint this rank knew committed: the rows are a delta of it
+    step: int  # the last step the rank completed: its rows, dense and loop state are of it
+    link: ChainLink  # its frames (checkpoint id and generation: ckpt/survivor.py)
+    dense: dict[str, Any]  # path, sha256, bytes of its dense file (dense and loop state)
+    # its shards [table, row_offset, num_rows, col_offset, num_cols]: what it keeps, and so,
+    # by elimination, what rolls back to `base`
+    shards: list[list[Any]] = field(default_factory=list)
+    created_unix: float = 0.0
+    format: int = FORMAT_VERSION
+
+
 #: Every record of the markers log: checkpoint markers (kinds commit, failed, compacted),
-#: follower leases, gc's drops and writers' attempts.
-LogRecord = Marker | LeaseRecord | DroppedRecord | AttemptRecord
+#: follower leases, gc's drops, writers' attempts and survivor snapshots.
+LogRecord = Marker | LeaseRecord | DroppedRecord | AttemptRecord | SurvivorRecord
 _KINDS: dict[str, type] = {"commit": Marker, "failed": Marker, "compacted": Marker, "lease": LeaseRecord,
-                           "dropped": DroppedRecord, "attempt": AttemptRecord}
+                           "dropped": DroppedRecord, "attempt": AttemptRecord, "survivor": SurvivorRecord}
 ROLES = ("trainer", "gc")
 
 
@@ -191,6 +215,8 @@ def encode_marker(marker: LogRecord) -> bytes:
     """Serialise any log record with the CRC envelope."""
     assert _KINDS.get(marker.kind) is type(marker), marker.kind
     fields = asdict(marker)
+    if isinstance(marker, SurvivorRecord) and not fields["link"]["epoch"]:
+        del fields["link"]["epoch"]
     if isinstance(marker, Marker):
         for name in ("follower", "attempt", "init"):  # empty ones keep the wire form markers always had
             if not fields[name]:
@@ -234,6 +260,8 @@ def decode_record(data: bytes) -> LogRecord:
             raise MarkerError(f"attempt record of unknown role {d.get('role')!r}")
         if cls is Marker:
             d["chain"] = [ChainLink.from_json(link) for link in d["chain"]]
+        if cls is SurvivorRecord:
+            d["link"] = ChainLink.from_json(d["link"])
         return cls(**d)
     except MarkerError:
         raise

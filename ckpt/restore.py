@@ -68,6 +68,7 @@ class RowsRestored:
     regenerated: int = 0  # rows no link holds, set to their initial values (sharding/row_init.py)
     init_s: float = 0.0  # regenerating them
     held: list[torch.Tensor] | None = None  # per shard (shard order): bool mask of the rows the chain holds
+    link_of: list[torch.Tensor] | None = None  # per shard: int32, the chain link that wrote each row (-1: none)
 
 
 def row_init_of(marker: Marker) -> RowInit | None:
@@ -352,6 +353,7 @@ class _Replay:
                     f"not covered exactly once by the base checkpoint {self.marker.chain[0].checkpoint_id}"
                 )
         self.out.held = [self.held[id(s)] for s in self.shard_map.shards]
+        self.out.link_of = [self.written[id(s)] for s in self.shard_map.shards]
         unknown = sorted({s.table for s in self.shard_map.shards} - set(self.marker.tables))
         if self.init is not None and unknown:
             raise RestoreError(f"checkpoint {self.marker.checkpoint_id} has no table {unknown[0]!r}; "

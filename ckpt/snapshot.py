@@ -152,17 +152,27 @@ class SnapshotTaker:
             weights = torch.empty(view.weight.shape, dtype=view.weight.dtype).copy_(view.weight.detach())
             optimizer = {k: torch.empty(s.shape, dtype=s.dtype).copy_(s.detach()) for k, s in view.optimizer_states.items()}
             return ShardRows(view.table, view.row_offset, view.col_offset, rows, weights, optimizer)
-        local = self._local_rows(i, full, since_base)
-        n = local.numel()
-        weights = torch.empty((n, view.num_cols), dtype=view.weight.dtype)
-        torch.index_select(view.weight.detach(), 0, local, out=weights)
-        optimizer = {}
-        for k, s in view.optimizer_states.items():
-            out = torch.empty((n, *s.shape[1:]), dtype=s.dtype)
-            torch.index_select(s.detach(), 0, local, out=out)
-            optimizer[k] = out
-        rows = local.add_(view.row_offset)  # the indices become the global ids, no second buffer
-        return ShardRows(view.table, view.row_offset, view.col_offset, rows, weights, optimizer)
+        return _gather_cpu(view, self._local_rows(i, full, since_base))
+
+    def take_rows(self, checkpoint_id: int, step: int, local_rows: list[torch.Tensor]) -> Snapshot:
+        """Copy the given local rows of every shard (sorted int64 indices, shard order), for a
+        snapshot that no bitmap names (a surviving rank's, ckpt/survivor.py). Synchronous on
+        every device: it runs once, when training has stopped."""
+        assert len(local_rows) == len(self.shard_map.shards), (len(local_rows), len(self.shard_map.shards))
+        t0 = time.perf_counter()
+        shards = []
+        for view, local in zip(self.shard_map.shards, local_rows):
+            if self._cuda:
+                local = local.to(self.device)
+                rows = local + view.row_offset
+                shards.append(ShardRows(view.table, view.row_offset, view.col_offset, rows.cpu(),
+                                        view.weight.detach().index_select(0, local).cpu(),
+                                        {k: s.detach().index_select(0, local).cpu()
+                                         for k, s in view.optimizer_states.items()}))
+            else:
+                shards.append(_gather_cpu(view, local.clone()))
+        return Snapshot(checkpoint_id, step, False, shards, time.perf_counter() - t0)
+
 
     # -- CUDA (untested here) ---------------------------------------------------------------
     def _take_cuda(self, full: bool, since_base: bool) -> tuple[list[ShardRows], object]:
@@ -190,3 +200,17 @@ class SnapshotTaker:
                 out.append(ShardRows(v.table, v.row_offset, v.col_offset, rows, weights, dict(zip(v.optimizer_states, states))))
             ready = side.record_event()
         return out, ready
+
+
+def _gather_cpu(view: "ShardView", local: torch.Tensor) -> ShardRows:
+    """Host copies of `local` rows of one CPU shard; `local` becomes the global ids in place."""
+    n = local.numel()
+    weights = torch.empty((n, view.num_cols), dtype=view.weight.dtype)
+    torch.index_select(view.weight.detach(), 0, local, out=weights)
+    optimizer = {}
+    for k, s in view.optimizer_states.items():
+        out = torch.empty((n, *s.shape[1:]), dtype=s.dtype)
+        torch.index_select(s.detach(), 0, local, out=out)
+        optimizer[k] = out
+    rows = local.add_(view.row_offset)  # the indices become the global ids, no second buffer
+    return ShardRows(view.table, view.row_offset, view.col_offset, rows, weights, optimizer)

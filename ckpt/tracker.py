@@ -61,7 +61,10 @@ earlier ``mark_checkpoint`` calls, and reported OR-ed with ``since_last``; ``tra
 keeps the rows folded in at earlier ``mark_base`` calls (or that a restore found in the
 stream), so OR-ed with ``since_base`` it is every row touched since the model was
 initialised: what a full checkpoint stores when untouched rows can be regenerated
-(sharding/row_init.py). Besides the
+(sharding/row_init.py). Under partial recovery the tracker also keeps, per checkpoint
+taken but not yet known committed, the rows it captured since the one before
+(`keep_uncommitted`, `remember`, `committed`), so a surviving rank can save exactly the rows
+changed since the newest committed checkpoint (`since_committed_rows`). Besides the
 per-shard masks, `touched_rows(i, since_base)` (sorted local indices) and
 `counts(since_base)` (rows per shard) serve `ckpt.snapshot.SnapshotTaker` without copying
 bitmaps. Not tested on CUDA (no GPU here); nothing in the hook syncs the host.
@@ -107,6 +110,9 @@ class RowTracker:
         self._last = torch.zeros(total, dtype=torch.bool, device=device)
         self._base = torch.zeros(total, dtype=torch.bool, device=device)  # folded at mark_checkpoint
         self._trained = torch.zeros(total, dtype=torch.bool, device=device)  # folded at mark_base
+        # (checkpoint id, rows changed since the checkpoint before it) of checkpoints not yet
+        # known committed; None: not kept (only partial recovery needs it)
+        self._uncommitted: list[tuple[int, torch.Tensor]] | None = None
         self.sharded_ebc = find_sharded_ebc(model)  # the module whose post-lookup hook this is
         # feature keys of each lookup group -> where its ids go (benchmarks time one group's hook)
         self.lookup_groups = self._build_lookup_maps(self.sharded_ebc)
@@ -236,6 +242,46 @@ class RowTracker:
     def count_since_base(self) -> int:
         """Rows touched since the last base, summed over shards."""
         return int((self._base | self._last).sum())
+
+    def since_committed_rows(self, i: int) -> torch.Tensor:
+        """Sorted int64 local rows of shard `i` changed since the newest checkpoint `committed`
+        was told of (needs `keep_uncommitted`)."""
+        assert self._uncommitted is not None, "keep_uncommitted() was not called"
+        mask = self._slice(self._last, i).clone()
+        for _, rows in self._uncommitted:
+            mask |= self._slice(rows, i)
+        return mask.nonzero().view(-1)
+
+    # -- since the newest committed checkpoint ----------------------------------------------
+    _MAX_UNCOMMITTED = 4  # entries kept apart; older ones are OR-ed together (a superset)
+
+    def keep_uncommitted(self) -> None:
+        """From now on keep what `since_committed_rows` needs (one bitmap per checkpoint in flight)."""
+        if self._uncommitted is None:
+            self._uncommitted = []
+
+    def remember(self, checkpoint_id: int) -> None:
+        """Right before checkpoint `checkpoint_id` marks the bitmaps: keep the rows it captured
+        since the checkpoint before it until it is known committed."""
+        if self._uncommitted is None:
+            return
+        self._uncommitted.append((checkpoint_id, self._last.clone()))
+        if len(self._uncommitted) > self._MAX_UNCOMMITTED:  # a long outage: merge the oldest two
+            (_, older), (cid, newer) = self._uncommitted[:2]
+            self._uncommitted[:2] = [(cid, older | newer)]
+
+    def committed(self, checkpoint_id: int) -> None:
+        """Checkpoint `checkpoint_id` committed: the rows it (and every one before it) holds
+        are no longer changes since the newest committed checkpoint."""
+        if self._uncommitted is not None:
+            self._uncommitted = [(cid, rows) for cid, rows in self._uncommitted if cid > checkpoint_id]
+
+    def touch(self, masks: list[torch.Tensor]) -> None:
+        """Mark rows as changed since the last checkpoint (one bool mask per shard, in shard
+        order): rows a restore set to something no committed checkpoint holds."""
+        assert len(masks) == len(self._starts), (len(masks), len(self._starts))
+        for i, mask in enumerate(masks):
+            self._slice(self._last, i).logical_or_(mask.to(self.device))
 
     # -- marks --------------------------------------------------------------------------
     def mark_checkpoint(self) -> None:

@@ -194,65 +194,8 @@ class RankWriter:
             self._outcomes.put(outcome)
 
     def _write(self, job: WriteJob) -> RankReport:
-        t0 = time.perf_counter()
-        job.snapshot.wait()  # on CUDA the device-to-host copies finish after take() returned
-        meta: list[FrameMeta] = []  # per frame written, in write order
-        used: dict[str, str] = {}  # "weights" / "optimizer.<state>" -> codec this job's frames use
-        rows = nbytes = 0
-        error = ""
-        try:
-            for i, shard in enumerate(job.snapshot.shards):
-                if i == len(job.snapshot.shards) // 2:
-                    maybe_die("rows", job.checkpoint_id, self.rank)
-                if shard.global_rows.numel() == 0:
-                    continue
-                for frame in self._frames(job, shard, used):
-                    self.sink.write(frame.data, generation=job.generation, partition=self.rank)
-                    meta.append(FrameMeta(table=shard.table, col_offset=shard.col_offset, first_row=frame.first_row,
-                                           last_row=frame.last_row, cols=shard.weights.shape[1]))
-                    nbytes += len(frame.data)
-                rows += shard.global_rows.numel()
-            maybe_slow(job.checkpoint_id)
-            result = self.sink.flush(self.flush_timeout_s)
-            if result.error is not None:
-                error = f"rank {self.rank}: {result.error}"
-        except Exception as exc:  # noqa: BLE001 - encoding/sink errors fail this checkpoint only
-            error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
-            result = None
-        ranges: dict[int, list[OffsetRange]] = {}
-        index: list[IndexEntry] = []
-        if not error and result is not None:
-            key = (job.generation, self.rank)
-            positions = result.positions.get(key, [])
-            if len(positions) != len(meta):
-                error = f"rank {self.rank}: {len(meta)} frames written but {len(positions)} acknowledged"
-            else:
-                ranges = {self.rank: [OffsetRange(*r) for r in result.ranges.get(key, [])]} if positions else {}
-                index = index_frames(self.rank, positions, meta)
-        return RankReport(
-            rank=self.rank, ok=not error, error=error, ranges=ranges, index=index, rows=rows, bytes=nbytes,
-            stall_ms=job.snapshot.stall_s * 1e3, write_s=time.perf_counter() - t0, trainer_state=job.trainer_state,
-            encodings=used,
-        )
-
-    def _frames(self, job: WriteJob, shard: ShardRows, used: dict[str, str]) -> Iterator[EncodedFrame]:
-        """Encode one shard's rows and split them into frames (lazily, in row order).
-        Records the codecs it encodes with in `used`."""
-        ids = shard.global_rows
-        weight_codec = get_codec(job.weight_codec)
-        payload = weight_codec.encode(shard.weights, table=shard.table, row_ids=ids)
-        used["weights"] = weight_codec.name
-        optim = []
-        for name, state in sorted(shard.optimizer.items()):
-            rows = state.reshape(state.shape[0], -1).float()
-            codec = get_codec(codec_for_width(job.optimizer_codec, rows.shape[1]))
-            used[f"optimizer.{name}"] = codec.name
-            optim.append(OptimState(name, codec.code, codec.encode(rows, table=shard.table, row_ids=ids)))
-        return chunk_rows(
-            run_id=self.run_id, checkpoint_id=job.checkpoint_id, rank=self.rank, table=shard.table,
-            col_offset=shard.col_offset, dim=shard.weights.shape[1], encoding=weight_codec.code,
-            row_ids=ids, payload=payload, optim=optim, max_frame_bytes=self.max_frame_bytes, epoch=job.epoch,
-        )
+        return write_rows(job, run_id=self.run_id, rank=self.rank, sink=self.sink,
+                          max_frame_bytes=self.max_frame_bytes, flush_timeout_s=self.flush_timeout_s)
 
     def _coordinate(self, job: WriteJob, report: RankReport) -> Outcome:
         reports: list[RankReport] | None = [None] * dist.get_world_size(self.group) if self.rank == 0 else None  # type: ignore[list-item]
@@ -269,3 +212,71 @@ class RankWriter:
         dist.broadcast_object_list(decided, src=0, group=self.group)
         assert decided[0] is not None
         return decided[0]
+
+
+def write_rows(job: WriteJob, *, run_id: str, rank: int, sink: FrameSink, max_frame_bytes: int,
+               flush_timeout_s: float) -> RankReport:
+    """Encode the job's rows into frames, write them to partition `rank` of the job's
+    generation and flush: this rank's report (acknowledged ranges and frame index, or why not).
+    The writer thread's work for each checkpoint, and a surviving rank's (ckpt/survivor.py)."""
+    t0 = time.perf_counter()
+    job.snapshot.wait()  # on CUDA the device-to-host copies finish after take() returned
+    meta: list[FrameMeta] = []  # per frame written, in write order
+    used: dict[str, str] = {}  # "weights" / "optimizer.<state>" -> codec this job's frames use
+    rows = nbytes = 0
+    error = ""
+    try:
+        for i, shard in enumerate(job.snapshot.shards):
+            if i == len(job.snapshot.shards) // 2:
+                maybe_die("rows", job.checkpoint_id, rank)
+            if shard.global_rows.numel() == 0:
+                continue
+            for frame in encode_frames(job, shard, used, run_id, rank, max_frame_bytes):
+                sink.write(frame.data, generation=job.generation, partition=rank)
+                meta.append(FrameMeta(table=shard.table, col_offset=shard.col_offset, first_row=frame.first_row,
+                                       last_row=frame.last_row, cols=shard.weights.shape[1]))
+                nbytes += len(frame.data)
+            rows += shard.global_rows.numel()
+        maybe_slow(job.checkpoint_id)
+        result = sink.flush(flush_timeout_s)
+        if result.error is not None:
+            error = f"rank {rank}: {result.error}"
+    except Exception as exc:  # noqa: BLE001 - encoding/sink errors fail this checkpoint only
+        error = f"rank {rank}: {type(exc).__name__}: {exc}"
+        result = None
+    ranges: dict[int, list[OffsetRange]] = {}
+    index: list[IndexEntry] = []
+    if not error and result is not None:
+        key = (job.generation, rank)
+        positions = result.positions.get(key, [])
+        if len(positions) != len(meta):
+            error = f"rank {rank}: {len(meta)} frames written but {len(positions)} acknowledged"
+        else:
+            ranges = {rank: [OffsetRange(*r) for r in result.ranges.get(key, [])]} if positions else {}
+            index = index_frames(rank, positions, meta)
+    return RankReport(
+        rank=rank, ok=not error, error=error, ranges=ranges, index=index, rows=rows, bytes=nbytes,
+        stall_ms=job.snapshot.stall_s * 1e3, write_s=time.perf_counter() - t0, trainer_state=job.trainer_state,
+        encodings=used,
+    )
+
+
+def encode_frames(job: WriteJob, shard: ShardRows, used: dict[str, str], run_id: str, rank: int,
+                  max_frame_bytes: int) -> Iterator[EncodedFrame]:
+    """Encode one shard's rows and split them into frames (lazily, in row order).
+    Records the codecs it encodes with in `used`."""
+    ids = shard.global_rows
+    weight_codec = get_codec(job.weight_codec)
+    payload = weight_codec.encode(shard.weights, table=shard.table, row_ids=ids)
+    used["weights"] = weight_codec.name
+    optim = []
+    for name, state in sorted(shard.optimizer.items()):
+        rows = state.reshape(state.shape[0], -1).float()
+        codec = get_codec(codec_for_width(job.optimizer_codec, rows.shape[1]))
+        used[f"optimizer.{name}"] = codec.name
+        optim.append(OptimState(name, codec.code, codec.encode(rows, table=shard.table, row_ids=ids)))
+    return chunk_rows(
+        run_id=run_id, checkpoint_id=job.checkpoint_id, rank=rank, table=shard.table,
+        col_offset=shard.col_offset, dim=shard.weights.shape[1], encoding=weight_codec.code,
+        row_ids=ids, payload=payload, optim=optim, max_frame_bytes=max_frame_bytes, epoch=job.epoch,
+    )

@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
-from ckpt.manager import CheckpointManager, JobIdentity
+from ckpt.manager import CheckpointManager, JobIdentity, RestoreReport
 from common.errors import DeltarecError
 from sharding.dmp import ShardedModel, plan_model, shard_model
 from sharding.plan import format_plan, summarize
@@ -30,7 +30,8 @@ from trainer.data.factory import make_reader
 from trainer import console, param_dump
 from trainer.metrics import MetricsLog
 from trainer.model import build_model
-from trainer.trainer import Trainer
+from trainer.stop import SigtermStopsLoop, keeps_work, save_survivor
+from trainer.trainer import StopRequested, Trainer
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -115,6 +116,8 @@ def run_job(cfg: JobConfig, env: DistEnv, device: torch.device) -> None:
             plan = format_plan(summarize(sharded.plan, cfg.model.tables, cfg.optimizer, env.world_size), env.world_size)
             console.say(f"sharding plan for {env.world_size} rank(s) on {device.type}:\n{plan}", err=True)
     restored = None
+    manager = None
+    stopper = SigtermStopsLoop(trainer) if cfg.ckpt.enabled and cfg.ckpt.recovery == "partial" else None
     try:
         manager = make_checkpoint_manager(cfg, env, device, sharded, trainer, metrics) if cfg.ckpt.enabled else None
         if manager is not None:
@@ -126,13 +129,21 @@ def run_job(cfg: JobConfig, env: DistEnv, device: torch.device) -> None:
                     f"(chain {restored.chain}: {restored.rows:,} rows, {restored.bytes / 1e6:.2f} MB read "
                     f"in {restored.seconds:.2f} s, {restored.mb_per_s:.0f} MB/s; {restored.parts()})"
                 )
+                if restored.partial is not None:
+                    console.say(partial_line(restored))
         result = trainer.fit()
         if manager is not None:
             manager.finish(trainer.step)
             if env.rank == 0:
                 console.say(checkpoint_summary(manager, resumed=restored is not None))
+    except BaseException as exc:
+        if stopper is not None and manager is not None and keeps_work(exc):
+            save_survivor(manager, trainer, env.rank)
+        raise
     finally:
         metrics.close()
+        if stopper is not None:
+            stopper.release()
     if cfg.train.save_params:
         param_dump.dump(sharded.model, sharded.optimizer, run_dir / "params" / f"rank{env.rank}.pt")
     if env.rank == 0:
@@ -148,6 +159,14 @@ def make_checkpoint_manager(
         cfg.ckpt, tables=cfg.model.tables, identity=JobIdentity(cfg.digest(), cfg.model_digest()),
         env=env, device=device, sharded=sharded, trainer=trainer, metrics=metrics,
     )
+
+
+def partial_line(restored: RestoreReport) -> str:
+    """The resume line's sequel after a partial recovery: what was kept and what was lost."""
+    p = restored.partial
+    assert p is not None
+    return (f"deltarec: partial recovery: {p.describe()}; {p.lost_samples:,.0f} of the {p.samples_since:,} samples "
+            f"since the checkpoint lost their updates there (run PLS {restored.run_pls:.2e})")
 
 
 def checkpoint_summary(manager: CheckpointManager, resumed: bool = False) -> str:
@@ -188,6 +207,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if env.rank == 0:
             console.say("deltarec-train: interrupted", err=True)
         return 130
+    except StopRequested:  # a SIGTERM under partial recovery that `release` did not turn into one
+        console.say(f"deltarec-train: rank {env.rank} stopped (SIGTERM)", err=True)
+        return 128 + 15
     except RuntimeError as exc:
         stalled = console.is_stalled_collective(exc)
         if env.world_size < 2 or not (stalled or console.is_peer_lost(exc)):

@@ -34,6 +34,11 @@ class Checkpointer(Protocol):
     def save(self, step: int) -> None: ...
 
 
+class StopRequested(Exception):
+    """The launcher asked this rank to stop (SIGTERM: under torchrun, another rank failed).
+    Raised between steps, so the loop state is that of a completed step."""
+
+
 @dataclass
 class EvalResult:
     auc: float
@@ -68,6 +73,8 @@ class Trainer(Stateful):
         self.samples_seen = 0
         self.last_eval: EvalResult | None = None
         self.checkpointer: Checkpointer | None = None
+        self.stop_requested = False  # set by a signal handler (trainer/main.py); checked between steps
+        self._step_start: tuple[dict, torch.Tensor] | None = None  # reader and RNG before the step in progress
 
     # -- Stateful -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -85,10 +92,25 @@ class Trainer(Stateful):
         self.train_reader.load_state_dict(state["reader"])
         torch.set_rng_state(state["rng_torch"])
 
+    def completed_state(self) -> dict[str, Any]:
+        """`state_dict()` as of the last completed step, also while a step is in progress (a
+        collective failed inside it): what a surviving rank saves (ckpt/survivor.py)."""
+        state = self.state_dict()
+        if self._step_start is not None:
+            state["reader"], state["rng_torch"] = self._step_start
+        return state
+
+    def skip_batches(self, n: int) -> None:
+        """Move the reader past `n` batches without training on them (partial recovery: the
+        batches a rank that died would have trained since the checkpoint)."""
+        for _ in range(n):
+            self.train_reader.next_batch()
+
     # -- loop -----------------------------------------------------------------------
     def train_step(self) -> torch.Tensor:
         """One step: forward, backward (the fused kernels update embedding rows in place), dense update."""
         self.model.train()
+        self._step_start = (self.train_reader.state_dict(), torch.get_rng_state())
         batch = self.train_reader.next_batch().to(self.device)
         loss, _ = self.model(batch)
         self.optimizer.zero_grad()
@@ -96,6 +118,7 @@ class Trainer(Stateful):
         self.optimizer.step()
         self.step += 1
         self.samples_seen += batch.labels.numel() * self.env.world_size
+        self._step_start = None
         return loss.detach()
 
     def fit(self) -> EvalResult | None:
@@ -110,6 +133,8 @@ class Trainer(Stateful):
                 window_steps += 1
                 if self.checkpointer is not None:
                     self.checkpointer.save(self.step)
+                if self.stop_requested:
+                    raise StopRequested(f"stop requested after step {self.step}")
                 progress.advance(self.step)
                 if self.step % tc.log_every == 0 or self.step == tc.steps:
                     rate = window_steps * self.cfg.data.batch_size * self.env.world_size / (time.perf_counter() - window_t0)

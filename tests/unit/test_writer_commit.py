@@ -20,7 +20,7 @@ from ckpt.quant import get_codec
 from ckpt.restore import restore_rows
 from ckpt.snapshot import ShardRows, Snapshot
 from ckpt.markers import FrameMeta, index_frames
-from ckpt.writer import RankReport, RankWriter, WriteJob
+from ckpt.writer import RankReport, RankWriter, WriteJob, encode_frames
 from sharding.shard_views import ShardMap, ShardView
 
 RUN = "unit-run"
@@ -68,7 +68,7 @@ def test_a_written_and_committed_checkpoint_restores_exactly(tmp_path: Path, ran
                                                        "optimizer.sum": "fp32"}
 
     # frames of a shard are numbered 0..count-1; the report counts their bytes
-    nbytes = sum(len(f.data) for shard in snap.shards for f in writer._frames(job, shard, {}))
+    nbytes = sum(len(f.data) for shard in snap.shards for f in encode_frames(job, shard, {}, RUN, 0, writer.max_frame_bytes))
     assert report.bytes == nbytes
     source = FsSource(tmp_path, RUN)
     frames = list(source.read_range(1, 0, 0, report.ranges[0][-1].last))
@@ -167,7 +167,7 @@ def test_the_writer_frames_a_shard_with_the_frames_module_rule(rank0) -> None:
     writer, _, _ = rank0
     snap = _snapshot()
     shard = snap.shards[0]
-    got = list(writer._frames(_job(snap), shard, {}))
+    got = list(encode_frames(_job(snap), shard, {}, RUN, 0, writer.max_frame_bytes))
     fp32 = get_codec("fp32")
     want = list(chunk_rows(run_id=RUN, checkpoint_id=1, rank=0, table="t_user", col_offset=0, dim=8,
                            encoding=fp32.code, row_ids=shard.global_rows, payload=shard.weights,

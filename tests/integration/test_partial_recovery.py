@@ -1,0 +1,157 @@
+"""Partial recovery (`ckpt.recovery: partial`, CPR) with real ranks: a rank SIGKILLed from
+outside under torchrun, a survivor SIGKILLed while it saves its snapshot, and a restart
+with no usable survivor snapshot, which must be bit-exact full recovery."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+
+from ckpt.catalog import Catalog
+from ckpt.fs_sink import FsMarkers, FsSource
+from ckpt.markers import SurvivorRecord
+from ckpt.restore import decode_rows, iter_link_frames
+from launch.ranks import REPO, read_jsonl, rank_pids, spawn_ranks, start_ranks
+
+if TYPE_CHECKING:
+    from tests.conftest import DebugConfig
+
+pytestmark = pytest.mark.integration
+
+
+def _job(run_id: str, *extra: str) -> list[str]:
+    return [f"ckpt.run_id={run_id}", "ckpt.enabled=true", "ckpt.sink=filesystem", "ckpt.interval_steps=10",
+            "ckpt.recovery=partial", "sharding.default=row_wise", "train.eval_batches=1", *extra]
+
+
+def _catalog(run_dir: Path, run_id: str) -> Catalog:
+    return Catalog(run_id).feed(FsMarkers(run_dir / "stream", run_id).read_markers())
+
+
+def _wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)  # polling a running job's files
+
+
+def _params(run_dir: Path) -> dict[str, torch.Tensor]:
+    """Every rank's parameter dump (trainer/param_dump.py), keys prefixed with the rank."""
+    return {f"rank{r}/{k}": v for r in range(2) for k, v in torch.load(run_dir / "params" / f"rank{r}.pt").items()}
+
+
+def _survivor_rows(run_dir: Path, run_id: str, record: SurvivorRecord) -> dict[tuple[str, int], dict[str, torch.Tensor]]:
+    """(table, global row) -> {"weight": row, <optimizer state>: value} as the survivor saved them."""
+    out: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+    source = FsSource(run_dir / "stream", run_id)
+    for frame in iter_link_frames(record.link, source, run_id, lambda g, p, pos: f"g{g}/{p}@{pos}"):
+        weights, optim = decode_rows(frame)
+        ids = frame.row_ids if frame.first_row is None else torch.arange(frame.first_row, frame.first_row + frame.row_count)
+        for i, row in enumerate(ids.tolist()):
+            out[(frame.table, row)] = {"weight": weights[i], **{k: v[i].reshape(-1) for k, v in optim.items()}}
+    return out
+
+
+def test_a_rank_killed_under_torchrun_rolls_back_alone_and_the_survivor_keeps_its_rows(
+    tmp_path, unique_name, debug_config: DebugConfig
+):
+    run_id, run_dir = unique_name("partial"), tmp_path / "run"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "launch.torchrun", "--nproc-per-node", "2", "--config", debug_config.path,
+         f"run.dir={run_dir}", *_job(run_id, "train.steps=100000", "train.log_every=1000")],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+        committed = lambda: sum(1 for r in read_jsonl(run_dir / "metrics.jsonl", live=True) if r.get("ckpt_committed"))  # noqa: E731
+        _wait_for(lambda: committed() >= 2, 180, "two committed checkpoints")
+        os.kill(rank_pids(launcher.pid)[1], signal.SIGKILL)  # from outside; torchrun then SIGTERMs rank 0
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode != 0, err[-3000:]
+    assert "deltarec-train: rank 0 saved its survivor snapshot" in err, err[-3000:]
+    catalog = _catalog(run_dir, run_id)
+    survivors = catalog.survivors[catalog.trainer_attempts[-1].attempt]
+    assert set(survivors) == {0}, survivors
+    record = survivors[0]
+    base = catalog.commits[record.base]
+    assert record.step > base.step and record.link.rows > 0
+
+    # Restart at the survivor's step without training: the dump is what the restore made.
+    resumed = spawn_ranks(debug_config.path, [*_job(run_id, "ckpt.resume=latest", f"train.steps={record.step}",
+                                                    "ckpt.final=false", "train.save_params=true")], tmp_path)
+    out = resumed[0].stdout
+    assert f"resumed from checkpoint {base.checkpoint_id} at step {base.step}" in out, out
+    assert f"partial recovery: ranks [0] of 2 kept step {record.step}, rank(s) [1] rolled back" in out, out
+    assert f"deltarec: trained {record.step} steps" in out, out  # training goes on from the survivor's step
+    partial = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("partial_restore")]
+    assert partial[-1]["step"] == record.step and partial[-1]["partial_rolled_back_ranks"] == [1]
+    assert partial[-1]["partial_lost_samples"] == pytest.approx(
+        (record.step - base.step) * 2 * 256 * partial[-1]["partial_rolled_back_fraction"])
+    restored = _params(run_dir)
+    (run_dir / "params").rename(tmp_path / "params-partial")
+
+    # The checkpoint itself, restored the full way, for the rows that must equal it.
+    spawn_ranks(debug_config.path, [*_job(run_id, f"ckpt.resume={base.checkpoint_id}", "ckpt.recovery=full",
+                                          f"train.steps={base.step}", "ckpt.final=false", "train.save_params=true")],
+                tmp_path)  # fmt: skip
+    at_base = _params(run_dir)
+    saved = _survivor_rows(run_dir, run_id, record)
+    differs = 0
+    for key, value in restored.items():
+        if key.split("/")[1] != "emb":
+            continue
+        rank, _, table, row0, _col, name = key.split("/")
+        if rank == "rank1":  # the dead rank's shards: exactly the checkpoint
+            assert torch.equal(value, at_base[key]), key
+            continue
+        row0 = int(row0[1:])
+        for local in range(value.shape[0]):
+            got = value[local].reshape(-1)
+            if (table, row0 + local) in saved:  # the survivor's rows: exactly what it saved
+                want = saved[(table, row0 + local)][name].reshape(-1)
+                differs += not torch.equal(want, at_base[key][local].reshape(-1))
+            else:
+                want = at_base[key][local].reshape(-1)
+            assert torch.equal(got, want), (key, local)
+    assert differs > 0  # the survivor's rows are not the checkpoint's: keeping them is visible
+
+
+def test_a_survivor_killed_while_saving_is_ignored_and_recovery_is_bit_exact(
+    tmp_path, unique_name, debug_config: DebugConfig
+):
+    steps = "train.steps=40"
+    (tmp_path / "reference").mkdir()
+    spawn_ranks(debug_config.path, [*_job(unique_name("reference"), steps, "train.save_params=true")],
+                tmp_path / "reference")  # fmt: skip
+    run_id, run_dir, hold = unique_name("partial"), tmp_path / "run", tmp_path / "hold"
+    hold.touch()
+    group = start_ranks(debug_config.path, _job(run_id, steps), tmp_path, env_extra={
+        "DELTAREC_KILL_AT": "step:25@1",  # rank 1 dies after step 25; rank 0 survives it ...
+        "DELTAREC_HOLD_AT": f"survivor:3={hold}",  # ... and holds with its frames and dense file durable
+    })
+    err0 = Path(group.logs[0][1].name)
+    _wait_for(lambda: "holding at survivor:3" in err0.read_text(), 120, "rank 0 saving its survivor snapshot")
+    os.kill(group.procs[0].pid, signal.SIGKILL)  # from outside, before its SURVIVOR record
+    group.wait(expect_ok=False)
+    assert (run_dir / "dense" / "survivor-00000003-r0.pt").is_file()  # it had written all but the record
+    assert not any(_catalog(run_dir, run_id).survivors.values())
+
+    resumed = spawn_ranks(debug_config.path, [*_job(run_id, steps, "ckpt.resume=latest", "train.save_params=true")],
+                          tmp_path)  # fmt: skip
+    assert "deltarec: resumed from checkpoint" in resumed[0].stdout, resumed[0].stdout
+    assert "partial recovery" not in resumed[0].stdout  # nothing usable: every rank rolled back
+    want = _params(tmp_path / "reference" / "run")
+    got = _params(run_dir)
+    assert want.keys() == got.keys()
+    for key in want:
+        assert torch.equal(want[key], got[key]), key
