@@ -69,7 +69,7 @@ class CkptConfig:
     follow: FollowConfig = field(default_factory=FollowConfig)  # `deltarec-follow` (ckpt/follow)
     # When a rank dies: every rank rolls back to the newest checkpoint (`full`), or the
     # surviving ranks save what they have and keep it, only the dead ranks' shards rolling
-    # back (`partial`, CPR; ckpt/survivor.py, ckpt/partial.py, docs/design.md §12)
+    # back (`partial`, CPR; ckpt/survivor.py, ckpt/partial.py, docs/design.md §11)
     recovery: Literal["full", "partial"] = "full"
     # how long a surviving rank may take to save its snapshot (torchrun SIGKILLs a rank 30 s
     # after its SIGTERM); one that cannot finish leaves nothing a restore would use

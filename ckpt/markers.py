@@ -185,7 +185,7 @@ class SurvivorRecord:
     ckpt/survivor.py): the rows of its shards changed since checkpoint `base`, as one chain
     link of frames, and its dense and loop state in a dense file. Appended last, once the
     frames and the file are durable, so a snapshot whose writer died or ran out of time has
-    no record and is never used (docs/design.md §12)."""
+    no record and is never used (docs/design.md §11)."""
 
     kind: str  # "survivor"
     run_id: str

@@ -155,3 +155,10 @@ def test_a_survivor_killed_while_saving_is_ignored_and_recovery_is_bit_exact(
     assert want.keys() == got.keys()
     for key in want:
         assert torch.equal(want[key], got[key]), key
+
+
+def test_a_pls_target_sets_the_checkpoint_interval(tmp_path, unique_name, debug_config: DebugConfig):
+    # row_wise over 2 ranks: each holds half the embedding parameters, so 2 * 0.01 * 30 s / 0.5 = 1.2 s
+    results = spawn_ranks(debug_config.path, _job(unique_name("pls"), "ckpt.interval_steps=0", "ckpt.target_pls=0.01",
+                                                   "ckpt.mtbf_s=30", "train.steps=30"), tmp_path)  # fmt: skip
+    assert "checkpoint interval 1.2 s for PLS 0.01: mean time between failures 30 s (ckpt.mtbf_s)" in results[0].stderr
