@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
+from ckpt.backends import Backend, open_backend
 from ckpt.catalog import Catalog
-from ckpt.fs_sink import FsMarkers, FsSource
+from ckpt.fs_sink import FsMarkers
 from ckpt.markers import SurvivorRecord
 from ckpt.restore import decode_rows, iter_link_frames
 from launch.ranks import REPO, read_jsonl, rank_pids, spawn_ranks, start_ranks
+from trainer.ckpt_cli import load_ckpt_config
 
 if TYPE_CHECKING:
     from tests.conftest import DebugConfig
@@ -48,11 +50,10 @@ def _params(run_dir: Path) -> dict[str, torch.Tensor]:
     return {f"rank{r}/{k}": v for r in range(2) for k, v in torch.load(run_dir / "params" / f"rank{r}.pt").items()}
 
 
-def _survivor_rows(run_dir: Path, run_id: str, record: SurvivorRecord) -> dict[tuple[str, int], dict[str, torch.Tensor]]:
+def _survivor_rows(backend: Backend, run_id: str, record: SurvivorRecord) -> dict[tuple[str, int], dict[str, torch.Tensor]]:
     """(table, global row) -> {"weight": row, <optimizer state>: value} as the survivor saved them."""
     out: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
-    source = FsSource(run_dir / "stream", run_id)
-    for frame in iter_link_frames(record.link, source, run_id, lambda g, p, pos: f"g{g}/{p}@{pos}"):
+    for frame in iter_link_frames(record.link, backend.source, run_id, backend.locate):
         weights, optim = decode_rows(frame)
         ids = frame.row_ids if frame.first_row is None else torch.arange(frame.first_row, frame.first_row + frame.row_count)
         for i, row in enumerate(ids.tolist()):
@@ -60,13 +61,19 @@ def _survivor_rows(run_dir: Path, run_id: str, record: SurvivorRecord) -> dict[t
     return out
 
 
+@pytest.mark.parametrize("sink", ["filesystem", "kafka"])
 def test_a_rank_killed_under_torchrun_rolls_back_alone_and_the_survivor_keeps_its_rows(
-    tmp_path, unique_name, debug_config: DebugConfig
+    tmp_path, unique_name, debug_config: DebugConfig, sink: str, request
 ):
     run_id, run_dir = unique_name("partial"), tmp_path / "run"
+    where = [f"ckpt.sink={sink}"]
+    if sink == "kafka":
+        where.append(f"ckpt.bootstrap_servers={request.getfixturevalue('broker').bootstrap}")
+    job = lambda *extra: _job(run_id, *where, *extra)  # noqa: E731
+    backend = open_backend(load_ckpt_config(debug_config.path, [f"run.dir={run_dir}", *job()]), 2)
     launcher = subprocess.Popen(
         [sys.executable, "-m", "launch.torchrun", "--nproc-per-node", "2", "--config", debug_config.path,
-         f"run.dir={run_dir}", *_job(run_id, "train.steps=100000", "train.log_every=1000")],
+         f"run.dir={run_dir}", *job("train.steps=100000", "train.log_every=1000")],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     try:
@@ -79,7 +86,7 @@ def test_a_rank_killed_under_torchrun_rolls_back_alone_and_the_survivor_keeps_it
             launcher.kill()
     assert launcher.returncode != 0, err[-3000:]
     assert "deltarec-train: rank 0 saved its survivor snapshot" in err, err[-3000:]
-    catalog = _catalog(run_dir, run_id)
+    catalog = Catalog(run_id).feed(backend.markers.read_markers())
     survivors = catalog.survivors[catalog.trainer_attempts[-1].attempt]
     assert set(survivors) == {0}, survivors
     record = survivors[0]
@@ -87,8 +94,8 @@ def test_a_rank_killed_under_torchrun_rolls_back_alone_and_the_survivor_keeps_it
     assert record.step > base.step and record.link.rows > 0
 
     # Restart at the survivor's step without training: the dump is what the restore made.
-    resumed = spawn_ranks(debug_config.path, [*_job(run_id, "ckpt.resume=latest", f"train.steps={record.step}",
-                                                    "ckpt.final=false", "train.save_params=true")], tmp_path)
+    resumed = spawn_ranks(debug_config.path, job("ckpt.resume=latest", f"train.steps={record.step}",
+                                                 "ckpt.final=false", "train.save_params=true"), tmp_path)
     out = resumed[0].stdout
     assert f"resumed from checkpoint {base.checkpoint_id} at step {base.step}" in out, out
     assert f"partial recovery: ranks [0] of 2 kept step {record.step}, rank(s) [1] rolled back" in out, out
@@ -101,11 +108,12 @@ def test_a_rank_killed_under_torchrun_rolls_back_alone_and_the_survivor_keeps_it
     (run_dir / "params").rename(tmp_path / "params-partial")
 
     # The checkpoint itself, restored the full way, for the rows that must equal it.
-    spawn_ranks(debug_config.path, [*_job(run_id, f"ckpt.resume={base.checkpoint_id}", "ckpt.recovery=full",
-                                          f"train.steps={base.step}", "ckpt.final=false", "train.save_params=true")],
+    spawn_ranks(debug_config.path, job(f"ckpt.resume={base.checkpoint_id}", "ckpt.recovery=full",
+                                       f"train.steps={base.step}", "ckpt.final=false", "train.save_params=true"),
                 tmp_path)  # fmt: skip
     at_base = _params(run_dir)
-    saved = _survivor_rows(run_dir, run_id, record)
+    saved = _survivor_rows(backend, run_id, record)
+    backend.close()
     differs = 0
     for key, value in restored.items():
         if key.split("/")[1] != "emb":
