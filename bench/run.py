@@ -71,6 +71,10 @@ SUITES = (
     Suite("accuracy", "bench.quant_accuracy", (),
           "model log loss and AUC after L restores from quantized checkpoints against the uninterrupted job "
           "(Check-N-Run Fig. 14; the default grid ~30 min)"),
+    Suite("cpr", "bench.cpr", (),
+          "CPR's comparison: full against partial recovery under 5 SIGKILLs of a random rank per job, same "
+          "failure points per mode: re-training and checkpoint overhead, PLS, final log loss and AUC against the "
+          "uninterrupted job (3 seeds, ~15 min)"),
     Suite("trained-rows", "bench.trained_rows", (),
           "not a measurement: trains a job and saves its trained embedding rows for `codecs --rows`"),
 )
