@@ -50,9 +50,12 @@ from launch.ranks import REPO, descendant_pids, rank_pids, read_jsonl, spawn_ran
 
 DEFAULT_CONFIG = REPO / "configs" / "debug_cpu.yaml"
 RANKS = 2
+_PRIORITY = ["ckpt.recovery=partial", "ckpt.policy=incremental", "ckpt.priority_budget=0.1", "ckpt.priority_full_every=5"]
 MODES = {  # mode -> its overrides
     "full": ["ckpt.recovery=full"],
     "partial": ["ckpt.recovery=partial"],
+    "partial+mfu": [*_PRIORITY, "ckpt.priority=mfu"],
+    "partial+ssu": [*_PRIORITY, "ckpt.priority=ssu"],
 }
 
 
@@ -144,6 +147,7 @@ def figures(records: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
         "retrained_steps": sum(retrained),
         "retrained_per_restore": retrained,
         "stall_s": sum(r["ckpt_stall_ms"] for r in records if "ckpt_stall_ms" in r) / 1e3,
+        "ckpt_mb": sum(r["ckpt_bytes"] for r in records if r.get("ckpt_committed")) / 1e6,
         "restore_s": sum(r["restore_s"] for r in records if "restore_s" in r),
         "lost_samples": sum(r.get("partial_lost_samples", 0.0) for r in records),
         "pls": sum(r.get("partial_lost_samples", 0.0) for r in records) / samples,
@@ -170,7 +174,7 @@ def compare(job: dict, ref: dict, args: argparse.Namespace) -> dict:
     return {
         "mode": job["mode"], "seed": job["seed"], "restores": job["restores"],
         "partial_restores": job["partial_restores"], "retrained_steps": job["retrained_steps"],
-        "retrain_s": retrain_s, "stall_s": job["stall_s"], "restore_s": job["restore_s"],
+        "retrain_s": retrain_s, "stall_s": job["stall_s"], "restore_s": job["restore_s"], "ckpt_mb": job["ckpt_mb"],
         "overhead_pct": 100 * (retrain_s + job["stall_s"] + job["restore_s"]) / train_s,
         "retrain_pct": 100 * retrain_s / train_s,
         "ckpt_pct": 100 * (job["stall_s"] + job["restore_s"]) / train_s,
@@ -184,7 +188,7 @@ def compare(job: dict, ref: dict, args: argparse.Namespace) -> dict:
     }
 
 
-SUMMED = ("retrained_steps", "overhead_pct", "retrain_pct", "ckpt_pct", "wall_overhead_pct", "pls", "logloss_rel_pct",
+SUMMED = ("retrained_steps", "ckpt_mb", "overhead_pct", "retrain_pct", "ckpt_pct", "wall_overhead_pct", "pls", "logloss_rel_pct",
           "auc_delta", "restore_s", "stall_s", "partial_restores")
 
 
@@ -195,10 +199,12 @@ def summarize(rows: list[dict], modes: list[str]) -> list[dict]:
 
 
 def table(summary: list[dict]) -> str:
-    lines = ["| mode | re-trained steps | overhead (re-train + ckpt) | of which ckpt | wall vs uninterrupted | PLS | "
-             "log loss vs uninterrupted | AUC vs uninterrupted |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| mode | re-trained steps | checkpoint MB written | overhead (re-train + ckpt) | of which ckpt | "
+             "wall vs uninterrupted | PLS | log loss vs uninterrupted | AUC vs uninterrupted |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for s in summary:
-        lines.append(f"| {s['mode']} | {s['retrained_steps']:.1f} | {s['overhead_pct']:.2f}% | {s['ckpt_pct']:.2f}% | "
+        lines.append(f"| {s['mode']} | {s['retrained_steps']:.1f} | {s['ckpt_mb']:.1f} | {s['overhead_pct']:.2f}% | "
+                     f"{s['ckpt_pct']:.2f}% | "
                      f"{s['wall_overhead_pct']:+.1f}% | {s['pls']:.4f} | {s['logloss_rel_pct']:+.3f}% | "
                      f"{s['auc_delta']:+.4f} |")
     return "\n".join(lines)

@@ -80,6 +80,14 @@ class CkptConfig:
     # mean time between failures for `target_pls`; 0: estimated from this run's attempts
     # (it must then have restarted at least once)
     mtbf_s: float = 0.0
+    # With recovery=partial and policy=incremental, CPR's prioritized checkpoints (ckpt/priority.py):
+    # a checkpoint that is not full saves at most `priority_budget` of a full snapshot's bytes
+    # per rank, the most updated changed rows (`mfu`) or those a sub-sample of the updates
+    # touched (`ssu`, `ssu_sample` of the ids); every `priority_full_every`-th checkpoint is full
+    priority: Literal["none", "mfu", "ssu"] = "none"
+    priority_budget: float = 0.1
+    priority_full_every: int = 10
+    ssu_sample: float = 0.1
 
     def resolved(self, run_name: str, run_dir: Path) -> "CkptConfig":
         """A copy with the run-derived defaults filled: run id, stream root, dense directory."""
@@ -155,6 +163,16 @@ class CkptConfig:
                               "recovery no sample is lost (everything since the checkpoint is trained again)")
         if self.target_pls > 0 and self.interval_s > 0:
             raise ConfigError(f"{src}: set ckpt.target_pls or ckpt.interval_s, not both: the target sets the interval")
+        if self.priority == "none":
+            return
+        if self.recovery != "partial" or self.policy != "incremental":
+            raise ConfigError(f"{src}: ckpt.priority={self.priority} needs ckpt.recovery=partial and ckpt.policy="
+                              "incremental: its checkpoints leave changed rows out, which only a partial recovery "
+                              "accepts (it counts them as lost samples)")
+        if not 0 < self.priority_budget <= 1 or self.priority_full_every < 2 or not 0 < self.ssu_sample <= 1:
+            raise ConfigError(f"{src}: ckpt.priority_budget and ckpt.ssu_sample must be in (0, 1] and "
+                              f"ckpt.priority_full_every >= 2, got {self.priority_budget}, {self.ssu_sample} and "
+                              f"{self.priority_full_every}")
 
     def redacted_kafka(self) -> dict[str, Any]:
         """`kafka` with every secret replaced by REDACTED: what may be written to a file or a log

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, Sequence
@@ -33,6 +34,7 @@ from ckpt.frames import FrameError
 from ckpt.markers import Marker, SurvivorRecord
 from ckpt.partial import PartialOutcome, SkipsBatches, compose, usable_survivors, with_survivors
 from ckpt.pls import estimate_mtbf, interval_for_pls, run_pls
+from ckpt.priority import RowPriority
 from ckpt.policy import CheckpointPolicy, Decision
 from ckpt.quant import BitWidthPolicy, warm_up_codecs
 from ckpt.restore import RestoreError, RowsRestored, restore_rows, row_init_of
@@ -215,6 +217,11 @@ class CheckpointManager:
         self._mtbf_s: float | None = None
         if cfg.recovery == "partial":
             self.tracker.keep_uncommitted()
+        self.priority = None if cfg.priority == "none" else RowPriority(
+            self.tracker, self.taker.row_bytes, cfg.priority, sample=cfg.ssu_sample,
+            seed=zlib.crc32(f"{self.run_id}:{env.rank}".encode()))
+        self._since_full = 0  # checkpoints since the last full one (prioritized checkpoints)
+        self._full_samples = 0  # samples seen at the last full checkpoint
         self._announcing: tuple[Future[Announced], Catalog] | None = None  # rank 0, from the start on
         self._history = DenseHistory(0, [])  # what the run directory remembers (rank 0's, broadcast)
         self.agreed_fractions = (0.0, 0.0)  # rows changed since the base / the last checkpoint, all ranks
@@ -380,6 +387,7 @@ class CheckpointManager:
                     "partial_rolled_back_ranks": partial.rolled_back, "partial_rolled_back_fraction":
                     partial.rolled_back_fraction, "partial_rolled_back_tables": partial.rolled_back_tables,
                     "partial_samples_since_ckpt": partial.samples_since, "partial_lost_samples": partial.lost_samples,
+                    "partial_waiting_lost": partial.waiting_lost,
                     "run_pls": report.run_pls,
                 })
         return report
@@ -656,6 +664,8 @@ class CheckpointManager:
         Under back-pressure `skip` drops it (reported), `wait` blocks; the final one waits."""
         if not self.epoch:
             self._join_attempt()
+        if self.priority is not None and self._since_full + 1 >= self.c.priority_full_every:
+            self.force_full = True  # the full checkpoint that saves what prioritized ones left waiting
         started_unix, t0 = time.time(), time.perf_counter()
         decision, fraction, est, overflow = self._agree()
         t_agreed = time.perf_counter()
@@ -678,12 +688,19 @@ class CheckpointManager:
             self.generation = cid  # a full checkpoint, or the first delta after a restore, opens one
         self.chain = self.policy.chain_after(self.chain, cid, decision)
         t_take = time.perf_counter()
-        snapshot = self.taker.take(cid, step, full=decision.full, since_base=decision.since_base)
+        saved = None  # a prioritized checkpoint's rows (ckpt/priority.py)
+        if decision.full or self.priority is None:
+            snapshot = self.taker.take(cid, step, full=decision.full, since_base=decision.since_base)
+        else:
+            saved = self.priority.select(self.tracker.changed_since_last(), int(self.c.priority_budget * self.full_bytes))
+            snapshot = self.taker.take_rows(cid, step, saved)
         t_taken = time.perf_counter()
         maybe_die("snapshot", cid, self.env.rank)
         self.tracker.remember(cid)
         if decision.full:
             self.tracker.mark_base()
+        elif saved is not None:
+            self.tracker.mark_saved(saved)
         else:
             self.tracker.mark_checkpoint()
         dense = dense_state.capture(self.sharded) if self.env.rank == 0 else None
@@ -691,6 +708,8 @@ class CheckpointManager:
             dense.update(restores=self.restores, lost_samples=self.lost_samples, step=step, **self.identity._asdict())
         weight_codec, optimizer_codec = self.codecs()
         trainer_state = self.trainer.state_dict()
+        if self.priority is not None:
+            trainer_state["priority"] = self._priority_accounting(decision.full, saved, int(trainer_state["samples_seen"]))
         self.policy.record(decision, fraction)
         self.force_full = False
         now = time.perf_counter()
@@ -707,6 +726,18 @@ class CheckpointManager:
             trainer_state=trainer_state, dense_state=dense, weight_codec=weight_codec, optimizer_codec=optimizer_codec,
             epoch=self.epoch,
         ))
+
+    def _priority_accounting(self, full: bool, saved: list[torch.Tensor] | None, samples_seen: int) -> dict[str, int]:
+        """After a checkpoint's marks: restart the counters it saved, and what a restore of the
+        chain so far would lose on this rank (kept with the rank's loop state, ckpt/partial.py)."""
+        assert self.priority is not None
+        if full:
+            self.priority.full()
+            self._since_full, self._full_samples = 0, samples_seen
+        elif saved is not None:
+            self.priority.saved(saved)
+            self._since_full += 1
+        return {**self.priority.accounting(self.tracker.changed_since_last()), "full_samples_seen": self._full_samples}
 
     # -- partial recovery -------------------------------------------------------------------
     def save_survivor(self, loop_state: dict[str, Any]) -> SurvivorRecord | None:

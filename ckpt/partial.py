@@ -71,7 +71,9 @@ class PartialOutcome:
     rolled_back_fraction: float  # of the model-parallel embedding parameters
     rolled_back_tables: dict[str, float] = field(default_factory=dict)  # table -> fraction of it
     samples_since: int = 0  # samples trained between the checkpoint and `step`
-    lost_samples: float = 0.0  # their updates to the rolled-back shards, lost (ckpt/pls.py)
+    lost_samples: float = 0.0  # their updates to the rolled-back shards, lost (ckpt/pls.py) ...
+    waiting_lost: float = 0.0  # ... and, of those, the samples' worth of updates prioritized
+    # checkpoints had left waiting on the rolled-back ranks (ckpt/priority.py)
 
     def describe(self) -> str:
         """Which shards rolled back, for the resume line."""
@@ -126,16 +128,34 @@ def compose(marker: Marker, survivors: list[SurvivorRecord], checkpoint_state: d
     sizes = {t: rows * dim for t, (rows, dim) in marker.tables.items() if t in tables}
     fraction = sum(tables[t] * sizes[t] for t in tables) / max(sum(sizes.values()), 1)
     since = int(lead_loop["samples_seen"]) - int(trainers[0]["samples_seen"])
+    rolled_back = sorted(set(range(world)) - set(survivor_states))
+    waiting = _waiting_lost(trainers, rolled_back, world, fraction)
     outcome = PartialOutcome(
         checkpoint_id=marker.checkpoint_id, checkpoint_step=marker.step, step=int(lead_loop["step"]), world_size=world,
-        kept=sorted(survivor_states), rolled_back=sorted(set(range(world)) - set(survivor_states)),
-        rolled_back_fraction=fraction, rolled_back_tables=tables, samples_since=since,
-        lost_samples=lost_samples(max(since, 0), fraction),
+        kept=sorted(survivor_states), rolled_back=rolled_back, rolled_back_fraction=fraction,
+        rolled_back_tables=tables, samples_since=since, lost_samples=lost_samples(max(since, 0), fraction) + waiting,
+        waiting_lost=waiting,
     )
     state = {k: v for k, v in lead_state.items() if k != "trainer"}
     state["trainers"] = states
     state["lost_samples"] = float(lead_state.get("lost_samples", 0.0)) + outcome.lost_samples
     return state, skips, outcome
+
+
+def _waiting_lost(trainers: list[dict[str, Any]], rolled_back: list[int], world: int, fraction: float) -> float:
+    """Samples' worth of updates the checkpoint's prioritized chain left out on the rolled-back
+    ranks: per rank, the samples since its last full checkpoint times the share of their
+    updates that went to rows still waiting, times the rank's share of the parameters (the
+    rolled-back fraction split evenly). 0 without prioritized checkpoints."""
+    if len(trainers) != world or not rolled_back:
+        return 0.0
+    lost = 0.0
+    for rank in rolled_back:
+        p = trainers[rank].get("priority")
+        if p and p["updates_since_full"]:
+            samples = int(trainers[rank]["samples_seen"]) - int(p["full_samples_seen"])
+            lost += lost_samples(max(samples, 0), fraction / len(rolled_back)) * p["unsaved_updates"] / p["updates_since_full"]
+    return lost
 
 
 def _one_reader(trainers: list[dict[str, Any]], marker: Marker) -> dict[str, Any]:

@@ -121,6 +121,11 @@ class SnapshotTaker:
             return [v.num_rows for v in self.shard_map.shards]
         return self.tracker.counts(since_base)
 
+    @property
+    def row_bytes(self) -> list[int]:
+        """Host bytes of one captured row, per shard (shard order)."""
+        return list(self._row_bytes)
+
     def upper_bound_bytes(self) -> int:
         """The bytes of a snapshot of every row (whatever `trained_only` leaves out)."""
         return self.bytes_for([v.num_rows for v in self.shard_map.shards])

@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -113,6 +114,9 @@ class RowTracker:
         # (checkpoint id, rows changed since the checkpoint before it) of checkpoints not yet
         # known committed; None: not kept (only partial recovery needs it)
         self._uncommitted: list[tuple[int, torch.Tensor]] | None = None
+        # also told every lookup's ids (the group and its shard-local ids per key position):
+        # prioritized checkpoints count updates there (ckpt/priority.py)
+        self.listener: Callable[[LookupGroup, list[torch.Tensor]], None] | None = None
         self.sharded_ebc = find_sharded_ebc(model)  # the module whose post-lookup hook this is
         # feature keys of each lookup group -> where its ids go (benchmarks time one group's hook)
         self.lookup_groups = self._build_lookup_maps(self.sharded_ebc)
@@ -177,9 +181,12 @@ class RowTracker:
             return
         # One narrow view per key, one index_fill_ per key into the bitmap of that key's shard.
         # length_per_key() is a list the input all-to-all has already filled in (no sync).
-        for bits, ids in zip(m.bitmaps, features.values().split(features.length_per_key())):
+        parts = features.values().split(features.length_per_key())
+        for bits, ids in zip(m.bitmaps, parts):
             if bits is not None:
                 bits.index_fill_(0, ids, True)
+        if self.listener is not None:
+            self.listener(m, list(parts))
 
     def detach(self) -> None:
         """Stop recording (restores whatever hook was registered before this tracker)."""
@@ -243,6 +250,15 @@ class RowTracker:
         """Rows touched since the last base, summed over shards."""
         return int((self._base | self._last).sum())
 
+    @property
+    def starts(self) -> list[int]:
+        """Where each shard's rows start in the flat bitmaps (shard order)."""
+        return list(self._starts)
+
+    def changed_since_last(self) -> torch.Tensor:
+        """The flat bool bitmap (every shard back to back) of rows touched since the last checkpoint (a copy)."""
+        return self._last.clone()
+
     def since_committed_rows(self, i: int) -> torch.Tensor:
         """Sorted int64 local rows of shard `i` changed since the newest checkpoint `committed`
         was told of (needs `keep_uncommitted`)."""
@@ -288,6 +304,15 @@ class RowTracker:
         """Fold since_last into since_base and clear since_last (right after a delta snapshot)."""
         torch.logical_or(self._base, self._last, out=self._base)
         self._last.zero_()
+
+    def mark_saved(self, local_rows: list[torch.Tensor]) -> None:
+        """After a checkpoint that saved only these rows of what changed (sorted local indices
+        per shard, a prioritized checkpoint): they fold into since_base, the others stay
+        changed since the last checkpoint, for a later one to save."""
+        assert len(local_rows) == len(self._starts), (len(local_rows), len(self._starts))
+        for i, rows in enumerate(local_rows):
+            self._slice(self._base, i).index_fill_(0, rows.to(self.device), True)
+            self._slice(self._last, i).index_fill_(0, rows.to(self.device), False)
 
     def mark_base(self) -> None:
         """Clear both bitmaps, folding them into `trained` (right after a full snapshot)."""

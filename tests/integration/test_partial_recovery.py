@@ -170,3 +170,25 @@ def test_a_pls_target_sets_the_checkpoint_interval(tmp_path, unique_name, debug_
     results = spawn_ranks(debug_config.path, _job(unique_name("pls"), "ckpt.interval_steps=0", "ckpt.target_pls=0.01",
                                                    "ckpt.mtbf_s=30", "train.steps=30"), tmp_path)  # fmt: skip
     assert "checkpoint interval 1.2 s for PLS 0.01: mean time between failures 30 s (ckpt.mtbf_s)" in results[0].stderr
+
+
+@pytest.mark.parametrize("mode", ["mfu", "ssu"])
+def test_prioritized_checkpoints_stay_within_their_budget_and_count_what_they_left_out(
+    tmp_path, unique_name, debug_config: DebugConfig, mode: str
+):
+    job = _job(unique_name(mode), "ckpt.policy=incremental", f"ckpt.priority={mode}", "ckpt.priority_full_every=3",
+               "ckpt.priority_budget=0.1")
+    group = start_ranks(debug_config.path, [*job, "train.steps=60"], tmp_path, env_extra={"DELTAREC_KILL_AT": "step:55@1"})
+    assert [r.returncode for r in group.wait(expect_ok=False)][1] == -signal.SIGKILL
+    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest", "train.steps=80"], tmp_path)
+    assert "deltarec: trained 80 steps" in resumed[0].stdout, resumed[0].stdout
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    ckpts = [r for r in records if r.get("ckpt_committed")]
+    assert [r["ckpt_full"] for r in ckpts] == [True, False, False, True, False, True, False, False]
+    # a full snapshot of a rank: 1532 rows (row_wise over 2 ranks) x 76 bytes; 10% of it per rank
+    budget_rows = 2 * int(0.1 * 1532 * 76) // 76
+    assert all(0 < r["ckpt_rows"] <= budget_rows for r in ckpts if not r["ckpt_full"]), ckpts
+    partial = next(r for r in records if r.get("partial_restore"))
+    assert partial["partial_waiting_lost"] > 0  # rows the chain left waiting on rank 1 count as lost
+    assert partial["partial_lost_samples"] == pytest.approx(
+        partial["partial_samples_since_ckpt"] * partial["partial_rolled_back_fraction"] + partial["partial_waiting_lost"])

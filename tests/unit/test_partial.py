@@ -176,3 +176,60 @@ def test_a_pls_target_alone_sets_the_interval(debug_config) -> None:
                                           "ckpt.target_pls=0.01", "ckpt.mtbf_s=600", "ckpt.interval_steps=0"],
                       check_data=False)  # fmt: skip
     assert cfg.ckpt.target_pls == 0.01 and cfg.ckpt.interval_steps == 0
+
+
+# -- prioritized checkpoints (MFU, SSU) ---------------------------------------------------------
+def _priority(mode: str, sizes: tuple[int, ...] = (6, 4), row_bytes: tuple[int, ...] = (10, 20)):
+    from ckpt.priority import RowPriority
+    from ckpt.tracker import LookupGroup
+
+    t = _tracker(sum(sizes))
+    t.shard_map = SimpleNamespace(shards=[SimpleNamespace(num_rows=n) for n in sizes])
+    t._starts = [0, sizes[0]]
+    p = RowPriority(t, list(row_bytes), mode, sample=1.0, seed=3)
+    group = LookupGroup(("a", "b"), [0, 1], [None, None], True)
+    return t, p, group
+
+
+def test_mfu_saves_the_most_updated_changed_rows_within_the_budget() -> None:
+    t, p, group = _priority("mfu")
+    # shard 0 row 2 updated 5 times, row 4 twice, row 0 once; shard 1 row 1 three times
+    p.record(group, [torch.tensor([2, 2, 2, 2, 2, 4, 4, 0]), torch.tensor([1, 1, 1])])
+    assert t.listener == p.record and p.updates_since_full == 11
+    changed = torch.zeros(10, dtype=torch.bool)
+    changed[[0, 2, 4, 6 + 1]] = True
+    # 35 bytes: row 2 (10 B) then shard 1 row 1 (20 B) fit; row 4 (10 B) would make 40
+    chosen = p.select(changed, budget_bytes=35)
+    assert [c.tolist() for c in chosen] == [[2], [1]]
+    p.saved(chosen)
+    assert p.counts.tolist() == [1, 0, 0, 0, 2, 0, 0, 0, 0, 0]
+    t._last.copy_(changed)
+    t.mark_saved(chosen)
+    waiting = t.changed_since_last()
+    assert waiting.nonzero().view(-1).tolist() == [0, 4]  # left for a later checkpoint
+    assert p.accounting(waiting) == {"unsaved_updates": 3, "updates_since_full": 11}
+    p.full()
+    assert p.accounting(waiting) == {"unsaved_updates": 0, "updates_since_full": 0}
+
+
+def test_ssu_saves_only_rows_its_sub_sample_touched() -> None:
+    t, p, group = _priority("ssu")
+    p.sample = 0.0
+    p.record(group, [torch.tensor([0, 1]), torch.tensor([0])])  # counted, never sampled
+    p.sample = 1.0
+    p.record(group, [torch.tensor([3]), torch.tensor([2])])
+    changed = torch.ones(10, dtype=torch.bool)
+    assert [c.tolist() for c in p.select(changed, budget_bytes=1000)] == [[3], [2]]
+    assert sum(c.numel() for c in p.select(changed, budget_bytes=25)) == 1  # over the budget: a random part
+    assert p.counts.tolist() == [1, 1, 0, 1, 0, 0, 1, 0, 1, 0]
+
+
+@pytest.mark.parametrize("overrides", [
+    ["ckpt.priority=mfu"],
+    ["ckpt.priority=ssu", "ckpt.recovery=partial"],
+    ["ckpt.priority=mfu", "ckpt.recovery=partial", "ckpt.policy=incremental", "ckpt.priority_budget=0"],
+    ["ckpt.priority=mfu", "ckpt.recovery=partial", "ckpt.policy=incremental", "ckpt.priority_full_every=1"],
+])
+def test_prioritized_checkpoints_need_partial_recovery_and_sane_budgets(debug_config, overrides: list[str]) -> None:
+    with pytest.raises(ConfigError, match="ckpt.priority"):
+        load_config(debug_config.path, ["ckpt.enabled=true", "ckpt.sink=filesystem", *overrides], check_data=False)
