@@ -1,7 +1,9 @@
 """The checkpoint manager: owns policy (when, which rows, what on failure) and restore.
 
 The trainer calls `save(step)` after every step and `finish(step)` at the end; on start
-`restore()` brings back the newest (or a chosen) checkpoint. At a checkpoint step the
+`restore()` brings back the newest (or a chosen) checkpoint, under `ckpt.recovery: partial`
+with the survivor snapshots a failed attempt left (ckpt/partial.py), which a surviving rank
+writes with `save_survivor` (ckpt/survivor.py). At a checkpoint step the
 training thread: agrees with the other ranks on the checkpoint's kind (one small
 all-reduce of row counts and flags, never a wait on Kafka), copies the chosen rows and
 the dense state to host memory (the stall), and hands them to its writer thread.
@@ -759,10 +761,9 @@ class CheckpointManager:
         dense.update(restores=self.restores, lost_samples=self.lost_samples, step=step, trainer=loop_state,
                      **self.identity._asdict())
         shards = [[s.table, s.row_offset, s.num_rows, s.col_offset, s.num_cols] for s in self.shard_map.shards]
-        record = save_survivor(self.c, rank=self.env.rank, job=job, attempt=self.attempt,
-                               world_size=self.env.world_size, base=self.last_committed, dense_state=dense,
-                               shards=shards, deadline=deadline)
-        return record
+        return save_survivor(self.c, rank=self.env.rank, job=job, attempt=self.attempt,
+                             world_size=self.env.world_size, base=self.last_committed, dense_state=dense,
+                             shards=shards, deadline=deadline)
 
     def codecs(self) -> tuple[str, str]:
         """(weight codec, optimizer codec) for the next checkpoint: `ckpt.encoding`, or the bit

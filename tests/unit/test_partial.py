@@ -233,3 +233,42 @@ def test_ssu_saves_only_rows_its_sub_sample_touched() -> None:
 def test_prioritized_checkpoints_need_partial_recovery_and_sane_budgets(debug_config, overrides: list[str]) -> None:
     with pytest.raises(ConfigError, match="ckpt.priority"):
         load_config(debug_config.path, ["ckpt.enabled=true", "ckpt.sink=filesystem", *overrides], check_data=False)
+
+
+# -- a survivor's save: all of it in time, or no record ---------------------------------------
+def _survivor_job(tmp_path):
+    from ckpt.config import CkptConfig
+    from ckpt.snapshot import ShardRows, Snapshot
+    from ckpt.writer import WriteJob
+
+    g = torch.Generator().manual_seed(5)
+    rows = ShardRows("t", 100, 0, torch.tensor([100, 103, 150]), torch.randn(3, 8, generator=g),
+                     {"momentum1": torch.rand(3, generator=g)})
+    job = WriteJob(checkpoint_id=9, step=55, generation=9, chain=[], snapshot=Snapshot(9, 55, False, [rows], 0.0),
+                   trainer_state={"step": 55, "samples_seen": 99}, epoch=4)
+    cfg = CkptConfig(enabled=True, sink="filesystem", run_id=RUN, fs_root=str(tmp_path / "stream"),
+                     dense_dir=str(tmp_path / "dense"))
+    return cfg, job
+
+
+def test_a_survivor_saves_frames_and_dense_file_before_its_record(tmp_path) -> None:
+    import time
+
+    from ckpt.fs_sink import FsMarkers, FsSource
+    from ckpt.restore import decode_rows, iter_link_frames
+    from ckpt.survivor import SurvivorError, save_survivor
+
+    cfg, job = _survivor_job(tmp_path)
+    kwargs = dict(rank=1, job=job, attempt="a1", world_size=2, base=7, dense_state={"trainer": job.trainer_state},
+                  shards=[["t", 100, 100, 0, 8]])
+    with pytest.raises(SurvivorError, match="out of time"):
+        save_survivor(cfg, deadline=time.monotonic() - 1, **kwargs)
+    markers = FsMarkers(tmp_path / "stream", RUN)
+    assert markers.read_markers() == []  # out of time: nothing a restore would use
+    record = save_survivor(cfg, deadline=time.monotonic() + 30, **kwargs)
+    [(_, data)] = markers.read_markers()
+    assert decode_record(data) == record and record.base == 7 and record.step == 55 and record.link.epoch == 4
+    [frame] = list(iter_link_frames(record.link, FsSource(tmp_path / "stream", RUN), RUN, lambda *a: str(a)))
+    weights, optim = decode_rows(frame)
+    assert torch.equal(weights, job.snapshot.shards[0].weights) and frame.row_ids.tolist() == [100, 103, 150]
+    assert torch.load(record.dense["path"])["trainer"] == job.trainer_state
