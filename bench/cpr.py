@@ -31,7 +31,6 @@ reference, checkpoints on):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -46,7 +45,7 @@ from statistics import fmean
 from typing import Any
 
 from bench.common import Measurement, config_path, document_head, figure, loadavg, log, machine_info, scalars
-from launch.ranks import REPO, descendant_pids, rank_pids, read_jsonl, spawn_ranks
+from launch.ranks import REPO, kill_tree, rank_pids, read_jsonl, spawn_ranks
 
 DEFAULT_CONFIG = REPO / "configs" / "debug_cpu.yaml"
 RANKS = 2
@@ -112,9 +111,7 @@ def run_mode(mode: str, seed: int, kills: list[tuple[int, int]], args: argparse.
         rc = job.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         if job.poll() is None:
-            for pid in [*descendant_pids(job.pid), job.pid]:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            kill_tree(job.pid)
             job.wait()
     if rc != 0:
         raise RuntimeError(f"{mode} job of seed {seed} failed (exit {rc}):\n{log_path.read_text()[-4000:]}")

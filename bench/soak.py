@@ -21,7 +21,6 @@ tests/integration/test_soak.py runs a short version.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -37,7 +36,7 @@ from typing import Sequence
 import torch
 
 from launch.broker import EmbeddedBroker
-from launch.ranks import REPO, descendant_pids, rank_pids, spawn_ranks
+from launch.ranks import REPO, kill_tree, rank_pids, spawn_ranks
 from trainer.report import read_metrics
 
 CONFIG = REPO / "configs" / "debug_cpu.yaml"
@@ -145,9 +144,7 @@ def soak(sink: str, steps: int, kills: int, seed: int, interval: int, delay_s: t
         rc = job.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         if job.poll() is None:
-            for pid in [*descendant_pids(job.pid), job.pid]:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            kill_tree(job.pid)
             job.wait()
         if broker is not None:
             broker.stop()

@@ -12,8 +12,10 @@ the test suite.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -156,6 +158,13 @@ def descendant_pids(pid: int) -> list[int]:
     """Every process below `pid`: what to SIGKILL, by pid, to leave nothing of a launcher behind
     (torchrun starts each rank in a session of its own, so no process group holds them all)."""
     return [d for child in child_pids(pid) for d in (child, *descendant_pids(child))]
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process below it (a launcher and its ranks), leaving nothing behind."""
+    for p in [*descendant_pids(pid), pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
 
 
 def rank_pids(launcher: int) -> dict[int, int]:

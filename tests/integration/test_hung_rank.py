@@ -10,7 +10,6 @@ the job learns of it, are what is under test)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -22,7 +21,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from launch.ranks import REPO, descendant_pids, rank_pids, read_jsonl, spawn_ranks
+from launch.ranks import REPO, kill_tree, rank_pids, read_jsonl, spawn_ranks
 
 if TYPE_CHECKING:
     from tests.conftest import DebugConfig
@@ -76,9 +75,7 @@ def test_a_stopped_rank_fails_the_job_naming_the_collective_and_torchrun_resumes
         proc.wait(timeout=DEADLINE_S)
     finally:
         if proc.poll() is None:
-            for pid in [*descendant_pids(proc.pid), proc.pid]:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            kill_tree(proc.pid)
             proc.wait(timeout=30)
     text = log.read_text()
     assert proc.returncode == 0, text[-4000:]

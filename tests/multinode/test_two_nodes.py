@@ -13,7 +13,6 @@ skipped with the reason otherwise.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
@@ -28,7 +27,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 import pytest
 import torch
 
-from launch.ranks import REPO, descendant_pids, rank_pids, read_jsonl, spawn_ranks
+from launch.ranks import REPO, kill_tree, rank_pids, read_jsonl, spawn_ranks
 
 if TYPE_CHECKING:
     from tests.conftest import DebugConfig
@@ -110,9 +109,7 @@ class Agents:
         starts each rank in a session of its own, so the agent's group does not hold them)."""
         for proc in self.procs:
             if proc.poll() is None:
-                for pid in [*descendant_pids(proc.pid), proc.pid]:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+                kill_tree(proc.pid)
                 proc.wait(timeout=30)
 
 
