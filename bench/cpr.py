@@ -12,7 +12,9 @@ every rank holds part of every table, as CPR's embedding servers do) runs on 2 g
 under ``deltarec-launch --max-restarts K`` with ``ckpt.resume=latest``, checkpointing every
 ``--interval`` steps to the filesystem sink, and is SIGKILLed K times from outside: kill i
 lands once the running attempt has logged step >= s_i, on rank r_i, both drawn from the seed
-(s_1 < ... < s_K at least an interval apart), so every mode fails at the same points.
+(s_1 < ... < s_K at least ``--kill-gap`` apart, by default an interval + 20), so every mode
+fails at the same points, and runs with one seed and gap at the same points whatever their
+interval.
 
 Reported per mode (means over seeds), each against the same job never interrupted (the
 reference, checkpoints on):
@@ -58,11 +60,10 @@ MODES = {  # mode -> its overrides
 }
 
 
-def schedule(seed: int, steps: int, kills: int, interval: int) -> list[tuple[int, int]]:
-    """(step, rank) of each kill: steps in the middle 80% of the run, at least `interval` + 20
-    steps apart (every attempt commits a checkpoint before it dies), ranks at random."""
+def schedule(seed: int, steps: int, kills: int, gap: int) -> list[tuple[int, int]]:
+    """(step, rank) of each kill: steps in the middle 80% of the run, at least `gap` steps apart
+    (more than an interval: every attempt commits a checkpoint before it dies), ranks at random."""
     rng = random.Random(seed)
-    gap = interval + 20
     lo, hi = steps // 10, steps * 9 // 10
     if hi - lo < kills * gap:
         raise SystemExit(f"--steps {steps} is too short for {kills} kills {gap} steps apart")
@@ -237,6 +238,8 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--kills", type=int, default=5)
     p.add_argument("--interval", type=int, default=100, help="checkpoint every N steps")
+    p.add_argument("--kill-gap", type=int, default=0,
+                   help="least steps between kills (default interval + 20); the same gap gives the same kill points")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="run.seed and the kill schedule's seed")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--batch", type=int, default=256, help="data.batch_size of the config (for sample counts)")
@@ -260,7 +263,7 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite cpr") -> dict[
     rows, schedules = [], {}
     try:
         for seed in args.seeds:
-            kills = schedule(seed, args.steps, args.kills, args.interval)
+            kills = schedule(seed, args.steps, args.kills, args.kill_gap or args.interval + 20)
             schedules[seed] = kills
             log(f"seed {seed}: kills at (step, rank) {kills}")
             ref = run_reference(seed, args, work)

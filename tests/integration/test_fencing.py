@@ -91,9 +91,12 @@ def test_an_old_attempt_that_wakes_up_after_a_newer_one_started_stops_and_is_nev
                 os.kill(proc.pid, signal.SIGCONT)
                 proc.kill()
     assert all(r.returncode not in (0, None) for r in results), [r.returncode for r in results]
-    line = [ln for ln in results[0].stderr.splitlines() if "a newer trainer attempt" in ln]
-    assert line and "took over this run's markers log" in line[0] and f"epoch {epoch_b}," in line[0], \
-        results[0].stderr[-3000:]
+    # Every rank learns of B from the same outcome at the end of a step; the first to read it
+    # stops with the line, and a rank still in the next step's collective may stop on the lost
+    # peer instead (the race is whose writer thread delivered the outcome first).
+    lines = [ln for r in results for ln in r.stderr.splitlines() if "a newer trainer attempt" in ln]
+    assert lines and all("took over this run's markers log" in ln and f"epoch {epoch_b}," in ln for ln in lines), \
+        "\n".join(r.stderr[-2000:] for r in results)
 
     final = _catalog(debug_config, tmp_path, job)
     assert sorted(final.commits) == sorted(after_b.commits), "attempt A committed after B started"
