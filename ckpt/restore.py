@@ -68,7 +68,7 @@ class RowsRestored:
     regenerated: int = 0  # rows no link holds, set to their initial values (sharding/row_init.py)
     init_s: float = 0.0  # regenerating them
     held: list[torch.Tensor] | None = None  # per shard (shard order): bool mask of the rows the chain holds
-    link_of: list[torch.Tensor] | None = None  # per shard: int32, the chain link that wrote each row (-1: none)
+    link_of: list[torch.Tensor] | None = None  # per shard: int32, the newest chain link that wrote any column of each row (-1: none)
 
 
 def row_init_of(marker: Marker) -> RowInit | None:
@@ -295,6 +295,7 @@ class _Replay:
         self.out = out
         self.init = row_init_of(marker)
         self.written = {id(s): torch.full((s.num_rows,), -1, dtype=torch.int32) for s in shard_map.shards}
+        self.link_of = {id(s): torch.full((s.num_rows,), -1, dtype=torch.int32) for s in shard_map.shards}  # any column
         self.held = {id(s): torch.zeros(s.num_rows, dtype=torch.bool) for s in shard_map.shards}
         # columns of each local row the base wrote: a base holds every (row, column) exactly
         # once, so a complete base leaves exactly num_cols per row (not a row x column mask)
@@ -324,7 +325,7 @@ class _Replay:
             fresh = _newer(span, self.written[id(s)], link_index)
             if fresh is not None:
                 self.written[id(s)][fresh.dst] = link_index
-                decode_s += self._write(frame, s, fresh, c0, c1)
+                decode_s += self._write(frame, s, fresh, c0, c1, link_index)
         self.out.decode_s += decode_s
         self.out.apply_s += time.perf_counter() - t0 - decode_s
 
@@ -337,7 +338,7 @@ class _Replay:
         for link_index, frame, s, span, c0, c1 in sorted(self.partial, key=lambda p: p[0]):
             fresh = _newer(span, self.written[id(s)], link_index)
             if fresh is not None:
-                decode_s += self._write(frame, s, fresh, c0, c1)
+                decode_s += self._write(frame, s, fresh, c0, c1, link_index)
         self.out.decode_s += decode_s
         self.out.apply_s += time.perf_counter() - t0 - decode_s
         for s in self.shard_map.shards:
@@ -353,7 +354,7 @@ class _Replay:
                     f"not covered exactly once by the base checkpoint {self.marker.chain[0].checkpoint_id}"
                 )
         self.out.held = [self.held[id(s)] for s in self.shard_map.shards]
-        self.out.link_of = [self.written[id(s)] for s in self.shard_map.shards]
+        self.out.link_of = [self.link_of[id(s)] for s in self.shard_map.shards]
         unknown = sorted({s.table for s in self.shard_map.shards} - set(self.marker.tables))
         if self.init is not None and unknown:
             raise RestoreError(f"checkpoint {self.marker.checkpoint_id} has no table {unknown[0]!r}; "
@@ -365,9 +366,11 @@ class _Replay:
             self.out.regenerated = initialise_shards(self.init, self.shard_map.shards, tables, masks)
             self.out.init_s = time.perf_counter() - t
 
-    def _write(self, frame: Frame, s: ShardView, span: _Span, c0: int, c1: int) -> float:
-        """Decode the span's rows and copy columns c0..c1 of them into shard `s`; returns the
-        seconds spent decoding."""
+    def _write(self, frame: Frame, s: ShardView, span: _Span, c0: int, c1: int, link_index: int) -> float:
+        """Decode the span's rows and copy columns c0..c1 of them into shard `s` (a write of
+        chain link `link_index`); returns the seconds spent decoding."""
+        newest = self.link_of[id(s)]
+        newest[span.dst] = newest[span.dst].clamp_min(link_index)
         t = time.perf_counter()
         weights, optim = decode_rows(frame, span.src, copy=False)
         decode_s = time.perf_counter() - t
