@@ -24,6 +24,7 @@ class SigtermStopsLoop:
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
+        trainer.keep_step_start = True  # a survivor saves the state of its last completed step
         self.received = False
         self._previous: Any = signal.signal(signal.SIGTERM, self._on_sigterm)
 

@@ -73,7 +73,8 @@ class Trainer(Stateful):
         self.samples_seen = 0
         self.last_eval: EvalResult | None = None
         self.checkpointer: Checkpointer | None = None
-        self.stop_requested = False  # set by a signal handler (trainer/main.py); checked between steps
+        self.stop_requested = False  # set by a signal handler (trainer/stop.py); checked between steps
+        self.keep_step_start = False  # partial recovery: remember reader and RNG before each step
         self._step_start: tuple[dict, torch.Tensor] | None = None  # reader and RNG before the step in progress
 
     # -- Stateful -------------------------------------------------------------------
@@ -110,7 +111,8 @@ class Trainer(Stateful):
     def train_step(self) -> torch.Tensor:
         """One step: forward, backward (the fused kernels update embedding rows in place), dense update."""
         self.model.train()
-        self._step_start = (self.train_reader.state_dict(), torch.get_rng_state())
+        if self.keep_step_start:  # only `completed_state` needs it; other jobs pay nothing per step
+            self._step_start = (self.train_reader.state_dict(), torch.get_rng_state())
         batch = self.train_reader.next_batch().to(self.device)
         loss, _ = self.model(batch)
         self.optimizer.zero_grad()
