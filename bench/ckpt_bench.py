@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import asdict
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -59,7 +60,8 @@ def train_run(label: str, extra: list[str], args: argparse.Namespace, work: Path
         f"ckpt.policy={args.policy}", f"ckpt.interval_steps={args.interval}", f"train.steps={args.steps}",
         "train.eval_every=0", "train.eval_batches=0", f"train.log_every={args.interval}", *extra, *args.overrides,
     ]
-    log(f"training run {label}: {args.steps} steps, checkpoint every {args.interval}, {' '.join(extra) or 'fp32'}")
+    every = f"every {args.interval} steps" if args.interval else "by time (ckpt.interval_s)"
+    log(f"training run {label}: {args.steps} steps, checkpoints {every}, {' '.join(extra) or 'fp32'}")
     t = time.perf_counter()
     spawn_ranks(args.config, overrides, tmp, world_size=args.ranks, timeout_s=args.timeout_s,
                 module="bench.ckpt_rank", extra_args=["--side", str(tmp / "side")])
@@ -104,7 +106,15 @@ def train_run(label: str, extra: list[str], args: argparse.Namespace, work: Path
         rows.append(row)
     rates = [m["samples_per_s"] for m in metrics if "samples_per_s" in m]
     return {"run_id": run_id, "overrides": overrides, "wall_s": wall, "model_rows": total_rows,
-            "samples_per_s_median": median_of(rates[1:] or rates), "checkpoints": rows}
+            "samples_per_s_median": median_of(rates[1:] or rates), "checkpoints": rows,
+            "cpu": read_cpus(tmp / "side", args.ranks)}
+
+
+def read_cpus(side: Path, ranks: int) -> list[dict[str, Any]]:
+    """Every rank's `bench.ckpt_rank.RankCpu`, as dicts, in rank order."""
+    from bench.ckpt_rank import read_cpu
+
+    return [asdict(read_cpu(side / f"cpu_rank{r}.json")) for r in range(ranks)]
 
 
 def baseline_run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -117,10 +127,11 @@ def baseline_run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     overrides = [f"train.steps={args.steps}", "train.eval_every=0", "train.eval_batches=0",
                  f"train.log_every={args.interval}", *args.overrides]
     t = time.perf_counter()
-    spawn_ranks(args.config, overrides, tmp, world_size=args.ranks, timeout_s=args.timeout_s)
+    spawn_ranks(args.config, ["ckpt.enabled=false", *overrides], tmp, world_size=args.ranks, timeout_s=args.timeout_s,
+                module="bench.ckpt_rank", extra_args=["--side", str(tmp / "side")])
     wall = time.perf_counter() - t
     rates = [m["samples_per_s"] for m in read_metrics(tmp / "run") if "samples_per_s" in m]
-    return {"wall_s": wall, "samples_per_s_median": median_of(rates[1:] or rates)}
+    return {"wall_s": wall, "samples_per_s_median": median_of(rates[1:] or rates), "cpu": read_cpus(tmp / "side", args.ranks)}
 
 
 # per-checkpoint fields summarized as `<field>_median` for full and delta checkpoints

@@ -24,6 +24,12 @@ stats, read after each step end, never from inside the stall:
   neither inflates the stall nor competes with the writer. ``find_ms`` is the bitmap scan
   (`RowTracker.touched_rows`) that found those rows, the scan `take` starts with.
 
+And in ``DIR/cpu_rank<r>.json`` (`RankCpu`), the CPU seconds of this rank's threads by class
+(`bench.cpu`: training thread, writer thread, librdkafka's threads, the rest) from the first
+step until its writer is idle, and the training thread's share inside the stalls. A job run
+with ``ckpt.enabled=false`` writes only this file: the baseline the checkpoint's cost is
+measured against.
+
 Why one hook remains: the rows a delta copies are known only before its checkpoint marks the
 tracker, so `ObservedCheckpointer` stands in for the manager as the loop's `Checkpointer`
 and scans the tracker at checkpoint steps before calling the manager's public `save`.
@@ -205,21 +211,64 @@ def read_side(path: Path) -> list[RankCheckpoint]:
     return [RankCheckpoint(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
 
 
+@dataclass
+class RankCpu:
+    """CPU seconds this rank's threads spent while training (`bench.cpu` classes), from the
+    first step to the moment its writer had nothing left to write."""
+
+    rank: int
+    steps: int
+    checkpoints: int
+    threads: dict[str, float]  # class -> CPU seconds
+    stall_cpu_s: float  # the training thread's CPU inside checkpoint stalls (`StallTiming.cpu_ms`)
+    wall_s: float
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.threads.values())
+
+
+def read_cpu(path: Path) -> RankCpu:
+    """The record `run` wrote to `side/cpu_rank<r>.json`."""
+    return RankCpu(**json.loads(path.read_text()))
+
+
+def wait_idle(manager: CheckpointManager, timeout_s: float = 600.0) -> None:
+    """Wait until the writer holds no snapshot (its threads, and librdkafka's, still alive)."""
+    deadline = time.monotonic() + timeout_s
+    while manager.writer.pending_bytes and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def run(cfg: JobConfig, side: Path) -> None:
-    """Train `cfg` with checkpoints on this rank (as `trainer.main.run_job` does) and write
-    this rank's `RankCheckpoint`s to `side/rank<r>.jsonl`."""
+    """Train `cfg` on this rank (as `trainer.main.run_job` does; with `ckpt.enabled` through
+    the checkpoint manager) and write this rank's `RankCheckpoint`s to `side/rank<r>.jsonl` and
+    its threads' CPU to `side/cpu_rank<r>.json`."""
+    from bench.cpu import CpuLedger
     from bench.job import start_job
     from trainer.main import make_checkpoint_manager
 
     job = start_job(cfg, cfg.run.run_dir / "metrics.jsonl", evaluate=True)
     try:
-        manager = make_checkpoint_manager(cfg, job.env, job.device, job.sharded, job.trainer, job.metrics)
-        observed = ObservedCheckpointer(manager, job.env.rank)
-        job.trainer.checkpointer = observed
-        manager.restore()
+        manager = observed = None
+        if cfg.ckpt.enabled:
+            manager = make_checkpoint_manager(cfg, job.env, job.device, job.sharded, job.trainer, job.metrics)
+            observed = ObservedCheckpointer(manager, job.env.rank)
+            job.trainer.checkpointer = observed
+            manager.restore()
+        ledger, t0 = CpuLedger().start(), time.perf_counter()
         job.trainer.fit()
-        observed.finish(job.trainer.step)
-        observed.dump(side / f"rank{job.env.rank}.jsonl")
+        if manager is not None:
+            wait_idle(manager)
+        ledger.sample()
+        cpu = RankCpu(rank=job.env.rank, steps=job.trainer.step, checkpoints=len(manager.stats.stalls) if manager else 0,
+                      threads=ledger.totals(), wall_s=time.perf_counter() - t0,
+                      stall_cpu_s=sum(t.cpu_ms for t in manager.stats.stalls) / 1e3 if manager else 0.0)
+        if observed is not None:
+            observed.finish(job.trainer.step)
+            observed.dump(side / f"rank{job.env.rank}.jsonl")
+        side.mkdir(parents=True, exist_ok=True)
+        (side / f"cpu_rank{job.env.rank}.json").write_text(json.dumps(asdict(cpu), sort_keys=True) + "\n")
     finally:
         job.metrics.close()
 

@@ -36,6 +36,7 @@ interval). A benchmark, not a test: it asserts nothing about the figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -49,6 +50,8 @@ from typing import Any
 
 from bench.common import (REPO, Measurement, config_path, document_head, figure, harmonic_of, loadavg, log,
                           machine_info, mean_of, median_of, unit_of)
+from bench.cpu import checkpoint_cpu, process_cpu_s
+from launch.broker import EmbeddedBroker
 
 POLICIES = ("full", "one_shot_diff", "incremental", "intermittent_diff")
 ENCODINGS = ("fp32", "adaptive4")
@@ -122,15 +125,27 @@ def steps_lost(ckpts: list[tuple[int, int | None]], interval: int, steps: int) -
     return sum(lost) / len(lost)
 
 
-def deltarec_job(policy: str, encoding: str, s: dict[str, Any], work: Path, bootstrap: str, prefix: str,
+def broker_cpu_s(broker: EmbeddedBroker) -> float:
+    """CPU seconds the broker process has spent so far."""
+    assert broker.pid is not None, "broker not started"
+    cpu = process_cpu_s(broker.pid)
+    assert cpu is not None, f"broker pid {broker.pid} is gone"
+    return cpu
+
+
+def deltarec_job(policy: str, encoding: str, s: dict[str, Any], work: Path, broker: EmbeddedBroker, prefix: str,
                  timeout_s: float) -> dict[str, Any]:
+    """One deltarec job on its own fresh broker (`broker`, started for it): its checkpoints,
+    throughput, the capacity of each checkpoint and the broker's CPU while it trained."""
     from bench.ckpt_bench import train_run
     from launch.ranks import read_metrics
 
     label = f"{policy}-{encoding}"
     ns = Namespace(policy=policy, interval=s["interval"], steps=s["steps"], overrides=["ckpt.final=false", *s["overrides"]],
                    config=s["config"], ranks=2, timeout_s=timeout_s)
+    bootstrap, cpu0 = broker.bootstrap, broker_cpu_s(broker)
     run = train_run(label, [f"ckpt.encoding={encoding}"], ns, work, bootstrap, prefix)
+    run["broker_cpu_s"], run["bootstrap"] = broker_cpu_s(broker) - cpu0, bootstrap
     metrics = read_metrics(work / label / "run")
     rates = [m["samples_per_s"] for m in metrics if "samples_per_s" in m]
     run["skipped"] = sum(1 for m in metrics if m.get("ckpt_skipped"))  # writers still busy: back-pressure
@@ -265,14 +280,17 @@ def chain_capacity(config: str, overrides: list[str], bootstrap: str, run_id: st
     return out
 
 
-def follower_job(encoding: str, s: dict[str, Any], work: Path, bootstrap: str, prefix: str, timeout_s: float,
+def follower_job(encoding: str, s: dict[str, Any], work: Path, broker: EmbeddedBroker, prefix: str, timeout_s: float,
                  intervals: int, grace_s: float) -> dict[str, Any]:
     """deltarec + follower: the `incremental` policy over `intervals` checkpoints with a
     follower compacting its chain (started before the ranks, stopped once it has applied the
-    newest COMMIT); then its lag and compactions, and the cheapest chain per checkpoint."""
+    newest COMMIT); then its lag and compactions, and the cheapest chain per checkpoint.
+    `broker`: a fresh one for this job (its CPU counts the follower's reads too)."""
     from bench.ckpt_bench import train_run
     from launch.ranks import read_jsonl, read_metrics
     from trainer.config import load_config
+
+    bootstrap, cpu0 = broker.bootstrap, broker_cpu_s(broker)
 
     label = f"incremental-follower-{encoding}"  # a run id: Kafka topic names take no "+"
     run_id, run_dir = f"{prefix}-{label}", work / label / "run"
@@ -290,6 +308,7 @@ def follower_job(encoding: str, s: dict[str, Any], work: Path, bootstrap: str, p
         run = train_run(label, [f"ckpt.encoding={encoding}"], ns, work, bootstrap, prefix)
     finally:
         follower.finish()
+    run["broker_cpu_s"], run["bootstrap"] = broker_cpu_s(broker) - cpu0, bootstrap
     assert run["run_id"] == run_id, (run["run_id"], run_id)
     metrics = read_metrics(run_dir)
     rates = [m["samples_per_s"] for m in metrics if "samples_per_s" in m]
@@ -327,7 +346,8 @@ def baseline_job(s: dict[str, Any], work: Path, timeout_s: float) -> dict[str, A
     return run
 
 
-def peers_job(s: dict[str, Any], work: Path, bootstrap: str, jobs: dict[tuple[str, str], dict], timeout_s: float) -> list[dict]:
+def peers_job(s: dict[str, Any], work: Path, jobs: dict[tuple[str, str], dict], timeout_s: float) -> list[dict]:
+    """The peers' phases, then every restore (each deltarec job's from its own broker)."""
     from launch.ranks import spawn_ranks
 
     tmp = work / "peers"
@@ -336,9 +356,10 @@ def peers_job(s: dict[str, Any], work: Path, bootstrap: str, jobs: dict[tuple[st
              "--repeats", str(s["repeats"])]
     for (policy, enc), run in jobs.items():
         label = f"{policy}-{enc}"
-        extra += ["--restore", f"{label}={run['run_id']}={run['run_dir']}", "--restore-override", f"{label}=ckpt.encoding={enc}"]
+        extra += ["--restore", f"{label}={run['run_id']}={run['run_dir']}", "--restore-override", f"{label}=ckpt.encoding={enc}",
+                  "--restore-override", f"{label}=ckpt.bootstrap_servers={run['bootstrap']}"]
     log(f"peers: no checkpoint / {' / '.join(PEERS)}, then restores")
-    spawn_ranks(s["config"], [f"ckpt.bootstrap_servers={bootstrap}", "train.eval_every=0", "train.eval_batches=0",
+    spawn_ranks(s["config"], ["train.eval_every=0", "train.eval_batches=0",
                               *s["overrides"]], tmp, world_size=2, timeout_s=timeout_s, module="bench.peers_rank",
                 extra_args=extra)
     return [json.loads((tmp / f"peers_rank{r}.json").read_text()) for r in range(2)]
@@ -448,6 +469,7 @@ def build_records(s: dict[str, Any], jobs: dict[tuple[str, str], dict], peers: l
             "durable_s": median_of([c["durable_s"] for c in ok if c.get("durable_s") is not None]),
             "durable_s_max": max((c["durable_s"] for c in ok if c.get("durable_s") is not None), default=None),
         }
+        agg.update(checkpoint_cpu(run["cpu"], base["cpu"], len(cks), run.get("broker_cpu_s")))
         agg["steps_lost_vs_dcp"] = (agg["steps_lost_mean"] / dcp["steps_lost_mean"]
                                     if agg["steps_lost_mean"] is not None and dcp.get("steps_lost_mean") else None)
         agg["bytes_written_vs_dcp"] = dcp["bytes_written"] / agg["bytes_written"] if agg["bytes_written"] else None
@@ -545,6 +567,10 @@ _UNITS = {"stall_ms": "ms", "bare_copy_ms": "ms", "bytes_written": "B", "bytes_w
           "follower_error": "text"}
 
 
+CPU_PARTS = ("train", "stall", "writer", "kafka", "other", "trainer", "broker")
+_UNITS.update({f"cpu_{k}_s_per_ckpt": "s/checkpoint" for k in CPU_PARTS}, cpu_trainer_overhead="fraction")
+
+
 def _add_agg(rec: PeerRecords, peer: str, policy: str, enc: str, agg: dict[str, Any]) -> None:
     for k, v in agg.items():
         rec.add(peer, policy, enc, k, v, _UNITS.get(k, "ratio"))
@@ -606,6 +632,27 @@ def table(summary: dict[str, Any]) -> str:
                      f"{f(a['capacity_vs_dcp'], 1)} | {f(a['stall_vs_dcp_save'], 1)} | {f(a['stall_over_bare_copy'], 2)} |")
     lines.append(f"| none (job, deltarec's baseline) | | | | | {f(summary['none_samples_per_s'], 0)} | 0% | | | | | | | |")
     lines.append(f"| none (in-process, the peers' baseline) | | | | | {f(summary['none_inproc_samples_per_s'], 0)} | 0% | | | | | | | |")
+    return "\n".join(lines)
+
+
+def cpu_table(summary: dict[str, Any]) -> str:
+    """CPU seconds per checkpoint of every deltarec job beyond the job without checkpoints,
+    summed over ranks, by thread class, and the broker's beside them (a fresh broker per job)."""
+    head = ("| deltarec job | training thread (of it in stalls) | writer thread | librdkafka | other threads | "
+            "trainer process | broker process | trainer CPU overhead |")
+    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+
+    def f(x: Any, nd: int = 3) -> str:
+        return "" if x is None else f"{x:.{nd}f}"
+
+    for key, a in summary["deltarec"].items():
+        if "cpu_trainer_s_per_ckpt" not in a:
+            continue
+        ov = a["cpu_trainer_overhead"]
+        lines.append(f"| {key.replace('/', ' / ')} | {f(a['cpu_train_s_per_ckpt'])} ({f(a['cpu_stall_s_per_ckpt'])}) | "
+                     f"{f(a['cpu_writer_s_per_ckpt'])} | {f(a['cpu_kafka_s_per_ckpt'])} | {f(a['cpu_other_s_per_ckpt'])} | "
+                     f"{f(a['cpu_trainer_s_per_ckpt'])} | {f(a['cpu_broker_s_per_ckpt'])} | "
+                     f"{f(ov * 100 if ov is not None else None, 1)}% |")
     return "\n".join(lines)
 
 
@@ -694,32 +741,34 @@ def run(argv: list[str], prog: str = "python -m bench.run") -> dict[str, Any]:
     """Measure, print the table and targets, (`--out`) write the result document; return it
     (its `records` as `Measurement`s)."""
     args = parser(prog).parse_args(argv)
-    from launch.broker import EmbeddedBroker
-
     started = time.perf_counter()
     machine = machine_info()
     s = dict(SIZES[args.size])
     s.update({k: v for k, v in (("steps", args.steps), ("interval", args.interval)) if v})
     prefix = f"bench-{args.size}-{uuid.uuid4().hex[:8]}"
-    with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmpdir, EmbeddedBroker() as broker:
+    # a fresh broker per job, kept until the peers' phase has restored every job from its own
+    with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmpdir, contextlib.ExitStack() as brokers:
+        def broker() -> EmbeddedBroker:
+            return brokers.enter_context(EmbeddedBroker())
+
         work = args.keep / prefix if args.keep else Path(tmpdir)
         work.mkdir(parents=True, exist_ok=True)
         s["config"] = str(full_config(work / "full.yaml", s["cap"], s["dim"])) if s["config"] is None \
             else config_path(s["config"])
-        log(f"suite {args.size}: {s['config']}, {s['steps']} steps, checkpoint every {s['interval']}; broker "
-             f"{broker.bootstrap}; work dir {work}")
+        log(f"suite {args.size}: {s['config']}, {s['steps']} steps, checkpoint every {s['interval']}; a fresh broker "
+            f"per job; work dir {work}")
         base = baseline_job(s, work, args.timeout_s)
         jobs: dict[tuple[str, str], dict] = {}
         encodings = tuple(args.encodings)
         for policy in POLICIES:
             for enc in encodings:
-                jobs[(policy, enc)] = deltarec_job(policy, enc, s, work, broker.bootstrap, prefix, args.timeout_s)
+                jobs[(policy, enc)] = deltarec_job(policy, enc, s, work, broker(), prefix, args.timeout_s)
         intervals = s["follower_intervals"] if args.follower_intervals is None else args.follower_intervals
         if intervals > 0:
             for enc in encodings:
-                jobs[(FOLLOWER, enc)] = follower_job(enc, s, work, broker.bootstrap, prefix, args.timeout_s, intervals,
+                jobs[(FOLLOWER, enc)] = follower_job(enc, s, work, broker(), prefix, args.timeout_s, intervals,
                                                      args.follower_grace_s)
-        peers = peers_job(s, work, broker.bootstrap, jobs, args.timeout_s)
+        peers = peers_job(s, work, jobs, args.timeout_s)
         batch = _batch(s)
     machine["loadavg_end"] = loadavg()
     records, summary = build_records(s, jobs, peers, base)
@@ -746,6 +795,8 @@ def run(argv: list[str], prog: str = "python -m bench.run") -> dict[str, Any]:
     if summary.get("follower"):
         print()
         print(follower_table(summary))
+    print("\nCPU seconds per checkpoint beyond the job without checkpoints (both ranks):")
+    print(cpu_table(summary))
     for t in tg:
         v = t["value"]
         print(f"target: {t['target']} {t['op']} {t['goal']}: {'n/a' if v is None else f'{v:.3g}'} "

@@ -57,6 +57,11 @@ SUITES = (
     Suite("full", "bench.peers", ("--size", "full"),
           "the same on 26 Criteo-cardinality tables (5.6M rows, 1.43 GB; ~21 min, "
           "plus 2 follower jobs of 8 intervals: ~6-16 min more)"),
+    Suite("cost", "bench.cost", (),
+          "what a checkpoint costs apart from the broker: the default policy at 4 bits every --interval-s (full "
+          "size: a true minute) to a fresh broker and to the filesystem sink on a tmpfs, against the job without "
+          "checkpoints: throughput overhead, CPU seconds per checkpoint by thread class and of the broker "
+          "(--size full ~20 min; --size quick ~3 min)"),
     Suite("checkpoint", "bench.ckpt_bench", (),
           "per checkpoint on the quickstart model: rows, bytes, stall and its parts against a bare copy, "
           "writer against a raw Kafka producer, restore against dcp.load (~3 min)"),

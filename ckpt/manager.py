@@ -84,6 +84,7 @@ class StallTiming(NamedTuple):
     snapshot_bytes: int
     since_base: float  # fraction of all ranks' rows changed since the baseline
     since_last: float  # ... since the previous checkpoint
+    cpu_ms: float = 0.0  # CPU time of the training thread during the stall (the rest of stall_ms is waiting)
 
 
 class _Pending(NamedTuple):
@@ -668,7 +669,7 @@ class CheckpointManager:
             self._join_attempt()
         if self.priority is not None and self._since_full + 1 >= self.c.priority_full_every:
             self.force_full = True  # the full checkpoint that saves what prioritized ones left waiting
-        started_unix, t0 = time.time(), time.perf_counter()
+        started_unix, t0, cpu0 = time.time(), time.perf_counter(), time.thread_time()
         decision, fraction, est, overflow = self._agree()
         t_agreed = time.perf_counter()
         kind = "full" if decision.full else ("base" if decision.since_base else "last")
@@ -721,6 +722,7 @@ class CheckpointManager:
             take_ms=(t_taken - t_take) * 1e3, dense_ms=(now - t_taken) * 1e3, stall_ms=snapshot.stall_s * 1e3,
             rows=snapshot.rows, snapshot_bytes=snapshot.nbytes,
             since_base=self.agreed_fractions[0], since_last=self.agreed_fractions[1],
+            cpu_ms=(time.thread_time() - cpu0) * 1e3,
         ))
         self._pending[cid] = _Pending(started_unix=started_unix, weight_codec=weight_codec)
         self.writer.submit(WriteJob(

@@ -61,6 +61,11 @@ def test_quick_suite_writes_every_peer_and_policy(tmp_path: Path, run_cli: CliRu
             assert any(r["metric"] == "durable_at_step" for r in mine), (policy, enc)  # committed_at_step
             assert any(r["metric"] == "stall_ms" for r in flat
                        if r["peer"] == "bare_copy" and r["policy"] == policy and r["encoding"] == enc)
+            cpu = {r["metric"]: r["value"] for r in mine if r["metric"].startswith("cpu_")}
+            assert {f"cpu_{k}_s_per_ckpt" for k in ("train", "stall", "writer", "kafka", "other", "trainer",
+                                                     "broker")} <= set(cpu), (policy, cpu)
+            # its own fresh broker served it, and the writer encoded on its own thread
+            assert cpu["cpu_broker_s_per_ckpt"] > 0 and cpu["cpu_writer_s_per_ckpt"] > 0, (policy, cpu)
 
     assert {t["target"] for t in result["targets"]}  # reported, not judged
     assert sorted(p.name for p in img.glob("*.png")) == ["peers_quick_fig15_bytes_written.png",
@@ -95,3 +100,26 @@ def test_quant_accuracy_restores_are_exact_in_fp32_and_quantized_ones_are_not(
     by_cell = {(r["labels"]["setting"], r["metric"]): r for r in read_records(records)}
     assert by_cell[("default", "lifetime_logloss_rel_pct")]["unit"] == "%"
     assert by_cell[("fp32", "logloss_rel_pct")]["value"] == 0.0
+
+
+def test_cost_suite_measures_kafka_and_the_tmpfs_reference_against_no_checkpoints(tmp_path: Path, run_cli: CliRunner) -> None:
+    """A tiny `cost` run (quick model, a checkpoint every second): every sink's throughput,
+    checkpoints and CPU per checkpoint by thread class; the broker's CPU only where there is
+    a broker; the baseline run before and after."""
+    out, records = tmp_path / "cost.json", tmp_path / "records.jsonl"
+    run_cli("bench.run", "--suite", "cost", "--size", "quick", "--steps", "160", "--interval-s", "1", "--records",
+            records, "--out", out, "--keep", tmp_path / "runs", timeout_s=900)
+    result = json.loads(out.read_text())
+    summary = result["summary"]
+    assert summary["none"]["jobs"] == 2 and summary["none"]["samples_per_s"] > 0
+    for sink in ("kafka", "tmpfs"):
+        a = summary[sink]
+        assert a["committed"] >= 1 and a["committed"] == a["checkpoints"], (sink, a)
+        assert a["cpu_writer_s_per_ckpt"] > 0 and a["cpu_stall_s_per_ckpt"] > 0, (sink, a)
+        assert a["throughput_overhead"] is not None and a["cpu_trainer_overhead"] is not None
+    assert summary["kafka"]["cpu_broker_s_per_ckpt"] > 0 and summary["kafka"]["cpu_kafka_s_per_ckpt"] > 0
+    assert summary["tmpfs"]["cpu_broker_s_per_ckpt"] is None  # no broker
+    assert summary["tmpfs"]["cpu_kafka_s_per_ckpt"] == pytest.approx(0, abs=0.05)  # no librdkafka threads
+    assert [j["sink"] for j in result["jobs"]] == ["none", "kafka", "tmpfs", "none"]
+    sinks = {r["labels"]["sink"] for r in read_records(records)}
+    assert sinks == {"none", "kafka", "tmpfs"}

@@ -1,0 +1,140 @@
+"""CPU seconds by thread and by process, for the checkpoint cost accounting of the suites
+(issue 12 item 6): which of a rank's threads spent the CPU a checkpoint costs, and how much
+the co-located broker spent beside them.
+
+A rank's threads fall in four classes:
+
+- ``train``: the main thread, which runs the training loop (and the checkpoint stall);
+- ``writer``: deltarec's writer thread (``deltarec-writer-<rank>``: encode, produce, commit);
+- ``kafka``: librdkafka's own threads (named ``rdk:main``, ``rdk:broker<n>``, ...), which
+  serialize, compress and send what the writer produced;
+- ``other``: everything else (gloo's and torch's worker threads, the dense-file thread).
+
+Per thread the kernel's ``/proc/self/task/<tid>/schedstat`` gives nanoseconds on a CPU
+(``stat``'s 10 ms ticks where it is missing). A thread's figure is kept at its last sample,
+so a thread that ends between samples counts up to the sample before; callers sample while
+the threads they measure are alive. A process's figure (the broker) comes from
+``/proc/<pid>/stat``: utime + stime of all its threads, ended ones included, in clock ticks.
+Hand-rolled because psutil is not a dependency and reads the same files.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CLASSES = ("train", "writer", "kafka", "other")
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def thread_class(tid: int, comm: str, names: dict[int, str], main_tid: int) -> str:
+    """The class of thread `tid` (kernel name `comm`; `names`: Python threads' names by native id)."""
+    if tid == main_tid:
+        return "train"
+    if names.get(tid, "").startswith("deltarec-writer"):
+        return "writer"
+    if comm.startswith("rdk:"):
+        return "kafka"
+    return "other"
+
+
+def _thread_cpu_s(task: Path) -> tuple[str, float] | None:
+    """(kernel name, CPU seconds) of one task directory, None if it ended meanwhile."""
+    try:
+        stat = (task / "stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    comm = stat[stat.index("(") + 1: stat.rindex(")")]
+    try:
+        return comm, int((task / "schedstat").read_text().split()[0]) / 1e9
+    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+        fields = stat[stat.rindex(")") + 2:].split()
+        return comm, (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14, 15 of stat)
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds process `pid` has spent, all its threads (ended ones too); None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+@dataclass
+class ThreadCpu:
+    """One thread's class and its CPU seconds at the last sample."""
+
+    comm: str
+    klass: str
+    cpu_s: float
+
+
+@dataclass
+class CpuLedger:
+    """This process's threads' CPU from `start()` on, by class. `sample()` while the threads
+    to account are alive (each keeps its newest figure); `totals()` sums per class what each
+    thread spent since `start()` (a thread started later counts from zero)."""
+
+    started: dict[int, float] = field(default_factory=dict)
+    threads: dict[int, ThreadCpu] = field(default_factory=dict)
+
+    def start(self) -> "CpuLedger":
+        self.started = {tid: t.cpu_s for tid, t in _read_threads().items()}
+        self.threads = {}
+        self.sample()
+        return self
+
+    def sample(self) -> None:
+        for tid, t in _read_threads().items():
+            self.threads[tid] = t
+
+    def totals(self) -> dict[str, float]:
+        out = dict.fromkeys(CLASSES, 0.0)
+        for tid, t in self.threads.items():
+            out[t.klass] += max(0.0, t.cpu_s - self.started.get(tid, 0.0))
+        return out
+
+
+def _read_threads() -> dict[int, ThreadCpu]:
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    main_tid = threading.main_thread().native_id or os.getpid()
+    out = {}
+    for task in Path("/proc/self/task").iterdir():
+        got = _thread_cpu_s(task)
+        if got is not None:
+            tid = int(task.name)
+            out[tid] = ThreadCpu(got[0], thread_class(tid, got[0], names, main_tid), got[1])
+    return out
+
+
+def checkpoint_cpu(job: list[dict], base: list[dict], checkpoints: int,
+                   broker_s: float | None = None) -> dict[str, float | None]:
+    """CPU seconds per checkpoint a checkpointing job spent beyond the same job without
+    checkpoints, summed over ranks (`job`, `base`: every rank's `bench.ckpt_rank.RankCpu` as a
+    dict). The baseline is scaled to the job's steps. Keys (seconds per checkpoint):
+    ``cpu_train`` the training thread's extra CPU (the stall, the tracker's hook, ...),
+    ``cpu_stall`` its part inside the stalls, ``cpu_writer`` the writer thread, ``cpu_kafka``
+    librdkafka's threads, ``cpu_other`` the other threads' extra CPU, ``cpu_trainer`` all of
+    the trainer's process, ``cpu_broker`` the broker process (`broker_s`: its CPU during the
+    job); and ``cpu_trainer_overhead``, the trainer's extra CPU as a fraction of the baseline's."""
+    if not checkpoints or not job or not base:
+        return {}
+    scale = sum(r["steps"] for r in job) / max(1, sum(r["steps"] for r in base))
+
+    def extra(klass: str) -> float:
+        return sum(r["threads"][klass] for r in job) - scale * sum(r["threads"][klass] for r in base)
+
+    base_total = scale * sum(sum(r["threads"].values()) for r in base)
+    parts = {"cpu_train": extra("train"), "cpu_writer": extra("writer"), "cpu_kafka": extra("kafka"),
+             "cpu_other": extra("other")}
+    trainer = sum(parts.values())
+    out: dict[str, float | None] = {f"{k}_s_per_ckpt": v / checkpoints for k, v in parts.items()}
+    out["cpu_stall_s_per_ckpt"] = sum(r["stall_cpu_s"] for r in job) / checkpoints
+    out["cpu_trainer_s_per_ckpt"] = trainer / checkpoints
+    out["cpu_broker_s_per_ckpt"] = broker_s / checkpoints if broker_s is not None else None
+    out["cpu_trainer_overhead"] = trainer / base_total if base_total else None
+    return out

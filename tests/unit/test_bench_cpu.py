@@ -1,0 +1,102 @@
+"""The CPU accounting of the benchmarks (`bench.cpu`, issue 12 item 6): threads are put in
+the right class from their real names, a thread's CPU is read from the kernel and kept after
+it ends, a process's CPU is read from /proc, and the per-checkpoint arithmetic subtracts a
+baseline scaled to the job's steps. No figure of a benchmark is judged."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.cpu import CLASSES, CpuLedger, checkpoint_cpu, process_cpu_s, thread_class
+from bench.cost import is_tmpfs
+
+
+def _burn(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_threads_are_classed_by_their_names() -> None:
+    names = {11: "deltarec-writer-0", 12: "bench-follower"}
+    assert thread_class(10, "python", names, main_tid=10) == "train"
+    assert thread_class(11, "python", names, main_tid=10) == "writer"
+    assert thread_class(13, "rdk:broker1", names, main_tid=10) == "kafka"
+    assert thread_class(14, "rdk:main", {}, main_tid=10) == "kafka"
+    assert thread_class(12, "python", names, main_tid=10) == "other"
+    assert thread_class(15, "pt_gloo", names, main_tid=10) == "other"
+
+
+def test_a_ledger_counts_a_threads_cpu_in_its_class_and_keeps_it_after_the_thread_ends() -> None:
+    ledger = CpuLedger().start()
+    writer = threading.Thread(target=_burn, args=(0.3,), name="deltarec-writer-0")
+    writer.start()
+    while writer.is_alive():  # sample while it runs: its last figure is what counts
+        ledger.sample()
+        time.sleep(0.02)
+    writer.join()
+    _burn(0.2)  # the main thread: "train"
+    ledger.sample()  # the writer is gone: its last sample stays
+    totals = ledger.totals()
+    assert set(totals) == set(CLASSES)
+    assert 0.2 <= totals["writer"] <= 0.45, totals  # up to its last sample (0.3 s burnt, sampled every 20 ms)
+    assert 0.19 <= totals["train"] <= 0.6, totals
+    assert totals["kafka"] == 0.0
+
+
+def test_cpu_spent_before_start_is_not_counted() -> None:
+    _burn(0.2)
+    ledger = CpuLedger().start()
+    ledger.sample()
+    assert ledger.totals()["train"] < 0.1
+
+
+def test_a_process_cpu_is_read_from_proc() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt=time.process_time()\nwhile time.process_time()-t<0.5: pass\n"
+                              "import sys; sys.stdout.write('done\\n'); sys.stdout.flush(); time.sleep(30)"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "done\n"
+        cpu = process_cpu_s(child.pid)
+        assert cpu is not None and 0.45 <= cpu <= 3.0, cpu  # its interpreter's start-up counts too
+    finally:
+        child.kill()
+        child.wait()
+    assert process_cpu_s(child.pid) is None  # reaped: gone
+
+
+def _rank(steps: int, train: float, writer: float = 0.0, kafka: float = 0.0, other: float = 0.0,
+          stall: float = 0.0) -> dict:
+    return {"steps": steps, "threads": {"train": train, "writer": writer, "kafka": kafka, "other": other},
+            "stall_cpu_s": stall}
+
+
+def test_checkpoint_cpu_subtracts_the_baseline_scaled_to_the_jobs_steps() -> None:
+    # baseline: two jobs of 100 steps a rank (train 10 s, other 2 s a rank and job); the job:
+    # one run of 100 steps a rank, 4 checkpoints
+    base = [_rank(100, 10.0, other=2.0) for _ in range(4)]
+    job = [_rank(100, 11.0, writer=0.8, kafka=0.2, other=2.4, stall=0.4) for _ in range(2)]
+    got = checkpoint_cpu(job, base, checkpoints=4, broker_s=1.2)
+    assert got["cpu_train_s_per_ckpt"] == pytest.approx(2 * 1.0 / 4)  # 22 - 20 (base scaled by 200/400)
+    assert got["cpu_stall_s_per_ckpt"] == pytest.approx(0.8 / 4)
+    assert got["cpu_writer_s_per_ckpt"] == pytest.approx(1.6 / 4)
+    assert got["cpu_kafka_s_per_ckpt"] == pytest.approx(0.4 / 4)
+    assert got["cpu_other_s_per_ckpt"] == pytest.approx(0.8 / 4)
+    assert got["cpu_trainer_s_per_ckpt"] == pytest.approx((2.0 + 1.6 + 0.4 + 0.8) / 4)
+    assert got["cpu_broker_s_per_ckpt"] == pytest.approx(0.3)
+    assert got["cpu_trainer_overhead"] == pytest.approx(4.8 / 24.0)
+    assert checkpoint_cpu(job, base, checkpoints=4)["cpu_broker_s_per_ckpt"] is None  # no broker: the tmpfs sink
+    assert checkpoint_cpu(job, base, checkpoints=0) == {}
+
+
+def test_is_tmpfs_reads_the_mount_table(tmp_path: Path) -> None:
+    mounts = Path("/proc/mounts").read_text().split()
+    if "/dev/shm" in mounts and mounts[mounts.index("/dev/shm") + 1] == "tmpfs":
+        assert is_tmpfs(Path("/dev/shm"))
+    assert not is_tmpfs(Path("/proc"))
