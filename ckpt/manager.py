@@ -34,7 +34,7 @@ from ckpt.dense_store import DenseHistory, DenseRef, DenseStore, DenseStoreError
 from ckpt.faults import maybe_die
 from ckpt.frames import FrameError
 from ckpt.markers import Marker, SurvivorRecord
-from ckpt.partial import PartialOutcome, SkipsBatches, compose, usable_survivors, with_survivors
+from ckpt.partial import PartialOutcome, SkipsBatches, compose, shared_reader, usable_survivors, with_survivors
 from ckpt.pls import estimate_mtbf, interval_for_pls, run_pls
 from ckpt.priority import RowPriority
 from ckpt.policy import CheckpointPolicy, Decision
@@ -560,13 +560,7 @@ class CheckpointManager:
         trainers = state["trainers"]
         if len(trainers) == self.env.world_size:
             return trainers[self.env.rank]
-        readers = [t["reader"] for t in trainers]
-        if any(r != readers[0] for r in readers):
-            raise RestoreError(
-                f"checkpoint {marker.checkpoint_id} was written by {len(trainers)} ranks whose readers hold "
-                f"different positions (e.g. Criteo line ranges); resume it with {len(trainers)} ranks"
-            )
-        return trainers[0]
+        return shared_reader(trainers, marker, f" (e.g. Criteo line ranges); resume it with {len(trainers)} ranks")
 
     # -- save -----------------------------------------------------------------------------
     def _due(self, step: int) -> bool:

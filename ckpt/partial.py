@@ -118,11 +118,11 @@ def compose(marker: Marker, survivors: list[SurvivorRecord], checkpoint_state: d
         if rank in survivor_states:
             base = survivor_states[rank]["trainer"]
         else:  # this rank died: its reader continues from the checkpoint's position
-            base = trainers[rank] if len(trainers) == world else _one_reader(trainers, marker)
+            base = trainers[rank] if len(trainers) == world else shared_reader(trainers, marker, _OTHER_WORLD)
         states.append({**base, "step": lead_loop["step"], "samples_seen": lead_loop["samples_seen"]})
         skips.append(int(lead_loop["step"]) - int(base["step"]))
     if world_now != world:
-        _one_reader([survivor_states[r.rank]["trainer"] for r in survivors] + list(trainers), marker)
+        shared_reader([survivor_states[r.rank]["trainer"] for r in survivors] + list(trainers), marker, _OTHER_WORLD)
         states, skips = [lead_loop], [0]
     tables = rolled_back_tables(marker, survivors)
     sizes = {t: rows * dim for t, (rows, dim) in marker.tables.items() if t in tables}
@@ -158,9 +158,15 @@ def _waiting_lost(trainers: list[dict[str, Any]], rolled_back: list[int], world:
     return lost
 
 
-def _one_reader(trainers: list[dict[str, Any]], marker: Marker) -> dict[str, Any]:
+_OTHER_WORLD = ", and its survivors by another number of ranks"
+
+
+def shared_reader(trainers: list[dict[str, Any]], marker: Marker, why: str) -> dict[str, Any]:
+    """The loop state every rank of another world size resumes from: only when the ranks that
+    wrote `trainers` held one reader position (the synthetic stream's global position);
+    else a `RestoreError` ending in `why`."""
     readers = [t["reader"] for t in trainers]
     if any(r != readers[0] for r in readers):
         raise RestoreError(f"checkpoint {marker.checkpoint_id} was written by {len(trainers)} ranks whose readers hold "
-                           "different positions, and its survivors by another number of ranks")
+                           f"different positions{why}")
     return trainers[0]
