@@ -218,8 +218,12 @@ def cmd_gc(catalog: Catalog, keep: int, backend, dense: DenseStore, guard: GcGua
     kept_ids = {m.checkpoint_id for m in kept}
     ids = {*catalog.commits, *(m.checkpoint_id for m in catalog.fenced_commits if m.kind == "commit")}
     stale = [cid for cid in sorted(ids) if cid not in kept_ids and dense.path_for(cid).exists()]
+    # a survivor snapshot on a checkpoint gc drops can never be restored: its dense file goes too
+    stale_survivors = [r for r in survivors if r.base not in kept_bases and dense.survivor_path(
+        r.link.checkpoint_id, r.rank).exists()]
     deletions = [*(partial(backend.sink.drop_generation, g) for g in sorted([*unfinished, *dropped])),
-                 *(partial(dense.delete, [cid]) for cid in stale)]
+                 *(partial(dense.delete, [cid]) for cid in stale),
+                 *(partial(dense.delete_survivor, r.link.checkpoint_id, r.rank) for r in stale_survivors)]
     for n, delete in enumerate(deletions, 1):
         guard.check()
         delete()

@@ -170,6 +170,10 @@ class DenseStore:
         for cid in checkpoint_ids:
             self.path_for(cid).unlink(missing_ok=True)
 
+    def delete_survivor(self, checkpoint_id: int, rank: int) -> None:
+        """Remove the dense file of a survivor snapshot no restore can use any more (gc)."""
+        self.survivor_path(checkpoint_id, rank).unlink(missing_ok=True)
+
 
 def _unpickling_reason(exc: pickle.UnpicklingError) -> str:
     """What torch's weights-only loader refused (`GLOBAL posix.system`, `Unsupported operand

@@ -13,7 +13,8 @@ import torch
 from ckpt import cli as ckpt_cli
 from ckpt.fs_sink import FsMarkers
 from ckpt.kafka_sink import KafkaMarkers
-from ckpt.markers import decode_marker, encode_marker
+from ckpt.dense_store import DenseStore
+from ckpt.markers import ChainLink, SurvivorRecord, decode_marker, encode_marker
 from launch.broker import EmbeddedBroker, free_port
 from launch.ranks import read_metrics, spawn_ranks, start_ranks
 from trainer.ckpt_cli import load_ckpt_config
@@ -135,7 +136,8 @@ def _cli(capsys, *argv: object) -> tuple[int, str]:
 def test_cli_list_verify_and_gc(tmp_path, unique_name, debug_config: DebugConfig, capsys):
     """`list`, `verify` and `gc` on a real run (the commands run in this process; a killed gc,
     a resume after gc and gc as a subprocess: tests/integration/test_kill_during_tools.py)."""
-    job = _ckpt(unique_name("cli"), policy="full")
+    job_id = unique_name("cli")
+    job = _ckpt(job_id, policy="full")
     spawn_ranks(debug_config.path, [*job, "train.steps=50", "train.eval_batches=1"], tmp_path)
     cli = ("--config", debug_config.path, f"run.dir={tmp_path / 'run'}", *job)
     rc, listing = _cli(capsys, *cli, "list")
@@ -146,8 +148,17 @@ def test_cli_list_verify_and_gc(tmp_path, unique_name, debug_config: DebugConfig
     assert attempt.startswith("trainer attempt: ") and attempt.endswith(" (epoch 1)"), listing
     rc, verify = _cli(capsys, *cli, "verify", "--checkpoint", "4")
     assert rc == 0 and "checkpoint 4 (step 40): OK" in verify, verify
+    # survivor snapshots (partial recovery) on checkpoint 2, which gc drops, and on 5, which it keeps
+    dense, markers = DenseStore(tmp_path / "run" / "dense"), FsMarkers(tmp_path / "run" / "stream", job_id)
+    for cid, base in ((6, 2), (7, 5)):
+        ref = dense.write_survivor(cid, 1, {"step": 10 * base + 1})
+        markers.append_marker(encode_marker(SurvivorRecord(
+            kind="survivor", run_id=job_id, attempt=f"a-test-{cid}", rank=1, world_size=2, base=base, step=10 * base + 1,
+            link=ChainLink(checkpoint_id=cid, full=False, generation=cid, ranges={}, rows=0, bytes=0),
+            dense=ref.as_json())))
     rc, gc = _cli(capsys, *cli, "gc", "--keep", "2")
-    assert rc == 0 and "dropped generations ['g1', 'g2', 'g3']" in gc, gc
+    assert rc == 0 and "dropped generations ['g1', 'g2', 'g3', 'g6']" in gc, gc
+    assert not dense.survivor_path(6, 1).exists() and dense.survivor_path(7, 1).exists()
     stream = tmp_path / "run" / "stream"
     assert sorted(p.name.rsplit(".g", 1)[1] for p in stream.glob("*.rows.g*")) == ["4", "5"]
     rc, after = _cli(capsys, *cli, "list")
