@@ -13,11 +13,13 @@ step, and the COMMIT marker it restored must name the expected weight codec.
 
 Settings (``--settings``):
 
-* ``default``: the Check-N-Run bit-width policy, ``ckpt.expected_restores=L`` (2-bit for L = 1,
-  3-bit for L <= 3, 4-bit for L <= 20, 8-bit beyond, 8-bit once restored more often than expected;
-  ``--set "ckpt.restore_bit_widths=[[3,4]]"`` measures another table).
+* ``default``: the bit-width policy, ``ckpt.expected_restores=L`` with the job's
+  ``ckpt.restore_bit_widths`` (deltarec's default: 4-bit for L <= 3, 8-bit beyond; 8-bit once
+  restored more often than expected); ``--set ckpt.restore_bit_widths=check_n_run`` measures
+  Check-N-Run's table (2-bit for L = 1, 3-bit for L <= 3, 4-bit for L <= 20), ``--set
+  "ckpt.restore_bit_widths=[[1,2],[10,4]]"`` any other.
 * ``adaptive2|adaptive3|adaptive4|asym8`` (or any codec name): ``ckpt.encoding=<name>``. A cell that
-  is the same job as a default-policy cell (``adaptive2@1``, ``adaptive3@3``, ``adaptive4@10|20``)
+  is the same job as a default-policy cell (with deltarec's table ``adaptive4@1|3``, ``asym8@10|20``)
   is reported from that cell instead of being trained again (``--no-dedupe`` runs it anyway).
 * controls (``--controls setting@L``): ``fp32`` (restores must be exact: zero degradation) and
   ``fp16`` (a near-lossless perturbation: how far any perturbed run drifts; the noise floor).
@@ -485,7 +487,7 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite accuracy") -> 
     from trainer.config import load_config
 
     # the default policy's table, as the jobs will read it (a --set may override it)
-    args.widths = tuple(map(tuple, load_config(args.config, base, check_data=False).ckpt.restore_bit_widths))
+    args.widths = load_config(args.config, base, check_data=False).ckpt.bit_widths()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="deltarec-quant-acc-"))
     machine = machine_info()
     settings = {"config": str(args.config), "overrides": base, "steps": args.steps, "world_size": 2}

@@ -12,13 +12,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ckpt.follow.config import FollowConfig
-from ckpt.quant import CHECK_N_RUN_WIDTHS, check_widths, codec_names, get_codec
+from ckpt.quant import codec_names, get_codec, resolve_widths
+from ckpt.quant.policy import Widths
 from ckpt.sink import check_run_id
 from common.errors import ConfigError
-
-
-def _check_n_run_widths() -> list[list[int]]:
-    return [list(pair) for pair in CHECK_N_RUN_WIDTHS]
 
 
 REDACTED = "<redacted>"
@@ -42,12 +39,12 @@ class CkptConfig:
     interval_s: float = 0.0  # 0: only by steps; else rank 0's clock, checked every 10 steps
     encoding: str = "fp32"  # weight rows codec (ckpt/quant: fp32, fp16, asym8, adaptive4, ...)
     optimizer_encoding: str = "fp32"  # optimizer-state rows; never below 8 bits
-    # > 0: pick bit widths from the expected number of restores (Check-N-Run: 2-bit for 1,
-    # 3-bit <= 3, 4-bit <= 20, else 8-bit; 8-bit once restored more often), overriding
-    # `encoding` and `optimizer_encoding`.
+    # > 0: pick bit widths from the expected number of restores (`restore_bit_widths`; 8-bit
+    # once restored more often than expected), overriding `encoding` and `optimizer_encoding`.
     expected_restores: int = 0
-    # that table as [most expected restores, bits] pairs (bits 2..4; more restores: 8-bit)
-    restore_bit_widths: list[list[int]] = field(default_factory=_check_n_run_widths)
+    # that table: a preset ("deltarec": 4-bit up to 3 restores, else 8-bit; "check_n_run": 2-bit
+    # for 1, 3-bit <= 3, 4-bit <= 20, else 8-bit) or [most expected restores, bits] pairs
+    restore_bit_widths: str | list[list[int]] = "deltarec"
     max_pending_bytes: int = 1 << 30  # host memory all unwritten snapshots of a rank may hold
     on_backpressure: Literal["wait", "skip"] = "skip"
     resume: str = "none"  # "none", "latest", or a checkpoint id
@@ -89,6 +86,10 @@ class CkptConfig:
     priority_full_every: int = 10
     ssu_sample: float = 0.1
 
+    def bit_widths(self) -> Widths:
+        """`restore_bit_widths` as a table (a preset name resolved); ValueError if it is none."""
+        return resolve_widths(self.restore_bit_widths)
+
     def resolved(self, run_name: str, run_dir: Path) -> "CkptConfig":
         """A copy with the run-derived defaults filled: run id, stream root, dense directory."""
         return replace(
@@ -129,7 +130,7 @@ class CkptConfig:
         if self.expected_restores < 0:
             raise ConfigError(f"{src}: ckpt.expected_restores must be >= 0 (0: use ckpt.encoding), got {self.expected_restores}")
         try:
-            check_widths(self.restore_bit_widths)
+            self.bit_widths()
         except ValueError as exc:
             raise ConfigError(f"{src}: ckpt.restore_bit_widths {self.restore_bit_widths}: {exc}") from None
         if self.interval_steps < 0 or self.interval_s < 0 or (

@@ -763,11 +763,11 @@ class CheckpointManager:
 
     def codecs(self) -> tuple[str, str]:
         """(weight codec, optimizer codec) for the next checkpoint: `ckpt.encoding`, or the bit
-        width `ckpt.restore_bit_widths` (Check-N-Run's table by default) gives for
+        width `ckpt.restore_bit_widths` (deltarec's table by default) gives for
         `ckpt.expected_restores`, which falls back to 8 bits once the job has restored more
         often than expected."""
         if self.c.expected_restores <= 0:
             return self.c.encoding, self.c.optimizer_encoding
         policy = BitWidthPolicy(expected_restores=self.c.expected_restores, restores_so_far=self.restores,
-                                widths=tuple(map(tuple, self.c.restore_bit_widths)))
+                                widths=self.c.bit_widths())
         return policy.weight_codec(), policy.optimizer_codec()

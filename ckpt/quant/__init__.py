@@ -10,7 +10,8 @@ accuracy and speed, and :mod:`ckpt.quant.policy` for choosing the bit width.
 """
 
 from .base import NonFiniteRowError, RowCodec, RowRangeError
-from .policy import CHECK_N_RUN_WIDTHS, BitWidthPolicy, bits_for_expected_restores, check_widths, codec_for_width
+from .policy import (CHECK_N_RUN_WIDTHS, DELTAREC_WIDTHS, WIDTH_PRESETS, BitWidthPolicy, bits_for_expected_restores,
+                     check_widths, codec_for_width, resolve_widths)
 from .registry import CODE_TABLE, codec_names, get_codec, register_codec, warm_up_codecs
 
 __all__ = [
@@ -26,5 +27,8 @@ __all__ = [
     "bits_for_expected_restores",
     "check_widths",
     "CHECK_N_RUN_WIDTHS",
+    "DELTAREC_WIDTHS",
+    "WIDTH_PRESETS",
+    "resolve_widths",
     "codec_for_width",
 ]

@@ -1,14 +1,20 @@
 """Bit width from the expected number of restores (Check-N-Run, sec. 6.2).
 
 Each restore from a quantized checkpoint adds quantization noise to the model, so the fewer
-restores a job expects, the fewer bits a checkpoint needs: 2-bit when it expects at most one,
-3-bit for up to 3, 4-bit for up to 20, 8-bit beyond. Once a job has restored more often than it
-expected, later checkpoints fall back to 8-bit. Optimizer-state rows are never quantized below
-``optimizer_floor_bits`` (default 8): their errors compound through every later update.
+restores a job expects, the fewer bits a checkpoint needs. The table of (most expected restores,
+bits) is a parameter (``widths``, config ``ckpt.restore_bit_widths``: a table or a preset name):
 
-That table comes from Check-N-Run's production jobs (billions of samples). On smaller jobs it can
-cost more (docs/quant.md measures 0.04-0.1% lifetime log loss here), so it is a parameter
-(``widths``, config ``ckpt.restore_bit_widths``) that a job can calibrate with bench.quant_accuracy.
+- ``deltarec`` (the default): 4-bit up to 3 expected restores, 8-bit beyond. It is the table that
+  kept the lifetime log loss within 0.01% of the uninterrupted job on the two jobs of
+  docs/quant.md, 3 seeds each;
+- ``check_n_run``: Check-N-Run's table from its production jobs (billions of samples): 2-bit for
+  at most one restore, 3-bit up to 3, 4-bit up to 20, 8-bit beyond. It costs 0.04-0.11%
+  lifetime log loss on those jobs.
+
+Once a job has restored more often than it expected, later checkpoints fall back to 8-bit.
+Optimizer-state rows are never quantized below ``optimizer_floor_bits`` (default 8): their
+errors compound through every later update. A job calibrates its own table with
+bench.quant_accuracy.
 """
 
 from __future__ import annotations
@@ -18,8 +24,8 @@ from dataclasses import dataclass, replace
 
 from .registry import get_codec
 
-__all__ = ["bits_for_expected_restores", "check_widths", "BitWidthPolicy", "CHECK_N_RUN_WIDTHS", "LOW_BIT_METHODS",
-           "OPTIMIZER_FLOORS"]  # fmt: skip
+__all__ = ["bits_for_expected_restores", "check_widths", "resolve_widths", "BitWidthPolicy", "CHECK_N_RUN_WIDTHS",
+           "DELTAREC_WIDTHS", "WIDTH_PRESETS", "LOW_BIT_METHODS", "OPTIMIZER_FLOORS"]  # fmt: skip
 
 LOW_BIT_METHODS = ("adaptive", "asym", "sym", "kmeans")
 # floor -> codec for optimizer-state rows. 16 is bf16, not fp16: Adagrad accumulators can pass
@@ -28,6 +34,8 @@ OPTIMIZER_FLOORS = {8: "asym8", 16: "bf16", 32: "fp32"}
 # (most expected restores, bits) in order; a job expecting more restores than the last entry: 8-bit
 Widths = tuple[tuple[int, int], ...]
 CHECK_N_RUN_WIDTHS: Widths = ((1, 2), (3, 3), (20, 4))
+DELTAREC_WIDTHS: Widths = ((3, 4),)
+WIDTH_PRESETS: dict[str, Widths] = {"deltarec": DELTAREC_WIDTHS, "check_n_run": CHECK_N_RUN_WIDTHS}
 LOW_BITS = (2, 3, 4)
 
 
@@ -59,9 +67,20 @@ def check_widths(widths: Sequence[Sequence[int]]) -> Widths:
     return tuple(out)
 
 
-def bits_for_expected_restores(n: int, widths: Widths = CHECK_N_RUN_WIDTHS) -> int:
+def resolve_widths(spec: str | Sequence[Sequence[int]]) -> Widths:
+    """The table a preset name (`WIDTH_PRESETS`) stands for, or `spec` itself validated."""
+    if isinstance(spec, str):
+        if spec not in WIDTH_PRESETS:
+            raise ValueError(f"{spec!r} is not a preset; choose one of {', '.join(WIDTH_PRESETS)} "
+                             "or give a table [[most expected restores, bits], ...]")
+        return WIDTH_PRESETS[spec]
+    return check_widths(spec)
+
+
+def bits_for_expected_restores(n: int, widths: Widths = DELTAREC_WIDTHS) -> int:
     """Bits for a job expecting `n` restores: the first entry of `widths` whose restores >= n,
-    else 8 (Check-N-Run's table: 2 for <= 1 expected restore, 3 for <= 3, 4 for <= 20)."""
+    else 8 (the default table: 4 for <= 3 expected restores; Check-N-Run's: 2 for <= 1,
+    3 for <= 3, 4 for <= 20)."""
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"expected restores must be an int, got {type(n).__name__}")
     if n < 0:
@@ -75,7 +94,9 @@ class BitWidthPolicy:
 
     >>> p = BitWidthPolicy(expected_restores=3)
     >>> p.weight_codec(), p.optimizer_codec()
-    ('adaptive3', 'asym8')
+    ('adaptive4', 'asym8')
+    >>> BitWidthPolicy(expected_restores=3, widths=CHECK_N_RUN_WIDTHS).weight_codec()
+    'adaptive3'
     >>> p.after_restore().after_restore().after_restore().after_restore().weight_codec()
     'asym8'
     """
@@ -84,7 +105,7 @@ class BitWidthPolicy:
     restores_so_far: int = 0
     optimizer_floor_bits: int = 8
     method: str = "adaptive"  # codec family used for 2..4-bit weights
-    widths: Widths = CHECK_N_RUN_WIDTHS  # (most expected restores, bits); more: 8-bit
+    widths: Widths = DELTAREC_WIDTHS  # (most expected restores, bits); more: 8-bit
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "widths", check_widths(self.widths))

@@ -90,6 +90,7 @@ def test_quant_accuracy_restores_are_exact_in_fp32_and_quantized_ones_are_not(
     run_cli("bench.run", "--suite", "accuracy", "--records", records, "--out", out, "--steps", "60",
             "--interval", "20", "--eval-every", "30", "--eval-batches", "4", "--settings", "default",
             "--restores", "1", "--controls", "fp32@1", "--skip", "--work-dir", tmp_path / "runs",
+            "--set", "optimizer.sparse.lr=0.2", "ckpt.restore_bit_widths=check_n_run",  # 2-bit at L = 1
             "--timeout", "300", timeout_s=900)  # fmt: skip
     cells = {(c["setting"], c["restores"]): c for c in json.loads(out.read_text())["cells"]}
     fp32, default = cells[("fp32", 1)], cells[("default", 1)]

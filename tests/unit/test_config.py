@@ -126,10 +126,15 @@ def test_restore_bit_widths_reach_the_checkpoint_manager_and_bad_tables_are_refu
 
     base = ["ckpt.enabled=true", "ckpt.sink=filesystem", "ckpt.expected_restores=3"]
     default = load_config(debug_config.path, base)
-    assert default.ckpt.restore_bit_widths == [[1, 2], [3, 3], [20, 4]]
-    assert CheckpointManager.codecs(SimpleNamespace(c=default.ckpt, restores=0)) == ("adaptive3", "asym8")
-    calibrated = load_config(debug_config.path, [*base, "ckpt.restore_bit_widths=[[3,4]]"])
-    assert CheckpointManager.codecs(SimpleNamespace(c=calibrated.ckpt, restores=0)) == ("adaptive4", "asym8")
-    assert CheckpointManager.codecs(SimpleNamespace(c=calibrated.ckpt, restores=4)) == ("asym8", "asym8")
+    assert default.ckpt.restore_bit_widths == "deltarec" and default.ckpt.bit_widths() == ((3, 4),)
+    assert CheckpointManager.codecs(SimpleNamespace(c=default.ckpt, restores=0)) == ("adaptive4", "asym8")
+    assert CheckpointManager.codecs(SimpleNamespace(c=default.ckpt, restores=4)) == ("asym8", "asym8")
+    cnr = load_config(debug_config.path, [*base, "ckpt.restore_bit_widths=check_n_run"])
+    assert CheckpointManager.codecs(SimpleNamespace(c=cnr.ckpt, restores=0)) == ("adaptive3", "asym8")
+    table = load_config(debug_config.path, [*base, "ckpt.restore_bit_widths=[[1,2],[10,3]]"])
+    assert CheckpointManager.codecs(SimpleNamespace(c=table.ckpt, restores=0)) == ("adaptive3", "asym8")
+    with pytest.raises(ConfigError, match=r"ckpt.restore_bit_widths cnr: 'cnr' is not a preset; choose one of "
+                                          r"deltarec, check_n_run or give a table"):
+        load_config(debug_config.path, [*base, "ckpt.restore_bit_widths=cnr"])
     with pytest.raises(ConfigError, match=r"ckpt.restore_bit_widths \[\[20, 4\], \[3, 3\]\]: entry 1 .* restores must increase"):
         load_config(debug_config.path, [*base, "ckpt.restore_bit_widths=[[20,4],[3,3]]"])

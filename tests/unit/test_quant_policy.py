@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt.quant import BitWidthPolicy, bits_for_expected_restores, get_codec
+from ckpt.quant import CHECK_N_RUN_WIDTHS, BitWidthPolicy, bits_for_expected_restores, get_codec
 
 
 @pytest.mark.parametrize(
     "n,bits", [(0, 2), (1, 2), (2, 3), (3, 3), (4, 4), (19, 4), (20, 4), (21, 8), (1000, 8)]
 )
-def test_bits_for_expected_restores(n, bits):
+def test_bits_for_expected_restores_with_check_n_runs_table(n, bits):
+    assert bits_for_expected_restores(n, CHECK_N_RUN_WIDTHS) == bits
+
+
+@pytest.mark.parametrize("n,bits", [(0, 4), (1, 4), (3, 4), (4, 8), (20, 8)])
+def test_the_default_table_is_4_bit_up_to_3_restores_then_8_bit(n, bits):
     assert bits_for_expected_restores(n) == bits
+    assert BitWidthPolicy(expected_restores=n).weight_bits == bits
 
 
 def test_bits_for_expected_restores_validates():
@@ -25,7 +31,7 @@ def test_bits_for_expected_restores_validates():
 
 @pytest.mark.parametrize("n,weight", [(1, "adaptive2"), (3, "adaptive3"), (20, "adaptive4"), (21, "asym8")])
 def test_policy_weight_and_optimizer_codecs(n, weight):
-    p = BitWidthPolicy(expected_restores=n)
+    p = BitWidthPolicy(expected_restores=n, widths=CHECK_N_RUN_WIDTHS)
     assert p.weight_codec() == weight
     assert p.optimizer_codec() == "asym8"  # never below 8 bits
     assert p.codecs() == (weight, "asym8")
@@ -33,7 +39,7 @@ def test_policy_weight_and_optimizer_codecs(n, weight):
 
 
 def test_fallback_to_8bit_after_more_restores_than_expected():
-    p = BitWidthPolicy(expected_restores=3)
+    p = BitWidthPolicy(expected_restores=3, widths=CHECK_N_RUN_WIDTHS)
     seen = []
     for _ in range(6):
         seen.append((p.restores_so_far, p.weight_codec(), p.fell_back))
@@ -47,7 +53,8 @@ def test_fallback_to_8bit_after_more_restores_than_expected():
         (5, "asym8", True),
     ]
     assert BitWidthPolicy(1, restores_so_far=2).weight_bits == 8
-    assert BitWidthPolicy(1, restores_so_far=1).weight_bits == 2
+    assert BitWidthPolicy(1, restores_so_far=1, widths=CHECK_N_RUN_WIDTHS).weight_bits == 2
+    assert BitWidthPolicy(1, restores_so_far=1).weight_bits == 4
 
 
 def test_optimizer_floor_configurable():
@@ -67,8 +74,9 @@ def test_optimizer_bits_follow_weights_when_weights_are_wider():
 
 
 def test_method_choice():
-    assert BitWidthPolicy(1, method="asym").weight_codec() == "asym2"
-    assert BitWidthPolicy(3, method="kmeans").weight_codec() == "kmeans3"
+    assert BitWidthPolicy(1, method="asym", widths=CHECK_N_RUN_WIDTHS).weight_codec() == "asym2"
+    assert BitWidthPolicy(3, method="kmeans", widths=CHECK_N_RUN_WIDTHS).weight_codec() == "kmeans3"
+    assert BitWidthPolicy(3, method="asym").weight_codec() == "asym4"
     assert BitWidthPolicy(30, method="sym").weight_codec() == "asym8"  # 8-bit is always asym8
     with pytest.raises(ValueError):
         BitWidthPolicy(1, method="int4")
@@ -76,7 +84,7 @@ def test_method_choice():
 
 def test_tiny_rows_use_fp32_when_no_larger():
     # row-wise Adagrad keeps one float per row: asym8 would be 9 bytes against fp32's 4
-    p = BitWidthPolicy(3)
+    p = BitWidthPolicy(3, widths=CHECK_N_RUN_WIDTHS)
     assert p.optimizer_codec(dim=1) == "fp32"
     assert p.optimizer_codec(dim=2) == "fp32"  # 10 vs 8 bytes
     assert p.optimizer_codec(dim=3) == "asym8"  # 11 vs 12 bytes
@@ -95,11 +103,16 @@ def test_policy_validates():
         p.restores_so_far = 5  # frozen: use after_restore()
 
 
-def test_default_table_is_check_n_runs():
-    from ckpt.quant import CHECK_N_RUN_WIDTHS
+def test_presets_name_deltarecs_default_and_check_n_runs_table():
+    from ckpt.quant import DELTAREC_WIDTHS, WIDTH_PRESETS, resolve_widths
 
     assert CHECK_N_RUN_WIDTHS == ((1, 2), (3, 3), (20, 4))
-    assert [bits_for_expected_restores(n, CHECK_N_RUN_WIDTHS) for n in (1, 3, 20, 21)] == [2, 3, 4, 8]
+    assert DELTAREC_WIDTHS == ((3, 4),) == BitWidthPolicy(1).widths
+    assert WIDTH_PRESETS == {"deltarec": DELTAREC_WIDTHS, "check_n_run": CHECK_N_RUN_WIDTHS}
+    assert resolve_widths("check_n_run") == CHECK_N_RUN_WIDTHS
+    assert resolve_widths([[1, 2], [10, 4]]) == ((1, 2), (10, 4))
+    with pytest.raises(ValueError, match="'cnr' is not a preset; choose one of deltarec, check_n_run"):
+        resolve_widths("cnr")
 
 
 @pytest.mark.parametrize("n,weight", [(1, "adaptive4"), (3, "adaptive4"), (4, "asym8"), (50, "asym8")])
