@@ -223,10 +223,6 @@ class RankCpu:
     stall_cpu_s: float  # the training thread's CPU inside checkpoint stalls (`StallTiming.cpu_ms`)
     wall_s: float
 
-    @property
-    def total_s(self) -> float:
-        return sum(self.threads.values())
-
 
 def read_cpu(path: Path) -> RankCpu:
     """The record `run` wrote to `side/cpu_rank<r>.json`."""

@@ -41,8 +41,8 @@ from typing import Any
 
 from bench.common import (Measurement, config_path, document_head, harmonic_of, loadavg, log, machine_info, mean_of,
                           median_of, scalars)
-from bench.cpu import checkpoint_cpu, process_cpu_s
-from bench.peers import DEFAULT_POLICY, DEFAULT_QUANT, SIZES, full_config
+from bench.cpu import checkpoint_cpu
+from bench.peers import DEFAULT_POLICY, DEFAULT_QUANT, SIZES, broker_cpu_s, full_config
 from launch.broker import EmbeddedBroker
 
 # per size: steps of every job and the checkpoint interval in seconds (full: ~0.35 s a step
@@ -106,10 +106,9 @@ def ckpt_job(sink: str, s: dict[str, Any], work: Path, n: int, tmpfs: Path, time
     prefix = f"bench-cost-{uuid.uuid4().hex[:8]}"
     if sink == "kafka":
         with EmbeddedBroker() as broker:
-            assert broker.pid is not None
-            cpu0 = process_cpu_s(broker.pid) or 0.0
+            cpu0 = broker_cpu_s(broker)
             run = train_run(label, extra, ns, work, broker.bootstrap, prefix)
-            run["broker_cpu_s"] = (process_cpu_s(broker.pid) or 0.0) - cpu0
+            run["broker_cpu_s"] = broker_cpu_s(broker) - cpu0
     else:
         root = Path(tempfile.mkdtemp(prefix="deltarec-cost-", dir=tmpfs))
         try:
