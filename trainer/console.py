@@ -404,7 +404,10 @@ def is_peer_lost(exc: BaseException) -> bool:
 
 STALLED = re.compile(r"Timed out waiting (\d+)ms for (send|recv) operation")
 """What gloo says when a collective's peer stopped answering within the process group's timeout."""
-_COLLECTIVE_CODE = ("/torchrec/", "/torch/distributed/", "/torch/nn/parallel/")
+_BACKWARD_CODE = "/torch/autograd/"
+"""A collective waited inside the autograd engine (DDP's gradient all-reduce, run by its C++ reducer,
+or a backward all-to-all) leaves no Python frame of its own below this one."""
+_COLLECTIVE_CODE = ("/torchrec/", "/torch/distributed/", "/torch/nn/parallel/", _BACKWARD_CODE)
 
 
 def is_stalled_collective(exc: BaseException) -> bool:
@@ -422,7 +425,10 @@ def stalled_collective(exc: BaseException) -> str:
             return None
         code, line = found
         parts = code.co_filename.replace(os.sep, "/").split("/")
-        return f"{code.co_qualname} ({'/'.join(parts[-2:])}:{line})"
+        where = f"{code.co_qualname} ({'/'.join(parts[-2:])}:{line})"
+        if _BACKWARD_CODE in code.co_filename.replace(os.sep, "/"):
+            return f"the backward pass's gradient all-reduce or all-to-all, {where}"
+        return where
 
     library = name(next((f for f in reversed(frames) if any(p in f[0].co_filename for p in _COLLECTIVE_CODE)), None))
     ours = name(next((f for f in reversed(frames) if "site-packages" not in f[0].co_filename

@@ -233,6 +233,21 @@ def test_a_timed_out_collective_is_one_line_with_the_wait_and_where() -> None:
     assert not console.is_stalled_collective(RuntimeError(GLOO_RESET))
 
 
+def test_a_collective_timed_out_in_the_backward_pass_names_it() -> None:
+    # DDP's reducer waits for the gradient all-reduce in C++: autograd's frame is the innermost library one
+    autograd = compile("def _engine_run_backward(step):\n    step()\n", "/venv/site-packages/torch/autograd/graph.py",
+                       "exec")  # fmt: skip
+    scope: dict = {}
+    exec(autograd, scope)
+    try:
+        scope["_engine_run_backward"](_train_step_that_stalls)
+    except RuntimeError as exc:
+        caught = exc
+    line = console.stalled_line(0, caught)
+    assert (": the backward pass's gradient all-reduce or all-to-all, _engine_run_backward (autograd/graph.py:2) in "
+            "_train_step_that_stalls (unit/test_console.py:") in line, line  # fmt: skip
+
+
 def test_a_repeated_library_message_shows_once_a_window_with_the_count() -> None:
     now = [0.0]
     f = console.RepeatFilter(60.0, clock=lambda: now[0])
