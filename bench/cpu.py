@@ -120,7 +120,14 @@ def checkpoint_cpu(job: list[dict], base: list[dict], checkpoints: int,
     ``cpu_stall`` its part inside the stalls, ``cpu_writer`` the writer thread, ``cpu_kafka``
     librdkafka's threads, ``cpu_other`` the other threads' extra CPU, ``cpu_trainer`` all of
     the trainer's process, ``cpu_broker`` the broker process (`broker_s`: its CPU during the
-    job); and ``cpu_trainer_overhead``, the trainer's extra CPU as a fraction of the baseline's."""
+    job); and ``cpu_trainer_overhead``, the trainer's extra CPU as a fraction of the baseline's.
+
+    ``cpu_direct`` is the CPU spent where only checkpointing runs: the training thread inside
+    stalls, the writer thread and librdkafka's threads (none of which the baseline has), with
+    ``cpu_direct_overhead`` its fraction of the baseline's CPU. Unlike the differences above
+    it subtracts nothing, so it does not carry the run-to-run noise of two whole jobs' CPU (a
+    few percent on a shared VM); it leaves out the tracker's hook on every step (suite
+    ``tracker``) and any slowdown of training by cache or memory-bandwidth contention."""
     if not checkpoints or not job or not base:
         return {}
     scale = sum(r["steps"] for r in job) / max(1, sum(r["steps"] for r in base))
@@ -137,4 +144,7 @@ def checkpoint_cpu(job: list[dict], base: list[dict], checkpoints: int,
     out["cpu_trainer_s_per_ckpt"] = trainer / checkpoints
     out["cpu_broker_s_per_ckpt"] = broker_s / checkpoints if broker_s is not None else None
     out["cpu_trainer_overhead"] = trainer / base_total if base_total else None
+    direct = sum(r["stall_cpu_s"] + r["threads"]["writer"] + r["threads"]["kafka"] for r in job)
+    out["cpu_direct_s_per_ckpt"] = direct / checkpoints
+    out["cpu_direct_overhead"] = direct / base_total if base_total else None
     return out

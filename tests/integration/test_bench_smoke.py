@@ -108,7 +108,7 @@ def test_cost_suite_measures_kafka_and_the_tmpfs_reference_against_no_checkpoint
     checkpoints and CPU per checkpoint by thread class; the broker's CPU only where there is
     a broker; the baseline run before and after."""
     out, records = tmp_path / "cost.json", tmp_path / "records.jsonl"
-    run_cli("bench.run", "--suite", "cost", "--size", "quick", "--steps", "160", "--interval-s", "1", "--records",
+    run_cli("bench.run", "--suite", "cost", "--size", "quick", "--steps", "120", "--interval-s", "1", "--records",
             records, "--out", out, "--keep", tmp_path / "runs", timeout_s=900)
     result = json.loads(out.read_text())
     summary = result["summary"]
@@ -117,6 +117,7 @@ def test_cost_suite_measures_kafka_and_the_tmpfs_reference_against_no_checkpoint
         a = summary[sink]
         assert a["committed"] >= 1 and a["committed"] == a["checkpoints"], (sink, a)
         assert a["cpu_writer_s_per_ckpt"] > 0 and a["cpu_stall_s_per_ckpt"] > 0, (sink, a)
+        assert a["cpu_direct_s_per_ckpt"] >= a["cpu_writer_s_per_ckpt"] + a["cpu_stall_s_per_ckpt"], (sink, a)
         assert a["throughput_overhead"] is not None and a["cpu_trainer_overhead"] is not None
     assert summary["kafka"]["cpu_broker_s_per_ckpt"] > 0 and summary["kafka"]["cpu_kafka_s_per_ckpt"] > 0
     assert summary["tmpfs"]["cpu_broker_s_per_ckpt"] is None  # no broker

@@ -91,6 +91,9 @@ def test_checkpoint_cpu_subtracts_the_baseline_scaled_to_the_jobs_steps() -> Non
     assert got["cpu_trainer_s_per_ckpt"] == pytest.approx((2.0 + 1.6 + 0.4 + 0.8) / 4)
     assert got["cpu_broker_s_per_ckpt"] == pytest.approx(0.3)
     assert got["cpu_trainer_overhead"] == pytest.approx(4.8 / 24.0)
+    # direct: stalls 0.8 + writer 1.6 + librdkafka 0.4, nothing subtracted
+    assert got["cpu_direct_s_per_ckpt"] == pytest.approx(2.8 / 4)
+    assert got["cpu_direct_overhead"] == pytest.approx(2.8 / 24.0)
     assert checkpoint_cpu(job, base, checkpoints=4)["cpu_broker_s_per_ckpt"] is None  # no broker: the tmpfs sink
     assert checkpoint_cpu(job, base, checkpoints=0) == {}
 
