@@ -3,10 +3,10 @@
 The trainer calls `save(step)` after every step and `finish(step)` at the end; on start
 `restore()` brings back the newest (or a chosen) checkpoint, under `ckpt.recovery: partial`
 with the survivor snapshots a failed attempt left (ckpt/partial.py), which a surviving rank
-writes with `save_survivor` (ckpt/survivor.py). At a checkpoint step the
-training thread: agrees with the other ranks on the checkpoint's kind (one small
-all-reduce of row counts and flags, never a wait on Kafka), copies the chosen rows and
-the dense state to host memory (the stall), and hands them to its writer thread.
+writes with `save_survivor` (ckpt/survivor.py). At a checkpoint step the training thread:
+agrees with the other ranks on the checkpoint's kind (small all-reduces of row counts and
+flags, started at the end of the step before; never a wait on Kafka), copies the chosen
+rows and the dense state to host memory (the stall), and hands them to its writer thread.
 Outcomes come back asynchronously and are logged, counted and written to metrics; a
 failed checkpoint makes the next one full.
 """
@@ -31,6 +31,7 @@ from ckpt.catalog import Catalog, read_catalog
 from ckpt.committer import Committer
 from ckpt.config import CkptConfig
 from ckpt.dense_store import DenseHistory, DenseRef, DenseStore, DenseStoreError
+from ckpt.host_buffers import HostBufferPool
 from ckpt.faults import maybe_die
 from ckpt.frames import FrameError
 from ckpt.markers import Marker, SurvivorRecord
@@ -55,6 +56,7 @@ from sharding.shard_views import ShardMap
 logger = logging.getLogger(__name__)
 
 _TIME_CHECK_EVERY = 10  # steps between agreements on a time-based interval
+_KINDS = ("full", "base", "last")  # a full checkpoint, a delta since the base, a delta since the last one
 
 
 class MetricsSink(Protocol):
@@ -76,7 +78,7 @@ class StallTiming(NamedTuple):
     checkpoint_id: int
     step: int
     full: bool
-    agree_ms: float  # the two small all-reduces, including waiting for the other ranks
+    agree_ms: float  # collecting the two small all-reduces (started a step early when it could), waiting included
     take_ms: float  # copying the chosen rows to host memory
     dense_ms: float  # tracker marks, dense state capture, loop state
     stall_ms: float  # all of it: what the training thread lost
@@ -85,6 +87,16 @@ class StallTiming(NamedTuple):
     since_base: float  # fraction of all ranks' rows changed since the baseline
     since_last: float  # ... since the previous checkpoint
     cpu_ms: float = 0.0  # CPU time of the training thread during the stall (the rest of stall_ms is waiting)
+
+
+class _Agreement(NamedTuple):
+    """One checkpoint's agreement in flight: this rank's inputs, reduced in place by `works`."""
+
+    step: int  # the checkpoint step it is for
+    counts: torch.Tensor  # rows since the base, since the last checkpoint, in all, of a full one
+    flags: torch.Tensor  # force a full checkpoint; the writers too far behind for a full / base / last one
+    works: list[Any]  # the two async all-reduces
+    forced: bool  # this rank asked for a full checkpoint
 
 
 class _Pending(NamedTuple):
@@ -186,7 +198,9 @@ class CheckpointManager:
         # full checkpoints hold the rows trained since, and markers say how to regenerate the rest.
         self.row_init = sharded.row_init
         regenerate = self.row_init is not None and cfg.untrained_rows == "regenerate"
-        self.taker = SnapshotTaker(self.shard_map, self.tracker, device, trained_only=regenerate)
+        # CPU snapshots reuse the memory of written ones, within the pending-snapshot budget
+        self.taker = SnapshotTaker(self.shard_map, self.tracker, device, trained_only=regenerate,
+                                   pool=HostBufferPool(cfg.max_pending_bytes))
         self.policy = CheckpointPolicy(self.c.policy)
         self.backend: Backend = open_backend(cfg, env.world_size)
         self.dense = DenseStore(cfg.dense_dir)
@@ -228,6 +242,8 @@ class CheckpointManager:
         self._announcing: tuple[Future[Announced], Catalog] | None = None  # rank 0, from the start on
         self._history = DenseHistory(0, [])  # what the run directory remembers (rank 0's, broadcast)
         self.agreed_fractions = (0.0, 0.0)  # rows changed since the base / the last checkpoint, all ranks
+        self._ahead_step, self._ahead_due = -1, False  # a step whose checkpoint was decided a step early
+        self._agreement: _Agreement | None = None  # its agreement, started then
         self._pending: dict[int, _Pending] = {}
         warm_up_codecs([self.codecs()[0]])  # before training, not in the first checkpoint's write
         self.full_bytes = self.taker.upper_bound_bytes()  # fixed by the plan
@@ -564,6 +580,11 @@ class CheckpointManager:
 
     # -- save -----------------------------------------------------------------------------
     def _due(self, step: int) -> bool:
+        """Whether `step` takes a checkpoint: decided at the end of the step before (`_look_ahead`),
+        or now for the first step of this process."""
+        return self._ahead_due if self._ahead_step == step else self._due_at(step)
+
+    def _due_at(self, step: int) -> bool:
         c = self.c
         due = c.interval_steps > 0 and step % c.interval_steps == 0
         if self.interval_s > 0 and step % _TIME_CHECK_EVERY == 0:
@@ -578,11 +599,24 @@ class CheckpointManager:
         self._collect()
         if self._due(step):
             self._checkpoint(step)
+        self._look_ahead(step + 1)
+
+    def _look_ahead(self, step: int) -> None:
+        """Decide now whether the next step, `step`, checkpoints, and if so start its agreement:
+        its all-reduces then run during that step's training, and the stall only collects them
+        (the kind is chosen from the row counts of the step before it)."""
+        self._ahead_step, self._ahead_due = step, self._due_at(step)
+        if self._ahead_due:
+            self._agreement = self._start_agreement(step)
 
     def finish(self, step: int) -> None:
         """Checkpoint the last step (ckpt.final), wait for every outcome, stop the writer."""
         if self.c.final and self.last_step != step:
             self._checkpoint(step, final=True)
+        if self._agreement is not None:  # started for a step that never came
+            for work in self._agreement.works:
+                work.wait()
+            self._agreement = None
         for outcome in self.writer.close():
             self._record(outcome)
         self.backend.close()
@@ -632,10 +666,13 @@ class CheckpointManager:
             "ckpt_durable_s": durable_s,
         })
 
-    def _agree(self) -> tuple[Decision, float, dict[str, int], dict[str, bool]]:
-        """Every rank's view in one pair of small all-reduces: the checkpoint's kind, the
-        fraction of rows it writes, and whether any rank's writer is too far behind for it.
-        Numbers only, so the training thread never waits on Kafka here."""
+    def _start_agreement(self, step: int) -> _Agreement:
+        """This rank's view, in one pair of small async all-reduces: the counts that choose the
+        checkpoint's kind and the fraction of rows it writes, whether any rank asks for a full
+        one, and whether any rank's writer is too far behind for each kind. Numbers only, so
+        the training thread never waits on Kafka here."""
+        if self.priority is not None and self._since_full + 1 >= self.c.priority_full_every:
+            self.force_full = True  # the full checkpoint that saves what prioritized ones left waiting
         base, last = self.tracker.counts(since_base=True), self.tracker.counts(since_base=False)  # one pass each
         full = self.tracker.counts(since_base=True, trained=True) if self.taker.trained_only else None
         est = {"full": self.taker.bytes_for(full) if full is not None else self.full_bytes,
@@ -644,27 +681,38 @@ class CheckpointManager:
         counts = torch.tensor([sum(base), sum(last), self.total_rows, sum(full) if full is not None else self.total_rows],
                               dtype=torch.float64)
         flags = torch.tensor(
-            [float(self.force_full)] + [float(pending + est[k] > self.c.max_pending_bytes) for k in est]
+            [float(self.force_full)] + [float(pending + est[k] > self.c.max_pending_bytes) for k in _KINDS]
         )
-        dist.all_reduce(counts)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        works = [dist.all_reduce(counts, async_op=True), dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)]
+        return _Agreement(step, counts, flags, works, self.force_full)
+
+    def _agree(self, step: int) -> tuple[Decision, float, dict[str, bool], bool]:
+        """The checkpoint of `step`: its kind, the fraction of rows it writes, which kinds some
+        rank's writer has no room for, and whether this rank's request for a full checkpoint
+        was part of it (`_start_agreement`)."""
+        a = self._agreement
+        if a is not None and a.step == step:
+            self._agreement = None
+        else:  # not started a step ahead (the first step, the final checkpoint)
+            a = self._start_agreement(step)
+        for work in a.works:
+            work.wait()
+        counts, flags = a.counts, a.flags
         total = max(counts[2].item(), 1.0)
         self.agreed_fractions = (counts[0].item() / total, counts[1].item() / total)  # since base, since last
         full_fraction = counts[3].item() / total  # what a full checkpoint would write
         decision = self.policy.decide(self.agreed_fractions[0], force_full=bool(flags[0]), full_fraction=full_fraction)
         fraction = full_fraction if decision.full else (counts[0] if decision.since_base else counts[1]).item() / total
-        overflow = {k: bool(f) for k, f in zip(est, flags[1:])}
-        return decision, fraction, est, overflow
+        overflow = {k: bool(f) for k, f in zip(_KINDS, flags[1:], strict=True)}
+        return decision, fraction, overflow, a.forced
 
     def _checkpoint(self, step: int, final: bool = False) -> None:
         """Take the checkpoint of `step`: agree, copy (the stall), hand to the writer.
         Under back-pressure `skip` drops it (reported), `wait` blocks; the final one waits."""
         if not self.epoch:
             self._join_attempt()
-        if self.priority is not None and self._since_full + 1 >= self.c.priority_full_every:
-            self.force_full = True  # the full checkpoint that saves what prioritized ones left waiting
         started_unix, t0, cpu0 = time.time(), time.perf_counter(), time.thread_time()
-        decision, fraction, est, overflow = self._agree()
+        decision, fraction, overflow, forced = self._agree(step)
         t_agreed = time.perf_counter()
         kind = "full" if decision.full else ("base" if decision.since_base else "last")
         if overflow[kind] and self.c.on_backpressure == "skip" and not final:
@@ -676,8 +724,9 @@ class CheckpointManager:
                 )
                 self.metrics.write({"step": step, "ckpt_skipped": True})
             return
-        if overflow[kind]:
-            self.writer.wait_for_room(est[kind], self.c.max_pending_bytes)
+        if self.writer.pending_bytes:  # the agreed counts are a step old: the bound uses this step's
+            need = self.taker.estimate_bytes(decision.full, decision.since_base)
+            self.writer.wait_for_room(need, self.c.max_pending_bytes)
         self.last_step, self.last_time = step, time.monotonic()
         cid = self.next_id
         self.next_id += 1
@@ -708,7 +757,7 @@ class CheckpointManager:
         if self.priority is not None:
             trainer_state["priority"] = self._priority_accounting(decision.full, saved, int(trainer_state["samples_seen"]))
         self.policy.record(decision, fraction)
-        self.force_full = False
+        self.force_full = self.force_full and not forced  # a request made after the agreement waits for the next
         now = time.perf_counter()
         snapshot.stall_s = now - t0
         self.stats.stalls.append(StallTiming(

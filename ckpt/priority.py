@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ckpt.tracker import LookupGroup, RowTracker
+from ckpt.tracker import LookupGroup, RowTracker, rows_of
 
 MODES = ("mfu", "ssu")
 
@@ -65,7 +65,7 @@ class RowPriority:
     def select(self, changed: torch.Tensor, budget_bytes: int) -> list[torch.Tensor]:
         """Of the `changed` rows (flat bool bitmap), the ones to save within `budget_bytes`:
         sorted local rows per shard."""
-        candidates = changed.nonzero().view(-1)
+        candidates = rows_of(changed)
         if self.sampled is not None:
             candidates = candidates[self.sampled[candidates]]
             order = torch.randperm(candidates.numel(), generator=self._rng)

@@ -191,6 +191,7 @@ class RankWriter:
                 with self._lock:
                     self._pending_bytes -= job.snapshot.nbytes
                     self._lock.notify_all()
+                job.snapshot.release()  # its memory may now hold a later snapshot
             self._outcomes.put(outcome)
 
     def _write(self, job: WriteJob) -> RankReport:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from ckpt.host_buffers import HostBufferPool
 from ckpt.snapshot import ShardRows, Snapshot, SnapshotTaker
 
 
@@ -184,3 +185,35 @@ def test_shard_rows_nbytes_counts_every_tensor() -> None:
     r = ShardRows("t", 0, 0, torch.zeros(3, dtype=torch.int64), torch.zeros(3, 4), {"a": torch.zeros(3), "b": torch.zeros(3, 4, dtype=torch.float16)})
     assert r.nbytes == 24 + 48 + 12 + 24
     assert Snapshot(1, 1, False, [r, r], 0.0).nbytes == 2 * r.nbytes
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_pooled_snapshots_are_the_same_copy_and_reuse_the_memory_of_released_ones(full: bool) -> None:
+    smap, tracker = make()
+    pool = HostBufferPool(1 << 30)
+    taker = SnapshotTaker(smap, tracker, torch.device("cpu"), pool=pool)
+    plain = SnapshotTaker(smap, tracker, torch.device("cpu")).take(1, 0, full=full, since_base=False)
+
+    def assert_same(snap: Snapshot) -> None:
+        assert snap.nbytes == plain.nbytes
+        for a, b in zip(snap.shards, plain.shards, strict=True):
+            assert torch.equal(a.global_rows, b.global_rows) and torch.equal(a.weights, b.weights)
+            assert a.optimizer.keys() == b.optimizer.keys()
+            assert all(torch.equal(a.optimizer[k], b.optimizer[k]) for k in a.optimizer)
+
+    first = taker.take(1, 0, full=full, since_base=False)
+    assert_same(first)
+    held = first.shards[0].weights.data_ptr()
+    second = taker.take(2, 0, full=full, since_base=False)  # the first is not released: other memory
+    assert pool.allocated == 2 and second.shards[0].weights.data_ptr() != held
+    first.release()
+    assert first.shards == [] and pool.free_bytes > 0
+    train(smap)
+    third = taker.take(3, 1, full=full, since_base=False)
+    assert pool.allocated == 2 and third.shards[0].weights.data_ptr() == held  # the released slab again
+    assert_equals_live(third, smap)
+    assert_same(second)  # untouched by the third take and by training
+    third.release()
+    free = pool.free_bytes
+    third.release()  # twice is harmless
+    assert pool.free_bytes == free

@@ -1,0 +1,100 @@
+"""Reused host memory for CPU snapshots: the stall copies rows into pages that are already mapped.
+
+A fresh host tensor of tens or hundreds of MB comes from ``mmap`` and is handed back with
+``munmap`` when freed, so every checkpoint's copy would fault in every page of its buffers
+again (a few ms per 10 MB here, on the training thread). `HostBufferPool` keeps the memory of
+snapshots the writer has finished with and carves the next snapshot's tensors out of it.
+
+Ownership: `lend` (training thread) hands out a `Slab` at least as large as asked; the writer
+thread gives it back (`give_back`) once every frame of that snapshot is written, and nobody
+reads the snapshot's tensors after that. The pool keeps given-back slabs only while they and
+the slabs still lent stay within ``keep_bytes`` (the checkpoint manager passes
+``ckpt.max_pending_bytes``, the host memory unwritten snapshots may hold anyway), the largest
+that fit first: reuse never raises a rank's host memory above that bound.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+ALIGN = 64  # bytes: every carved tensor starts on a cache line (and any dtype's alignment)
+GROWTH = 1.25  # a new slab's capacity over the request: the next delta is usually a little larger
+PAGE = 1 << 21  # capacities are whole 2 MiB pages
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+class Slab:
+    """One contiguous host buffer, carved front to back into tensors of one snapshot."""
+
+    def __init__(self, capacity: int) -> None:
+        self.buffer = torch.empty(capacity, dtype=torch.uint8)
+        self._used = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.buffer.numel()
+
+    def carve(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised contiguous tensor of `shape` and `dtype` in the slab's next free bytes."""
+        n = 1
+        for d in shape:
+            n *= d
+        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        start = _round_up(self._used, ALIGN)
+        assert start + nbytes <= self.capacity, f"slab of {self.capacity} B cannot hold {start + nbytes} B"
+        self._used = start + nbytes
+        return self.buffer[start : start + nbytes].view(dtype).view(shape)
+
+    def reset(self) -> None:
+        self._used = 0
+
+
+def slab_bytes(sizes: list[int]) -> int:
+    """Bytes a slab needs to carve tensors of these byte sizes (alignment included)."""
+    return sum(_round_up(s, ALIGN) for s in sizes)
+
+
+class HostBufferPool:
+    """Slabs lent to snapshots and given back by the writer; see the module docstring."""
+
+    def __init__(self, keep_bytes: int) -> None:
+        self.keep_bytes = keep_bytes
+        self._free: list[Slab] = []
+        self._lent = 0  # capacity of the slabs lent and not given back
+        self._lock = threading.Lock()
+        self.allocated = 0  # slabs made (a figure for tests and benchmarks)
+
+    def lend(self, nbytes: int) -> Slab:
+        """The smallest free slab that holds `nbytes`, or a new one."""
+        with self._lock:
+            fits = [s for s in self._free if s.capacity >= nbytes]
+            if fits:
+                slab = min(fits, key=lambda s: s.capacity)
+                self._free.remove(slab)
+                slab.reset()
+            else:
+                self.allocated += 1
+                slab = Slab(_round_up(max(int(nbytes * GROWTH), 1), PAGE))
+            self._lent += slab.capacity
+            return slab
+
+    def give_back(self, slab: Slab) -> None:
+        """Keep `slab` for a later snapshot if it fits within ``keep_bytes`` with the rest."""
+        with self._lock:
+            self._lent -= slab.capacity
+            room, kept = self.keep_bytes - self._lent, []
+            for s in sorted([*self._free, slab], key=lambda s: s.capacity, reverse=True):
+                if s.capacity <= room:  # the largest that still fit: the most memory reused
+                    kept.append(s)
+                    room -= s.capacity
+            self._free = kept
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(s.capacity for s in self._free)
