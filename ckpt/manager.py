@@ -604,9 +604,10 @@ class CheckpointManager:
     def _look_ahead(self, step: int) -> None:
         """Decide now whether the next step, `step`, checkpoints, and if so start its agreement:
         its all-reduces then run during that step's training, and the stall only collects them
-        (the kind is chosen from the row counts of the step before it)."""
+        (the kind is chosen from the row counts of the step before it). Not after a checkpoint
+        at this very step: its counts were just reset and would say nothing about `step`."""
         self._ahead_step, self._ahead_due = step, self._due_at(step)
-        if self._ahead_due:
+        if self._ahead_due and self.last_step != step - 1:
             self._agreement = self._start_agreement(step)
 
     def finish(self, step: int) -> None:
