@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import (REPO, Measurement, config_path, document_head, figure, harmonic_of, loadavg, log,
-                          machine_info, mean_of, median_of, unit_of)
+from bench.common import (REPO, RESTORE_PARTS, Measurement, config_path, document_head, figure, harmonic_of,
+                          loadavg, log, machine_info, mean_of, median_of, unit_of)
 from bench.cpu import checkpoint_cpu, process_cpu_s
 from launch.broker import EmbeddedBroker
 
@@ -462,6 +462,8 @@ def build_records(s: dict[str, Any], jobs: dict[tuple[str, str], dict], peers: l
             "samples_per_s": run["samples_per_s"],
             "throughput_overhead": 1 - run["samples_per_s"] / job_rate if job_rate and run["samples_per_s"] else None,
             "restore_s": median_of(rs.get("restore_s", [])),
+            # where the restore's time went (`RestoreReport`), median over the repeats
+            **{f"restore_{k}": median_of([p[k] for p in rs.get("parts", [])]) for k in RESTORE_PARTS},
             "steps_lost_mean": steps_lost([(c["step"], c.get("committed_at_step") if c["committed"] else None)
                                            for c in cks], interval, run.get("steps", steps)),
             "committed": len(ok), "checkpoints": len(cks), "skipped": run.get("skipped", 0),

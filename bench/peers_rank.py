@@ -46,6 +46,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from bench.common import RESTORE_PARTS
 from bench.job import fingerprint, perturb, start_job, stop_job, timed
 
 WARMUP_STEPS = 5
@@ -287,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                 t, rep = timed(mgr.restore)
                 assert rep is not None, f"no checkpoint of run {run_id}"
                 return t, {"checkpoint_id": rep.checkpoint_id, "step": rep.step, "chain": rep.chain, "rows": rep.rows,
-                           "bytes": rep.bytes}
+                           "bytes": rep.bytes, "parts": {k: getattr(rep, k) for k in RESTORE_PARTS}}
             finally:
                 mgr.tracker.detach()
                 mgr.finish(trainer.step)
@@ -303,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                 t, info = fn()  # restores that run's state: not comparable to the reference
                 restore[name]["restore_s"].append(t)
                 restore[name]["checkpoint"] = info
+                restore[name].setdefault("parts", []).append(info["parts"])
                 continue
             perturb(smap, sharded)
             t, _ = timed(fn)
