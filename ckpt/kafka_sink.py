@@ -28,11 +28,10 @@ Broker facts this code relies on or works around (probed on Tansu, see
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from collections import deque
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, \
     Producer, TopicPartition
@@ -72,43 +71,12 @@ def _admin(conf: Mapping[str, Any]) -> AdminClient:
     return AdminClient(_common(conf))
 
 
-class _Lister(Protocol):
-    def list_topics(self, topic: str | None = None, timeout: float = -1) -> Any: ...
-
-
-class _Listing:
-    """Topic metadata for readers through a consumer handle, made on first use.
-
-    On the embedded broker a new consumer's first Metadata request answers in about 3 ms and a
-    new AdminClient's in about 50 ms (measured; docs/BENCHMARKS.md), and every restore makes new
-    clients on every rank. A consumer's Metadata request never creates a topic (design §6)."""
-
-    def __init__(self, conf: Mapping[str, Any]) -> None:
-        self._conf = _consumer_conf(conf, None)
-        self._consumer: Consumer | None = None
-        self._lock = threading.Lock()
-
-    def list_topics(self, topic: str | None = None, timeout: float = -1) -> Any:
-        assert topic is None, "name no topic: the all-topics listing only"
-        with self._lock:
-            if self._consumer is None:
-                self._consumer = Consumer(dict(self._conf))
-            consumer = self._consumer
-        return consumer.list_topics(timeout=timeout)
-
-    def close(self) -> None:
-        with self._lock:
-            consumer, self._consumer = self._consumer, None
-        if consumer is not None:
-            consumer.close()
-
-
 def _code(e: BaseException) -> Any:
     err = e.args[0] if e.args else None
     return err.code() if isinstance(err, KafkaError) else None
 
 
-def topic_partitions(admin: _Lister, topic: str, timeout_s: float) -> int | None:
+def topic_partitions(admin: AdminClient, topic: str, timeout_s: float) -> int | None:
     """Partition count of ``topic``, or None if it does not exist.
 
     Uses the all-topics listing: a Metadata request naming the topic would create it.
@@ -116,7 +84,7 @@ def topic_partitions(admin: _Lister, topic: str, timeout_s: float) -> int | None
     return topics_partitions(admin, timeout_s).get(topic)
 
 
-def topics_partitions(admin: _Lister, timeout_s: float) -> dict[str, int]:
+def topics_partitions(admin: AdminClient, timeout_s: float) -> dict[str, int]:
     """Partition count of every existing topic (one Metadata request)."""
     try:
         md = admin.list_topics(timeout=timeout_s)
@@ -486,7 +454,7 @@ class KafkaSource:
         self.run_id = check_run_id(run_id)
         self.timeout_s = timeout_s
         self._cconf = _consumer_conf(conf, consumer_conf)
-        self._listing = _Listing(conf)
+        self._admin = _admin(conf)
 
     def read_range(self, generation: int, partition: int, first: int, last: int, *,
                    timeout_s: float | None = None) -> Iterator[tuple[int, Frame]]:
@@ -499,7 +467,7 @@ class KafkaSource:
         partition fetched at once, frames decoded while librdkafka fetches the next ones.
         Missing topics and partitions raise here, before the first frame is asked for."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        listed = topics_partitions(self._listing, timeout_s) if reads else {}
+        listed = topics_partitions(self._admin, timeout_s) if reads else {}
         plan = []
         for r in reads:
             if not 0 <= r.first <= r.last:
@@ -522,7 +490,7 @@ class KafkaSource:
             yield i, msg.offset(), frame
 
     def close(self) -> None:
-        self._listing.close()
+        self._admin = None
 
 
 class BrokerUnreachable(SinkError):
@@ -543,7 +511,6 @@ class KafkaMarkers:
         self._admin = _admin(conf)
         self.bootstrap = str(conf.get("bootstrap.servers", "kafka"))
         self._p = _Producer(conf, producer_conf, timeout_s, timeout_s)
-        self._listing = _Listing(conf)
         # Read from offset 0, or from the earliest kept offset if retention removed it
         # (OFFSET_BEGINNING would cost an extra ListOffsets round, ~0.5 s on Tansu). Markers
         # are read to the end of the log, which a fetch learns after fetch.wait.max.ms.
@@ -580,7 +547,7 @@ class KafkaMarkers:
         """One metadata request, bounded by `timeout_s`; ``BrokerUnreachable`` naming the address
         and librdkafka's reason when nothing answers (refused, unresolvable, silent)."""
         try:
-            self._listing.list_topics(timeout=timeout_s)
+            self._admin.list_topics(timeout=timeout_s)
         except KafkaException as exc:
             err = exc.args[0] if exc.args else None
             reason = err.str() if isinstance(err, KafkaError) else str(exc)
@@ -593,7 +560,7 @@ class KafkaMarkers:
         """The markers from offset `start` to the end of the topic (end-of-partition event;
         watermarks are not trusted). No topic yet: no markers."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        if topic_partitions(self._listing, self.topic, timeout_s) is None:
+        if topic_partitions(self._admin, self.topic, timeout_s) is None:
             if self._last is not None:
                 raise SourceError(f"marker topic {self.topic} is gone (we appended offset {self._last})")
             return []
@@ -609,4 +576,3 @@ class KafkaMarkers:
             self._closed = True
             self._p.close()
             self._admin = None
-            self._listing.close()
