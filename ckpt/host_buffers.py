@@ -2,7 +2,7 @@
 
 A fresh host tensor of tens or hundreds of MB comes from ``mmap`` and is handed back with
 ``munmap`` when freed, so every checkpoint's copy would fault in every page of its buffers
-again (a few ms per 10 MB here, on the training thread). `HostBufferPool` keeps the memory of
+again, on the training thread (most of a large snapshot's copy time: docs/BENCHMARKS.md). `HostBufferPool` keeps the memory of
 snapshots the writer has finished with and carves the next snapshot's tensors out of it.
 
 Ownership: `lend` (training thread) hands out a `Slab` at least as large as asked; the writer

@@ -83,20 +83,21 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from sharding.shard_views import ShardMap, find_sharded_ebc
 
+logger = logging.getLogger(__name__)
+
 
 def rows_of(mask: torch.Tensor) -> torch.Tensor:
-    """Sorted int64 indices of the set bits of a 1-D bool bitmap. On CPU numpy's `flatnonzero`
-    (about 9x torch's `nonzero` on one thread here; it is part of the checkpoint stall)."""
+    """Sorted int64 indices of the set bits of a 1-D bool bitmap. On CPU numpy's `flatnonzero`,
+    several times faster than torch's `nonzero` on one thread: it is part of the checkpoint stall
+    (docs/BENCHMARKS.md, "The stall against a copy into reused memory")."""
     if mask.device.type == "cpu":
         return torch.from_numpy(np.flatnonzero(mask.numpy()))
     return mask.nonzero().view(-1)
 
 
 def _count(mask: torch.Tensor) -> int:
-    """Set bits of a bitmap (on CPU numpy's count_nonzero: a tenth of torch's sum here)."""
+    """Set bits of a bitmap (on CPU numpy's count_nonzero, faster than torch's sum of a bool tensor)."""
     return int(np.count_nonzero(mask.numpy())) if mask.device.type == "cpu" else int(mask.sum())
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass

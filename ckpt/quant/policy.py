@@ -34,7 +34,7 @@ OPTIMIZER_FLOORS = {8: "asym8", 16: "bf16", 32: "fp32"}
 # (most expected restores, bits) in order; a job expecting more restores than the last entry: 8-bit
 Widths = tuple[tuple[int, int], ...]
 CHECK_N_RUN_WIDTHS: Widths = ((1, 2), (3, 3), (20, 4))
-DELTAREC_WIDTHS: Widths = ((3, 4),)
+DELTAREC_WIDTHS: Widths = ((1, 4),)
 WIDTH_PRESETS: dict[str, Widths] = {"deltarec": DELTAREC_WIDTHS, "check_n_run": CHECK_N_RUN_WIDTHS}
 LOW_BITS = (2, 3, 4)
 

@@ -14,8 +14,8 @@ def test_bits_for_expected_restores_with_check_n_runs_table(n, bits):
     assert bits_for_expected_restores(n, CHECK_N_RUN_WIDTHS) == bits
 
 
-@pytest.mark.parametrize("n,bits", [(0, 4), (1, 4), (3, 4), (4, 8), (20, 8)])
-def test_the_default_table_is_4_bit_up_to_3_restores_then_8_bit(n, bits):
+@pytest.mark.parametrize("n,bits", [(0, 4), (1, 4), (2, 8), (3, 8), (20, 8)])
+def test_the_default_table_is_4_bit_up_to_1_restore_then_8_bit(n, bits):
     assert bits_for_expected_restores(n) == bits
     assert BitWidthPolicy(expected_restores=n).weight_bits == bits
 
@@ -76,7 +76,7 @@ def test_optimizer_bits_follow_weights_when_weights_are_wider():
 def test_method_choice():
     assert BitWidthPolicy(1, method="asym", widths=CHECK_N_RUN_WIDTHS).weight_codec() == "asym2"
     assert BitWidthPolicy(3, method="kmeans", widths=CHECK_N_RUN_WIDTHS).weight_codec() == "kmeans3"
-    assert BitWidthPolicy(3, method="asym").weight_codec() == "asym4"
+    assert BitWidthPolicy(1, method="asym").weight_codec() == "asym4"
     assert BitWidthPolicy(30, method="sym").weight_codec() == "asym8"  # 8-bit is always asym8
     with pytest.raises(ValueError):
         BitWidthPolicy(1, method="int4")
@@ -107,7 +107,8 @@ def test_presets_name_deltarecs_default_and_check_n_runs_table():
     from ckpt.quant import DELTAREC_WIDTHS, WIDTH_PRESETS, resolve_widths
 
     assert CHECK_N_RUN_WIDTHS == ((1, 2), (3, 3), (20, 4))
-    assert DELTAREC_WIDTHS == ((3, 4),) == BitWidthPolicy(1).widths
+    assert DELTAREC_WIDTHS == ((1, 4),) == BitWidthPolicy(1).widths
+    assert BitWidthPolicy(1).weight_codec() == "adaptive4" and BitWidthPolicy(2).weight_codec() == "asym8"
     assert WIDTH_PRESETS == {"deltarec": DELTAREC_WIDTHS, "check_n_run": CHECK_N_RUN_WIDTHS}
     assert resolve_widths("check_n_run") == CHECK_N_RUN_WIDTHS
     assert resolve_widths([[1, 2], [10, 4]]) == ((1, 2), (10, 4))
