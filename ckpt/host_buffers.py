@@ -2,8 +2,9 @@
 
 A fresh host tensor of tens or hundreds of MB comes from ``mmap`` and is handed back with
 ``munmap`` when freed, so every checkpoint's copy would fault in every page of its buffers
-again, on the training thread (most of a large snapshot's copy time: docs/BENCHMARKS.md). `HostBufferPool` keeps the memory of
-snapshots the writer has finished with and carves the next snapshot's tensors out of it.
+again, on the training thread (most of a large snapshot's copy time: docs/BENCHMARKS.md).
+`HostBufferPool` keeps the memory of snapshots the writer has finished with and carves the next
+snapshot's tensors out of it.
 
 Ownership: `lend` (training thread) hands out a `Slab` at least as large as asked; the writer
 thread gives it back (`give_back`) once every frame of that snapshot is written, and nobody
@@ -15,6 +16,7 @@ that fit first: reuse never raises a rank's host memory above that bound.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -41,10 +43,7 @@ class Slab:
 
     def carve(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous tensor of `shape` and `dtype` in the slab's next free bytes."""
-        n = 1
-        for d in shape:
-            n *= d
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         start = _round_up(self._used, ALIGN)
         assert start + nbytes <= self.capacity, f"slab of {self.capacity} B cannot hold {start + nbytes} B"
         self._used = start + nbytes

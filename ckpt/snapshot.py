@@ -102,12 +102,17 @@ class Snapshot:
             self._slab = None
 
 
+def _copied_bytes(view: "ShardView", n: int) -> list[int]:
+    """Bytes of each host tensor `_copy_cpu` makes for `n` rows of `view` (weights, then every
+    optimizer state; the row ids are not among them)."""
+    sizes = [n * view.num_cols * view.weight.element_size()]
+    sizes += [n * math.prod(s.shape[1:]) * s.element_size() for s in view.optimizer_states.values()]
+    return sizes
+
+
 def _row_bytes(view: "ShardView") -> int:
     """Host bytes per captured row of `view`: global row id + weights + optimizer state."""
-    per = 8 + view.num_cols * view.weight.element_size()
-    for state in view.optimizer_states.values():
-        per += math.prod(state.shape[1:]) * state.element_size()
-    return per
+    return 8 + sum(_copied_bytes(view, 1))
 
 
 class SnapshotTaker:
@@ -129,7 +134,6 @@ class SnapshotTaker:
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(device=self.device) if self._cuda else None
         self._row_bytes = [_row_bytes(v) for v in shard_map.shards]
-        self._copy_bytes = [b - 8 for b in self._row_bytes]  # what a slab holds per row: the ids stay apart
 
     def _counts(self, full: bool, since_base: bool) -> list[int]:
         if full and self.trained_only:
@@ -167,7 +171,7 @@ class SnapshotTaker:
         slab = None
         if self.pool is not None:
             counts = [v.num_rows if local is None else local.numel() for v, local in zip(views, locals_)]
-            slab = self.pool.lend(slab_bytes([n * b for n, b in zip(counts, self._copy_bytes)]))
+            slab = self.pool.lend(slab_bytes([b for v, n in zip(views, counts) for b in _copied_bytes(v, n)]))
         shards = [_copy_cpu(v, local, slab) for v, local in zip(views, locals_)]
         return Snapshot(checkpoint_id, step, full, shards, time.perf_counter() - t0, None, slab, self.pool)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from ckpt.host_buffers import HostBufferPool
+from ckpt.host_buffers import HostBufferPool, Slab
 from ckpt.snapshot import ShardRows, Snapshot, SnapshotTaker
 
 
@@ -217,3 +217,20 @@ def test_pooled_snapshots_are_the_same_copy_and_reuse_the_memory_of_released_one
     free = pool.free_bytes
     third.release()  # twice is harmless
     assert pool.free_bytes == free
+
+
+class _ExactPool(HostBufferPool):
+    """Lends slabs of exactly the bytes asked for: no headroom hides a short request."""
+
+    def lend(self, nbytes: int) -> Slab:
+        return Slab(nbytes)
+
+
+def test_a_pooled_take_asks_for_every_tensors_aligned_bytes() -> None:
+    # each shard's weights and optimizer state are carved apart, each aligned: t_item's 3 rows
+    # are 96 B of weights and 96 B of state, 256 B once aligned apart, not 192 B rounded as one
+    smap, tracker = make()
+    taker = SnapshotTaker(smap, tracker, torch.device("cpu"), pool=_ExactPool(1 << 30))
+    for full in (False, True):
+        snap = taker.take(1, 0, full=full, since_base=False)
+        assert_equals_live(snap, smap)
