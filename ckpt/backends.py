@@ -11,10 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from confluent_kafka.admin import AdminClient
+
 from ckpt.config import CkptConfig
 from ckpt.frames import file_where, kafka_where
 from ckpt.fs_sink import FsMarkers, FsSink, FsSource
-from ckpt.kafka_sink import KafkaMarkers, KafkaSink, KafkaSource
+from ckpt.kafka_sink import KafkaMarkers, KafkaSink, KafkaSource, new_admin
 from ckpt.sink import FrameSink, FrameSource, MarkerLog, rows_name
 
 
@@ -31,11 +33,12 @@ class Backend:
             part.close()
 
 
-def open_sink(cfg: CkptConfig, world_size: int) -> FrameSink:
+def open_sink(cfg: CkptConfig, world_size: int, admin: AdminClient | None = None) -> FrameSink:
     """A frame sink alone; on Kafka, new generations get `world_size` partitions."""
     if cfg.sink == "filesystem":
         return FsSink(Path(cfg.fs_root), cfg.run_id)
-    return KafkaSink(cfg.run_id, cfg.kafka_conf(), num_partitions=world_size, delivery_timeout_s=cfg.flush_timeout_s)
+    return KafkaSink(cfg.run_id, cfg.kafka_conf(), num_partitions=world_size, delivery_timeout_s=cfg.flush_timeout_s,
+                     admin=admin)
 
 
 def open_backend(cfg: CkptConfig, world_size: int) -> Backend:
@@ -50,10 +53,11 @@ def open_backend(cfg: CkptConfig, world_size: int) -> Backend:
         )
     conf = cfg.kafka_conf()
     timeout = cfg.flush_timeout_s
+    admin = new_admin(conf)  # one for all three: a new client's first Metadata requests are the slow ones
     return Backend(
-        open_sink(cfg, world_size),
-        KafkaSource(run_id, conf),
-        KafkaMarkers(run_id, conf, timeout_s=timeout),
+        open_sink(cfg, world_size, admin),
+        KafkaSource(run_id, conf, admin=admin),
+        KafkaMarkers(run_id, conf, timeout_s=timeout, admin=admin),
         conf.get("bootstrap.servers", "kafka"),
         lambda g, p, pos: f"{conf.get('bootstrap.servers', 'kafka')} " + kafka_where(rows_name(run_id, g), p, pos),
     )

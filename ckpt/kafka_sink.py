@@ -55,6 +55,11 @@ DEFAULT_FETCH_PARTITION_BYTES = 8 << 20
 # Rows and markers are deleted by dropping whole topics, never by time or size:
 # a base checkpoint can be older than Kafka's default retention of 7 days.
 DEFAULT_TOPIC_CONFIG = {"retention.ms": "-1", "retention.bytes": "-1"}
+# librdkafka drops a new client's bootstrap connection once Metadata names the brokers; with
+# sparse connections it then connects to one of them only when the next Metadata request
+# asks, after reconnect.backoff.ms / 2 (50 ms). An admin client connects to them at once
+# instead (design §6): every broker, as a producer of our partitions would anyway.
+ADMIN_DEFAULTS = {"enable.sparse.connections": False}
 _TRANSIENT = {KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._TIMED_OUT,
               KafkaError._RESOLVE}
 
@@ -67,8 +72,11 @@ def _common(conf: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _admin(conf: Mapping[str, Any]) -> AdminClient:
-    return AdminClient(_common(conf))
+def new_admin(conf: Mapping[str, Any]) -> AdminClient:
+    """An AdminClient for `conf` (`ADMIN_DEFAULTS` unless `conf` sets them). A backend opens
+    one and hands it to its sink, source and markers log."""
+    return AdminClient({**ADMIN_DEFAULTS, **_common(conf)})
+
 
 
 def _code(e: BaseException) -> Any:
@@ -120,7 +128,7 @@ def ensure_topic(admin: AdminClient, topic: str, partitions: int, *, replication
 def drop_generation(conf: Mapping[str, Any], run_id: str, generation: int,
                     *, timeout_s: float = 10.0) -> None:
     """Delete the rows topic of ``generation`` (missing already: fine)."""
-    _delete_topic(_admin(conf), rows_name(check_run_id(run_id), generation), timeout_s)
+    _delete_topic(new_admin(conf), rows_name(check_run_id(run_id), generation), timeout_s)
 
 
 def _delete_topic(admin: AdminClient, topic: str, timeout_s: float) -> None:
@@ -225,7 +233,7 @@ class KafkaSink:
                  producer_conf: Mapping[str, Any] | None = None, replication_factor: int = -1,
                  topic_config: Mapping[str, str] | None = None,
                  delivery_timeout_s: float | None = None, queue_full_timeout_s: float = 30.0,
-                 admin_timeout_s: float = 10.0) -> None:
+                 admin_timeout_s: float = 10.0, admin: AdminClient | None = None) -> None:
         self.run_id = check_run_id(run_id)
         if num_partitions < 1:
             raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
@@ -233,7 +241,7 @@ class KafkaSink:
         self.replication_factor = replication_factor
         self.topic_config = dict(topic_config or {})
         self.admin_timeout_s = admin_timeout_s
-        self._admin = _admin(conf)
+        self._admin = admin or new_admin(conf)
         self._p = _Producer(conf, producer_conf, delivery_timeout_s, queue_full_timeout_s)
         self._topics: dict[int, int] = {}     # generation -> partitions, checked on this broker
         self._dropped: set[int] = set()
@@ -450,11 +458,11 @@ class KafkaSource:
 
     def __init__(self, run_id: str, conf: Mapping[str, Any], *,
                  consumer_conf: Mapping[str, Any] | None = None,
-                 timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> None:
+                 timeout_s: float = DEFAULT_READ_TIMEOUT_S, admin: AdminClient | None = None) -> None:
         self.run_id = check_run_id(run_id)
         self.timeout_s = timeout_s
         self._cconf = _consumer_conf(conf, consumer_conf)
-        self._admin = _admin(conf)
+        self._admin = admin or new_admin(conf)
 
     def read_range(self, generation: int, partition: int, first: int, last: int, *,
                    timeout_s: float | None = None) -> Iterator[tuple[int, Frame]]:
@@ -503,12 +511,12 @@ class KafkaMarkers:
     def __init__(self, run_id: str, conf: Mapping[str, Any], *,
                  producer_conf: Mapping[str, Any] | None = None,
                  consumer_conf: Mapping[str, Any] | None = None, replication_factor: int = -1,
-                 timeout_s: float = DEFAULT_DELIVERY_TIMEOUT_S) -> None:
+                 timeout_s: float = DEFAULT_DELIVERY_TIMEOUT_S, admin: AdminClient | None = None) -> None:
         self.run_id = check_run_id(run_id)
         self.topic = markers_name(self.run_id)
         self.timeout_s = timeout_s
         self.replication_factor = replication_factor
-        self._admin = _admin(conf)
+        self._admin = admin or new_admin(conf)
         self.bootstrap = str(conf.get("bootstrap.servers", "kafka"))
         self._p = _Producer(conf, producer_conf, timeout_s, timeout_s)
         # Read from offset 0, or from the earliest kept offset if retention removed it

@@ -189,19 +189,29 @@ def test_sasl_ssl_settings_reach_every_producer_and_consumer_unchanged(tmp_path:
     monkeypatch.setattr(kafka_sink, "Producer", _Producer)
     monkeypatch.setattr(kafka_sink, "Consumer", _Consumer)
     monkeypatch.setattr(kafka_sink, "AdminClient", _Admin)
-    backend = open_backend(cfg.ckpt, world_size=2)  # the sink, the source and the markers log, as the trainer opens them
+    backend = open_backend(cfg.ckpt, world_size=2)  # the sink, the source and the markers log (one shared admin)
     with pytest.raises(_Stop):
         list(backend.source.read_range(1, 0, 0, 3))
     with pytest.raises(_Stop):
         backend.markers.read_markers()
     kinds = [kind for kind, _ in _Recorder.made]
-    assert kinds.count("producer") == 2 and kinds.count("consumer") == 2 and kinds.count("admin") == 3, kinds
+    assert kinds.count("producer") == 2 and kinds.count("consumer") == 2 and kinds.count("admin") == 1, kinds
     for kind, conf in _Recorder.made:
         assert {k: conf.get(k) for k in SECURITY} == SECURITY, kind  # every setting, value unchanged
         assert conf["bootstrap.servers"] == "broker-1:9093,broker-2:9093", kind
+    admin = next(conf for kind, conf in _Recorder.made if kind == "admin")
+    assert admin["enable.sparse.connections"] is False  # design §6: connects to the brokers at once
     producer = next(conf for kind, conf in _Recorder.made if kind == "producer")
     assert producer["acks"] == "all" and producer["enable.idempotence"] is True  # what deltarec adds, beside them
     backend.close()
+
+
+def test_a_users_sparse_connections_setting_wins_over_the_admin_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    _Recorder.made = []
+    monkeypatch.setattr(kafka_sink, "AdminClient", _Admin)
+    kafka_sink.new_admin({"bootstrap.servers": "b:9092", "enable.sparse.connections": True})
+    kafka_sink.new_admin({"bootstrap.servers": "b:9092"})
+    assert [conf["enable.sparse.connections"] for _, conf in _Recorder.made] == [True, False]
 
 
 def test_the_resolved_config_in_the_run_directory_holds_no_secret(tmp_path: Path, debug_config: DebugConfig) -> None:
