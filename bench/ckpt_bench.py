@@ -81,8 +81,7 @@ def train_run(label: str, extra: list[str], args: argparse.Namespace, work: Path
         def worst(key: str) -> Any:
             return max((v for v in (getattr(p, key) for p in per.values()) if v is not None), default=None)
 
-        bare = worst("bare_ms_first")  # fresh memory, like take's buffers
-        warm = worst("bare_ms")  # median of the three: mostly recycled memory
+        bare = worst("bare_ms")  # median of the three copies into reused buffers
         take = worst("take_ms")
         row = {
             "ckpt_id": m["ckpt_id"], "step": m["step"], "kind": "full" if m["ckpt_full"] else "delta",
@@ -91,9 +90,8 @@ def train_run(label: str, extra: list[str], args: argparse.Namespace, work: Path
             "bytes": m["ckpt_bytes"], "bytes_per_row": m["ckpt_bytes"] / max(m["ckpt_rows"], 1),
             "stall_ms": m["ckpt_stall_ms"], "agree_ms": worst("agree_ms"), "take_ms": take,
             "dense_ms": worst("dense_ms"), "other_ms": worst("other_ms"), "find_rows_ms": worst("find_ms"),
-            "bare_copy_ms": bare, "bare_copy_warm_ms": warm,
+            "bare_copy_ms": bare,
             "stall_over_bare": ratio(m["ckpt_stall_ms"], bare), "take_over_bare": ratio(take, bare),
-            "take_over_bare_warm": ratio(take, warm),
             "write_s": m["ckpt_write_s"], "write_MBps": m["ckpt_bytes"] / m["ckpt_write_s"] / 1e6 if m["ckpt_write_s"] else None,
             "durable_s": m.get("ckpt_durable_s"),  # stall start to COMMIT
             "codec": m.get("ckpt_encoding"),
@@ -137,7 +135,7 @@ def baseline_run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 # per-checkpoint fields summarized as `<field>_median` for full and delta checkpoints
 MEDIAN_FIELDS = (
     "fraction_of_rows", "bytes", "bytes_per_row", "stall_ms", "take_ms", "agree_ms", "dense_ms", "other_ms", "bare_copy_ms",
-    "bare_copy_warm_ms", "stall_over_bare", "take_over_bare", "take_over_bare_warm", "write_s", "write_MBps",
+    "stall_over_bare", "take_over_bare", "write_s", "write_MBps",
 )
 
 
@@ -363,7 +361,7 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite checkpoint") -
 
 # per-checkpoint fields written as records (labels: run, checkpoint, step, kind)
 RECORD_FIELDS = ("rows", "fraction_of_rows", "bytes", "stall_ms", "agree_ms", "take_ms", "dense_ms", "other_ms",
-                 "find_rows_ms", "bare_copy_ms", "bare_copy_warm_ms", "stall_over_bare", "take_over_bare", "write_s",
+                 "find_rows_ms", "bare_copy_ms", "stall_over_bare", "take_over_bare", "write_s",
                  "write_MBps", "durable_s", "committed", "committed_at_step")
 
 

@@ -19,7 +19,7 @@ size), then:
    relative error of its rows against the fp32 restore when both are at the same step), and
    the newest checkpoint with the other kind of chain (full only / base + delta).
 2. Stall vs bare copy, controlled: `SnapshotTaker.take` of a full snapshot and of a delta
-   (`--interval` steps of training after a base), alternating with `bare_copy` of the
+   (`--interval` steps of training after a base), alternating with `BareCopier.copy` (reused buffers) of the
    same rows: max(3 x `--repeats`, 12) rounds after 2 warm-up rounds, both ranks at once.
 3. Writer vs raw producer. For (full, fp32), (delta, fp32) and (full, quant): deltarec's
    writer path on a real snapshot (`RankWriter._write`: encode, frame, produce, flush,
@@ -41,13 +41,12 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from statistics import median
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from bench.ckpt_rank import bare_copy, find_rows
+from bench.ckpt_rank import BareCopier, find_rows
 from bench.job import fingerprint, perturb, start_job, stop_job, timed
 
 
@@ -236,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     pairs: dict[str, list[float]] = {"take_delta": [], "bare_delta": [], "take_full": [], "bare_full": [],
                                      "find_delta": []}
     delta_snap = None
+    copier = BareCopier()
     rounds = max(3 * R, 12)
     for r in range(WARMUP_ROUNDS + rounds):
         for full in (False, True):
@@ -245,11 +245,15 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "take":
                     snap = mgr.taker.take(0, trainer.step, full=full, since_base=False)
                     dt = snap.stall_s * 1e3
-                    if not full:
+                    if full:
+                        snap.release()  # as the writer does: the next take reuses its memory
+                    else:
+                        if delta_snap is not None:
+                            delta_snap.release()
                         delta_snap = snap
                     del snap
                 else:
-                    dt = bare_copy(smap.shards, [None] * len(locals_) if full else locals_) * 1e3
+                    dt = copier.copy(smap.shards, [None] * len(locals_) if full else locals_) * 1e3
                 if r >= WARMUP_ROUNDS:
                     pairs[key].append(dt)
             if not full and r >= WARMUP_ROUNDS:  # the bitmap scan a delta take starts with

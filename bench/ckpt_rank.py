@@ -17,9 +17,9 @@ stats, read after each step end, never from inside the stall:
 - from `manager.stats.outcomes`: ``committed`` and ``committed_at_step``, the step end at
   which this rank learned the outcome (the last step for outcomes `finish` collects): from
   then on a crash would restore this checkpoint;
-- a bare baseline: ``bare_ms_all``, a plain ``index_select`` (``clone`` for a full
+- a bare baseline: ``bare_ms_all``, a plain ``index_select`` (``copy_`` for a full
   checkpoint) of exactly the rows the checkpoint copied, weights and every optimizer state,
-  from the same live tensors, three times. It runs *after* the checkpoint, at the first step
+  from the same live tensors into reused buffers (`BareCopier`), three times. It runs *after* the checkpoint, at the first step
   end where every checkpoint this rank took has its outcome (its writer is idle), so it
   neither inflates the stall nor competes with the writer. ``find_ms`` is the bitmap scan
   (`RowTracker.touched_rows`) that found those rows, the scan `take` starts with.
@@ -56,21 +56,36 @@ if TYPE_CHECKING:
 BARE_REPEATS = 3
 
 
-def bare_copy(shards: Sequence[Any], locals_: Sequence[torch.Tensor | None]) -> float:
-    """Seconds to copy the given local rows (None: every row) of each shard: weights and
-    every optimizer state, with plain `index_select` / `clone` into fresh tensors (the
-    same copy as `bench.tracker_overhead`'s bare baseline)."""
-    t = time.perf_counter()
-    out = []
-    for v, idx in zip(shards, locals_):
-        if idx is None:
-            out.append([v.weight.detach().clone(), *(s.detach().clone() for s in v.optimizer_states.values())])
-        else:
-            out.append([v.weight.detach().index_select(0, idx),
-                        *(s.detach().index_select(0, idx) for s in v.optimizer_states.values())])
-    dt = time.perf_counter() - t
-    del out
-    return dt
+class BareCopier:
+    """The stall's baseline: a plain copy of the given local rows (None: every row) of each
+    shard, weights and every optimizer state, with ``index_select(out=)`` / ``copy_`` into
+    buffers this object keeps for the next copy, as `take` carves its snapshots from reused
+    slabs (#12's goal compares the stall with exactly this). A buffer that must grow is
+    replaced by a zero-filled one before the clock starts, so no copy pays page faults."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[int, int], torch.Tensor] = {}
+
+    def _out(self, key: tuple[int, int], src: torch.Tensor, n: int) -> torch.Tensor:
+        buf = self._bufs.get(key)
+        if buf is None or buf.shape[0] < n or buf.shape[1:] != src.shape[1:] or buf.dtype != src.dtype:
+            buf = torch.zeros((n, *src.shape[1:]), dtype=src.dtype, device=src.device)  # zeros touch every page
+            self._bufs[key] = buf
+        return buf[:n]
+
+    def copy(self, shards: Sequence[Any], locals_: Sequence[torch.Tensor | None]) -> float:
+        """Seconds to copy those rows into this object's buffers."""
+        work = []
+        for i, (v, idx) in enumerate(zip(shards, locals_)):
+            for j, src in enumerate([v.weight.detach(), *(s.detach() for s in v.optimizer_states.values())]):
+                work.append((src, idx, self._out((i, j), src, src.shape[0] if idx is None else int(idx.numel()))))
+        t = time.perf_counter()
+        for src, idx, out in work:
+            if idx is None:
+                out.copy_(src)
+            else:
+                torch.index_select(src, 0, idx, out=out)
+        return time.perf_counter() - t
 
 
 def find_rows(tracker: RowTracker, n_shards: int, since_base: bool) -> float:
@@ -114,13 +129,8 @@ class RankCheckpoint:
 
     @property
     def bare_ms(self) -> float | None:
-        """Median of the bare copies (mostly recycled memory)."""
+        """Median of the bare copies."""
         return median(self.bare_ms_all) if self.bare_ms_all else None
-
-    @property
-    def bare_ms_first(self) -> float | None:
-        """The first bare copy: fresh memory, like `take`'s buffers."""
-        return self.bare_ms_all[0] if self.bare_ms_all else None
 
 
 @dataclass
@@ -146,6 +156,7 @@ class ObservedCheckpointer:
         self.since_base = manager.c.policy != "incremental"  # what a delta of this policy copies
         self.records: dict[int, RankCheckpoint] = {}
         self.to_copy: list[_ToCopy] = []
+        self.copier = BareCopier()
 
     def save(self, step: int) -> None:
         """The manager's `save(step)`, observed."""
@@ -196,7 +207,7 @@ class ObservedCheckpointer:
         while self.to_copy:
             item = self.to_copy.pop(0)
             rows = [None] * len(shards) if item.rows is None else item.rows
-            item.record.bare_ms_all = [bare_copy(shards, rows) * 1e3 for _ in range(BARE_REPEATS)]
+            item.record.bare_ms_all = [self.copier.copy(shards, rows) * 1e3 for _ in range(BARE_REPEATS)]
 
     def dump(self, path: Path) -> None:
         """This rank's records, one JSON line per checkpoint, in checkpoint order."""

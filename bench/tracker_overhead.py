@@ -111,8 +111,9 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch.distributed as dist
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from bench.ckpt_rank import bare_copy, find_rows
+    from bench.ckpt_rank import BareCopier, find_rows
     from bench.job import start_job, stop_job
+    from ckpt.host_buffers import HostBufferPool
     from ckpt.snapshot import SnapshotTaker
     from ckpt.tracker import RowTracker
     from sharding.shard_views import ShardMap
@@ -188,8 +189,8 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> int:
     tr["micro_hook_ms_64k_ids"] = median(micro[5:]) * 1e3
     tr["micro_ids"] = values.numel()
 
-    # Snapshot stall vs a bare index_select of the same rows.
-    taker = SnapshotTaker(smap, tracker, device)
+    # Snapshot stall vs a bare index_select of the same rows, both into reused memory.
+    taker = SnapshotTaker(smap, tracker, device, pool=HostBufferPool(cfg.ckpt.max_pending_bytes))
     tracker.mark_base()
     for _ in range(args.interval):
         trainer.train_step()
@@ -199,10 +200,13 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> int:
     def take(full: bool) -> float:
         snap = taker.take(1, trainer.step, full=full, since_base=False)
         sizes["full" if full else "delta"] = snap.nbytes
+        snap.release()  # as the writer does once the rows are written
         return snap.stall_s
 
+    copier = BareCopier()
+
     def bare(full: bool) -> float:
-        return bare_copy(smap.shards, [None] * len(locals_) if full else locals_)
+        return copier.copy(smap.shards, [None] * len(locals_) if full else locals_)
 
     def find() -> float:
         return find_rows(tracker, len(smap.shards), False)

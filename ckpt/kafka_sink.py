@@ -52,6 +52,10 @@ DEFAULT_READ_BUFFER_KB = 16 * 1024
 # Bytes one fetch may return per partition (librdkafka default: 1 MiB, about one frame, so a
 # restore would wait a round trip per frame).
 DEFAULT_FETCH_PARTITION_BYTES = 8 << 20
+# A partition whose prefetched messages exceed the read buffer is not fetched again for this
+# long (librdkafka default: 1,000 ms, which a restore that decodes slower than it fetches waited
+# in full; design §6).
+FETCH_QUEUE_BACKOFF_MS = 5
 # Rows and markers are deleted by dropping whole topics, never by time or size:
 # a base checkpoint can be older than Kafka's default retention of 7 days.
 DEFAULT_TOPIC_CONFIG = {"retention.ms": "-1", "retention.bytes": "-1"}
@@ -334,7 +338,7 @@ def _consumer_conf(conf: Mapping[str, Any], consumer_conf: Mapping[str, Any] | N
     # answers (and we learn it is the end): keep that short for readers.
     c = {**_common(conf), "queued.max.messages.kbytes": DEFAULT_READ_BUFFER_KB,
          "max.partition.fetch.bytes": DEFAULT_FETCH_PARTITION_BYTES, "fetch.wait.max.ms": 10,
-         **(consumer_conf or {})}
+         "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS, **(consumer_conf or {})}
     # assign()-only reading: a throwaway group id (confluent-kafka insists on one),
     # never committed; start offsets are always explicit.
     c.update({"group.id": f"deltarec-reader-{uuid.uuid4().hex}", "enable.auto.commit": False,

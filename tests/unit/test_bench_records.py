@@ -113,3 +113,25 @@ def test_ckpt_rank_records_each_checkpoint_from_the_managers_stats(tmp_path: Pat
     assert len(full.bare_ms_all) == len(delta.bare_ms_all) == 3  # bare copies ran, after the checkpoints
     assert full.find_ms == 0.0 and delta.find_ms is not None
     assert set(manager.tracker.since_base_asked) == {True}  # a one-shot diff copies rows changed since the base
+
+
+def test_the_bare_copy_copies_the_rows_into_buffers_it_reuses() -> None:
+    from bench.ckpt_rank import BareCopier
+
+    shards = [_Shard(torch.arange(40.0).view(10, 4), {"momentum": torch.arange(10.0)}),
+              _Shard(torch.arange(12.0).view(6, 2), {})]
+    copier = BareCopier()
+    rows = [torch.tensor([7, 2, 9]), torch.tensor([0, 5])]
+    copier.copy(shards, rows)
+    bufs = dict(copier._bufs)
+    assert torch.equal(bufs[(0, 0)][:3], shards[0].weight[[7, 2, 9]])
+    assert torch.equal(bufs[(0, 1)][:3], shards[0].optimizer_states["momentum"][[7, 2, 9]])
+    assert torch.equal(bufs[(1, 0)][:2], shards[1].weight[[0, 5]])
+    copier.copy(shards, [torch.tensor([1]), torch.tensor([3])])  # fewer rows: the same memory
+    assert all(copier._bufs[k].data_ptr() == b.data_ptr() for k, b in bufs.items())
+    assert torch.equal(copier._bufs[(0, 0)][:1], shards[0].weight[[1]])
+    copier.copy(shards, [None, None])  # every row: the buffers grow once
+    assert torch.equal(copier._bufs[(0, 0)], shards[0].weight) and torch.equal(copier._bufs[(1, 0)], shards[1].weight)
+    grown = copier._bufs[(0, 0)].data_ptr()
+    copier.copy(shards, [None, None])
+    assert copier._bufs[(0, 0)].data_ptr() == grown

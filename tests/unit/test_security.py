@@ -201,6 +201,8 @@ def test_sasl_ssl_settings_reach_every_producer_and_consumer_unchanged(tmp_path:
         assert conf["bootstrap.servers"] == "broker-1:9093,broker-2:9093", kind
     admin = next(conf for kind, conf in _Recorder.made if kind == "admin")
     assert admin["enable.sparse.connections"] is False  # design §6: connects to the brokers at once
+    for conf in (conf for kind, conf in _Recorder.made if kind == "consumer"):  # design §6: no 1 s fetch pause
+        assert conf["fetch.queue.backoff.ms"] == kafka_sink.FETCH_QUEUE_BACKOFF_MS
     producer = next(conf for kind, conf in _Recorder.made if kind == "producer")
     assert producer["acks"] == "all" and producer["enable.idempotence"] is True  # what deltarec adds, beside them
     backend.close()
