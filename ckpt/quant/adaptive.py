@@ -8,7 +8,7 @@ range per row. Two searches, one on-stream layout (an ``asymN`` row: decode is `
 2. Greedy over ``[min, max]`` with ``nbins`` steps (50 / 30 / 25 at 4 / 3 / 2 bits) until the range
    is ``ratio`` x the original (0.92 / 0.8 / 0.5): at each step try xmin one step up and xmax one
    step down, move to the lower error; remember the best encoding seen.
-3. ``refits`` (2 / 2 / 3) closed-form least-squares refits: with the codes q of the current
+3. ``refits`` (1 / 2 / 3) closed-form least-squares refits: with the codes q of the current
    encoding fixed, the (scale, bias) minimising ``sum (q*scale + bias - x)^2`` is a 2x2 linear
    solve from sum q, sum q^2, sum q*x, sum x. The scale is rounded to fp16, the bias re-solved
    for that scale and rounded; the row is re-quantised (nearest level, clamped) and its error
@@ -57,7 +57,7 @@ import math
 import torch
 
 from . import adaptive_kernel, uniform
-from .base import FP16_MAX, as_float_rows, check_encoded, check_finite_meta
+from .base import FP16_MAX, RowRangeError, as_float_rows, check_encoded, check_finite_meta, refuse_non_finite
 from .bitpack import pack_bits, packed_bytes
 from .uniform import _half_ok, decode_nbit, encode_nbit_with_range
 
@@ -81,7 +81,7 @@ DEFAULT_RATIO = {4: 0.84, 3: 0.7, 2: 0.5}
 # fast search (the default): a coarse greedy path, then least-squares refits (docs/quant.md)
 FAST_NBINS = {4: 50, 3: 30, 2: 25}
 FAST_RATIO = {4: 0.92, 3: 0.8, 2: 0.5}
-FAST_REFITS = {4: 2, 3: 2, 2: 3}
+FAST_REFITS = {4: 1, 3: 2, 2: 3}
 SEARCHES = ("fast", "greedy")
 IMPLS = ("auto", "kernel", "torch")
 
@@ -382,11 +382,18 @@ class AdaptiveCodec:
             adaptive_kernel.warm_up()
 
     def encode(self, rows, *, table="?", row_ids=None):
-        x = as_float_rows(rows, table, row_ids)
+        x = as_float_rows(rows, table, row_ids, check_finite=False)
+        if self.search == "fast" and self.uses_kernel(x):  # the kernel checks as it reads the rows
+            out, checks = adaptive_kernel.encode_rows_checked(
+                x, self.bits, self.nbins, search_steps(self.nbins, self.ratio), self.refits)
+            if checks.sums_not_finite:
+                refuse_non_finite(x, table, row_ids)
+            if checks.meta_not_finite:
+                raise RowRangeError(table, checks.first_meta_not_finite, row_ids, self.name, checks.meta_not_finite)
+            return out
+        x = as_float_rows(x, table, row_ids)
         if self.search == "greedy":
             out = self._encode_greedy(x)
-        elif self.uses_kernel(x):
-            out = adaptive_kernel.encode_rows(x, self.bits, self.nbins, search_steps(self.nbins, self.ratio), self.refits)
         else:
             out = fast_encode_torch(x, self.bits, self.nbins, self.ratio, self.refits)
         check_finite_meta(_half_ok(out[:, -4:]), table, row_ids, self.name)

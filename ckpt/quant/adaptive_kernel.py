@@ -14,17 +14,19 @@ same way into a transposed byte scratch and packed from there.
 The numba code lives in :mod:`ckpt.quant.adaptive_numba`, imported on the first encode (or
 :func:`warm_up`): it produces bytes identical to :func:`ckpt.quant.adaptive.fast_encode_torch`.
 
-Nothing here validates input: callers pass finite, C-contiguous float32 rows (the codec does).
+Callers pass C-contiguous float32 rows; the kernel reports what the codec must refuse (rows
+whose sum is not finite, fp16 fields that overflow) instead of the codec reading the batch again.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-__all__ = ["AVAILABLE", "block_rows", "encode_rows", "keep_factor", "warm_up"]
+__all__ = ["AVAILABLE", "KernelChecks", "block_rows", "encode_rows", "encode_rows_checked", "keep_factor", "warm_up"]
 
 BLOCK_ELEMS = 4096  # floats per transposed block (16 KiB: half of L1d)
 # the kernel is optional: without numba the codec runs the torch reference on CPU too
@@ -46,17 +48,32 @@ def keep_factor(dim: int) -> float:
     return float(np.float32(1.0 - (4 * dim + 4) * 2.0**-24))
 
 
-def encode_rows(x: torch.Tensor, bits: int, nbins: int, steps: int, refits: int) -> torch.Tensor:
-    """float32 [n, dim] (CPU, C-contiguous, finite) -> asymN-layout rows uint8 [n, bytes]."""
+class KernelChecks(NamedTuple):
+    """What one kernel call found besides the codes."""
+
+    sums_not_finite: int  # rows whose element sum is not finite: a NaN/Inf element, or an overflow
+    meta_not_finite: int  # rows whose fp16 scale or bias overflowed
+    first_meta_not_finite: int  # the first of those (0 when none)
+
+
+def encode_rows_checked(x: torch.Tensor, bits: int, nbins: int, steps: int, refits: int
+                        ) -> tuple[torch.Tensor, KernelChecks]:
+    """float32 [n, dim] (CPU, C-contiguous) -> (asymN-layout rows uint8 [n, bytes], checks)."""
     n, dim = x.shape
     out = torch.empty(n, (dim * bits + 7) // 8 + 4, dtype=torch.uint8)
+    checks = np.zeros(3, np.int64)
     if n:
         from . import adaptive_numba  # noqa: PLC0415 - numba's import is paid on first use only
 
         adaptive_numba.encode(
-            x.numpy(), out.numpy(), bits, nbins, steps, refits, np.float32(keep_factor(dim)), block_rows(dim)
+            x.numpy(), out.numpy(), bits, nbins, steps, refits, np.float32(keep_factor(dim)), block_rows(dim), checks
         )
-    return out
+    return out, KernelChecks(*(int(c) for c in checks))
+
+
+def encode_rows(x: torch.Tensor, bits: int, nbins: int, steps: int, refits: int) -> torch.Tensor:
+    """float32 [n, dim] (CPU, C-contiguous, finite) -> asymN-layout rows uint8 [n, bytes]."""
+    return encode_rows_checked(x, bits, nbins, steps, refits)[0]
 
 
 def warm_up() -> None:

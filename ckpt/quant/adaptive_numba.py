@@ -153,7 +153,7 @@ def _codes_t(xt, m, b, inv, qmax, qt):
 
 
 @_jit
-def _pack(qt, m, bits, out, row0, p, s, b):
+def _pack(qt, m, bits, out, row0, p, s, b, checks):
     """Pack each row's codes (element j takes bits [j*bits, (j+1)*bits) of the row's
     little-endian bit stream) into ``out[row0 + r, :p]``, then fp16 scale and bias."""
     d = qt.shape[0]
@@ -196,6 +196,13 @@ def _pack(qt, m, bits, out, row0, p, s, b):
                     nb -= 8
             if nb > 0:
                 out[row0 + r, o] = word & 0xFF
+    _put_meta(m, out, row0, p, s, b, checks)
+
+
+@_jit
+def _put_meta(m, out, row0, p, s, b, checks):
+    """Each row's fp16 scale and bias after its ``p`` code bytes; a row whose fields are not
+    finite fp16 is counted in ``checks[1]`` (the first one's index in ``checks[2]``)."""
     for r in range(m):
         hs = _h16_bits(s[r])
         hb = _h16_bits(b[r])
@@ -203,12 +210,40 @@ def _pack(qt, m, bits, out, row0, p, s, b):
         out[row0 + r, p + 1] = hs >> 8
         out[row0 + r, p + 2] = hb & 0xFF
         out[row0 + r, p + 3] = hb >> 8
+        if (hs & 0x7C00) == 0x7C00 or (hb & 0x7C00) == 0x7C00:
+            if checks[1] == 0:
+                checks[2] = row0 + r
+            checks[1] += 1
 
 
 @_jit
-def encode(x, out, bits, nbins, steps, refits, keep, rows):
+def _pack4_rows(x, row0, m, b, inv, qmax, out, p, s, checks):
+    """4-bit codes and packing in one pass over the block's rows in their own (row-major)
+    layout: the same codes as ``_codes_t`` + ``_pack``, without the transposed byte scratch
+    whose strided stores made packing the slowest step of the kernel."""
+    d = x.shape[1]
+    h = d // 2
+    for r in range(m):
+        xr = x[row0 + r]
+        o = out[row0 + r]
+        br = b[r]
+        ir = inv[r]
+        for j in range(h):
+            q0 = _code(xr[2 * j], br, ir, qmax)
+            q1 = _code(xr[2 * j + 1], br, ir, qmax)
+            o[j] = np.uint8(q0 if q0 == q0 else _F0) | (np.uint8(q1 if q1 == q1 else _F0) << 4)
+        if d % 2:
+            q0 = _code(xr[d - 1], br, ir, qmax)
+            o[h] = np.uint8(q0 if q0 == q0 else _F0)
+    _put_meta(m, out, row0, p, s, b, checks)
+
+
+@_jit
+def encode(x, out, bits, nbins, steps, refits, keep, rows, checks):
     """Encode float32 rows ``x`` [n, d] into ``out`` [n, packed + 4], ``rows`` rows per block
-    (see :func:`ckpt.quant.adaptive_kernel.encode_rows`)."""
+    (see :func:`ckpt.quant.adaptive_kernel.encode_rows`). ``checks`` (int64 [3], zeroed): rows
+    whose element sum is not finite (a non-finite element, or an overflowing sum), rows whose
+    fp16 scale or bias is not finite, the first of those."""
     n, d = x.shape
     p = (d * bits + 7) // 8
     qmax = np.float32((1 << bits) - 1)
@@ -245,6 +280,7 @@ def encode(x, out, bits, nbins, steps, refits, keep, rows):
                 hi[r] = max(hi[r], v)
                 sx[r] += v
         for r in range(m):
+            checks[0] += not (abs(sx[r]) <= _FMAX)
             lo[r] += _F0
             hi[r] += _F0
             step[r] = (hi[r] - lo[r]) / nbf
@@ -313,5 +349,8 @@ def encode(x, out, bits, nbins, steps, refits, keep, rows):
             s1[r] = bs[r] if use else ps[r]
             b1[r] = bb[r] if use else pb[r]
             i1[r] = _F1 / s1[r]
-        _codes_t(xt, m, b1, i1, qmax, qt)
-        _pack(qt, m, bits, out, i0_, p, s1, b1)
+        if bits == 4:
+            _pack4_rows(x, i0_, m, b1, i1, qmax, out, p, s1, checks)
+        else:
+            _codes_t(xt, m, b1, i1, qmax, qt)
+            _pack(qt, m, bits, out, i0_, p, s1, b1, checks)

@@ -16,6 +16,7 @@ __all__ = [
     "NonFiniteRowError",
     "RowRangeError",
     "as_float_rows",
+    "refuse_non_finite",
     "check_encoded",
     "check_finite_meta",
     "FP16_MAX",
@@ -76,11 +77,14 @@ class RowRangeError(ValueError):
         )
 
 
-def as_float_rows(rows: torch.Tensor, table: str, row_ids: torch.Tensor | None) -> torch.Tensor:
+def as_float_rows(rows: torch.Tensor, table: str, row_ids: torch.Tensor | None, *,
+                  check_finite: bool = True) -> torch.Tensor:
     """Validate a batch of rows and return it as contiguous float32 ``[n, dim]``.
 
     NaN/Inf rows raise :class:`NonFiniteRowError` naming the table and the row. The check is one
-    read pass (a sum); the exact per-element test runs only when that sum is not finite.
+    read pass (a sum); the exact per-element test runs only when that sum is not finite. A caller
+    that sums the rows itself passes ``check_finite=False`` and calls `refuse_non_finite` when a
+    sum is not finite.
     """
     if not isinstance(rows, torch.Tensor):
         raise TypeError(f"rows must be a torch.Tensor, got {type(rows).__name__}")
@@ -98,11 +102,16 @@ def as_float_rows(rows: torch.Tensor, table: str, row_ids: torch.Tensor | None) 
     x = rows.to(torch.float32).contiguous()
     # one flat sum (NaN and Inf always propagate through a sum); the exact per-element test runs
     # only when it is not finite, so a finite batch whose sum overflows is not refused
-    if x.numel() and not bool(torch.isfinite(x.sum())):
-        bad = (~torch.isfinite(x).all(dim=1)).nonzero().flatten()
-        if bad.numel():
-            raise NonFiniteRowError(table, int(bad[0]), row_ids, int(bad.numel()))
+    if check_finite and x.numel() and not bool(torch.isfinite(x.sum())):
+        refuse_non_finite(x, table, row_ids)
     return x
+
+
+def refuse_non_finite(x: torch.Tensor, table: str, row_ids: torch.Tensor | None) -> None:
+    """The exact per-element test: :class:`NonFiniteRowError` naming the first NaN/Inf row."""
+    bad = (~torch.isfinite(x).all(dim=1)).nonzero().flatten()
+    if bad.numel():
+        raise NonFiniteRowError(table, int(bad[0]), row_ids, int(bad.numel()))
 
 
 def check_finite_meta(

@@ -410,13 +410,13 @@ def test_uses_kernel_follows_impl_and_force_torch():
 def test_encode_runs_the_impl_uses_kernel_says(monkeypatch, impl, force_torch, search, expect_kernel):
     # uses_kernel is what encode does: count the kernel's calls
     calls = []
-    real = adaptive_kernel.encode_rows
+    real = adaptive_kernel.encode_rows_checked
 
     def spy(*args, **kwargs):
         calls.append(args[0].shape)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(adaptive_kernel, "encode_rows", spy)
+    monkeypatch.setattr(adaptive_kernel, "encode_rows_checked", spy)
     x = torch.randn(5, 12, generator=torch.Generator().manual_seed(3))
     old = set_force_torch(force_torch)
     try:
@@ -428,3 +428,24 @@ def test_encode_runs_the_impl_uses_kernel_says(monkeypatch, impl, force_torch, s
     assert calls == ([x.shape] if expect_kernel else [])
     if search == "fast":
         assert torch.equal(enc, AdaptiveCodec(4, impl="torch").encode(x))
+
+
+def test_the_kernel_reports_non_finite_rows_and_fp16_overflow_for_the_codec_to_refuse():
+    # the codec reads no row twice: the kernel's row sums and fp16 fields say what to refuse
+    from ckpt.quant import NonFiniteRowError
+
+    x = torch.randn(70, 8, generator=torch.Generator().manual_seed(5))  # two blocks at d = 8
+    x[66, 1], x[68, 7] = float("nan"), float("-inf")
+    _, checks = adaptive_kernel.encode_rows_checked(x, 4, 50, 4, 2)
+    assert checks.sums_not_finite == 2
+    with pytest.raises(NonFiniteRowError) as ei:
+        AdaptiveCodec(4, impl="kernel").encode(x, table="t", row_ids=torch.arange(70) + 1000)
+    assert (ei.value.row, ei.value.n_bad) == (1066, 2)
+    huge = torch.full((3, 8), 1e38)  # finite, but the sums overflow and the fp16 fields cannot hold it
+    huge[0] = 1.0
+    _, checks = adaptive_kernel.encode_rows_checked(huge, 4, 50, 4, 2)
+    assert checks == adaptive_kernel.KernelChecks(2, 2, 1)
+    with pytest.raises(RowRangeError) as er:
+        AdaptiveCodec(4, impl="kernel").encode(huge, table="t")
+    assert (er.value.index, er.value.n_bad) == (1, 2)
+    assert adaptive_kernel.encode_rows_checked(x[:60], 4, 50, 4, 2)[1] == adaptive_kernel.KernelChecks(0, 0, 0)
