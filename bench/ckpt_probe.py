@@ -19,8 +19,9 @@ size), then:
    relative error of its rows against the fp32 restore when both are at the same step), and
    the newest checkpoint with the other kind of chain (full only / base + delta).
 2. Stall vs bare copy, controlled: `SnapshotTaker.take` of a full snapshot and of a delta
-   (`--interval` steps of training after a base), alternating with `BareCopier.copy` (reused buffers) of the
-   same rows: max(3 x `--repeats`, 12) rounds after 2 warm-up rounds, both ranks at once.
+   (`--interval` steps of training after a base), alternating with `BareCopier.copy` (into
+   reused buffers) of the same rows: max(3 x `--repeats`, 12) rounds after 2 warm-up rounds,
+   both ranks at once.
 3. Writer vs raw producer. For (full, fp32), (delta, fp32) and (full, quant): deltarec's
    writer path on a real snapshot (`RankWriter._write`: encode, frame, produce, flush,
    delivery reports -> ranges) against a raw confluent-kafka `Producer` (acks=all,

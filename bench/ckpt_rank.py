@@ -19,9 +19,9 @@ stats, read after each step end, never from inside the stall:
   then on a crash would restore this checkpoint;
 - a bare baseline: ``bare_ms_all``, a plain ``index_select`` (``copy_`` for a full
   checkpoint) of exactly the rows the checkpoint copied, weights and every optimizer state,
-  from the same live tensors into reused buffers (`BareCopier`), three times. It runs *after* the checkpoint, at the first step
-  end where every checkpoint this rank took has its outcome (its writer is idle), so it
-  neither inflates the stall nor competes with the writer. ``find_ms`` is the bitmap scan
+  from the same live tensors into reused buffers (`BareCopier`), three times. It runs
+  *after* the checkpoint, at the first step end where every checkpoint this rank took has its
+  outcome (its writer is idle), so it neither inflates the stall nor competes with the writer. ``find_ms`` is the bitmap scan
   (`RowTracker.touched_rows`) that found those rows, the scan `take` starts with.
 
 And in ``DIR/cpu_rank<r>.json`` (`RankCpu`), the CPU seconds of this rank's threads by class

@@ -82,7 +82,6 @@ def new_admin(conf: Mapping[str, Any]) -> AdminClient:
     return AdminClient({**ADMIN_DEFAULTS, **_common(conf)})
 
 
-
 def _code(e: BaseException) -> Any:
     err = e.args[0] if e.args else None
     return err.code() if isinstance(err, KafkaError) else None
