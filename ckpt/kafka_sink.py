@@ -59,11 +59,12 @@ FETCH_QUEUE_BACKOFF_MS = 5
 # Rows and markers are deleted by dropping whole topics, never by time or size:
 # a base checkpoint can be older than Kafka's default retention of 7 days.
 DEFAULT_TOPIC_CONFIG = {"retention.ms": "-1", "retention.bytes": "-1"}
-# librdkafka drops a new client's bootstrap connection once Metadata names the brokers; with
-# sparse connections it then connects to one of them only when the next Metadata request
-# asks, after reconnect.backoff.ms / 2 (50 ms). An admin client connects to them at once
-# instead (design §6): every broker, as a producer of our partitions would anyway.
-ADMIN_DEFAULTS = {"enable.sparse.connections": False}
+# librdkafka drops a new client's bootstrap connection once Metadata names the brokers and
+# connects to one of them only when the next Metadata request asks, rate-limited to one
+# connect per reconnect.backoff.ms / 2 (50 ms by default; never below about 11 ms). Admin
+# clients lower it (design §6); they keep sparse connections, so a broker that is down is
+# retried on demand only and a new one on the same address is reached at once.
+ADMIN_DEFAULTS = {"reconnect.backoff.ms": 10}
 _TRANSIENT = {KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._TIMED_OUT,
               KafkaError._RESOLVE}
 

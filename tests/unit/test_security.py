@@ -200,7 +200,7 @@ def test_sasl_ssl_settings_reach_every_producer_and_consumer_unchanged(tmp_path:
         assert {k: conf.get(k) for k in SECURITY} == SECURITY, kind  # every setting, value unchanged
         assert conf["bootstrap.servers"] == "broker-1:9093,broker-2:9093", kind
     admin = next(conf for kind, conf in _Recorder.made if kind == "admin")
-    assert admin["enable.sparse.connections"] is False  # design §6: connects to the brokers at once
+    assert admin["reconnect.backoff.ms"] == 10  # design §6: the second Metadata request waits 11 ms, not 50
     for conf in (conf for kind, conf in _Recorder.made if kind == "consumer"):  # design §6: no 1 s fetch pause
         assert conf["fetch.queue.backoff.ms"] == kafka_sink.FETCH_QUEUE_BACKOFF_MS
     producer = next(conf for kind, conf in _Recorder.made if kind == "producer")
@@ -208,12 +208,12 @@ def test_sasl_ssl_settings_reach_every_producer_and_consumer_unchanged(tmp_path:
     backend.close()
 
 
-def test_a_users_sparse_connections_setting_wins_over_the_admin_default(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_users_reconnect_backoff_wins_over_the_admin_default(monkeypatch: pytest.MonkeyPatch) -> None:
     _Recorder.made = []
     monkeypatch.setattr(kafka_sink, "AdminClient", _Admin)
-    kafka_sink.new_admin({"bootstrap.servers": "b:9092", "enable.sparse.connections": True})
+    kafka_sink.new_admin({"bootstrap.servers": "b:9092", "reconnect.backoff.ms": 250})
     kafka_sink.new_admin({"bootstrap.servers": "b:9092"})
-    assert [conf["enable.sparse.connections"] for _, conf in _Recorder.made] == [True, False]
+    assert [conf["reconnect.backoff.ms"] for _, conf in _Recorder.made] == [250, 10]
 
 
 def test_the_resolved_config_in_the_run_directory_holds_no_secret(tmp_path: Path, debug_config: DebugConfig) -> None:
