@@ -57,7 +57,8 @@ import math
 import torch
 
 from . import adaptive_kernel, uniform
-from .base import FP16_MAX, RowRangeError, as_float_rows, check_encoded, check_finite_meta, refuse_non_finite
+from .base import (FP16_MAX, RowRangeError, as_float_rows, check_encoded, check_finite_meta, check_finite_rows,
+                   refuse_non_finite)
 from .bitpack import pack_bits, packed_bytes
 from .uniform import _half_ok, decode_nbit, encode_nbit_with_range
 
@@ -391,7 +392,7 @@ class AdaptiveCodec:
             if checks.meta_not_finite:
                 raise RowRangeError(table, checks.first_meta_not_finite, row_ids, self.name, checks.meta_not_finite)
             return out
-        x = as_float_rows(x, table, row_ids)
+        check_finite_rows(x, table, row_ids)
         if self.search == "greedy":
             out = self._encode_greedy(x)
         else:

@@ -155,19 +155,10 @@ def _codes_t(xt, m, b, inv, qmax, qt):
 @_jit
 def _pack(qt, m, bits, out, row0, p, s, b, checks):
     """Pack each row's codes (element j takes bits [j*bits, (j+1)*bits) of the row's
-    little-endian bit stream) into ``out[row0 + r, :p]``, then fp16 scale and bias."""
+    little-endian bit stream) into ``out[row0 + r, :p]``, then fp16 scale and bias. 4-bit rows
+    are packed by ``_pack4_rows`` instead."""
     d = qt.shape[0]
-    if bits == 4:
-        for j in range(d // 2):
-            q0 = qt[2 * j]
-            q1 = qt[2 * j + 1]
-            for r in range(m):
-                out[row0 + r, j] = q0[r] | (q1[r] << 4)
-        if d % 2:
-            q0 = qt[d - 1]
-            for r in range(m):
-                out[row0 + r, d // 2] = q0[r]
-    elif bits == 2:
+    if bits == 2:
         for j in range(d // 4):
             q0 = qt[4 * j]
             q1 = qt[4 * j + 1]

@@ -16,6 +16,7 @@ __all__ = [
     "NonFiniteRowError",
     "RowRangeError",
     "as_float_rows",
+    "check_finite_rows",
     "refuse_non_finite",
     "check_encoded",
     "check_finite_meta",
@@ -82,9 +83,8 @@ def as_float_rows(rows: torch.Tensor, table: str, row_ids: torch.Tensor | None, 
     """Validate a batch of rows and return it as contiguous float32 ``[n, dim]``.
 
     NaN/Inf rows raise :class:`NonFiniteRowError` naming the table and the row. The check is one
-    read pass (a sum); the exact per-element test runs only when that sum is not finite. A caller
-    that sums the rows itself passes ``check_finite=False`` and calls `refuse_non_finite` when a
-    sum is not finite.
+    read pass (a sum, `check_finite_rows`). A caller that sums the rows itself passes
+    ``check_finite=False`` and calls `refuse_non_finite` when a sum is not finite.
     """
     if not isinstance(rows, torch.Tensor):
         raise TypeError(f"rows must be a torch.Tensor, got {type(rows).__name__}")
@@ -100,11 +100,16 @@ def as_float_rows(rows: torch.Tensor, table: str, row_ids: torch.Tensor | None, 
                 f"row_ids must be 1-D with one id per row ({rows.shape[0]}), got {tuple(row_ids.shape)}"
             )
     x = rows.to(torch.float32).contiguous()
-    # one flat sum (NaN and Inf always propagate through a sum); the exact per-element test runs
-    # only when it is not finite, so a finite batch whose sum overflows is not refused
-    if check_finite and x.numel() and not bool(torch.isfinite(x.sum())):
-        refuse_non_finite(x, table, row_ids)
+    if check_finite:
+        check_finite_rows(x, table, row_ids)
     return x
+
+
+def check_finite_rows(x: torch.Tensor, table: str, row_ids: torch.Tensor | None) -> None:
+    """One flat sum (NaN and Inf always propagate through a sum); the exact per-element test
+    runs only when it is not finite, so a finite batch whose sum overflows is not refused."""
+    if x.numel() and not bool(torch.isfinite(x.sum())):
+        refuse_non_finite(x, table, row_ids)
 
 
 def refuse_non_finite(x: torch.Tensor, table: str, row_ids: torch.Tensor | None) -> None:
