@@ -356,6 +356,9 @@ class FsSource:
             raise SourceError(f"segment {path} does not exist (reading bytes {first}..{last})") from None
         return self._frames(f, path, first, last)
 
+    def prepare(self) -> None:
+        """Files need no connecting."""
+
     def read_ranges(self, reads: Sequence[RangeRead]) -> Iterator[tuple[int, int, Frame]]:
         """Local files: one after another (the page cache makes a read a copy)."""
         return read_one_by_one(self, reads)

@@ -28,9 +28,11 @@ Broker facts this code relies on or works around (probed on Tansu, see
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections import deque
+from concurrent.futures import Future
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, \
@@ -65,6 +67,12 @@ DEFAULT_TOPIC_CONFIG = {"retention.ms": "-1", "retention.bytes": "-1"}
 # clients lower it (design §6); they keep sparse connections, so a broker that is down is
 # retried on demand only and a new one on the same address is reached at once.
 ADMIN_DEFAULTS = {"reconnect.backoff.ms": 10}
+# A spare reader (`_connect`) asks for the topic listing right after it starts. librdkafka
+# may have dropped the bootstrap connection by then (the consumer's own first Metadata named
+# the brokers), and with sparse connections the request then waits for the rate-limited
+# connect, 50 ms for a consumer. Connecting to the named brokers at once avoids it; a spare
+# lives until the next read only (design §6).
+SPARE_DEFAULTS = {"enable.sparse.connections": False}
 _TRANSIENT = {KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._TIMED_OUT,
               KafkaError._RESOLVE}
 
@@ -96,10 +104,11 @@ def topic_partitions(admin: AdminClient, topic: str, timeout_s: float) -> int | 
     return topics_partitions(admin, timeout_s).get(topic)
 
 
-def topics_partitions(admin: AdminClient, timeout_s: float) -> dict[str, int]:
-    """Partition count of every existing topic (one Metadata request)."""
+def topics_partitions(client: AdminClient | Consumer, timeout_s: float) -> dict[str, int]:
+    """Partition count of every existing topic (one Metadata request, by an admin client or
+    a consumer)."""
     try:
-        md = admin.list_topics(timeout=timeout_s)
+        md = client.list_topics(timeout=timeout_s)
     except KafkaException as e:
         raise SourceError(f"cannot list topics: {e.args[0]}") from None
     return {name: len(t.partitions) for name, t in md.topics.items() if t.error is None}
@@ -348,6 +357,86 @@ def _consumer_conf(conf: Mapping[str, Any], consumer_conf: Mapping[str, Any] | N
     return c
 
 
+class _Connected(NamedTuple):
+    """A new consumer whose first request, the all-topics listing, has been answered: it is
+    connected, and `topics` says what existed then (partition counts)."""
+
+    consumer: Consumer
+    topics: dict[str, int]
+
+
+def _connect(cconf: Mapping[str, Any], timeout_s: float) -> _Connected:
+    """A consumer for `cconf`, connected by the all-topics listing (closed again, and the
+    `KafkaException` raised, if nothing answers within `timeout_s`)."""
+    consumer = Consumer({**SPARE_DEFAULTS, **cconf})
+    try:
+        md = consumer.list_topics(timeout=timeout_s)
+    except BaseException:
+        consumer.close()
+        raise
+    return _Connected(consumer, {name: len(t.partitions) for name, t in md.topics.items() if t.error is None})
+
+
+class _Spare:
+    """At most one connected consumer kept for its owner's next read: `put` a pending or
+    finished connect, `take` it once, `close` closes one nobody took. A reader that takes
+    none connects as before; one that takes one skips a new client's connects (design §6).
+    Thread-safe: a source is read from several threads, and a prepare connects on its own."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: Future[_Connected] | None = None
+
+    def put(self, pending: Future[_Connected]) -> None:
+        with self._lock:
+            old, self._held = self._held, pending
+        _close_connected(old)
+
+    def take(self) -> _Connected | None:
+        """The spare, once connected, or None if none was put; raises what its connect raised
+        (`KafkaException`: nothing answered)."""
+        with self._lock:
+            held, self._held = self._held, None
+        return None if held is None else held.result()
+
+    def close(self) -> None:
+        with self._lock:
+            held, self._held = self._held, None
+        _close_connected(held)
+
+
+def _close_connected(pending: Future[_Connected] | None) -> None:
+    """Close the consumer of `pending` once its connect is done (now, if it is)."""
+    def close(done: Future[_Connected]) -> None:
+        if done.exception() is None:
+            done.result().consumer.close()
+
+    if pending is not None:
+        pending.add_done_callback(close)
+
+
+def _connect_on_thread(cconf: Mapping[str, Any], timeout_s: float) -> Future[_Connected]:
+    """`_connect` on a thread of its own (librdkafka waits without holding the GIL)."""
+    pending: Future[_Connected] = Future()
+
+    def run() -> None:
+        try:
+            pending.set_result(_connect(cconf, timeout_s))
+        except BaseException as exc:  # raised to whoever takes the spare
+            pending.set_exception(exc)
+
+    threading.Thread(target=run, name="deltarec-kafka-connect", daemon=True).start()
+    return pending
+
+
+def _listing(client: Consumer, needed: Sequence[str], listed: dict[str, int], timeout_s: float) -> dict[str, int]:
+    """`listed` (a spare's listing) if it has every `needed` topic, else a fresh listing by
+    `client`: a topic created since must not look missing, one deleted since fails its read."""
+    if all(t in listed for t in needed):
+        return listed
+    return topics_partitions(client, timeout_s)
+
+
 class _Read(NamedTuple):
     """Offsets ``first`` through ``last`` (inclusive; None: to the end) of one partition."""
 
@@ -362,35 +451,44 @@ def _past(read: _Read, offset: int) -> bool:
 
 
 def _read_partition(cconf: Mapping[str, Any], topic: str, partition: int, start: int,
-                    last: int | None, timeout_s: float) -> Iterator[Message]:
+                    last: int | None, timeout_s: float, consumer: Consumer | None = None) -> Iterator[Message]:
     """Messages of one partition from ``start`` through offset ``last`` (inclusive), or to
     the end of the partition when ``last`` is None (see `_read_partitions`)."""
-    return (msg for _, msg in _read_partitions(cconf, [_Read(topic, partition, start, last)], timeout_s))
+    return (msg for _, msg in _read_partitions(cconf, [_Read(topic, partition, start, last)], timeout_s, consumer))
 
 
-def _read_partitions(cconf: Mapping[str, Any], reads: Sequence[_Read], timeout_s: float
-                     ) -> Iterator[tuple[int, Message]]:
-    """``(index into reads, message)`` for every message of every read, with one consumer.
+def _read_partitions(cconf: Mapping[str, Any], reads: Sequence[_Read], timeout_s: float,
+                     consumer: Consumer | None = None) -> Iterator[tuple[int, Message]]:
+    """``(index into reads, message)`` for every message of every read, with one consumer:
+    `consumer` (a connected spare, closed at the end like a new one) or a new one for `cconf`.
 
     Every partition is assigned at once, so librdkafka fetches them all in the background
     while the caller works on what arrived; messages come in offset order within a read.
-    Reads of the same partition (which must not overlap) are served one after another in the
-    order given, with a seek between them; a partition whose reads are done is paused. Raises ``SourceError`` when a partition
-    ends before a read's ``last`` or nothing arrives for ``timeout_s``.
+    Reads of the same partition (which must not overlap) are served in offset order, whatever
+    the order given: adjacent ones as one sequential read, a gap with a forward seek. A seek
+    back would wait for the fetch in flight (at the end of the log, fetch.wait.max.ms) and
+    then a new round trip (design §6). A partition whose reads are done is paused. Raises
+    ``SourceError`` when a partition ends before a read's ``last`` or nothing arrives for
+    ``timeout_s``.
     """
-    pending: dict[tuple[str, int], deque[int]] = {}
+    by_partition: dict[tuple[str, int], list[int]] = {}
     for i, r in enumerate(reads):
-        pending.setdefault((r.topic, r.partition), deque()).append(i)
-    if not pending:
+        by_partition.setdefault((r.topic, r.partition), []).append(i)
+    if not by_partition:
+        if consumer is not None:
+            consumer.close()
         return
-    for q in pending.values():
-        spans = sorted((reads[i].first, reads[i].last) for i in q)
+    pending: dict[tuple[str, int], deque[int]] = {}
+    for key, ids in by_partition.items():
+        ids.sort(key=lambda i: reads[i].first)
+        spans = [(reads[i].first, reads[i].last) for i in ids]
         assert all(a[1] is not None and a[1] < b[0] for a, b in zip(spans, spans[1:])), f"overlapping reads {spans}"
+        pending[key] = deque(ids)
     expect = {key: reads[q[0]].first for key, q in pending.items()}  # next offset wanted
     # Just after a seek the next message must be exactly the read's first offset (a position
     # a delivery report gave): anything else was fetched before the seek.
     exact: set[tuple[str, int]] = set()
-    consumer = Consumer(dict(cconf))
+    consumer = consumer or Consumer(dict(cconf))
 
     def next_read(key: tuple[str, int]) -> None:
         """The current read of `key` is complete: seek to its next one, or pause it."""
@@ -454,7 +552,13 @@ def _read_partitions(cconf: Mapping[str, Any], reads: Sequence[_Read], timeout_s
             if last is not None and off >= last:
                 next_read(key)
     finally:
-        consumer.close()
+        _close_behind(consumer)
+
+
+def _close_behind(consumer: Consumer) -> None:
+    """Close `consumer` on a thread of its own: the close waits for librdkafka's threads to
+    wind down (a few ms), which a read that has all its messages need not wait for."""
+    threading.Thread(target=consumer.close, name="deltarec-kafka-close").start()
 
 
 class KafkaSource:
@@ -467,6 +571,13 @@ class KafkaSource:
         self.timeout_s = timeout_s
         self._cconf = _consumer_conf(conf, consumer_conf)
         self._admin = admin or new_admin(conf)
+        self._spare = _Spare()
+
+    def prepare(self) -> None:
+        """Start connecting the consumer of the next `read_ranges` on a thread of its own. A
+        restore calls this on every rank before rank 0 reads the markers log, so the rows
+        read finds its client connected (design §6)."""
+        self._spare.put(_connect_on_thread(self._cconf, self.timeout_s))
 
     def read_range(self, generation: int, partition: int, first: int, last: int, *,
                    timeout_s: float | None = None) -> Iterator[tuple[int, Frame]]:
@@ -475,23 +586,37 @@ class KafkaSource:
 
     def read_ranges(self, reads: Sequence[RangeRead], *, timeout_s: float | None = None
                     ) -> Iterator[tuple[int, int, Frame]]:
-        """All reads with one consumer (see `_read_partitions`): one metadata request, every
-        partition fetched at once, frames decoded while librdkafka fetches the next ones.
-        Missing topics and partitions raise here, before the first frame is asked for."""
+        """All reads with one consumer (see `_read_partitions`): the one `prepare` connected,
+        or a new one; every partition fetched at once, frames decoded while librdkafka
+        fetches the next ones. Missing topics and partitions raise here, before the first
+        frame is asked for."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        listed = topics_partitions(self._admin, timeout_s) if reads else {}
-        plan = []
         for r in reads:
             if not 0 <= r.first <= r.last:
                 raise ValueError(f"bad range [{r.first}, {r.last}]")
-            topic = rows_name(self.run_id, r.generation)
-            if topic not in listed:
-                raise SourceError(f"topic {topic} does not exist (reading partition {r.partition} "
-                                  f"offsets {r.first}..{r.last})")
-            if r.partition >= listed[topic]:
-                raise SourceError(f"topic {topic} has {listed[topic]} partitions, no partition {r.partition}")
-            plan.append(_Read(topic, r.partition, r.first, r.last))
-        return self._decoded(_read_partitions(self._cconf, plan, timeout_s))
+        topics = [rows_name(self.run_id, r.generation) for r in reads]
+        try:
+            spare = self._spare.take()
+        except KafkaException as e:
+            raise SourceError(f"cannot list topics: {e.args[0]}") from None
+        try:
+            if spare is not None:
+                listed = _listing(spare.consumer, topics, spare.topics, timeout_s)
+            else:
+                listed = topics_partitions(self._admin, timeout_s) if reads else {}
+            plan = []
+            for r, topic in zip(reads, topics):
+                if topic not in listed:
+                    raise SourceError(f"topic {topic} does not exist (reading partition {r.partition} "
+                                      f"offsets {r.first}..{r.last})")
+                if r.partition >= listed[topic]:
+                    raise SourceError(f"topic {topic} has {listed[topic]} partitions, no partition {r.partition}")
+                plan.append(_Read(topic, r.partition, r.first, r.last))
+        except BaseException:
+            if spare is not None:
+                spare.consumer.close()
+            raise
+        return self._decoded(_read_partitions(self._cconf, plan, timeout_s, spare and spare.consumer))
 
     def _decoded(self, messages: Iterator[tuple[int, Message]]) -> Iterator[tuple[int, int, Frame]]:
         for i, msg in messages:
@@ -502,6 +627,7 @@ class KafkaSource:
             yield i, msg.offset(), frame
 
     def close(self) -> None:
+        self._spare.close()
         self._admin = None
 
 
@@ -531,6 +657,7 @@ class KafkaMarkers:
         self._topic_ok = False
         self._last: int | None = None  # offset of our own last append
         self._closed = False
+        self._spare = _Spare()  # the consumer `check_reachable` connected, for the next read
 
     def append_marker(self, payload: bytes) -> int:
         if self._closed:
@@ -557,9 +684,10 @@ class KafkaMarkers:
 
     def check_reachable(self, timeout_s: float) -> None:
         """One metadata request, bounded by `timeout_s`; ``BrokerUnreachable`` naming the address
-        and librdkafka's reason when nothing answers (refused, unresolvable, silent)."""
+        and librdkafka's reason when nothing answers (refused, unresolvable, silent). It is
+        the first request of the consumer the next `read_markers` reads with."""
         try:
-            self._admin.list_topics(timeout=timeout_s)
+            connected = _connect(self._cconf, timeout_s)
         except KafkaException as exc:
             err = exc.args[0] if exc.args else None
             reason = err.str() if isinstance(err, KafkaError) else str(exc)
@@ -567,17 +695,32 @@ class KafkaMarkers:
                 f"no Kafka broker answered at {self.bootstrap} within {timeout_s:g} s (ckpt.connect_timeout_s): "
                 f"{reason}; start it (deltarec-broker start) or fix ckpt.bootstrap_servers"
             ) from None
+        done: Future[_Connected] = Future()
+        done.set_result(connected)
+        self._spare.put(done)
 
     def read_markers(self, start: int = 0, *, timeout_s: float | None = None) -> list[tuple[int, bytes]]:
         """The markers from offset `start` to the end of the topic (end-of-partition event;
         watermarks are not trusted). No topic yet: no markers."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        if topic_partitions(self._admin, self.topic, timeout_s) is None:
+        spare = self._spare.take()
+        try:
+            if spare is not None:
+                exists = self.topic in _listing(spare.consumer, [self.topic], spare.topics, timeout_s)
+            else:
+                exists = topic_partitions(self._admin, self.topic, timeout_s) is not None
+        except BaseException:
+            if spare is not None:
+                spare.consumer.close()
+            raise
+        if not exists:
+            if spare is not None:
+                spare.consumer.close()
             if self._last is not None:
                 raise SourceError(f"marker topic {self.topic} is gone (we appended offset {self._last})")
             return []
         out = [(m.offset(), m.value() or b"")
-               for m in _read_partition(self._cconf, self.topic, 0, start, None, timeout_s)]
+               for m in _read_partition(self._cconf, self.topic, 0, start, None, timeout_s, spare and spare.consumer)]
         if self._last is not None and self._last >= start and (not out or out[-1][0] < self._last):
             raise SourceError(f"marker topic {self.topic} ends before offset {self._last}, "
                               f"which this process appended")
@@ -586,5 +729,6 @@ class KafkaMarkers:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            self._spare.close()
             self._p.close()
             self._admin = None

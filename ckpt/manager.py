@@ -140,6 +140,35 @@ class RestoreReport:
                 f"apply {self.apply_s:.2f} s{regen}, dense {self.dense_s:.2f} s")
 
 
+class _ReadStats(NamedTuple):
+    """Every rank's chain replay, gathered in the one collective that also agrees on its
+    outcome: counts summed over ranks, times of the slowest rank."""
+
+    failed: bool
+    frames: int
+    rows: int
+    bytes: int
+    written: int
+    regenerated: int
+    markers_s: float
+    fetch_s: float
+    decode_s: float
+    apply_s: float
+    init_s: float
+
+    @classmethod
+    def gather(cls, error: str, rows: RowsRestored | None, markers_s: float) -> "_ReadStats":
+        """All ranks at once (one all-gather): whether any failed (`error`), and their stats."""
+        r = rows or RowsRestored()
+        mine = torch.tensor([float(bool(error)), r.frames, r.rows, r.bytes, r.written, r.regenerated, markers_s,
+                             r.fetch_s, r.decode_s, r.apply_s, r.init_s], dtype=torch.float64)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        t = torch.stack(every)
+        sums, maxes = t.sum(0).tolist(), t.max(0).values.tolist()
+        return cls(maxes[0] > 0, *(int(v) for v in sums[1:6]), *maxes[6:])
+
+
 class _Candidates(NamedTuple):
     """What rank 0 reads of the markers log and the run directory at start, for every rank."""
 
@@ -278,6 +307,8 @@ class CheckpointManager:
 
     def _restore(self) -> RestoreReport | None:
         t0 = time.perf_counter()
+        if self.c.resume != "none":
+            self.backend.source.prepare()  # every rank connects while rank 0 reads the markers
         candidates = self._candidates()
         markers_s = time.perf_counter() - t0
         if self.c.resume == "none":
@@ -297,10 +328,9 @@ class CheckpointManager:
             except (FrameError, SourceError, RestoreError, DenseStoreError) as exc:
                 error = f"checkpoint {marker.checkpoint_id}{' with survivor snapshots' if survivors else ''}: {exc}"
             pristine = None
-            failed = torch.tensor([float(bool(error))])
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-            if not failed.item():
-                return self._finish_restore(marker, rows, state, t0, markers_s, partial, skips)
+            read = _ReadStats.gather(error, None if error else rows, markers_s)
+            if not read.failed:
+                return self._finish_restore(marker, rows, state, t0, read, partial, skips)
             reason = self._first_error(error)
             if survivors:
                 logger.warning("%s; every rank rolls back to the checkpoint instead (full recovery)", reason)
@@ -340,7 +370,7 @@ class CheckpointManager:
         return f"{first} (read by rank {rank})"
 
     def _finish_restore(self, marker: Marker, rows: RowsRestored, state: dict[str, Any], t0: float,
-                        markers_s: float, partial: PartialOutcome | None = None, skips: Sequence[int] = ()
+                        read: _ReadStats, partial: PartialOutcome | None = None, skips: Sequence[int] = ()
                         ) -> RestoreReport:
         t_dense = time.perf_counter()
         model_sha256 = self.identity.model_sha256
@@ -375,18 +405,13 @@ class CheckpointManager:
             self.force_full = True  # the next checkpoint is the new base: no committed one holds these rows
         self.last_step = marker.step
         now = time.perf_counter()
-        totals = torch.tensor([rows.frames, rows.rows, rows.bytes, rows.written], dtype=torch.float64)
-        dist.all_reduce(totals)
-        slowest = torch.tensor([now - t0, markers_s, rows.fetch_s, rows.decode_s, rows.apply_s, now - t_dense,
-                                rows.init_s], dtype=torch.float64)
+        slowest = torch.tensor([now - t0, now - t_dense], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        regenerated = torch.tensor([rows.regenerated], dtype=torch.float64)
-        dist.all_reduce(regenerated)
-        frames, n_rows, n_bytes, written = (int(v) for v in totals.tolist())
-        seconds, markers_s, fetch_s, decode_s, apply_s, dense_s, init_s = slowest.tolist()
-        report = RestoreReport(marker.checkpoint_id, marker.step, self.chain, frames, n_rows, n_bytes, seconds,
-                               written, markers_s, fetch_s, decode_s, apply_s, dense_s, int(regenerated.item()), init_s,
-                               partial, run_pls(self.lost_samples, float(state["trainers"][0]["samples_seen"])))
+        seconds, dense_s = slowest.tolist()
+        report = RestoreReport(marker.checkpoint_id, marker.step, self.chain, read.frames, read.rows, read.bytes, seconds,
+                               read.written, read.markers_s, read.fetch_s, read.decode_s, read.apply_s, dense_s,
+                               read.regenerated, read.init_s, partial,
+                               run_pls(self.lost_samples, float(state["trainers"][0]["samples_seen"])))
         if self.env.rank == 0:
             logger.debug(  # the trainer prints the resume line
                 "restored checkpoint %d (step %d, chain %s): %d frames, %d rows, %.1f MB in %.2f s (%s)",
@@ -396,9 +421,10 @@ class CheckpointManager:
             self.metrics.write({
                 "step": report.step, "restored_ckpt": report.checkpoint_id, "restore_s": report.seconds,
                 "restore_bytes": report.bytes, "restore_chain": report.chain, "restore_rows_written": report.written,
-                "restore_markers_s": markers_s, "restore_fetch_s": fetch_s, "restore_decode_s": decode_s,
-                "restore_apply_s": apply_s, "restore_dense_s": dense_s, "restore_regenerated_rows": report.regenerated,
-                "restore_regenerate_s": init_s, "run_pls": report.run_pls,
+                "restore_markers_s": report.markers_s, "restore_fetch_s": report.fetch_s,
+                "restore_decode_s": report.decode_s, "restore_apply_s": report.apply_s, "restore_dense_s": dense_s,
+                "restore_regenerated_rows": report.regenerated, "restore_regenerate_s": report.init_s,
+                "run_pls": report.run_pls,
             })
             if partial is not None:
                 self.metrics.write({

@@ -131,10 +131,10 @@ def iter_chain_frames_fetched_together(
     want: Callable[[IndexEntry], bool] = lambda entry: True,
 ) -> Iterator[tuple[int, ChainLink, Frame]]:
     """``(link index in the chain, link, frame)`` for every verified frame of the chain, as
-    `iter_chain_frames` reads them, but with one `read_ranges` for the whole chain, newest
-    link first: frames arrive in position order within a segment run, in any order across
-    partitions, and where the source serves reads in order (files, one Kafka partition)
-    the newest link's before the older ones'."""
+    `iter_chain_frames` reads them, but with one `read_ranges` for the whole chain, reads
+    given newest link first: frames arrive in position order within a segment run and in
+    any order across runs. Files serve the runs in that order; Kafka serves a partition's
+    runs in offset order (consecutive links are one sequential read there)."""
     _check_base(marker)
     reads: list[RangeRead] = []
     runs: list[tuple[int, ChainLink, int, list[IndexEntry], list[int], _Chunks]] = []

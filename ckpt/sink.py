@@ -199,6 +199,10 @@ class FrameSource(Protocol):
         ``read_range`` would: in position order within a read, in any order across reads (a
         backend may fetch them all at once). Same errors as ``read_range``."""
 
+    def prepare(self) -> None:
+        """A hint that a restore's `read_ranges` comes soon: start connecting (a broker),
+        or nothing (files)."""
+
     def close(self) -> None: ...
 
 

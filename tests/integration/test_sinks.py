@@ -311,6 +311,61 @@ def test_kafka_range_starting_past_the_end_times_out_with_its_location(broker, u
     sink.close()
 
 
+def test_kafka_prepared_read_serves_a_partitions_reads_in_offset_order(broker, unique_name):
+    """A restore asks for the newest link first; two adjacent runs of one partition come back
+    in offset order (one pass, no seek back), each exactly as `read_range` gives it, through
+    the consumer `prepare` connected ahead; the next read connects its own."""
+    run = unique_name("run")
+    conf = {"bootstrap.servers": broker.bootstrap}
+    sink, source = KafkaSink(run, conf, num_partitions=1), KafkaSource(run, conf, timeout_s=5)
+    try:
+        for ckpt in (1, 2):  # base, then the delta right after it
+            for fr in make_frames(run, ckpt, 0, 40, max_frame_bytes=700):
+                sink.write(fr, generation=0, partition=0)
+        res = sink.flush(30).raise_for_error()
+        ((first, last),) = res.ranges[(0, 0)]
+        ids = [f.checkpoint_id for _, f in read_all(source, 0, 0, (first, last))]
+        split = first + ids.index(2)
+        newest_first = [RangeRead(0, 0, split, last), RangeRead(0, 0, first, split - 1)]
+        for prepared in (True, False):
+            if prepared:
+                source.prepare()
+            got = [(i, p, f.checkpoint_id) for i, p, f in source.read_ranges(newest_first)]
+            assert [p for _, p, _ in got] == list(range(first, last + 1)), prepared
+            assert {(i, c) for i, _, c in got} == {(1, 1), (0, 2)}, prepared
+    finally:
+        sink.close()
+        source.close()
+
+
+def test_kafka_prepared_read_of_an_unreachable_broker_is_a_bounded_error(unique_name):
+    source = KafkaSource(unique_name("run"), {"bootstrap.servers": "127.0.0.1:1"}, timeout_s=1)
+    source.prepare()
+    t0 = time.monotonic()
+    with pytest.raises(SourceError, match="cannot list topics"):
+        list(source.read_ranges([RangeRead(0, 0, 0, 0)]))
+    assert time.monotonic() - t0 < 5
+    source.close()
+
+
+def test_kafka_markers_topic_created_after_the_reachability_check_is_read(broker, unique_name):
+    """`check_reachable` connects the consumer the next `read_markers` uses; the topic listing
+    it got then is refreshed when it lacks the markers topic, so markers appended since (by
+    another process: a fresh producer) are read, not taken for an empty log."""
+    run = unique_name("run")
+    conf = {"bootstrap.servers": broker.bootstrap}
+    reader, writer = KafkaMarkers(run, conf, timeout_s=10), KafkaMarkers(run, conf, timeout_s=10)
+    try:
+        reader.check_reachable(5)  # no markers topic yet
+        pos = writer.append_marker(b"COMMIT 1")
+        assert reader.read_markers() == [(pos, b"COMMIT 1")]
+        reader.check_reachable(5)
+        assert reader.read_markers() == [(pos, b"COMMIT 1")]
+    finally:
+        reader.close()
+        writer.close()
+
+
 def test_kafka_conf_is_validated(broker, unique_name):
     conf = {"bootstrap.servers": broker.bootstrap}
     with pytest.raises(ValueError, match="idempotence"):
