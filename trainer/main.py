@@ -76,13 +76,15 @@ def train(cfg: JobConfig, env: DistEnv) -> int:
     device = init_process_group(
         env, backend=cfg.sharding.backend, init_method=cfg.sharding.init_method, timeout_s=cfg.sharding.timeout_s
     )
-    try:
-        run_job(cfg, env, device)
-    except BaseException:
-        destroy_process_group(clean=False)
-        raise
     # The model (DDP reducers, gloo work) must be gone before the group: freed at
     # interpreter exit instead, a joinable gloo thread aborts the process.
+    try:
+        run_job(cfg, env, device)
+    except BaseException as exc:
+        traceback.clear_frames(exc.__traceback__)  # run_job's frame held the model
+        gc.collect()
+        destroy_process_group(clean=False)
+        raise
     gc.collect()
     destroy_process_group()
     return 0
