@@ -68,7 +68,7 @@ SIZES: dict[str, dict[str, Any]] = {
     # the quickstart model (8 tables, 457k rows, 2 ranks); ~2.5-4.5 minutes here with the follower jobs
     # follower_intervals: checkpoints of the deltarec + follower jobs, enough for the follower's
     # default thresholds (deltas >= half the baseline's bytes, or 8 deltas) to compact at least once
-    "quick": {"config": "configs/quickstart.yaml", "steps": 48, "interval": 12, "repeats": 1, "overrides": [],
+    "quick": {"config": "configs/quickstart.yaml", "steps": 48, "interval": 12, "repeats": 3, "overrides": [],
               "follower_intervals": 12},
     # 26 tables with Criteo Kaggle's cardinalities capped at 1M rows, dim 64: 5.6M rows,
     # 1.43 GB of fp32 embeddings (+ row-wise momentum); not run within CI
@@ -584,7 +584,7 @@ def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
         ("bytes written per interval, dcp.save / deltarec (default policy, 4-bit)", d.get("bytes_written_vs_dcp"), ">=", 17),
         ("capacity, dcp.save / deltarec (default policy, 4-bit)", d.get("capacity_vs_dcp"), ">=", 8),
         ("stall, dcp.save / deltarec (default policy, 4-bit)", d.get("stall_vs_dcp_save"), ">=", 20),
-        ("stall, deltarec / bare copy of the same rows", d.get("stall_over_bare_copy"), "<=", 1.5),
+        ("stall, deltarec / bare copy of the same rows (issue 12)", d.get("stall_over_bare_copy"), "<=", 1.2),
         ("throughput overhead (at this suite's interval, not 1 minute)", d.get("throughput_overhead"), "<=", 0.05),
         ("restore / dcp.load", d.get("restore_over_dcp_load"), "<=", 1.0),
         ("steps lost on a crash, deltarec (default policy, 4-bit) / dcp.save", d.get("steps_lost_vs_dcp"), "<=", 1.5),

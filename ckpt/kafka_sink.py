@@ -488,7 +488,8 @@ def _read_partitions(cconf: Mapping[str, Any], reads: Sequence[_Read], timeout_s
     # Just after a seek the next message must be exactly the read's first offset (a position
     # a delivery report gave): anything else was fetched before the seek.
     exact: set[tuple[str, int]] = set()
-    consumer = consumer or Consumer(dict(cconf))
+    if consumer is None:
+        consumer = Consumer(dict(cconf))
 
     def next_read(key: tuple[str, int]) -> None:
         """The current read of `key` is complete: seek to its next one, or pause it."""
@@ -616,7 +617,7 @@ class KafkaSource:
             if spare is not None:
                 spare.consumer.close()
             raise
-        return self._decoded(_read_partitions(self._cconf, plan, timeout_s, spare and spare.consumer))
+        return self._decoded(_read_partitions(self._cconf, plan, timeout_s, spare.consumer if spare else None))
 
     def _decoded(self, messages: Iterator[tuple[int, Message]]) -> Iterator[tuple[int, int, Frame]]:
         for i, msg in messages:
@@ -720,7 +721,8 @@ class KafkaMarkers:
                 raise SourceError(f"marker topic {self.topic} is gone (we appended offset {self._last})")
             return []
         out = [(m.offset(), m.value() or b"")
-               for m in _read_partition(self._cconf, self.topic, 0, start, None, timeout_s, spare and spare.consumer)]
+               for m in _read_partition(self._cconf, self.topic, 0, start, None, timeout_s,
+                                             spare.consumer if spare else None)]
         if self._last is not None and self._last >= start and (not out or out[-1][0] < self._last):
             raise SourceError(f"marker topic {self.topic} ends before offset {self._last}, "
                               f"which this process appended")
