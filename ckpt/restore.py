@@ -287,6 +287,10 @@ class _Replay:
     later link has, so the rows a later link replaces are neither decoded nor copied. A
     frame that covers only some of a shard's columns (restoring into another column split)
     waits, and is applied after the stream in chain order under the same rule.
+
+    While the stream lasts only whole-width frames write, so the newest link that wrote any
+    column of a row is `written` itself; `finish` starts `link_of` from it. A row the chain
+    holds is one some link wrote: every row of a frame is written by it or by a later link.
     """
 
     def __init__(self, marker: Marker, shard_map: ShardMap, out: RowsRestored) -> None:
@@ -295,8 +299,6 @@ class _Replay:
         self.out = out
         self.init = row_init_of(marker)
         self.written = {id(s): torch.full((s.num_rows,), -1, dtype=torch.int32) for s in shard_map.shards}
-        self.link_of = {id(s): torch.full((s.num_rows,), -1, dtype=torch.int32) for s in shard_map.shards}  # any column
-        self.held = {id(s): torch.zeros(s.num_rows, dtype=torch.bool) for s in shard_map.shards}
         # columns of each local row the base wrote: a base holds every (row, column) exactly
         # once, so a complete base leaves exactly num_cols per row (not a row x column mask)
         self.covered = {id(s): torch.zeros(s.num_rows, dtype=torch.int32) for s in shard_map.shards}
@@ -316,7 +318,6 @@ class _Replay:
                 continue
             c0, c1 = max(frame.col_offset, s.col_offset), min(frame.col_offset + frame.dim, s.col_offset + s.num_cols)
             self.out.rows += span.count
-            _mark(self.held[id(s)], span.dst)
             if link.full:
                 _count(self.covered[id(s)], span.dst, c1 - c0)
             if (c0, c1) != (s.col_offset, s.col_offset + s.num_cols):
@@ -335,9 +336,12 @@ class _Replay:
         (`fill`) regenerate the rows no link holds."""
         t0 = time.perf_counter()
         decode_s = 0.0
+        link_of = {key: written.clone() for key, written in self.written.items()}  # any column
         for link_index, frame, s, span, c0, c1 in sorted(self.partial, key=lambda p: p[0]):
             fresh = _newer(span, self.written[id(s)], link_index)
             if fresh is not None:
+                newest = link_of[id(s)]
+                newest[fresh.dst] = newest[fresh.dst].clamp_min(link_index)
                 decode_s += self._write(frame, s, fresh, c0, c1, link_index)
         self.out.decode_s += decode_s
         self.out.apply_s += time.perf_counter() - t0 - decode_s
@@ -353,8 +357,8 @@ class _Replay:
                     f"cols {s.col_offset}..{s.col_offset + s.num_cols - 1}: {int(wrong.sum())} rows (first: row {first}) are "
                     f"not covered exactly once by the base checkpoint {self.marker.chain[0].checkpoint_id}"
                 )
-        self.out.held = [self.held[id(s)] for s in self.shard_map.shards]
-        self.out.link_of = [self.link_of[id(s)] for s in self.shard_map.shards]
+        self.out.link_of = [link_of[id(s)] for s in self.shard_map.shards]
+        self.out.held = [newest >= 0 for newest in self.out.link_of]
         unknown = sorted({s.table for s in self.shard_map.shards} - set(self.marker.tables))
         if self.init is not None and unknown:
             raise RestoreError(f"checkpoint {self.marker.checkpoint_id} has no table {unknown[0]!r}; "
@@ -362,15 +366,13 @@ class _Replay:
         if self.init is not None and fill:
             t = time.perf_counter()
             tables = {name: (rows, dim) for name, (rows, dim) in self.marker.tables.items()}
-            masks = {id(s): ~self.held[id(s)] for s in self.shard_map.shards}
+            masks = {id(s): ~held for s, held in zip(self.shard_map.shards, self.out.held)}
             self.out.regenerated = initialise_shards(self.init, self.shard_map.shards, tables, masks)
             self.out.init_s = time.perf_counter() - t
 
     def _write(self, frame: Frame, s: ShardView, span: _Span, c0: int, c1: int, link_index: int) -> float:
         """Decode the span's rows and copy columns c0..c1 of them into shard `s` (a write of
         chain link `link_index`); returns the seconds spent decoding."""
-        newest = self.link_of[id(s)]
-        newest[span.dst] = newest[span.dst].clamp_min(link_index)
         t = time.perf_counter()
         weights, optim = decode_rows(frame, span.src, copy=False)
         decode_s = time.perf_counter() - t
@@ -390,13 +392,6 @@ class _Replay:
                 _put(state, span.dst, src, c0 - s.col_offset, c0 - frame.col_offset, c1 - c0)
         self.out.written += span.count
         return decode_s
-
-
-def _mark(mask: torch.Tensor, rows: Rows) -> None:
-    if isinstance(rows, slice):
-        mask[rows] = True
-    else:
-        mask.index_fill_(0, rows, True)
 
 
 def _count(counts: torch.Tensor, rows: Rows, cols: int) -> None:
