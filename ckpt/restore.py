@@ -326,7 +326,7 @@ class _Replay:
             fresh = _newer(span, self.written[id(s)], link_index)
             if fresh is not None:
                 self.written[id(s)][fresh.dst] = link_index
-                decode_s += self._write(frame, s, fresh, c0, c1, link_index)
+                decode_s += self._write(frame, s, fresh, c0, c1)
         self.out.decode_s += decode_s
         self.out.apply_s += time.perf_counter() - t0 - decode_s
 
@@ -342,7 +342,7 @@ class _Replay:
             if fresh is not None:
                 newest = link_of[id(s)]
                 newest[fresh.dst] = newest[fresh.dst].clamp_min(link_index)
-                decode_s += self._write(frame, s, fresh, c0, c1, link_index)
+                decode_s += self._write(frame, s, fresh, c0, c1)
         self.out.decode_s += decode_s
         self.out.apply_s += time.perf_counter() - t0 - decode_s
         for s in self.shard_map.shards:
@@ -370,9 +370,9 @@ class _Replay:
             self.out.regenerated = initialise_shards(self.init, self.shard_map.shards, tables, masks)
             self.out.init_s = time.perf_counter() - t
 
-    def _write(self, frame: Frame, s: ShardView, span: _Span, c0: int, c1: int, link_index: int) -> float:
-        """Decode the span's rows and copy columns c0..c1 of them into shard `s` (a write of
-        chain link `link_index`); returns the seconds spent decoding."""
+    def _write(self, frame: Frame, s: ShardView, span: _Span, c0: int, c1: int) -> float:
+        """Decode the span's rows and copy columns c0..c1 of them into shard `s`; returns the
+        seconds spent decoding."""
         t = time.perf_counter()
         weights, optim = decode_rows(frame, span.src, copy=False)
         decode_s = time.perf_counter() - t
