@@ -416,7 +416,9 @@ def _close_connected(pending: Future[_Connected] | None) -> None:
 
 
 def _connect_on_thread(cconf: Mapping[str, Any], timeout_s: float) -> Future[_Connected]:
-    """`_connect` on a thread of its own (librdkafka waits without holding the GIL)."""
+    """`_connect` on a thread of its own (librdkafka waits without holding the GIL). A daemon
+    thread, not an executor's: a process that exits does not wait out a connect to a broker
+    that is down."""
     pending: Future[_Connected] = Future()
 
     def run() -> None:
@@ -429,12 +431,21 @@ def _connect_on_thread(cconf: Mapping[str, Any], timeout_s: float) -> Future[_Co
     return pending
 
 
-def _listing(client: Consumer, needed: Sequence[str], listed: dict[str, int], timeout_s: float) -> dict[str, int]:
-    """`listed` (a spare's listing) if it has every `needed` topic, else a fresh listing by
-    `client`: a topic created since must not look missing, one deleted since fails its read."""
-    if all(t in listed for t in needed):
-        return listed
-    return topics_partitions(client, timeout_s)
+def _topics_for(spare: _Connected | None, admin: AdminClient, needed: Sequence[str], timeout_s: float
+                ) -> dict[str, int]:
+    """The topics a read checks `needed` against: the admin client's listing without a spare;
+    the spare's while it names them all, else the spare lists again (a topic created since
+    must not look missing; one deleted since fails its read). A spare whose listing fails is
+    closed."""
+    if spare is None:
+        return topics_partitions(admin, timeout_s)
+    if all(t in spare.topics for t in needed):
+        return spare.topics
+    try:
+        return topics_partitions(spare.consumer, timeout_s)
+    except BaseException:
+        spare.consumer.close()
+        raise
 
 
 class _Read(NamedTuple):
@@ -600,11 +611,8 @@ class KafkaSource:
             spare = self._spare.take()
         except KafkaException as e:
             raise SourceError(f"cannot list topics: {e.args[0]}") from None
+        listed = _topics_for(spare, self._admin, topics, timeout_s) if reads or spare else {}
         try:
-            if spare is not None:
-                listed = _listing(spare.consumer, topics, spare.topics, timeout_s)
-            else:
-                listed = topics_partitions(self._admin, timeout_s) if reads else {}
             plan = []
             for r, topic in zip(reads, topics):
                 if topic not in listed:
@@ -705,16 +713,7 @@ class KafkaMarkers:
         watermarks are not trusted). No topic yet: no markers."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         spare = self._spare.take()
-        try:
-            if spare is not None:
-                exists = self.topic in _listing(spare.consumer, [self.topic], spare.topics, timeout_s)
-            else:
-                exists = topic_partitions(self._admin, self.topic, timeout_s) is not None
-        except BaseException:
-            if spare is not None:
-                spare.consumer.close()
-            raise
-        if not exists:
+        if self.topic not in _topics_for(spare, self._admin, [self.topic], timeout_s):
             if spare is not None:
                 spare.consumer.close()
             if self._last is not None:
@@ -722,7 +721,7 @@ class KafkaMarkers:
             return []
         out = [(m.offset(), m.value() or b"")
                for m in _read_partition(self._cconf, self.topic, 0, start, None, timeout_s,
-                                             spare.consumer if spare else None)]
+                                        spare.consumer if spare else None)]
         if self._last is not None and self._last >= start and (not out or out[-1][0] < self._last):
             raise SourceError(f"marker topic {self.topic} ends before offset {self._last}, "
                               f"which this process appended")

@@ -10,7 +10,8 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException
 
 from ckpt import kafka_sink
-from ckpt.kafka_sink import _Connected, _listing, _Spare
+from ckpt.kafka_sink import _Connected, _Spare, _topics_for
+from ckpt.sink import SourceError
 
 
 class FakeConsumer:
@@ -69,13 +70,27 @@ def test_a_failed_connect_is_raised_to_the_reader_that_takes_it() -> None:
     spare.close()  # nothing to close, nothing raised
 
 
-def test_a_listing_is_trusted_for_topics_it_has_and_refreshed_for_one_it_lacks() -> None:
+def test_a_spare_listing_is_trusted_for_topics_it_names_and_refreshed_for_one_it_lacks() -> None:
     client = FakeConsumer({"run.rows.g0": 2, "run.rows.g1": 2})
-    stale = {"run.rows.g0": 2}
-    assert _listing(client, ["run.rows.g0"], stale, 1.0) is stale
+    spare = _Connected(client, {"run.rows.g0": 2})
+    admin = FakeConsumer({"run.rows.g0": 2})
+    assert _topics_for(spare, admin, ["run.rows.g0"], 1.0) == {"run.rows.g0": 2}
     assert client.listings == 0
-    assert _listing(client, ["run.rows.g0", "run.rows.g1"], stale, 1.0) == {"run.rows.g0": 2, "run.rows.g1": 2}
-    assert client.listings == 1
+    assert _topics_for(spare, admin, ["run.rows.g0", "run.rows.g1"], 1.0) == {"run.rows.g0": 2, "run.rows.g1": 2}
+    assert (client.listings, admin.listings, client.closed) == (1, 0, 0)
+    assert _topics_for(None, admin, ["run.rows.g0"], 1.0) == {"run.rows.g0": 2}  # no spare: the admin client
+    assert admin.listings == 1
+
+
+def test_a_spare_whose_listing_fails_is_closed() -> None:
+    class Failing(FakeConsumer):
+        def list_topics(self, timeout: float) -> SimpleNamespace:
+            raise KafkaException(KafkaError(KafkaError._TRANSPORT))
+
+    client = Failing()
+    with pytest.raises(SourceError, match="cannot list topics"):
+        _topics_for(_Connected(client, {}), FakeConsumer(), ["run.markers"], 1.0)
+    assert client.closed == 1
 
 
 @pytest.mark.parametrize("user", [{}, {"enable.sparse.connections": True}])
