@@ -473,15 +473,27 @@ def _read_partitions(cconf: Mapping[str, Any], reads: Sequence[_Read], timeout_s
     """``(index into reads, message)`` for every message of every read, with one consumer:
     `consumer` (a connected spare, closed at the end like a new one) or a new one for `cconf`.
 
-    Every partition is assigned at once, so librdkafka fetches them all in the background
-    while the caller works on what arrived; messages come in offset order within a read.
+    Every partition is assigned when this is called, not when the first message is asked
+    for: the caller can do other work while the first fetch is in flight, and librdkafka
+    fetches all partitions in the background while the caller works on what arrived.
+    Messages come in offset order within a read.
     Reads of the same partition (which must not overlap) are served in offset order, whatever
     the order given: adjacent ones as one sequential read, a gap with a forward seek. A seek
     back would wait for the fetch in flight (at the end of the log, fetch.wait.max.ms) and
-    then a new round trip (design §6). A partition whose reads are done is paused. Raises
+    then a new round trip (design §6). A read to the end (``last`` None) ends at the end
+    the fetch of its newest message reported, or on the end-of-partition event when there is
+    nothing to read. A partition whose reads are done is paused. Raises
     ``SourceError`` when a partition ends before a read's ``last`` or nothing arrives for
     ``timeout_s``.
     """
+    messages = _reading(cconf, reads, timeout_s, consumer)
+    next(messages, None)  # runs up to the assign (or to the end: nothing to read)
+    return messages
+
+
+def _reading(cconf: Mapping[str, Any], reads: Sequence[_Read], timeout_s: float,
+             consumer: Consumer | None) -> Iterator[Any]:
+    """`_read_partitions`' messages, after a first None once the partitions are assigned."""
     by_partition: dict[tuple[str, int], list[int]] = {}
     for i, r in enumerate(reads):
         by_partition.setdefault((r.topic, r.partition), []).append(i)
@@ -520,6 +532,7 @@ def _read_partitions(cconf: Mapping[str, Any], reads: Sequence[_Read], timeout_s
 
     try:
         consumer.assign([TopicPartition(t, p, expect[(t, p)]) for t, p in pending])
+        yield None
         deadline = time.monotonic() + timeout_s
         while pending:
             msg = consumer.poll(max(0.0, deadline - time.monotonic()))
@@ -561,10 +574,17 @@ def _read_partitions(cconf: Mapping[str, Any], reads: Sequence[_Read], timeout_s
             deadline = time.monotonic() + timeout_s
             expect[key] = off + 1
             last = reads[i].last
-            if last is not None and off >= last:
-                next_read(key)
+            if off >= last if last is not None else 0 <= _fetched_end(consumer, key) <= off + 1:
+                next_read(key)  # the end of the read, or of the partition as its fetch said
     finally:
         _close_behind(consumer)
+
+
+def _fetched_end(consumer: Consumer, key: tuple[str, int]) -> int:
+    """The end of a partition (its high watermark) as the newest fetch of it said (negative
+    before any). The end-of-partition event reports the same figure, but only with the
+    answer to the next fetch (design §6)."""
+    return consumer.get_watermark_offsets(TopicPartition(*key), cached=True)[1]
 
 
 def _close_behind(consumer: Consumer) -> None:
@@ -709,8 +729,8 @@ class KafkaMarkers:
         self._spare.put(done)
 
     def read_markers(self, start: int = 0, *, timeout_s: float | None = None) -> list[tuple[int, bytes]]:
-        """The markers from offset `start` to the end of the topic (end-of-partition event;
-        watermarks are not trusted). No topic yet: no markers."""
+        """The markers from offset `start` to the end of the topic, as its fetches report it
+        (a ListOffsets watermark is not trusted: launch/broker.py). No topic yet: no markers."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         spare = self._spare.take()
         if self.topic not in _topics_for(spare, self._admin, [self.topic], timeout_s):

@@ -345,16 +345,20 @@ class CheckpointManager:
         """Replay `marker`'s chain (and the survivors' links after it) into the shards and read
         the dense state beside the rows: the state to load, and for a partial recovery its
         outcome and the batches each rank's reader skips."""
+        refs = {None: DenseRef.from_json(marker.dense)} | {r.rank: DenseRef.from_json(r.dense) for r in survivors}
         with ThreadPoolExecutor(2, thread_name_prefix="deltarec-dense-read") as pool:
-            dense = pool.submit(self.dense.read, DenseRef.from_json(marker.dense))  # beside the rows
-            theirs = {r.rank: pool.submit(self.dense.read, DenseRef.from_json(r.dense)) for r in survivors}
+            dense: dict[int | None, Future[dict[str, Any]]] = {}
+
+            def read_dense() -> None:  # beside the rows, once their first fetch is under way
+                dense.update({rank: pool.submit(self.dense.read, ref) for rank, ref in refs.items()})
+
             chain = with_survivors(marker, survivors) if survivors else marker
             rows = restore_rows(chain, self.backend.source, self.shard_map, self.run_id, self.backend.locate,
-                                shards_hold_init=pristine)
-            state = dense.result()
+                                shards_hold_init=pristine, while_fetching=read_dense)
+            state = dense.pop(None).result()
             if not survivors:
                 return rows, state, None, []
-            state, skips, partial = compose(marker, survivors, state, {r: f.result() for r, f in theirs.items()},
+            state, skips, partial = compose(marker, survivors, state, {r: f.result() for r, f in dense.items()},
                                             world_now=self.env.world_size)
             return rows, state, partial, skips
 

@@ -131,10 +131,11 @@ def iter_chain_frames_fetched_together(
     want: Callable[[IndexEntry], bool] = lambda entry: True,
 ) -> Iterator[tuple[int, ChainLink, Frame]]:
     """``(link index in the chain, link, frame)`` for every verified frame of the chain, as
-    `iter_chain_frames` reads them, but with one `read_ranges` for the whole chain, reads
-    given newest link first: frames arrive in position order within a segment run and in
-    any order across runs. Files serve the runs in that order; Kafka serves a partition's
-    runs in offset order (consecutive links are one sequential read there)."""
+    `iter_chain_frames` reads them, but with one `read_ranges` for the whole chain, issued
+    when this is called, reads given newest link first: frames arrive in position order
+    within a segment run and in any order across runs. Files serve the runs in that order;
+    Kafka serves a partition's runs in offset order (consecutive links are one sequential
+    read there)."""
     _check_base(marker)
     reads: list[RangeRead] = []
     runs: list[tuple[int, ChainLink, int, list[IndexEntry], list[int], _Chunks]] = []
@@ -142,7 +143,13 @@ def iter_chain_frames_fetched_together(
         for partition, run in _wanted_runs(link, want):
             reads.append(RangeRead(link.generation, partition, run[0].first, run[-1].last))
             runs.append((i, link, partition, run, [entry.first for entry in run], _Chunks()))
-    for r, pos, frame in source.read_ranges(reads):
+    return _verified(source.read_ranges(reads), runs, run_id, locate)
+
+
+def _verified(frames: Iterator[tuple[int, int, Frame]],
+              runs: list[tuple[int, ChainLink, int, list[IndexEntry], list[int], _Chunks]],
+              run_id: str, locate: Callable[[int, int, int], str]) -> Iterator[tuple[int, ChainLink, Frame]]:
+    for r, pos, frame in frames:
         i, link, partition, run, firsts, chunks = runs[r]
         if _checked(link, partition, run, firsts, pos, frame, run_id, locate, chunks):
             yield i, link, frame
@@ -403,12 +410,15 @@ def _count(counts: torch.Tensor, rows: Rows, cols: int) -> None:
 
 def restore_rows(
     marker: Marker, source: FrameSource, shard_map: ShardMap, run_id: str, locate: Callable[[int, int, int], str],
-    *, shards_hold_init: RowInit | None = None,
+    *, shards_hold_init: RowInit | None = None, while_fetching: Callable[[], object] | None = None,
 ) -> RowsRestored:
     """Replay the marker's chain into this rank's shards (every link fetched at once, rows
     of older links that a later one replaces skipped); verify the base covered them, and
     regenerate the rows the chain leaves out from its row initialisation unless
-    `shards_hold_init` says the shards hold exactly those initial values already."""
+    `shards_hold_init` says the shards hold exactly those initial values already.
+    `while_fetching` is called once the reads are issued, before the first frame is waited
+    for: work to start while the first fetch is in flight, not before it (the dense state's
+    read: design §1)."""
     t0 = time.perf_counter()
     out = RowsRestored()
     replay = _Replay(marker, shard_map, out)
@@ -417,6 +427,8 @@ def restore_rows(
         return any(_overlaps(s, e.col_offset, e.cols, e.min_row, e.max_row) for s in shard_map.of_table(e.table))
 
     frames = iter_chain_frames_fetched_together(marker, source, run_id, locate, want)
+    if while_fetching is not None:
+        while_fetching()
     while True:
         t = time.perf_counter()
         item = next(frames, None)

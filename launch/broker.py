@@ -37,7 +37,8 @@ with confluent-kafka 2.16 / librdkafka 2.16, and what the code does about it:
   last record batch + 1*, not the high watermark (279 messages -> 274). The
   HighwaterMark inside Fetch responses is right, so ``enable.partition.eof=true``
   delivers a correct end-of-partition event (and at offset 0 for an empty partition).
-  Readers therefore stop on EOF or on the requested last offset, never on watermarks.
+  Readers therefore stop on the requested last offset, on the end a Fetch response
+  reported (librdkafka's cached watermark), or on EOF, never on a ListOffsets watermark.
 - Fetch at an offset past the end returns nothing and no error (Kafka answers
   OFFSET_OUT_OF_RANGE), and assigning a missing topic is silent too: readers check the
   topic's metadata first and bound every wait with a timeout that names the

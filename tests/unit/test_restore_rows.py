@@ -271,3 +271,27 @@ def test_a_marker_with_a_row_initialisation_must_name_every_table_it_restores() 
         _restore([(True, base, 0, 2, 0, 0)], [_view(3, 2)], tables={"u": [3, 2]}, init=RowInit(1).to_json())
     with pytest.raises(RestoreError, match="not covered exactly once"):  # without one, every row must be there
         _restore([(True, base, 0, 2, 0, 0)], [_view(3, 2)], tables={"t": [3, 2]})
+
+
+def test_work_given_to_overlap_the_first_fetch_starts_after_the_reads_are_issued_and_before_a_frame_is_awaited() -> None:
+    w, mom = torch.ones(4, 2), torch.zeros(4)
+    events: list[str] = []
+
+    class Recording(ListSource):
+        def read_ranges(self, reads):
+            events.append("issued")  # a Kafka source assigns its partitions here
+            frames = super().read_ranges(reads)
+
+            def awaited():
+                events.append("first frame awaited")
+                yield from frames
+            return awaited()
+
+    frames = [_frame(1, "t", 0, torch.arange(4), w, mom)]
+    marker = Marker(kind="commit", run_id=RUN, checkpoint_id=1, step=10, world_size=1,
+                    chain=[_link(1, True, frames, "t", 0, 2, 0, 3)])
+    view = _view(4, 2)
+    restore_rows(marker, Recording({(1, 0): frames}), ShardMap([view], []), RUN,
+                 lambda g, p, o: f"{g}/{p}@{o}", while_fetching=lambda: events.append("dense read started"))
+    assert events == ["issued", "dense read started", "first frame awaited"]
+    assert torch.equal(view.weight, w)
