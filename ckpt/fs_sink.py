@@ -437,6 +437,9 @@ class FsMarkers:
             raise SinkError(f"cannot append marker to {self.path}: {e}") from None
         return pos
 
+    def prepare(self, timeout_s: float) -> None:
+        """Files need no connecting."""
+
     def check_reachable(self, timeout_s: float) -> None:
         """Files need no connection: a root that does not exist yet holds no checkpoint."""
 

@@ -711,12 +711,18 @@ class KafkaMarkers:
         self._last = box[0][1].offset()
         return self._last
 
+    def prepare(self, timeout_s: float) -> None:
+        """Start `check_reachable`'s connect on a thread of its own (the checkpoint manager
+        does while it is being built, so a restore finds the markers reader connected)."""
+        self._spare.put(_connect_on_thread(self._cconf, timeout_s))
+
     def check_reachable(self, timeout_s: float) -> None:
-        """One metadata request, bounded by `timeout_s`; ``BrokerUnreachable`` naming the address
-        and librdkafka's reason when nothing answers (refused, unresolvable, silent). It is
-        the first request of the consumer the next `read_markers` reads with."""
+        """One metadata request, bounded by `timeout_s` (the one `prepare` started, if any);
+        ``BrokerUnreachable`` naming the address and librdkafka's reason when nothing answers
+        (refused, unresolvable, silent). It is the first request of the consumer the next
+        `read_markers` reads with."""
         try:
-            connected = _connect(self._cconf, timeout_s)
+            connected = self._spare.take() or _connect(self._cconf, timeout_s)
         except KafkaException as exc:
             err = exc.args[0] if exc.args else None
             reason = err.str() if isinstance(err, KafkaError) else str(exc)

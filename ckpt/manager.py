@@ -232,6 +232,10 @@ class CheckpointManager:
                                    pool=HostBufferPool(cfg.max_pending_bytes))
         self.policy = CheckpointPolicy(self.c.policy)
         self.backend: Backend = open_backend(cfg, env.world_size)
+        if cfg.resume != "none":  # a restore comes next: connect its readers while the rest is built
+            self.backend.source.prepare()
+            if env.rank == 0:
+                self.backend.markers.prepare(cfg.connect_timeout_s)
         self.dense = DenseStore(cfg.dense_dir)
         self.committer = None
         if env.rank == 0:
@@ -307,8 +311,6 @@ class CheckpointManager:
 
     def _restore(self) -> RestoreReport | None:
         t0 = time.perf_counter()
-        if self.c.resume != "none":
-            self.backend.source.prepare()  # every rank connects while rank 0 reads the markers
         candidates = self._candidates()
         markers_s = time.perf_counter() - t0
         if self.c.resume == "none":

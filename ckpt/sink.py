@@ -218,6 +218,10 @@ class MarkerLog(Protocol):
     def append_marker(self, payload: bytes) -> int:
         """Durably append one marker; returns its position. Raises ``SinkError``."""
 
+    def prepare(self, timeout_s: float) -> None:
+        """Start what `check_reachable` waits for (a broker's connect, on a thread of its own)
+        so that it is done by then, or nothing (files)."""
+
     def check_reachable(self, timeout_s: float) -> None:
         """Raise a ``SinkError`` naming the address unless the log's storage answers within
         `timeout_s` (a broker); files always do."""

@@ -16,9 +16,10 @@ import torch
 
 from ckpt.frames import FrameError, OptimState, chunk_rows, decode_frame
 from ckpt.fs_sink import REC_MAGIC, FsMarkers, FsSink, FsSource, encode_record
-from ckpt.kafka_sink import KafkaMarkers, KafkaSink, KafkaSource
+from ckpt import kafka_sink
+from ckpt.kafka_sink import BrokerUnreachable, KafkaMarkers, KafkaSink, KafkaSource
 from ckpt.sink import RangeRead, SinkError, SourceError
-from launch.broker import EmbeddedBroker
+from launch.broker import EmbeddedBroker, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -364,6 +365,35 @@ def test_kafka_markers_topic_created_after_the_reachability_check_is_read(broker
     finally:
         reader.close()
         writer.close()
+
+
+def test_kafka_markers_reachability_check_waits_for_the_connect_prepare_started(broker, unique_name, monkeypatch):
+    """`prepare` starts the check's connect ahead (a manager does while it is being built):
+    the check then takes that consumer, connecting no other, and the markers read uses it.
+    Where nothing listens, the prepared check fails with the one-line error all the same."""
+    connects = []
+    real = kafka_sink._connect
+    monkeypatch.setattr(kafka_sink, "_connect", lambda *a: connects.append(a) or real(*a))
+    run = unique_name("run")
+    conf = {"bootstrap.servers": broker.bootstrap}
+    reader, writer = KafkaMarkers(run, conf, timeout_s=10), KafkaMarkers(run, conf, timeout_s=10)
+    try:
+        pos = writer.append_marker(b"COMMIT 1")
+        reader.prepare(5)
+        reader.check_reachable(5)
+        assert reader.read_markers() == [(pos, b"COMMIT 1")]
+        assert len(connects) == 1
+    finally:
+        reader.close()
+        writer.close()
+    address = f"127.0.0.1:{free_port()}"
+    dead = KafkaMarkers(run, {"bootstrap.servers": address}, timeout_s=1)
+    try:
+        dead.prepare(1)
+        with pytest.raises(BrokerUnreachable, match=rf"^no Kafka broker answered at {address} within 1 s "):
+            dead.check_reachable(1)
+    finally:
+        dead.close()
 
 
 def test_kafka_conf_is_validated(broker, unique_name):
