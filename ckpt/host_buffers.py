@@ -12,18 +12,32 @@ reads the snapshot's tensors after that. The pool keeps given-back slabs only wh
 the slabs still lent stay within ``keep_bytes`` (the checkpoint manager passes
 ``ckpt.max_pending_bytes``, the host memory unwritten snapshots may hold anyway), the largest
 that fit first: reuse never raises a rank's host memory above that bound.
+
+A slab made inside the stall still faults in its pages there: the first snapshot larger than
+every kept slab (a full checkpoint as the trained rows grow, a one-shot diff as it grows
+since its base) paid 100-500 ms for it on the full-size model (docs/BENCHMARKS.md). So after
+each snapshot the checkpoint manager asks for the next one's likely size (`reserve_ahead`),
+and a helper thread of low priority makes and faults in a slab that large, an interval
+before it is needed, if the bound has room for it.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+
+from ckpt.threads import lower_thread_priority
+
+logger = logging.getLogger(__name__)
 
 ALIGN = 64  # bytes: every carved tensor starts on a cache line (and any dtype's alignment)
 GROWTH = 1.25  # a new slab's capacity over the request: the next delta is usually a little larger
 PAGE = 1 << 21  # capacities are whole 2 MiB pages
+OS_PAGE = 4096  # one write per page faults a buffer in
 
 
 def _round_up(n: int, to: int) -> int:
@@ -61,11 +75,13 @@ def slab_bytes(sizes: list[int]) -> int:
 class HostBufferPool:
     """Slabs lent to snapshots and given back by the writer; see the module docstring."""
 
-    def __init__(self, keep_bytes: int) -> None:
+    def __init__(self, keep_bytes: int, nice: int = 0) -> None:
         self.keep_bytes = keep_bytes
+        self.nice = nice  # added to the niceness of the thread that reserves ahead
         self._free: list[Slab] = []
         self._lent = 0  # capacity of the slabs lent and not given back
         self._lock = threading.Lock()
+        self._ahead: ThreadPoolExecutor | None = None
         self.allocated = 0  # slabs made (a figure for tests and benchmarks)
 
     def lend(self, nbytes: int) -> Slab:
@@ -86,14 +102,57 @@ class HostBufferPool:
         """Keep `slab` for a later snapshot if it fits within ``keep_bytes`` with the rest."""
         with self._lock:
             self._lent -= slab.capacity
-            room, kept = self.keep_bytes - self._lent, []
-            for s in sorted([*self._free, slab], key=lambda s: s.capacity, reverse=True):
-                if s.capacity <= room:  # the largest that still fit: the most memory reused
-                    kept.append(s)
-                    room -= s.capacity
-            self._free = kept
+            self._keep(slab)
+
+    def _keep(self, slab: Slab) -> None:
+        room, kept = self.keep_bytes - self._lent, []
+        for s in sorted([*self._free, slab], key=lambda s: s.capacity, reverse=True):
+            if s.capacity <= room:  # the largest that still fit: the most memory reused
+                kept.append(s)
+                room -= s.capacity
+        self._free = kept
+
+    def reserve(self, nbytes: int) -> bool:
+        """Make sure a later `lend(nbytes)` finds a free slab whose pages are mapped: make one
+        as `lend` would size it and fault it in, unless a free slab holds `nbytes` already or
+        the slabs lent leave no room for it within ``keep_bytes``. Whether it made one."""
+        capacity = _round_up(max(int(nbytes * GROWTH), 1), PAGE)
+        with self._lock:
+            if any(s.capacity >= nbytes for s in self._free) or capacity > self.keep_bytes - self._lent:
+                return False
+        slab = Slab(capacity)  # made and faulted in outside the lock: `lend` never waits for it
+        slab.buffer[::OS_PAGE].zero_()
+        with self._lock:
+            self.allocated += 1
+            self._keep(slab)
+        return True
+
+    def reserve_ahead(self, nbytes: int) -> None:
+        """`reserve(nbytes)` on the pool's helper thread (started on first use, at the pool's
+        `nice`), so the training thread goes on at once."""
+        if self._ahead is None:
+            self._ahead = ThreadPoolExecutor(1, thread_name_prefix="deltarec-host-buffers",
+                                             initializer=self._lower_priority)
+        self._ahead.submit(self.reserve, nbytes).add_done_callback(_log_failure)
+
+    def _lower_priority(self) -> None:
+        try:
+            lower_thread_priority(self.nice)
+        except OSError as exc:  # a sandbox may forbid it; reserving still works
+            logger.debug("host buffer helper: cannot lower its priority: %s", exc)
+
+    def close(self) -> None:
+        """Wait for a reserve under way and stop the helper thread."""
+        if self._ahead is not None:
+            self._ahead.shutdown(wait=True)
+            self._ahead = None
 
     @property
     def free_bytes(self) -> int:
         with self._lock:
             return sum(s.capacity for s in self._free)
+
+
+def _log_failure(done: Future[bool]) -> None:
+    if done.exception() is not None:  # the next snapshot makes its own slab, as without reserving
+        logger.warning("reserving host memory for the next snapshot failed: %s", done.exception())

@@ -169,6 +169,13 @@ class _ReadStats(NamedTuple):
         return cls(maxes[0] > 0, *(int(v) for v in sums[1:6]), *maxes[6:])
 
 
+def grown_estimate(previous: dict[str, int] | None, now: dict[str, int], kinds: Sequence[str], cap: int) -> int:
+    """The largest of `kinds`' snapshot bytes at the next checkpoint, guessed from two
+    agreements: each kind grows by as much again as it grew since `previous` (trained rows
+    and one-shot diffs grow checkpoint after checkpoint), never past `cap` (every row)."""
+    return min(cap, max(now[k] + max(0, now[k] - (previous or now)[k]) for k in kinds))
+
+
 class _Candidates(NamedTuple):
     """What rank 0 reads of the markers log and the run directory at start, for every rank."""
 
@@ -229,7 +236,7 @@ class CheckpointManager:
         regenerate = self.row_init is not None and cfg.untrained_rows == "regenerate"
         # CPU snapshots reuse the memory of written ones, within the pending-snapshot budget
         self.taker = SnapshotTaker(self.shard_map, self.tracker, device, trained_only=regenerate,
-                                   pool=HostBufferPool(cfg.max_pending_bytes))
+                                   pool=HostBufferPool(cfg.max_pending_bytes, nice=cfg.writer_nice))
         self.policy = CheckpointPolicy(self.c.policy)
         self.backend: Backend = open_backend(cfg, env.world_size)
         if cfg.resume != "none":  # a restore comes next: connect its readers while the rest is built
@@ -277,6 +284,7 @@ class CheckpointManager:
         self.agreed_fractions = (0.0, 0.0)  # rows changed since the base / the last checkpoint, all ranks
         self._ahead_step, self._ahead_due = -1, False  # a step whose checkpoint was decided a step early
         self._agreement: _Agreement | None = None  # its agreement, started then
+        self._estimates: tuple[dict[str, int] | None, dict[str, int] | None] = (None, None)  # the last two agreements' bytes per kind
         self._pending: dict[int, _Pending] = {}
         warm_up_codecs([self.codecs()[0]])  # before training, not in the first checkpoint's write
         self.full_bytes = self.taker.upper_bound_bytes()  # fixed by the plan
@@ -652,6 +660,8 @@ class CheckpointManager:
             self._agreement = None
         for outcome in self.writer.close():
             self._record(outcome)
+        if self.taker.pool is not None:
+            self.taker.pool.close()
         self.backend.close()
         if self.env.rank == 0:
             logger.debug(  # the trainer prints the summary line
@@ -710,6 +720,7 @@ class CheckpointManager:
         full = self.tracker.counts(since_base=True, trained=True) if self.taker.trained_only else None
         est = {"full": self.taker.bytes_for(full) if full is not None else self.full_bytes,
                "base": self.taker.bytes_for(base), "last": self.taker.bytes_for(last)}
+        self._estimates = (self._estimates[1], est)
         pending = self.writer.pending_bytes
         counts = torch.tensor([sum(base), sum(last), self.total_rows, sum(full) if full is not None else self.total_rows],
                               dtype=torch.float64)
@@ -801,11 +812,19 @@ class CheckpointManager:
             cpu_ms=(time.thread_time() - cpu0) * 1e3,
         ))
         self._pending[cid] = _Pending(started_unix=started_unix, weight_codec=weight_codec)
+        if self.taker.pooled and self.priority is None:  # the next snapshot's memory, faulted in ahead of it
+            self.taker.pool.reserve_ahead(self._next_snapshot_bytes())
         self.writer.submit(WriteJob(
             checkpoint_id=cid, step=step, generation=self.generation, chain=list(self.chain), snapshot=snapshot,
             trainer_state=trainer_state, dense_state=dense, weight_codec=weight_codec, optimizer_codec=optimizer_codec,
             epoch=self.epoch,
         ))
+
+    def _next_snapshot_bytes(self) -> int:
+        """This rank's bytes of the largest snapshot the policy may take next (`grown_estimate`)."""
+        previous, now = self._estimates
+        assert now is not None, "an agreement comes before every checkpoint"
+        return grown_estimate(previous, now, self.policy.next_kinds(self.force_full), self.full_bytes)
 
     def _priority_accounting(self, full: bool, saved: list[torch.Tensor] | None, samples_seen: int) -> dict[str, int]:
         """After a checkpoint's marks: restart the counters it saved, and what a restore of the

@@ -67,6 +67,13 @@ class CheckpointPolicy:
             return Decision(True, False, f"reset: F + sum(S) = {cost:.3f} <= {i + 1} * S_{i} = {(i + 1) * s_i:.3f}")
         return Decision(False, True, "one-shot diff")
 
+    def next_kinds(self, force_full: bool = False) -> tuple[str, ...]:
+        """The kinds `decide` may choose next ("full", "base": rows changed since the baseline,
+        "last": since the previous checkpoint), for sizing memory ahead of it."""
+        if force_full or not self.have_base or self.name == "full":
+            return ("full",)
+        return {"incremental": ("last",), "one_shot_diff": ("base",)}.get(self.name, ("full", "base"))
+
     def record(self, decision: Decision, fraction: float) -> None:
         """Record a checkpoint as taken. Optimistic: the writer commits it later; after a
         failed checkpoint or a restore the caller passes `force_full` to `decide`, so the

@@ -147,6 +147,11 @@ class SnapshotTaker:
         """Host bytes of one captured row, per shard (shard order)."""
         return list(self._row_bytes)
 
+    @property
+    def pooled(self) -> bool:
+        """Whether snapshots are carved from the pool (CPU shards with a pool)."""
+        return self.pool is not None and not self._cuda
+
     def upper_bound_bytes(self) -> int:
         """The bytes of a snapshot of every row (whatever `trained_only` leaves out)."""
         return self.bytes_for([v.num_rows for v in self.shard_map.shards])

@@ -18,7 +18,6 @@ the same order.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -34,6 +33,7 @@ from ckpt.markers import FrameMeta, IndexEntry, OffsetRange, index_frames
 from ckpt.quant import codec_for_width, get_codec
 from ckpt.sink import FrameSink
 from ckpt.snapshot import ShardRows, Snapshot
+from ckpt.threads import lower_thread_priority
 
 logger = logging.getLogger(__name__)
 
@@ -166,11 +166,8 @@ class RankWriter:
     def _lower_priority(self) -> None:
         """Add `nice` to this thread's niceness (Linux: per thread), so that encoding and
         producing yield the cores to the training thread when both want them."""
-        if self.nice <= 0 or not hasattr(os, "setpriority"):
-            return
-        tid = threading.get_native_id()
         try:
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + self.nice))
+            lower_thread_priority(self.nice)
         except OSError as exc:  # a sandbox may forbid it; the writer still works at normal priority
             logger.warning("checkpoint writer of rank %d: cannot lower its priority: %s", self.rank, exc)
 

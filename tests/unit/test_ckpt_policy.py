@@ -75,3 +75,16 @@ def test_a_baseline_of_trained_rows_only_costs_its_fraction_in_the_reset_rule() 
     second = p.decide(0.35, full_fraction=0.4)
     assert second.full and second.reason == "reset: F + sum(S) = 1.050 <= 3 * S_2 = 1.050"
     assert not p.decide(0.35).full
+
+
+def test_next_kinds_are_what_decide_may_choose_after_the_baseline() -> None:
+    for name in ("full", "incremental", "one_shot_diff", "intermittent_diff"):
+        assert CheckpointPolicy(name).next_kinds() == ("full",)  # no baseline yet
+    kinds = {}
+    for name in ("full", "incremental", "one_shot_diff", "intermittent_diff"):
+        p = CheckpointPolicy(name)
+        p.record(p.decide(0.0), 1.0)
+        kinds[name] = p.next_kinds()
+        assert p.next_kinds(force_full=True) == ("full",)
+    assert kinds == {"full": ("full",), "incremental": ("last",), "one_shot_diff": ("base",),
+                     "intermittent_diff": ("full", "base")}

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import resource
+
 import torch
 
 from ckpt.host_buffers import ALIGN, PAGE, HostBufferPool, slab_bytes
+from ckpt.manager import grown_estimate
 
 
 def test_carved_tensors_are_aligned_disjoint_and_typed() -> None:
@@ -45,3 +48,49 @@ def test_kept_memory_never_exceeds_the_budget_with_the_slabs_still_lent() -> Non
     pool.give_back(huge)
     assert huge.capacity > 8 * PAGE and pool.free_bytes == 8 * PAGE  # the two that fit stay
     assert pool.lend(PAGE) in (a, b) and pool.allocated == 3
+
+
+def _faults_writing(t: torch.Tensor) -> int:
+    """Page faults of this process while every byte of `t` is written."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t.fill_(1)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def test_a_reserved_slab_is_faulted_in_and_lent_to_the_snapshot_it_was_sized_for() -> None:
+    pool = HostBufferPool(1 << 30)
+    assert pool.reserve(40 * PAGE)
+    slab = pool.lend(40 * PAGE)
+    assert slab.capacity >= 40 * PAGE and pool.allocated == 1
+    fresh = HostBufferPool(1 << 30).lend(40 * PAGE)  # what the stall faulted in without it
+    assert _faults_writing(slab.buffer) * 10 < _faults_writing(fresh.buffer)
+    assert pool.lend(PAGE) is not slab  # lent: a new one
+
+
+def test_reserve_does_nothing_when_a_free_slab_fits_or_the_budget_has_no_room() -> None:
+    pool = HostBufferPool(keep_bytes=10 * PAGE)
+    a = pool.lend(4 * PAGE)  # 5 pages with the growth margin
+    pool.give_back(a)
+    assert not pool.reserve(4 * PAGE) and pool.allocated == 1  # `a` holds it
+    lent = pool.lend(4 * PAGE)
+    assert lent is a
+    assert not pool.reserve(6 * PAGE) and pool.allocated == 1  # 8 pages beside the 5 lent: over 10
+    assert pool.reserve(3 * PAGE) and pool.free_bytes == 4 * PAGE  # 4 pages fit beside the 5 lent
+
+
+def test_reserve_ahead_runs_on_the_helper_thread_and_close_waits_for_it() -> None:
+    pool = HostBufferPool(1 << 30, nice=5)
+    pool.reserve_ahead(8 * PAGE)
+    pool.close()
+    assert pool.allocated == 1 and pool.free_bytes >= 8 * PAGE
+    assert pool.lend(8 * PAGE).capacity >= 8 * PAGE and pool.allocated == 1
+
+
+def test_the_next_snapshot_is_sized_by_each_kinds_growth_and_capped_at_every_row() -> None:
+    previous = {"full": 100, "base": 10, "last": 10}
+    now = {"full": 150, "base": 40, "last": 5}
+    assert grown_estimate(previous, now, ("full", "base"), cap=1000) == 200  # 150 + 50
+    assert grown_estimate(previous, now, ("base",), cap=1000) == 70
+    assert grown_estimate(previous, now, ("last",), cap=1000) == 5  # shrinking: not below now
+    assert grown_estimate(None, now, ("full",), cap=1000) == 150  # the first: no growth known
+    assert grown_estimate(previous, now, ("full",), cap=180) == 180
