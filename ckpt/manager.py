@@ -18,7 +18,7 @@ import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, Sequence
+from typing import Any, Mapping, NamedTuple, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -169,11 +169,14 @@ class _ReadStats(NamedTuple):
         return cls(maxes[0] > 0, *(int(v) for v in sums[1:6]), *maxes[6:])
 
 
-def grown_estimate(previous: dict[str, int] | None, now: dict[str, int], kinds: Sequence[str], cap: int) -> int:
+def grown_estimate(previous: Mapping[str, int], now: Mapping[str, int], kinds: Sequence[str], cap: int) -> int:
     """The largest of `kinds`' snapshot bytes at the next checkpoint, guessed from two
     agreements: each kind grows by as much again as it grew since `previous` (trained rows
-    and one-shot diffs grow checkpoint after checkpoint), never past `cap` (every row)."""
-    return min(cap, max(now[k] + max(0, now[k] - (previous or now)[k]) for k in kinds))
+    and one-shot diffs grow checkpoint after checkpoint); a kind `previous` lacks (the first
+    checkpoint, a new baseline since) is taken to double. Never past `cap` (every row)."""
+    def grown(k: str) -> int:
+        return now[k] + (max(0, now[k] - previous[k]) if k in previous else now[k])
+    return min(cap, max(grown(k) for k in kinds))
 
 
 class _Candidates(NamedTuple):
@@ -284,7 +287,8 @@ class CheckpointManager:
         self.agreed_fractions = (0.0, 0.0)  # rows changed since the base / the last checkpoint, all ranks
         self._ahead_step, self._ahead_due = -1, False  # a step whose checkpoint was decided a step early
         self._agreement: _Agreement | None = None  # its agreement, started then
-        self._estimates: tuple[dict[str, int] | None, dict[str, int] | None] = (None, None)  # the last two agreements' bytes per kind
+        # bytes per kind of the last two agreements (`grown_estimate`; None: none yet)
+        self._estimates: tuple[dict[str, int], dict[str, int] | None] = ({}, None)
         self._pending: dict[int, _Pending] = {}
         warm_up_codecs([self.codecs()[0]])  # before training, not in the first checkpoint's write
         self.full_bytes = self.taker.upper_bound_bytes()  # fixed by the plan
@@ -720,7 +724,7 @@ class CheckpointManager:
         full = self.tracker.counts(since_base=True, trained=True) if self.taker.trained_only else None
         est = {"full": self.taker.bytes_for(full) if full is not None else self.full_bytes,
                "base": self.taker.bytes_for(base), "last": self.taker.bytes_for(last)}
-        self._estimates = (self._estimates[1], est)
+        self._estimates = (self._estimates[1] or {}, est)
         pending = self.writer.pending_bytes
         counts = torch.tensor([sum(base), sum(last), self.total_rows, sum(full) if full is not None else self.total_rows],
                               dtype=torch.float64)
@@ -812,19 +816,23 @@ class CheckpointManager:
             cpu_ms=(time.thread_time() - cpu0) * 1e3,
         ))
         self._pending[cid] = _Pending(started_unix=started_unix, weight_codec=weight_codec)
-        if self.taker.pooled and self.priority is None:  # the next snapshot's memory, faulted in ahead of it
-            self.taker.pool.reserve_ahead(self._next_snapshot_bytes())
+        if self.taker.pooled and self.priority is None and not final:  # the next snapshot's memory, faulted in ahead
+            self.taker.pool.reserve_ahead(self._next_snapshot_bytes(decision.full))
         self.writer.submit(WriteJob(
             checkpoint_id=cid, step=step, generation=self.generation, chain=list(self.chain), snapshot=snapshot,
             trainer_state=trainer_state, dense_state=dense, weight_codec=weight_codec, optimizer_codec=optimizer_codec,
             epoch=self.epoch,
         ))
 
-    def _next_snapshot_bytes(self) -> int:
-        """This rank's bytes of the largest snapshot the policy may take next (`grown_estimate`)."""
+    def _next_snapshot_bytes(self, new_base: bool) -> int:
+        """This rank's bytes of the largest snapshot the policy may take next (`grown_estimate`),
+        after a checkpoint that was a `new_base` or not."""
         previous, now = self._estimates
         assert now is not None, "an agreement comes before every checkpoint"
-        return grown_estimate(previous, now, self.policy.next_kinds(self.force_full), self.full_bytes)
+        estimate = grown_estimate(previous, now, self.policy.next_kinds(self.force_full), self.full_bytes)
+        if new_base:  # the rows changed since the old baseline say nothing of those since the new one
+            now.pop("base", None)
+        return estimate
 
     def _priority_accounting(self, full: bool, saved: list[torch.Tensor] | None, samples_seen: int) -> dict[str, int]:
         """After a checkpoint's marks: restart the counters it saved, and what a restore of the

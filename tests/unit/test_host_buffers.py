@@ -92,5 +92,6 @@ def test_the_next_snapshot_is_sized_by_each_kinds_growth_and_capped_at_every_row
     assert grown_estimate(previous, now, ("full", "base"), cap=1000) == 200  # 150 + 50
     assert grown_estimate(previous, now, ("base",), cap=1000) == 70
     assert grown_estimate(previous, now, ("last",), cap=1000) == 5  # shrinking: not below now
-    assert grown_estimate(None, now, ("full",), cap=1000) == 150  # the first: no growth known
+    assert grown_estimate({}, now, ("full",), cap=1000) == 300  # the first: taken to double
+    assert grown_estimate({"full": 100}, now, ("full", "base"), cap=1000) == 200  # base after a new baseline: 80
     assert grown_estimate(previous, now, ("full",), cap=180) == 180
