@@ -67,6 +67,11 @@ class Slab:
         self._used = 0
 
 
+def _capacity_for(nbytes: int) -> int:
+    """A new slab's capacity for a request of `nbytes`: the growth margin, whole pages."""
+    return _round_up(max(int(nbytes * GROWTH), 1), PAGE)
+
+
 def slab_bytes(sizes: list[int]) -> int:
     """Bytes a slab needs to carve tensors of these byte sizes (alignment included)."""
     return sum(_round_up(s, ALIGN) for s in sizes)
@@ -87,16 +92,19 @@ class HostBufferPool:
     def lend(self, nbytes: int) -> Slab:
         """The smallest free slab that holds `nbytes`, or a new one."""
         with self._lock:
-            fits = [s for s in self._free if s.capacity >= nbytes]
+            fits = self._fitting(nbytes)
             if fits:
                 slab = min(fits, key=lambda s: s.capacity)
                 self._free.remove(slab)
                 slab.reset()
             else:
                 self.allocated += 1
-                slab = Slab(_round_up(max(int(nbytes * GROWTH), 1), PAGE))
+                slab = Slab(_capacity_for(nbytes))
             self._lent += slab.capacity
             return slab
+
+    def _fitting(self, nbytes: int) -> list[Slab]:
+        return [s for s in self._free if s.capacity >= nbytes]
 
     def give_back(self, slab: Slab) -> None:
         """Keep `slab` for a later snapshot if it fits within ``keep_bytes`` with the rest."""
@@ -116,9 +124,9 @@ class HostBufferPool:
         """Make sure a later `lend(nbytes)` finds a free slab whose pages are mapped: make one
         as `lend` would size it and fault it in, unless a free slab holds `nbytes` already or
         the slabs lent leave no room for it within ``keep_bytes``. Whether it made one."""
-        capacity = _round_up(max(int(nbytes * GROWTH), 1), PAGE)
+        capacity = _capacity_for(nbytes)
         with self._lock:
-            if any(s.capacity >= nbytes for s in self._free) or capacity > self.keep_bytes - self._lent:
+            if self._fitting(nbytes) or capacity > self.keep_bytes - self._lent:
                 return False
         slab = Slab(capacity)  # made and faulted in outside the lock: `lend` never waits for it
         slab.buffer[::OS_PAGE].zero_()

@@ -574,8 +574,10 @@ def _reading(cconf: Mapping[str, Any], reads: Sequence[_Read], timeout_s: float,
             deadline = time.monotonic() + timeout_s
             expect[key] = off + 1
             last = reads[i].last
-            if off >= last if last is not None else 0 <= _fetched_end(consumer, key) <= off + 1:
-                next_read(key)  # the end of the read, or of the partition as its fetch said
+            if last is None:  # to the end: the last offset its fetch reported (negative: none yet)
+                last = _fetched_end(consumer, key) - 1
+            if 0 <= last <= off:
+                next_read(key)
     finally:
         _close_behind(consumer)
 

@@ -816,7 +816,7 @@ class CheckpointManager:
             cpu_ms=(time.thread_time() - cpu0) * 1e3,
         ))
         self._pending[cid] = _Pending(started_unix=started_unix, weight_codec=weight_codec)
-        if self.taker.pooled and self.priority is None and not final:  # the next snapshot's memory, faulted in ahead
+        if self.taker.pool is not None and self.priority is None and not final:  # the next snapshot's memory, faulted in ahead
             self.taker.pool.reserve_ahead(self._next_snapshot_bytes(decision.full))
         self.writer.submit(WriteJob(
             checkpoint_id=cid, step=step, generation=self.generation, chain=list(self.chain), snapshot=snapshot,

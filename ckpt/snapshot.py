@@ -121,7 +121,6 @@ class SnapshotTaker:
     def __init__(self, shard_map: "ShardMap", tracker: "RowTracker", device: torch.device,
                  trained_only: bool = False, pool: HostBufferPool | None = None) -> None:
         self.shard_map = shard_map
-        self.pool = pool  # CPU snapshots reuse its slabs (None: fresh tensors each time)
         self.tracker = tracker
         self.trained_only = trained_only  # a full snapshot leaves out rows never trained
         # The copy runs where the shards live; `device` is the job's compute device and must agree.
@@ -132,6 +131,7 @@ class SnapshotTaker:
         if self.device.type != torch.device(device).type:
             logger.warning("SnapshotTaker: shards live on %s, not %s: copying from %s", self.device, device, self.device)
         self._cuda = self.device.type == "cuda"
+        self.pool = None if self._cuda else pool  # CPU snapshots reuse its slabs (None: fresh tensors each time)
         self._stream = torch.cuda.Stream(device=self.device) if self._cuda else None
         self._row_bytes = [_row_bytes(v) for v in shard_map.shards]
 
@@ -146,11 +146,6 @@ class SnapshotTaker:
     def row_bytes(self) -> list[int]:
         """Host bytes of one captured row, per shard (shard order)."""
         return list(self._row_bytes)
-
-    @property
-    def pooled(self) -> bool:
-        """Whether snapshots are carved from the pool (CPU shards with a pool)."""
-        return self.pool is not None and not self._cuda
 
     def upper_bound_bytes(self) -> int:
         """The bytes of a snapshot of every row (whatever `trained_only` leaves out)."""
