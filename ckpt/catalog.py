@@ -28,8 +28,8 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Iterable
 
-from ckpt.markers import (AttemptRecord, ChainLink, DroppedRecord, LeaseRecord, Marker, MarkerError, SurvivorRecord,
-                          decode_record)
+from ckpt.markers import (AttemptRecord, CatalogRecord, ChainLink, DroppedRecord, LeaseRecord, Marker, MarkerError,
+                          SurvivorRecord, decode_record)
 from ckpt.sink import MarkerLog
 
 logger = logging.getLogger(__name__)
@@ -59,9 +59,26 @@ class Holder:
     created_unix: float  # the holder's own clock, for messages
 
 
+@dataclass(frozen=True)
+class Summary:
+    """What a catalog folded from a catalog record (ckpt/catalog_record.py) does not know:
+    records before `upto` beyond what the record kept."""
+
+    upto: int  # the record's `upto`
+    newest_id: int  # the newest checkpoint id as of `upto`
+    oldest_kept: int  # commits older than this one were left out
+    links: frozenset[int]  # checkpoint ids whose compacted baselines the record kept
+
+
 @dataclass
 class Catalog:
-    """Fold of one run's markers log; `feed` more records as the log grows."""
+    """Fold of one run's markers log; `feed` more records as the log grows.
+
+    A catalog folded from a catalog record (`summary` set) knows the commits from the
+    record's oldest kept one on and answers for them as the whole log's fold would, as long
+    as it stays `exact`: a later commit whose chain runs through an older link (whose
+    compacted baselines the record left out) makes it inexact, and its reader folds the
+    whole log instead."""
 
     run_id: str
     commits: dict[int, Marker] = field(default_factory=dict)
@@ -80,6 +97,10 @@ class Catalog:
     last_pos: int = -1  # position of the last record fed
     damaged: list[int] = field(default_factory=list)  # positions of records that failed to decode
     records: int = 0
+    read: int = 0  # records this object decoded (a catalog folded from a catalog record: those after it)
+    summary: Summary | None = None  # None: folded from the log's first record
+    since_summary: int = 0  # records of this run since its newest catalog record
+    exact: bool = True
 
     @property
     def read_from(self) -> int:
@@ -97,6 +118,7 @@ class Catalog:
             if pos <= self.last_pos:
                 continue
             self.last_pos = pos
+            self.read += 1
             try:
                 rec = decode_record(data)
             except MarkerError as exc:
@@ -106,6 +128,10 @@ class Catalog:
             self.records += 1
             if rec.run_id != self.run_id:
                 continue
+            if isinstance(rec, CatalogRecord):  # a summary of what was folded before it
+                self.since_summary = 0
+                continue
+            self.since_summary += 1
             if isinstance(rec, LeaseRecord):
                 self._lease_event(rec)
             elif isinstance(rec, AttemptRecord):
@@ -121,6 +147,7 @@ class Catalog:
                 self.fenced_commits.append(rec)
             elif rec.kind == "commit":
                 self.commits[rec.checkpoint_id] = rec
+                self.exact = self.exact and self._knows_links_of(rec)
             elif rec.kind == "failed":
                 self.failed[rec.checkpoint_id] = rec
             elif self.holds(rec.follower):
@@ -140,6 +167,12 @@ class Catalog:
                 lease.renewed_unix = max(lease.renewed_unix, r.created_unix)
             elif r.event == "release":
                 lease.released = True
+
+    def _knows_links_of(self, marker: Marker) -> bool:
+        """Whether every compacted baseline `marker`'s chain may start at is known here."""
+        summary = self.summary
+        return summary is None or all(link.checkpoint_id in summary.links or link.checkpoint_id > summary.newest_id
+                                      for link in marker.chain)
 
     def _from_holder(self, marker: Marker) -> bool:
         """Whether a trainer marker counts at its point of the log: its attempt holds the run,
@@ -164,7 +197,8 @@ class Catalog:
         """The newest checkpoint id in the log, fenced markers and survivor snapshots included
         (their dense files and generations exist): the next id a trainer may use is one past it."""
         survivors = (r.link.checkpoint_id for ranks in self.survivors.values() for r in ranks.values())
-        return max([*self.commits, *self.failed, *(m.checkpoint_id for m in self.fenced_commits), *survivors, 0])
+        return max([*self.commits, *self.failed, *(m.checkpoint_id for m in self.fenced_commits), *survivors,
+                    self.summary.newest_id if self.summary else 0])
 
     def complete(self, chain: list[ChainLink]) -> bool:
         return bool(chain) and chain[0].full and not any(link.generation in self.dropped for link in chain)

@@ -10,6 +10,8 @@ run that never committed.
 Fencing: before the dense file, rank 0 reads what the markers log gained since its last look;
 when a newer trainer attempt announced itself there, this attempt writes nothing more (no
 dense file, no marker) and every rank learns it from the outcome and stops (ckpt/attempts.py).
+The same read, summarised every few records in a catalog record after the COMMIT, lets a
+restore read only the log's tail (ckpt/catalog_record.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 from ckpt.attempts import fenced_by, fenced_message
 from ckpt.catalog import Catalog, catch_up
+from ckpt.catalog_record import summarize
 from ckpt.dense_store import CommitRecord, DenseStore, DenseStoreError
 from ckpt.faults import maybe_die
 from ckpt.markers import AttemptRecord, ChainLink, IndexEntry, Marker, OffsetRange, encode_marker
@@ -43,6 +46,7 @@ class Committer:
         committed: list[ChainLink] | None = None,
         rebase: bool = False,
         where: str = "",
+        catalog_every: int = 32,
     ) -> None:
         self.run_id = run_id
         self.where = where  # the stream, as the local history names it
@@ -53,6 +57,7 @@ class Committer:
         # Incremental chains grow by one link per checkpoint; with a follower compacting
         # them, each new marker starts from the newest compacted baseline it can use.
         self.rebase = rebase
+        self.catalog_every = catalog_every  # records between catalog records (`_summarize`)
         self.catalog = Catalog(run_id)
         self.attempt: AttemptRecord | None = None  # set by `start_attempt`; None: no fencing
         self.epoch = 0
@@ -118,6 +123,7 @@ class Committer:
         maybe_die("marker", cid, 0)
         self.markers.append_marker(encode_marker(marker))
         self.links[cid] = link
+        self._summarize()
         try:
             self.dense.record_commit(CommitRecord(cid, job.step, self.where, marker.created_unix))
         except OSError as exc:  # committed all the same; only the lost-stream check loses this entry
@@ -141,6 +147,18 @@ class Committer:
         self._read_ok = True
         newer = fenced_by(self.catalog, self.attempt) if self.attempt is not None else None
         return fenced_message(self.run_id, self.attempt, newer) if newer is not None else ""
+
+    def _summarize(self) -> None:
+        """Every `catalog_every` records, a catalog record of the log as `_fenced` read it (just
+        before this commit's marker, which a reader folds after it): what lets a restore read
+        only the log's tail (ckpt/catalog_record.py). Best effort: without it reads are slower."""
+        if not self._read_ok or self.catalog.since_summary < self.catalog_every or not self.catalog.exact:
+            return
+        try:
+            self.markers.append_marker(encode_marker(summarize(self.catalog)))
+        except DeltarecError as exc:
+            logger.warning("run %s: no catalog record appended (restores read more of the markers log until the "
+                           "next one): %s", self.run_id, exc)
 
     def _rebased(self, marker: Marker) -> Marker:
         """`marker` with its cheapest complete chain, which starts at a follower's compacted

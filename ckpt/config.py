@@ -60,6 +60,9 @@ class CkptConfig:
     max_frame_bytes: int = 998_976  # under Kafka's default message.max.bytes
     flush_timeout_s: float = 60.0
     connect_timeout_s: float = 15.0  # at start: how long a broker may take to answer before the job stops
+    # markers-log records between catalog records (ckpt/catalog_record.py): a restore reads the
+    # log from the newest one on, about this many records, instead of the whole log
+    catalog_every: int = 32
     # niceness the writer thread adds to itself (Linux): encoding rows on the CPU must not
     # take cores from the training step; 0 runs it at the training thread's priority
     writer_nice: int = 10
@@ -143,6 +146,9 @@ class CkptConfig:
         self._validate_kafka(src)
         if self.connect_timeout_s <= 0:
             raise ConfigError(f"{src}: ckpt.connect_timeout_s must be positive, got {self.connect_timeout_s}")
+        if self.catalog_every < 1:
+            raise ConfigError(f"{src}: ckpt.catalog_every must be at least 1 (records between catalog records), "
+                              f"got {self.catalog_every}")
         if self.flush_timeout_s <= 0:
             raise ConfigError(f"{src}: ckpt.flush_timeout_s must be positive (it bounds every flush), got {self.flush_timeout_s}")
         if self.resume not in ("none", "latest") and not self.resume.isdigit():

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator, Sequence
 
 from ckpt.frames import Frame, FrameError, decode_frame, file_where
-from ckpt.sink import RangeRead, RangeRecorder, SinkError, SinkResult, SourceError, check_run_id, \
+from ckpt.sink import RangeRead, RangeRecorder, SinkError, SinkResult, SourceError, TailRead, check_run_id, \
     markers_name, parse_rows_name, read_one_by_one, rows_name
 
 log = logging.getLogger(__name__)
@@ -450,6 +450,19 @@ class FsMarkers:
             return []
         with f:
             return [(pos, payload) for pos, _, payload in scan_records(f, self.path, start, skip_damaged=True)]
+
+    def read_tail(self, records: int) -> TailRead:
+        """The last `records` markers: the record headers from the start (a seek each, no
+        payload read or decoded), then the payloads of the last ones, CRC-checked."""
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
+            return TailRead([], True)
+        with f:
+            ends = [pos for pos, _, _ in scan_records(f, self.path, verify=False, skip_damaged=True)]
+            start = ends[-records] if len(ends) > records else 0
+            return TailRead([(pos, payload) for pos, _, payload in
+                             scan_records(f, self.path, start, skip_damaged=True)], start == 0)
 
     def close(self) -> None:
         self._app.close()

@@ -40,7 +40,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, \
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from ckpt.frames import Frame, FrameError, decode_frame, kafka_where
-from ckpt.sink import RangeRead, RangeRecorder, SinkError, SinkResult, SourceError, check_run_id, \
+from ckpt.sink import RangeRead, RangeRecorder, SinkError, SinkResult, SourceError, TailRead, check_run_id, \
     markers_name, parse_rows_name, rows_name
 from common.errors import ConfigError
 
@@ -741,15 +741,44 @@ class KafkaMarkers:
         (a ListOffsets watermark is not trusted: launch/broker.py). No topic yet: no markers."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         spare = self._spare.take()
-        if self.topic not in _topics_for(spare, self._admin, [self.topic], timeout_s):
-            if spare is not None:
-                spare.consumer.close()
-            if self._last is not None:
-                raise SourceError(f"marker topic {self.topic} is gone (we appended offset {self._last})")
+        if not self._topic_exists(spare, timeout_s):
             return []
+        return self._read_from(start, spare.consumer if spare else None, timeout_s)
+
+    def read_tail(self, records: int, *, timeout_s: float | None = None) -> TailRead:
+        """The markers from `records` before the end to the end. The start comes from a
+        ListOffsets watermark (one round trip), which the embedded broker may under-report
+        (launch/broker.py): that only starts the read earlier. The read itself ends where
+        the fetches say, as `read_markers` does."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        spare = self._spare.take()
+        if not self._topic_exists(spare, timeout_s):
+            return TailRead([], True)
+        consumer = spare.consumer if spare else None
+        try:
+            consumer = consumer or _connect(self._cconf, timeout_s).consumer
+            low, high = consumer.get_watermark_offsets(TopicPartition(self.topic, 0), timeout=timeout_s, cached=False)
+        except KafkaException as exc:
+            if consumer is not None:
+                consumer.close()
+            raise SourceError(f"marker topic {self.topic}: no watermarks from {self.bootstrap}: {exc}") from None
+        start = max(low, high - records, 0)
+        return TailRead(self._read_from(start, consumer, timeout_s), start <= low)
+
+    def _topic_exists(self, spare: _Connected | None, timeout_s: float) -> bool:
+        """Whether the markers topic exists (no topic: no markers yet); a topic gone after
+        this process appended to it is an error. A spare not used for a read is closed."""
+        if self.topic in _topics_for(spare, self._admin, [self.topic], timeout_s):
+            return True
+        if spare is not None:
+            spare.consumer.close()
+        if self._last is not None:
+            raise SourceError(f"marker topic {self.topic} is gone (we appended offset {self._last})")
+        return False
+
+    def _read_from(self, start: int, consumer: Consumer | None, timeout_s: float) -> list[tuple[int, bytes]]:
         out = [(m.offset(), m.value() or b"")
-               for m in _read_partition(self._cconf, self.topic, 0, start, None, timeout_s,
-                                        spare.consumer if spare else None)]
+               for m in _read_partition(self._cconf, self.topic, 0, start, None, timeout_s, consumer)]
         if self._last is not None and self._last >= start and (not out or out[-1][0] < self._last):
             raise SourceError(f"marker topic {self.topic} ends before offset {self._last}, "
                               f"which this process appended")

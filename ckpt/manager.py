@@ -18,7 +18,7 @@ import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Mapping, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,7 @@ from ckpt import dense_state
 from ckpt.attempts import Announced, Fenced, announce
 from ckpt.backends import Backend, open_backend
 from ckpt.catalog import Catalog, read_catalog
+from ckpt.catalog_record import read_recent_catalog
 from ckpt.committer import Committer
 from ckpt.config import CkptConfig
 from ckpt.dense_store import DenseHistory, DenseRef, DenseStore, DenseStoreError
@@ -55,6 +56,7 @@ from sharding.shard_views import ShardMap
 
 logger = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
 _TIME_CHECK_EVERY = 10  # steps between agreements on a time-based interval
 _KINDS = ("full", "base", "last")  # a full checkpoint, a delta since the base, a delta since the last one
 
@@ -128,6 +130,7 @@ class RestoreReport:
     init_s: float = 0.0  # regenerating them (slowest rank)
     partial: PartialOutcome | None = None  # a partial recovery: what it kept, rolled back and lost
     run_pls: float = 0.0  # the run's portion of lost samples so far (ckpt/pls.py)
+    markers_read: int = 0  # records of the markers log decoded to choose the checkpoint
 
     @property
     def mb_per_s(self) -> float:
@@ -187,6 +190,14 @@ class _Candidates(NamedTuple):
     history: DenseHistory
     survivors: list[SurvivorRecord]  # usable with the first of `ordered` (ckpt/partial.py)
     mtbf_s: float | None  # estimated from the run's attempts (ckpt/pls.py)
+    summarized: bool  # read from a catalog record on: older checkpoints are in the rest of the log
+    markers_read: int  # records of the markers log decoded
+
+
+class _Refused(NamedTuple):
+    """Rank 0's refusal, broadcast in place of what it was reading."""
+
+    reason: str
 
 
 @dataclass
@@ -251,7 +262,7 @@ class CheckpointManager:
         if env.rank == 0:
             self.committer = Committer(
                 run_id=self.run_id, markers=self.backend.markers, dense=self.dense, marker_fields=self._marker_fields(),
-                rebase=self.c.policy == "incremental", where=self.backend.where,
+                rebase=self.c.policy == "incremental", where=self.backend.where, catalog_every=self.c.catalog_every,
             )
         self.writer = RankWriter(
             run_id=self.run_id, rank=env.rank, sink=self.backend.sink, group=self.group,
@@ -275,6 +286,8 @@ class CheckpointManager:
         self.interval_s = cfg.interval_s  # or what `ckpt.target_pls` sets at start
         self._survivors: list[SurvivorRecord] = []
         self._mtbf_s: float | None = None
+        self._summarized = False  # the candidates came from a catalog record (`_older_candidates`)
+        self._markers_read = 0  # records of the markers log rank 0 decoded to find them
         if cfg.recovery == "partial":
             self.tracker.keep_uncommitted()
         self.priority = None if cfg.priority == "none" else RowPriority(
@@ -335,23 +348,27 @@ class CheckpointManager:
         tries = [(m, self._survivors if i == 0 else []) for i, m in enumerate(candidates)]
         if self._survivors:  # survivor snapshots that fail to read: the same checkpoint without them
             tries.insert(1, (candidates[0], []))
-        for marker, survivors in tries:
-            error = ""
-            try:
-                rows, state, partial, skips = self._read(marker, survivors, pristine)
-            except (FrameError, SourceError, RestoreError, DenseStoreError) as exc:
-                error = f"checkpoint {marker.checkpoint_id}{' with survivor snapshots' if survivors else ''}: {exc}"
-            pristine = None
-            read = _ReadStats.gather(error, None if error else rows, markers_s)
-            if not read.failed:
-                return self._finish_restore(marker, rows, state, t0, read, partial, skips)
-            reason = self._first_error(error)
-            if survivors:
-                logger.warning("%s; every rank rolls back to the checkpoint instead (full recovery)", reason)
-                continue
-            if self.c.on_corrupt == "fail":
-                raise RestoreError(reason + " (set ckpt.on_corrupt=previous to fall back to an older checkpoint)")
-            logger.warning("%s; falling back to the previous checkpoint", reason)
+        while tries:
+            for marker, survivors in tries:
+                error = ""
+                try:
+                    rows, state, partial, skips = self._read(marker, survivors, pristine)
+                except (FrameError, SourceError, RestoreError, DenseStoreError) as exc:
+                    error = f"checkpoint {marker.checkpoint_id}{' with survivor snapshots' if survivors else ''}: {exc}"
+                pristine = None
+                read = _ReadStats.gather(error, None if error else rows, markers_s)
+                if not read.failed:
+                    return self._finish_restore(marker, rows, state, t0, read, partial, skips)
+                reason = self._first_error(error)
+                if survivors:
+                    logger.warning("%s; every rank rolls back to the checkpoint instead (full recovery)", reason)
+                    continue
+                if self.c.on_corrupt == "fail":
+                    raise RestoreError(reason + " (set ckpt.on_corrupt=previous to fall back to an older checkpoint)")
+                logger.warning("%s; falling back to the previous checkpoint", reason)
+            # every checkpoint a catalog record kept failed: the older ones are in the rest of the log
+            tries = [(m, []) for m in self._older_candidates(marker.checkpoint_id)] if self._summarized else []
+            self._summarized = False
         raise RestoreError(f"no restorable checkpoint of run {self.run_id} in {self.backend.where}")
 
     def _read(self, marker: Marker, survivors: list[SurvivorRecord], pristine: Any
@@ -429,7 +446,8 @@ class CheckpointManager:
         report = RestoreReport(marker.checkpoint_id, marker.step, self.chain, read.frames, read.rows, read.bytes, seconds,
                                read.written, read.markers_s, read.fetch_s, read.decode_s, read.apply_s, dense_s,
                                read.regenerated, read.init_s, partial,
-                               run_pls(self.lost_samples, float(state["trainers"][0]["samples_seen"])))
+                               run_pls(self.lost_samples, float(state["trainers"][0]["samples_seen"])),
+                               self._markers_read)
         if self.env.rank == 0:
             logger.debug(  # the trainer prints the resume line
                 "restored checkpoint %d (step %d, chain %s): %d frames, %d rows, %.1f MB in %.2f s (%s)",
@@ -439,7 +457,8 @@ class CheckpointManager:
             self.metrics.write({
                 "step": report.step, "restored_ckpt": report.checkpoint_id, "restore_s": report.seconds,
                 "restore_bytes": report.bytes, "restore_chain": report.chain, "restore_rows_written": report.written,
-                "restore_markers_s": report.markers_s, "restore_fetch_s": report.fetch_s,
+                "restore_markers_s": report.markers_s, "restore_markers_records": report.markers_read,
+                "restore_fetch_s": report.fetch_s,
                 "restore_decode_s": report.decode_s, "restore_apply_s": report.apply_s, "restore_dense_s": dense_s,
                 "restore_regenerated_rows": report.regenerated, "restore_regenerate_s": report.init_s,
                 "run_pls": report.run_pls,
@@ -508,21 +527,34 @@ class CheckpointManager:
         the run directory remembers (`self._history`). Rank 0 reads the markers log and the
         dense store and broadcasts, so all ranks agree, and starts announcing this attempt.
         With `resume=none` only the newest id matters."""
-        chosen: list[Any] = [None]
+        found = self._from_rank0(self._read_candidates)
+        self._newest_id, self._history, self._survivors, self._mtbf_s, self._summarized, self._markers_read = (
+            found.newest_id, found.history, found.survivors, found.mtbf_s, found.summarized, found.markers_read)
+        return found.ordered
+
+    def _older_candidates(self, than: int) -> list[Marker]:
+        """The checkpoints older than `than` to fall back to, from the whole markers log
+        (rank 0 reads it, every rank gets the same list)."""
+        def read() -> list[Marker]:
+            catalog = read_catalog(self.backend.markers, self.run_id, self.backend.where)
+            return [m for m in self._choose(catalog, self._history) if m.checkpoint_id < than]
+        return self._from_rank0(read)
+
+    def _from_rank0(self, read: Callable[[], _T]) -> _T:
+        """`read()` on rank 0, its result on every rank; its `DeltarecError` raised on every
+        rank (none waits at the broadcast)."""
+        box: list[Any] = [None]
         failure: DeltarecError | None = None
         if self.env.rank == 0:
             try:
-                chosen[0] = self._read_candidates()
-            except DeltarecError as exc:  # every rank stops with it, none waits at the broadcast
+                box[0] = read()
+            except DeltarecError as exc:
                 failure = exc
-                chosen[0] = str(exc)
-        dist.broadcast_object_list(chosen, src=0)
-        if isinstance(chosen[0], str):
-            raise failure or RestoreError(chosen[0])
-        found: _Candidates = chosen[0]
-        self._newest_id, self._history, self._survivors, self._mtbf_s = (
-            found.newest_id, found.history, found.survivors, found.mtbf_s)
-        return found.ordered
+                box[0] = _Refused(str(exc))
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], _Refused):
+            raise failure or RestoreError(box[0].reason)
+        return box[0]
 
     def _read_candidates(self) -> _Candidates:
         """Rank 0's part of `_candidates`: the broker answers (bounded), the markers log and the
@@ -533,7 +565,7 @@ class CheckpointManager:
         need not wait for; the first checkpoint does (`_join_attempt`)."""
         self.backend.markers.check_reachable(self.c.connect_timeout_s)
         history = self.dense.history()
-        catalog = read_catalog(self.backend.markers, self.run_id, self.backend.where)
+        catalog = self._recent_catalog()
         ordered = self._choose(catalog, history)
         pool = ThreadPoolExecutor(1, thread_name_prefix="deltarec-announce")
         self._announcing = (pool.submit(announce, self.backend.markers, self.run_id, "trainer", self.env.world_size),
@@ -541,7 +573,19 @@ class CheckpointManager:
         pool.shutdown(wait=False)
         survivors = usable_survivors(catalog, ordered[0]) if ordered and self.c.recovery == "partial" else []
         mtbf = estimate_mtbf([a.created_unix for a in catalog.trainer_attempts], time.time())
-        return _Candidates(ordered, catalog.newest_id, history, survivors, mtbf)
+        return _Candidates(ordered, catalog.newest_id, history, survivors, mtbf, catalog.summary is not None,
+                           catalog.read)
+
+    def _recent_catalog(self) -> Catalog:
+        """The markers log from its newest catalog record on (ckpt/catalog_record.py) when that
+        has the checkpoint `ckpt.resume` asks for, else the whole log."""
+        catalog = read_recent_catalog(self.backend.markers, self.run_id, self.backend.where)
+        if catalog.summary is None or self.c.resume == "none":
+            return catalog
+        found = {m.checkpoint_id for m in catalog.restorable()}
+        if found if self.c.resume == "latest" else int(self.c.resume) in found:
+            return catalog
+        return read_catalog(self.backend.markers, self.run_id, self.backend.where)
 
     def _join_attempt(self) -> None:
         """Before this attempt's first checkpoint: rank 0 waits for its ATTEMPT record, hands it

@@ -91,8 +91,9 @@ class ChainLink:
 
 def _index_entry(e: list[Any]) -> IndexEntry:
     partition, first, last, table, col_offset, min_row, max_row, cols = e
-    return IndexEntry(partition=int(partition), first=int(first), last=int(last), table=str(table),
-                      col_offset=int(col_offset), min_row=int(min_row), max_row=int(max_row), cols=int(cols))
+    # positional: a third faster than keywords, and the log's fold decodes thousands of these
+    return IndexEntry(int(partition), int(first), int(last), str(table), int(col_offset), int(min_row),
+                      int(max_row), int(cols))
 
 
 @dataclass(kw_only=True)
@@ -203,29 +204,77 @@ class SurvivorRecord:
     format: int = FORMAT_VERSION
 
 
+@dataclass(kw_only=True)
+class CatalogRecord:
+    """The fold of the log (ckpt/catalog.py) as of position `upto`, summarised, so that a
+    restore reads the log's tail instead of the whole log (docs/design.md §4, "Catalog
+    records"). Rank 0's committer appends one every few records. What it keeps is what a
+    restore of one of the newest checkpoints needs: the newest `keep` restorable COMMIT
+    markers (and every commit newer than the oldest of them) with the compacted baselines
+    their chains can start at, and everything the fold carries forward that stays small
+    (attempts, lease, drops, the newest attempt's survivors, the newest id). Older
+    checkpoints are found by reading the whole log."""
+
+    kind: str  # "catalog"
+    run_id: str
+    upto: int  # the position of the last record folded into it; a reader folds what follows
+    records: int  # records folded, for diagnostics
+    newest_id: int  # `Catalog.newest_id` as of `upto`
+    commits: list[Marker]  # checkpoint id ascending
+    compactions: list[Marker]  # accepted compacted baselines of the kept commits' links
+    links: list[int]  # checkpoint ids of every link of the kept commits' chains
+    holders: dict[str, list[Any]]  # role -> [attempt, epoch, created_unix]
+    epochs_of: dict[str, int]  # every writer attempt -> its epoch
+    trainer_attempts: list[list[Any]]  # [attempt, epoch, created_unix], log order
+    survivors: list[SurvivorRecord]  # of the newest trainer attempt
+    dropped: list[int]
+    lease: dict[str, Any]  # `Lease` fields; empty: nobody ever claimed
+    lease_epochs: int
+    created_unix: float
+    format: int = FORMAT_VERSION
+
+
 #: Every record of the markers log: checkpoint markers (kinds commit, failed, compacted),
-#: follower leases, gc's drops, writers' attempts and survivor snapshots.
-LogRecord = Marker | LeaseRecord | DroppedRecord | AttemptRecord | SurvivorRecord
+#: follower leases, gc's drops, writers' attempts, survivor snapshots and catalog records.
+LogRecord = Marker | LeaseRecord | DroppedRecord | AttemptRecord | SurvivorRecord | CatalogRecord
 _KINDS: dict[str, type] = {"commit": Marker, "failed": Marker, "compacted": Marker, "lease": LeaseRecord,
-                           "dropped": DroppedRecord, "attempt": AttemptRecord, "survivor": SurvivorRecord}
+                           "dropped": DroppedRecord, "attempt": AttemptRecord, "survivor": SurvivorRecord,
+                           "catalog": CatalogRecord}
 ROLES = ("trainer", "gc")
+# A catalog record's envelope has a magic of its own, so that a reader looking for the newest
+# one tells it from the records around it without decoding them.
+CATALOG_MAGIC = b"DRC1"
 
 
-def encode_marker(marker: LogRecord) -> bytes:
-    """Serialise any log record with the CRC envelope."""
-    assert _KINDS.get(marker.kind) is type(marker), marker.kind
-    fields = asdict(marker)
-    if isinstance(marker, SurvivorRecord) and not fields["link"]["epoch"]:
+def _fields(record: LogRecord) -> dict[str, Any]:
+    """A record's JSON object; empty optional fields of markers are left out (the wire form
+    markers always had)."""
+    fields = asdict(record)
+    if isinstance(record, SurvivorRecord) and not fields["link"]["epoch"]:
         del fields["link"]["epoch"]
-    if isinstance(marker, Marker):
-        for name in ("follower", "attempt", "init"):  # empty ones keep the wire form markers always had
+    if isinstance(record, Marker):
+        for name in ("follower", "attempt", "init"):
             if not fields[name]:
                 del fields[name]
         for link in fields["chain"]:
             if not link["epoch"]:
                 del link["epoch"]
-    body = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
-    return _HEAD.pack(MAGIC, zlib.crc32(body)) + body
+    if isinstance(record, CatalogRecord):
+        for name in ("commits", "compactions", "survivors"):
+            fields[name] = [_fields(r) for r in getattr(record, name)]
+    return fields
+
+
+def encode_marker(marker: LogRecord) -> bytes:
+    """Serialise any log record with the CRC envelope."""
+    assert _KINDS.get(marker.kind) is type(marker), marker.kind
+    body = json.dumps(_fields(marker), sort_keys=True, separators=(",", ":")).encode()
+    return _HEAD.pack(CATALOG_MAGIC if marker.kind == "catalog" else MAGIC, zlib.crc32(body)) + body
+
+
+def is_catalog_record(data: bytes) -> bool:
+    """Whether `data` is enveloped as a catalog record (not yet verified: `decode_record` does)."""
+    return data[:4] == CATALOG_MAGIC
 
 
 def decode_marker(data: bytes) -> Marker:
@@ -241,7 +290,7 @@ def decode_record(data: bytes) -> LogRecord:
     if len(data) < _HEAD.size:
         raise MarkerError(f"marker record too short ({len(data)} bytes)")
     magic, crc = _HEAD.unpack_from(data)
-    if magic != MAGIC:
+    if magic not in (MAGIC, CATALOG_MAGIC):
         raise MarkerError(f"not a marker record (magic {magic!r})")
     body = bytes(data[_HEAD.size :])
     if zlib.crc32(body) != crc:
@@ -250,25 +299,39 @@ def decode_record(data: bytes) -> LogRecord:
         d = json.loads(body)
         if not isinstance(d, dict):
             raise MarkerError(f"marker record body is a JSON {type(d).__name__}, not an object")
-        if d.get("format") != FORMAT_VERSION:
-            raise MarkerError(f"marker format {d.get('format')} is not {FORMAT_VERSION}; upgrade deltarec")
-        cls = _KINDS.get(d.get("kind"))
-        if cls is None:
-            raise MarkerError(f"unknown record kind {d.get('kind')!r}; upgrade deltarec")
-        _check_field_types(cls, d)
-        if cls is AttemptRecord and d.get("role") not in ROLES:
-            raise MarkerError(f"attempt record of unknown role {d.get('role')!r}")
-        if cls is Marker:
-            d["chain"] = [ChainLink.from_json(link) for link in d["chain"]]
-        if cls is SurvivorRecord:
-            d["link"] = ChainLink.from_json(d["link"])
-        return cls(**d)
+        record = _record(d)
     except MarkerError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
         # OverflowError: a JSON `Infinity` where an integer belongs; AttributeError: a list
         # or number where the chain's `ranges` mapping belongs
         raise MarkerError(f"marker record has bad fields: {exc}") from exc
+    if (magic == CATALOG_MAGIC) != isinstance(record, CatalogRecord):
+        raise MarkerError(f"a {record.kind} record in a {magic!r} envelope")
+    return record
+
+
+def _record(d: dict[str, Any], nested_in: type | None = None) -> LogRecord:
+    """The record a verified JSON object describes (a catalog record's nested ones: only the
+    kinds it holds)."""
+    if d.get("format") != FORMAT_VERSION:
+        raise MarkerError(f"marker format {d.get('format')} is not {FORMAT_VERSION}; upgrade deltarec")
+    cls = _KINDS.get(d.get("kind"))
+    if cls is None:
+        raise MarkerError(f"unknown record kind {d.get('kind')!r}; upgrade deltarec")
+    if nested_in is not None and cls is not nested_in:
+        raise MarkerError(f"a {d.get('kind')} record where a catalog record holds {nested_in.__name__}s")
+    _check_field_types(cls, d)
+    if cls is AttemptRecord and d.get("role") not in ROLES:
+        raise MarkerError(f"attempt record of unknown role {d.get('role')!r}")
+    if cls is Marker:
+        d["chain"] = [ChainLink.from_json(link) for link in d["chain"]]
+    if cls is SurvivorRecord:
+        d["link"] = ChainLink.from_json(d["link"])
+    if cls is CatalogRecord:
+        for name, kind in (("commits", Marker), ("compactions", Marker), ("survivors", SurvivorRecord)):
+            d[name] = [_record(r, kind) for r in d[name]]
+    return cls(**d)
 
 
 # The JSON type each annotation of a log record's own fields must arrive as (the nested chain

@@ -231,4 +231,17 @@ class MarkerLog(Protocol):
         returned), in order, as ``(position, payload)``. Several processes may append (the
         trainer's rank 0, a follower, `deltarec-ckpt gc`)."""
 
+    def read_tail(self, records: int) -> "TailRead":
+        """At least the last `records` durable markers (all of them when the log holds fewer),
+        in order, without reading from the log's start (a broker) or without reading more
+        than record headers before them (files)."""
+
     def close(self) -> None: ...
+
+
+class TailRead(NamedTuple):
+    """The end of a markers log: `records` as ``(position, payload)``, in order; `whole`: they
+    start at the log's first record."""
+
+    records: list[tuple[int, bytes]]
+    whole: bool

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
+from ckpt.fs_sink import FsMarkers
+from ckpt.markers import decode_record
 from launch.ranks import spawn_ranks
 
 if TYPE_CHECKING:
@@ -92,3 +94,9 @@ def test_filesystem_sink_resumes_bit_exact(
     assert "deltarec: resumed from checkpoint 3 at step 30" in resumed[0].stdout
     _assert_identical(_dumps(tmp_path / "run"), reference, "filesystem sink")
     assert metrics(tmp_path / "run", ckpt_committed=True)
+    # the debug config's catalog_every=2: the log is [attempt, commits 1, 2, a catalog record
+    # of the log before commit 2, commit 3], and the resume read it from that record on
+    first_attempt_log = FsMarkers(tmp_path / "run" / "stream", job[3].split("=", 1)[1]).read_markers()[:5]
+    assert [decode_record(data).kind for _, data in first_attempt_log] == ["attempt", "commit", "commit", "catalog",
+                                                                          "commit"]
+    assert metrics.values(tmp_path / "run", "restore_markers_records", restored_ckpt=3) == [3]

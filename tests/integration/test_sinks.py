@@ -14,7 +14,10 @@ from typing import Callable
 import pytest
 import torch
 
+from ckpt.catalog import Catalog
+from ckpt.catalog_record import read_recent_catalog, summarize
 from ckpt.frames import FrameError, OptimState, chunk_rows, decode_frame
+from ckpt.markers import ChainLink, Marker, OffsetRange, encode_marker
 from ckpt.fs_sink import REC_MAGIC, FsMarkers, FsSink, FsSource, encode_record
 from ckpt import kafka_sink
 from ckpt.kafka_sink import BrokerUnreachable, KafkaMarkers, KafkaSink, KafkaSource
@@ -236,6 +239,54 @@ def test_markers_append_and_read_back(backend):
         fresh = backend.markers()  # another process's view
         assert fresh.read_markers() == list(zip(positions, payloads))
         fresh.close()
+    finally:
+        m.close()
+
+
+def test_markers_tail_is_the_last_records_and_says_when_it_is_the_whole_log(backend):
+    m = backend.markers()
+    try:
+        assert m.read_tail(5) == ([], True)
+        payloads = [f"marker {i}".encode() * (1 + i % 7) for i in range(150)]
+        positions = [m.append_marker(p) for p in payloads]
+        everything = list(zip(positions, payloads))
+        fresh = backend.markers()  # another process, as a restore is
+        try:
+            assert fresh.read_tail(40) == (everything[-40:], False)
+            assert fresh.read_tail(150) == (everything, True)
+            assert fresh.read_tail(1000) == (everything, True)
+        finally:
+            fresh.close()
+    finally:
+        m.close()
+
+
+def test_a_restore_folds_a_markers_log_from_its_newest_catalog_record(backend):
+    """Thousands of COMMIT markers with a catalog record every 32 records: the restore's fold
+    reads about the last 64 records and answers as the whole log's fold does."""
+    m = backend.markers()
+    try:
+        fold = Catalog(backend.run)
+        chain = [ChainLink(checkpoint_id=1, full=True, generation=1, ranges={0: [OffsetRange(0, 0)]}, rows=1, bytes=9)]
+        for cid in range(1, 301):
+            if cid > 1:
+                chain = [chain[0], ChainLink(checkpoint_id=cid, full=False, generation=1,
+                                             ranges={0: [OffsetRange(cid, cid)]}, rows=1, bytes=1)]
+            record = encode_marker(Marker(kind="commit", run_id=backend.run, checkpoint_id=cid, step=cid,
+                                          world_size=2, chain=chain))
+            fold.feed([(m.append_marker(record), record)])
+            if fold.since_summary >= 32:
+                summary = encode_marker(summarize(fold))
+                fold.feed([(m.append_marker(summary), summary)])
+        fresh = backend.markers()
+        try:
+            recent = read_recent_catalog(fresh, backend.run)
+        finally:
+            fresh.close()
+        assert recent.summary is not None and recent.read <= 33
+        assert [x.checkpoint_id for x in recent.restorable()] == [x.checkpoint_id for x in fold.restorable()][
+            :len(recent.restorable())]
+        assert recent.restorable()[0].checkpoint_id == 300 and recent.newest_id == 300
     finally:
         m.close()
 

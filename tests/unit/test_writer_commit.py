@@ -11,11 +11,12 @@ import torch
 
 from ckpt.attempts import announce
 from ckpt.catalog import read_catalog
+from ckpt.catalog_record import read_recent_catalog
 from ckpt.committer import Committer
 from ckpt.dense_store import DenseRef, DenseStore
 from ckpt.frames import OptimState, chunk_rows, decode_frame
 from ckpt.fs_sink import FsMarkers, FsSink, FsSource
-from ckpt.markers import IndexEntry, OffsetRange, commits
+from ckpt.markers import IndexEntry, OffsetRange, commits, decode_record
 from ckpt.quant import get_codec
 from ckpt.restore import restore_rows
 from ckpt.snapshot import ShardRows, Snapshot
@@ -177,3 +178,30 @@ def test_the_writer_frames_a_shard_with_the_frames_module_rule(rank0) -> None:
     assert len(got) > 1 and all(len(f.data) <= MAX_FRAME_BYTES for f in got)
     assert sum(f.row_count for f in got) == 200 and got[0].first_row == 0 and got[-1].last_row == 199
     assert decode_frame(got[0].data).chunk_count == len(got)
+
+
+def test_the_committer_appends_a_catalog_record_every_catalog_every_records_and_a_restore_reads_from_it(
+        tmp_path: Path, rank0, monkeypatch) -> None:
+    """With `catalog_every=3`, a catalog record follows each COMMIT whose read of the log
+    before it found 3 records since the previous catalog record; it summarises the log as
+    that read found it, and a restore reads the log from the newest one on (not from its
+    first record)."""
+    writer, committer, markers = rank0
+    committer.catalog_every = 3
+    mine, epoch = announce(markers, RUN, "trainer")
+    committer.start_attempt(mine, epoch, read_catalog(markers, RUN))
+    for cid in range(1, 9):
+        job = WriteJob(**{**_job(_snapshot()).__dict__, "checkpoint_id": cid, "chain": [cid], "generation": cid,
+                          "step": 10 * cid, "epoch": epoch})
+        assert committer(job, [writer._write(job)]).committed
+    kinds = [decode_record(data).kind for _, data in markers.read_markers()]
+    # the read before commit 3 has 3 records since the log's start (attempt, commits 1 and 2);
+    # the one before commit 7 has 3 since the catalog record (commits 4, 5, 6)
+    assert kinds == ["attempt", "commit", "commit", "commit", "catalog", "commit", "commit", "commit", "commit",
+                     "catalog", "commit"], kinds
+    record = decode_record(markers.read_markers()[9][1])
+    assert [m.checkpoint_id for m in record.commits] == [3, 4, 5, 6]  # as of the read before commit 7: KEEP = 4
+    monkeypatch.setattr(markers, "read_markers", lambda start=0: pytest.fail("the whole log was read"))
+    recent = read_recent_catalog(markers, RUN)
+    assert recent.summary is not None and recent.read == 3  # commit 7, the catalog record, commit 8
+    assert [m.checkpoint_id for m in recent.restorable()] == [8, 7, 6, 5, 4, 3]
