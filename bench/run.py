@@ -80,6 +80,10 @@ SUITES = (
           "CPR's comparison: full against partial recovery under 5 SIGKILLs of a random rank per job, same "
           "failure points per mode: re-training and checkpoint overhead, PLS, final log loss and AUC against the "
           "uninterrupted job (3 seeds, ~15 min)"),
+    Suite("markers", "bench.markers_log", (),
+          "a restore's read of the markers log against its length (100 to 10,000 COMMIT markers of the full "
+          "suite's size): the whole log against the log from its newest catalog record, on the embedded broker "
+          "and on files (~2 min)"),
     Suite("trained-rows", "bench.trained_rows", (),
           "not a measurement: trains a job and saves its trained embedding rows for `codecs --rows`"),
 )

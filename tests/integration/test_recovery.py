@@ -14,7 +14,7 @@ from ckpt import cli as ckpt_cli
 from ckpt.fs_sink import FsMarkers
 from ckpt.kafka_sink import KafkaMarkers
 from ckpt.dense_store import DenseStore
-from ckpt.markers import ChainLink, SurvivorRecord, decode_marker, encode_marker
+from ckpt.markers import ChainLink, SurvivorRecord, commits, decode_record, encode_marker, is_catalog_record
 from launch.broker import EmbeddedBroker, free_port
 from launch.ranks import read_metrics, spawn_ranks, start_ranks
 from trainer.ckpt_cli import load_ckpt_config
@@ -80,7 +80,7 @@ def test_checkpoint_restores_into_other_world_sizes_and_plans(
 
 def _newest_marker(tmp_path: Path, run_id: str):
     records = FsMarkers(tmp_path / "run" / "stream", run_id).read_markers()
-    return decode_marker(records[-1][1])
+    return commits(records, run_id)[-1][1]  # the log also holds attempt and catalog records
 
 
 def test_corrupt_frame_fails_naming_where_or_falls_back(tmp_path, unique_name, debug_config: DebugConfig):
@@ -107,13 +107,38 @@ def test_corrupt_frame_fails_naming_where_or_falls_back(tmp_path, unique_name, d
     assert "falling back to the previous checkpoint" in resumed[0].stderr
 
 
+def test_falling_back_past_every_checkpoint_a_catalog_record_kept_reads_the_whole_log(
+        tmp_path, unique_name, debug_config: DebugConfig, metrics: MetricsReader):
+    """Checkpoints 3..8 damaged: the resume tries those the newest catalog record kept and
+    those after it, then the older ones the rest of the log holds, and restores checkpoint 2."""
+    run_id = unique_name("fallback")
+    job = _ckpt(run_id, policy="full")
+    spawn_ranks(debug_config.path, [*job, "train.steps=80", "train.eval_batches=1"], tmp_path)
+    stream = tmp_path / "run" / "stream"
+    records = FsMarkers(stream, run_id).read_markers()
+    kept = [m.checkpoint_id for m in decode_record([d for _, d in records if is_catalog_record(d)][-1]).commits]
+    assert min(kept) > 3, kept  # checkpoint 2 is only in the part of the log the record summarised
+    for cid in range(3, 9):
+        marker = next(m for _, m in commits(records, run_id) if m.checkpoint_id == cid)
+        partition, first, *_ = marker.chain[-1].index[0]
+        segment = stream / f"{run_id}.rows.g{cid}" / f"{partition}.seg"
+        data = bytearray(segment.read_bytes())
+        data[first + 64] ^= 0xFF
+        segment.write_bytes(bytes(data))
+    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest", "ckpt.on_corrupt=previous",
+                                              "train.steps=90", "train.eval_batches=1"], tmp_path)
+    assert "resumed from checkpoint 2 at step 20" in resumed[0].stdout, resumed[0].stdout[-2000:]
+    assert resumed[0].stderr.count("falling back to the previous checkpoint") == 6, resumed[0].stderr[-3000:]
+    assert metrics.values(tmp_path / "run", "restore_markers_records", restored_ckpt=2)[-1] < len(records)
+
+
 def test_marker_that_does_not_match_its_frames_is_refused(tmp_path, broker, unique_name, debug_config: DebugConfig):
     run_id = unique_name("mismatch")
     job = _ckpt(run_id, "kafka", broker.bootstrap, policy="full")
     spawn_ranks(debug_config.path, [*job, "train.steps=20", "train.eval_batches=1"], tmp_path)
     markers = KafkaMarkers(run_id, {"bootstrap.servers": broker.bootstrap})
     try:
-        newest = decode_marker(markers.read_markers()[-1][1])
+        newest = commits(markers.read_markers(), run_id)[-1][1]
         assert newest.checkpoint_id == 2
         newest.checkpoint_id = 7  # a marker claiming checkpoint 2's frames belong to checkpoint 7
         newest.chain[-1].checkpoint_id = 7
