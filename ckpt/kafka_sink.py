@@ -61,6 +61,7 @@ FETCH_QUEUE_BACKOFF_MS = 5
 # Rows and markers are deleted by dropping whole topics, never by time or size:
 # a base checkpoint can be older than Kafka's default retention of 7 days.
 DEFAULT_TOPIC_CONFIG = {"retention.ms": "-1", "retention.bytes": "-1"}
+MARKERS_FETCH_WAIT_MS = 100
 # librdkafka drops a new client's bootstrap connection once Metadata names the brokers and
 # connects to one of them only when the next Metadata request asks, rate-limited to one
 # connect per reconnect.backoff.ms / 2 (50 ms by default; never below about 11 ms). Admin
@@ -342,12 +343,15 @@ class KafkaSink:
             self._admin = None
 
 
-def _consumer_conf(conf: Mapping[str, Any], consumer_conf: Mapping[str, Any] | None) -> dict[str, Any]:
+def _consumer_conf(conf: Mapping[str, Any], consumer_conf: Mapping[str, Any] | None,
+                   defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
     # A fetch at the end of a partition waits fetch.wait.max.ms before the broker
-    # answers (and we learn it is the end): keep that short for readers.
-    c = {**_common(conf), "queued.max.messages.kbytes": DEFAULT_READ_BUFFER_KB,
+    # answers (and we learn it is the end): keep that short for readers. These and the
+    # reader's `defaults` are defaults: a setting of `ckpt.kafka` (in `conf`) wins.
+    c = {"queued.max.messages.kbytes": DEFAULT_READ_BUFFER_KB,
          "max.partition.fetch.bytes": DEFAULT_FETCH_PARTITION_BYTES, "fetch.wait.max.ms": 10,
-         "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS, **(consumer_conf or {})}
+         "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS, **(defaults or {}), **_common(conf),
+         **(consumer_conf or {})}
     # assign()-only reading: a throwaway group id (confluent-kafka insists on one),
     # never committed; start offsets are always explicit.
     c.update({"group.id": f"deltarec-reader-{uuid.uuid4().hex}", "enable.auto.commit": False,
@@ -681,9 +685,11 @@ class KafkaMarkers:
         self.bootstrap = str(conf.get("bootstrap.servers", "kafka"))
         self._p = _Producer(conf, producer_conf, timeout_s, timeout_s)
         # Read from offset 0, or from the earliest kept offset if retention removed it
-        # (OFFSET_BEGINNING would cost an extra ListOffsets round, ~0.5 s on Tansu). Markers
-        # are read to the end of the log, which a fetch learns after fetch.wait.max.ms.
-        self._cconf = {**_consumer_conf(conf, {"fetch.wait.max.ms": 1, **(consumer_conf or {})}),
+        # (OFFSET_BEGINNING would cost an extra ListOffsets round, ~0.5 s on Tansu). A read
+        # to the end stops where its last fetch said the log ends, so fetch.wait.max.ms
+        # delays only a read with nothing to read; and the embedded broker answers a fetch
+        # of a long log with nothing when its own work takes longer than that (design §6).
+        self._cconf = {**_consumer_conf(conf, consumer_conf, {"fetch.wait.max.ms": MARKERS_FETCH_WAIT_MS}),
                        "auto.offset.reset": "earliest"}
         self._topic_ok = False
         self._last: int | None = None  # offset of our own last append
