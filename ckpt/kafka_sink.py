@@ -363,22 +363,29 @@ def _consumer_conf(conf: Mapping[str, Any], consumer_conf: Mapping[str, Any] | N
 
 class _Connected(NamedTuple):
     """A new consumer whose first request, the all-topics listing, has been answered: it is
-    connected, and `topics` says what existed then (partition counts)."""
+    connected, and `topics` says what existed then (partition counts). `watermarks`: the
+    (low, high) ListOffsets answer for the partition `_connect` was asked about, if any."""
 
     consumer: Consumer
     topics: dict[str, int]
+    watermarks: tuple[int, int] | None = None
 
 
-def _connect(cconf: Mapping[str, Any], timeout_s: float) -> _Connected:
+def _connect(cconf: Mapping[str, Any], timeout_s: float, watermarks_of: TopicPartition | None = None) -> _Connected:
     """A consumer for `cconf`, connected by the all-topics listing (closed again, and the
-    `KafkaException` raised, if nothing answers within `timeout_s`)."""
+    `KafkaException` raised, if nothing answers within `timeout_s`); with `watermarks_of`,
+    that partition's watermarks too when its topic exists."""
     consumer = Consumer({**SPARE_DEFAULTS, **cconf})
     try:
         md = consumer.list_topics(timeout=timeout_s)
+        topics = {name: len(t.partitions) for name, t in md.topics.items() if t.error is None}
+        marks = None
+        if watermarks_of is not None and watermarks_of.topic in topics:
+            marks = consumer.get_watermark_offsets(watermarks_of, timeout=timeout_s, cached=False)
     except BaseException:
         consumer.close()
         raise
-    return _Connected(consumer, {name: len(t.partitions) for name, t in md.topics.items() if t.error is None})
+    return _Connected(consumer, topics, marks)
 
 
 class _Spare:
@@ -419,7 +426,8 @@ def _close_connected(pending: Future[_Connected] | None) -> None:
         pending.add_done_callback(close)
 
 
-def _connect_on_thread(cconf: Mapping[str, Any], timeout_s: float) -> Future[_Connected]:
+def _connect_on_thread(cconf: Mapping[str, Any], timeout_s: float,
+                       watermarks_of: TopicPartition | None = None) -> Future[_Connected]:
     """`_connect` on a thread of its own (librdkafka waits without holding the GIL). A daemon
     thread, not an executor's: a process that exits does not wait out a connect to a broker
     that is down."""
@@ -427,7 +435,7 @@ def _connect_on_thread(cconf: Mapping[str, Any], timeout_s: float) -> Future[_Co
 
     def run() -> None:
         try:
-            pending.set_result(_connect(cconf, timeout_s))
+            pending.set_result(_connect(cconf, timeout_s, watermarks_of))
         except BaseException as exc:  # raised to whoever takes the spare
             pending.set_exception(exc)
 
@@ -721,8 +729,9 @@ class KafkaMarkers:
 
     def prepare(self, timeout_s: float) -> None:
         """Start `check_reachable`'s connect on a thread of its own (the checkpoint manager
-        does while it is being built, so a restore finds the markers reader connected)."""
-        self._spare.put(_connect_on_thread(self._cconf, timeout_s))
+        does while it is being built, so a restore finds the markers reader connected), and
+        ask for the log's watermarks there, which `read_tail` then starts from."""
+        self._spare.put(_connect_on_thread(self._cconf, timeout_s, TopicPartition(self.topic, 0)))
 
     def check_reachable(self, timeout_s: float) -> None:
         """One metadata request, bounded by `timeout_s` (the one `prepare` started, if any);
@@ -763,7 +772,10 @@ class KafkaMarkers:
         consumer = spare.consumer if spare else None
         try:
             consumer = consumer or _connect(self._cconf, timeout_s).consumer
-            low, high = consumer.get_watermark_offsets(TopicPartition(self.topic, 0), timeout=timeout_s, cached=False)
+            # the connect `prepare` started asked already: the log has only grown since
+            # (a start too early reads more, never less)
+            low, high = (spare.watermarks if spare is not None and spare.watermarks is not None else
+                         consumer.get_watermark_offsets(TopicPartition(self.topic, 0), timeout=timeout_s, cached=False))
         except KafkaException as exc:
             if consumer is not None:
                 consumer.close()

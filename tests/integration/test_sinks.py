@@ -418,6 +418,25 @@ def test_kafka_markers_topic_created_after_the_reachability_check_is_read(broker
         writer.close()
 
 
+def test_kafka_markers_tail_read_after_prepare_starts_no_later_than_the_log_end_prepare_saw(broker, unique_name):
+    """`prepare` asks for the markers log's watermarks on its connect, so the tail read asks
+    nothing more; records appended after it (another writer) are read all the same."""
+    run = unique_name("run")
+    conf = {"bootstrap.servers": broker.bootstrap}
+    reader, writer = KafkaMarkers(run, conf, timeout_s=10), KafkaMarkers(run, conf, timeout_s=10)
+    try:
+        first = [(writer.append_marker(b"m%d" % i), b"m%d" % i) for i in range(20)]
+        reader.prepare(5)
+        reader.check_reachable(5)
+        later = [(writer.append_marker(b"n%d" % i), b"n%d" % i) for i in range(10)]
+        tail = reader.read_tail(5)
+        # from 5 before the end prepare saw (asking again would start at later[-5])
+        assert tail.records == first[-5:] + later and not tail.whole
+    finally:
+        reader.close()
+        writer.close()
+
+
 def test_kafka_markers_reachability_check_waits_for_the_connect_prepare_started(broker, unique_name, monkeypatch):
     """`prepare` starts the check's connect ahead (a manager does while it is being built):
     the check then takes that consumer, connecting no other, and the markers read uses it.
