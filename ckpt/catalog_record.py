@@ -91,14 +91,15 @@ def read_recent_catalog(markers: MarkerLog, run_id: str, where: str = "markers")
     while True:
         tail = markers.read_tail(want)
         first = tail.records[0][0] if tail.records else 0
-        for pos, record in _catalog_records(tail.records, run_id, where):
-            if record.upto < first and not tail.whole:
+        for pos, catalog in _catalog_records(tail.records, run_id, where):
+            upto = catalog.last_pos
+            if upto < first and not tail.whole:
                 break  # records it did not fold lie before what was read: read more
-            catalog = from_record(record).feed(((p, d) for p, d in tail.records if p > record.upto), where)
+            catalog.feed(((p, d) for p, d in tail.records if p > upto), where)
             if catalog.exact:
                 return catalog
             logger.info("%s: a checkpoint after position %d chains through a link its catalog record at %d "
-                        "left out; reading the whole log", where, record.upto, pos)
+                        "left out; reading the whole log", where, upto, pos)
             return read_catalog(markers, run_id, where)
         else:
             if tail.whole:
@@ -106,20 +107,19 @@ def read_recent_catalog(markers: MarkerLog, run_id: str, where: str = "markers")
         want *= 8
 
 
-def _catalog_records(records: list[tuple[int, bytes]], run_id: str, where: str
-                     ) -> Iterator[tuple[int, CatalogRecord]]:
-    """The catalog records of `run_id` among `records`, newest first, decoding nothing else;
-    a damaged one is skipped with a warning (an older one serves)."""
+def _catalog_records(records: list[tuple[int, bytes]], run_id: str, where: str) -> Iterator[tuple[int, Catalog]]:
+    """The folds the catalog records of `run_id` among `records` summarise, newest first,
+    decoding nothing else; a damaged one is skipped with a warning (an older one serves)."""
     for pos, data in reversed(records):
         if not is_catalog_record(data):
             continue
         try:
             record = decode_record(data)
             assert isinstance(record, CatalogRecord)
-            if record.lease:
-                Lease(**record.lease)
-        except (MarkerError, TypeError) as exc:
+            if record.run_id != run_id:
+                continue
+            catalog = from_record(record)
+        except (MarkerError, TypeError, ValueError) as exc:  # the last two: nested fields of the wrong shape
             logger.warning("%s position %s: %s; an older catalog record serves", where, pos, exc)
             continue
-        if record.run_id == run_id:
-            yield pos, record
+        yield pos, catalog
