@@ -6,8 +6,8 @@ log (`ckpt.catalog.read_catalog`) against folding it from its newest catalog rec
                                         [--out results.json]
 
 The log is what a job of the full suite's shape leaves: COMMIT markers of the default policy
-(a full link and a delta, each indexing 40 shard runs on each of 2 ranks; about 5 KB a marker,
-as the full suite's are), and a catalog record every `--catalog-every` records, as the
+(a full link and a delta, each indexing 40 shard runs on each of 2 ranks of 26 tables), and
+a catalog record every `--catalog-every` records, as the
 trainer's committer appends them. It grows to each length of `--commits` in turn; at each, a
 fresh reader (connected first, as the checkpoint manager connects while it is built) reads the
 log and lists the restorable checkpoints, both ways alternating, `--repeats` times each.
