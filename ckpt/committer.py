@@ -71,6 +71,7 @@ class Committer:
     def __call__(self, job: WriteJob, reports: list[RankReport]) -> Outcome:
         cid = job.checkpoint_id
         stall = [r.stall_ms for r in reports]
+        fresh = [r.stall_new_bytes for r in reports]
         errors = [r.error for r in reports if not r.ok]
         missing = [c for c in job.chain[:-1] if c not in self.links]
         if missing:
@@ -82,13 +83,13 @@ class Committer:
         if errors:
             self._failed(job, "; ".join(errors), stall)
             return Outcome(checkpoint_id=cid, step=job.step, committed=False, error="; ".join(errors), bytes=nbytes,
-                           rows=rows, full=full, stall_ms=stall, write_s=write_s)
+                           rows=rows, full=full, stall_ms=stall, stall_new_bytes=fresh, write_s=write_s)
         # before the dense file: a replaced attempt writes nothing more (a failed checkpoint's
         # FAILED record above needs no read of the log; the fold ignores it all the same)
         fenced = self._fenced()
         if fenced:
             return Outcome(checkpoint_id=cid, step=job.step, committed=False, error=fenced, bytes=nbytes, rows=rows,
-                           full=full, stall_ms=stall, write_s=write_s, fenced=True)
+                           full=full, stall_ms=stall, stall_new_bytes=fresh, write_s=write_s, fenced=True)
         assert job.dense_state is not None, "rank 0 snapshots the dense state"
         dense_state = dict(job.dense_state)
         # every rank's loop state, each with its reader's position: what a restore resumes from
@@ -98,7 +99,7 @@ class Committer:
         except DenseStoreError as exc:
             self._failed(job, str(exc), stall)
             return Outcome(checkpoint_id=cid, step=job.step, committed=False, error=str(exc), bytes=nbytes,
-                           rows=rows, full=full, stall_ms=stall, write_s=write_s)
+                           rows=rows, full=full, stall_ms=stall, stall_new_bytes=fresh, write_s=write_s)
         ranges: dict[int, list[OffsetRange]] = {}
         index: list[IndexEntry] = []
         for r in reports:
@@ -129,7 +130,7 @@ class Committer:
         except OSError as exc:  # committed all the same; only the lost-stream check loses this entry
             logger.warning("checkpoint %d: committed, but not recorded in %s: %s", cid, self.dense.root, exc)
         return Outcome(checkpoint_id=cid, step=job.step, committed=True, bytes=nbytes, rows=rows, full=full,
-                       stall_ms=stall, write_s=write_s, commit_unix=marker.created_unix)
+                       stall_ms=stall, stall_new_bytes=fresh, write_s=write_s, commit_unix=marker.created_unix)
 
     def _fenced(self) -> str:
         """Read what the markers log gained; the one-line reason to stop when a newer attempt

@@ -50,6 +50,7 @@ class Slab:
     def __init__(self, capacity: int) -> None:
         self.buffer = torch.empty(capacity, dtype=torch.uint8)
         self._used = 0
+        self.fresh = True  # its pages were never written: the first snapshot in it faults them in
 
     @property
     def capacity(self) -> int:
@@ -97,6 +98,7 @@ class HostBufferPool:
                 slab = min(fits, key=lambda s: s.capacity)
                 self._free.remove(slab)
                 slab.reset()
+                slab.fresh = False
             else:
                 self.allocated += 1
                 slab = Slab(_capacity_for(nbytes))
@@ -130,6 +132,7 @@ class HostBufferPool:
                 return False
         slab = Slab(capacity)  # made and faulted in outside the lock: `lend` never waits for it
         slab.buffer[::OS_PAGE].zero_()
+        slab.fresh = False
         with self._lock:
             self.allocated += 1
             self._keep(slab)

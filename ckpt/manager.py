@@ -89,6 +89,7 @@ class StallTiming(NamedTuple):
     since_base: float  # fraction of all ranks' rows changed since the baseline
     since_last: float  # ... since the previous checkpoint
     cpu_ms: float = 0.0  # CPU time of the training thread during the stall (the rest of stall_ms is waiting)
+    new_bytes: int = 0  # host memory the copy allocated fresh and faulted in (`Snapshot.new_bytes`)
 
 
 class _Agreement(NamedTuple):
@@ -753,6 +754,7 @@ class CheckpointManager:
         self.metrics.write({
             "step": o.step, "ckpt_id": o.checkpoint_id, "ckpt_committed": o.committed, "ckpt_full": o.full,
             "ckpt_rows": o.rows, "ckpt_bytes": o.bytes, "ckpt_stall_ms": max(o.stall_ms or [0]),
+            "ckpt_stall_new_bytes": sum(o.stall_new_bytes),
             "ckpt_write_s": o.write_s, "ckpt_error": o.error, "ckpt_encoding": pending.weight_codec,
             "ckpt_durable_s": durable_s,
         })
@@ -857,7 +859,7 @@ class CheckpointManager:
             take_ms=(t_taken - t_take) * 1e3, dense_ms=(now - t_taken) * 1e3, stall_ms=snapshot.stall_s * 1e3,
             rows=snapshot.rows, snapshot_bytes=snapshot.nbytes,
             since_base=self.agreed_fractions[0], since_last=self.agreed_fractions[1],
-            cpu_ms=(time.thread_time() - cpu0) * 1e3,
+            cpu_ms=(time.thread_time() - cpu0) * 1e3, new_bytes=snapshot.new_bytes,
         ))
         self._pending[cid] = _Pending(started_unix=started_unix, weight_codec=weight_codec)
         if self.taker.pool is not None and self.priority is None and not final:  # the next snapshot's memory, faulted in ahead

@@ -78,6 +78,9 @@ class Snapshot:
     _ready: object | None = field(default=None, repr=False, compare=False)  # CUDA event of the host copies
     _slab: Slab | None = field(default=None, repr=False, compare=False)  # where the tensors live, if pooled
     _pool: HostBufferPool | None = field(default=None, repr=False, compare=False)
+    # host memory the take had to allocate and fault in inside the stall: a new slab's
+    # capacity (0 when the pool lent one kept or reserved ahead), else every host tensor's bytes
+    new_bytes: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -164,7 +167,9 @@ class SnapshotTaker:
         t0 = time.perf_counter()
         if self._cuda:
             shards, ready = self._take_cuda(full, since_base)
-            return Snapshot(checkpoint_id, step, full, shards, time.perf_counter() - t0, ready)
+            snap = Snapshot(checkpoint_id, step, full, shards, time.perf_counter() - t0, ready)
+            snap.new_bytes = snap.nbytes  # fresh pinned host tensors
+            return snap
         copy_all = full and not self.trained_only
         views = self.shard_map.shards
         locals_ = [None if copy_all else self._local_rows(i, full, since_base) for i in range(len(views))]
@@ -172,8 +177,11 @@ class SnapshotTaker:
         if self.pool is not None:
             counts = [v.num_rows if local is None else local.numel() for v, local in zip(views, locals_)]
             slab = self.pool.lend(slab_bytes([b for v, n in zip(views, counts) for b in _copied_bytes(v, n)]))
+        fresh = slab.capacity if slab is not None and slab.fresh else 0
         shards = [_copy_cpu(v, local, slab) for v, local in zip(views, locals_)]
-        return Snapshot(checkpoint_id, step, full, shards, time.perf_counter() - t0, None, slab, self.pool)
+        snap = Snapshot(checkpoint_id, step, full, shards, time.perf_counter() - t0, None, slab, self.pool)
+        snap.new_bytes = fresh if slab is not None else snap.nbytes
+        return snap
 
     # -- CPU ------------------------------------------------------------------------------
     def _local_rows(self, i: int, full: bool, since_base: bool) -> torch.Tensor:

@@ -68,6 +68,7 @@ class RankReport:
     stall_ms: float
     write_s: float
     trainer_state: dict[str, Any]
+    stall_new_bytes: int = 0  # host memory its stall allocated fresh (`Snapshot.new_bytes`)
     encodings: dict[str, str] = field(default_factory=dict)  # "weights" / "optimizer.<state>" -> codec used
 
 
@@ -83,6 +84,7 @@ class Outcome:
     rows: int = 0
     full: bool = False
     stall_ms: list[float] = field(default_factory=list)
+    stall_new_bytes: list[int] = field(default_factory=list)  # per rank: host memory its stall allocated fresh
     write_s: float = 0.0
     commit_unix: float = 0.0  # time.time() when the COMMIT marker was written; 0 when none was
     fenced: bool = False  # a newer attempt holds the run: this one must stop (`error` says which)
@@ -255,7 +257,7 @@ def write_rows(job: WriteJob, *, run_id: str, rank: int, sink: FrameSink, max_fr
     return RankReport(
         rank=rank, ok=not error, error=error, ranges=ranges, index=index, rows=rows, bytes=nbytes,
         stall_ms=job.snapshot.stall_s * 1e3, write_s=time.perf_counter() - t0, trainer_state=job.trainer_state,
-        encodings=used,
+        encodings=used, stall_new_bytes=job.snapshot.new_bytes,
     )
 
 

@@ -95,3 +95,16 @@ def test_the_next_snapshot_is_sized_by_each_kinds_growth_and_capped_at_every_row
     assert grown_estimate({}, now, ("full",), cap=1000) == 300  # the first: taken to double
     assert grown_estimate({"full": 100}, now, ("full", "base"), cap=1000) == 200  # base after a new baseline: 80
     assert grown_estimate(previous, now, ("full",), cap=180) == 180
+
+
+def test_only_a_slab_lend_had_to_make_is_fresh_one_reused_or_reserved_is_not() -> None:
+    """`Slab.fresh` is what a snapshot reports as host memory allocated inside its stall."""
+    pool = HostBufferPool(keep_bytes=64 * PAGE)
+    made = pool.lend(PAGE)
+    assert made.fresh
+    pool.give_back(made)
+    again = pool.lend(PAGE)
+    assert again is made and not again.fresh
+    assert pool.reserve(8 * PAGE)
+    reserved = pool.lend(8 * PAGE)
+    assert reserved is not made and not reserved.fresh
