@@ -541,9 +541,10 @@ class CheckpointManager:
             return [m for m in self._choose(catalog, self._history) if m.checkpoint_id < than]
         return self._from_rank0(read)
 
-    def _from_rank0(self, read: Callable[[], _T]) -> _T:
+    def _from_rank0(self, read: Callable[[], _T], refused: type[DeltarecError] = RestoreError) -> _T:
         """`read()` on rank 0, its result on every rank; its `DeltarecError` raised on every
-        rank (none waits at the broadcast)."""
+        rank (none waits at the broadcast): itself on rank 0, a `refused` with its message on
+        the others."""
         box: list[Any] = [None]
         failure: DeltarecError | None = None
         if self.env.rank == 0:
@@ -554,7 +555,7 @@ class CheckpointManager:
                 box[0] = _Refused(str(exc))
         dist.broadcast_object_list(box, src=0)
         if isinstance(box[0], _Refused):
-            raise failure or RestoreError(box[0].reason)
+            raise failure or refused(box[0].reason)
         return box[0]
 
     def _read_candidates(self) -> _Candidates:
@@ -591,22 +592,18 @@ class CheckpointManager:
     def _join_attempt(self) -> None:
         """Before this attempt's first checkpoint: rank 0 waits for its ATTEMPT record, hands it
         to the committer, and every rank learns the epoch its frames carry."""
-        box: list[Any] = [None]
-        failure: DeltarecError | None = None
-        if self.env.rank == 0:
+        def join() -> tuple[int, str]:
             assert self._announcing is not None and self.committer is not None
             future, catalog = self._announcing
             try:
                 attempt, epoch = future.result()
-                self.committer.start_attempt(attempt, epoch, catalog)
-                box[0] = (epoch, attempt.attempt)
-            except Exception as exc:  # noqa: BLE001 - every rank stops with it, none waits at the broadcast
-                failure = exc if isinstance(exc, DeltarecError) else None
-                box[0] = f"run {self.run_id}: cannot announce this attempt in the markers log: {exc}"
-        dist.broadcast_object_list(box, src=0)
-        if isinstance(box[0], str):
-            raise failure or SinkError(box[0])
-        self.epoch, self.attempt = box[0]
+            except DeltarecError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a client's own error: every rank stops with it
+                raise SinkError(f"run {self.run_id}: cannot announce this attempt in the markers log: {exc}") from exc
+            self.committer.start_attempt(attempt, epoch, catalog)
+            return epoch, attempt.attempt
+        self.epoch, self.attempt = self._from_rank0(join, SinkError)
 
     def _start_attempt(self) -> None:
         """After the restore (or a fresh start): under partial recovery every rank learns its

@@ -167,9 +167,8 @@ class SnapshotTaker:
         t0 = time.perf_counter()
         if self._cuda:
             shards, ready = self._take_cuda(full, since_base)
-            snap = Snapshot(checkpoint_id, step, full, shards, time.perf_counter() - t0, ready)
-            snap.new_bytes = snap.nbytes  # fresh pinned host tensors
-            return snap
+            return Snapshot(checkpoint_id, step, full, shards, time.perf_counter() - t0, ready,
+                            new_bytes=sum(s.nbytes for s in shards))  # fresh pinned host tensors
         copy_all = full and not self.trained_only
         views = self.shard_map.shards
         locals_ = [None if copy_all else self._local_rows(i, full, since_base) for i in range(len(views))]
@@ -177,11 +176,10 @@ class SnapshotTaker:
         if self.pool is not None:
             counts = [v.num_rows if local is None else local.numel() for v, local in zip(views, locals_)]
             slab = self.pool.lend(slab_bytes([b for v, n in zip(views, counts) for b in _copied_bytes(v, n)]))
-        fresh = slab.capacity if slab is not None and slab.fresh else 0
         shards = [_copy_cpu(v, local, slab) for v, local in zip(views, locals_)]
-        snap = Snapshot(checkpoint_id, step, full, shards, time.perf_counter() - t0, None, slab, self.pool)
-        snap.new_bytes = fresh if slab is not None else snap.nbytes
-        return snap
+        fresh = sum(s.nbytes for s in shards) if slab is None else slab.capacity if slab.fresh else 0
+        return Snapshot(checkpoint_id, step, full, shards, time.perf_counter() - t0, None, slab, self.pool,
+                        new_bytes=fresh)
 
     # -- CPU ------------------------------------------------------------------------------
     def _local_rows(self, i: int, full: bool, since_base: bool) -> torch.Tensor:
