@@ -102,12 +102,19 @@ def _half_ok(meta: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
+def _divide(t: torch.Tensor, number: float) -> torch.Tensor:
+    """``t / number`` rounded as a true division on every device: CUDA divides by a Python
+    number as a multiplication by its reciprocal, which can differ from the CPU's quotient
+    (and fbgemm's) in the last bit."""
+    return t / torch.full((), float(number), dtype=t.dtype, device=t.device)
+
+
 def nbit_qparams(mn: torch.Tensor, mx: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp16-rounded (scale, bias) as float32, following fbgemm's FloatOrHalfToFusedNBit... rules."""
     qmax = (1 << bits) - 1
     bias = mn.to(torch.float16).to(torch.float32)
     rng = mx - bias
-    scale = (rng / qmax).to(torch.float16).to(torch.float32)
+    scale = _divide(rng, qmax).to(torch.float16).to(torch.float32)
     # fbgemm: range == 0 -> scale 1; fp16 scale underflow (== 0) -> scale 1
     scale = torch.where((rng == 0) | (scale == 0), torch.ones_like(scale), scale)
     return scale, bias
@@ -182,7 +189,7 @@ def _asym8_encode_torch(x: torch.Tensor) -> torch.Tensor:
         inv = 255.0 / (rng + 1e-8)  # fbgemm's kEpsilon: never divides by zero
         q = (xc - lo.unsqueeze(1)).mul_(inv.unsqueeze(1)).round_().clamp_(0, 255).to(torch.uint8)
         out[i : i + step, :dim] = q
-        out[i : i + step, dim:] = _meta_bytes(torch.stack([rng / 255.0, lo], 1))
+        out[i : i + step, dim:] = _meta_bytes(torch.stack([_divide(rng, 255.0), lo], 1))
     return out
 
 
@@ -295,5 +302,5 @@ class SymCodec:
             m = view_bytes_as(d[:, P:], self.meta_dtype).to(torch.float32)  # [r, 1]
             q = unpack_bits(d[:, :P], self.bits, dim).to(torch.float32).sub_(Q)
             # (q / Q) * absmax: q = +-Q gives exactly +-absmax (division, not a rounded reciprocal)
-            torch.mul(q.div_(Q), m, out=out[i : i + step])
+            torch.mul(_divide(q, Q), m, out=out[i : i + step])
         return out
