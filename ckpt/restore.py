@@ -464,8 +464,13 @@ def verify_frame(frame: Frame, link: ChainLink, partition: int, table: str, col:
 
 def _put(dst: torch.Tensor, rows: Rows, src: torch.Tensor, dst_col: int, src_col: int, cols: int) -> None:
     """dst[rows, dst_col:dst_col+cols] = src[:, src_col:src_col+cols]; a plain copy into the
-    slice where the rows are contiguous."""
+    slice where the rows are contiguous. `src` (decoded on the host) and `rows` move to the
+    device of `dst` (a GPU job's shards) first, the columns taken before the copy."""
     whole = dst_col == 0 and src_col == 0 and cols == dst.shape[1] == src.shape[1]
+    if src.device != dst.device:
+        src = (src if whole else src[:, src_col : src_col + cols]).to(dst.device)
+        src_col = 0
+        rows = rows if isinstance(rows, slice) else rows.to(dst.device)
     if isinstance(rows, slice):
         dst[rows, dst_col : dst_col + cols].copy_(src[:, src_col : src_col + cols])
     elif whole:

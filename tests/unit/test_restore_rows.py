@@ -15,6 +15,7 @@ from ckpt.markers import ChainLink, IndexEntry, Marker, OffsetRange
 from ckpt.restore import RestoreError, restore_rows
 from sharding.row_init import RowInit, fill_rows
 from sharding.shard_views import ShardMap, ShardView
+from tests.devices import DEVICES
 
 if TYPE_CHECKING:
     from tests.conftest import ReplaySeed
@@ -73,8 +74,9 @@ def _link(cid: int, full: bool, frames: list[bytes], table: str, col: int, cols:
                                        min_row=lo, max_row=hi, cols=cols)])  # fmt: skip
 
 
-def _view(rows: int, cols: int, row_offset: int = 0, col_offset: int = 0) -> ShardView:
-    return ShardView("t", row_offset, col_offset, torch.zeros(rows, cols), {"momentum1": torch.zeros(rows)})
+def _view(rows: int, cols: int, row_offset: int = 0, col_offset: int = 0, device: str = "cpu") -> ShardView:
+    return ShardView("t", row_offset, col_offset, torch.zeros(rows, cols, device=device),
+                     {"momentum1": torch.zeros(rows, device=device)})
 
 
 def _restore(frames_by_link: list[tuple[bool, list[bytes], int, int, int, int]], views: list[ShardView],
@@ -185,11 +187,14 @@ def _random_link(cid: int, full: bool, rng: random.Random, g: torch.Generator, r
     return link, frames
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("order", ["forward", "reversed", "shuffled"])
-def test_any_arrival_order_gives_the_chain_replayed_in_order(order: str, replay_seed: ReplaySeed) -> None:
+def test_any_arrival_order_gives_the_chain_replayed_in_order(order: str, device: str, replay_seed: ReplaySeed) -> None:
     """A base and 2-4 deltas, each in its own column split, restored into a random row and
     column split of the table while the frames arrive in `order`: every shard ends as the
-    chain replayed link by link, and rows a later link replaces are not written twice."""
+    chain replayed link by link, and rows a later link replaces are not written twice. On
+    CUDA the shards live on the GPU, as a GPU job's do: frames decode on the host and their
+    rows go to the device."""
     rng, g = replay_seed.rng(), replay_seed.torch_generator()
     ref_w, ref_m = torch.zeros(ROWS, DIM), torch.zeros(ROWS, DIM)
     chain, store = [], {}
@@ -198,16 +203,18 @@ def test_any_arrival_order_gives_the_chain_replayed_in_order(order: str, replay_
         chain.append(link)
         store[(cid, 0)] = frames
     row_cut, col_cut = rng.randrange(1, ROWS), rng.choice([DIM, 2, 1, 3])
-    views = [ShardView("t", r0, c0, torch.zeros(r1 - r0, c1 - c0), {"momentum1": torch.zeros(r1 - r0)})
+    views = [ShardView("t", r0, c0, torch.zeros(r1 - r0, c1 - c0, device=device),
+                       {"momentum1": torch.zeros(r1 - r0, device=device)})
              for r0, r1 in ((0, row_cut), (row_cut, ROWS)) for c0, c1 in ((0, col_cut), (col_cut, DIM)) if c1 > c0]
     marker = Marker(kind="commit", run_id=RUN, checkpoint_id=len(chain), step=10, world_size=1, chain=chain)
     out = restore_rows(marker, ListSource(store, order, rng), ShardMap(views, []), RUN, lambda g, p, o: f"{g}/{p}@{o}")
     for v in views:
         rows, cols = slice(v.row_offset, v.row_offset + v.num_rows), slice(v.col_offset, v.col_offset + v.num_cols)
-        torch.testing.assert_close(v.weight, ref_w[rows, cols], rtol=0, atol=0,
+        assert v.weight.device.type == device
+        torch.testing.assert_close(v.weight.cpu(), ref_w[rows, cols], rtol=0, atol=0,
                                    msg=lambda m: f"{order}, view {v.row_offset}/{v.col_offset}: {m}\n{replay_seed}")
         # a target shard's row-wise state comes from the source shard holding its first column
-        torch.testing.assert_close(v.optimizer_states["momentum1"], ref_m[rows, v.col_offset], rtol=0, atol=0,
+        torch.testing.assert_close(v.optimizer_states["momentum1"].cpu(), ref_m[rows, v.col_offset], rtol=0, atol=0,
                                    msg=lambda m: f"{order}, momentum {v.row_offset}/{v.col_offset}: {m}\n{replay_seed}")
     assert out.frames == sum(len(f) for f in store.values()), replay_seed
     assert out.written <= out.rows, (out, replay_seed)
@@ -230,9 +237,11 @@ def test_rows_a_later_link_replaces_are_neither_decoded_nor_written(replay_seed:
     torch.testing.assert_close(view.weight[[1, 5, 9]], delta_w, rtol=0, atol=0, msg=lambda m: f"{m}\n{replay_seed}")
 
 
-def test_a_base_of_trained_rows_only_regenerates_every_other_row(replay_seed: ReplaySeed) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_base_of_trained_rows_only_regenerates_every_other_row(device: str, replay_seed: ReplaySeed) -> None:
     """A marker with a row initialisation: rows no link holds get their initial values and a
-    zero optimizer state, unless the caller says the shards hold exactly those already."""
+    zero optimizer state, unless the caller says the shards hold exactly those already (on
+    CUDA: regenerated on the host, bit for bit the same values)."""
     g = replay_seed.torch_generator()
     init = RowInit(seed=7)
     base_rows, delta_rows = torch.tensor([1, 4, 5]), torch.tensor([4, 7])
@@ -246,13 +255,13 @@ def test_a_base_of_trained_rows_only_regenerates_every_other_row(replay_seed: Re
     held = torch.zeros(10, dtype=torch.bool)
     held[[1, 4, 5, 7]] = True
     for hold in (None, init):
-        views = [_view(6, 4), _view(4, 4, row_offset=6)]
+        views = [_view(6, 4, device=device), _view(4, 4, row_offset=6, device=device)]
         for v in views:
             v.weight.fill_(9.0)
             v.optimizer_states["momentum1"].fill_(6.0)
         out = _restore(links, views, hold, tables={"t": [10, 4]}, init=init.to_json())
-        weights = torch.cat([v.weight for v in views])
-        momentum = torch.cat([v.optimizer_states["momentum1"] for v in views])
+        weights = torch.cat([v.weight for v in views]).cpu()
+        momentum = torch.cat([v.optimizer_states["momentum1"] for v in views]).cpu()
         assert torch.equal(torch.cat(out.held), held), replay_seed
         assert torch.equal(weights[held], want[held]), replay_seed
         assert momentum[held].tolist() == [1.0, 4.0, 3.0, 5.0]

@@ -15,6 +15,7 @@ import torch
 
 from ckpt.host_buffers import HostBufferPool, Slab
 from ckpt.snapshot import ShardRows, Snapshot, SnapshotTaker
+from tests.devices import DEVICES, NEEDS_CUDA, synchronize
 
 
 @dataclass
@@ -102,11 +103,7 @@ def train(smap: Map) -> None:
                 s.mul_(2.0).add_(1.0)
 
 
-def devices() -> list[str]:
-    return ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else ["cpu"]
-
-
-@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("device", DEVICES)
 def test_delta_snapshot_rows_values_and_bytes(device: str) -> None:
     smap, tracker = make(device)
     taker = SnapshotTaker(smap, tracker, torch.device(device))
@@ -130,7 +127,7 @@ def test_delta_snapshot_rows_values_and_bytes(device: str) -> None:
     assert est == snap.nbytes == 4 * (8 + 32 + 4) + 3 * (8 + 32 + 32) + 1 * (8 + 32)
 
 
-@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("device", DEVICES)
 def test_snapshot_is_a_copy(device: str) -> None:
     smap, tracker = make(device)
     taker = SnapshotTaker(smap, tracker, torch.device(device))
@@ -140,8 +137,7 @@ def test_snapshot_is_a_copy(device: str) -> None:
     full.wait()
     kept = [[t.clone() for t in (s.global_rows, s.weights, *s.optimizer.values())] for s in delta.shards + full.shards]
     train(smap)
-    if device == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     now = [[s.global_rows, s.weights, *s.optimizer.values()] for s in delta.shards + full.shards]
     for a, b in zip(kept, now):
         for x, y in zip(a, b):
@@ -151,7 +147,7 @@ def test_snapshot_is_a_copy(device: str) -> None:
     assert not torch.equal(w, delta.shards[0].weights)
 
 
-@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("device", DEVICES)
 def test_full_snapshot_covers_every_row(device: str) -> None:
     smap, tracker = make(device)
     taker = SnapshotTaker(smap, tracker, torch.device(device))
@@ -234,3 +230,69 @@ def test_a_pooled_take_asks_for_every_tensors_aligned_bytes() -> None:
     for full in (False, True):
         snap = taker.take(1, 0, full=full, since_base=False)
         assert_equals_live(snap, smap)
+
+
+# --- CUDA: the side-stream copy into pinned host memory -------------------------------------------
+
+
+@NEEDS_CUDA
+@pytest.mark.gpu
+@pytest.mark.parametrize("full", [False, True])
+def test_a_cuda_snapshot_is_bit_identical_to_the_cpu_copy_of_the_same_shards(full: bool) -> None:
+    """`make` draws the shards on the CPU and moves them, so both devices hold the same bits."""
+    cpu_map, cpu_tracker = make("cpu")
+    cuda_map, cuda_tracker = make("cuda")
+    want = SnapshotTaker(cpu_map, cpu_tracker, torch.device("cpu")).take(1, 0, full=full, since_base=False)
+    got = SnapshotTaker(cuda_map, cuda_tracker, torch.device("cuda")).take(1, 0, full=full, since_base=False)
+    got.wait()
+    assert got.nbytes == want.nbytes
+    for a, b in zip(got.shards, want.shards, strict=True):
+        for x, y in zip((a.global_rows, a.weights, *a.optimizer.values()), (b.global_rows, b.weights, *b.optimizer.values())):
+            assert x.device.type == "cpu" and x.dtype == y.dtype
+            assert x.numel() == 0 or x.is_pinned(), (a.table, "host copies of CUDA rows must be pinned")
+            assert torch.equal(x.view(torch.uint8) if x.numel() else x, y.view(torch.uint8) if y.numel() else y), a.table
+
+
+def _big_cuda_shard(rows: int, cols: int) -> tuple[Map, Tracker]:
+    smap = Map([View("big", 0, 0, torch.randn(rows, cols, device="cuda"), {"sum": torch.rand(rows, device="cuda")})])
+    tracker = Tracker(smap)
+    tracker.last[0][::2] = True
+    return smap, tracker
+
+
+@NEEDS_CUDA
+@pytest.mark.gpu
+def test_the_cuda_copy_is_not_queued_behind_later_training_work() -> None:
+    """The device-to-host copy runs on the taker's side stream: a long kernel that training
+    queues on the default stream after `take` does not delay the snapshot (were the copy on
+    the default stream, `wait` would return only after that kernel)."""
+    smap, tracker = _big_cuda_shard(1 << 16, 64)
+    taker = SnapshotTaker(smap, tracker, torch.device("cuda"))
+    taker.take(0, 0, full=False, since_base=False).wait()  # warm: side stream, pinned allocator
+    snap = taker.take(1, 0, full=False, since_base=False)
+    torch.cuda._sleep(2_000_000_000)  # about a second of the default stream's time
+    snap.wait()
+    try:
+        assert not torch.cuda.current_stream().query(), "the snapshot waited for work queued after it"
+    finally:
+        torch.cuda.synchronize()
+    assert_equals_live(snap, smap)
+
+
+@NEEDS_CUDA
+@pytest.mark.gpu
+def test_training_waits_for_the_gather_only_not_for_the_copy_to_host() -> None:
+    """The default stream waits for the device-side gather (so the next update cannot change a
+    row before it is read), not for the much longer copy of 256 MiB to host memory."""
+    smap, tracker = _big_cuda_shard(1 << 21, 64)  # 512 MiB of weights, half of its rows copied
+    taker = SnapshotTaker(smap, tracker, torch.device("cuda"))
+    taker.take(0, 0, full=False, since_base=False).wait()
+    snap = taker.take(1, 0, full=False, since_base=False)
+    torch.cuda.current_stream().synchronize()
+    copying = not snap._ready.query()  # type: ignore[union-attr]
+    snap.wait()
+    assert copying, "the default stream was held until the copy to host memory ended"
+    train(smap)  # training after the gather never reaches the snapshot
+    torch.cuda.synchronize()
+    w, _ = live_rows(smap.shards[0], snap.shards[0].global_rows[:4])
+    assert torch.equal(snap.shards[0].weights[:4] + 1.0, w)
