@@ -78,6 +78,10 @@ def init_process_group(
         raise ProcessGroupError("sharding.backend=nccl needs CUDA, and no GPU is visible; use gloo or auto")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if backend == "nccl":
+        # nccl carries only CUDA tensors; the checkpoint manager agrees on CPU counts and flags
+        # (async all-reduces that must not wait on the training stream): gloo carries those
+        backend = "cpu:gloo,cuda:nccl"
     if env.launcher == "single" and init_method == "env://":
         fd, path = tempfile.mkstemp(prefix="deltarec-rdzv-")
         os.close(fd)

@@ -96,6 +96,11 @@ TRAINER_NOISE: tuple[WarningNoise | LogNoise, ...] = (
         "fbgemm's data_parallel lookup computes its own backward, registered off the Autograd key; its gradients "
         "are right (tests/unit/test_console.py checks them)",
     ),
+    WarningNoise(
+        UserWarning, r"TBE B200 optimization: device_major=", r"torch\.autograd\.graph",
+        "fbgemm-gpu's CUDA backward says, once per kernel, whether its Blackwell-only path is on; on any GPU it "
+        "is a note about fbgemm's own dispatch (seen on an H100)",
+    ),
     LogNoise(
         "torch.fx._symbolic_trace", r"is_fx_tracing will return true for both",
         "torchrec's KTRegroupAsDict asks is_fx_tracing() in its first forward; the note is for code that tells fx "

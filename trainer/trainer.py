@@ -127,7 +127,7 @@ class Trainer(Stateful):
         """Train to `train.steps`, evaluating every `train.eval_every` steps and at the end."""
         tc = self.cfg.train
         progress = Progress(tc.steps, self.step, tc.progress, enabled=self.env.rank == 0)
-        window_loss = torch.zeros((), dtype=torch.float64)
+        window_loss = torch.zeros((), dtype=torch.float64, device=self.device)  # summed where the loss is
         window_steps, window_t0 = 0, time.perf_counter()
         try:
             while self.step < tc.steps:
