@@ -84,6 +84,9 @@ SUITES = (
           "a restore's read of the markers log against its length (100 to 10,000 COMMIT markers of the full "
           "suite's size): the whole log against the log from its newest catalog record, on the embedded broker "
           "and on files (~2 min)"),
+    Suite("gpu", "bench.gpu", (),
+          "needs CUDA: the snapshot stall against a bare device-to-host copy (10^4-10^7 rows, d 32-256), every "
+          "codec's encode and decode on the GPU, a restore into GPU shards against CPU shards (~3 min on an H100)"),
     Suite("trained-rows", "bench.trained_rows", (),
           "not a measurement: trains a job and saves its trained embedding rows for `codecs --rows`"),
 )
