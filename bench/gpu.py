@@ -242,8 +242,8 @@ def _rate(records: list[dict[str, Any]], batch: int, log_every: int) -> tuple[fl
 
 def overhead_case(config: str, seconds: float, interval_s: float, workdir: Path) -> dict[str, Any]:
     """The job without checkpoints against the same job checkpointing every `interval_s` to
-    the embedded broker (default policy and codecs), each about `seconds` long; a short probe
-    first sizes the step count."""
+    the embedded broker (the config's checkpoint settings), each about `seconds` long; a short
+    probe first sizes the step count."""
     from launch.broker import EmbeddedBroker
     from trainer.config import load_config
 

@@ -19,12 +19,12 @@ pool keeps slabs within the same budget). `take` allocates nothing else that out
 local row indices become `global_rows` in place).
 
 Devices: on CPU the copy is `index_select(..., out=host_buffer)` on the training thread.
-On CUDA (UNTESTED here: no GPU on the development machines) the rows are gathered on a side
-stream into device temporaries and copied into pinned host buffers with
-``non_blocking=True``; the training stream waits only for the gather (so the next update
-cannot overwrite a row before it is read), and the device-to-host copy overlaps the next
-step. A consumer must call `Snapshot.wait()` before reading the host tensors (a no-op on
-CPU).
+On CUDA the rows are gathered on a side stream into device temporaries and copied into
+pinned host buffers with ``non_blocking=True``; the training stream waits only for the
+gather (so the next update cannot overwrite a row before it is read), and the
+device-to-host copy overlaps the next step (tests/unit/test_snapshot.py checks both on a
+GPU; docs/BENCHMARKS.md has an H100's figures). A consumer must call `Snapshot.wait()`
+before reading the host tensors (a no-op on CPU).
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ class SnapshotTaker:
         return Snapshot(checkpoint_id, step, False, shards, time.perf_counter() - t0)
 
 
-    # -- CUDA (untested here) ---------------------------------------------------------------
+    # -- CUDA ------------------------------------------------------------------------------
     def _take_cuda(self, full: bool, since_base: bool) -> tuple[list[ShardRows], object]:
         main = torch.cuda.current_stream(self.device)
         side = self._stream

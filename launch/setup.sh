@@ -14,6 +14,8 @@ PY="${PYTHON:-python3}"
 TORCH_VERSION=2.13.0
 TORCHREC_VERSION=1.8.0
 FBGEMM_VERSION=1.8.0
+# fbgemm-gpu's minor version follows torch's (1.8 <-> 2.13); on CUDA it must also match torch's
+# CUDA major. Verified on an H100: torch 2.11.0+cu130, fbgemm-gpu 1.6.0, torchrec 1.6.1 (README).
 
 stamp_value() {
   cat "$ROOT/launch/setup.sh" "$ROOT/setup.cfg" | sha256sum | cut -d' ' -f1
