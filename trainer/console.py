@@ -2,8 +2,8 @@
 
 The one place for logging setup and for the known-noise filters. A training rank calls
 `setup_rank` first thing; `deltarec-launch` calls `quiet_launcher`; `deltarec-follow` and
-`deltarec-ckpt` add `EXPORT_NOISE`. Each filter in `TRAINER_NOISE`, `LAUNCHER_NOISE` and
-`EXPORT_NOISE` names exactly one library message (by category, message and module for a Python
+`deltarec-ckpt` add `EXPORT_NOISE`. Each filter in `TRAINER_NOISE`, `CUDA_NOISE` (a GPU rank's),
+`LAUNCHER_NOISE` and `EXPORT_NOISE` names exactly one library message (by category, message and module for a Python
 warning; by logger and message for a log record) and says in one line why a user can do nothing
 about it. Anything not listed still shows. `--verbose` installs none of them and shows
 every rank's own log lines, so the libraries' full output comes back.
@@ -96,11 +96,6 @@ TRAINER_NOISE: tuple[WarningNoise | LogNoise, ...] = (
         "fbgemm's data_parallel lookup computes its own backward, registered off the Autograd key; its gradients "
         "are right (tests/unit/test_console.py checks them)",
     ),
-    WarningNoise(
-        UserWarning, r"TBE B200 optimization: device_major=", r"torch\.autograd\.graph",
-        "fbgemm-gpu's CUDA backward says, once per kernel, whether its Blackwell-only path is on; on any GPU it "
-        "is a note about fbgemm's own dispatch (seen on an H100)",
-    ),
     LogNoise(
         "torch.fx._symbolic_trace", r"is_fx_tracing will return true for both",
         "torchrec's KTRegroupAsDict asks is_fx_tracing() in its first forward; the note is for code that tells fx "
@@ -129,6 +124,15 @@ TRAINER_NOISE: tuple[WarningNoise | LogNoise, ...] = (
     ),
 )
 """The noise of a training rank (torchrec, fbgemm, torch); each entry says why it is noise."""
+
+CUDA_NOISE: tuple[WarningNoise | LogNoise, ...] = (
+    WarningNoise(
+        UserWarning, r"TBE B200 optimization: device_major=", r"torch\.autograd\.graph",
+        "fbgemm-gpu's CUDA backward says, once per kernel, whether its Blackwell-only path is on; on any GPU it "
+        "is a note about fbgemm's own dispatch (seen on an H100)",
+    ),
+)
+"""The noise only a rank on a GPU makes (so a CPU job, which the console tests run, cannot show it)."""
 
 EXPORT_NOISE: tuple[WarningNoise, ...] = (
     WarningNoise(
@@ -336,7 +340,8 @@ class ConsoleHandler(logging.Handler):
 _handler: ConsoleHandler | None = None
 
 
-def setup_rank(rank: int, verbose: bool = False, noise: Iterable[WarningNoise | LogNoise] = TRAINER_NOISE) -> None:
+def setup_rank(rank: int, verbose: bool = False,
+               noise: Iterable[WarningNoise | LogNoise] = (*TRAINER_NOISE, *CUDA_NOISE)) -> None:
     """Configure this training rank's console: deltarec's INFO lines on rank 0 only, warnings
     and errors everywhere, the known `noise` filtered (none of that with `verbose`)."""
     global _handler

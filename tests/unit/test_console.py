@@ -159,7 +159,7 @@ def test_verbose_installs_no_filter() -> None:
 
 
 def test_every_filter_gives_its_reason() -> None:
-    for entry in (*console.TRAINER_NOISE, *console.LAUNCHER_NOISE, *console.EXPORT_NOISE):
+    for entry in (*console.TRAINER_NOISE, *console.CUDA_NOISE, *console.LAUNCHER_NOISE, *console.EXPORT_NOISE):
         assert len(entry.reason.split()) >= 5, entry
 
 
