@@ -1,9 +1,12 @@
 """What deltarec's CUDA paths cost on a GPU: the snapshot stall against a bare device-to-host
 copy of the same rows, every codec's encode and decode on CUDA tensors, and a restore's
-decode and apply into shards on the GPU against the same restore into CPU shards.
+decode and apply into shards on the GPU against the same restore into CPU shards, and a
+one-GPU job's throughput with checkpoints every `--interval-s` against the job without.
 
-    python -m bench.run --suite gpu [--rows 10000,100000,1000000,10000000] [--dims 32,128,256]
-                                    [--codec-rows 1048576] [--restore-rows 1000000] [--out F]
+    python -m bench.run --suite gpu [--parts stall,codecs,restore,overhead] [--rows 10000,...]
+                                    [--dims 32,128,256] [--codec-rows 1048576] [--restore-rows 1000000]
+                                    [--config configs/quickstart.yaml] [--overhead-s 180] [--interval-s 60]
+                                    [--out F]
 
 Stall: a shard of 2n rows (weights and a row-wise optimizer state, fp32) with n of them marked
 in a device bitmap, as the row tracker leaves it; `SnapshotTaker.take` copies them. The stall
@@ -18,7 +21,11 @@ GB/s of fp32 input per second of encode, of fp32 output per second of decode.
 
 Restore: one shard's base checkpoint (adaptive 4-bit weights, fp32 row-wise state, frames of
 the writer's size) replayed by `restore_rows` from memory into the shard on the CPU and on
-the GPU; both must end with the same bits.
+the GPU; both must end with the same bits (weights and state).
+
+Overhead: a short probe sizes the steps; then the `--config` job as one process on this GPU
+without checkpoints and with them (the config's checkpoint settings, the embedded broker),
+each about `--overhead-s`: samples/s over every logged window but the first, stalls included.
 """
 
 from __future__ import annotations
@@ -87,9 +94,6 @@ class _MarkedRows:
 
     def touched_rows(self, i: int, since_base: bool) -> torch.Tensor:
         return rows_of(self.marked)
-
-    def counts(self, since_base: bool) -> list[int]:
-        return [int(self.marked.sum())]
 
 
 def stall_case(n: int, dim: int, repeats: int) -> dict[str, Any]:
@@ -185,18 +189,18 @@ def restore_case(n: int, dim: int, repeats: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(1)
     weights, state = torch.randn(n, dim, generator=g), torch.rand(n, generator=g)
     ids = torch.arange(n)
-    payload = get_codec("adaptive4").encode(weights)
+    codec = get_codec("adaptive4")
     frames = [f.data for f in chunk_rows(run_id=RUN, checkpoint_id=1, rank=0, table="t", col_offset=0, dim=dim,
-                                         encoding=get_codec("adaptive4").code, row_ids=ids, payload=payload,
-                                         optim=[OptimState("momentum1", 1, state.unsqueeze(1))])]
+                                         encoding=codec.code, row_ids=ids, payload=codec.encode(weights),
+                                         optim=[OptimState("momentum1", get_codec("fp32").code, state.unsqueeze(1))])]
     link = ChainLink(checkpoint_id=1, full=True, generation=1, ranges={0: [OffsetRange(0, len(frames) - 1)]},
                      rows=n, bytes=sum(map(len, frames)),
                      index=[IndexEntry(0, 0, len(frames) - 1, "t", 0, 0, n - 1, dim)])
     marker = Marker(kind="commit", run_id=RUN, checkpoint_id=1, step=1, world_size=1, chain=[link])
     out: dict[str, Any] = {"rows": n, "dim": dim, "frames": len(frames), "bytes": link.bytes}
-    result: dict[str, torch.Tensor] = {}
+    result: dict[str, list[torch.Tensor]] = {}
     for device in ("cpu", "cuda"):
-        times, parts = [], None
+        times = []
         for _ in range(repeats + 1):
             view = ShardView("t", 0, 0, torch.zeros(n, dim, device=device), {"momentum1": torch.zeros(n, device=device)})
             if device == "cuda":
@@ -206,14 +210,12 @@ def restore_case(n: int, dim: int, repeats: int) -> dict[str, Any]:
             if device == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-            parts = got
-        result[device] = view.weight.cpu()
+        result[device] = [view.weight.cpu(), view.optimizer_states["momentum1"].cpu()]
         s = median(times[1:])
-        assert parts is not None
-        out.update({f"{device}_s": s, f"{device}_MBps": link.bytes / s / 1e6, f"{device}_decode_s": parts.decode_s,
-                    f"{device}_apply_s": parts.apply_s, f"{device}_fetch_s": parts.fetch_s})
+        out.update({f"{device}_s": s, f"{device}_MBps": link.bytes / s / 1e6, f"{device}_decode_s": got.decode_s,
+                    f"{device}_apply_s": got.apply_s, f"{device}_fetch_s": got.fetch_s})  # parts: the last repeat
     out["cuda_over_cpu"] = out["cuda_s"] / out["cpu_s"]
-    out["same_bits"] = bool(torch.equal(result["cpu"].view(torch.int32), result["cuda"].view(torch.int32)))
+    out["same_bits"] = all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(result["cpu"], result["cuda"]))
     return out
 
 

@@ -86,7 +86,8 @@ SUITES = (
           "and on files (~2 min)"),
     Suite("gpu", "bench.gpu", (),
           "needs CUDA: the snapshot stall against a bare device-to-host copy (10^4-10^7 rows, d 32-256), every "
-          "codec's encode and decode on the GPU, a restore into GPU shards against CPU shards (~3 min on an H100)"),
+          "codec's encode and decode on the GPU, a restore into GPU shards against CPU shards (~1.5 min on an H100), "
+          "a one-GPU job's throughput with checkpoints every --interval-s against none (~6 min)"),
     Suite("trained-rows", "bench.trained_rows", (),
           "not a measurement: trains a job and saves its trained embedding rows for `codecs --rows`"),
 )

@@ -4,7 +4,7 @@ SIGKILLed and resumed, ends bit-identical to the same job never interrupted.
 The ranks pick the GPU themselves (sharding/process_group.py: CUDA when visible, nccl with
 it), so this runs the trainer exactly as a GPU user does. The crash is a SIGKILL through the
 trainer's fault hook while the writer ships rows of a checkpoint, and, in a second job, a
-SIGKILL from outside at a step drawn from the seed.
+SIGKILL by pid from outside once a checkpoint drawn from the seed has committed.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def test_sigkill_from_outside_then_resume_is_bit_exact(
     why = f"SIGKILL from outside after checkpoint {k} committed, {replay_seed}"
     print(why)
     job = _job(unique_name("gpu-ext"), broker.bootstrap)
-    group = start_ranks(debug_config.path, job, tmp_path, 1, 180, "trainer.main", (), None)
+    group = start_ranks(debug_config.path, job, tmp_path, world_size=1, timeout_s=180)
     run = tmp_path / "run"
     try:
         deadline = time.monotonic() + 150
