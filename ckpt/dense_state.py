@@ -36,13 +36,24 @@ def _copy(tree: Any) -> Any:
     return tree
 
 
-def capture(sharded: ShardedModel) -> dict[str, Any]:
-    """Host copies of dense parameters, buffers and the dense optimizer's state."""
-    return {
-        "params": _copy(_dense_params(sharded)),
-        "buffers": _copy(dict(sharded.model.named_buffers())),
-        "optimizer": _copy(_dense_optimizer(sharded).state_dict()),
-    }
+class DenseCapture:
+    """Host copies of dense parameters, buffers and the dense optimizer's state, for rank 0's
+    stall. The parameters and buffers are found once, not at every capture (walking the
+    model's parameters was half of the capture's time: docs/BENCHMARKS.md); their tensors stay
+    the same for the model's life, as `load` copies into them. The optimizer's state is read
+    at each capture (it may add tensors as training goes)."""
+
+    def __init__(self, sharded: ShardedModel) -> None:
+        self.sharded = sharded
+        self._params = _dense_params(sharded)
+        self._buffers = dict(sharded.model.named_buffers())
+
+    def __call__(self) -> dict[str, Any]:
+        return {
+            "params": _copy(self._params),
+            "buffers": _copy(self._buffers),
+            "optimizer": _copy(_dense_optimizer(self.sharded).state_dict()),
+        }
 
 
 @torch.no_grad()

@@ -259,6 +259,7 @@ class CheckpointManager:
             if env.rank == 0:
                 self.backend.markers.prepare(cfg.connect_timeout_s)
         self.dense = DenseStore(cfg.dense_dir)
+        self.dense_capture = dense_state.DenseCapture(sharded)  # rank 0's stall; any rank's survivor
         self.committer = None
         if env.rank == 0:
             self.committer = Committer(
@@ -304,6 +305,7 @@ class CheckpointManager:
         # bytes per kind of the last two agreements (`grown_estimate`; None: none yet)
         self._estimates: tuple[dict[str, int], dict[str, int] | None] = ({}, None)
         self._pending: dict[int, _Pending] = {}
+        self._first_reserved = False  # the first snapshot's slab was asked for (`_reserve_first`)
         warm_up_codecs([self.codecs()[0]])  # before training, not in the first checkpoint's write
         self.full_bytes = self.taker.upper_bound_bytes()  # fixed by the plan
         if self.full_bytes > self.c.max_pending_bytes:
@@ -685,7 +687,31 @@ class CheckpointManager:
         self._collect()
         if self._due(step):
             self._checkpoint(step)
+        elif self._halfway_to_first(step):
+            self._reserve_first()
         self._look_ahead(step + 1)
+
+    def _halfway_to_first(self, step: int) -> bool:
+        """Whether this process has taken no checkpoint yet and `step` ends half of the interval
+        before its first one (once: the reservation below is made then)."""
+        if self._first_reserved or self.stats.stalls or self.taker.pool is None or self.priority is not None:
+            return False
+        every = self.c.interval_steps
+        if every >= 2 and step % every == every // 2:
+            return True
+        return self.interval_s > 0 and time.monotonic() - self.last_time >= self.interval_s / 2
+
+    def _reserve_first(self) -> None:
+        """Fault in, on the pool's helper thread, a slab for the first snapshot of this process:
+        the rows it would copy now, doubled (`grown_estimate` of a kind with no history). After
+        each checkpoint the next one gets its slab the same way (`_next_snapshot_bytes`); without
+        this, the first snapshot (a full one, usually the largest) faults its pages in inside
+        the stall."""
+        self._first_reserved = True
+        kinds = self.policy.next_kinds(self.force_full)
+        now = {k: self.taker.estimate_bytes(full=k == "full", since_base=k != "last") for k in kinds}
+        assert self.taker.pool is not None
+        self.taker.pool.reserve_ahead(grown_estimate({}, now, kinds, self.full_bytes))
 
     def _look_ahead(self, step: int) -> None:
         """Decide now whether the next step, `step`, checkpoints, and if so start its agreement:
@@ -840,7 +866,7 @@ class CheckpointManager:
             self.tracker.mark_saved(saved)
         else:
             self.tracker.mark_checkpoint()
-        dense = dense_state.capture(self.sharded) if self.env.rank == 0 else None
+        dense = self.dense_capture() if self.env.rank == 0 else None
         if dense is not None:
             dense.update(restores=self.restores, lost_samples=self.lost_samples, step=step, **self.identity._asdict())
         weight_codec, optimizer_codec = self.codecs()
@@ -905,7 +931,7 @@ class CheckpointManager:
         job = WriteJob(checkpoint_id=sid, step=step, generation=sid, chain=[], snapshot=snapshot,
                        trainer_state=loop_state, weight_codec=weight_codec, optimizer_codec=optimizer_codec,
                        epoch=self.epoch)
-        dense = dense_state.capture(self.sharded)
+        dense = self.dense_capture()
         dense.update(restores=self.restores, lost_samples=self.lost_samples, step=step, trainer=loop_state,
                      **self.identity._asdict())
         shards = [[s.table, s.row_offset, s.num_rows, s.col_offset, s.num_cols] for s in self.shard_map.shards]

@@ -1,8 +1,8 @@
-"""The stall copies into host memory that is already there: after a job's first snapshot the
-checkpoint manager reserves the next snapshot's slab ahead (ckpt/host_buffers.py), so no later
-stall allocates and faults in memory, even as `one_shot_diff`'s deltas grow past every slab
-the pool keeps (without the reservation its third and fourth checkpoints make new slabs of
-6-8 MiB inside the stall)."""
+"""The stall copies into host memory that is already there: half an interval before a job's
+first snapshot, and after each snapshot for the next one, the checkpoint manager reserves the
+snapshot's slab ahead (ckpt/host_buffers.py), so no stall allocates and faults in memory, even
+as `one_shot_diff`'s deltas grow past every slab the pool keeps (without the reservations the
+first checkpoint makes a slab of 8 MiB inside its stall, the third and fourth of 6-8 MiB)."""
 
 from __future__ import annotations
 
@@ -18,12 +18,11 @@ if TYPE_CHECKING:
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
-def test_only_the_first_snapshot_of_a_job_allocates_host_memory_inside_its_stall(tmp_path, metrics: MetricsReader):
+def test_no_snapshot_of_a_job_allocates_host_memory_inside_its_stall(tmp_path, metrics: MetricsReader):
     # the quickstart model: its snapshots span several 2 MiB pages, so a growing delta
     # outgrows the slab of the one before (the debug model fits one page whatever it trains)
     job = ["ckpt.enabled=true", "ckpt.sink=filesystem", "ckpt.run_id=stall-memory", "ckpt.policy=one_shot_diff",
            "ckpt.interval_steps=12", "train.steps=60", "train.eval_batches=0"]
     spawn_ranks(REPO / "configs" / "quickstart.yaml", job, tmp_path, timeout_s=240)
     fresh = metrics.values(tmp_path / "run", "ckpt_stall_new_bytes", ckpt_committed=True)
-    assert len(fresh) == 5 and fresh[0] > 0, fresh
-    assert fresh[1:] == [0, 0, 0, 0], f"host bytes allocated inside each stall: {fresh}"
+    assert fresh == [0, 0, 0, 0, 0], f"host bytes allocated inside each stall: {fresh}"
