@@ -18,7 +18,8 @@ every kept slab (a full checkpoint as the trained rows grow, a one-shot diff as 
 since its base) paid 100-500 ms for it on the full-size model (docs/BENCHMARKS.md). So after
 each snapshot the checkpoint manager asks for the next one's likely size (`reserve_ahead`),
 and a helper thread of low priority makes and faults in a slab that large, an interval
-before it is needed, if the bound has room for it.
+before it is needed, if the bound has room for it; for a process's first snapshot it asks
+half an interval ahead.
 """
 
 from __future__ import annotations
