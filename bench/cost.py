@@ -16,7 +16,9 @@ minute). Each job is 2 gloo ranks through `bench.ckpt_rank`, in rounds of:
    checkpoints with no broker at all, the broker-free reference;
 
 and a closing ``none`` job, so that the baseline brackets the checkpointing jobs (its rate is
-the harmonic mean of every ``none`` job). Per job: training throughput from
+the harmonic mean of every ``none`` job). Odd rounds run the sinks in reverse order (``none,
+kafka, tmpfs, none, tmpfs, kafka, none``), so a drift of the machine reaches both sinks alike.
+Per job: training throughput from
 ``metrics.jsonl`` (every logging window but the first) and its overhead against the
 baseline; checkpoints, stall and time to COMMIT; and from `bench.cpu` the CPU seconds per
 checkpoint beyond the baseline, by thread class (training thread and its part inside stalls,
@@ -24,7 +26,10 @@ writer thread, librdkafka's threads, the rest), of the trainer process as a whol
 broker process. ``cpu_trainer_overhead`` (the trainer's extra CPU as a fraction of the
 baseline's) is what checkpointing costs where the broker runs elsewhere and the writer has a
 core of its own; ``cpu_direct_overhead`` counts only the CPU of the stalls, the writer and
-librdkafka, which needs no subtraction of two noisy jobs (`bench.cpu.checkpoint_cpu`). A benchmark, not a test: it asserts nothing about the figures.
+librdkafka, which needs no subtraction of two noisy jobs (`bench.cpu.checkpoint_cpu`). Per job
+in run order, its throughput and how much the kernel's memory counters grew while it ran
+(/proc/vmstat: page faults, reclaim scans, compaction stalls, transparent huge pages), to
+tell a sink's cost from memory pressure. A benchmark, not a test: it asserts nothing about the figures.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import time
 import uuid
 from argparse import Namespace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from bench.common import (Measurement, config_path, document_head, harmonic_of, loadavg, log, machine_info, mean_of,
                           median_of, scalars)
@@ -122,6 +127,33 @@ def ckpt_job(sink: str, s: dict[str, Any], work: Path, n: int, tmpfs: Path, time
     return run
 
 
+def round_order(sinks: list[str], n: int) -> list[str]:
+    """The sinks of round `n`: odd rounds reversed, so that a drift of the machine over the run
+    (one job of the same config ran 21% faster than the next here) reaches every sink alike."""
+    return list(reversed(sinks)) if n % 2 else list(sinks)
+
+
+# /proc/vmstat counters that say whether a job ran under memory pressure (reclaim, compaction,
+# major faults, swap): the whole machine's, which is this job alone when nothing else runs
+VMSTAT_KEYS = ("pgfault", "pgmajfault", "pswpin", "pswpout", "pgscan_kswapd", "pgscan_direct", "pgsteal_kswapd",
+               "pgsteal_direct", "compact_stall", "thp_fault_alloc", "thp_fault_fallback")
+
+
+def vmstat() -> dict[str, int]:
+    """The `VMSTAT_KEYS` counters now (those the kernel has)."""
+    counters = dict(line.split() for line in Path("/proc/vmstat").read_text().splitlines() if " " in line)
+    return {k: int(counters[k]) for k in VMSTAT_KEYS if k in counters}
+
+
+def counted(job: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """`job()`'s result with how much each `VMSTAT_KEYS` counter grew while it ran."""
+    before = vmstat()
+    out = job()
+    after = vmstat()
+    out["vmstat"] = {k: after[k] - before[k] for k in before if k in after}
+    return out
+
+
 def summarize(jobs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per sink: throughput and its overhead against the bracketing baseline, the checkpoints,
     and the CPU per checkpoint (`bench.cpu.checkpoint_cpu`), each over all rounds."""
@@ -129,7 +161,8 @@ def summarize(jobs: list[dict[str, Any]]) -> dict[str, Any]:
     base_rate = harmonic_of(j["samples_per_s"] for j in nones)
     base_cpu = [r for j in nones for r in j["cpu"]]
     out: dict[str, Any] = {"none": {"samples_per_s": base_rate, "jobs": len(nones),
-                                    "samples_per_s_jobs": [j["samples_per_s"] for j in nones]}}
+                                    "samples_per_s_jobs": [j["samples_per_s"] for j in nones],
+                                    "vmstat_jobs": [j.get("vmstat") for j in nones]}}
     for sink in SINKS:
         mine = [j for j in jobs if j["sink"] == sink]
         if not mine:
@@ -142,6 +175,8 @@ def summarize(jobs: list[dict[str, Any]]) -> dict[str, Any]:
             "samples_per_s": rate,
             "throughput_overhead": 1 - rate / base_rate if rate and base_rate else None,
             "throughput_overhead_jobs": [1 - j["samples_per_s"] / base_rate if base_rate else None for j in mine],
+            "samples_per_s_jobs": [j["samples_per_s"] for j in mine],
+            "vmstat_jobs": [j.get("vmstat") for j in mine],
             "checkpoints": len(cks), "committed": len(ok),
             "full_checkpoints": sum(1 for c in ok if c["kind"] == "full"),
             "stall_ms": median_of(c["stall_ms"] for c in ok),
@@ -180,6 +215,19 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def jobs_table(jobs: list[dict[str, Any]]) -> str:
+    """Each job in the order it ran: its throughput and what the kernel's memory counters did
+    meanwhile (`counted`)."""
+    keys = [k for k in VMSTAT_KEYS if any(k in (j.get("vmstat") or {}) for j in jobs)]
+    head = "| job (in run order) | round | samples/s | " + " | ".join(keys) + " |"
+    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+    for j in jobs:
+        v = j.get("vmstat") or {}
+        rate = "" if j["samples_per_s"] is None else f"{j['samples_per_s']:.0f}"
+        lines.append(f"| {j['sink']} | {j['round']} | {rate} | " + " | ".join(f"{v.get(k, '')}" for k in keys) + " |")
+    return "\n".join(lines)
+
+
 def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--size", choices=sorted(COST_SIZES), default="full", help="the model (bench.peers's suites)")
@@ -211,10 +259,10 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite cost") -> dict
         log(f"suite cost ({args.size}): {s['config']}, {s['steps']} steps a job, a checkpoint every "
             f"{s['interval_s']:g} s; sinks {', '.join(args.sinks)}; work dir {work}")
         for n in range(args.rounds):
-            jobs.append(none_job(s, work, n, args.timeout_s))
-            for sink in args.sinks:
-                jobs.append(ckpt_job(sink, s, work, n, args.tmpfs, args.timeout_s))
-        jobs.append(none_job(s, work, args.rounds, args.timeout_s))
+            jobs.append(counted(lambda: none_job(s, work, n, args.timeout_s)))
+            for sink in round_order(args.sinks, n):
+                jobs.append(counted(lambda: ckpt_job(sink, s, work, n, args.tmpfs, args.timeout_s)))
+        jobs.append(counted(lambda: none_job(s, work, args.rounds, args.timeout_s)))
     machine["loadavg_end"] = loadavg()
     summary = summarize(jobs)
     result = {**document_head("cost", prog, argv, machine), "size": args.size,
@@ -222,6 +270,8 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite cost") -> dict
                   "policy": DEFAULT_POLICY, "encoding": DEFAULT_QUANT, "rounds": args.rounds, "sinks": args.sinks},
               "summary": summary, "jobs": jobs, "wall_s": time.perf_counter() - started}
     print(table(summary))
+    print()
+    print(jobs_table(jobs))
     print(f"wall {result['wall_s']:.0f} s")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")

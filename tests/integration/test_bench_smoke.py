@@ -124,6 +124,7 @@ def test_cost_suite_measures_kafka_and_the_tmpfs_reference_against_no_checkpoint
     assert summary["tmpfs"]["cpu_broker_s_per_ckpt"] is None  # no broker
     assert summary["tmpfs"]["cpu_kafka_s_per_ckpt"] == pytest.approx(0, abs=0.05)  # no librdkafka threads
     assert [j["sink"] for j in result["jobs"]] == ["none", "kafka", "tmpfs", "none"]
+    assert all(j["vmstat"]["pgfault"] > 0 for j in result["jobs"]), [j["vmstat"] for j in result["jobs"]]
     sinks = {r["labels"]["sink"] for r in read_records(records)}
     assert sinks == {"none", "kafka", "tmpfs"}
 

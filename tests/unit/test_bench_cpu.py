@@ -111,3 +111,29 @@ def test_is_tmpfs_reads_the_mount_table(tmp_path: Path) -> None:
     if "/dev/shm" in mounts and mounts[mounts.index("/dev/shm") + 1] == "tmpfs":
         assert is_tmpfs(Path("/dev/shm"))
     assert not is_tmpfs(Path("/proc"))
+
+
+def test_the_cost_suite_reverses_the_sinks_in_odd_rounds() -> None:
+    from bench.cost import round_order
+
+    sinks = ["kafka", "tmpfs"]
+    assert [round_order(sinks, n) for n in range(3)] == [["kafka", "tmpfs"], ["tmpfs", "kafka"], ["kafka", "tmpfs"]]
+    assert sinks == ["kafka", "tmpfs"]  # not reversed in place
+
+
+def test_a_counted_job_carries_how_much_the_kernels_page_faults_grew_while_it_ran() -> None:
+    from bench.cost import counted, jobs_table, vmstat
+
+    assert {"pgfault", "pgmajfault"} <= set(vmstat())
+
+    def job() -> dict:
+        pages = b"\1" * (64 << 20)  # 64 MiB of fresh memory, every page written: a fault each
+        assert pages[-1] == 1
+        return {"sink": "none", "round": 0, "samples_per_s": 123.4}
+
+    out = counted(job)
+    assert out["vmstat"]["pgfault"] >= 64 * 256 // 2, out["vmstat"]  # half the 4 KiB pages at least (huge pages)
+    assert all(v >= 0 for v in out["vmstat"].values()), out["vmstat"]
+    lines = jobs_table([out]).splitlines()
+    assert lines[0].startswith("| job (in run order) | round | samples/s | pgfault |")
+    assert lines[2].startswith("| none | 0 | 123 | ")
