@@ -88,6 +88,8 @@ class TrainConfig:
     eval_batches: int = 20
     progress: Literal["auto", "bar", "log"] = "auto"
     threads_per_rank: int = 0  # 0: cores / local ranks
+    # keep memory a step frees for the next instead of faulting it in again (trainer/allocator.py)
+    keep_freed_memory: bool = True
     save_params: bool = False  # at the end, each rank dumps its tensors to <run_dir>/params/rank<r>.pt
     tensorboard: bool = False  # also write metrics.jsonl's scalars to <run_dir>/tensorboard
 

@@ -28,6 +28,7 @@ from sharding.row_init import RowInit
 from trainer.config import JobConfig, load_config
 from trainer.data.factory import make_reader
 from trainer import console, param_dump
+from trainer.allocator import keep_freed_memory
 from trainer.metrics import MetricsLog
 from trainer.model import build_model
 from trainer.stop import SigtermStopsLoop, keeps_work, save_survivor
@@ -93,10 +94,12 @@ def train(cfg: JobConfig, env: DistEnv) -> int:
 def build_job(
     cfg: JobConfig, env: DistEnv, device: torch.device, metrics: MetricsLog, evaluate: bool = True
 ) -> tuple[ShardedModel, Trainer]:
-    """This rank's sharded model and training loop, built from the config (threads, seed,
-    plan, readers; `evaluate`: give the loop its eval reader). Benchmarks build their rank
+    """This rank's sharded model and training loop, built from the config (threads, the C
+    allocator's settings, seed, plan, readers; `evaluate`: give the loop its eval reader). Benchmarks build their rank
     jobs with it too, so they measure exactly what the trainer runs."""
     set_threads(cfg, env)
+    if cfg.train.keep_freed_memory:
+        keep_freed_memory()
     torch.manual_seed(cfg.run.seed)
     sharded = shard_model(build_model(cfg.model, device), cfg.model.tables, cfg.sharding, cfg.optimizer, env, device,
                           row_init=RowInit(cfg.run.seed))

@@ -1,0 +1,56 @@
+"""The training process's C allocator settings (trainer/allocator.py): with them, memory a
+step frees is reused by the next step instead of being given back and faulted in again; a
+value the user set in the environment wins. Each case runs in a fresh interpreter, whose
+allocator nothing else has touched."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Steps that each allocate six 3 MiB blocks, write them, and free them all: glibc's defaults
+# trim the freed heap top each time (its trim threshold follows the mmap threshold to 6 MiB),
+# so every step faults its 18 MiB in again.
+_STEPS = """
+import json, resource, sys
+from trainer.allocator import keep_freed_memory
+done = keep_freed_memory() if sys.argv[1] == "keep" else []
+def step():
+    blocks = [b"\\1" * (3 << 20) for _ in range(6)]
+    return sum(b[-1] for b in blocks)
+step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(20):
+    step()
+print(json.dumps({"faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, "set": done}))
+"""
+
+glibc = pytest.mark.skipif(not (hasattr(os, "confstr") and os.confstr("CS_GNU_LIBC_VERSION")), reason="needs glibc")
+
+
+def _run(mode: str, env: dict[str, str] | None = None) -> dict:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    out = subprocess.run([sys.executable, "-c", _STEPS, mode], cwd=REPO, env={**clean, **(env or {})},
+                         capture_output=True, text=True, timeout=60, check=True)
+    return json.loads(out.stdout)
+
+
+@glibc
+def test_memory_a_step_frees_is_reused_by_the_next_step_instead_of_faulted_in_again() -> None:
+    default, kept = _run("default"), _run("keep")
+    assert kept["set"] == ["MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_"]
+    assert default["faults"] > 20 * 18 * 256 // 2, default  # at least half of every step's 4 KiB pages
+    assert kept["faults"] < default["faults"] / 20, (kept, default)
+
+
+@glibc
+def test_a_setting_the_user_made_in_the_environment_wins() -> None:
+    got = _run("keep", {"MALLOC_TRIM_THRESHOLD_": "131072"})
+    assert got["set"] == ["MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_"]
