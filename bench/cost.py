@@ -161,8 +161,7 @@ def summarize(jobs: list[dict[str, Any]]) -> dict[str, Any]:
     base_rate = harmonic_of(j["samples_per_s"] for j in nones)
     base_cpu = [r for j in nones for r in j["cpu"]]
     out: dict[str, Any] = {"none": {"samples_per_s": base_rate, "jobs": len(nones),
-                                    "samples_per_s_jobs": [j["samples_per_s"] for j in nones],
-                                    "vmstat_jobs": [j.get("vmstat") for j in nones]}}
+                                    "samples_per_s_jobs": [j["samples_per_s"] for j in nones]}}
     for sink in SINKS:
         mine = [j for j in jobs if j["sink"] == sink]
         if not mine:
@@ -176,7 +175,6 @@ def summarize(jobs: list[dict[str, Any]]) -> dict[str, Any]:
             "throughput_overhead": 1 - rate / base_rate if rate and base_rate else None,
             "throughput_overhead_jobs": [1 - j["samples_per_s"] / base_rate if base_rate else None for j in mine],
             "samples_per_s_jobs": [j["samples_per_s"] for j in mine],
-            "vmstat_jobs": [j.get("vmstat") for j in mine],
             "checkpoints": len(cks), "committed": len(ok),
             "full_checkpoints": sum(1 for c in ok if c["kind"] == "full"),
             "stall_ms": median_of(c["stall_ms"] for c in ok),

@@ -9,11 +9,9 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from launch.ranks import REPO
 
 # Steps that each allocate six 3 MiB blocks, write them, and free them all: glibc's defaults
 # trim the freed heap top each time (its trim threshold follows the mmap threshold to 6 MiB),
