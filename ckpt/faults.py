@@ -1,7 +1,7 @@
 """Crash points for tests and the quickstart: SIGKILL this very process at a named point.
 
 `DELTAREC_KILL_AT=point:key[@rank]` (e.g. `rows:3@1`: rank 1 dies while writing the rows
-of checkpoint 3). Points of a training job: `step` (after training step `key`), `snapshot`
+of checkpoint 3; `*` as the key: the first time any key gets there). Points of a training job: `step` (after training step `key`), `snapshot`
 (inside the stall of checkpoint `key`), `rows` (in the writer, after half the frames of
 checkpoint `key`), `marker` (on rank 0, after the dense file and before the COMMIT marker),
 `committed` (once this rank learns checkpoint `key` committed), `restore` (while this rank
@@ -39,7 +39,7 @@ DENSE_ERROR_ENV = "DELTAREC_DENSE_ERROR"
 # "checkpoint_id:seconds": a rank restoring that checkpoint holds where the `restore` point
 # would kill it, and says so on stderr (a test then SIGKILLs it from outside)
 SLOW_RESTORE_ENV = "DELTAREC_SLOW_RESTORE"
-# "point:key=PATH" (a crash point's name and number): the process holds there, saying so on
+# "point:key=PATH" (a crash point's name and number, or * for any): the process holds there, saying so on
 # stderr, for as long as the file PATH exists (a test of two writers at once lets the other go,
 # then deletes it)
 HOLD_ENV = "DELTAREC_HOLD_AT"
@@ -51,20 +51,25 @@ class FaultSpecError(DeltarecError):
 
 
 class KillAt(NamedTuple):
-    """Where to die: at `point` number `key`, on `rank` (None: every rank that gets there)."""
+    """Where to die: at `point` number `key` (None: any), on `rank` (None: every rank that gets there)."""
 
     point: str
-    key: int
+    key: int | None
     rank: int | None
+
+    def matches(self, point: str, key: int) -> bool:
+        return self.point == point and self.key in (None, key)
 
 
 @functools.lru_cache(maxsize=4)
 def parse_kill_at(spec: str) -> KillAt:
-    """`committed:3@1` -> KillAt("committed", 3, 1); anything else is a `FaultSpecError`."""
-    m = re.fullmatch(r"(\w+):(\d+)(?:@(\d+))?", spec.strip())
+    """`committed:3@1` -> KillAt("committed", 3, 1), `survivor:*` -> KillAt("survivor", None, None);
+    anything else is a `FaultSpecError`."""
+    m = re.fullmatch(r"(\w+):(\d+|\*)(?:@(\d+))?", spec.strip())
     if m is None or m[1] not in POINTS:
-        raise FaultSpecError(f"{ENV}={spec!r}: expected point:key[@rank] with point one of {', '.join(POINTS)}")
-    return KillAt(m[1], int(m[2]), int(m[3]) if m[3] is not None else None)
+        raise FaultSpecError(f"{ENV}={spec!r}: expected point:key[@rank] with point one of {', '.join(POINTS)} "
+                             "and key a number or *")
+    return KillAt(m[1], None if m[2] == "*" else int(m[2]), int(m[3]) if m[3] is not None else None)
 
 
 def maybe_die(point: str, key: int, rank: int) -> None:
@@ -74,7 +79,7 @@ def maybe_die(point: str, key: int, rank: int) -> None:
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
     target = parse_kill_at(spec)
-    if target.point == point and target.key == key and target.rank in (None, rank):
+    if target.matches(point, key) and target.rank in (None, rank):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -110,7 +115,7 @@ def maybe_hold(point: str, key: int) -> None:
     target = parse_kill_at(where)
     if not sep or not path:
         raise FaultSpecError(f"{HOLD_ENV}={spec!r}: expected point:key=PATH")
-    if target.point != point or target.key != key:
+    if not target.matches(point, key):
         return
     print(f"deltarec fault: holding at {point}:{key} while {path} exists", file=sys.stderr, flush=True)
     while os.path.exists(path):

@@ -921,7 +921,10 @@ class CheckpointManager:
         the newest checkpoint it knows committed, its dense and loop state (`loop_state`: as of
         its last completed step) within `ckpt.survivor_timeout_s` (ckpt/survivor.py). None when
         there is nothing a restore could use: full recovery, or no committed checkpoint yet."""
-        if self.c.recovery != "partial" or not self.last_committed or not self.epoch:
+        if self.c.recovery != "partial" or not self.epoch:
+            return None
+        self._collect()  # outcomes the writer decided since the last step: the newest base there is
+        if not self.last_committed:
             return None
         deadline = time.monotonic() + self.c.survivor_timeout_s
         step, sid = int(loop_state["step"]), self.next_id

@@ -18,6 +18,13 @@ def test_a_spec_names_point_key_and_maybe_rank() -> None:
     assert parse_kill_at("rows:12") == KillAt("rows", 12, None)
 
 
+def test_a_star_key_matches_any_key() -> None:
+    target = parse_kill_at("survivor:*@0")
+    assert target == KillAt("survivor", None, 0)
+    assert target.matches("survivor", 3) and target.matches("survivor", 7) and not target.matches("committed", 3)
+    assert not parse_kill_at("survivor:3").matches("survivor", 4)
+
+
 def test_the_points_of_restore_and_the_tools() -> None:
     assert parse_kill_at("restore:3@1") == KillAt("restore", 3, 1)  # rank 1 restoring checkpoint 3
     assert parse_kill_at("gc:0") == KillAt("gc", 0, None)  # after gc's DROPPED record, before any deletion
