@@ -12,7 +12,7 @@ import torch
 
 from ckpt.frames import OptimState, decode_frame, encode_frame
 from ckpt.markers import ChainLink, IndexEntry, Marker, OffsetRange
-from ckpt.restore import RestoreError, restore_rows
+from ckpt.restore import RestoreError, restore_rows, scatter_rows
 from sharding.row_init import RowInit, fill_rows
 from sharding.shard_views import ShardMap, ShardView
 from tests.devices import DEVICES
@@ -304,3 +304,28 @@ def test_work_given_to_overlap_the_first_fetch_starts_after_the_reads_are_issued
                  lambda g, p, o: f"{g}/{p}@{o}", while_fetching=lambda: events.append("dense read started"))
     assert events == ["issued", "dense read started", "first frame awaited"]
     assert torch.equal(view.weight, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.uint8])
+def test_scattered_rows_land_exactly_where_index_copy_puts_them(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(5)
+    dst = (torch.rand(1000, 7, generator=gen) * 100).to(dtype)
+    src = (torch.rand(300, 7, generator=gen) * 100).to(dtype)
+    rows = torch.randperm(1000, generator=gen)[:300]
+    want = dst.clone().index_copy_(0, rows, src)
+    scatter_rows(dst, rows, src)
+    assert torch.equal(dst, want)
+
+
+def test_scattering_into_a_column_slice_or_a_parameter_writes_only_those_rows() -> None:
+    table = torch.arange(100 * 10, dtype=torch.float32).reshape(100, 10)
+    left = table[:, :5]  # rows not contiguous: the index_copy_ path
+    src = -torch.ones(10, 5)
+    rows = torch.arange(10) * 3
+    scatter_rows(left, rows, src)
+    assert torch.equal(table[rows, :5], src) and bool((table[:, 5:] >= 0).all())
+    assert int((table < 0).sum()) == 50
+    weight = torch.nn.Parameter(torch.zeros(50, 4))
+    with torch.no_grad():
+        scatter_rows(weight, torch.tensor([0, 7, 49]), torch.ones(3, 4))
+    assert weight.sum().item() == 12 and weight[49].tolist() == [1.0] * 4
