@@ -29,8 +29,9 @@ Then restore to training-ready, each into a perturbed model and checked to give 
 same state: `dcp.load` + `load_state_dict` of the newest `dcp.save` checkpoint,
 `torch.load` + `load_state_dict` of the newest `torch.save` one, and
 `CheckpointManager.restore()` of the newest checkpoint of each deltarec run given with
-`--restore` (its marker lookup, chain replay, dense and loop state), `--repeats` rounds,
-order rotating. Writes ``<out-dir>/peers_rank<r>.json``.
+`--restore` (its marker lookup, chain replay, dense and loop state; its broker connections
+made first, as a restarted job's are while it builds its model), `--repeats` rounds, order
+rotating. Writes ``<out-dir>/peers_rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -151,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed.checkpoint as dcp
 
+    from ckpt.backends import open_for_restore
     from sharding.shard_views import ShardMap
     from trainer.config import load_config
     from trainer.main import make_checkpoint_manager
@@ -283,7 +285,10 @@ def main(argv: list[str] | None = None) -> int:
             c = load_config(args.config, [*overrides, "ckpt.enabled=true", "ckpt.resume=latest", "ckpt.final=false",
                                           f"ckpt.run_id={run_id}", f"run.dir={run_dir}",
                                           *restore_overrides.get(label, [])])
-            mgr = make_checkpoint_manager(c, env, device, sharded, trainer, no_metrics)
+            backend = open_for_restore(c.ckpt, env.world_size, rank)
+            mgr = make_checkpoint_manager(c, env, device, sharded, trainer, no_metrics, backend)
+            if rank == 0:  # a restarted job's readers connect while it builds its model (trainer/main.py)
+                backend.markers.check_reachable(c.ckpt.connect_timeout_s)
             try:
                 t, rep = timed(mgr.restore)
                 assert rep is not None, f"no checkpoint of run {run_id}"

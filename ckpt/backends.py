@@ -61,3 +61,16 @@ def open_backend(cfg: CkptConfig, world_size: int) -> Backend:
         conf.get("bootstrap.servers", "kafka"),
         lambda g, p, pos: f"{conf.get('bootstrap.servers', 'kafka')} " + kafka_where(rows_name(run_id, g), p, pos),
     )
+
+
+def open_for_restore(cfg: CkptConfig, world_size: int, rank: int) -> Backend:
+    """`open_backend`, and when `cfg.resume` asks for a restore, the connects of the readers
+    it uses started, each on a thread of its own: the rows source on every rank, the markers
+    log on rank 0. A job opens it before it builds its model, so the restore finds its readers
+    connected (design §6); a connect that found no broker is tried again by the read."""
+    backend = open_backend(cfg, world_size)
+    if cfg.resume != "none":
+        backend.source.prepare()
+        if rank == 0:
+            backend.markers.prepare(cfg.connect_timeout_s)
+    return backend

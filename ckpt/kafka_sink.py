@@ -643,8 +643,8 @@ class KafkaSource:
         topics = [rows_name(self.run_id, r.generation) for r in reads]
         try:
             spare = self._spare.take()
-        except KafkaException as e:
-            raise SourceError(f"cannot list topics: {e.args[0]}") from None
+        except KafkaException:  # the connect `prepare` started found no broker; one may answer now
+            spare = None
         listed = _topics_for(spare, self._admin, topics, timeout_s) if reads or spare else {}
         try:
             plan = []
@@ -734,12 +734,22 @@ class KafkaMarkers:
         self._spare.put(_connect_on_thread(self._cconf, timeout_s, TopicPartition(self.topic, 0)))
 
     def check_reachable(self, timeout_s: float) -> None:
-        """One metadata request, bounded by `timeout_s` (the one `prepare` started, if any);
+        """One metadata request, bounded by `timeout_s` from this call (the one `prepare` started,
+        if any, and a new one if that found no broker);
         ``BrokerUnreachable`` naming the address and librdkafka's reason when nothing answers
         (refused, unresolvable, silent). It is the first request of the consumer the next
         `read_markers` reads with."""
+        deadline = time.monotonic() + timeout_s
         try:
-            connected = self._spare.take() or _connect(self._cconf, timeout_s)
+            try:
+                connected = self._spare.take()
+            except KafkaException:
+                # the connect `prepare` started (maybe long ago) found no broker: ask again
+                # for what is left of `timeout_s` from now, so a broker that came up since answers
+                connected = None
+                if time.monotonic() >= deadline:
+                    raise
+            connected = connected or _connect(self._cconf, max(deadline - time.monotonic(), 0.001))
         except KafkaException as exc:
             err = exc.args[0] if exc.args else None
             reason = err.str() if isinstance(err, KafkaError) else str(exc)

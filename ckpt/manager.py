@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ckpt import dense_state
 from ckpt.attempts import Announced, Fenced, announce
-from ckpt.backends import Backend, open_backend
+from ckpt.backends import Backend, open_for_restore
 from ckpt.catalog import Catalog, read_catalog
 from ckpt.catalog_record import read_recent_catalog
 from ckpt.committer import Committer
@@ -230,6 +230,7 @@ class CheckpointManager:
         sharded: ShardedModel,
         trainer: Stateful,
         metrics: MetricsSink,
+        backend: Backend | None = None,
     ) -> None:
         assert cfg.run_id and cfg.dense_dir, "CkptConfig.resolved() fills the run id and directories"
         self.c = cfg
@@ -253,11 +254,9 @@ class CheckpointManager:
         self.taker = SnapshotTaker(self.shard_map, self.tracker, device, trained_only=regenerate,
                                    pool=HostBufferPool(cfg.max_pending_bytes, nice=cfg.writer_nice))
         self.policy = CheckpointPolicy(self.c.policy)
-        self.backend: Backend = open_backend(cfg, env.world_size)
-        if cfg.resume != "none":  # a restore comes next: connect its readers while the rest is built
-            self.backend.source.prepare()
-            if env.rank == 0:
-                self.backend.markers.prepare(cfg.connect_timeout_s)
+        # a restore comes next: its readers connect while the rest is built (or, given by the
+        # job, while its model was built)
+        self.backend: Backend = backend or open_for_restore(cfg, env.world_size, env.rank)
         self.dense = DenseStore(cfg.dense_dir)
         self.dense_capture = dense_state.DenseCapture(sharded)  # rank 0's stall; any rank's survivor
         self.committer = None

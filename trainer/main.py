@@ -19,6 +19,7 @@ from typing import Sequence
 import torch
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
+from ckpt.backends import Backend, open_for_restore
 from ckpt.manager import CheckpointManager, JobIdentity, RestoreReport
 from common.errors import DeltarecError
 from sharding.dmp import ShardedModel, plan_model, shard_model
@@ -113,7 +114,14 @@ def run_job(cfg: JobConfig, env: DistEnv, device: torch.device) -> None:
     run_dir = cfg.run.run_dir
     metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=env.rank == 0,
                          tensorboard_dir=run_dir / "tensorboard" if cfg.train.tensorboard else None)
-    sharded, trainer = build_job(cfg, env, device, metrics)
+    # the checkpoint readers connect while the model is built: a restore finds them connected
+    backend = open_for_restore(cfg.ckpt, env.world_size, env.rank) if cfg.ckpt.enabled else None
+    try:
+        sharded, trainer = build_job(cfg, env, device, metrics)
+    except BaseException:
+        if backend is not None:
+            backend.close()
+        raise
     if env.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
@@ -124,7 +132,7 @@ def run_job(cfg: JobConfig, env: DistEnv, device: torch.device) -> None:
     manager = None
     stopper = SigtermStopsLoop(trainer) if cfg.ckpt.enabled and cfg.ckpt.recovery == "partial" else None
     try:
-        manager = make_checkpoint_manager(cfg, env, device, sharded, trainer, metrics) if cfg.ckpt.enabled else None
+        manager = make_checkpoint_manager(cfg, env, device, sharded, trainer, metrics, backend) if backend else None
         if manager is not None:
             trainer.checkpointer = manager
             restored = manager.restore()
@@ -157,12 +165,14 @@ def run_job(cfg: JobConfig, env: DistEnv, device: torch.device) -> None:
 
 
 def make_checkpoint_manager(
-    cfg: JobConfig, env: DistEnv, device: torch.device, sharded: ShardedModel, trainer: Trainer, metrics: MetricsLog
+    cfg: JobConfig, env: DistEnv, device: torch.device, sharded: ShardedModel, trainer: Trainer, metrics: MetricsLog,
+    backend: Backend | None = None,
 ) -> CheckpointManager:
-    """The checkpoint manager of this rank, given only what it reads of the job."""
+    """The checkpoint manager of this rank, given only what it reads of the job (`backend`:
+    one `open_for_restore` opened earlier, else the manager opens its own)."""
     return CheckpointManager(
         cfg.ckpt, tables=cfg.model.tables, identity=JobIdentity(cfg.digest(), cfg.model_digest()),
-        env=env, device=device, sharded=sharded, trainer=trainer, metrics=metrics,
+        env=env, device=device, sharded=sharded, trainer=trainer, metrics=metrics, backend=backend,
     )
 
 

@@ -466,6 +466,35 @@ def test_kafka_markers_reachability_check_waits_for_the_connect_prepare_started(
         dead.close()
 
 
+def test_kafka_readers_prepared_before_their_broker_started_read_once_it_answers(unique_name, tmp_path):
+    """A job opens its readers before it builds its model (`ckpt.backends.open_for_restore`):
+    a broker that comes up meanwhile (a restart of both) must not fail the restore."""
+    run, port = unique_name("run"), free_port()
+    conf = {"bootstrap.servers": f"127.0.0.1:{port}"}
+    markers, source = KafkaMarkers(run, conf, timeout_s=10), KafkaSource(run, conf, timeout_s=10)
+    try:
+        markers.prepare(1)
+        source.prepare()
+        time.sleep(1.5)  # both connects give up on the port nothing listens on yet
+        with EmbeddedBroker(port=port, state_dir=tmp_path / "broker") as broker:
+            assert broker.bootstrap == conf["bootstrap.servers"]
+            sink, writer = KafkaSink(run, conf, num_partitions=1), KafkaMarkers(run, conf, timeout_s=10)
+            try:
+                for fr in make_frames(run, 1, 0, 5):
+                    sink.write(fr, generation=0, partition=0)
+                ((first, last),) = sink.flush(30).raise_for_error().ranges[(0, 0)]
+                pos = writer.append_marker(b"COMMIT 1")
+            finally:
+                sink.close()
+                writer.close()
+            markers.check_reachable(5)
+            assert markers.read_markers() == [(pos, b"COMMIT 1")]
+            assert [f.checkpoint_id for _, f in read_all(source, 0, 0, (first, last))] == [1] * (last - first + 1)
+    finally:
+        markers.close()
+        source.close()
+
+
 def test_kafka_conf_is_validated(broker, unique_name):
     conf = {"bootstrap.servers": broker.bootstrap}
     with pytest.raises(ValueError, match="idempotence"):
