@@ -1,9 +1,10 @@
 """Crash points for tests and the quickstart: SIGKILL this very process at a named point.
 
 `DELTAREC_KILL_AT=point:key[@rank]` (e.g. `rows:3@1`: rank 1 dies while writing the rows
-of checkpoint 3; `*` as the key: the first time any key gets there). Points of a training job: `step` (after training step `key`), `snapshot`
-(inside the stall of checkpoint `key`), `rows` (in the writer, after half the frames of
-checkpoint `key`), `marker` (on rank 0, after the dense file and before the COMMIT marker),
+of checkpoint 3; `*` as the key: the first time any key gets there). Points of a training
+job: `step` (after training step `key`), `snapshot` (inside the stall of checkpoint `key`),
+`rows` (in the writer, after half the frames of checkpoint `key`), `marker` (on rank 0,
+after the dense file and before the COMMIT marker),
 `committed` (once this rank learns checkpoint `key` committed), `restore` (while this rank
 restores checkpoint `key`: its first frame is written into the live shards, the rest of the
 chain and the dense state are not). Points of the `deltarec-ckpt` tools, whose process is
@@ -39,9 +40,9 @@ DENSE_ERROR_ENV = "DELTAREC_DENSE_ERROR"
 # "checkpoint_id:seconds": a rank restoring that checkpoint holds where the `restore` point
 # would kill it, and says so on stderr (a test then SIGKILLs it from outside)
 SLOW_RESTORE_ENV = "DELTAREC_SLOW_RESTORE"
-# "point:key=PATH" (a crash point's name and number, or * for any): the process holds there, saying so on
-# stderr, for as long as the file PATH exists (a test of two writers at once lets the other go,
-# then deletes it)
+# "point:key=PATH" (a crash point's name and number, or * for any): the process holds there,
+# saying so on stderr, for as long as the file PATH exists (a test of two writers at once lets
+# the other go, then deletes it)
 HOLD_ENV = "DELTAREC_HOLD_AT"
 POINTS = ("step", "snapshot", "rows", "marker", "committed", "restore", "gc", "export", "survivor")
 
