@@ -132,7 +132,8 @@ def run_job(cfg: JobConfig, env: DistEnv, device: torch.device) -> None:
     manager = None
     stopper = SigtermStopsLoop(trainer) if cfg.ckpt.enabled and cfg.ckpt.recovery == "partial" else None
     try:
-        manager = make_checkpoint_manager(cfg, env, device, sharded, trainer, metrics, backend) if backend else None
+        manager = (make_checkpoint_manager(cfg, env, device, sharded, trainer, metrics, backend)
+                   if backend is not None else None)
         if manager is not None:
             trainer.checkpointer = manager
             restored = manager.restore()
@@ -155,6 +156,8 @@ def run_job(cfg: JobConfig, env: DistEnv, device: torch.device) -> None:
         raise
     finally:
         metrics.close()
+        if manager is None and backend is not None:  # the manager that would own it was not built
+            backend.close()
         if stopper is not None:
             stopper.release()
     if cfg.train.save_params:
