@@ -52,3 +52,33 @@ def test_memory_a_step_frees_is_reused_by_the_next_step_instead_of_faulted_in_ag
 def test_a_setting_the_user_made_in_the_environment_wins() -> None:
     got = _run("keep", {"MALLOC_TRIM_THRESHOLD_": "131072"})
     assert got["set"] == ["MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_"]
+
+
+# One rank builds its job (`trainer.main.build_job`, what every trainer rank runs) with
+# `train.keep_freed_memory` as given; prints whether the allocator settings were applied.
+_BUILD = """
+import json, sys
+import trainer.main as main
+from sharding.process_group import destroy_process_group, detect_env, init_process_group
+from trainer.config import load_config
+from trainer.metrics import MetricsLog
+calls = []
+main.keep_freed_memory = lambda: calls.append(1) or []
+cfg = load_config(sys.argv[1], [f"train.keep_freed_memory={sys.argv[2]}", f"run.dir={sys.argv[4]}"])
+env = detect_env()
+device = init_process_group(env, backend="gloo", init_method=f"file://{sys.argv[3]}", timeout_s=60)
+job = main.build_job(cfg, env, device, MetricsLog(cfg.run.run_dir / "metrics.jsonl", enabled=False))
+del job
+destroy_process_group()
+print(json.dumps({"calls": len(calls)}))
+"""
+
+
+@pytest.mark.parametrize("keep", ["true", "false"])
+def test_a_rank_keeps_freed_memory_unless_its_config_says_not(keep: str, tmp_path, debug_config) -> None:
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", _BUILD, str(debug_config.path), keep, str(tmp_path / "rdzv"),
+                          str(tmp_path / "run")], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"calls": 1 if keep == "true" else 0}
