@@ -256,7 +256,7 @@ class CheckpointManager:
         self.policy = CheckpointPolicy(self.c.policy)
         # a restore comes next: its readers connect while the rest is built (or, given by the
         # job, while its model was built)
-        self.backend: Backend = backend or open_for_restore(cfg, env.world_size, env.rank)
+        self.backend: Backend = backend if backend is not None else open_for_restore(cfg, env.world_size, env.rank)
         self.dense = DenseStore(cfg.dense_dir)
         self.dense_capture = dense_state.DenseCapture(sharded)  # rank 0's stall; any rank's survivor
         self.committer = None

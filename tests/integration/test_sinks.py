@@ -471,11 +471,11 @@ def test_kafka_readers_prepared_before_their_broker_started_read_once_it_answers
     a broker that comes up meanwhile (a restart of both) must not fail the restore."""
     run, port = unique_name("run"), free_port()
     conf = {"bootstrap.servers": f"127.0.0.1:{port}"}
-    markers, source = KafkaMarkers(run, conf, timeout_s=10), KafkaSource(run, conf, timeout_s=10)
+    markers, source = KafkaMarkers(run, conf, timeout_s=10), KafkaSource(run, conf, timeout_s=1)
     try:
         markers.prepare(1)
-        source.prepare()
-        time.sleep(1.5)  # both connects give up on the port nothing listens on yet
+        source.prepare()  # bounded by the source's timeout, 1 s
+        time.sleep(1.5)  # both connects have given up on the port nothing listens on yet
         with EmbeddedBroker(port=port, state_dir=tmp_path / "broker") as broker:
             assert broker.bootstrap == conf["bootstrap.servers"]
             sink, writer = KafkaSink(run, conf, num_partitions=1), KafkaMarkers(run, conf, timeout_s=10)
