@@ -12,8 +12,10 @@ stats, read after each step end, never from inside the stall:
   what ``ckpt_stall_ms`` reports as the max over ranks), ``agree_ms`` (the agreement on the
   checkpoint's kind: tracker counts and two small all-reduces, which include waiting for the
   other ranks), ``take_ms`` (`SnapshotTaker.take`), ``dense_ms`` (tracker marks, dense
-  state, loop state), ``rows``, ``snapshot_bytes``, ``since_base`` / ``since_last`` (the
-  all-reduced fractions of rows changed that the policy saw);
+  state), ``rows``, ``snapshot_bytes``, ``since_base`` / ``since_last`` (the
+  all-reduced fractions of rows changed that the policy saw); with ``ckpt.overlap_copy``
+  (``overlapped``) the copy ran beside the next step, and the stall is the hand-off plus
+  ``wait_ms``, that step waiting for the copy; its record appears during that step;
 - from `manager.stats.outcomes`: ``committed`` and ``committed_at_step``, the step end at
   which this rank learned the outcome (the last step for outcomes `finish` collects): from
   then on a crash would restore this checkpoint;
@@ -121,11 +123,14 @@ class RankCheckpoint:
     committed_at_step: int | None = None
     find_ms: float | None = None
     bare_ms_all: list[float] = field(default_factory=list)
+    overlapped: bool = False  # the copy (take_ms, dense_ms) ran beside the next step, not in the stall
+    wait_ms: float = 0.0  # of stall_ms: the next step waiting for that copy
 
     @property
     def other_ms(self) -> float:
-        """The stall besides the agreement and the copy: tracker marks, dense state, loop state."""
-        return self.stall_ms - self.agree_ms - self.take_ms
+        """The stall besides the agreement and the copy (or, the copy overlapping the next
+        step, the wait for it): tracker marks, dense state, loop state, the hand-off."""
+        return self.stall_ms - self.agree_ms - (self.wait_ms if self.overlapped else self.take_ms)
 
     @property
     def bare_ms(self) -> float | None:
@@ -157,6 +162,9 @@ class ObservedCheckpointer:
         self.records: dict[int, RankCheckpoint] = {}
         self.to_copy: list[_ToCopy] = []
         self.copier = BareCopier()
+        self._scans: dict[int, tuple[list[torch.Tensor], float]] = {}  # step -> rows listed before its save
+        self._stalls_seen = 0  # a stall is recorded once its copy is done: with `ckpt.overlap_copy`
+        self._outcomes_seen = 0  # during the next step, so both lists are read past what was seen
 
     def save(self, step: int) -> None:
         """The manager's `save(step)`, observed."""
@@ -164,7 +172,7 @@ class ObservedCheckpointer:
         due = interval > 0 and step % interval == 0
         self._observe(step, lambda: self.manager.save(step), scan=due)
         st = self.manager.stats
-        if self.to_copy and len(st.outcomes) >= len(st.stalls):  # the writer holds nothing
+        if self.to_copy and len(st.outcomes) >= len(st.stalls) and not self.manager.copier.busy:  # the writer holds nothing
             self._copy_bare()
 
     def finish(self, step: int) -> None:
@@ -174,30 +182,37 @@ class ObservedCheckpointer:
         self._copy_bare()
 
     def _observe(self, step: int, call: Callable[[], None], scan: bool) -> None:
-        """Run `call` (a manager method at this step end); turn what it added to the manager's
-        stats into records. `scan`: list the changed rows first (a checkpoint may be taken)."""
+        """Run `call` (a manager method at this step end); turn what the manager's stats gained
+        since the last look into records. `scan`: list the changed rows first (a checkpoint may
+        be taken)."""
         m, st = self.manager, self.manager.stats
-        rows, find_s = touched(m.tracker, len(m.shard_map.shards), self.since_base) if scan else (None, 0.0)
-        n_stalls, n_outcomes = len(st.stalls), len(st.outcomes)
+        if scan:  # not while a copy beside training changes the bitmaps (a torn scan lists garbage)
+            m.wait_for_copy()
+            self._scans[step] = touched(m.tracker, len(m.shard_map.shards), self.since_base)
         call()
-        for timing in st.stalls[n_stalls:]:
+        for timing in st.stalls[self._stalls_seen:]:
             rec = self._record(timing)
             self.records[rec.checkpoint_id] = rec
+            rows, find_s = self._scans.get(timing.step, (None, 0.0))
             if timing.full:
                 self.to_copy.append(_ToCopy(rec, None))
             elif rows is not None:
                 rec.find_ms = find_s * 1e3
                 self.to_copy.append(_ToCopy(rec, rows))
             # else a time-based checkpoint (`ckpt.interval_s`) whose rows were not listed: no bare copy
-        for outcome in st.outcomes[n_outcomes:]:
+        self._stalls_seen = len(st.stalls)
+        self._scans = {s: v for s, v in self._scans.items() if s >= step}
+        for outcome in st.outcomes[self._outcomes_seen:]:
             rec = self.records.get(outcome.checkpoint_id)
             if rec is not None:
                 rec.committed, rec.committed_at_step = outcome.committed, step
+        self._outcomes_seen = len(st.outcomes)
 
     def _record(self, t: StallTiming) -> RankCheckpoint:
         return RankCheckpoint(
             checkpoint_id=t.checkpoint_id, step=t.step, full=t.full, stall_ms=t.stall_ms, agree_ms=t.agree_ms,
             take_ms=t.take_ms, dense_ms=t.dense_ms, rows=t.rows, snapshot_bytes=t.snapshot_bytes,
+            overlapped=t.overlapped, wait_ms=t.wait_ms,
             since_base=t.since_base, since_last=t.since_last, rank=self.rank, rank_total_rows=self.manager.total_rows,
             find_ms=0.0 if t.full else None,
         )

@@ -5,7 +5,8 @@ the co-located broker spent beside them.
 A rank's threads fall in four classes:
 
 - ``train``: the main thread, which runs the training loop (and the checkpoint stall);
-- ``writer``: deltarec's writer thread (``deltarec-writer-<rank>``: encode, produce, commit);
+- ``writer``: deltarec's writer thread (``deltarec-writer-<rank>``: encode, produce, commit)
+  and its copier thread (``deltarec-snapshot``: a checkpoint's copy beside the next step);
 - ``kafka``: librdkafka's own threads (named ``rdk:main``, ``rdk:broker<n>``, ...), which
   serialize, compress and send what the writer produced;
 - ``other``: everything else (gloo's and torch's worker threads, the dense-file thread).
@@ -33,7 +34,7 @@ def thread_class(tid: int, comm: str, names: dict[int, str], main_tid: int) -> s
     """The class of thread `tid` (kernel name `comm`; `names`: Python threads' names by native id)."""
     if tid == main_tid:
         return "train"
-    if names.get(tid, "").startswith("deltarec-writer"):
+    if names.get(tid, "").startswith(("deltarec-writer", "deltarec-snapshot")):
         return "writer"
     if comm.startswith("rdk:"):
         return "kafka"

@@ -66,6 +66,11 @@ class CkptConfig:
     # niceness the writer thread adds to itself (Linux): encoding rows on the CPU must not
     # take cores from the training step; 0 runs it at the training thread's priority
     writer_nice: int = 10
+    # CPU shards: the checkpoint's copy of rows and dense state runs on a thread of its own
+    # while the next step loads its batch and looks up its rows, and that step's first lookup
+    # waits for it, before the backward pass could change a row (ckpt/copy_behind.py);
+    # false: the training thread copies inside the stall. GPU shards gather on a side stream.
+    overlap_copy: bool = True
     follow: FollowConfig = field(default_factory=FollowConfig)  # `deltarec-follow` (ckpt/follow)
     # When a rank dies: every rank rolls back to the newest checkpoint (`full`), or the
     # surviving ranks save what they have and keep it, only the dead ranks' shards rolling

@@ -2,7 +2,8 @@
 
 `DELTAREC_KILL_AT=point:key[@rank]` (e.g. `rows:3@1`: rank 1 dies while writing the rows
 of checkpoint 3; `*` as the key: the first time any key gets there). Points of a training
-job: `step` (after training step `key`), `snapshot` (inside the stall of checkpoint `key`),
+job: `step` (after training step `key`), `snapshot` (once checkpoint `key`'s rows are
+copied to host memory, in the stall or beside the next step, before the writer has them),
 `rows` (in the writer, after half the frames of checkpoint `key`), `marker` (on rank 0,
 after the dense file and before the COMMIT marker),
 `committed` (once this rank learns checkpoint `key` committed), `restore` (while this rank
@@ -35,6 +36,9 @@ from common.errors import DeltarecError
 
 ENV = "DELTAREC_KILL_AT"
 SLOW_ENV = "DELTAREC_SLOW_FLUSH"  # "checkpoint_id:seconds": that checkpoint's writer sleeps before flushing
+# "checkpoint_id:seconds" (* for every checkpoint): the copy of that checkpoint's rows starts
+# late (tests that the next step waits for a copy running beside it, ckpt/copy_behind.py)
+SLOW_COPY_ENV = "DELTAREC_SLOW_COPY"
 # "checkpoint_id:ERRNO" (e.g. "3:ENOSPC"): writing that checkpoint's dense file fails with that OSError
 DENSE_ERROR_ENV = "DELTAREC_DENSE_ERROR"
 # "checkpoint_id:seconds": a rank restoring that checkpoint holds where the `restore` point
@@ -90,6 +94,15 @@ def maybe_slow(checkpoint_id: int) -> None:
     if spec:
         cid, _, seconds = spec.partition(":")
         if int(cid) == checkpoint_id:
+            time.sleep(float(seconds))
+
+
+def maybe_slow_copy(checkpoint_id: int) -> None:
+    """Delay the copy of checkpoint `checkpoint_id` as DELTAREC_SLOW_COPY says."""
+    spec = os.environ.get(SLOW_COPY_ENV)
+    if spec:
+        cid, _, seconds = spec.partition(":")
+        if cid == "*" or int(cid) == checkpoint_id:
             time.sleep(float(seconds))
 
 

@@ -31,9 +31,10 @@ from ckpt.catalog import Catalog, read_catalog
 from ckpt.catalog_record import read_recent_catalog
 from ckpt.committer import Committer
 from ckpt.config import CkptConfig
+from ckpt.copy_behind import CopyBehind
 from ckpt.dense_store import DenseHistory, DenseRef, DenseStore, DenseStoreError
 from ckpt.host_buffers import HostBufferPool
-from ckpt.faults import maybe_die
+from ckpt.faults import maybe_die, maybe_slow_copy
 from ckpt.frames import FrameError
 from ckpt.markers import Marker, SurvivorRecord
 from ckpt.partial import PartialOutcome, SkipsBatches, compose, shared_reader, usable_survivors, with_survivors
@@ -75,7 +76,9 @@ class JobIdentity(NamedTuple):
 
 
 class StallTiming(NamedTuple):
-    """Where one checkpoint's stall went on this rank (milliseconds)."""
+    """Where one checkpoint's stall went on this rank (milliseconds). With the copy overlapping
+    the next step (`overlapped`, ckpt/copy_behind.py) `take_ms` and `dense_ms` ran on the copier
+    thread, and the stall is the hand-off plus `wait_ms`; else all of it ran in the stall."""
 
     checkpoint_id: int
     step: int
@@ -83,13 +86,15 @@ class StallTiming(NamedTuple):
     agree_ms: float  # collecting the two small all-reduces (started a step early when it could), waiting included
     take_ms: float  # copying the chosen rows to host memory
     dense_ms: float  # tracker marks, dense state capture, loop state
-    stall_ms: float  # all of it: what the training thread lost
+    stall_ms: float  # what the training thread lost to this checkpoint
     rows: int  # rows this rank copied
     snapshot_bytes: int
     since_base: float  # fraction of all ranks' rows changed since the baseline
     since_last: float  # ... since the previous checkpoint
     cpu_ms: float = 0.0  # CPU time of the training thread during the stall (the rest of stall_ms is waiting)
     new_bytes: int = 0  # host memory the copy allocated fresh and faulted in (`Snapshot.new_bytes`)
+    overlapped: bool = False  # the copy ran beside the next step
+    wait_ms: float = 0.0  # of stall_ms: the next step waiting for that copy
 
 
 class _Agreement(NamedTuple):
@@ -100,6 +105,22 @@ class _Agreement(NamedTuple):
     flags: torch.Tensor  # force a full checkpoint; the writers too far behind for a full / base / last one
     works: list[Any]  # the two async all-reduces
     forced: bool  # this rank asked for a full checkpoint
+
+
+class _Copy(NamedTuple):
+    """What a checkpoint's copy needs from the training thread (`CheckpointManager._copy`), as
+    of its checkpoint step: the training thread goes on while the copy runs."""
+
+    checkpoint_id: int
+    step: int
+    decision: Decision
+    final: bool
+    trainer_state: dict[str, Any]
+    fractions: tuple[float, float]  # agreed rows changed since the base, since the last checkpoint
+    generation: int
+    chain: list[int]
+    overlapped: bool
+    agree_ms: float
 
 
 class _Pending(NamedTuple):
@@ -305,6 +326,7 @@ class CheckpointManager:
         self._estimates: tuple[dict[str, int], dict[str, int] | None] = ({}, None)
         self._pending: dict[int, _Pending] = {}
         self._first_reserved = False  # the first snapshot's slab was asked for (`_reserve_first`)
+        self.copier: CopyBehind[StallTiming] = CopyBehind()  # a checkpoint's copy beside the next step
         warm_up_codecs([self.codecs()[0]])  # before training, not in the first checkpoint's write
         self.full_bytes = self.taker.upper_bound_bytes()  # fixed by the plan
         if self.full_bytes > self.c.max_pending_bytes:
@@ -683,6 +705,7 @@ class CheckpointManager:
     def save(self, step: int) -> None:
         """Called after every training step; takes a checkpoint when one is due."""
         maybe_die("step", step, self.env.rank)
+        self._settle()  # done already: this step's first lookup waited for it
         self._collect()
         if self._due(step):
             self._checkpoint(step)
@@ -723,8 +746,11 @@ class CheckpointManager:
 
     def finish(self, step: int) -> None:
         """Checkpoint the last step (ckpt.final), wait for every outcome, stop the writer."""
+        self._settle()
         if self.c.final and self.last_step != step:
             self._checkpoint(step, final=True)
+            self._settle()
+        self.copier.close()
         if self._agreement is not None:  # started for a step that never came
             for work in self._agreement.works:
                 work.wait()
@@ -825,6 +851,7 @@ class CheckpointManager:
     def _checkpoint(self, step: int, final: bool = False) -> None:
         """Take the checkpoint of `step`: agree, copy (the stall), hand to the writer.
         Under back-pressure `skip` drops it (reported), `wait` blocks; the final one waits."""
+        self._settle()
         if not self.epoch:
             self._join_attempt()
         started_unix, t0, cpu0 = time.time(), time.perf_counter(), time.thread_time()
@@ -849,6 +876,47 @@ class CheckpointManager:
         if decision.full or not self.generation:
             self.generation = cid  # a full checkpoint, or the first delta after a restore, opens one
         self.chain = self.policy.chain_after(self.chain, cid, decision)
+        trainer_state = self.trainer.state_dict()  # this step's loop position, before the next step moves it
+        self.policy.record(decision, fraction)
+        self.force_full = self.force_full and not forced  # a request made after the agreement waits for the next
+        self._pending[cid] = _Pending(started_unix=started_unix, weight_codec=self.codecs()[0])
+        overlap = self._overlap()
+        copy = _Copy(cid, step, decision, final, trainer_state, self.agreed_fractions, self.generation,
+                     list(self.chain), overlap, agree_ms=(t_agreed - t0) * 1e3)
+        if overlap:
+            handoff_s, handoff_cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+            self.copier.start(lambda finish: self._copy(copy, handoff_s, finish, handoff_cpu))
+            self.tracker.hold_next_lookup(self._settle)
+        else:
+            timing = self._copy(copy, 0.0, lambda: time.perf_counter() - t0, 0.0)
+            self.stats.stalls.append(timing._replace(cpu_ms=(time.thread_time() - cpu0) * 1e3))
+
+    def _overlap(self) -> bool:
+        """Whether this checkpoint's copy runs beside the next step (ckpt/copy_behind.py)."""
+        return self.c.overlap_copy and self.taker.device.type == "cpu" and self.tracker.attached
+
+    def wait_for_copy(self) -> None:
+        """Wait for a checkpoint's copy still running beside training (`ckpt.overlap_copy`):
+        until then it reads the shards and changes the tracker's bitmaps, so a caller that reads
+        either between steps (a benchmark) waits first. The manager's own calls do."""
+        self._settle()
+
+    def _settle(self) -> None:
+        """Wait for the copy in flight, if any, and record its stall. Every call that reads or
+        changes the tracker, the taker or the writer's queue comes here first, and so does the
+        next step's first lookup, before its backward pass could change a row."""
+        done = self.copier.wait()
+        if done is not None:
+            self.stats.stalls.append(done[0])
+
+    def _copy(self, c: _Copy, handoff_s: float, blocked: Callable[[], float], cpu_s: float) -> StallTiming:
+        """The copy of checkpoint `c`: rows and dense state to host memory, the tracker's marks,
+        the writer's job. Inside the stall on the training thread, or on the copier thread
+        beside the next step; `blocked()`, called as its last step before the writer gets the
+        job, says how long the training thread has been waiting for it (inside the stall: all
+        of it) on top of `handoff_s`, the stall before the copy started."""
+        decision, cid, step = c.decision, c.checkpoint_id, c.step
+        maybe_slow_copy(cid)
         t_take = time.perf_counter()
         saved = None  # a prioritized checkpoint's rows (ckpt/priority.py)
         if decision.full or self.priority is None:
@@ -869,28 +937,27 @@ class CheckpointManager:
         if dense is not None:
             dense.update(restores=self.restores, lost_samples=self.lost_samples, step=step, **self.identity._asdict())
         weight_codec, optimizer_codec = self.codecs()
-        trainer_state = self.trainer.state_dict()
+        trainer_state = c.trainer_state
         if self.priority is not None:
             trainer_state["priority"] = self._priority_accounting(decision.full, saved, int(trainer_state["samples_seen"]))
-        self.policy.record(decision, fraction)
-        self.force_full = self.force_full and not forced  # a request made after the agreement waits for the next
-        now = time.perf_counter()
-        snapshot.stall_s = now - t0
-        self.stats.stalls.append(StallTiming(
-            checkpoint_id=cid, step=step, full=decision.full, agree_ms=(t_agreed - t0) * 1e3,
-            take_ms=(t_taken - t_take) * 1e3, dense_ms=(now - t_taken) * 1e3, stall_ms=snapshot.stall_s * 1e3,
-            rows=snapshot.rows, snapshot_bytes=snapshot.nbytes,
-            since_base=self.agreed_fractions[0], since_last=self.agreed_fractions[1],
-            cpu_ms=(time.thread_time() - cpu0) * 1e3, new_bytes=snapshot.new_bytes,
-        ))
-        self._pending[cid] = _Pending(started_unix=started_unix, weight_codec=weight_codec)
-        if self.taker.pool is not None and self.priority is None and not final:  # the next snapshot's memory, faulted in ahead
+        t_done = time.perf_counter()
+        if self.taker.pool is not None and self.priority is None and not c.final:  # the next snapshot's memory, faulted in ahead
             self.taker.pool.reserve_ahead(self._next_snapshot_bytes(decision.full))
+        waited = blocked()
+        snapshot.stall_s = handoff_s + waited
+        timing = StallTiming(
+            checkpoint_id=cid, step=step, full=decision.full, agree_ms=c.agree_ms,
+            take_ms=(t_taken - t_take) * 1e3, dense_ms=(t_done - t_taken) * 1e3, stall_ms=snapshot.stall_s * 1e3,
+            rows=snapshot.rows, snapshot_bytes=snapshot.nbytes, since_base=c.fractions[0], since_last=c.fractions[1],
+            cpu_ms=cpu_s * 1e3, new_bytes=snapshot.new_bytes, overlapped=c.overlapped,
+            wait_ms=waited * 1e3 if c.overlapped else 0.0,
+        )
         self.writer.submit(WriteJob(
-            checkpoint_id=cid, step=step, generation=self.generation, chain=list(self.chain), snapshot=snapshot,
+            checkpoint_id=cid, step=step, generation=c.generation, chain=c.chain, snapshot=snapshot,
             trainer_state=trainer_state, dense_state=dense, weight_codec=weight_codec, optimizer_codec=optimizer_codec,
             epoch=self.epoch,
         ))
+        return timing
 
     def _next_snapshot_bytes(self, new_base: bool) -> int:
         """This rank's bytes of the largest snapshot the policy may take next (`grown_estimate`),
@@ -922,6 +989,7 @@ class CheckpointManager:
         there is nothing a restore could use: full recovery, or no committed checkpoint yet."""
         if self.c.recovery != "partial" or not self.epoch:
             return None
+        self._settle()  # a copy the failed step left in flight (no row changed since its checkpoint step)
         self._collect()  # outcomes the writer decided since the last step: the newest base there is
         if not self.last_committed:
             return None

@@ -137,6 +137,7 @@ class RowTracker:
         self.lookup_groups = self._build_lookup_maps(self.sharded_ebc)
         self._previous_fn = self.sharded_ebc.post_lookup_tracker_fn
         self._attached = True
+        self._hold: Callable[[], None] | None = None  # called once, first thing, by the next lookup
         self.sharded_ebc.register_post_lookup_tracker_fn(self.record_lookup)
 
     # -- mapping ------------------------------------------------------------------------
@@ -180,6 +181,9 @@ class RowTracker:
     ) -> None:
         """The post-lookup hook: mark the shard-local ids of one lookup group's input as touched.
         torchrec calls it after the input all-to-all; public so a benchmark can time it."""
+        if self._hold is not None:  # before any mark, in every forward (eval too)
+            hold, self._hold = self._hold, None
+            hold()
         if self._previous_fn is not None:
             self._previous_fn(features, embs, module, raw_ids)
         owner = module if module is not None else self.sharded_ebc
@@ -202,6 +206,18 @@ class RowTracker:
                 bits.index_fill_(0, ids, True)
         if self.listener is not None:
             self.listener(m, list(parts))
+
+    def hold_next_lookup(self, fn: Callable[[], None]) -> None:
+        """Have the next lookup call `fn()` before it marks anything: the hook runs in the
+        forward pass, after the lookup read its rows and before the backward pass may update
+        them (ckpt/copy_behind.py waits there for a checkpoint's copy)."""
+        assert self._attached, "a detached tracker's hook never runs: nothing would wait"
+        self._hold = fn
+
+    @property
+    def attached(self) -> bool:
+        """Whether the hook is registered (`detach` / `attach`)."""
+        return self._attached
 
     def detach(self) -> None:
         """Stop recording (restores whatever hook was registered before this tracker)."""

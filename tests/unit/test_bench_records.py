@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from bench.ckpt_rank import ObservedCheckpointer, read_side
@@ -68,8 +69,12 @@ class _Manager:
     checkpoints at every 2nd step (a full first, deltas after) and delivers each outcome at
     the step end after the next."""
 
-    def __init__(self) -> None:
+    def __init__(self, overlap: bool = False) -> None:
         self.c = SimpleNamespace(interval_steps=2, policy="one_shot_diff")
+        # with the copy beside the next step, a stall is recorded during that step (`lookup`)
+        self.overlap = overlap
+        self.copier = SimpleNamespace(busy=False)
+        self.in_flight: StallTiming | None = None
         self.stats = CheckpointStats()
         self.shard_map = SimpleNamespace(shards=[_Shard(torch.zeros(8, 4), {"momentum": torch.zeros(8)})])
         self.tracker = _Tracker([torch.tensor([1, 5])])
@@ -83,21 +88,37 @@ class _Manager:
         if step % 2 == 0:
             cid = step // 2
             full = cid == 1
-            self.stats.stalls.append(StallTiming(cid, step, full, 1.0, 2.0, 0.5, 3.5, 8 if full else 2, 64, 0.25, 0.25))
+            timing = StallTiming(cid, step, full, 1.0, 2.0, 0.5, 3.5, 8 if full else 2, 64, 0.25, 0.25)
+            if self.overlap:
+                self.in_flight, self.copier.busy = timing._replace(overlapped=True, wait_ms=1.5), True
+            else:
+                self.stats.stalls.append(timing)
             self.owed.append((step + 2, cid))
 
+    def wait_for_copy(self) -> None:
+        self.lookup()
+
+    def lookup(self) -> None:
+        """The next step's first lookup: it waits for the copy in flight, whose stall is then recorded."""
+        if self.in_flight is not None:
+            self.stats.stalls.append(self.in_flight)
+            self.in_flight, self.copier.busy = None, False
+
     def finish(self, step: int) -> None:
+        self.lookup()  # the manager waits for a copy in flight first
         for _, cid in self.owed:
             self.stats.outcomes.append(Outcome(checkpoint_id=cid, step=2 * cid, committed=True))
         self.owed.clear()
 
 
-def test_ckpt_rank_records_each_checkpoint_from_the_managers_stats(tmp_path: Path) -> None:
-    manager = _Manager()
+@pytest.mark.parametrize("overlap", [False, True], ids=["copy-in-stall", "copy-beside-next-step"])
+def test_ckpt_rank_records_each_checkpoint_from_the_managers_stats(tmp_path: Path, overlap: bool) -> None:
+    manager = _Manager(overlap)
     observed = ObservedCheckpointer(manager, rank=0)  # type: ignore[arg-type]
     for step in range(1, 6):
+        manager.lookup()
         observed.save(step)
-        if step == 4:  # checkpoint 2 (a delta) taken at step 4; its outcome is not in yet
+        if step == (5 if overlap else 4):  # checkpoint 2 (a delta, step 4) recorded; its outcome not in yet
             assert observed.records[2].bare_ms_all == [] and observed.records[2].committed is None
     observed.finish(5)
     observed.dump(tmp_path / "rank0.jsonl")
@@ -109,7 +130,8 @@ def test_ckpt_rank_records_each_checkpoint_from_the_managers_stats(tmp_path: Pat
     assert (full.committed_at_step, delta.committed_at_step) == (4, 5)  # the step end that learned each outcome
     assert full.committed and delta.committed
     assert (delta.stall_ms, delta.agree_ms, delta.take_ms, delta.dense_ms) == (3.5, 1.0, 2.0, 0.5)
-    assert delta.other_ms == 0.5
+    assert delta.overlapped == overlap
+    assert delta.other_ms == (1.0 if overlap else 0.5)  # the stall less the agreement and the copy, or the wait
     assert len(full.bare_ms_all) == len(delta.bare_ms_all) == 3  # bare copies ran, after the checkpoints
     assert full.find_ms == 0.0 and delta.find_ms is not None
     assert set(manager.tracker.since_base_asked) == {True}  # a one-shot diff copies rows changed since the base
