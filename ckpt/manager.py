@@ -6,7 +6,9 @@ with the survivor snapshots a failed attempt left (ckpt/partial.py), which a sur
 writes with `save_survivor` (ckpt/survivor.py). At a checkpoint step the training thread:
 agrees with the other ranks on the checkpoint's kind (small all-reduces of row counts and
 flags, started at the end of the step before; never a wait on Kafka), copies the chosen
-rows and the dense state to host memory (the stall), and hands them to its writer thread.
+rows and the dense state to host memory, and hands them to its writer thread. On CPU the
+copy runs beside the start of the next step, whose first lookup waits for it
+(`ckpt.overlap_copy`, ckpt/copy_behind.py); the stall is the hand-off plus that wait.
 Outcomes come back asynchronously and are logged, counted and written to metrics; a
 failed checkpoint makes the next one full.
 """

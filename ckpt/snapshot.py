@@ -18,7 +18,8 @@ manager bounds pending snapshots with it (a pooled slab is larger by its headroo
 pool keeps slabs within the same budget). `take` allocates nothing else that outlives it (the
 local row indices become `global_rows` in place).
 
-Devices: on CPU the copy is `index_select(..., out=host_buffer)` on the training thread.
+Devices: on CPU the copy is `index_select(..., out=host_buffer)`, on the training thread or,
+with `ckpt.overlap_copy`, on the manager's copier thread beside the next step (ckpt/copy_behind.py).
 On CUDA the rows are gathered on a side stream into device temporaries and copied into
 pinned host buffers with ``non_blocking=True``; the training stream waits only for the
 gather (so the next update cannot overwrite a row before it is read), and the
