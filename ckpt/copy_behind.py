@@ -10,9 +10,8 @@ which runs before any backward, wait for it (`RowTracker.hold_next_lookup`), and
 for it at the start of each of its own calls. docs/design.md §2 has the sequence.
 
 The stall is what the training thread loses: the hand-off, plus however long it later waits
-for the copy. Both are measured here: `CopyBehind.wait` says how long the caller was blocked,
-and the copy itself learns, as its last step (`Finish`), how long the training thread has been
-blocked so far, so the stall it hands to the writer (and the COMMIT reports) includes it.
+for the copy. Both are measured here: as its last step (`Finish`) the copy learns how long the training thread has been blocked
+waiting for it so far, so the stall it hands to the writer (and the COMMIT reports) includes it.
 """
 
 from __future__ import annotations
@@ -64,9 +63,9 @@ class CopyBehind(Generic[_T]):
         inflight.future = self._pool.submit(copy, inflight.finish)
         self._inflight = inflight
 
-    def wait(self) -> tuple[_T, float] | None:
-        """Block until the copy in flight is done: (what it returned, seconds this call was
-        blocked); None when none is in flight. A copy's exception is raised here."""
+    def wait(self) -> _T | None:
+        """Block until the copy in flight is done and return what it returned; None when none is
+        in flight. A copy's exception is raised here."""
         inflight = self._inflight
         if inflight is None:
             return None
@@ -75,9 +74,7 @@ class CopyBehind(Generic[_T]):
             if not inflight.done:
                 inflight.waiting_since = time.perf_counter()
         assert inflight.future is not None
-        result = inflight.future.result()
-        since = inflight.waiting_since
-        return result, (time.perf_counter() - since if since is not None else 0.0)
+        return inflight.future.result()
 
     def close(self) -> None:
         """Stop the thread (a copy in flight finishes first)."""

@@ -87,7 +87,7 @@ class StallTiming(NamedTuple):
     full: bool
     agree_ms: float  # collecting the two small all-reduces (started a step early when it could), waiting included
     take_ms: float  # copying the chosen rows to host memory
-    dense_ms: float  # tracker marks, dense state capture, loop state
+    dense_ms: float  # tracker marks, dense state capture
     stall_ms: float  # what the training thread lost to this checkpoint
     rows: int  # rows this rank copied
     snapshot_bytes: int
@@ -121,6 +121,7 @@ class _Copy(NamedTuple):
     fractions: tuple[float, float]  # agreed rows changed since the base, since the last checkpoint
     generation: int
     chain: list[int]
+    codecs: tuple[str, str]  # (weight codec, optimizer codec)
     overlapped: bool
     agree_ms: float
 
@@ -852,8 +853,9 @@ class CheckpointManager:
 
     def _checkpoint(self, step: int, final: bool = False) -> None:
         """Take the checkpoint of `step`: agree, copy (the stall), hand to the writer.
-        Under back-pressure `skip` drops it (reported), `wait` blocks; the final one waits."""
-        self._settle()
+        Under back-pressure `skip` drops it (reported), `wait` blocks; the final one waits.
+        Its callers have waited for the previous checkpoint's copy (`_settle`)."""
+        assert not self.copier.busy, "the previous checkpoint's copy is still running"
         if not self.epoch:
             self._join_attempt()
         started_unix, t0, cpu0 = time.time(), time.perf_counter(), time.thread_time()
@@ -881,10 +883,11 @@ class CheckpointManager:
         trainer_state = self.trainer.state_dict()  # this step's loop position, before the next step moves it
         self.policy.record(decision, fraction)
         self.force_full = self.force_full and not forced  # a request made after the agreement waits for the next
-        self._pending[cid] = _Pending(started_unix=started_unix, weight_codec=self.codecs()[0])
+        codecs = self.codecs()
+        self._pending[cid] = _Pending(started_unix=started_unix, weight_codec=codecs[0])
         overlap = self._overlap()
         copy = _Copy(cid, step, decision, final, trainer_state, self.agreed_fractions, self.generation,
-                     list(self.chain), overlap, agree_ms=(t_agreed - t0) * 1e3)
+                     list(self.chain), codecs, overlap, agree_ms=(t_agreed - t0) * 1e3)
         if overlap:
             handoff_s, handoff_cpu = time.perf_counter() - t0, time.thread_time() - cpu0
             self.copier.start(lambda finish: self._copy(copy, handoff_s, finish, handoff_cpu))
@@ -907,9 +910,9 @@ class CheckpointManager:
         """Wait for the copy in flight, if any, and record its stall. Every call that reads or
         changes the tracker, the taker or the writer's queue comes here first, and so does the
         next step's first lookup, before its backward pass could change a row."""
-        done = self.copier.wait()
-        if done is not None:
-            self.stats.stalls.append(done[0])
+        timing = self.copier.wait()
+        if timing is not None:
+            self.stats.stalls.append(timing)
 
     def _copy(self, c: _Copy, handoff_s: float, blocked: Callable[[], float], cpu_s: float) -> StallTiming:
         """The copy of checkpoint `c`: rows and dense state to host memory, the tracker's marks,
@@ -938,7 +941,7 @@ class CheckpointManager:
         dense = self.dense_capture() if self.env.rank == 0 else None
         if dense is not None:
             dense.update(restores=self.restores, lost_samples=self.lost_samples, step=step, **self.identity._asdict())
-        weight_codec, optimizer_codec = self.codecs()
+        weight_codec, optimizer_codec = c.codecs
         trainer_state = c.trainer_state
         if self.priority is not None:
             trainer_state["priority"] = self._priority_accounting(decision.full, saved, int(trainer_state["samples_seen"]))

@@ -23,10 +23,7 @@ def test_a_copy_done_before_anyone_waits_reports_no_wait() -> None:
     copier.start(copy)
     assert done.wait(10)
     assert copier.busy
-    result = copier.wait()
-    assert result is not None
-    reported, _ = result
-    assert reported == 0.0  # nobody was waiting when it finished
+    assert copier.wait() == 0.0  # nobody was waiting when it finished
     assert not copier.busy and copier.wait() is None
     copier.close()
 
@@ -49,10 +46,9 @@ def test_a_copy_the_training_thread_waits_for_reports_that_wait_to_the_writer() 
         go.set()
 
     threading.Thread(target=release_once_waited_for).start()
-    result = copier.wait()
-    assert result is not None
-    reported, waited = result
-    assert 0.0 < reported <= waited  # the copy saw the wait so far; the waiter measured it to the end
+    t = time.perf_counter()
+    reported = copier.wait()
+    assert reported is not None and 0.0 < reported <= time.perf_counter() - t  # the copy saw the wait so far
     copier.close()
 
 
@@ -66,8 +62,7 @@ def test_a_failed_copy_raises_where_it_is_waited_for_and_the_next_one_runs() -> 
     with pytest.raises(RuntimeError, match="slab lost"):
         copier.wait()
     copier.start(lambda finish: 7)
-    result = copier.wait()
-    assert result is not None and result[0] == 7
+    assert copier.wait() == 7
     copier.close()
 
 
