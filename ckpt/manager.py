@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ckpt import dense_state
+from ckpt import dense_state, restore_kernel
 from ckpt.attempts import Announced, Fenced, announce
 from ckpt.backends import Backend, open_for_restore
 from ckpt.catalog import Catalog, read_catalog
@@ -331,6 +331,8 @@ class CheckpointManager:
         self._first_reserved = False  # the first snapshot's slab was asked for (`_reserve_first`)
         self.copier: CopyBehind[StallTiming] = CopyBehind()  # a checkpoint's copy beside the next step
         warm_up_codecs([self.codecs()[0]])  # before training, not in the first checkpoint's write
+        if self.c.resume != "none":
+            restore_kernel.load()  # the restore's fused replay: compiled or loaded now, not in the restore
         self.full_bytes = self.taker.upper_bound_bytes()  # fixed by the plan
         if self.full_bytes > self.c.max_pending_bytes:
             raise ConfigError(

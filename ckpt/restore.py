@@ -10,7 +10,9 @@ Every link of the chain is fetched at once (`FrameSource.read_ranges`: one Kafka
 for all partitions, decoding while the next frames arrive), so frames come in any order
 across links. The last write still wins by chain position: a row is written only by the
 newest link that holds it, and the older copies are skipped before they are decoded
-(`_Replay`). Rows of a contiguous run are copied straight into the shard's slice.
+(`_Replay`). Rows of a contiguous run are copied straight into the shard's slice. On CPU
+shards a frame of the shard's columns in the common codecs is chosen, decoded and written
+row by row by a compiled kernel (ckpt/restore_kernel.py), which writes the same bits.
 
 A chain whose marker names a row initialisation (`Marker.init`, sharding/row_init.py) holds
 only the rows trained since the model was initialised: every other row of the shards is
@@ -37,11 +39,13 @@ import torch
 import torch.distributed as dist
 
 from common.errors import DeltarecError
+from ckpt import restore_kernel
 from ckpt.faults import maybe_die, maybe_hold_restore
 from ckpt.frames import Frame, FrameError
 from ckpt.markers import ChainLink, IndexEntry, Marker, OffsetRange
 from ckpt.quant import get_codec
 from ckpt.quant.base import check_encoded, view_bytes_as
+from ckpt.restore_kernel import FusedReplay
 from ckpt.sink import FrameSource, RangeRead
 from sharding.row_init import RowInit, initialise_shards
 from sharding.shard_views import ShardMap, ShardView
@@ -64,7 +68,7 @@ class RowsRestored:
     bytes: int = 0
     seconds: float = 0.0
     fetch_s: float = 0.0  # waiting for the next frame: reading, the CRC check
-    decode_s: float = 0.0  # dequantizing the rows written
+    decode_s: float = 0.0  # dequantizing the rows written (by the kernel: straight into the shards)
     apply_s: float = 0.0  # choosing the rows and copying them into the shards
     regenerated: int = 0  # rows no link holds, set to their initial values (sharding/row_init.py)
     init_s: float = 0.0  # regenerating them
@@ -301,7 +305,8 @@ class _Replay:
     holds is one some link wrote: every row of a frame is written by it or by a later link.
     """
 
-    def __init__(self, marker: Marker, shard_map: ShardMap, out: RowsRestored) -> None:
+    def __init__(self, marker: Marker, shard_map: ShardMap, out: RowsRestored, fused: FusedReplay | None = None
+                 ) -> None:
         self.marker = marker
         self.shard_map = shard_map
         self.out = out
@@ -311,6 +316,8 @@ class _Replay:
         # once, so a complete base leaves exactly num_cols per row (not a row x column mask)
         self.covered = {id(s): torch.zeros(s.num_rows, dtype=torch.int32) for s in shard_map.shards}
         self.partial: list[tuple[int, Frame, ShardView, _Span, int, int]] = []  # + columns c0..c1
+        self.fused = fused  # the kernel's path for the frames it fits (ckpt/restore_kernel.py)
+        self._np = {id(s): (self.written[id(s)].numpy(), self.covered[id(s)].numpy()) for s in shard_map.shards}
 
     @torch.no_grad()
     def add(self, link_index: int, link: ChainLink, frame: Frame) -> None:
@@ -320,6 +327,13 @@ class _Replay:
         self.out.bytes += frame.payload.numel() + frame.row_ids.numel() * 8 + sum(o.rows.numel() for o in frame.optim)
         for s in self.shard_map.of_table(frame.table):
             if not (frame.col_offset < s.col_offset + s.num_cols and frame.col_offset + frame.dim > s.col_offset):
+                continue
+            if self.fused is not None and self.fused.fits(frame, s):
+                written, covered = self._np[id(s)]
+                done = self.fused.write(frame, s, link_index, written, covered, s.num_cols if link.full else 0)
+                self.out.rows += done.inside
+                self.out.written += done.kept
+                decode_s += done.decode_s
                 continue
             span = _span(frame, s)
             if span is None:
@@ -412,6 +426,7 @@ def _count(counts: torch.Tensor, rows: Rows, cols: int) -> None:
 def restore_rows(
     marker: Marker, source: FrameSource, shard_map: ShardMap, run_id: str, locate: Callable[[int, int, int], str],
     *, shards_hold_init: RowInit | None = None, while_fetching: Callable[[], object] | None = None,
+    fused: bool = True,
 ) -> RowsRestored:
     """Replay the marker's chain into this rank's shards (every link fetched at once, rows
     of older links that a later one replaces skipped); verify the base covered them, and
@@ -419,10 +434,13 @@ def restore_rows(
     `shards_hold_init` says the shards hold exactly those initial values already.
     `while_fetching` is called once the reads are issued, before the first frame is waited
     for: work to start while the first fetch is in flight, not before it (the dense state's
-    read: design §1)."""
+    read: design §1). `fused`: the frames the kernel fits are written by it
+    (ckpt/restore_kernel.py, when numba is installed); False: every frame takes the torch
+    path, the reference."""
     t0 = time.perf_counter()
     out = RowsRestored()
-    replay = _Replay(marker, shard_map, out)
+    kernel = restore_kernel.load() if fused else None
+    replay = _Replay(marker, shard_map, out, FusedReplay(kernel) if kernel is not None else None)
 
     def want(e: IndexEntry) -> bool:
         return any(_overlaps(s, e.col_offset, e.cols, e.min_row, e.max_row) for s in shard_map.of_table(e.table))
