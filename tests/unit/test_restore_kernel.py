@@ -19,7 +19,7 @@ from ckpt.quant.uniform import decode_nbit
 from ckpt.restore import restore_rows
 from ckpt.restore_kernel import FusedReplay
 from sharding.shard_views import ShardMap, ShardView
-from tests.unit.test_restore_rows import ListSource
+from tests.unit.test_restore_rows import ListSource, random_rows
 
 if TYPE_CHECKING:
     from tests.conftest import ReplaySeed
@@ -39,13 +39,7 @@ def _chain(codec: str, dim: int, rng: random.Random, g: torch.Generator) -> tupl
     c = get_codec(codec)
     chain, store = [], {}
     for cid in range(1, rng.randrange(3, 5) + 1):
-        if cid == 1:
-            rows = torch.arange(ROWS)
-        elif rng.random() < 0.3:
-            lo = rng.randrange(ROWS - 8)
-            rows = torch.arange(lo, lo + rng.randrange(1, 8))
-        else:
-            rows = torch.tensor(sorted(rng.sample(range(ROWS), rng.randrange(1, ROWS // 2))))
+        rows = random_rows(rng, cid == 1, ROWS, 8)
         frames, index = [], []
         for chunk in torch.split(rows, rng.randrange(3, 23)):
             n = len(chunk)

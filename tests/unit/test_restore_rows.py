@@ -159,19 +159,24 @@ def test_a_frame_that_does_not_match_its_marker_is_refused_before_anything_is_wr
 ROWS, DIM = 40, 4
 
 
+def random_rows(rng: random.Random, full: bool, rows: int, longest_run: int) -> torch.Tensor:
+    """The rows of a random link of a table of `rows` rows, ascending: every row for a base;
+    for a delta a run of at most `longest_run` rows (three times in ten) or a random set."""
+    if full:
+        return torch.arange(rows)
+    if rng.random() < 0.3:
+        lo = rng.randrange(rows - longest_run)
+        return torch.arange(lo, lo + rng.randrange(1, longest_run + 1))
+    return torch.tensor(sorted(rng.sample(range(rows), rng.randrange(1, rows // 2))))
+
+
 def _random_link(cid: int, full: bool, rng: random.Random, g: torch.Generator, ref_w: torch.Tensor,
                  ref_m: torch.Tensor) -> tuple[ChainLink, list[bytes]]:
     """One link of table "t" in a column split of its own (the job may have been resharded
     between links): the base holds every row as runs of a few frames, a delta a random set
     of rows (sometimes one run). Applies it to the references, in chain order."""
     split = rng.choice([[0, DIM], [0, 2, DIM], [0, 1, DIM]])
-    if full:
-        rows = torch.arange(ROWS)
-    elif rng.random() < 0.3:
-        lo = rng.randrange(ROWS - 5)
-        rows = torch.arange(lo, lo + rng.randrange(1, 6))
-    else:
-        rows = torch.tensor(sorted(rng.sample(range(ROWS), rng.randrange(1, ROWS // 2))))
+    rows = random_rows(rng, full, ROWS, 5)
     frames, index = [], []
     for c0, c1 in zip(split, split[1:]):
         for chunk in torch.split(rows, rng.randrange(3, 17)):
