@@ -317,7 +317,6 @@ class _Replay:
         self.covered = {id(s): torch.zeros(s.num_rows, dtype=torch.int32) for s in shard_map.shards}
         self.partial: list[tuple[int, Frame, ShardView, _Span, int, int]] = []  # + columns c0..c1
         self.fused = fused  # the kernel's path for the frames it fits (ckpt/restore_kernel.py)
-        self._np = {id(s): (self.written[id(s)].numpy(), self.covered[id(s)].numpy()) for s in shard_map.shards}
 
     @torch.no_grad()
     def add(self, link_index: int, link: ChainLink, frame: Frame) -> None:
@@ -329,8 +328,8 @@ class _Replay:
             if not (frame.col_offset < s.col_offset + s.num_cols and frame.col_offset + frame.dim > s.col_offset):
                 continue
             if self.fused is not None and self.fused.fits(frame, s):
-                written, covered = self._np[id(s)]
-                done = self.fused.write(frame, s, link_index, written, covered, s.num_cols if link.full else 0)
+                done = self.fused.write(frame, s, link_index, self.written[id(s)].numpy(), self.covered[id(s)].numpy(),
+                                        s.num_cols if link.full else 0)
                 self.out.rows += done.inside
                 self.out.written += done.kept
                 decode_s += done.decode_s

@@ -36,6 +36,7 @@ __all__ = ["AVAILABLE", "FusedReplay", "Written", "load"]
 # optional: without numba every frame takes the torch path
 AVAILABLE = importlib.util.find_spec("numba") is not None
 _RAW = 0  # weights layout: fp32 rows copied as they are (else: the N-bit codes' width)
+_FP32 = get_codec("fp32").code
 
 
 @functools.cache
@@ -57,7 +58,7 @@ def load() -> ModuleType | None:
 def _weights_layout(encoding: int) -> int | None:
     codec = get_codec(encoding)
     family = getattr(codec, "family", "")
-    if family == "float" and codec.name == "fp32":
+    if codec.code == _FP32:
         return _RAW
     if family in ("asym", "adaptive") and codec.bits < 8:
         return codec.bits
@@ -91,14 +92,13 @@ class FusedReplay:
         """Whether the kernel writes this frame into shard `s` (else the torch path does)."""
         if frame.col_offset != s.col_offset or frame.dim != s.num_cols:
             return False
-        if _weights_layout(frame.encoding) is None or not _host_f32(s.weight) or s.weight.dim() != 2:
+        if _weights_layout(frame.encoding) is None or not _host_f32(s.weight):
             return False
-        widths = {o.name: o.rows.shape[1] for o in frame.optim if o.encoding == get_codec("fp32").code}
+        widths = {o.name: o.rows.shape[1] for o in frame.optim if o.encoding == _FP32}
         for name, state in s.optimizer_states.items():
             if name not in widths or not _host_f32(state):
                 return False  # the torch path names a missing state, or handles the encoding
-            want = 4 if state.dim() == 1 else 4 * frame.dim
-            if widths[name] != want or (state.dim() == 2 and state.shape[1] != frame.dim):
+            if widths[name] != (4 if state.dim() == 1 else 4 * frame.dim):  # row-wise, or one value a column
                 return False
         return True
 
