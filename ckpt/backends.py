@@ -13,6 +13,7 @@ from typing import Callable
 
 from confluent_kafka.admin import AdminClient
 
+from ckpt.catalog_ahead import CatalogAhead
 from ckpt.config import CkptConfig
 from ckpt.frames import file_where, kafka_where
 from ckpt.fs_sink import FsMarkers, FsSink, FsSource
@@ -27,8 +28,11 @@ class Backend:
     markers: MarkerLog
     where: str  # for messages: the broker or the directory
     locate: Callable[[int, int, int], str]  # (generation, partition, position) -> topic/file, partition, offset
+    ahead: CatalogAhead | None = None  # rank 0 of a restore: the markers log read while the model is built
 
     def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead.close()
         for part in (self.sink, self.source, self.markers):
             part.close()
 
@@ -66,11 +70,13 @@ def open_backend(cfg: CkptConfig, world_size: int) -> Backend:
 def open_for_restore(cfg: CkptConfig, world_size: int, rank: int) -> Backend:
     """`open_backend`, and when `cfg.resume` asks for a restore, the connects of the readers
     it uses started, each on a thread of its own: the rows source on every rank, the markers
-    log on rank 0. A job opens it before it builds its model, so the restore finds its readers
-    connected (design §6); a connect that found no broker is tried again by the read."""
+    log on rank 0, which then reads the log (`CatalogAhead`). A job opens it before it builds
+    its model, so the restore finds its readers connected and the log read up to then (design
+    §6); a connect that found no broker, or a read that failed, is tried again by the restore."""
     backend = open_backend(cfg, world_size)
     if cfg.resume != "none":
         backend.source.prepare()
         if rank == 0:
             backend.markers.prepare(cfg.connect_timeout_s)
+            backend.ahead = CatalogAhead(backend.markers, cfg.run_id, backend.where, cfg.connect_timeout_s)
     return backend

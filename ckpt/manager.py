@@ -20,7 +20,7 @@ import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Protocol, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from ckpt import dense_state, restore_kernel
 from ckpt.attempts import Announced, Fenced, announce
 from ckpt.backends import Backend, open_for_restore
 from ckpt.catalog import Catalog, read_catalog
+from ckpt.catalog_ahead import catch_up_recent
 from ckpt.catalog_record import read_recent_catalog
 from ckpt.committer import Committer
 from ckpt.config import CkptConfig
@@ -156,6 +157,8 @@ class RestoreReport:
     partial: PartialOutcome | None = None  # a partial recovery: what it kept, rolled back and lost
     run_pls: float = 0.0  # the run's portion of lost samples so far (ckpt/pls.py)
     markers_read: int = 0  # records of the markers log decoded to choose the checkpoint
+    # rank 0: reading most of them while the model was built, before `restore()` (not in `seconds`)
+    markers_ahead_s: float = 0.0
 
     @property
     def mb_per_s(self) -> float:
@@ -164,7 +167,8 @@ class RestoreReport:
     def parts(self) -> str:
         """Where the time went, for the resume line."""
         regen = f", regenerate {self.init_s:.2f} s" if self.regenerated else ""
-        return (f"markers {self.markers_s:.2f} s, fetch {self.fetch_s:.2f} s, decode {self.decode_s:.2f} s, "
+        ahead = f" (+{self.markers_ahead_s:.2f} s read ahead)" if self.markers_ahead_s else ""
+        return (f"markers {self.markers_s:.2f} s{ahead}, fetch {self.fetch_s:.2f} s, decode {self.decode_s:.2f} s, "
                 f"apply {self.apply_s:.2f} s{regen}, dense {self.dense_s:.2f} s")
 
 
@@ -210,10 +214,9 @@ def grown_estimate(previous: Mapping[str, int], now: Mapping[str, int], kinds: S
 class _Candidates(NamedTuple):
     """What rank 0 reads of the markers log and the run directory at start, for every rank."""
 
-    ordered: list[Marker]  # checkpoints to try, newest first
-    newest_id: int
-    history: DenseHistory
-    survivors: list[SurvivorRecord]  # usable with the first of `ordered` (ckpt/partial.py)
+    newest: list[Marker]  # the checkpoint to restore (none: start fresh); older ones: rank 0's `_older`
+    newest_id: int  # the newest checkpoint id the markers log or the run directory knows
+    survivors: list[SurvivorRecord]  # usable with `newest` (ckpt/partial.py)
     mtbf_s: float | None  # estimated from the run's attempts (ckpt/pls.py)
     summarized: bool  # read from a catalog record on: older checkpoints are in the rest of the log
     markers_read: int  # records of the markers log decoded
@@ -303,7 +306,7 @@ class CheckpointManager:
         self.total_rows = sum(s.num_rows for s in self.shard_map.shards)
         self.stats = CheckpointStats()
         self.restores = 0  # restores of this job so far (persisted in the dense state)
-        self._newest_id = 0  # newest checkpoint id in the markers log (ids never repeat)
+        self._newest_id = 0  # newest checkpoint id in the markers log or the run directory (ids never repeat)
         self.epoch = 0  # this attempt's epoch (ckpt/attempts.py), written into every frame; 0: not yet known
         self.attempt = ""  # this attempt's id, known with its epoch
         self.last_committed = 0  # the newest checkpoint this rank knows committed (restored or written)
@@ -312,7 +315,9 @@ class CheckpointManager:
         self._survivors: list[SurvivorRecord] = []
         self._mtbf_s: float | None = None
         self._summarized = False  # the candidates came from a catalog record (`_older_candidates`)
+        self._older: list[Marker] = []  # rank 0: the checkpoints to fall back to, newest first
         self._markers_read = 0  # records of the markers log rank 0 decoded to find them
+        self._markers_ahead_s = 0.0  # rank 0: reading them while the model was built (`CatalogAhead`)
         if cfg.recovery == "partial":
             self.tracker.keep_uncommitted()
         self.priority = None if cfg.priority == "none" else RowPriority(
@@ -321,7 +326,7 @@ class CheckpointManager:
         self._since_full = 0  # checkpoints since the last full one (prioritized checkpoints)
         self._full_samples = 0  # samples seen at the last full checkpoint
         self._announcing: tuple[Future[Announced], Catalog] | None = None  # rank 0, from the start on
-        self._history = DenseHistory(0, [])  # what the run directory remembers (rank 0's, broadcast)
+        self._history = DenseHistory(0, [])  # what the run directory remembers (rank 0's; in `_newest_id` for all)
         self.agreed_fractions = (0.0, 0.0)  # rows changed since the base / the last checkpoint, all ranks
         self._ahead_step, self._ahead_due = -1, False  # a step whose checkpoint was decided a step early
         self._agreement: _Agreement | None = None  # its agreement, started then
@@ -374,31 +379,40 @@ class CheckpointManager:
                 logger.info("no checkpoint of run %s in %s: starting from scratch", self.run_id, self.backend.where)
             return self._start_fresh()
         pristine = self.row_init  # the shards hold exactly these initial values until a restore writes
-        tries = [(m, self._survivors if i == 0 else []) for i, m in enumerate(candidates)]
-        if self._survivors:  # survivor snapshots that fail to read: the same checkpoint without them
-            tries.insert(1, (candidates[0], []))
-        while tries:
-            for marker, survivors in tries:
-                error = ""
-                try:
-                    rows, state, partial, skips = self._read(marker, survivors, pristine)
-                except (FrameError, SourceError, RestoreError, DenseStoreError) as exc:
-                    error = f"checkpoint {marker.checkpoint_id}{' with survivor snapshots' if survivors else ''}: {exc}"
-                pristine = None
-                read = _ReadStats.gather(error, None if error else rows, markers_s)
-                if not read.failed:
-                    return self._finish_restore(marker, rows, state, t0, read, partial, skips)
-                reason = self._first_error(error)
-                if survivors:
-                    logger.warning("%s; every rank rolls back to the checkpoint instead (full recovery)", reason)
-                    continue
-                if self.c.on_corrupt == "fail":
-                    raise RestoreError(reason + " (set ckpt.on_corrupt=previous to fall back to an older checkpoint)")
-                logger.warning("%s; falling back to the previous checkpoint", reason)
-            # every checkpoint a catalog record kept failed: the older ones are in the rest of the log
-            tries = [(m, []) for m in self._older_candidates(marker.checkpoint_id)] if self._summarized else []
-            self._summarized = False
+        for marker, survivors in self._tries(candidates[0]):
+            error = ""
+            try:
+                rows, state, partial, skips = self._read(marker, survivors, pristine)
+            except (FrameError, SourceError, RestoreError, DenseStoreError) as exc:
+                error = f"checkpoint {marker.checkpoint_id}{' with survivor snapshots' if survivors else ''}: {exc}"
+            pristine = None
+            read = _ReadStats.gather(error, None if error else rows, markers_s)
+            if not read.failed:
+                return self._finish_restore(marker, rows, state, t0, read, partial, skips)
+            reason = self._first_error(error)
+            if survivors:
+                logger.warning("%s; every rank rolls back to the checkpoint instead (full recovery)", reason)
+                continue
+            if self.c.on_corrupt == "fail":
+                raise RestoreError(reason + " (set ckpt.on_corrupt=previous to fall back to an older checkpoint)")
+            logger.warning("%s; falling back to the previous checkpoint", reason)
         raise RestoreError(f"no restorable checkpoint of run {self.run_id} in {self.backend.where}")
+
+    def _tries(self, newest: Marker) -> Iterator[tuple[Marker, list[SurvivorRecord]]]:
+        """What to restore, in order, each with the survivor snapshots it takes: the chosen
+        checkpoint (with survivors first, if any), then the older ones. Every rank runs this
+        in step (a try fails on all ranks or none), and the older checkpoints come from rank 0
+        only once the chosen one failed: every chain's frame index is in them, too much to
+        broadcast on every restore's path."""
+        if self._survivors:  # survivor snapshots that fail to read: the same checkpoint without them
+            yield newest, self._survivors
+        yield newest, []
+        tried = newest.checkpoint_id
+        for marker in self._from_rank0(lambda: self._older):
+            tried = marker.checkpoint_id
+            yield marker, []
+        if self._summarized:  # every checkpoint a catalog record kept failed: the rest of the log has older ones
+            yield from ((m, []) for m in self._older_candidates(tried))
 
     def _read(self, marker: Marker, survivors: list[SurvivorRecord], pristine: Any
               ) -> tuple[RowsRestored, dict[str, Any], PartialOutcome | None, list[int]]:
@@ -451,7 +465,7 @@ class CheckpointManager:
         self.restores = int(state.get("restores", 0)) + 1
         self.lost_samples = float(state.get("lost_samples", 0.0))
         self.last_committed = marker.checkpoint_id
-        self.next_id = max(marker.checkpoint_id, self._newest_id, self._history.newest_id) + 1
+        self.next_id = max(marker.checkpoint_id, self._newest_id) + 1
         self.chain = [link.checkpoint_id for link in marker.chain]
         if self.committer is not None:
             self.committer.links = {link.checkpoint_id: link for link in marker.chain}
@@ -476,7 +490,7 @@ class CheckpointManager:
                                read.written, read.markers_s, read.fetch_s, read.decode_s, read.apply_s, dense_s,
                                read.regenerated, read.init_s, partial,
                                run_pls(self.lost_samples, float(state["trainers"][0]["samples_seen"])),
-                               self._markers_read)
+                               self._markers_read, self._markers_ahead_s)
         if self.env.rank == 0:
             logger.debug(  # the trainer prints the resume line
                 "restored checkpoint %d (step %d, chain %s): %d frames, %d rows, %.1f MB in %.2f s (%s)",
@@ -487,6 +501,7 @@ class CheckpointManager:
                 "step": report.step, "restored_ckpt": report.checkpoint_id, "restore_s": report.seconds,
                 "restore_bytes": report.bytes, "restore_chain": report.chain, "restore_rows_written": report.written,
                 "restore_markers_s": report.markers_s, "restore_markers_records": report.markers_read,
+                "restore_markers_ahead_s": report.markers_ahead_s,
                 "restore_fetch_s": report.fetch_s,
                 "restore_decode_s": report.decode_s, "restore_apply_s": report.apply_s, "restore_dense_s": dense_s,
                 "restore_regenerated_rows": report.regenerated, "restore_regenerate_s": report.init_s,
@@ -533,7 +548,7 @@ class CheckpointManager:
     def _start_fresh(self) -> None:
         """Train from step 0 with checkpoint ids after every id the stream or the run directory
         has seen, so nothing earlier is overwritten."""
-        self.next_id = max(self._newest_id, self._history.newest_id) + 1
+        self.next_id = self._newest_id + 1
         if self.env.rank == 0 and self.next_id > 1:
             logger.info("run %s starts over; its checkpoint ids continue from %d (earlier files are kept)",
                         self.run_id, self.next_id)
@@ -552,14 +567,15 @@ class CheckpointManager:
         )
 
     def _candidates(self) -> list[Marker]:
-        """COMMIT markers to try, newest first (only the chosen one for a given id), and what
-        the run directory remembers (`self._history`). Rank 0 reads the markers log and the
-        dense store and broadcasts, so all ranks agree, and starts announcing this attempt.
-        With `resume=none` only the newest id matters."""
+        """The COMMIT marker to restore (with its cheapest chain; [] to start fresh), and what
+        the run directory remembers (rank 0's `self._history`). Rank 0 reads the markers log and the
+        dense store and broadcasts, so all ranks agree, and starts announcing this attempt;
+        it keeps the checkpoints to fall back to (`_tries`). With `resume=none` only the
+        newest id matters."""
         found = self._from_rank0(self._read_candidates)
-        self._newest_id, self._history, self._survivors, self._mtbf_s, self._summarized, self._markers_read = (
-            found.newest_id, found.history, found.survivors, found.mtbf_s, found.summarized, found.markers_read)
-        return found.ordered
+        self._newest_id, self._survivors, self._mtbf_s, self._summarized, self._markers_read = (
+            found.newest_id, found.survivors, found.mtbf_s, found.summarized, found.markers_read)
+        return found.newest
 
     def _older_candidates(self, than: int) -> list[Marker]:
         """The checkpoints older than `than` to fall back to, from the whole markers log
@@ -603,13 +619,23 @@ class CheckpointManager:
         pool.shutdown(wait=False)
         survivors = usable_survivors(catalog, ordered[0]) if ordered and self.c.recovery == "partial" else []
         mtbf = estimate_mtbf([a.created_unix for a in catalog.trainer_attempts], time.time())
-        return _Candidates(ordered, catalog.newest_id, history, survivors, mtbf, catalog.summary is not None,
-                           catalog.read)
+        self._older = ordered[1:]  # broadcast if the first fails (`_tries`)
+        self._history = history  # its journal of every COMMIT stays here (`_older_candidates`)
+        return _Candidates(ordered[:1], max(catalog.newest_id, history.newest_id), survivors, mtbf,
+                           catalog.summary is not None, catalog.read)
 
     def _recent_catalog(self) -> Catalog:
         """The markers log from its newest catalog record on (ckpt/catalog_record.py) when that
-        has the checkpoint `ckpt.resume` asks for, else the whole log."""
-        catalog = read_recent_catalog(self.backend.markers, self.run_id, self.backend.where)
+        has the checkpoint `ckpt.resume` asks for, else the whole log: read while the model
+        was built (`CatalogAhead`) and caught up with what was appended since, or read now."""
+        markers, where = self.backend.markers, self.backend.where
+        ahead = self.backend.ahead.take() if self.backend.ahead is not None else None
+        self.backend.ahead = None
+        if ahead is not None:
+            self._markers_ahead_s = ahead.seconds
+            catalog = catch_up_recent(ahead.catalog, markers, where)
+        else:
+            catalog = read_recent_catalog(markers, self.run_id, where)
         if catalog.summary is None or self.c.resume == "none":
             return catalog
         found = {m.checkpoint_id for m in catalog.restorable()}

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ckpt.catalog import Catalog
+from ckpt.catalog_ahead import CatalogAhead, catch_up_recent
 from ckpt.catalog_record import read_recent_catalog, summarize
 from ckpt.frames import FrameError, OptimState, chunk_rows, decode_frame
 from ckpt.markers import ChainLink, Marker, OffsetRange, encode_marker
@@ -432,6 +433,40 @@ def test_kafka_markers_tail_read_after_prepare_starts_no_later_than_the_log_end_
         tail = reader.read_tail(5)
         # from 5 before the end prepare saw (asking again would start at later[-5])
         assert tail.records == first[-5:] + later and not tail.whole
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_kafka_markers_read_ahead_is_caught_up_at_restore_time_by_the_reader_it_connected(broker, unique_name,
+                                                                                        monkeypatch):
+    """`open_for_restore` reads the markers log while the model is built (`CatalogAhead`):
+    a COMMIT appended after that read is the one the caught-up fold restores, read by the
+    consumer the read ahead connected for it (no connect on the restore's path)."""
+    connects = []
+    real = kafka_sink._connect
+    monkeypatch.setattr(kafka_sink, "_connect", lambda *a: connects.append(a) or real(*a))
+    run = unique_name("run")
+    conf = {"bootstrap.servers": broker.bootstrap}
+    reader, writer = KafkaMarkers(run, conf, timeout_s=10), KafkaMarkers(run, conf, timeout_s=10)
+
+    def commit(cid: int) -> None:
+        link = ChainLink(checkpoint_id=cid, full=True, generation=cid, ranges={0: [OffsetRange(0, 0)]}, rows=1,
+                         bytes=10)
+        writer.append_marker(encode_marker(Marker(kind="commit", run_id=run, checkpoint_id=cid, step=cid,
+                                                  world_size=1, chain=[link])))
+    try:
+        for cid in (1, 2, 3):
+            commit(cid)
+        reader.prepare(5)
+        read = CatalogAhead(reader, run, broker.bootstrap, 5).take()
+        assert read is not None and [m.checkpoint_id for m in read.catalog.restorable()] == [3, 2, 1]
+        assert len(connects) == 2 and read.catalog.read == 3  # connects: the read's and the catch-up's
+        commit(4)
+        reader.check_reachable(5)  # as the restore does first
+        caught = catch_up_recent(read.catalog, reader, broker.bootstrap)
+        assert [m.checkpoint_id for m in caught.restorable()] == [4, 3, 2, 1]
+        assert len(connects) == 2 and caught.read == 4  # the one appended record decoded
     finally:
         reader.close()
         writer.close()
