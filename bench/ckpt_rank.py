@@ -27,8 +27,9 @@ stats, read after each step end, never from inside the stall:
   (`RowTracker.touched_rows`) that found those rows, the scan `take` starts with.
 
 And in ``DIR/cpu_rank<r>.json`` (`RankCpu`), the CPU seconds of this rank's threads by class
-(`bench.cpu`: training thread, writer thread, librdkafka's threads, the rest) from the first
-step until its writer is idle, and the training thread's share inside the stalls. A job run
+(`bench.cpu`: training thread, writer thread, librdkafka's threads, the rest, and the rest by
+thread name) from the first step until its writer is idle, and the training thread's share
+inside the stalls. A job run
 with ``ckpt.enabled=false`` writes only this file: the baseline the checkpoint's cost is
 measured against.
 
@@ -248,6 +249,7 @@ class RankCpu:
     threads: dict[str, float]  # class -> CPU seconds
     stall_cpu_s: float  # the training thread's CPU inside checkpoint stalls (`StallTiming.cpu_ms`)
     wall_s: float
+    other_by_name: dict[str, float] = field(default_factory=dict)  # the `other` class by thread name
 
 
 def read_cpu(path: Path) -> RankCpu:
@@ -284,7 +286,7 @@ def run(cfg: JobConfig, side: Path) -> None:
             wait_idle(manager)
         ledger.sample()
         cpu = RankCpu(rank=job.env.rank, steps=job.trainer.step, checkpoints=len(manager.stats.stalls) if manager else 0,
-                      threads=ledger.totals(), wall_s=time.perf_counter() - t0,
+                      threads=ledger.totals(), wall_s=time.perf_counter() - t0, other_by_name=ledger.by_name("other"),
                       stall_cpu_s=sum(t.cpu_ms for t in manager.stats.stalls) / 1e3 if manager else 0.0)
         if observed is not None:
             observed.finish(job.trainer.step)

@@ -22,6 +22,7 @@ Hand-rolled because psutil is not a dependency and reads the same files.
 from __future__ import annotations
 
 import os
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,11 +68,13 @@ def process_cpu_s(pid: int) -> float | None:
 
 @dataclass
 class ThreadCpu:
-    """One thread's class and its CPU seconds at the last sample."""
+    """One thread's class and its CPU seconds at the last sample (`name`: its Python name, or
+    the kernel's for a thread Python did not start)."""
 
     comm: str
     klass: str
     cpu_s: float
+    name: str = ""
 
 
 @dataclass
@@ -99,6 +102,16 @@ class CpuLedger:
             out[t.klass] += max(0.0, t.cpu_s - self.started.get(tid, 0.0))
         return out
 
+    def by_name(self, klass: str) -> dict[str, float]:
+        """`totals()[klass]` split by thread name, a pool's threads together (trailing
+        numbers dropped: ``deltarec-dense-read_0`` and ``_1`` are ``deltarec-dense-read``)."""
+        out: dict[str, float] = {}
+        for tid, t in self.threads.items():
+            if t.klass == klass:
+                name = re.sub(r"[-_:]?\d+$", "", t.name or t.comm) or t.comm
+                out[name] = out.get(name, 0.0) + max(0.0, t.cpu_s - self.started.get(tid, 0.0))
+        return out
+
 
 def _read_threads() -> dict[int, ThreadCpu]:
     names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
@@ -108,7 +121,7 @@ def _read_threads() -> dict[int, ThreadCpu]:
         got = _thread_cpu_s(task)
         if got is not None:
             tid = int(task.name)
-            out[tid] = ThreadCpu(got[0], thread_class(tid, got[0], names, main_tid), got[1])
+            out[tid] = ThreadCpu(got[0], thread_class(tid, got[0], names, main_tid), got[1], names.get(tid, got[0]))
     return out
 
 

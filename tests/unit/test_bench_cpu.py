@@ -58,6 +58,30 @@ def test_a_ledger_counts_a_threads_cpu_in_its_class_and_keeps_it_after_the_threa
     assert totals["kafka"] == 0.0
 
 
+def test_the_other_class_splits_by_thread_name_a_pools_threads_together() -> None:
+    ledger = CpuLedger().start()
+    burnt = [threading.Event(), threading.Event()]
+    sampled = threading.Event()
+
+    def work(i: int) -> None:
+        _burn(0.15)
+        burnt[i].set()
+        sampled.wait(10)
+
+    pool = [threading.Thread(target=work, args=(i,), name=f"deltarec-dense-read_{i}") for i in range(2)]
+    for t in pool:
+        t.start()
+    while not all(e.wait(0.02) for e in burnt):
+        ledger.sample()
+    ledger.sample()
+    sampled.set()
+    for t in pool:
+        t.join()
+    split = ledger.by_name("other")
+    assert 0.27 <= split["deltarec-dense-read"] <= 0.45, split  # both threads' 0.15 s
+    assert sum(split.values()) == pytest.approx(ledger.totals()["other"])
+
+
 def test_cpu_spent_before_start_is_not_counted() -> None:
     _burn(0.2)
     ledger = CpuLedger().start()
