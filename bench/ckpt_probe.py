@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     from ckpt.markers import commits
     from ckpt.restore import _overlaps
     from ckpt.sink import rows_name
-    from ckpt.writer import RankWriter, WriteJob
+    from ckpt.writer import RankWriter, WriteJob, encode_frames
     from trainer.config import load_config
     from trainer.main import make_checkpoint_manager
 
@@ -297,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
             generation += 1
             job = WriteJob(checkpoint_id=generation, step=step, generation=generation, chain=[generation], snapshot=snap,
                            trainer_state={}, weight_codec=codec, optimizer_codec="fp32")
-            frames = [f.data for shard in snap.shards if shard.global_rows.numel() for f in writer._frames(job, shard, {})]
+            frames = [f.data for shard in snap.shards if shard.global_rows.numel()
+                      for f in encode_frames(job, shard, {}, writer.run_id, rank, writer.max_frame_bytes)]
             raw_topic = f"{bench_run}.raw.g{generation}"
             if rank == 0:
                 ensure_topic(admin, raw_topic, env.world_size)
@@ -339,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
             nframes = len(frames)
             raw_bytes = sum(len(f) for f in frames)
             assert raw_bytes == nbytes, (raw_bytes, nbytes)
-            del frames
+            frames = []  # this generation's frames released (the closure above holds the name)
             dist.barrier()
             if rank == 0:
                 sink.drop_generation(generation)
@@ -351,13 +352,13 @@ def main(argv: list[str] | None = None) -> int:
     writer.close()
     sink.close()
     producer.flush(5)
-    del producer, admin
+    producer = admin = None
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"probe_rank{rank}.json").write_text(json.dumps(out, indent=1) + "\n")
     mgr.finish(trainer.step)
     mgr_q.finish(trainer.step)
-    del mgr, mgr_q, trainer, sharded, full_snap, delta_snap
+    mgr = mgr_q = trainer = sharded = full_snap = delta_snap = None  # released before the process group goes
     stop_job()
     return 0
 

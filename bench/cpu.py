@@ -5,8 +5,10 @@ the co-located broker spent beside them.
 A rank's threads fall in four classes:
 
 - ``train``: the main thread, which runs the training loop (and the checkpoint stall);
-- ``writer``: deltarec's writer thread (``deltarec-writer-<rank>``: encode, produce, commit)
-  and its copier thread (``deltarec-snapshot``: a checkpoint's copy beside the next step);
+- ``writer``: deltarec's writer thread (``deltarec-writer-<rank>``: encode, produce, commit),
+  its copier thread (``deltarec-snapshot``: a checkpoint's copy beside the next step) and the
+  host buffers' helper (``deltarec-host-buffers``: the next snapshot's memory made and faulted
+  in ahead), the threads only checkpointing runs;
 - ``kafka``: librdkafka's own threads (named ``rdk:main``, ``rdk:broker<n>``, ...), which
   serialize, compress and send what the writer produced;
 - ``other``: everything else (gloo's and torch's worker threads, the dense-file thread).
@@ -35,7 +37,7 @@ def thread_class(tid: int, comm: str, names: dict[int, str], main_tid: int) -> s
     """The class of thread `tid` (kernel name `comm`; `names`: Python threads' names by native id)."""
     if tid == main_tid:
         return "train"
-    if names.get(tid, "").startswith(("deltarec-writer", "deltarec-snapshot")):
+    if names.get(tid, "").startswith(("deltarec-writer", "deltarec-snapshot", "deltarec-host-buffers")):
         return "writer"
     if comm.startswith("rdk:"):
         return "kafka"
@@ -131,13 +133,14 @@ def checkpoint_cpu(job: list[dict], base: list[dict], checkpoints: int,
     checkpoints, summed over ranks (`job`, `base`: every rank's `bench.ckpt_rank.RankCpu` as a
     dict). The baseline is scaled to the job's steps. Keys (seconds per checkpoint):
     ``cpu_train`` the training thread's extra CPU (the stall, the tracker's hook, ...),
-    ``cpu_stall`` its part inside the stalls, ``cpu_writer`` the writer thread, ``cpu_kafka``
+    ``cpu_stall`` its part inside the stalls, ``cpu_writer`` the writer class, ``cpu_kafka``
     librdkafka's threads, ``cpu_other`` the other threads' extra CPU, ``cpu_trainer`` all of
     the trainer's process, ``cpu_broker`` the broker process (`broker_s`: its CPU during the
     job); and ``cpu_trainer_overhead``, the trainer's extra CPU as a fraction of the baseline's.
 
     ``cpu_direct`` is the CPU spent where only checkpointing runs: the training thread inside
-    stalls, the writer thread and librdkafka's threads (none of which the baseline has), with
+    stalls, the ``writer`` class (writer, copier, host buffers) and librdkafka's threads (none
+    of which the baseline has), with
     ``cpu_direct_overhead`` its fraction of the baseline's CPU. Unlike the differences above
     it subtracts nothing, so it does not carry the run-to-run noise of two whole jobs' CPU (a
     few percent on a shared VM); it leaves out the tracker's hook on every step (suite

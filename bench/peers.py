@@ -640,7 +640,7 @@ def table(summary: dict[str, Any]) -> str:
 def cpu_table(summary: dict[str, Any]) -> str:
     """CPU seconds per checkpoint of every deltarec job beyond the job without checkpoints,
     summed over ranks, by thread class, and the broker's beside them (a fresh broker per job)."""
-    head = ("| deltarec job | training thread (of it in stalls) | writer and copier threads | librdkafka | other threads | "
+    head = ("| deltarec job | training thread (of it in stalls) | writer, copier and host-buffer threads | librdkafka | other threads | "
             "trainer process | broker process | trainer CPU overhead |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
 

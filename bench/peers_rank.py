@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
     if rank == 0:
         shutil.rmtree(work, ignore_errors=True)
-    del trainer, sharded, smap
+    trainer = sharded = smap = None  # released before the process group goes (closures above hold them)
     stop_job()
     return 0
 

@@ -234,7 +234,7 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> int:
         "ratio": fstall / fbare, "GB_per_s": full_nbytes / fstall / 1e9,
     }
     print(json.dumps({"rank": env.rank, "threads": torch.get_num_threads(), "tracker": tr, "delta": delta, "full": full}), flush=True)
-    del trainer, tracker, taker, smap, sharded
+    trainer = tracker = taker = smap = sharded = None  # released before the process group goes
     stop_job()
     return 0
 

@@ -148,7 +148,6 @@ def encode_nbit_with_range(
     No input validation (callers validate); the fp16 metadata may be non-finite for huge rows.
     """
     n, dim = x.shape
-    P = packed_bytes(dim, bits)
     if n and _fbgemm_nbit_dim(dim, bits) and _use_fbgemm(x):
         fb = _fb()
         if mn is None:

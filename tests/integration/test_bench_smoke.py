@@ -129,6 +129,18 @@ def test_cost_suite_measures_kafka_and_the_tmpfs_reference_against_no_checkpoint
     assert sinks == {"none", "kafka", "tmpfs"}
 
 
+def test_checkpoint_suite_runs_its_probes_to_the_end(tmp_path: Path, run_cli: CliRunner) -> None:
+    """A tiny `checkpoint` run: the writer's frames against a raw producer of the same bytes,
+    the stall against a bare copy, restore against `dcp.load`, each with its figure."""
+    records = tmp_path / "records.jsonl"
+    run_cli("bench.run", "--suite", "checkpoint", "--steps", "40", "--interval", "20", "--repeats", "2",
+            "--records", records, timeout_s=600)
+    got = {r["metric"]: r["value"] for r in read_records(records)}
+    wanted = {"writer_over_raw_full_fp32", "writer_over_raw_full_adaptive4", "stall_over_bare", "restore_over_dcp_load"}
+    assert wanted <= set(got), sorted(got)
+    assert all(got[m] > 0 for m in wanted), {m: got[m] for m in wanted}
+
+
 def test_markers_suite_reads_a_long_log_from_its_newest_catalog_record(tmp_path: Path, run_cli: CliRunner) -> None:
     out, records = tmp_path / "results.json", tmp_path / "records.jsonl"
     run_cli("bench.run", "--suite", "markers", "--records", records, "--out", out, "--commits", "20,120",

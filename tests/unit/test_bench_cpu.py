@@ -30,6 +30,7 @@ def test_threads_are_classed_by_their_names() -> None:
     assert thread_class(13, "rdk:broker1", names, main_tid=10) == "kafka"
     assert thread_class(14, "rdk:main", {}, main_tid=10) == "kafka"
     assert thread_class(12, "python", names, main_tid=10) == "other"
+    assert thread_class(16, "python", {16: "deltarec-host-buffers_0"}, main_tid=10) == "writer"
     assert thread_class(15, "pt_gloo", names, main_tid=10) == "other"
 
 
