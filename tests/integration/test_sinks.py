@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import pytest
 import torch
@@ -438,59 +438,61 @@ def test_kafka_markers_tail_read_after_prepare_starts_no_later_than_the_log_end_
         writer.close()
 
 
-def test_kafka_markers_read_ahead_is_caught_up_at_restore_time_by_the_reader_it_connected(broker, unique_name,
-                                                                                        monkeypatch):
-    """`open_for_restore` reads the markers log while the model is built (`CatalogAhead`):
-    a COMMIT appended after that read is the one the caught-up fold restores, read by the
-    consumer the read ahead connected for it (no connect on the restore's path)."""
-    connects = []
+class CountedMarkers(NamedTuple):
+    run: str
+    reader: KafkaMarkers
+    writer: KafkaMarkers
+    connects: list  # one entry per consumer connect (`kafka_sink._connect` call)
+
+
+@pytest.fixture
+def counted_markers(broker, unique_name, monkeypatch):
+    """A reader and a writer of one run's markers log on the broker, the connects counted."""
+    connects: list = []
     real = kafka_sink._connect
     monkeypatch.setattr(kafka_sink, "_connect", lambda *a: connects.append(a) or real(*a))
     run = unique_name("run")
     conf = {"bootstrap.servers": broker.bootstrap}
-    reader, writer = KafkaMarkers(run, conf, timeout_s=10), KafkaMarkers(run, conf, timeout_s=10)
+    pair = CountedMarkers(run, KafkaMarkers(run, conf, timeout_s=10), KafkaMarkers(run, conf, timeout_s=10), connects)
+    yield pair
+    pair.reader.close()
+    pair.writer.close()
+
+
+def test_kafka_markers_read_ahead_is_caught_up_at_restore_time_by_the_reader_it_connected(counted_markers, broker):
+    """`open_for_restore` reads the markers log while the model is built (`CatalogAhead`):
+    a COMMIT appended after that read is the one the caught-up fold restores, read by the
+    consumer the read ahead connected for it (no connect on the restore's path)."""
+    run, reader, writer, connects = counted_markers
 
     def commit(cid: int) -> None:
         link = ChainLink(checkpoint_id=cid, full=True, generation=cid, ranges={0: [OffsetRange(0, 0)]}, rows=1,
                          bytes=10)
         writer.append_marker(encode_marker(Marker(kind="commit", run_id=run, checkpoint_id=cid, step=cid,
                                                   world_size=1, chain=[link])))
-    try:
-        for cid in (1, 2, 3):
-            commit(cid)
-        reader.prepare(5)
-        read = CatalogAhead(reader, run, broker.bootstrap, 5).take()
-        assert read is not None and [m.checkpoint_id for m in read.catalog.restorable()] == [3, 2, 1]
-        assert len(connects) == 2 and read.catalog.read == 3  # connects: the read's and the catch-up's
-        commit(4)
-        reader.check_reachable(5)  # as the restore does first
-        caught = catch_up_recent(read.catalog, reader, broker.bootstrap)
-        assert [m.checkpoint_id for m in caught.restorable()] == [4, 3, 2, 1]
-        assert len(connects) == 2 and caught.read == 4  # the one appended record decoded
-    finally:
-        reader.close()
-        writer.close()
+    for cid in (1, 2, 3):
+        commit(cid)
+    reader.prepare(5)
+    read = CatalogAhead(reader, run, broker.bootstrap, 5).take()
+    assert read is not None and [m.checkpoint_id for m in read.catalog.restorable()] == [3, 2, 1]
+    assert len(connects) == 2 and read.catalog.read == 3  # connects: the read's and the catch-up's
+    commit(4)
+    reader.check_reachable(5)  # as the restore does first
+    caught = catch_up_recent(read.catalog, reader, broker.bootstrap)
+    assert [m.checkpoint_id for m in caught.restorable()] == [4, 3, 2, 1]
+    assert len(connects) == 2 and caught.read == 4  # the one appended record decoded
 
 
-def test_kafka_markers_reachability_check_waits_for_the_connect_prepare_started(broker, unique_name, monkeypatch):
+def test_kafka_markers_reachability_check_waits_for_the_connect_prepare_started(counted_markers):
     """`prepare` starts the check's connect ahead (a manager does while it is being built):
     the check then takes that consumer, connecting no other, and the markers read uses it.
     Where nothing listens, the prepared check fails with the one-line error all the same."""
-    connects = []
-    real = kafka_sink._connect
-    monkeypatch.setattr(kafka_sink, "_connect", lambda *a: connects.append(a) or real(*a))
-    run = unique_name("run")
-    conf = {"bootstrap.servers": broker.bootstrap}
-    reader, writer = KafkaMarkers(run, conf, timeout_s=10), KafkaMarkers(run, conf, timeout_s=10)
-    try:
-        pos = writer.append_marker(b"COMMIT 1")
-        reader.prepare(5)
-        reader.check_reachable(5)
-        assert reader.read_markers() == [(pos, b"COMMIT 1")]
-        assert len(connects) == 1
-    finally:
-        reader.close()
-        writer.close()
+    run, reader, writer, connects = counted_markers
+    pos = writer.append_marker(b"COMMIT 1")
+    reader.prepare(5)
+    reader.check_reachable(5)
+    assert reader.read_markers() == [(pos, b"COMMIT 1")]
+    assert len(connects) == 1
     address = f"127.0.0.1:{free_port()}"
     dead = KafkaMarkers(run, {"bootstrap.servers": address}, timeout_s=1)
     try:
