@@ -27,11 +27,10 @@ stats, read after each step end, never from inside the stall:
   (`RowTracker.touched_rows`) that found those rows, the scan `take` starts with.
 
 And in ``DIR/cpu_rank<r>.json`` (`RankCpu`), the CPU seconds of this rank's threads by class
-(`bench.cpu`: training thread, writer thread, librdkafka's threads, the rest, and the rest by
-thread name) from the first step until its writer is idle, and the training thread's share
-inside the stalls. A job run
-with ``ckpt.enabled=false`` writes only this file: the baseline the checkpoint's cost is
-measured against.
+(`bench.cpu`: training thread, checkpoint threads, librdkafka's threads, the rest, and the rest
+by thread name) from the first step until its writer is idle, and the training thread's share
+inside the stalls. A job run with ``ckpt.enabled=false`` writes only this file: the baseline
+the checkpoint's cost is measured against.
 
 Why one hook remains: the rows a delta copies are known only before its checkpoint marks the
 tracker, so `ObservedCheckpointer` stands in for the manager as the loop's `Checkpointer`

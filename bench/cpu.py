@@ -76,7 +76,7 @@ class ThreadCpu:
     comm: str
     klass: str
     cpu_s: float
-    name: str = ""
+    name: str
 
 
 @dataclass
@@ -110,7 +110,7 @@ class CpuLedger:
         out: dict[str, float] = {}
         for tid, t in self.threads.items():
             if t.klass == klass:
-                name = re.sub(r"[-_:]?\d+$", "", t.name or t.comm) or t.comm
+                name = re.sub(r"[-_:]?\d+$", "", t.name) or t.name
                 out[name] = out.get(name, 0.0) + max(0.0, t.cpu_s - self.started.get(tid, 0.0))
         return out
 

@@ -641,7 +641,7 @@ class CheckpointManager:
         found = {m.checkpoint_id for m in catalog.restorable()}
         if found if self.c.resume == "latest" else int(self.c.resume) in found:
             return catalog
-        return read_catalog(self.backend.markers, self.run_id, self.backend.where)
+        return read_catalog(markers, self.run_id, where)
 
     def _join_attempt(self) -> None:
         """Before this attempt's first checkpoint: rank 0 waits for its ATTEMPT record, hands it
