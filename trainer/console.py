@@ -414,6 +414,9 @@ def is_peer_lost(exc: BaseException) -> bool:
 
 STALLED = re.compile(r"Timed out waiting (\d+)ms for (send|recv) operation")
 """What gloo says when a collective's peer stopped answering within the process group's timeout."""
+PAIR_TIMED_OUT = "Application timeout caused pair closure"
+"""What gloo says instead to an operation on a connection whose earlier operation timed out
+(which of the two a rank meets first depends on timing)."""
 _BACKWARD_CODE = "/torch/autograd/"
 """A collective waited inside the autograd engine (DDP's gradient all-reduce, run by its C++ reducer,
 or a backward all-to-all) leaves no Python frame of its own below this one."""
@@ -422,7 +425,9 @@ _COLLECTIVE_CODE = ("/torchrec/", "/torch/distributed/", "/torch/nn/parallel/", 
 
 def is_stalled_collective(exc: BaseException) -> bool:
     """Whether `exc` is a collective that timed out waiting for another rank (alive, silent)."""
-    return isinstance(exc, RuntimeError) and "gloo" in str(exc) and STALLED.search(str(exc)) is not None
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("gloo" in text and STALLED.search(text) is not None
+                                              or PAIR_TIMED_OUT in text)
 
 
 def stalled_collective(exc: BaseException) -> str:

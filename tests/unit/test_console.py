@@ -231,6 +231,10 @@ def test_a_timed_out_collective_is_one_line_with_the_wait_and_where() -> None:
         _train_step_that_stalls.__code__.co_firstlineno + 1) + ")"), line
     assert not console.is_stalled_collective(RuntimeError("Timed out waiting 5000ms for the broker"))
     assert not console.is_stalled_collective(RuntimeError(GLOO_RESET))
+    # an operation on a connection an earlier one timed out on (seen in torchrec's input all-to-all)
+    closed = RuntimeError("Application timeout caused pair closure")
+    assert console.is_stalled_collective(closed) and not console.is_peer_lost(closed)
+    assert "a collective waited the timeout (sharding.timeout_s)" in console.stalled_line(0, closed)
 
 
 def test_a_collective_timed_out_in_the_backward_pass_names_it() -> None:
