@@ -20,7 +20,7 @@ import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,23 +29,22 @@ from torch.distributed.checkpoint.stateful import Stateful
 from ckpt import dense_state, restore_kernel
 from ckpt.attempts import Announced, Fenced, announce
 from ckpt.backends import Backend, open_for_restore
-from ckpt.catalog import Catalog, read_catalog
-from ckpt.catalog_ahead import catch_up_recent
-from ckpt.catalog_record import read_recent_catalog
+from ckpt.catalog import Catalog
 from ckpt.committer import Committer
 from ckpt.config import CkptConfig
 from ckpt.copy_behind import CopyBehind
-from ckpt.dense_store import DenseHistory, DenseRef, DenseStore, DenseStoreError
+from ckpt.dense_store import DenseRef, DenseStore, DenseStoreError
 from ckpt.host_buffers import HostBufferPool
 from ckpt.faults import maybe_die, maybe_slow_copy
 from ckpt.frames import FrameError
 from ckpt.markers import Marker, SurvivorRecord
-from ckpt.partial import PartialOutcome, SkipsBatches, compose, shared_reader, usable_survivors, with_survivors
-from ckpt.pls import estimate_mtbf, interval_for_pls, run_pls
+from ckpt.partial import PartialOutcome, SkipsBatches, compose, shared_reader, with_survivors
+from ckpt.pls import interval_for_pls, run_pls
 from ckpt.priority import RowPriority
 from ckpt.policy import CheckpointPolicy, Decision
 from ckpt.quant import BitWidthPolicy, warm_up_codecs
 from ckpt.restore import RestoreError, RowsRestored, restore_rows, row_init_of
+from ckpt.resume_choice import ResumeChoice, from_rank0
 from ckpt.sink import SinkError, SourceError
 from ckpt.snapshot import SnapshotTaker
 from ckpt.survivor import save_survivor
@@ -60,7 +59,6 @@ from sharding.shard_views import ShardMap
 
 logger = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
 _TIME_CHECK_EVERY = 10  # steps between agreements on a time-based interval
 _KINDS = ("full", "base", "last")  # a full checkpoint, a delta since the base, a delta since the last one
 
@@ -211,23 +209,6 @@ def grown_estimate(previous: Mapping[str, int], now: Mapping[str, int], kinds: S
     return min(cap, max(grown(k) for k in kinds))
 
 
-class _Candidates(NamedTuple):
-    """What rank 0 reads of the markers log and the run directory at start, for every rank."""
-
-    newest: list[Marker]  # the checkpoint to restore (none: start fresh); older ones: rank 0's `_older`
-    newest_id: int  # the newest checkpoint id the markers log or the run directory knows
-    survivors: list[SurvivorRecord]  # usable with `newest` (ckpt/partial.py)
-    mtbf_s: float | None  # estimated from the run's attempts (ckpt/pls.py)
-    summarized: bool  # read from a catalog record on: older checkpoints are in the rest of the log
-    markers_read: int  # records of the markers log decoded
-
-
-class _Refused(NamedTuple):
-    """Rank 0's refusal, broadcast in place of what it was reading."""
-
-    reason: str
-
-
 @dataclass
 class CheckpointStats:
     committed: int = 0
@@ -306,18 +287,12 @@ class CheckpointManager:
         self.total_rows = sum(s.num_rows for s in self.shard_map.shards)
         self.stats = CheckpointStats()
         self.restores = 0  # restores of this job so far (persisted in the dense state)
-        self._newest_id = 0  # newest checkpoint id in the markers log or the run directory (ids never repeat)
         self.epoch = 0  # this attempt's epoch (ckpt/attempts.py), written into every frame; 0: not yet known
         self.attempt = ""  # this attempt's id, known with its epoch
         self.last_committed = 0  # the newest checkpoint this rank knows committed (restored or written)
         self.lost_samples = 0.0  # samples whose updates partial recoveries lost, over the run (ckpt/pls.py)
         self.interval_s = cfg.interval_s  # or what `ckpt.target_pls` sets at start
-        self._survivors: list[SurvivorRecord] = []
-        self._mtbf_s: float | None = None
-        self._summarized = False  # the candidates came from a catalog record (`_older_candidates`)
-        self._older: list[Marker] = []  # rank 0: the checkpoints to fall back to, newest first
-        self._markers_read = 0  # records of the markers log rank 0 decoded to find them
-        self._markers_ahead_s = 0.0  # rank 0: reading them while the model was built (`CatalogAhead`)
+        self.choice = ResumeChoice(cfg, self.backend, self.dense)  # what `restore` reads, agreed by every rank
         if cfg.recovery == "partial":
             self.tracker.keep_uncommitted()
         self.priority = None if cfg.priority == "none" else RowPriority(
@@ -326,7 +301,6 @@ class CheckpointManager:
         self._since_full = 0  # checkpoints since the last full one (prioritized checkpoints)
         self._full_samples = 0  # samples seen at the last full checkpoint
         self._announcing: tuple[Future[Announced], Catalog] | None = None  # rank 0, from the start on
-        self._history = DenseHistory(0, [])  # what the run directory remembers (rank 0's; in `_newest_id` for all)
         self.agreed_fractions = (0.0, 0.0)  # rows changed since the base / the last checkpoint, all ranks
         self._ahead_step, self._ahead_due = -1, False  # a step whose checkpoint was decided a step early
         self._agreement: _Agreement | None = None  # its agreement, started then
@@ -370,16 +344,16 @@ class CheckpointManager:
 
     def _restore(self) -> RestoreReport | None:
         t0 = time.perf_counter()
-        candidates = self._candidates()
+        candidates = self.choice.newest(self._announce)
         markers_s = time.perf_counter() - t0
         if self.c.resume == "none":
             return self._start_fresh()
-        if not candidates:  # `resume=latest` of a run without history (`_choose` refused the rest)
+        if not candidates:  # `resume=latest` of a run without history (`ResumeChoice` refused the rest)
             if self.env.rank == 0:
                 logger.info("no checkpoint of run %s in %s: starting from scratch", self.run_id, self.backend.where)
             return self._start_fresh()
         pristine = self.row_init  # the shards hold exactly these initial values until a restore writes
-        for marker, survivors in self._tries(candidates[0]):
+        for marker, survivors in self.choice.tries(candidates[0]):
             error = ""
             try:
                 rows, state, partial, skips = self._read(marker, survivors, pristine)
@@ -397,22 +371,6 @@ class CheckpointManager:
                 raise RestoreError(reason + " (set ckpt.on_corrupt=previous to fall back to an older checkpoint)")
             logger.warning("%s; falling back to the previous checkpoint", reason)
         raise RestoreError(f"no restorable checkpoint of run {self.run_id} in {self.backend.where}")
-
-    def _tries(self, newest: Marker) -> Iterator[tuple[Marker, list[SurvivorRecord]]]:
-        """What to restore, in order, each with the survivor snapshots it takes: the chosen
-        checkpoint (with survivors first, if any), then the older ones. Every rank runs this
-        in step (a try fails on all ranks or none), and the older checkpoints come from rank 0
-        only once the chosen one failed: every chain's frame index is in them, too much to
-        broadcast on every restore's path."""
-        if self._survivors:  # survivor snapshots that fail to read: the same checkpoint without them
-            yield newest, self._survivors
-        yield newest, []
-        tried = newest.checkpoint_id
-        for marker in self._from_rank0(lambda: self._older):
-            tried = marker.checkpoint_id
-            yield marker, []
-        if self._summarized:  # every checkpoint a catalog record kept failed: the rest of the log has older ones
-            yield from ((m, []) for m in self._older_candidates(tried))
 
     def _read(self, marker: Marker, survivors: list[SurvivorRecord], pristine: Any
               ) -> tuple[RowsRestored, dict[str, Any], PartialOutcome | None, list[int]]:
@@ -465,7 +423,7 @@ class CheckpointManager:
         self.restores = int(state.get("restores", 0)) + 1
         self.lost_samples = float(state.get("lost_samples", 0.0))
         self.last_committed = marker.checkpoint_id
-        self.next_id = max(marker.checkpoint_id, self._newest_id) + 1
+        self.next_id = max(marker.checkpoint_id, self.choice.newest_id) + 1
         self.chain = [link.checkpoint_id for link in marker.chain]
         if self.committer is not None:
             self.committer.links = {link.checkpoint_id: link for link in marker.chain}
@@ -490,7 +448,7 @@ class CheckpointManager:
                                read.written, read.markers_s, read.fetch_s, read.decode_s, read.apply_s, dense_s,
                                read.regenerated, read.init_s, partial,
                                run_pls(self.lost_samples, float(state["trainers"][0]["samples_seen"])),
-                               self._markers_read, self._markers_ahead_s)
+                               self.choice.markers_read, self.choice.markers_ahead_s)
         if self.env.rank == 0:
             logger.debug(  # the trainer prints the resume line
                 "restored checkpoint %d (step %d, chain %s): %d frames, %d rows, %.1f MB in %.2f s (%s)",
@@ -548,100 +506,21 @@ class CheckpointManager:
     def _start_fresh(self) -> None:
         """Train from step 0 with checkpoint ids after every id the stream or the run directory
         has seen, so nothing earlier is overwritten."""
-        self.next_id = self._newest_id + 1
+        self.next_id = self.choice.newest_id + 1
         if self.env.rank == 0 and self.next_id > 1:
             logger.info("run %s starts over; its checkpoint ids continue from %d (earlier files are kept)",
                         self.run_id, self.next_id)
         return None
 
-    def _lost_stream(self, history: DenseHistory) -> str:
-        """The one-line refusal of `resume=latest` when the run directory has committed
-        checkpoints that the stream does not."""
-        newest = max(history.commits, key=lambda c: c.checkpoint_id)
-        return (
-            f"run {self.run_id}: {self.dense.root} records {len(history.commits)} committed checkpoint(s) "
-            f"(newest {newest.checkpoint_id} at step {newest.step}, in {newest.where or 'an unnamed stream'}) but "
-            f"{self.backend.where} has no COMMIT marker of this run: the stream was lost or this job points at "
-            f"another one. Point ckpt.sink / ckpt.bootstrap_servers / ckpt.fs_root at the stream that holds them, "
-            f"or set ckpt.resume=none to start over (earlier files are kept)"
-        )
-
-    def _candidates(self) -> list[Marker]:
-        """The COMMIT marker to restore (with its cheapest chain; [] to start fresh), and what
-        the run directory remembers (rank 0's `self._history`). Rank 0 reads the markers log and the
-        dense store and broadcasts, so all ranks agree, and starts announcing this attempt;
-        it keeps the checkpoints to fall back to (`_tries`). With `resume=none` only the
-        newest id matters."""
-        found = self._from_rank0(self._read_candidates)
-        self._newest_id, self._survivors, self._mtbf_s, self._summarized, self._markers_read = (
-            found.newest_id, found.survivors, found.mtbf_s, found.summarized, found.markers_read)
-        return found.newest
-
-    def _older_candidates(self, than: int) -> list[Marker]:
-        """The checkpoints older than `than` to fall back to, from the whole markers log
-        (rank 0 reads it, every rank gets the same list)."""
-        def read() -> list[Marker]:
-            catalog = read_catalog(self.backend.markers, self.run_id, self.backend.where)
-            return [m for m in self._choose(catalog, self._history) if m.checkpoint_id < than]
-        return self._from_rank0(read)
-
-    def _from_rank0(self, read: Callable[[], _T], refused: type[DeltarecError] = RestoreError) -> _T:
-        """`read()` on rank 0, its result on every rank; its `DeltarecError` raised on every
-        rank (none waits at the broadcast): itself on rank 0, a `refused` with its message on
-        the others."""
-        box: list[Any] = [None]
-        failure: DeltarecError | None = None
-        if self.env.rank == 0:
-            try:
-                box[0] = read()
-            except DeltarecError as exc:
-                failure = exc
-                box[0] = _Refused(str(exc))
-        dist.broadcast_object_list(box, src=0)
-        if isinstance(box[0], _Refused):
-            raise failure or refused(box[0].reason)
-        return box[0]
-
-    def _read_candidates(self) -> _Candidates:
-        """Rank 0's part of `_candidates`: the broker answers (bounded), the markers log and the
-        dense store are read and the checkpoint to resume chosen, or the start refused (a lost
-        stream, an id that cannot be restored) before anything is written. Then this attempt's
-        ATTEMPT record (ckpt/attempts.py) is appended in the background: a fresh idempotent
-        producer's first append takes about a second on the embedded broker, which the restore
-        need not wait for; the first checkpoint does (`_join_attempt`)."""
-        self.backend.markers.check_reachable(self.c.connect_timeout_s)
-        history = self.dense.history()
-        catalog = self._recent_catalog()
-        ordered = self._choose(catalog, history)
+    def _announce(self, catalog: Catalog) -> None:
+        """Rank 0, once the checkpoint to resume is chosen from `catalog`: this attempt's ATTEMPT
+        record (ckpt/attempts.py) is appended in the background. A fresh idempotent producer's
+        first append takes about a second on the embedded broker, which the restore need not
+        wait for; the first checkpoint does (`_join_attempt`)."""
         pool = ThreadPoolExecutor(1, thread_name_prefix="deltarec-announce")
         self._announcing = (pool.submit(announce, self.backend.markers, self.run_id, "trainer", self.env.world_size),
                             catalog)
         pool.shutdown(wait=False)
-        survivors = usable_survivors(catalog, ordered[0]) if ordered and self.c.recovery == "partial" else []
-        mtbf = estimate_mtbf([a.created_unix for a in catalog.trainer_attempts], time.time())
-        self._older = ordered[1:]  # broadcast if the first fails (`_tries`)
-        self._history = history  # its journal of every COMMIT stays here (`_older_candidates`)
-        return _Candidates(ordered[:1], max(catalog.newest_id, history.newest_id), survivors, mtbf,
-                           catalog.summary is not None, catalog.read)
-
-    def _recent_catalog(self) -> Catalog:
-        """The markers log from its newest catalog record on (ckpt/catalog_record.py) when that
-        has the checkpoint `ckpt.resume` asks for, else the whole log: read while the model
-        was built (`CatalogAhead`) and caught up with what was appended since, or read now."""
-        markers, where = self.backend.markers, self.backend.where
-        ahead = self.backend.ahead.take() if self.backend.ahead is not None else None
-        self.backend.ahead = None
-        if ahead is not None:
-            self._markers_ahead_s = ahead.seconds
-            catalog = catch_up_recent(ahead.catalog, markers, where)
-        else:
-            catalog = read_recent_catalog(markers, self.run_id, where)
-        if catalog.summary is None or self.c.resume == "none":
-            return catalog
-        found = {m.checkpoint_id for m in catalog.restorable()}
-        if found if self.c.resume == "latest" else int(self.c.resume) in found:
-            return catalog
-        return read_catalog(markers, self.run_id, where)
 
     def _join_attempt(self) -> None:
         """Before this attempt's first checkpoint: rank 0 waits for its ATTEMPT record, hands it
@@ -657,7 +536,7 @@ class CheckpointManager:
                 raise SinkError(f"run {self.run_id}: cannot announce this attempt in the markers log: {exc}") from exc
             self.committer.start_attempt(attempt, epoch, catalog)
             return epoch, attempt.attempt
-        self.epoch, self.attempt = self._from_rank0(join, SinkError)
+        self.epoch, self.attempt = from_rank0(join, SinkError)
 
     def _start_attempt(self) -> None:
         """After the restore (or a fresh start): under partial recovery every rank learns its
@@ -675,7 +554,7 @@ class CheckpointManager:
         dist.all_reduce(total)
         dist.all_reduce(largest, op=dist.ReduceOp.MAX)
         share = largest.item() / max(total.item(), 1.0)
-        mtbf = self.c.mtbf_s or self._mtbf_s
+        mtbf = self.c.mtbf_s or self.choice.mtbf_s
         if not mtbf:
             raise ConfigError("ckpt.target_pls needs ckpt.mtbf_s (seconds) until the run has restarted at least once "
                               "(then its own attempts give the mean time between failures)")
@@ -685,30 +564,6 @@ class CheckpointManager:
                         "holds up to %.1f%% of the embedding parameters", interval, self.c.target_pls, mtbf,
                         "ckpt.mtbf_s" if self.c.mtbf_s else "this run's attempts", share * 100)
         return interval
-
-    def _choose(self, catalog: Catalog, history: DenseHistory) -> list[Marker]:
-        """The checkpoints `ckpt.resume` asks for, newest first, each with its cheapest complete
-        chain: [] to start fresh; a `RestoreError` when the start must be refused."""
-        found = catalog.restorable()
-        if self.c.resume == "none":
-            return []
-        if self.c.resume == "latest":
-            if not found and history.commits:
-                raise RestoreError(self._lost_stream(history))
-            return sorted(found, key=lambda m: m.checkpoint_id, reverse=True)
-        chosen = int(self.c.resume)
-        ordered = [m for m in found if m.checkpoint_id == chosen]
-        older = sorted((m for m in found if m.checkpoint_id < chosen), key=lambda m: m.checkpoint_id, reverse=True)
-        if not ordered:
-            why = (f"checkpoint {chosen} of run {self.run_id}: every chain that restores it reads a generation "
-                   f"deltarec-ckpt gc dropped ({sorted(catalog.dropped)}); `deltarec-ckpt list` shows what is left"
-                   if chosen in catalog.commits else
-                   f"checkpoint {chosen} of run {self.run_id} has no COMMIT marker in {self.backend.where}")
-            if self.c.on_corrupt == "fail" or not older:
-                raise RestoreError(why + (" (or set ckpt.on_corrupt=previous to fall back to an older checkpoint)"
-                                          if older else ""))
-            logger.warning("%s; falling back to the previous checkpoint", why)
-        return ordered + older
 
     def _trainer_state(self, state: dict[str, Any], marker: Marker) -> dict[str, Any]:
         """This rank's loop state; reader state carries over to another world size only
