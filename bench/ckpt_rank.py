@@ -21,10 +21,13 @@ stats, read after each step end, never from inside the stall:
   then on a crash would restore this checkpoint;
 - a bare baseline: ``bare_ms_all``, a plain ``index_select`` (``copy_`` for a full
   checkpoint) of exactly the rows the checkpoint copied, weights and every optimizer state,
-  from the same live tensors into reused buffers (`BareCopier`), three times. It runs
-  *after* the checkpoint, at the first step end where every checkpoint this rank took has its
-  outcome (its writer is idle), so it neither inflates the stall nor competes with the writer. ``find_ms`` is the bitmap scan
-  (`RowTracker.touched_rows`) that found those rows, the scan `take` starts with.
+  from the same live tensors into reused buffers (`BareCopier`), three times. It runs once
+  training is over (`ObservedCheckpointer.finish`, after the CPU figures below are taken),
+  so it inflates neither the stall nor the throughput and CPU the suites measure, and does
+  not compete with the writer. (Run at step ends, a full checkpoint's three copies of every
+  row, with their buffers faulted in, took seconds of the training thread on the full-size
+  model, which the cost suite counted as the checkpoint's cost.) ``find_ms`` is the bitmap
+  scan (`RowTracker.touched_rows`) that found those rows, the scan `take` starts with.
 
 And in ``DIR/cpu_rank<r>.json`` (`RankCpu`), the CPU seconds of this rank's threads by class
 (`bench.cpu`: training thread, checkpoint threads, librdkafka's threads, the rest, and the rest
@@ -152,7 +155,7 @@ class ObservedCheckpointer:
 
     Before a step end that checkpoints (`ckpt.interval_steps`), it lists the rows the delta
     will copy (the tracker forgets them once the checkpoint marks it); after each step end it
-    reads the manager's new `StallTiming`s and outcomes; at the first idle step end it times
+    reads the manager's new `StallTiming`s and outcomes; after training (`finish`) it times
     the bare copies."""
 
     def __init__(self, manager: CheckpointManager, rank: int) -> None:
@@ -171,13 +174,10 @@ class ObservedCheckpointer:
         interval = self.manager.c.interval_steps
         due = interval > 0 and step % interval == 0
         self._observe(step, lambda: self.manager.save(step), scan=due)
-        st = self.manager.stats
-        if self.to_copy and len(st.outcomes) >= len(st.stalls) and not self.manager.copier.busy:  # the writer holds nothing
-            self._copy_bare()
 
     def finish(self, step: int) -> None:
         """The manager's `finish(step)` (which may take the final checkpoint), observed; then
-        the bare copies still owed."""
+        every checkpoint's bare copy, the writer idle and training over."""
         self._observe(step, lambda: self.manager.finish(step), scan=True)
         self._copy_bare()
 
