@@ -15,11 +15,10 @@ that fit first: reuse never raises a rank's host memory above that bound.
 
 A slab made inside the stall still faults in its pages there: the first snapshot larger than
 every kept slab (a full checkpoint as the trained rows grow, a one-shot diff as it grows
-since its base) paid 100-500 ms for it on the full-size model (docs/BENCHMARKS.md). So after
-each snapshot the checkpoint manager asks for the next one's likely size (`reserve_ahead`),
-and a helper thread of low priority makes and faults in a slab that large, an interval
-before it is needed, if the bound has room for it; for a process's first snapshot it asks
-half an interval ahead.
+since its base) paid 100-500 ms for it on the full-size model (docs/BENCHMARKS.md). So half
+an interval before each snapshot the checkpoint manager asks for its likely size
+(`reserve_ahead`), and a helper thread of low priority makes and faults in a slab that large,
+unless a free slab holds it already or the bound has no room for it.
 """
 
 from __future__ import annotations

@@ -200,10 +200,11 @@ class _ReadStats(NamedTuple):
 
 
 def grown_estimate(previous: Mapping[str, int], now: Mapping[str, int], kinds: Sequence[str], cap: int) -> int:
-    """The largest of `kinds`' snapshot bytes at the next checkpoint, guessed from two
-    agreements: each kind grows by as much again as it grew since `previous` (trained rows
-    and one-shot diffs grow checkpoint after checkpoint); a kind `previous` lacks (the first
-    checkpoint, a new baseline since) is taken to double. Never past `cap` (every row)."""
+    """The largest of `kinds`' snapshot bytes at the next checkpoint, guessed from two counts
+    (`previous` at the last checkpoint, `now` half an interval later): each kind grows by as
+    much again as it grew since `previous` (trained rows and one-shot diffs grow checkpoint
+    after checkpoint); a kind `previous` lacks (none counted yet, or counted afresh since) is
+    taken to double. Never past `cap` (every row)."""
     def grown(k: str) -> int:
         return now[k] + (max(0, now[k] - previous[k]) if k in previous else now[k])
     return min(cap, max(grown(k) for k in kinds))
@@ -304,10 +305,9 @@ class CheckpointManager:
         self.agreed_fractions = (0.0, 0.0)  # rows changed since the base / the last checkpoint, all ranks
         self._ahead_step, self._ahead_due = -1, False  # a step whose checkpoint was decided a step early
         self._agreement: _Agreement | None = None  # its agreement, started then
-        # bytes per kind of the last two agreements (`grown_estimate`; None: none yet)
-        self._estimates: tuple[dict[str, int], dict[str, int] | None] = ({}, None)
+        self._agreed_bytes: dict[str, int] = {}  # this rank's snapshot bytes per kind at the last agreement
         self._pending: dict[int, _Pending] = {}
-        self._first_reserved = False  # the first snapshot's slab was asked for (`_reserve_first`)
+        self._reserved = False  # the next snapshot's slab was asked for (`_reserve_next`)
         self.copier: CopyBehind[StallTiming] = CopyBehind()  # a checkpoint's copy beside the next step
         warm_up_codecs([self.codecs()[0]])  # before training, not in the first checkpoint's write
         if self.c.resume != "none":
@@ -595,31 +595,38 @@ class CheckpointManager:
         self._collect()
         if self._due(step):
             self._checkpoint(step)
-        elif self._halfway_to_first(step):
-            self._reserve_first()
+        if self._halfway(step):
+            self._reserve_next()
         self._look_ahead(step + 1)
 
-    def _halfway_to_first(self, step: int) -> bool:
-        """Whether this process has taken no checkpoint yet and `step` ends half of the interval
-        before its first one (once: the reservation below is made then)."""
-        if self._first_reserved or self.stats.stalls or self.taker.pool is None or self.priority is not None:
+    def _halfway(self, step: int) -> bool:
+        """Whether `step` ends half of the interval after the last checkpoint (or the start),
+        once per interval: the next snapshot's slab is reserved then. With a checkpoint every
+        step there is no step between two: right after each."""
+        if self._reserved or self.taker.pool is None or self.priority is not None:
             return False
         every = self.c.interval_steps
-        if every >= 2 and step % every == every // 2:
+        if every == 1 or (every >= 2 and step % every == every // 2):
             return True
         return self.interval_s > 0 and time.monotonic() - self.last_time >= self.interval_s / 2
 
-    def _reserve_first(self) -> None:
-        """Fault in, on the pool's helper thread, a slab for the first snapshot of this process:
-        the rows it would copy now, doubled (`grown_estimate` of a kind with no history). After
-        each checkpoint the next one gets its slab the same way (`_next_snapshot_bytes`); without
-        this, the first snapshot (a full one, usually the largest) faults its pages in inside
-        the stall."""
-        self._first_reserved = True
+    def _reserve_next(self) -> None:
+        """Fault in, on the pool's helper thread, a slab for the next snapshot, half an interval
+        before it: the largest kind the policy may take next, its bytes now grown by as much
+        again as since the last checkpoint's agreement (`grown_estimate`; a kind counted afresh
+        since then, or before any agreement, is taken to double). Without it the first snapshot
+        (a full one) and every one larger than the slabs kept fault their pages in inside the
+        stall. Half an interval ahead, not at the checkpoint: the last snapshot's slab is then
+        usually back in the pool to be reused, and the estimate looks half as far ahead."""
+        self._reserved = True
         kinds = self.policy.next_kinds(self.force_full)
         now = {k: self.taker.estimate_bytes(full=k == "full", since_base=k != "last") for k in kinds}
+        previous = dict(self._agreed_bytes)
+        previous.pop("last", None)  # the rows changed since the last checkpoint start from none at each
+        if self.stats.stalls and self.stats.stalls[-1].full:
+            previous.pop("base", None)  # and those since the baseline, at a full one
         assert self.taker.pool is not None
-        self.taker.pool.reserve_ahead(grown_estimate({}, now, kinds, self.full_bytes))
+        self.taker.pool.reserve_ahead(grown_estimate(previous, now, kinds, self.full_bytes))
 
     def _look_ahead(self, step: int) -> None:
         """Decide now whether the next step, `step`, checkpoints, and if so start its agreement:
@@ -704,7 +711,7 @@ class CheckpointManager:
         full = self.tracker.counts(since_base=True, trained=True) if self.taker.trained_only else None
         est = {"full": self.taker.bytes_for(full) if full is not None else self.full_bytes,
                "base": self.taker.bytes_for(base), "last": self.taker.bytes_for(last)}
-        self._estimates = (self._estimates[1] or {}, est)
+        self._agreed_bytes = est
         pending = self.writer.pending_bytes
         counts = torch.tensor([sum(base), sum(last), self.total_rows, sum(full) if full is not None else self.total_rows],
                               dtype=torch.float64)
@@ -758,6 +765,7 @@ class CheckpointManager:
             need = self.taker.estimate_bytes(decision.full, decision.since_base)
             self.writer.wait_for_room(need, self.c.max_pending_bytes)
         self.last_step, self.last_time = step, time.monotonic()
+        self._reserved = False  # the next snapshot's slab: half an interval from now (`_reserve_next`)
         cid = self.next_id
         self.next_id += 1
         if decision.full or not self.generation:
@@ -829,8 +837,6 @@ class CheckpointManager:
         if self.priority is not None:
             trainer_state["priority"] = self._priority_accounting(decision.full, saved, int(trainer_state["samples_seen"]))
         t_done = time.perf_counter()
-        if self.taker.pool is not None and self.priority is None and not c.final:  # the next snapshot's memory, faulted in ahead
-            self.taker.pool.reserve_ahead(self._next_snapshot_bytes(decision.full))
         waited = blocked()
         snapshot.stall_s = handoff_s + waited
         timing = StallTiming(
@@ -846,16 +852,6 @@ class CheckpointManager:
             epoch=self.epoch,
         ))
         return timing
-
-    def _next_snapshot_bytes(self, new_base: bool) -> int:
-        """This rank's bytes of the largest snapshot the policy may take next (`grown_estimate`),
-        after a checkpoint that was a `new_base` or not."""
-        previous, now = self._estimates
-        assert now is not None, "an agreement comes before every checkpoint"
-        estimate = grown_estimate(previous, now, self.policy.next_kinds(self.force_full), self.full_bytes)
-        if new_base:  # the rows changed since the old baseline say nothing of those since the new one
-            now.pop("base", None)
-        return estimate
 
     def _priority_accounting(self, full: bool, saved: list[torch.Tensor] | None, samples_seen: int) -> dict[str, int]:
         """After a checkpoint's marks: restart the counters it saved, and what a restore of the
