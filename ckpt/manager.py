@@ -602,11 +602,12 @@ class CheckpointManager:
     def _halfway(self, step: int) -> bool:
         """Whether `step` ends half of the interval after the last checkpoint (or the start),
         once per interval: the next snapshot's slab is reserved then. With a checkpoint every
-        step there is no step between two: right after each."""
+        step there is no step between two, and nothing is reserved: the slabs given back serve
+        (counting the rows for an estimate would cost the training thread a pass every step)."""
         if self._reserved or self.taker.pool is None or self.priority is not None:
             return False
         every = self.c.interval_steps
-        if every == 1 or (every >= 2 and step % every == every // 2):
+        if every >= 2 and step % every == every // 2:
             return True
         return self.interval_s > 0 and time.monotonic() - self.last_time >= self.interval_s / 2
 
