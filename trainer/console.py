@@ -452,10 +452,11 @@ def stalled_collective(exc: BaseException) -> str:
     return where or "an unknown collective"
 
 
-def stalled_line(rank: int, exc: BaseException) -> str:
-    """The one line a rank prints when a collective timed out: how long it waited, where."""
+def stalled_line(rank: int, exc: BaseException, timeout_s: float | None = None) -> str:
+    """The one line a rank prints when a collective timed out: how long it waited (gloo's own
+    figure, else the configured `timeout_s`: its pair-closure message has none), where."""
     m = STALLED.search(str(exc))
-    waited = f"{int(m[1]) / 1000:g} s" if m else "the timeout"
+    waited = f"{int(m[1]) / 1000:g} s" if m else f"{timeout_s:g} s" if timeout_s else "the timeout"
     return (f"deltarec-train: rank {rank} stopped: a collective waited {waited} (sharding.timeout_s) for a rank that "
             f"does not answer: {stalled_collective(exc)}")
 

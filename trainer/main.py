@@ -215,6 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run and args.world_size:
         env = replace(env, world_size=args.world_size, local_world_size=args.world_size)
     setup_logging(env.rank, args.verbose)
+    cfg: JobConfig | None = None
     try:
         cfg = load_config(args.config, args.overrides, check_data=not args.dry_run)
         return dry_run(cfg, env, args.device) if args.dry_run else train(cfg, env)
@@ -234,7 +235,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         if args.verbose:
             traceback.print_exc()
-        console.say(console.stalled_line(env.rank, exc) if stalled else console.peer_lost_line(env.rank, exc), err=True)
+        timeout_s = cfg.sharding.timeout_s if cfg is not None else None
+        console.say(console.stalled_line(env.rank, exc, timeout_s) if stalled else console.peer_lost_line(env.rank, exc), err=True)
         if not stalled:  # a silent rank has not exited, so no agent knows of a failure: exit now
             console.wait_for_agent()
         # Not stopped by an agent: this exit is the failure to report. `record` only writes

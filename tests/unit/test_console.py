@@ -235,6 +235,8 @@ def test_a_timed_out_collective_is_one_line_with_the_wait_and_where() -> None:
     closed = RuntimeError("Application timeout caused pair closure")
     assert console.is_stalled_collective(closed) and not console.is_peer_lost(closed)
     assert "a collective waited the timeout (sharding.timeout_s)" in console.stalled_line(0, closed)
+    # gloo's pair-closure message has no figure: the configured timeout stands in for it
+    assert "a collective waited 5 s (sharding.timeout_s)" in console.stalled_line(0, closed, timeout_s=5.0)
 
 
 def test_a_collective_timed_out_in_the_backward_pass_names_it() -> None:
