@@ -96,6 +96,7 @@ def train_run(label: str, extra: list[str], args: argparse.Namespace, work: Path
             "durable_s": m.get("ckpt_durable_s"),  # stall start to COMMIT
             "codec": m.get("ckpt_encoding"),
             "committed_at_step": worst("committed_at_step"),
+            "durable_at_step": worst("durable_at_step"),
             "per_rank": {r: {k: getattr(p, k) for k in ("rows", "stall_ms", "agree_ms", "take_ms", "dense_ms", "other_ms",
                                                         "bare_ms_all", "find_ms")} for r, p in sorted(per.items())},
         }
@@ -362,7 +363,7 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite checkpoint") -
 # per-checkpoint fields written as records (labels: run, checkpoint, step, kind)
 RECORD_FIELDS = ("rows", "fraction_of_rows", "bytes", "stall_ms", "agree_ms", "take_ms", "dense_ms", "other_ms",
                  "find_rows_ms", "bare_copy_ms", "stall_over_bare", "take_over_bare", "write_s",
-                 "write_MBps", "durable_s", "committed", "committed_at_step")
+                 "write_MBps", "durable_s", "committed", "committed_at_step", "durable_at_step")
 
 
 def measurements(result: dict[str, Any]) -> list[Measurement]:
@@ -373,7 +374,7 @@ def measurements(result: dict[str, Any]) -> list[Measurement]:
         for c in result["runs"][label]["checkpoints"]:
             labels = {"run": label, "policy": settings["policy"], "ckpt": c["ckpt_id"], "step": c["step"],
                       "kind": c["kind"], "codec": c["codec"]}
-            out += scalars({k: c[k] for k in RECORD_FIELDS}, labels, {"committed_at_step": "step"})
+            out += scalars({k: c[k] for k in RECORD_FIELDS}, labels, {"committed_at_step": "step", "durable_at_step": "step"})
     return out
 
 

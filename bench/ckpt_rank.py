@@ -17,8 +17,10 @@ stats, read after each step end, never from inside the stall:
   (``overlapped``) the copy ran beside the next step, and the stall is the hand-off plus
   ``wait_ms``, that step waiting for the copy; its record appears during that step;
 - from `manager.stats.outcomes`: ``committed`` and ``committed_at_step``, the step end at
-  which this rank learned the outcome (the last step for outcomes `finish` collects): from
-  then on a crash would restore this checkpoint;
+  which this rank learned the outcome (the last step for outcomes `finish` collects), and
+  ``durable_at_step``, the first step end (the wall time this rank's step called the manager)
+  at or after the moment its COMMIT marker was durable (`Outcome.commit_unix`): a crash after
+  that step restores this checkpoint, whether or not the ranks had learned of it yet;
 - a bare baseline: ``bare_ms_all``, a plain ``index_select`` (``copy_`` for a full
   checkpoint) of exactly the rows the checkpoint copied, weights and every optimizer state,
   from the same live tensors into reused buffers (`BareCopier`), three times. It runs once
@@ -124,6 +126,7 @@ class RankCheckpoint:
     rank_total_rows: int  # rows of this rank's model-parallel shards (what the tracker counts)
     committed: bool | None = None
     committed_at_step: int | None = None
+    durable_at_step: int | None = None
     find_ms: float | None = None
     bare_ms_all: list[float] = field(default_factory=list)
     overlapped: bool = False  # the copy (take_ms, dense_ms) ran beside the next step, not in the stall
@@ -168,6 +171,7 @@ class ObservedCheckpointer:
         self._scans: dict[int, tuple[list[torch.Tensor], float]] = {}  # step -> rows listed before its save
         self._stalls_seen = 0  # a stall is recorded once its copy is done: with `ckpt.overlap_copy`
         self._outcomes_seen = 0  # during the next step, so both lists are read past what was seen
+        self._step_ends: list[tuple[int, float]] = []  # (step, time.time() as its step end began)
 
     def save(self, step: int) -> None:
         """The manager's `save(step)`, observed."""
@@ -186,6 +190,7 @@ class ObservedCheckpointer:
         since the last look into records. `scan`: list the changed rows first (a checkpoint may
         be taken)."""
         m, st = self.manager, self.manager.stats
+        self._step_ends.append((step, time.time()))
         if scan:  # not while a copy beside training changes the bitmaps (a torn scan lists garbage)
             m.wait_for_copy()
             self._scans[step] = touched(m.tracker, len(m.shard_map.shards), self.since_base)
@@ -206,6 +211,8 @@ class ObservedCheckpointer:
             rec = self.records.get(outcome.checkpoint_id)
             if rec is not None:
                 rec.committed, rec.committed_at_step = outcome.committed, step
+                if outcome.committed:
+                    rec.durable_at_step = next((s for s, t in self._step_ends if t >= outcome.commit_unix), step + 1)
         self._outcomes_seen = len(st.outcomes)
 
     def _record(self, t: StallTiming) -> RankCheckpoint:

@@ -444,7 +444,8 @@ def build_records(s: dict[str, Any], jobs: dict[tuple[str, str], dict], peers: l
                 rec.add("deltarec", policy, enc, "capacity_bytes", capb["chain_bytes"] + capb["dense_bytes"], "B", cid,
                         step=c["step"], chain_links=capb["links"], dense_bytes=capb["dense_bytes"])
             rec.add("bare_copy", policy, enc, "stall_ms", c["bare_copy_ms"], "ms", cid, step=c["step"])
-            rec.add("deltarec", policy, enc, "durable_at_step", c.get("committed_at_step"), "step", cid, step=c["step"])
+            rec.add("deltarec", policy, enc, "durable_at_step", c.get("durable_at_step"), "step", cid, step=c["step"])
+            rec.add("deltarec", policy, enc, "learned_at_step", c.get("committed_at_step"), "step", cid, step=c["step"])
             rec.add("deltarec", policy, enc, "durable_s", c.get("durable_s"), "s", cid, step=c["step"], kind=c["kind"])
         ok = [c for c in cks if c["committed"]]
         caps = [cap[c["ckpt_id"]]["chain_bytes"] + cap[c["ckpt_id"]]["dense_bytes"] for c in ok if c["ckpt_id"] in cap]
@@ -464,7 +465,7 @@ def build_records(s: dict[str, Any], jobs: dict[tuple[str, str], dict], peers: l
             "restore_s": median_of(rs.get("restore_s", [])),
             # where the restore's time went (`RestoreReport`), median over the repeats
             **{f"restore_{k}": median_of([p[k] for p in rs.get("parts", [])]) for k in RESTORE_PARTS},
-            "steps_lost_mean": steps_lost([(c["step"], c.get("committed_at_step") if c["committed"] else None)
+            "steps_lost_mean": steps_lost([(c["step"], c.get("durable_at_step") if c["committed"] else None)
                                            for c in cks], interval, run.get("steps", steps)),
             "committed": len(ok), "checkpoints": len(cks), "skipped": run.get("skipped", 0),
             # checkpoint step (its stall) to COMMIT, per checkpoint: median and worst

@@ -3,9 +3,13 @@
 Called by rank 0's writer thread with every rank's report. A checkpoint commits only if
 every rank's rows are durable, every earlier link of its chain committed, and the dense
 file is durable; otherwise a FAILED marker (informational) records why. Nothing here
-touches an older checkpoint, so a failure never harms one. After the COMMIT, the dense
-store's local history records it (`DenseStore.record_commit`): what tells a lost stream from a
-run that never committed.
+touches an older checkpoint, so a failure never harms one. Once every rank knows of the
+COMMIT (`settle`), the dense store's local history records it (`DenseStore.record_commit`):
+what tells a lost stream from a run that never committed.
+
+When a job arrives (`prepare`), the markers log's reader starts connecting on a thread of its
+own, so the read before the dense file finds it connected: a new Kafka client's connects took
+10-15 ms of a checkpoint's time to COMMIT on a loaded machine (docs/design.md §6).
 
 Fencing: before the dense file, rank 0 reads what the markers log gained since its last look;
 when a newer trainer attempt announced itself there, this attempt writes nothing more (no
@@ -47,6 +51,7 @@ class Committer:
         rebase: bool = False,
         where: str = "",
         catalog_every: int = 32,
+        connect_timeout_s: float = 10.0,
     ) -> None:
         self.run_id = run_id
         self.where = where  # the stream, as the local history names it
@@ -62,6 +67,13 @@ class Committer:
         self.attempt: AttemptRecord | None = None  # set by `start_attempt`; None: no fencing
         self.epoch = 0
         self._read_ok = False  # whether the last commit's read of the markers log succeeded
+        self._journal: CommitRecord | None = None  # the last COMMIT, for `settle` to record
+        self.connect_timeout_s = connect_timeout_s
+
+    def prepare(self) -> None:
+        """A job arrived: connect the markers log's reader for `_fenced`, if it will read."""
+        if self.attempt is not None or self.rebase:
+            self.markers.prepare(self.connect_timeout_s)
 
     def start_attempt(self, attempt: AttemptRecord, epoch: int, catalog: Catalog) -> None:
         """This trainer attempt's record and epoch, and the log as the manager read it at start
@@ -123,14 +135,25 @@ class Committer:
         marker = self._rebased(marker)
         maybe_die("marker", cid, 0)
         self.markers.append_marker(encode_marker(marker))
+        durable_unix = time.time()
         self.links[cid] = link
+        self._journal = CommitRecord(cid, job.step, self.where, marker.created_unix)
         self._summarize()
-        try:
-            self.dense.record_commit(CommitRecord(cid, job.step, self.where, marker.created_unix))
-        except OSError as exc:  # committed all the same; only the lost-stream check loses this entry
-            logger.warning("checkpoint %d: committed, but not recorded in %s: %s", cid, self.dense.root, exc)
         return Outcome(checkpoint_id=cid, step=job.step, committed=True, bytes=nbytes, rows=rows, full=full,
-                       stall_ms=stall, stall_new_bytes=fresh, write_s=write_s, commit_unix=marker.created_unix)
+                       stall_ms=stall, stall_new_bytes=fresh, write_s=write_s, commit_unix=durable_unix)
+
+    def settle(self, outcome: Outcome) -> None:
+        """Every rank knows `outcome`: record a COMMIT in the run's local history. A crash
+        before this loses only that entry, as a failed write does (the lost-stream check then
+        knows one commit fewer)."""
+        journal, self._journal = self._journal, None
+        if journal is None or not outcome.committed or journal.checkpoint_id != outcome.checkpoint_id:
+            return
+        try:
+            self.dense.record_commit(journal)
+        except OSError as exc:  # committed all the same; only the lost-stream check loses this entry
+            logger.warning("checkpoint %d: committed, but not recorded in %s: %s", outcome.checkpoint_id,
+                           self.dense.root, exc)
 
     def _fenced(self) -> str:
         """Read what the markers log gained; the one-line reason to stop when a newer attempt

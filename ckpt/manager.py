@@ -273,6 +273,7 @@ class CheckpointManager:
             self.committer = Committer(
                 run_id=self.run_id, markers=self.backend.markers, dense=self.dense, marker_fields=self._marker_fields(),
                 rebase=self.c.policy == "incremental", where=self.backend.where, catalog_every=self.c.catalog_every,
+                connect_timeout_s=self.c.connect_timeout_s,
             )
         self.writer = RankWriter(
             run_id=self.run_id, rank=env.rank, sink=self.backend.sink, group=self.group,

@@ -23,7 +23,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator, Protocol
 
 import torch.distributed as dist
 
@@ -86,11 +86,22 @@ class Outcome:
     stall_ms: list[float] = field(default_factory=list)
     stall_new_bytes: list[int] = field(default_factory=list)  # per rank: host memory its stall allocated fresh
     write_s: float = 0.0
-    commit_unix: float = 0.0  # time.time() when the COMMIT marker was written; 0 when none was
+    commit_unix: float = 0.0  # time.time() once the COMMIT marker was durable; 0 when none was
     fenced: bool = False  # a newer attempt holds the run: this one must stop (`error` says which)
 
 
-Committer = Callable[[WriteJob, list[RankReport]], Outcome]
+class Committer(Protocol):
+    """Rank 0's half of a checkpoint (ckpt/committer.py), as rank 0's writer thread calls it."""
+
+    def prepare(self) -> None:
+        """A job arrived: start what the commit will wait on (connecting the markers log's
+        reader) while the rows are encoded and written."""
+
+    def __call__(self, job: WriteJob, reports: list[RankReport]) -> Outcome:
+        """Every rank's report in: the dense file and the COMMIT (or FAILED) marker."""
+
+    def settle(self, outcome: Outcome) -> None:
+        """Every rank knows `outcome`: bookkeeping that need not delay them."""
 
 
 class RankWriter:
@@ -180,6 +191,8 @@ class RankWriter:
             if job is None:
                 return
             try:
+                if self.committer is not None:
+                    self.committer.prepare()
                 report = self._write(job)
                 outcome = self._coordinate(job, report)
             except Exception as exc:  # noqa: BLE001 - a writer bug must reach the trainer, not kill the thread silently
@@ -211,6 +224,8 @@ class RankWriter:
                                      error=f"commit failed on rank 0: {exc}")
         dist.broadcast_object_list(decided, src=0, group=self.group)
         assert decided[0] is not None
+        if self.committer is not None:
+            self.committer.settle(decided[0])
         return decided[0]
 
 

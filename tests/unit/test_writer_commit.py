@@ -94,7 +94,12 @@ def test_a_written_and_committed_checkpoint_restores_exactly(tmp_path: Path, ran
     outcome = committer(job, [report])
     assert outcome.committed and (outcome.rows, outcome.bytes, outcome.full) == (250, nbytes, True)
     ((_, marker),) = commits(markers.read_markers(), RUN)
-    assert outcome.commit_unix == marker.created_unix > 0
+    assert outcome.commit_unix >= marker.created_unix > 0  # once the marker is durable
+    # the local history records the commit once every rank knows of it, not before
+    history = DenseStore(tmp_path / "dense").history
+    assert history().commits == []
+    committer.settle(outcome)
+    assert [(c.checkpoint_id, c.step, c.unix) for c in history().commits] == [(1, 10, marker.created_unix)]
     assert marker.chain[-1].index == report.index and marker.chain[-1].ranges == report.ranges
     dense = DenseStore(tmp_path / "dense").read(DenseRef.from_json(marker.dense))
     assert dense["trainers"] == [job.trainer_state] and "readers" not in dense
@@ -120,6 +125,8 @@ def test_a_failed_rank_fails_the_checkpoint_without_a_commit_time(rank0) -> None
     outcome = committer(job, [failed])
     assert not outcome.committed and outcome.error == "rank 0: broker gone" and outcome.commit_unix == 0.0
     assert commits(markers.read_markers(), RUN) == [] and len(markers.read_markers()) == 1  # the FAILED record
+    committer.settle(outcome)
+    assert committer.dense.history().commits == []
 
 
 def test_an_attempt_replaced_by_a_newer_one_writes_nothing_more_and_its_epoch_marks_its_frames(
@@ -205,3 +212,30 @@ def test_the_committer_appends_a_catalog_record_every_catalog_every_records_and_
     recent = read_recent_catalog(markers, RUN)
     assert recent.summary is not None and recent.read == 3  # commit 7, the catalog record, commit 8
     assert [m.checkpoint_id for m in recent.restorable()] == [8, 7, 6, 5, 4, 3]
+
+
+class _CountingMarkers(FsMarkers):
+    """FsMarkers that counts `prepare` calls (files need none; a broker's reader connects there)."""
+
+    prepared: list[float]
+
+    def prepare(self, timeout_s: float) -> None:
+        self.prepared.append(timeout_s)
+
+
+def test_the_markers_reader_is_prepared_only_when_the_commit_will_read_the_log(tmp_path: Path) -> None:
+    markers = _CountingMarkers(tmp_path, RUN)
+    markers.prepared = []
+    fields = {"policy": "full", "world_size": 1, "plan": {}, "tables": {}}
+    plain = Committer(run_id=RUN, markers=markers, dense=DenseStore(tmp_path / "d1"), marker_fields=fields,
+                      connect_timeout_s=7.0)
+    plain.prepare()  # no fencing, no rebasing: the commit reads nothing
+    assert markers.prepared == []
+    rebasing = Committer(run_id=RUN, markers=markers, dense=DenseStore(tmp_path / "d2"), marker_fields=fields,
+                         rebase=True, connect_timeout_s=7.0)
+    rebasing.prepare()
+    assert markers.prepared == [7.0]
+    catalog = read_catalog(markers, RUN)
+    plain.start_attempt(*announce(markers, RUN, "trainer"), catalog)  # fencing reads the log before the dense file
+    plain.prepare()
+    assert markers.prepared == [7.0, 7.0]
