@@ -8,8 +8,8 @@ COMMIT (`settle`), the dense store's local history records it (`DenseStore.recor
 what tells a lost stream from a run that never committed.
 
 When a job arrives (`prepare`), the markers log's reader starts connecting on a thread of its
-own, so the read before the dense file finds it connected: a new Kafka client's connects took
-10-15 ms of a checkpoint's time to COMMIT on a loaded machine (docs/design.md §6).
+own, so the read before the dense file finds it connected instead of paying a new Kafka
+client's rate-limited connects before the COMMIT (docs/design.md §6).
 
 Fencing: before the dense file, rank 0 reads what the markers log gained since its last look;
 when a newer trainer attempt announced itself there, this attempt writes nothing more (no
