@@ -765,7 +765,7 @@ class KafkaMarkers:
         """The markers from offset `start` to the end of the topic, as its fetches report it
         (a ListOffsets watermark is not trusted: launch/broker.py). No topic yet: no markers."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        spare = self._spare.take()
+        spare = self._take_spare()
         if not self._topic_exists(spare, timeout_s):
             return []
         return self._read_from(start, spare.consumer if spare else None, timeout_s)
@@ -776,7 +776,7 @@ class KafkaMarkers:
         (launch/broker.py): that only starts the read earlier. The read itself ends where
         the fetches say, as `read_markers` does."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        spare = self._spare.take()
+        spare = self._take_spare()
         if not self._topic_exists(spare, timeout_s):
             return TailRead([], True)
         consumer = spare.consumer if spare else None
@@ -792,6 +792,14 @@ class KafkaMarkers:
             raise SourceError(f"marker topic {self.topic}: no watermarks from {self.bootstrap}: {exc}") from None
         start = max(low, high - records, 0)
         return TailRead(self._read_from(start, consumer, timeout_s), start <= low)
+
+    def _take_spare(self) -> _Connected | None:
+        """The consumer `prepare` connected, or None when there is none or its connect found no
+        broker (one may answer now: the read connects again and meets a failure itself)."""
+        try:
+            return self._spare.take()
+        except KafkaException:
+            return None
 
     def _topic_exists(self, spare: _Connected | None, timeout_s: float) -> bool:
         """Whether the markers topic exists (no topic: no markers yet); a topic gone after

@@ -503,6 +503,31 @@ def test_kafka_markers_reachability_check_waits_for_the_connect_prepare_started(
         dead.close()
 
 
+def test_a_markers_read_prepared_while_the_broker_was_away_reads_once_it_answers(unique_name, tmp_path):
+    """Rank 0's commit prepares its markers read when a job arrives (`Committer.prepare`) and
+    reads without a reachability check: a connect that found no broker must not fail a read
+    made once the broker answers, and a read while none answers fails with the sink's error."""
+    run, port = unique_name("run"), free_port()
+    conf = {"bootstrap.servers": f"127.0.0.1:{port}"}
+    markers = KafkaMarkers(run, conf, timeout_s=1)
+    try:
+        markers.prepare(0.5)
+        time.sleep(1.0)  # the connect has given up on the port nothing listens on
+        with pytest.raises(SourceError, match="cannot list topics"):
+            markers.read_markers()
+        markers.prepare(0.5)
+        time.sleep(1.0)
+        with EmbeddedBroker(port=port, state_dir=tmp_path / "broker"):
+            writer = KafkaMarkers(run, conf, timeout_s=10)
+            try:
+                pos = writer.append_marker(b"COMMIT 1")
+            finally:
+                writer.close()
+            assert markers.read_markers() == [(pos, b"COMMIT 1")]
+    finally:
+        markers.close()
+
+
 def test_kafka_readers_prepared_before_their_broker_started_read_once_it_answers(unique_name, tmp_path):
     """A job opens its readers before it builds its model (`ckpt.backends.open_for_restore`):
     a broker that comes up meanwhile (a restart of both) must not fail the restore."""
