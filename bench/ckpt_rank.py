@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import deque
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -171,7 +172,7 @@ class ObservedCheckpointer:
         self._scans: dict[int, tuple[list[torch.Tensor], float]] = {}  # step -> rows listed before its save
         self._stalls_seen = 0  # a stall is recorded once its copy is done: with `ckpt.overlap_copy`
         self._outcomes_seen = 0  # during the next step, so both lists are read past what was seen
-        self._step_ends: list[tuple[int, float]] = []  # (step, time.time() as its step end began)
+        self._step_ends: deque[tuple[int, float]] = deque()  # (step, time.time() as its step end began)
 
     def save(self, step: int) -> None:
         """The manager's `save(step)`, observed."""
@@ -211,8 +212,10 @@ class ObservedCheckpointer:
             rec = self.records.get(outcome.checkpoint_id)
             if rec is not None:
                 rec.committed, rec.committed_at_step = outcome.committed, step
-                if outcome.committed:
-                    rec.durable_at_step = next((s for s, t in self._step_ends if t >= outcome.commit_unix), step + 1)
+                if outcome.committed:  # commits come in order: step ends before this one serve no later one
+                    while self._step_ends and self._step_ends[0][1] < outcome.commit_unix:
+                        self._step_ends.popleft()
+                    rec.durable_at_step = self._step_ends[0][0] if self._step_ends else step + 1
         self._outcomes_seen = len(st.outcomes)
 
     def _record(self, t: StallTiming) -> RankCheckpoint:

@@ -410,6 +410,14 @@ class _Spare:
             held, self._held = self._held, None
         return None if held is None else held.result()
 
+    def take_connected(self) -> _Connected | None:
+        """`take`, but None also when the connect found no broker: one may answer now, so the
+        read connects again and meets a failure with its own message."""
+        try:
+            return self.take()
+        except KafkaException:
+            return None
+
     def close(self) -> None:
         with self._lock:
             held, self._held = self._held, None
@@ -641,10 +649,7 @@ class KafkaSource:
             if not 0 <= r.first <= r.last:
                 raise ValueError(f"bad range [{r.first}, {r.last}]")
         topics = [rows_name(self.run_id, r.generation) for r in reads]
-        try:
-            spare = self._spare.take()
-        except KafkaException:  # the connect `prepare` started found no broker; one may answer now
-            spare = None
+        spare = self._spare.take_connected()
         listed = _topics_for(spare, self._admin, topics, timeout_s) if reads or spare else {}
         try:
             plan = []
@@ -765,7 +770,7 @@ class KafkaMarkers:
         """The markers from offset `start` to the end of the topic, as its fetches report it
         (a ListOffsets watermark is not trusted: launch/broker.py). No topic yet: no markers."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        spare = self._take_spare()
+        spare = self._spare.take_connected()
         if not self._topic_exists(spare, timeout_s):
             return []
         return self._read_from(start, spare.consumer if spare else None, timeout_s)
@@ -776,7 +781,7 @@ class KafkaMarkers:
         (launch/broker.py): that only starts the read earlier. The read itself ends where
         the fetches say, as `read_markers` does."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        spare = self._take_spare()
+        spare = self._spare.take_connected()
         if not self._topic_exists(spare, timeout_s):
             return TailRead([], True)
         consumer = spare.consumer if spare else None
@@ -792,14 +797,6 @@ class KafkaMarkers:
             raise SourceError(f"marker topic {self.topic}: no watermarks from {self.bootstrap}: {exc}") from None
         start = max(low, high - records, 0)
         return TailRead(self._read_from(start, consumer, timeout_s), start <= low)
-
-    def _take_spare(self) -> _Connected | None:
-        """The consumer `prepare` connected, or None when there is none or its connect found no
-        broker (one may answer now: the read connects again and meets a failure itself)."""
-        try:
-            return self._spare.take()
-        except KafkaException:
-            return None
 
     def _topic_exists(self, spare: _Connected | None, timeout_s: float) -> bool:
         """Whether the markers topic exists (no topic: no markers yet); a topic gone after
