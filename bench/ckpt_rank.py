@@ -259,6 +259,8 @@ class RankCpu:
     stall_cpu_s: float  # the training thread's CPU inside checkpoint stalls (`StallTiming.cpu_ms`)
     wall_s: float
     other_by_name: dict[str, float] = field(default_factory=dict)  # the `other` class by thread name
+    writer_by_name: dict[str, float] = field(default_factory=dict)  # the `writer` class by thread name
+    faults: dict[str, int] = field(default_factory=dict)  # class -> minor page faults
 
 
 def read_cpu(path: Path) -> RankCpu:
@@ -296,6 +298,7 @@ def run(cfg: JobConfig, side: Path) -> None:
         ledger.sample()
         cpu = RankCpu(rank=job.env.rank, steps=job.trainer.step, checkpoints=len(manager.stats.stalls) if manager else 0,
                       threads=ledger.totals(), wall_s=time.perf_counter() - t0, other_by_name=ledger.by_name("other"),
+                      writer_by_name=ledger.by_name("writer"), faults=ledger.faults(),
                       stall_cpu_s=sum(t.cpu_ms for t in manager.stats.stalls) / 1e3 if manager else 0.0)
         if observed is not None:
             observed.finish(job.trainer.step)

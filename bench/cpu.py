@@ -44,18 +44,20 @@ def thread_class(tid: int, comm: str, names: dict[int, str], main_tid: int) -> s
     return "other"
 
 
-def _thread_cpu_s(task: Path) -> tuple[str, float] | None:
-    """(kernel name, CPU seconds) of one task directory, None if it ended meanwhile."""
+def _thread_cpu_s(task: Path) -> tuple[str, float, int] | None:
+    """(kernel name, CPU seconds, minor page faults) of one task directory, None if it ended
+    meanwhile."""
     try:
         stat = (task / "stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
         return None
     comm = stat[stat.index("(") + 1: stat.rindex(")")]
+    fields = stat[stat.rindex(")") + 2:].split()
+    minflt = int(fields[7])  # field 10 of stat
     try:
-        return comm, int((task / "schedstat").read_text().split()[0]) / 1e9
+        return comm, int((task / "schedstat").read_text().split()[0]) / 1e9, minflt
     except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
-        fields = stat[stat.rindex(")") + 2:].split()
-        return comm, (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14, 15 of stat)
+        return comm, (int(fields[11]) + int(fields[12])) / _TICK, minflt  # utime, stime (fields 14, 15 of stat)
 
 
 def process_cpu_s(pid: int) -> float | None:
@@ -70,13 +72,14 @@ def process_cpu_s(pid: int) -> float | None:
 
 @dataclass
 class ThreadCpu:
-    """One thread's class and its CPU seconds at the last sample (`name`: its Python name, or
-    the kernel's for a thread Python did not start)."""
+    """One thread's class, its CPU seconds and minor page faults at the last sample (`name`: its
+    Python name, or the kernel's for a thread Python did not start)."""
 
     comm: str
     klass: str
     cpu_s: float
     name: str
+    minflt: int = 0
 
 
 @dataclass
@@ -86,10 +89,13 @@ class CpuLedger:
     thread spent since `start()` (a thread started later counts from zero)."""
 
     started: dict[int, float] = field(default_factory=dict)
+    started_faults: dict[int, int] = field(default_factory=dict)
     threads: dict[int, ThreadCpu] = field(default_factory=dict)
 
     def start(self) -> "CpuLedger":
-        self.started = {tid: t.cpu_s for tid, t in _read_threads().items()}
+        now = _read_threads()
+        self.started = {tid: t.cpu_s for tid, t in now.items()}
+        self.started_faults = {tid: t.minflt for tid, t in now.items()}
         self.threads = {}
         self.sample()
         return self
@@ -102,6 +108,14 @@ class CpuLedger:
         out = dict.fromkeys(CLASSES, 0.0)
         for tid, t in self.threads.items():
             out[t.klass] += max(0.0, t.cpu_s - self.started.get(tid, 0.0))
+        return out
+
+    def faults(self) -> dict[str, int]:
+        """Minor page faults per class since `start()`: a page mapped for the first time costs
+        CPU where it is touched (which thread's, these say)."""
+        out = dict.fromkeys(CLASSES, 0)
+        for tid, t in self.threads.items():
+            out[t.klass] += max(0, t.minflt - self.started_faults.get(tid, 0))
         return out
 
     def by_name(self, klass: str) -> dict[str, float]:
@@ -123,7 +137,7 @@ def _read_threads() -> dict[int, ThreadCpu]:
         got = _thread_cpu_s(task)
         if got is not None:
             tid = int(task.name)
-            out[tid] = ThreadCpu(got[0], thread_class(tid, got[0], names, main_tid), got[1], names.get(tid, got[0]))
+            out[tid] = ThreadCpu(got[0], thread_class(tid, got[0], names, main_tid), got[1], names.get(tid, got[0]), got[2])
     return out
 
 

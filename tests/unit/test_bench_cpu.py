@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import mmap
 import threading
 import time
 from pathlib import Path
@@ -57,6 +58,30 @@ def test_a_ledger_counts_a_threads_cpu_in_its_class_and_keeps_it_after_the_threa
     assert 0.27 <= totals["writer"] <= 0.45, totals  # 0.3 s burnt, read in kernel ticks of 10 ms
     assert 0.19 <= totals["train"] <= 0.6, totals
     assert totals["kafka"] == 0.0
+
+
+def test_a_ledger_counts_page_faults_in_the_class_of_the_thread_that_touched_the_pages() -> None:
+    ledger = CpuLedger().start()
+    touched, sampled = threading.Event(), threading.Event()
+    pages = 2000
+
+    def write() -> None:
+        mapped = mmap.mmap(-1, pages * 4096)  # anonymous, never touched: each write below maps a page
+        for i in range(pages):
+            mapped[i * 4096] = 1
+        touched.set()
+        sampled.wait(10)
+
+    writer = threading.Thread(target=write, name="deltarec-host-buffers_0")
+    writer.start()
+    touched.wait(10)
+    ledger.sample()
+    sampled.set()
+    writer.join()
+    faults = ledger.faults()
+    assert set(faults) == set(CLASSES)
+    assert pages <= faults["writer"] < pages + 500, faults
+    assert faults["train"] < pages // 2, faults  # the main thread only waited
 
 
 def test_the_other_class_splits_by_thread_name_a_pools_threads_together() -> None:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import resource
+import ctypes
 
 import torch
 
-from ckpt.host_buffers import ALIGN, PAGE, HostBufferPool, slab_bytes
+from ckpt.host_buffers import ALIGN, OS_PAGE, PAGE, HostBufferPool, slab_bytes
 from ckpt.manager import grown_estimate
 
 
@@ -50,11 +50,14 @@ def test_kept_memory_never_exceeds_the_budget_with_the_slabs_still_lent() -> Non
     assert pool.lend(PAGE) in (a, b) and pool.allocated == 3
 
 
-def _faults_writing(t: torch.Tensor) -> int:
-    """Page faults of this process while every byte of `t` is written."""
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    t.fill_(1)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+def _resident(t: torch.Tensor) -> float:
+    """The fraction of `t`'s 4 KiB pages that are mapped (mincore(2))."""
+    start, end = t.data_ptr() & ~(OS_PAGE - 1), t.data_ptr() + t.numel() * t.element_size()
+    pages = -(-(end - start) // OS_PAGE)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec) / pages
 
 
 def test_a_reserved_slab_is_faulted_in_and_lent_to_the_snapshot_it_was_sized_for() -> None:
@@ -63,7 +66,9 @@ def test_a_reserved_slab_is_faulted_in_and_lent_to_the_snapshot_it_was_sized_for
     slab = pool.lend(40 * PAGE)
     assert slab.capacity >= 40 * PAGE and pool.allocated == 1
     fresh = HostBufferPool(1 << 30).lend(40 * PAGE)  # what the stall faulted in without it
-    assert _faults_writing(slab.buffer) * 10 < _faults_writing(fresh.buffer)
+    assert _resident(slab.buffer) == 1.0 and _resident(fresh.buffer) == 0.0
+    fresh.buffer.fill_(1)
+    assert _resident(fresh.buffer) == 1.0  # written: the check sees the pages a snapshot maps
     assert pool.lend(PAGE) is not slab  # lent: a new one
 
 
