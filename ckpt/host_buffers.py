@@ -46,23 +46,28 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def _anonymous(capacity: int) -> tuple[mmap.mmap, torch.Tensor]:
-    """A private anonymous mapping of `capacity` bytes that asks for transparent huge pages
-    (where the kernel grants them, one fault maps 2 MiB instead of 4 KiB), and a byte tensor
-    over it. The tensor holds the mapping; it is unmapped once both are gone."""
+def _anonymous(capacity: int, huge: bool) -> tuple[mmap.mmap, torch.Tensor]:
+    """A private anonymous mapping of `capacity` bytes and a byte tensor over it (the tensor
+    holds the mapping; it is unmapped once both are gone). `huge`: ask for transparent huge
+    pages, where one fault maps 2 MiB instead of 4 KiB."""
     area = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        area.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError):  # no THP in this kernel or platform: 4 KiB pages, as torch.empty
-        pass
+    if huge:
+        try:
+            area.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError):  # no THP in this kernel or platform: 4 KiB pages
+            pass
     return area, torch.frombuffer(area, dtype=torch.uint8)
 
 
 class Slab:
-    """One contiguous host buffer, carved front to back into tensors of one snapshot."""
+    """One contiguous host buffer, carved front to back into tensors of one snapshot.
 
-    def __init__(self, capacity: int) -> None:
-        self._area, self.buffer = _anonymous(capacity)
+    `huge` only for a slab mapped ahead (`fault_in`), where huge pages cost less CPU: a stall's
+    copy into fresh huge pages took about twice as long as into fresh 4 KiB ones on the
+    development VM (docs/BENCHMARKS.md)."""
+
+    def __init__(self, capacity: int, huge: bool = False) -> None:
+        self._area, self.buffer = _anonymous(capacity, huge)
         self._used = 0
         self.fresh = True  # its pages were never written: the first snapshot in it faults them in
 
@@ -153,7 +158,7 @@ class HostBufferPool:
         with self._lock:
             if self._fitting(nbytes) or capacity > self.keep_bytes - self._lent:
                 return False
-        slab = Slab(capacity)  # made and faulted in outside the lock: `lend` never waits for it
+        slab = Slab(capacity, huge=True)  # made and faulted in outside the lock: `lend` never waits for it
         slab.fault_in()
         with self._lock:
             self.allocated += 1

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
+import pytest
 import torch
 
 from ckpt.host_buffers import ALIGN, OS_PAGE, PAGE, HostBufferPool, slab_bytes
@@ -113,3 +115,28 @@ def test_only_a_slab_lend_had_to_make_is_fresh_one_reused_or_reserved_is_not() -
     assert pool.reserve(8 * PAGE)
     reserved = pool.lend(8 * PAGE)
     assert reserved is not made and not reserved.fresh
+
+
+def _vm_flags(t: torch.Tensor) -> set[str]:
+    """The kernel's flags of the mapping that holds `t` (/proc/self/smaps, `VmFlags`)."""
+    addr, inside = t.data_ptr(), False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and line.startswith("VmFlags:"):
+            return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").is_dir(), reason="needs a kernel with THP")
+def test_only_a_slab_mapped_ahead_asks_for_huge_pages() -> None:
+    """VmFlags "hg" is MADV_HUGEPAGE: a reserved slab is mapped off the stall, where huge pages cost less
+    CPU; a slab `lend` makes is faulted in by the stall's copy, which fresh huge pages slowed."""
+    pool = HostBufferPool(1 << 30)
+    assert pool.reserve(4 * PAGE)
+    reserved = pool.lend(4 * PAGE)
+    made = pool.lend(4 * PAGE)  # the reserved one is lent: a new one
+    assert made is not reserved and made.fresh and not reserved.fresh
+    assert "hg" in _vm_flags(reserved.buffer) and "hg" not in _vm_flags(made.buffer)
