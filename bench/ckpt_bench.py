@@ -94,6 +94,7 @@ def train_run(label: str, extra: list[str], args: argparse.Namespace, work: Path
             "stall_over_bare": ratio(m["ckpt_stall_ms"], bare), "take_over_bare": ratio(take, bare),
             "write_s": m["ckpt_write_s"], "write_MBps": m["ckpt_bytes"] / m["ckpt_write_s"] / 1e6 if m["ckpt_write_s"] else None,
             "durable_s": m.get("ckpt_durable_s"),  # stall start to COMMIT
+            "stall_new_bytes": m.get("ckpt_stall_new_bytes"),  # all ranks: memory the stall's copy mapped fresh
             "codec": m.get("ckpt_encoding"),
             "committed_at_step": worst("committed_at_step"),
             "durable_at_step": worst("durable_at_step"),

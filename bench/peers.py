@@ -447,6 +447,7 @@ def build_records(s: dict[str, Any], jobs: dict[tuple[str, str], dict], peers: l
             rec.add("deltarec", policy, enc, "durable_at_step", c.get("durable_at_step"), "step", cid, step=c["step"])
             rec.add("deltarec", policy, enc, "learned_at_step", c.get("committed_at_step"), "step", cid, step=c["step"])
             rec.add("deltarec", policy, enc, "durable_s", c.get("durable_s"), "s", cid, step=c["step"], kind=c["kind"])
+            rec.add("deltarec", policy, enc, "stall_new_bytes", c.get("stall_new_bytes"), "B", cid, step=c["step"])
         ok = [c for c in cks if c["committed"]]
         caps = [cap[c["ckpt_id"]]["chain_bytes"] + cap[c["ckpt_id"]]["dense_bytes"] for c in ok if c["ckpt_id"] in cap]
         label = f"deltarec:{policy}-{enc}"
