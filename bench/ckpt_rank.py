@@ -46,9 +46,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import deque
 import sys
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import median

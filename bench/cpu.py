@@ -88,14 +88,11 @@ class CpuLedger:
     to account are alive (each keeps its newest figure); `totals()` sums per class what each
     thread spent since `start()` (a thread started later counts from zero)."""
 
-    started: dict[int, float] = field(default_factory=dict)
-    started_faults: dict[int, int] = field(default_factory=dict)
+    started: dict[int, ThreadCpu] = field(default_factory=dict)  # each thread's figures at `start()`
     threads: dict[int, ThreadCpu] = field(default_factory=dict)
 
     def start(self) -> "CpuLedger":
-        now = _read_threads()
-        self.started = {tid: t.cpu_s for tid, t in now.items()}
-        self.started_faults = {tid: t.minflt for tid, t in now.items()}
+        self.started = _read_threads()
         self.threads = {}
         self.sample()
         return self
@@ -107,15 +104,20 @@ class CpuLedger:
     def totals(self) -> dict[str, float]:
         out = dict.fromkeys(CLASSES, 0.0)
         for tid, t in self.threads.items():
-            out[t.klass] += max(0.0, t.cpu_s - self.started.get(tid, 0.0))
+            out[t.klass] += self._cpu_since_start(tid, t)
         return out
+
+    def _cpu_since_start(self, tid: int, t: ThreadCpu) -> float:
+        before = self.started.get(tid)
+        return max(0.0, t.cpu_s - (before.cpu_s if before else 0.0))
 
     def faults(self) -> dict[str, int]:
         """Minor page faults per class since `start()`: a page mapped for the first time costs
         CPU where it is touched (which thread's, these say)."""
         out = dict.fromkeys(CLASSES, 0)
         for tid, t in self.threads.items():
-            out[t.klass] += max(0, t.minflt - self.started_faults.get(tid, 0))
+            before = self.started.get(tid)
+            out[t.klass] += max(0, t.minflt - (before.minflt if before else 0))
         return out
 
     def by_name(self, klass: str) -> dict[str, float]:
@@ -125,7 +127,7 @@ class CpuLedger:
         for tid, t in self.threads.items():
             if t.klass == klass:
                 name = re.sub(r"[-_:]?\d+$", "", t.name) or t.name
-                out[name] = out.get(name, 0.0) + max(0.0, t.cpu_s - self.started.get(tid, 0.0))
+                out[name] = out.get(name, 0.0) + self._cpu_since_start(tid, t)
         return out
 
 

@@ -62,9 +62,8 @@ def _anonymous(capacity: int, huge: bool) -> tuple[mmap.mmap, torch.Tensor]:
 class Slab:
     """One contiguous host buffer, carved front to back into tensors of one snapshot.
 
-    `huge` only for a slab mapped ahead (`fault_in`), where huge pages cost less CPU: a stall's
-    copy into fresh huge pages took about twice as long as into fresh 4 KiB ones on the
-    development VM (docs/BENCHMARKS.md)."""
+    `huge` only for a slab mapped ahead (`fault_in`), where huge pages cost less CPU; a stall's
+    copy into fresh huge pages was slower than into fresh 4 KiB ones (docs/BENCHMARKS.md)."""
 
     def __init__(self, capacity: int, huge: bool = False) -> None:
         self._area, self.buffer = _anonymous(capacity, huge)

@@ -5,9 +5,9 @@ baseline scaled to the job's steps. No figure of a benchmark is judged."""
 
 from __future__ import annotations
 
+import mmap
 import subprocess
 import sys
-import mmap
 import threading
 import time
 from pathlib import Path
