@@ -18,18 +18,26 @@ minute). Each job is 2 gloo ranks through `bench.ckpt_rank`, in rounds of:
 and a closing ``none`` job, so that the baseline brackets the checkpointing jobs (its rate is
 the harmonic mean of every ``none`` job). Odd rounds run the sinks in reverse order (``none,
 kafka, tmpfs, none, tmpfs, kafka, none``), so a drift of the machine reaches both sinks alike.
-Per job: training throughput from
-``metrics.jsonl`` (every logging window but the first) and its overhead against the
-baseline; checkpoints, stall and time to COMMIT; and from `bench.cpu` the CPU seconds per
-checkpoint beyond the baseline, by thread class (training thread and its part inside stalls,
-writer thread, librdkafka's threads, the rest), of the trainer process as a whole, and of the
-broker process. ``cpu_trainer_overhead`` (the trainer's extra CPU as a fraction of the
-baseline's) is what checkpointing costs where the broker runs elsewhere and the writer has a
-core of its own; ``cpu_direct_overhead`` counts only the CPU of the stalls, the writer and
-librdkafka, which needs no subtraction of two noisy jobs (`bench.cpu.checkpoint_cpu`). Per job
-in run order, its throughput and how much the kernel's memory counters grew while it ran
-(/proc/vmstat: page faults, reclaim scans, compaction stalls, transparent huge pages), to
-tell a sink's cost from memory pressure. A benchmark, not a test: it asserts nothing about the figures.
+Per job: training throughput from ``metrics.jsonl`` (every logging window but the first) and
+its overhead against the baseline; checkpoints, stall and time to COMMIT; and from `bench.cpu`
+the CPU seconds per checkpoint beyond the baseline, by thread class (training thread and its
+part inside stalls, writer thread, librdkafka's threads, the rest), of the trainer process as a
+whole, and of the broker process. ``cpu_trainer_overhead`` (the trainer's extra CPU as a
+fraction of the baseline's) is what checkpointing costs where the broker runs elsewhere and the
+writer has a core of its own; ``cpu_direct_overhead`` counts only the CPU of the stalls, the
+writer and librdkafka, which needs no subtraction of two noisy jobs
+(`bench.cpu.checkpoint_cpu`).
+
+Each job's *pace excess* (`pace_excess`) is the share of its time beyond what its windows take
+at its own median pace; a sink's ``throughput_overhead_within`` is its pace excess less the
+baseline's. That overhead compares no two jobs' rates, which drift apart here by more than the
+goal: it counts what checkpoints cost the windows around them, misses a cost spread evenly over
+every step (the tracker's hook, `--suite tracker`), and holds while a checkpoint's activity
+covers well under half the windows (an interval far longer than the time to COMMIT).
+
+Per job in run order, its throughput, pace excess and how much the kernel's memory counters
+grew while it ran (/proc/vmstat: page faults, reclaim scans, compaction stalls, transparent huge
+pages), to tell a sink's cost from memory pressure. A benchmark, not a test: it asserts nothing about the figures.
 """
 
 from __future__ import annotations
@@ -72,11 +80,20 @@ def is_tmpfs(path: Path) -> bool:
     return fstype == "tmpfs"
 
 
-def _rate(run_dir: Path) -> float | None:
+def window_rates(run_dir: Path) -> list[float]:
+    """Samples/s of each logging window of a job's ``metrics.jsonl`` but the first (warm-up)."""
     from launch.ranks import read_metrics
 
     rates = [m["samples_per_s"] for m in read_metrics(run_dir) if "samples_per_s" in m]
-    return harmonic_of(rates[1:] or rates)
+    return rates[1:] or rates
+
+
+def pace_excess(rates: list[float]) -> float | None:
+    """The share of a job's time beyond what its windows would have taken at the job's own
+    median pace: ``1 - harmonic(rates) / median(rates)``. A slow machine slows every window
+    alike and cancels out; what a checkpoint costs for a few windows after it does not."""
+    whole, typical = harmonic_of(rates), median_of(rates)
+    return 1 - whole / typical if whole and typical else None
 
 
 def none_job(s: dict[str, Any], work: Path, n: int, timeout_s: float) -> dict[str, Any]:
@@ -90,8 +107,9 @@ def none_job(s: dict[str, Any], work: Path, n: int, timeout_s: float) -> dict[st
     t = time.perf_counter()
     spawn_ranks(s["config"], [*_common(s), "ckpt.enabled=false"], tmp, world_size=2,
                 timeout_s=timeout_s, module="bench.ckpt_rank", extra_args=["--side", str(tmp / "side")])
-    return {"sink": "none", "round": n, "wall_s": time.perf_counter() - t, "samples_per_s": _rate(tmp / "run"),
-            "cpu": read_cpus(tmp / "side", 2)}
+    rates = window_rates(tmp / "run")
+    return {"sink": "none", "round": n, "wall_s": time.perf_counter() - t, "samples_per_s": harmonic_of(rates),
+            "window_rates": rates, "pace_excess": pace_excess(rates), "cpu": read_cpus(tmp / "side", 2)}
 
 
 def _common(s: dict[str, Any]) -> list[str]:
@@ -123,7 +141,8 @@ def ckpt_job(sink: str, s: dict[str, Any], work: Path, n: int, tmpfs: Path, time
             run["broker_cpu_s"] = None
         finally:
             shutil.rmtree(root, ignore_errors=True)
-    run.update(sink=sink, round=n, samples_per_s=_rate(work / label / "run"))
+    rates = window_rates(work / label / "run")
+    run.update(sink=sink, round=n, samples_per_s=harmonic_of(rates), window_rates=rates, pace_excess=pace_excess(rates))
     return run
 
 
@@ -160,8 +179,10 @@ def summarize(jobs: list[dict[str, Any]]) -> dict[str, Any]:
     nones = [j for j in jobs if j["sink"] == "none"]
     base_rate = harmonic_of(j["samples_per_s"] for j in nones)
     base_cpu = [r for j in nones for r in j["cpu"]]
+    base_excess = mean_of(j.get("pace_excess") for j in nones)
     out: dict[str, Any] = {"none": {"samples_per_s": base_rate, "jobs": len(nones),
-                                    "samples_per_s_jobs": [j["samples_per_s"] for j in nones]}}
+                                    "samples_per_s_jobs": [j["samples_per_s"] for j in nones],
+                                    "pace_excess": base_excess, "pace_excess_jobs": [j.get("pace_excess") for j in nones]}}
     for sink in SINKS:
         mine = [j for j in jobs if j["sink"] == sink]
         if not mine:
@@ -170,11 +191,14 @@ def summarize(jobs: list[dict[str, Any]]) -> dict[str, Any]:
         ok = [c for c in cks if c["committed"]]
         rate = harmonic_of(j["samples_per_s"] for j in mine)
         broker = [j["broker_cpu_s"] for j in mine]
+        excess = mean_of(j.get("pace_excess") for j in mine)
         agg: dict[str, Any] = {
             "samples_per_s": rate,
             "throughput_overhead": 1 - rate / base_rate if rate and base_rate else None,
             "throughput_overhead_jobs": [1 - j["samples_per_s"] / base_rate if base_rate else None for j in mine],
             "samples_per_s_jobs": [j["samples_per_s"] for j in mine],
+            "pace_excess": excess, "pace_excess_jobs": [j.get("pace_excess") for j in mine],
+            "throughput_overhead_within": excess - base_excess if excess is not None and base_excess is not None else None,
             "checkpoints": len(cks), "committed": len(ok),
             "full_checkpoints": sum(1 for c in ok if c["kind"] == "full"),
             "stall_ms": median_of(c["stall_ms"] for c in ok),
@@ -189,21 +213,24 @@ def summarize(jobs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def table(summary: dict[str, Any]) -> str:
-    head = ("| job | samples/s | overhead | checkpoints (full) | stall ms | durable s | training thread s/ckpt (in stalls) "
-            "| writer | librdkafka | other | trainer process s/ckpt | broker s/ckpt | trainer CPU overhead "
+    head = ("| job | samples/s | overhead | pace excess | overhead within jobs | checkpoints (full) | stall ms | durable s "
+            "| training thread s/ckpt (in stalls) | writer | librdkafka | other | trainer process s/ckpt | broker s/ckpt | trainer CPU overhead "
             "| direct s/ckpt | direct CPU overhead |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
 
     def f(x: Any, nd: int = 3, scale: float = 1.0) -> str:
         return "" if x is None else f"{x * scale:.{nd}f}"
 
-    lines.append(f"| none | {f(summary['none']['samples_per_s'], 0)} | 0% | | | | | | | | | | | | |")
+    none = summary["none"]
+    lines.append(f"| none | {f(none['samples_per_s'], 0)} | 0% | {f(none.get('pace_excess'), 1, 100)}% | 0% "
+                 "| | | | | | | | | | | | |")
     for sink in SINKS:
         a = summary.get(sink)
         if a is None:
             continue
         lines.append(
-            f"| {sink} | {f(a['samples_per_s'], 0)} | {f(a['throughput_overhead'], 1, 100)}% | {a['committed']} "
+            f"| {sink} | {f(a['samples_per_s'], 0)} | {f(a['throughput_overhead'], 1, 100)}% | "
+            f"{f(a.get('pace_excess'), 1, 100)}% | {f(a.get('throughput_overhead_within'), 1, 100)}% | {a['committed']} "
             f"({a['full_checkpoints']}) | {f(a['stall_ms'], 1)} | {f(a['durable_s'], 2)} | "
             f"{f(a.get('cpu_train_s_per_ckpt'))} ({f(a.get('cpu_stall_s_per_ckpt'))}) | {f(a.get('cpu_writer_s_per_ckpt'))} | "
             f"{f(a.get('cpu_kafka_s_per_ckpt'))} | {f(a.get('cpu_other_s_per_ckpt'))} | "
@@ -217,12 +244,13 @@ def jobs_table(jobs: list[dict[str, Any]]) -> str:
     """Each job in the order it ran: its throughput and what the kernel's memory counters did
     meanwhile (`counted`)."""
     keys = [k for k in VMSTAT_KEYS if any(k in (j.get("vmstat") or {}) for j in jobs)]
-    head = "| job (in run order) | round | samples/s | " + " | ".join(keys) + " |"
+    head = "| job (in run order) | round | samples/s | pace excess | " + " | ".join(keys) + " |"
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for j in jobs:
         v = j.get("vmstat") or {}
         rate = "" if j["samples_per_s"] is None else f"{j['samples_per_s']:.0f}"
-        lines.append(f"| {j['sink']} | {j['round']} | {rate} | " + " | ".join(f"{v.get(k, '')}" for k in keys) + " |")
+        excess = "" if j.get("pace_excess") is None else f"{100 * j['pace_excess']:.1f}%"
+        lines.append(f"| {j['sink']} | {j['round']} | {rate} | {excess} | " + " | ".join(f"{v.get(k, '')}" for k in keys) + " |")
     return "\n".join(lines)
 
 

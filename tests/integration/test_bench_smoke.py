@@ -120,11 +120,14 @@ def test_cost_suite_measures_kafka_and_the_tmpfs_reference_against_no_checkpoint
         # the direct figure is a sum of these and librdkafka's (0 on tmpfs), added in another order
         assert a["cpu_direct_s_per_ckpt"] >= a["cpu_writer_s_per_ckpt"] + a["cpu_stall_s_per_ckpt"] - 1e-9, (sink, a)
         assert a["throughput_overhead"] is not None and a["cpu_trainer_overhead"] is not None
+        assert a["throughput_overhead_within"] == pytest.approx(a["pace_excess"] - summary["none"]["pace_excess"])
     assert summary["kafka"]["cpu_broker_s_per_ckpt"] > 0 and summary["kafka"]["cpu_kafka_s_per_ckpt"] > 0
     assert summary["tmpfs"]["cpu_broker_s_per_ckpt"] is None  # no broker
     assert summary["tmpfs"]["cpu_kafka_s_per_ckpt"] == pytest.approx(0, abs=0.05)  # no librdkafka threads
     assert [j["sink"] for j in result["jobs"]] == ["none", "kafka", "tmpfs", "none"]
     assert all(j["vmstat"]["pgfault"] > 0 for j in result["jobs"]), [j["vmstat"] for j in result["jobs"]]
+    # 120 steps logged every 50: the windows ending at 100 and 120 (the first is warm-up)
+    assert all(len(j["window_rates"]) == 2 and j["pace_excess"] >= 0 for j in result["jobs"]), result["jobs"]
     sinks = {r["labels"]["sink"] for r in read_records(records)}
     assert sinks == {"none", "kafka", "tmpfs"}
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from bench.cpu import CLASSES, CpuLedger, checkpoint_cpu, process_cpu_s, thread_class
+from bench.common import harmonic_of
 from bench.cost import is_tmpfs
 
 
@@ -179,11 +180,42 @@ def test_a_counted_job_carries_how_much_the_kernels_page_faults_grew_while_it_ra
     def job() -> dict:
         pages = b"\1" * (64 << 20)  # 64 MiB of fresh memory, every page written: a fault each
         assert pages[-1] == 1
-        return {"sink": "none", "round": 0, "samples_per_s": 123.4}
+        return {"sink": "none", "round": 0, "samples_per_s": 123.4, "pace_excess": 0.0123}
 
     out = counted(job)
     assert out["vmstat"]["pgfault"] >= 64 * 256 // 2, out["vmstat"]  # half the 4 KiB pages at least (huge pages)
     assert all(v >= 0 for v in out["vmstat"].values()), out["vmstat"]
     lines = jobs_table([out]).splitlines()
-    assert lines[0].startswith("| job (in run order) | round | samples/s | pgfault |")
-    assert lines[2].startswith("| none | 0 | 123 | ")
+    assert lines[0].startswith("| job (in run order) | round | samples/s | pace excess | pgfault |")
+    assert lines[2].startswith("| none | 0 | 123 | 1.2% | ")
+
+
+def test_a_jobs_pace_excess_is_its_time_beyond_its_own_median_pace() -> None:
+    from bench.cost import pace_excess
+
+    assert pace_excess([100.0] * 9) == pytest.approx(0.0)
+    assert pace_excess([50.0] * 9) == pytest.approx(0.0)  # a slower machine alike in every window: none
+    # one window of ten at half the pace takes 2 units of the job's 11: 1/11 of the time beyond its pace
+    assert pace_excess([100.0] * 9 + [50.0]) == pytest.approx(1 / 11)
+    assert pace_excess([]) is None
+
+
+def test_the_overhead_within_jobs_is_a_sinks_pace_excess_less_the_baselines() -> None:
+    from bench.cost import summarize, table
+
+    def job(sink: str, rates: list[float]) -> dict:
+        from bench.cost import pace_excess
+
+        return {"sink": sink, "round": 0, "samples_per_s": harmonic_of(rates), "window_rates": rates,
+                "pace_excess": pace_excess(rates), "cpu": [], "checkpoints": [], "broker_cpu_s": None}
+
+    # the baselines run at different paces (a drifting machine), one slow window each; the sink's
+    # job is slower than either baseline and has three slow windows
+    jobs = [job("none", [100.0] * 9 + [50.0]), job("kafka", [80.0] * 7 + [40.0] * 3), job("none", [70.0] * 9 + [35.0])]
+    got = summarize(jobs)
+    assert got["none"]["pace_excess"] == pytest.approx(1 / 11)
+    assert got["kafka"]["pace_excess"] == pytest.approx(1 - 10 / 13)
+    assert got["kafka"]["throughput_overhead_within"] == pytest.approx(1 - 10 / 13 - 1 / 11)
+    assert got["kafka"]["throughput_overhead"] > got["kafka"]["throughput_overhead_within"]  # drift counted too
+    row = [line for line in table(got).splitlines() if line.startswith("| kafka |")][0]
+    assert f"| {100 * (1 - 10 / 13 - 1 / 11):.1f}% |" in row
