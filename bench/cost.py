@@ -241,8 +241,8 @@ def table(summary: dict[str, Any]) -> str:
 
 
 def jobs_table(jobs: list[dict[str, Any]]) -> str:
-    """Each job in the order it ran: its throughput and what the kernel's memory counters did
-    meanwhile (`counted`)."""
+    """Each job in the order it ran: its throughput, its pace excess and what the kernel's
+    memory counters did meanwhile (`counted`)."""
     keys = [k for k in VMSTAT_KEYS if any(k in (j.get("vmstat") or {}) for j in jobs)]
     head = "| job (in run order) | round | samples/s | pace excess | " + " | ".join(keys) + " |"
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.cpu import CLASSES, CpuLedger, checkpoint_cpu, process_cpu_s, thread_class
 from bench.common import harmonic_of
+from bench.cpu import CLASSES, CpuLedger, checkpoint_cpu, process_cpu_s, thread_class
 from bench.cost import is_tmpfs
 
 
