@@ -67,8 +67,8 @@ class CkptConfig:
     # take cores from the training step; 0 runs it at the training thread's priority
     writer_nice: int = 10
     # CPU shards: the checkpoint's copy of rows and dense state runs on a thread of its own
-    # while the next step loads its batch and looks up its rows, and that step's first lookup
-    # waits for it, before the backward pass could change a row (ckpt/copy_behind.py);
+    # beside the next step, whose first lookup waits for the tracker's marks and whose backward
+    # pass waits for the rows before the embedding kernels may change one (ckpt/copy_behind.py);
     # false: the training thread copies inside the stall. GPU shards gather on a side stream.
     overlap_copy: bool = True
     follow: FollowConfig = field(default_factory=FollowConfig)  # `deltarec-follow` (ckpt/follow)

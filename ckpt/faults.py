@@ -36,8 +36,9 @@ from common.errors import DeltarecError
 
 ENV = "DELTAREC_KILL_AT"
 SLOW_ENV = "DELTAREC_SLOW_FLUSH"  # "checkpoint_id:seconds": that checkpoint's writer sleeps before flushing
-# "checkpoint_id:seconds" (* for every checkpoint): the copy of that checkpoint's rows starts
-# late (tests that the next step waits for a copy running beside it, ckpt/copy_behind.py)
+# "checkpoint_id:seconds[:rows]" (* for every checkpoint; several separated by commas): the copy of
+# that checkpoint starts late, or with ":rows" its copy of the rows does, after the tracker's
+# marks (tests that the next step waits for a copy running beside it, ckpt/copy_behind.py)
 SLOW_COPY_ENV = "DELTAREC_SLOW_COPY"
 # "checkpoint_id:ERRNO" (e.g. "3:ENOSPC"): writing that checkpoint's dense file fails with that OSError
 DENSE_ERROR_ENV = "DELTAREC_DENSE_ERROR"
@@ -97,12 +98,13 @@ def maybe_slow(checkpoint_id: int) -> None:
             time.sleep(float(seconds))
 
 
-def maybe_slow_copy(checkpoint_id: int) -> None:
-    """Delay the copy of checkpoint `checkpoint_id` as DELTAREC_SLOW_COPY says."""
-    spec = os.environ.get(SLOW_COPY_ENV)
-    if spec:
-        cid, _, seconds = spec.partition(":")
-        if cid == "*" or int(cid) == checkpoint_id:
+def maybe_slow_copy(checkpoint_id: int, part: str) -> None:
+    """Delay a part ("start" or "rows") of the copy of checkpoint `checkpoint_id` as
+    DELTAREC_SLOW_COPY says."""
+    for entry in filter(None, os.environ.get(SLOW_COPY_ENV, "").split(",")):
+        cid, _, rest = entry.partition(":")
+        seconds, _, where = rest.partition(":")
+        if (cid == "*" or int(cid) == checkpoint_id) and (where or "start") == part:
             time.sleep(float(seconds))
 
 

@@ -7,8 +7,9 @@ writes with `save_survivor` (ckpt/survivor.py). At a checkpoint step the trainin
 agrees with the other ranks on the checkpoint's kind (small all-reduces of row counts and
 flags, started at the end of the step before; never a wait on Kafka), copies the chosen
 rows and the dense state to host memory, and hands them to its writer thread. On CPU the
-copy runs beside the start of the next step, whose first lookup waits for it
-(`ckpt.overlap_copy`, ckpt/copy_behind.py); the stall is the hand-off plus that wait.
+copy runs beside the next step, whose first lookup waits for the tracker's marks and whose
+backward pass waits for the rows (`ckpt.overlap_copy`, ckpt/copy_behind.py); the stall is
+the hand-off plus those waits.
 Outcomes come back asynchronously and are logged, counted and written to metrics; a
 failed checkpoint makes the next one full.
 """
@@ -46,7 +47,7 @@ from ckpt.quant import BitWidthPolicy, warm_up_codecs
 from ckpt.restore import RestoreError, RowsRestored, restore_rows, row_init_of
 from ckpt.resume_choice import ResumeChoice, from_rank0
 from ckpt.sink import SinkError, SourceError
-from ckpt.snapshot import SnapshotTaker
+from ckpt.snapshot import PlannedSnapshot, SnapshotTaker
 from ckpt.survivor import save_survivor
 from ckpt.tracker import RowTracker
 from ckpt.writer import Outcome, RankWriter, WriteJob
@@ -592,7 +593,7 @@ class CheckpointManager:
     def save(self, step: int) -> None:
         """Called after every training step; takes a checkpoint when one is due."""
         maybe_die("step", step, self.env.rank)
-        self._settle()  # done already: this step's first lookup waited for it
+        self._settle()  # done already: this step's backward pass waited for it
         self._collect()
         if self._due(step):
             self._checkpoint(step)
@@ -783,8 +784,8 @@ class CheckpointManager:
                      list(self.chain), codecs, overlap, agree_ms=(t_agreed - t0) * 1e3)
         if overlap:
             handoff_s, handoff_cpu = time.perf_counter() - t0, time.thread_time() - cpu0
-            self.copier.start(lambda finish: self._copy(copy, handoff_s, finish, handoff_cpu))
-            self.tracker.hold_next_lookup(self._settle)
+            self.copier.start(lambda finish, release: self._copy(copy, handoff_s, finish, handoff_cpu, release))
+            self.tracker.hold_next_lookup(self.copier.wait_released, self._settle)
         else:
             timing = self._copy(copy, 0.0, lambda: time.perf_counter() - t0, 0.0)
             self.stats.stalls.append(timing._replace(cpu_ms=(time.thread_time() - cpu0) * 1e3))
@@ -802,28 +803,30 @@ class CheckpointManager:
     def _settle(self) -> None:
         """Wait for the copy in flight, if any, and record its stall. Every call that reads or
         changes the tracker, the taker or the writer's queue comes here first, and so does the
-        next step's first lookup, before its backward pass could change a row."""
+        next step's backward pass, before its embedding kernels could change a row."""
         timing = self.copier.wait()
         if timing is not None:
             self.stats.stalls.append(timing)
 
-    def _copy(self, c: _Copy, handoff_s: float, blocked: Callable[[], float], cpu_s: float) -> StallTiming:
-        """The copy of checkpoint `c`: rows and dense state to host memory, the tracker's marks,
-        the writer's job. Inside the stall on the training thread, or on the copier thread
-        beside the next step; `blocked()`, called as its last step before the writer gets the
-        job, says how long the training thread has been waiting for it (inside the stall: all
-        of it) on top of `handoff_s`, the stall before the copy started."""
+    def _copy(self, c: _Copy, handoff_s: float, blocked: Callable[[], float], cpu_s: float,
+              release: Callable[[], None] = lambda: None) -> StallTiming:
+        """The copy of checkpoint `c`: the bitmap scan, the tracker's marks and the dense state,
+        then (after `release()`) the rows to host memory, then the writer's job. Inside the stall
+        on the training thread, or on the copier thread beside the next step, whose first lookup
+        waits for `release()` and whose backward pass waits for the rest (ckpt/copy_behind.py).
+        `blocked()`, called as its last step before the writer gets the job, says how long the
+        training thread has been waiting for it (inside the stall: all of it) on top of
+        `handoff_s`, the stall before the copy started."""
         decision, cid, step = c.decision, c.checkpoint_id, c.step
-        maybe_slow_copy(cid)
+        maybe_slow_copy(cid, "start")
         t_take = time.perf_counter()
         saved = None  # a prioritized checkpoint's rows (ckpt/priority.py)
         if decision.full or self.priority is None:
-            snapshot = self.taker.take(cid, step, full=decision.full, since_base=decision.since_base)
+            planned = self.taker.plan(cid, step, full=decision.full, since_base=decision.since_base)
         else:
             saved = self.priority.select(self.tracker.changed_since_last(), int(self.c.priority_budget * self.full_bytes))
-            snapshot = self.taker.take_rows(cid, step, saved)
-        t_taken = time.perf_counter()
-        maybe_die("snapshot", cid, self.env.rank)
+            planned = PlannedSnapshot.of(self.taker.take_rows(cid, step, saved))
+        t_planned = time.perf_counter()
         self.tracker.remember(cid)
         if decision.full:
             self.tracker.mark_base()
@@ -838,15 +841,20 @@ class CheckpointManager:
         trainer_state = c.trainer_state
         if self.priority is not None:
             trainer_state["priority"] = self._priority_accounting(decision.full, saved, int(trainer_state["samples_seen"]))
-        t_done = time.perf_counter()
+        release()  # bitmaps, priority counters and dense state are free again; no row has changed yet
+        t_released = time.perf_counter()
+        maybe_slow_copy(cid, "rows")
+        snapshot = planned.copy()
+        maybe_die("snapshot", cid, self.env.rank)
+        t_copied = time.perf_counter()
         waited = blocked()
         snapshot.stall_s = handoff_s + waited
         timing = StallTiming(
             checkpoint_id=cid, step=step, full=decision.full, agree_ms=c.agree_ms,
-            take_ms=(t_taken - t_take) * 1e3, dense_ms=(t_done - t_taken) * 1e3, stall_ms=snapshot.stall_s * 1e3,
-            rows=snapshot.rows, snapshot_bytes=snapshot.nbytes, since_base=c.fractions[0], since_last=c.fractions[1],
-            cpu_ms=cpu_s * 1e3, new_bytes=snapshot.new_bytes, overlapped=c.overlapped,
-            wait_ms=waited * 1e3 if c.overlapped else 0.0,
+            take_ms=(t_planned - t_take + t_copied - t_released) * 1e3, dense_ms=(t_released - t_planned) * 1e3,
+            stall_ms=snapshot.stall_s * 1e3, rows=snapshot.rows, snapshot_bytes=snapshot.nbytes,
+            since_base=c.fractions[0], since_last=c.fractions[1], cpu_ms=cpu_s * 1e3, new_bytes=snapshot.new_bytes,
+            overlapped=c.overlapped, wait_ms=waited * 1e3 if c.overlapped else 0.0,
         )
         self.writer.submit(WriteJob(
             checkpoint_id=cid, step=step, generation=c.generation, chain=c.chain, snapshot=snapshot,

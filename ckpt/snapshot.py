@@ -19,7 +19,9 @@ pool keeps slabs within the same budget). `take` allocates nothing else that out
 local row indices become `global_rows` in place).
 
 Devices: on CPU the copy is `index_select(..., out=host_buffer)`, on the training thread or,
-with `ckpt.overlap_copy`, on the manager's copier thread beside the next step (ckpt/copy_behind.py).
+with `ckpt.overlap_copy`, on the manager's copier thread beside the next step (ckpt/copy_behind.py),
+which first chooses the rows (`plan`: the bitmap scan, before the tracker's marks change the
+bitmaps) and copies them after (`PlannedSnapshot.copy`: before the next row update).
 On CUDA the rows are gathered on a side stream into device temporaries and copied into
 pinned host buffers with ``non_blocking=True``; the training stream waits only for the
 gather (so the next update cannot overwrite a row before it is read), and the
@@ -165,11 +167,17 @@ class SnapshotTaker:
 
     def take(self, checkpoint_id: int, step: int, *, full: bool, since_base: bool) -> Snapshot:
         """Copy every row (`full`), or the rows of `since_base(i)` / `since_last(i)`, of every shard."""
+        return self.plan(checkpoint_id, step, full=full, since_base=since_base).copy()
+
+    def plan(self, checkpoint_id: int, step: int, *, full: bool, since_base: bool) -> "PlannedSnapshot":
+        """`take` in two parts: choose the rows now (the bitmap scan) and the host memory for
+        them; `PlannedSnapshot.copy()` copies them. In between the tracker may change its
+        bitmaps, but no row may change. On CUDA the rows are gathered here already."""
         t0 = time.perf_counter()
         if self._cuda:
             shards, ready = self._take_cuda(full, since_base)
-            return Snapshot(checkpoint_id, step, full, shards, time.perf_counter() - t0, ready,
-                            new_bytes=sum(s.nbytes for s in shards))  # fresh pinned host tensors
+            return PlannedSnapshot.of(Snapshot(checkpoint_id, step, full, shards, time.perf_counter() - t0, ready,
+                                               new_bytes=sum(s.nbytes for s in shards)))  # fresh pinned host tensors
         copy_all = full and not self.trained_only
         views = self.shard_map.shards
         locals_ = [None if copy_all else self._local_rows(i, full, since_base) for i in range(len(views))]
@@ -177,10 +185,7 @@ class SnapshotTaker:
         if self.pool is not None:
             counts = [v.num_rows if local is None else local.numel() for v, local in zip(views, locals_)]
             slab = self.pool.lend(slab_bytes([b for v, n in zip(views, counts) for b in _copied_bytes(v, n)]))
-        shards = [_copy_cpu(v, local, slab) for v, local in zip(views, locals_)]
-        fresh = sum(s.nbytes for s in shards) if slab is None else slab.capacity if slab.fresh else 0
-        return Snapshot(checkpoint_id, step, full, shards, time.perf_counter() - t0, None, slab, self.pool,
-                        new_bytes=fresh)
+        return PlannedSnapshot(checkpoint_id, step, full, views, locals_, slab, self.pool, time.perf_counter() - t0)
 
     # -- CPU ------------------------------------------------------------------------------
     def _local_rows(self, i: int, full: bool, since_base: bool) -> torch.Tensor:
@@ -232,6 +237,39 @@ class SnapshotTaker:
                 out.append(ShardRows(v.table, v.row_offset, v.col_offset, rows, weights, dict(zip(v.optimizer_states, states))))
             ready = side.record_event()
         return out, ready
+
+
+@dataclass
+class PlannedSnapshot:
+    """A CPU snapshot whose rows are chosen and whose host memory is lent, not yet copied
+    (`SnapshotTaker.plan`); or a snapshot already taken (`of`)."""
+
+    checkpoint_id: int
+    step: int
+    full: bool
+    views: list["ShardView"]
+    local_rows: list[torch.Tensor | None]  # per shard: sorted local rows (None: every row)
+    slab: Slab | None
+    pool: HostBufferPool | None
+    plan_s: float  # the time the scan and the lending took
+    taken: Snapshot | None = None
+
+    @classmethod
+    def of(cls, snapshot: Snapshot) -> "PlannedSnapshot":
+        """A snapshot taken at once (CUDA, or rows named by the caller): `copy()` returns it."""
+        return cls(snapshot.checkpoint_id, snapshot.step, snapshot.full, [], [], None, None, 0.0, snapshot)
+
+    def copy(self) -> Snapshot:
+        """Copy the chosen rows into the lent memory (once)."""
+        if self.taken is not None:
+            return self.taken
+        t0 = time.perf_counter()
+        shards = [_copy_cpu(v, local, self.slab) for v, local in zip(self.views, self.local_rows)]
+        slab = self.slab
+        fresh = sum(s.nbytes for s in shards) if slab is None else slab.capacity if slab.fresh else 0
+        self.taken = Snapshot(self.checkpoint_id, self.step, self.full, shards, self.plan_s + time.perf_counter() - t0,
+                              None, slab, self.pool, new_bytes=fresh)
+        return self.taken
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, slab: Slab | None) -> torch.Tensor:

@@ -138,6 +138,7 @@ class RowTracker:
         self._previous_fn = self.sharded_ebc.post_lookup_tracker_fn
         self._attached = True
         self._hold: Callable[[], None] | None = None  # called once, first thing, by the next lookup
+        self._before_update: Callable[[], None] | None = None  # called once, before the next row update
         self.sharded_ebc.register_post_lookup_tracker_fn(self.record_lookup)
 
     # -- mapping ------------------------------------------------------------------------
@@ -187,7 +188,12 @@ class RowTracker:
         if self._previous_fn is not None:
             self._previous_fn(features, embs, module, raw_ids)
         owner = module if module is not None else self.sharded_ebc
-        if not (owner.training and torch.is_grad_enabled()):
+        training = owner.training and torch.is_grad_enabled()
+        # every group's output: each has its own kernels. A forward without backward (eval,
+        # no_grad) changes no row: the wait stays pending for the next one that has one.
+        if self._before_update is not None and training and isinstance(embs, torch.Tensor) and embs.requires_grad:
+            embs.register_hook(self._run_before_update)
+        if not training:
             return
         keys = tuple(features.keys())
         m = self.lookup_groups.get(keys)
@@ -207,12 +213,23 @@ class RowTracker:
         if self.listener is not None:
             self.listener(m, list(parts))
 
-    def hold_next_lookup(self, fn: Callable[[], None]) -> None:
-        """Have the next lookup call `fn()` before it marks anything: the hook runs in the
-        forward pass, after the lookup read its rows and before the backward pass may update
-        them (ckpt/copy_behind.py waits there for a checkpoint's copy)."""
+    def hold_next_lookup(self, fn: Callable[[], None], before_update: Callable[[], None] | None = None) -> None:
+        """Have the next lookup call `fn()` before it marks anything, and, with `before_update`,
+        have the next backward pass call `before_update()` before the embedding kernels may
+        update a row: a gradient hook on each lookup group's output, which runs before the
+        fused optimizer's backward, placed by the next training forward (a forward without
+        backward leaves it pending). The lookup hook runs in the forward pass, after the
+        lookup read its rows (ckpt/copy_behind.py waits at both points for a checkpoint's
+        copy; the checkpoint manager's own calls wait for all of it)."""
         assert self._attached, "a detached tracker's hook never runs: nothing would wait"
         self._hold = fn
+        self._before_update = before_update
+
+    def _run_before_update(self, grad: torch.Tensor | None) -> None:
+        """The gradient hook `hold_next_lookup` places: the first call runs `before_update`."""
+        fn, self._before_update = self._before_update, None
+        if fn is not None:
+            fn()
 
     @property
     def attached(self) -> bool:

@@ -102,17 +102,20 @@ def test_filesystem_sink_resumes_bit_exact(
     assert metrics.values(tmp_path / "run", "restore_markers_records", restored_ckpt=3) == [3]
 
 
-@pytest.mark.parametrize("overlap", ["true", "false"])
+# with the overlap: the chain's base (1) copied late from its start, the restored delta (3) its rows
+@pytest.mark.parametrize("overlap,late", [("true", "1:0.3,3:0.3:rows"), ("false", "*:0.3")])
 def test_a_late_copy_still_holds_the_rows_of_its_checkpoint_step(
-    tmp_path, unique_name, reference, debug_config: DebugConfig, overlap
+    tmp_path, unique_name, reference, debug_config: DebugConfig, overlap, late
 ):
-    # Every checkpoint's copy starts 0.3 s late (DELTAREC_SLOW_COPY). With ckpt.overlap_copy
-    # the training thread has gone on to the next step meanwhile; its first lookup must wait for
-    # the copy, or that step's backward updates rows before they are copied and the resumed
-    # run differs from the uninterrupted one. Without the overlap the stall simply lasts longer.
+    # A checkpoint's copy starts 0.3 s late (DELTAREC_SLOW_COPY), or only its copy of the rows
+    # does, after the tracker's marks. With ckpt.overlap_copy the training thread has gone
+    # on to the next step meanwhile: its first lookup must wait for the marks, and its backward
+    # pass for the rows, or the fused kernels update rows before they are copied and the
+    # resumed run differs from the uninterrupted one. Without the overlap the stall simply
+    # lasts longer.
     job = [*_job(unique_name("late-copy"), "filesystem", "", "one_shot_diff"), f"ckpt.overlap_copy={overlap}"]
     spawn_ranks(debug_config.path, job, tmp_path, expect_ok=False,
-                env_extra={"DELTAREC_KILL_AT": "rows:4@1", "DELTAREC_SLOW_COPY": "*:0.3"})
+                env_extra={"DELTAREC_KILL_AT": "rows:4@1", "DELTAREC_SLOW_COPY": late})
     resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest"], tmp_path)
     assert "deltarec: resumed from checkpoint 3 at step 30" in resumed[0].stdout
-    _assert_identical(_dumps(tmp_path / "run"), reference, f"copy 0.3 s late, ckpt.overlap_copy={overlap}")
+    _assert_identical(_dumps(tmp_path / "run"), reference, f"copies late ({late}), ckpt.overlap_copy={overlap}")

@@ -116,3 +116,23 @@ def test_snapshot_copies_the_tracked_rows(report: tuple[str, list[dict]]) -> Non
         assert s["live_moved_rows"] > 0, "training after take moved no captured row: the copy check proves nothing"
         assert s["base_rows"] > s["last_rows"]  # the one-shot diff spans both windows
         assert s["empty_rows"] == s["empty_nbytes"] == s["empty_est"] == 0
+
+
+def test_a_held_step_waits_at_its_first_lookup_and_again_before_any_row_changes(
+    report: tuple[str, list[dict]],
+) -> None:
+    """What a checkpoint's copy beside the next step relies on (ckpt/copy_behind.py): its
+    bookkeeping is waited for at the first lookup, its rows before the backward pass reaches
+    the fused kernels of any lookup group; a forward without backward (an eval beside the
+    copy) leaves the second wait to the next training step."""
+    plan, reports = report
+    for rep in reports:
+        h, where = rep["hold"], f"{plan} rank {rep['rank']}"
+        names = [e[0] for e in h["train_step"]]
+        assert names == ["lookup", "before_update", "step_done"], f"{where}: {h['train_step']}"
+        changed = dict(h["train_step"])
+        assert changed["lookup"] == 0 and changed["before_update"] == 0, f"{where}: rows changed before the waits"
+        assert changed["step_done"] > 0, f"{where}: the step changed no row, the check proves nothing"
+        after = h["no_grad_forward_then_step"]
+        assert [e[0] for e in after] == ["lookup", "forward_done", "before_update", "step_done"], f"{where}: {after}"
+        assert dict(after)["before_update"] == 0 < dict(after)["step_done"], f"{where}: {after}"

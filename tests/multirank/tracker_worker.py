@@ -11,6 +11,9 @@ row-wise Adagrad) and prints one line ``RESULT <json>`` with what it measured:
 3. marks: mark_checkpoint / mark_base semantics, since_base ⊇ since_last, counts, state_dict.
 4. snapshot: values equal the live rows at take time, global rows, estimate == nbytes,
    unchanged by later training while the live rows moved, full covers every row.
+5. hold: `hold_next_lookup`'s two calls in a training step (at the first lookup; before the
+   backward pass updates any row, once), and after a no-grad forward (the first during it,
+   the second left for the next training step's backward).
 
 Usage: python -m tests.multirank.tracker_worker --config CFG [--column-shards-per-rank K] [key=value ...]
 """
@@ -227,6 +230,36 @@ def check_snapshot(trainer: Trainer, smap: ShardMap, tracker: RowTracker) -> dic
     return r
 
 
+def _rows_changed(before: list[list[torch.Tensor]], smap: ShardMap) -> int:
+    return int(sum(int(c.sum()) for c in _changed(before, smap)))
+
+
+def check_hold(trainer: Trainer, smap: ShardMap, tracker: RowTracker) -> dict:
+    """What the rows looked like when each of `hold_next_lookup`'s calls ran."""
+    events: list[list] = []
+
+    def hold() -> None:
+        events.append(["lookup", _rows_changed(before, smap)])
+
+    def before_update() -> None:
+        events.append(["before_update", _rows_changed(before, smap)])
+
+    before = _state(smap)
+    tracker.hold_next_lookup(hold, before_update)
+    trainer.train_step()
+    events.append(["step_done", _rows_changed(before, smap)])
+    train_events = events[:]
+    events.clear()
+    before = _state(smap)
+    tracker.hold_next_lookup(hold, before_update)
+    _training_forward(trainer, grad=False)
+    events.append(["forward_done", _rows_changed(before, smap)])
+    trainer.train_step()
+    events.append(["step_done", _rows_changed(before, smap)])
+    tracker.mark_base()
+    return {"train_step": train_events, "no_grad_forward_then_step": events}
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--config", required=True)
@@ -258,6 +291,7 @@ def main() -> int:
         "eval": check_eval(trainer, tracker),
         "marks": check_marks(trainer, smap, tracker),
         "snapshot": check_snapshot(trainer, smap, tracker),
+        "hold": check_hold(trainer, smap, tracker),
     }
     print("RESULT " + json.dumps(result), flush=True)
     del trainer, tracker, smap, sharded

@@ -99,7 +99,7 @@ class _Manager:
         self.lookup()
 
     def lookup(self) -> None:
-        """The next step's first lookup: it waits for the copy in flight, whose stall is then recorded."""
+        """The next step's wait for the copy in flight (its backward pass), whose stall is then recorded."""
         if self.in_flight is not None:
             self.stats.stalls.append(self.in_flight)
             self.in_flight, self.copier.busy = None, False

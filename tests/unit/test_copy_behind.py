@@ -1,5 +1,5 @@
-"""ckpt/copy_behind.py: a checkpoint's copy on its own thread, and how long the training thread
-waited for it (what the stall reports)."""
+"""ckpt/copy_behind.py: a checkpoint's copy on its own thread, its two waits (the bookkeeping,
+then the rows), and how long the training thread waited for it (what the stall reports)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import time
 
 import pytest
 
-from ckpt.copy_behind import CopyBehind, Finish
+from ckpt.copy_behind import CopyBehind, Finish, Release
 
 
 def test_a_copy_done_before_anyone_waits_reports_no_wait() -> None:
     copier: CopyBehind[float] = CopyBehind()
     done = threading.Event()
 
-    def copy(finish: Finish) -> float:
+    def copy(finish: Finish, release: Release) -> float:
         waited = finish()
         done.set()
         return waited
@@ -32,7 +32,7 @@ def test_a_copy_the_training_thread_waits_for_reports_that_wait_to_the_writer() 
     copier: CopyBehind[float] = CopyBehind()
     go = threading.Event()
 
-    def copy(finish: Finish) -> float:
+    def copy(finish: Finish, release: Release) -> float:
         assert go.wait(10)
         return finish()
 
@@ -55,21 +55,82 @@ def test_a_copy_the_training_thread_waits_for_reports_that_wait_to_the_writer() 
 def test_a_failed_copy_raises_where_it_is_waited_for_and_the_next_one_runs() -> None:
     copier: CopyBehind[int] = CopyBehind()
 
-    def broken(finish: Finish) -> int:
+    def broken(finish: Finish, release: Release) -> int:
         raise RuntimeError("slab lost")
 
     copier.start(broken)
     with pytest.raises(RuntimeError, match="slab lost"):
         copier.wait()
-    copier.start(lambda finish: 7)
+    copier.start(lambda finish, release: 7)
     assert copier.wait() == 7
     copier.close()
 
 
 def test_a_second_copy_cannot_start_before_the_first_is_waited_for() -> None:
     copier: CopyBehind[int] = CopyBehind()
-    copier.start(lambda finish: 1)
+    copier.start(lambda finish, release: 1)
     with pytest.raises(AssertionError):
-        copier.start(lambda finish: 2)
+        copier.start(lambda finish, release: 2)
     copier.wait()
+    copier.close()
+
+
+def test_the_bookkeeping_is_waited_for_apart_and_both_waits_count_in_the_stall() -> None:
+    copier: CopyBehind[float] = CopyBehind()
+    bookkept, rows = threading.Event(), threading.Event()
+    copied = threading.Event()
+
+    def copy(finish: Finish, release: Release) -> float:
+        assert bookkept.wait(10)
+        release()
+        assert rows.wait(10)
+        copied.set()
+        return finish()
+
+    copier.start(copy)
+    inflight = copier._inflight
+    assert inflight is not None
+
+    def set_once_waited_for(event: threading.Event) -> None:
+        while inflight.waiting_since is None:
+            time.sleep(0.001)
+        time.sleep(0.02)
+        event.set()
+
+    threading.Thread(target=set_once_waited_for, args=(bookkept,)).start()
+    t = time.perf_counter()
+    copier.wait_released()
+    first = time.perf_counter() - t
+    assert first >= 0.02 and not copied.is_set() and copier.busy  # the rows are still to copy
+    copier.wait_released()  # released already: returns at once
+    time.sleep(0.05)  # the training thread works: not a wait
+    threading.Thread(target=set_once_waited_for, args=(rows,)).start()
+    t = time.perf_counter()
+    reported = copier.wait()
+    second = time.perf_counter() - t
+    assert reported is not None
+    assert 0.04 <= reported <= first + second  # both waits, not the work between them
+    copier.close()
+
+
+def test_a_copy_that_fails_before_its_bookkeeping_raises_where_the_lookup_waits() -> None:
+    copier: CopyBehind[int] = CopyBehind()
+
+    def broken(finish: Finish, release: Release) -> int:
+        raise RuntimeError("bitmap scan failed")
+
+    copier.start(broken)
+    with pytest.raises(RuntimeError, match="bitmap scan failed"):
+        copier.wait_released()
+    assert not copier.busy
+    copier.close()
+
+
+def test_without_a_copy_in_flight_neither_wait_blocks() -> None:
+    copier: CopyBehind[int] = CopyBehind()
+    copier.wait_released()
+    assert copier.wait() is None
+    copier.start(lambda finish, release: finish() and 0)  # never calls release: finish releases
+    copier.wait_released()
+    assert copier.wait() == 0
     copier.close()
