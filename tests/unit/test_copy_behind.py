@@ -11,6 +11,21 @@ import pytest
 from ckpt.copy_behind import CopyBehind, Finish, Release
 
 
+def _set_once_waited_for(copier: CopyBehind, event: threading.Event, after_s: float = 0.0) -> None:
+    """On another thread: once the training thread waits for the copy in flight, wait
+    `after_s` more, then set `event` (which the copy is blocked on)."""
+    inflight = copier._inflight
+    assert inflight is not None
+
+    def run() -> None:
+        while inflight.waiting_since is None:
+            time.sleep(0.001)
+        time.sleep(after_s)
+        event.set()
+
+    threading.Thread(target=run).start()
+
+
 def test_a_copy_done_before_anyone_waits_reports_no_wait() -> None:
     copier: CopyBehind[float] = CopyBehind()
     done = threading.Event()
@@ -37,22 +52,16 @@ def test_a_copy_the_training_thread_waits_for_reports_that_wait_to_the_writer() 
         return finish()
 
     copier.start(copy)
-    inflight = copier._inflight
-    assert inflight is not None
-
-    def release_once_waited_for() -> None:  # the copy ends only after wait() has started waiting
-        while inflight.waiting_since is None:
-            time.sleep(0.001)
-        go.set()
-
-    threading.Thread(target=release_once_waited_for).start()
+    _set_once_waited_for(copier, go)  # the copy ends only after wait() has started waiting
     t = time.perf_counter()
     reported = copier.wait()
     assert reported is not None and 0.0 < reported <= time.perf_counter() - t  # the copy saw the wait so far
     copier.close()
 
 
-def test_a_failed_copy_raises_where_it_is_waited_for_and_the_next_one_runs() -> None:
+# the manager's wait, or the next lookup's (a copy that fails before its bookkeeping is done)
+@pytest.mark.parametrize("waiter", ["wait", "wait_released"])
+def test_a_failed_copy_raises_where_it_is_waited_for_and_the_next_one_runs(waiter: str) -> None:
     copier: CopyBehind[int] = CopyBehind()
 
     def broken(finish: Finish, release: Release) -> int:
@@ -60,7 +69,8 @@ def test_a_failed_copy_raises_where_it_is_waited_for_and_the_next_one_runs() -> 
 
     copier.start(broken)
     with pytest.raises(RuntimeError, match="slab lost"):
-        copier.wait()
+        getattr(copier, waiter)()
+    assert not copier.busy
     copier.start(lambda finish, release: 7)
     assert copier.wait() == 7
     copier.close()
@@ -88,41 +98,19 @@ def test_the_bookkeeping_is_waited_for_apart_and_both_waits_count_in_the_stall()
         return finish()
 
     copier.start(copy)
-    inflight = copier._inflight
-    assert inflight is not None
-
-    def set_once_waited_for(event: threading.Event) -> None:
-        while inflight.waiting_since is None:
-            time.sleep(0.001)
-        time.sleep(0.02)
-        event.set()
-
-    threading.Thread(target=set_once_waited_for, args=(bookkept,)).start()
+    _set_once_waited_for(copier, bookkept, after_s=0.02)
     t = time.perf_counter()
     copier.wait_released()
     first = time.perf_counter() - t
     assert first >= 0.02 and not copied.is_set() and copier.busy  # the rows are still to copy
     copier.wait_released()  # released already: returns at once
     time.sleep(0.05)  # the training thread works: not a wait
-    threading.Thread(target=set_once_waited_for, args=(rows,)).start()
+    _set_once_waited_for(copier, rows, after_s=0.02)
     t = time.perf_counter()
     reported = copier.wait()
     second = time.perf_counter() - t
     assert reported is not None
     assert 0.04 <= reported <= first + second  # both waits, not the work between them
-    copier.close()
-
-
-def test_a_copy_that_fails_before_its_bookkeeping_raises_where_the_lookup_waits() -> None:
-    copier: CopyBehind[int] = CopyBehind()
-
-    def broken(finish: Finish, release: Release) -> int:
-        raise RuntimeError("bitmap scan failed")
-
-    copier.start(broken)
-    with pytest.raises(RuntimeError, match="bitmap scan failed"):
-        copier.wait_released()
-    assert not copier.busy
     copier.close()
 
 
