@@ -213,14 +213,14 @@ class RowTracker:
         if self.listener is not None:
             self.listener(m, list(parts))
 
-    def hold_next_lookup(self, fn: Callable[[], None], before_update: Callable[[], None] | None = None) -> None:
-        """Have the next lookup call `fn()` before it marks anything, and, with `before_update`,
-        have the next backward pass call `before_update()` before the embedding kernels may
-        update a row: a gradient hook on each lookup group's output, which runs before the
-        fused optimizer's backward, placed by the next training forward (a forward without
-        backward leaves it pending). The lookup hook runs in the forward pass, after the
-        lookup read its rows (ckpt/copy_behind.py waits at both points for a checkpoint's
-        copy; the checkpoint manager's own calls wait for all of it)."""
+    def hold_next_lookup(self, fn: Callable[[], None], before_update: Callable[[], None]) -> None:
+        """Have the next lookup call `fn()` before it marks anything, and the next backward
+        pass call `before_update()` before the embedding kernels may update a row: a gradient
+        hook on each lookup group's output, which runs before the fused optimizer's backward,
+        placed by the next training forward (a forward without backward leaves it pending).
+        The lookup hook runs in the forward pass, after the lookup read its rows
+        (ckpt/copy_behind.py waits at both points for a checkpoint's copy; the checkpoint
+        manager's own calls wait for all of it)."""
         assert self._attached, "a detached tracker's hook never runs: nothing would wait"
         self._hold = fn
         self._before_update = before_update
