@@ -6,6 +6,10 @@ performs, in the same order: fp32 IEEE arithmetic (no fast-math: no reassociatio
 into FMA), fp16 rounding done exactly in integer arithmetic, every row sum taken element by element
 from +0.0 (:func:`ckpt.quant.adaptive.row_sum`), and ``error_model="numpy"`` (IEEE division, no
 Python exceptions). So the encoded bytes are identical to the reference's (tested), not merely close.
+
+The per-row choices (which candidate, whether it beats the best so far) load every operand before
+choosing: ``a[r] if c else b[r]`` compiles to a branch around a load, which LLVM may not turn into
+a select, so such a loop stays scalar and mispredicts on every data-dependent choice.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import numpy as np
 from numba import njit
 
 FP16_MAX = 65504.0
+PACK4_ROWS_MIN_DIM = 64  # 4-bit rows this wide are packed row by row, narrower ones transposed
 TWO24 = 16777216.0  # 2**24: fp16's smallest subnormal is 2**-24
 
 _F0 = np.float32(0.0)
@@ -156,7 +161,7 @@ def _codes_t(xt, m, b, inv, qmax, qt):
 def _pack(qt, m, bits, out, row0, p, s, b, checks):
     """Pack each row's codes (element j takes bits [j*bits, (j+1)*bits) of the row's
     little-endian bit stream) into ``out[row0 + r, :p]``, then fp16 scale and bias. 4-bit rows
-    are packed by ``_pack4_rows`` instead."""
+    are packed by ``_pack4_rows`` or ``_pack4_t`` instead."""
     d = qt.shape[0]
     if bits == 2:
         for j in range(d // 4):
@@ -208,10 +213,37 @@ def _put_meta(m, out, row0, p, s, b, checks):
 
 
 @_jit
+def _pack4_t(qt, m, out, row0, p, s, b, checks, pk):
+    """4-bit rows from the transposed codes ``qt`` (``_codes_t``): each output byte of every row
+    of the block at once into the transposed scratch ``pk`` [p, rows], then a byte transpose into
+    the rows. Below ``PACK4_ROWS_MIN_DIM`` columns this beats ``_pack4_rows``, whose per-row loop
+    of dim / 2 steps is too short to vectorise."""
+    d = qt.shape[0]
+    h = d // 2
+    for j in range(h):
+        q0 = qt[2 * j]
+        q1 = qt[2 * j + 1]
+        pj = pk[j]
+        for r in range(m):
+            pj[r] = q0[r] | (q1[r] << 4)
+    if d % 2:
+        q0 = qt[d - 1]
+        pj = pk[h]
+        for r in range(m):
+            pj[r] = q0[r]
+    for r in range(m):
+        o = out[row0 + r]
+        for j in range(p):
+            o[j] = pk[j, r]
+    _put_meta(m, out, row0, p, s, b, checks)
+
+
+@_jit
 def _pack4_rows(x, row0, m, b, inv, qmax, out, p, s, checks):
     """4-bit codes and packing in one pass over the block's rows in their own (row-major)
     layout: the same codes as ``_codes_t`` + ``_pack``, without the transposed byte scratch
-    whose strided stores made packing the slowest step of the kernel."""
+    whose strided stores made packing the slowest step of the kernel at ``PACK4_ROWS_MIN_DIM``
+    columns and more."""
     d = x.shape[1]
     h = d // 2
     for r in range(m):
@@ -252,6 +284,7 @@ def encode(x, out, bits, nbins, steps, refits, keep, rows, checks):
     nsqx = np.empty(rows, np.float32)
     alive = np.empty(rows, np.bool_)
     qt = np.empty((d, rows), np.uint8)
+    pk = np.empty((p, rows), np.uint8)
     for i0_ in range(0, n, rows):
         m = min(rows, n - i0_)
         for r in range(m):
@@ -293,14 +326,18 @@ def encode(x, out, bits, nbins, steps, refits, keep, rows, checks):
             _range_params(cl, down, qmax, m, s1, b1, i1)
             _sse2(xt, m, s0, b0, i0, s1, b1, i1, qmax, e0, e1)
             for r in range(m):
-                mv = e0[r] < e1[r]
-                cl[r] = up[r] if mv else cl[r]
-                ch[r] = ch[r] if mv else down[r]
-                e = e0[r] if mv else e1[r]
-                better = e < best[r]
-                best[r] = e if better else best[r]
-                bs[r] = (s0[r] if mv else s1[r]) if better else bs[r]
-                bb[r] = (b0[r] if mv else b1[r]) if better else bb[r]
+                ea, eb, bst = e0[r], e1[r], best[r]
+                sa, sb, ba, bbb = s0[r], s1[r], b0[r], b1[r]
+                cur_s, cur_b = bs[r], bb[r]
+                u, dn, c_lo, c_hi = up[r], down[r], cl[r], ch[r]
+                mv = ea < eb
+                cl[r] = u if mv else c_lo
+                ch[r] = c_hi if mv else dn
+                e = ea if mv else eb
+                better = e < bst
+                best[r] = e if better else bst
+                bs[r] = (sa if mv else sb) if better else cur_s
+                bb[r] = (ba if mv else bbb) if better else cur_b
         # least-squares refits of (scale, bias) for the codes of the current encoding
         if refits > 0:
             for r in range(m):
@@ -325,23 +362,30 @@ def encode(x, out, bits, nbins, steps, refits, keep, rows, checks):
                     _sse(xt, m, s0, b0, i0, qmax, e0)
                 for r in range(m):
                     ok = alive[r]
-                    sq[r] = nsq[r] if ok else sq[r]
-                    sqq[r] = nsqq[r] if ok else sqq[r]
-                    sqx[r] = nsqx[r] if ok else sqx[r]
-                    better = ok & (e0[r] < best[r])
-                    best[r] = e0[r] if better else best[r]
-                    bs[r] = s0[r] if better else bs[r]
-                    bb[r] = b0[r] if better else bb[r]
+                    n1, n2, n3, o1, o2, o3 = nsq[r], nsqq[r], nsqx[r], sq[r], sqq[r], sqx[r]
+                    e, bst, s, b, cur_s, cur_b = e0[r], best[r], s0[r], b0[r], bs[r], bb[r]
+                    sq[r] = n1 if ok else o1
+                    sqq[r] = n2 if ok else o2
+                    sqx[r] = n3 if ok else o3
+                    better = ok & (e < bst)
+                    best[r] = e if better else bst
+                    bs[r] = s if better else cur_s
+                    bb[r] = b if better else cur_b
         # the searched encoding or plain asymN (a row whose plain fp16 fields overflow is
         # refused by the codec): scale s1, bias b1, 1/scale i1
         for r in range(m):
-            plain_ok = (abs(ps[r]) <= _H16MAX) & (abs(pb[r]) <= _H16MAX)
+            s_plain, b_plain, s_best, b_best = ps[r], pb[r], bs[r], bb[r]
+            plain_ok = (abs(s_plain) <= _H16MAX) & (abs(b_plain) <= _H16MAX)
             use = plain_ok & (best[r] < sp[r] * keep)
-            s1[r] = bs[r] if use else ps[r]
-            b1[r] = bb[r] if use else pb[r]
-            i1[r] = _F1 / s1[r]
-        if bits == 4:
+            s = s_best if use else s_plain
+            s1[r] = s
+            b1[r] = b_best if use else b_plain
+            i1[r] = _F1 / s
+        if bits == 4 and d >= PACK4_ROWS_MIN_DIM:
             _pack4_rows(x, i0_, m, b1, i1, qmax, out, p, s1, checks)
         else:
             _codes_t(xt, m, b1, i1, qmax, qt)
-            _pack(qt, m, bits, out, i0_, p, s1, b1, checks)
+            if bits == 4:
+                _pack4_t(qt, m, out, i0_, p, s1, b1, checks, pk)
+            else:
+                _pack(qt, m, bits, out, i0_, p, s1, b1, checks)
