@@ -23,10 +23,10 @@ Every error is that of the real decoded row: fp16 scale and bias, codes
 ``round_half_even((x - bias) * (1/scale))`` clamped to [0, 2^N-1], ``x' = code*scale + bias``
 (``code*scale`` is exact in fp32, so this is every decoder's result, FMA or not).
 :func:`fast_encode_torch` is the reference implementation: plain device-agnostic torch ops, the
-GPU path, and the CPU path when numba is missing. :mod:`ckpt.quant.adaptive_kernel` is the fused
-per-row CPU kernel of the same algorithm; it produces identical bytes (both use only IEEE fp32
-operations in the same order, every row sum in the fixed order of :func:`row_sum`; tested bit
-for bit).
+GPU path when triton is missing, and the CPU path when numba is missing. Two fused kernels of the
+same algorithm produce identical bytes (all use only IEEE fp32 operations in the same order, every
+row sum in the fixed order of :func:`row_sum`; tested bit for bit): :mod:`ckpt.quant.adaptive_kernel`
+for CPU rows (numba) and :mod:`ckpt.quant.adaptive_triton` for CUDA rows (Triton).
 
 **greedy** (``search="greedy"``) -- Check-N-Run's greedy search as fbgemm implements it:
 
@@ -56,7 +56,7 @@ import math
 
 import torch
 
-from . import adaptive_kernel, uniform
+from . import adaptive_kernel, adaptive_triton, uniform
 from .base import (FP16_MAX, RowRangeError, as_float_rows, check_encoded, check_finite_meta, check_finite_rows,
                    refuse_non_finite)
 from .bitpack import pack_bits, packed_bytes
@@ -84,7 +84,7 @@ FAST_NBINS = {4: 50, 3: 30, 2: 25}
 FAST_RATIO = {4: 0.92, 3: 0.8, 2: 0.5}
 FAST_REFITS = {4: 1, 3: 2, 2: 3}
 SEARCHES = ("fast", "greedy")
-IMPLS = ("auto", "kernel", "torch")
+IMPLS = ("auto", "kernel", "triton", "torch")
 
 SLAB_ELEMS = 1 << 16  # elements per candidate slab of the error evaluation (CPU)
 CHUNK_SLABS = 16  # slabs per search chunk: amortises the per-step bookkeeping
@@ -322,9 +322,11 @@ class AdaptiveCodec:
 
     ``search``: ``"fast"`` (coarse greedy + least-squares refits; the default) or ``"greedy"``
     (fbgemm's search; ``refits`` does not apply). ``impl`` (fast search only): ``"auto"`` runs the
-    numba kernel for CPU tensors when numba is importable and the torch reference otherwise (CUDA,
-    ``uniform.set_force_torch(True)``); ``"kernel"`` / ``"torch"`` force one (benchmarks, tests).
-    Parameters left ``None`` take the defaults of the search at this width.
+    numba kernel for CPU tensors when numba is importable, the Triton kernel for CUDA tensors when
+    triton is importable, and the torch reference otherwise (or under
+    ``uniform.set_force_torch(True)``); ``"kernel"`` (numba, CPU tensors), ``"triton"`` (any
+    tensor: CPU ones run in triton's interpreter) and ``"torch"`` force one (benchmarks, tests).
+    All give the same bytes. Parameters left ``None`` take the defaults of the search at this width.
     """
 
     family = "adaptive"
@@ -368,13 +370,23 @@ class AdaptiveCodec:
 
     def uses_kernel(self, x: torch.Tensor) -> bool:
         """Whether :meth:`encode` of ``x`` runs the fused numba kernel."""
-        if self.search != "fast" or self.impl == "torch" or x.device.type != "cpu":
+        if self.search != "fast" or self.impl in ("torch", "triton") or x.device.type != "cpu":
             return False
         if self.impl == "kernel":
             if not adaptive_kernel.AVAILABLE:
                 raise RuntimeError("adaptive kernel requested but numba is not importable")
             return True
         return adaptive_kernel.AVAILABLE and not uniform._FORCE_TORCH  # noqa: SLF001 (the package's switch)
+
+    def uses_triton(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`encode` of ``x`` runs the fused Triton kernel."""
+        if self.search != "fast" or self.impl in ("torch", "kernel"):
+            return False
+        if self.impl == "triton":
+            if not adaptive_triton.AVAILABLE:
+                raise RuntimeError("adaptive Triton kernel requested but triton is not importable")
+            return True
+        return x.device.type == "cuda" and adaptive_triton.AVAILABLE and not uniform._FORCE_TORCH  # noqa: SLF001
 
     def warm_up(self) -> None:
         """Load the CPU kernel now (numba's import and its cached machine code, a few seconds the
@@ -392,6 +404,10 @@ class AdaptiveCodec:
             if checks.meta_not_finite:
                 raise RowRangeError(table, checks.first_meta_not_finite, row_ids, self.name, checks.meta_not_finite)
             return out
+        if self.uses_triton(x):  # the kernel's flags say what to refuse, as the torch path would
+            out, flags = self.encode_device(x)
+            adaptive_triton.refuse_flagged(flags, table, row_ids, self.name)
+            return out
         check_finite_rows(x, table, row_ids)
         if self.search == "greedy":
             out = self._encode_greedy(x)
@@ -399,6 +415,18 @@ class AdaptiveCodec:
             out = fast_encode_torch(x, self.bits, self.nbins, self.ratio, self.refits)
         check_finite_meta(_half_ok(out[:, -4:]), table, row_ids, self.name)
         return out
+
+    def encode_device(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encode float32 rows with the Triton kernel without waiting for it: (encoded uint8
+        [n, row_bytes] on the rows' device, flags uint8 [n]). Nothing is refused here: whoever
+        holds the bytes later passes the flags to ``adaptive_triton.refuse_flagged``, which raises
+        what :meth:`encode` would raise for these rows. Fast search only; CUDA rows (CPU rows run
+        in triton's interpreter)."""
+        if self.search != "fast":
+            raise ValueError(f"{self.name}: encode_device runs the fast search only, not {self.search!r}")
+        x = rows if rows.dtype == torch.float32 and rows.is_contiguous() else rows.to(torch.float32).contiguous()
+        return adaptive_triton.encode_rows_device(
+            x, self.bits, self.nbins, search_steps(self.nbins, self.ratio), self.refits)
 
     def _encode_greedy(self, x: torch.Tensor) -> torch.Tensor:
         n, dim = x.shape
