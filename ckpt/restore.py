@@ -10,9 +10,11 @@ Every link of the chain is fetched at once (`FrameSource.read_ranges`: one Kafka
 for all partitions, decoding while the next frames arrive), so frames come in any order
 across links. The last write still wins by chain position: a row is written only by the
 newest link that holds it, and the older copies are skipped before they are decoded
-(`_Replay`). Rows of a contiguous run are copied straight into the shard's slice. On CPU
-shards a frame of the shard's columns in the common codecs is chosen, decoded and written
-row by row by a compiled kernel (ckpt/restore_kernel.py), which writes the same bits.
+(`_Replay`). Rows of a contiguous run are copied straight into the shard's slice. A frame of
+the shard's columns in the common codecs is chosen and decoded row by row by a compiled kernel
+(ckpt/restore_kernel.py), which writes the same bits: on CPU shards straight into the shard, on
+GPU shards into pinned staging buffers copied to the device while the next frame decodes
+(ckpt/restore_staging.py).
 
 A chain whose marker names a row initialisation (`Marker.init`, sharding/row_init.py) holds
 only the rows trained since the model was initialised: every other row of the shards is
@@ -46,6 +48,7 @@ from ckpt.markers import ChainLink, IndexEntry, Marker, OffsetRange
 from ckpt.quant import get_codec
 from ckpt.quant.base import check_encoded, view_bytes_as
 from ckpt.restore_kernel import FusedReplay
+from ckpt.restore_staging import StagedReplay, staged_for, to_device
 from ckpt.sink import FrameSource, RangeRead
 from sharding.row_init import RowInit, initialise_shards
 from sharding.shard_views import ShardMap, ShardView
@@ -69,7 +72,9 @@ class RowsRestored:
     seconds: float = 0.0
     fetch_s: float = 0.0  # waiting for the next frame: reading, the CRC check
     decode_s: float = 0.0  # dequantizing the rows written (by the kernel: straight into the shards)
-    apply_s: float = 0.0  # choosing the rows and copying them into the shards
+    apply_s: float = 0.0  # choosing the rows and copying them into the shards (or queueing the copies)
+    staged: int = 0  # frame writes into device shards through staging buffers (ckpt/restore_staging.py)
+    copy_wait_s: float = 0.0  # of apply_s, the host waiting for those copies: a staging buffer's, the last ones
     regenerated: int = 0  # rows no link holds, set to their initial values (sharding/row_init.py)
     init_s: float = 0.0  # regenerating them
     held: list[torch.Tensor] | None = None  # per shard (shard order): bool mask of the rows the chain holds
@@ -305,8 +310,8 @@ class _Replay:
     holds is one some link wrote: every row of a frame is written by it or by a later link.
     """
 
-    def __init__(self, marker: Marker, shard_map: ShardMap, out: RowsRestored, fused: FusedReplay | None = None
-                 ) -> None:
+    def __init__(self, marker: Marker, shard_map: ShardMap, out: RowsRestored, fused: FusedReplay | None = None,
+                 staged: StagedReplay | None = None) -> None:
         self.marker = marker
         self.shard_map = shard_map
         self.out = out
@@ -316,7 +321,10 @@ class _Replay:
         # once, so a complete base leaves exactly num_cols per row (not a row x column mask)
         self.covered = {id(s): torch.zeros(s.num_rows, dtype=torch.int32) for s in shard_map.shards}
         self.partial: list[tuple[int, Frame, ShardView, _Span, int, int]] = []  # + columns c0..c1
-        self.fused = fused  # the kernel's path for the frames it fits (ckpt/restore_kernel.py)
+        self.fused = fused  # the kernel's path for the frames it fits (ckpt/restore_kernel.py) ...
+        self.staged = staged  # ... into shards on a device: through staging buffers (ckpt/restore_staging.py)
+        self.kernels = [k for k in (staged, fused) if k is not None]
+        self._closed = False  # whether the staged writes are done (`close`)
 
     @torch.no_grad()
     def add(self, link_index: int, link: ChainLink, frame: Frame) -> None:
@@ -327,11 +335,14 @@ class _Replay:
         for s in self.shard_map.of_table(frame.table):
             if not (frame.col_offset < s.col_offset + s.num_cols and frame.col_offset + frame.dim > s.col_offset):
                 continue
-            if self.fused is not None and self.fused.fits(frame, s):
-                done = self.fused.write(frame, s, link_index, self.written[id(s)].numpy(), self.covered[id(s)].numpy(),
-                                        s.num_cols if link.full else 0)
+            kernel = next((k for k in self.kernels if k.fits(frame, s)), None)
+            if kernel is not None:
+                done = kernel.write(frame, s, link_index, self.written[id(s)].numpy(), self.covered[id(s)].numpy(),
+                                    s.num_cols if link.full else 0)
                 self.out.rows += done.inside
                 self.out.written += done.kept
+                self.out.staged += int(kernel is self.staged and done.kept > 0)
+                self.out.copy_wait_s += done.wait_s
                 decode_s += done.decode_s
                 continue
             span = _span(frame, s)
@@ -357,6 +368,7 @@ class _Replay:
         (`fill`) regenerate the rows no link holds."""
         t0 = time.perf_counter()
         decode_s = 0.0
+        self.close()  # the staged writes land before the torch path's and the regenerated rows
         link_of = {key: written.clone() for key, written in self.written.items()}  # any column
         for link_index, frame, s, span, c0, c1 in sorted(self.partial, key=lambda p: p[0]):
             fresh = _newer(span, self.written[id(s)], link_index)
@@ -391,12 +403,21 @@ class _Replay:
             self.out.regenerated = initialise_shards(self.init, self.shard_map.shards, tables, masks)
             self.out.init_s = time.perf_counter() - t
 
+    def close(self) -> None:
+        """Every staged write done (also when the restore fails: the next try writes the same
+        shards, and no copy of this one may land after its writes)."""
+        if self.staged is not None and not self._closed:
+            self.out.copy_wait_s += self.staged.finish()
+        self._closed = True
+
     def _write(self, frame: Frame, s: ShardView, span: _Span, c0: int, c1: int) -> float:
         """Decode the span's rows and copy columns c0..c1 of them into shard `s`; returns the
         seconds spent decoding."""
         t = time.perf_counter()
         weights, optim = decode_rows(frame, span.src, copy=False)
         decode_s = time.perf_counter() - t
+        if self.staged is not None and s.weight.device == self.staged.device:
+            self.staged.join()  # after the staged writes queued so far, as the links' order needs
         _put(s.weight, span.dst, weights, c0 - s.col_offset, c0 - frame.col_offset, c1 - c0)
         for name, state in s.optimizer_states.items():
             if name not in optim:
@@ -425,7 +446,7 @@ def _count(counts: torch.Tensor, rows: Rows, cols: int) -> None:
 def restore_rows(
     marker: Marker, source: FrameSource, shard_map: ShardMap, run_id: str, locate: Callable[[int, int, int], str],
     *, shards_hold_init: RowInit | None = None, while_fetching: Callable[[], object] | None = None,
-    fused: bool = True,
+    fused: bool = True, staging: StagedReplay | None = None,
 ) -> RowsRestored:
     """Replay the marker's chain into this rank's shards (every link fetched at once, rows
     of older links that a later one replaces skipped); verify the base covered them, and
@@ -434,12 +455,17 @@ def restore_rows(
     `while_fetching` is called once the reads are issued, before the first frame is waited
     for: work to start while the first fetch is in flight, not before it (the dense state's
     read: design §1). `fused`: the frames the kernel fits are written by it
-    (ckpt/restore_kernel.py, when numba is installed); False: every frame takes the torch
-    path, the reference."""
+    (ckpt/restore_kernel.py, when numba is installed), into shards on a GPU through
+    `staging` (default: a `StagedReplay` for their device; a test passes one over a host
+    queue to take that path into CPU shards); False: every frame takes the torch path, the
+    reference."""
     t0 = time.perf_counter()
     out = RowsRestored()
     kernel = restore_kernel.load() if fused else None
-    replay = _Replay(marker, shard_map, out, FusedReplay(kernel) if kernel is not None else None)
+    direct = FusedReplay(kernel) if kernel is not None else None
+    if staging is None and direct is not None:
+        staging = staged_for(shard_map.shards, direct)
+    replay = _Replay(marker, shard_map, out, direct, staging)
 
     def want(e: IndexEntry) -> bool:
         return any(_overlaps(s, e.col_offset, e.cols, e.min_row, e.max_row) for s in shard_map.of_table(e.table))
@@ -447,18 +473,21 @@ def restore_rows(
     frames = iter_chain_frames_fetched_together(marker, source, run_id, locate, want)
     if while_fetching is not None:
         while_fetching()
-    while True:
-        t = time.perf_counter()
-        item = next(frames, None)
-        out.fetch_s += time.perf_counter() - t
-        if item is None:
-            break
-        replay.add(*item)
-        if out.frames == 1:  # crash points: the shards hold part of the chain (ckpt/faults.py)
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            maybe_hold_restore(marker.checkpoint_id, rank)
-            maybe_die("restore", marker.checkpoint_id, rank)
-    replay.finish(fill=replay.init is not None and replay.init != shards_hold_init)
+    try:
+        while True:
+            t = time.perf_counter()
+            item = next(frames, None)
+            out.fetch_s += time.perf_counter() - t
+            if item is None:
+                break
+            replay.add(*item)
+            if out.frames == 1:  # crash points: the shards hold part of the chain (ckpt/faults.py)
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                maybe_hold_restore(marker.checkpoint_id, rank)
+                maybe_die("restore", marker.checkpoint_id, rank)
+        replay.finish(fill=replay.init is not None and replay.init != shards_hold_init)
+    finally:
+        replay.close()
     out.seconds = time.perf_counter() - t0
     return out
 
@@ -483,12 +512,13 @@ def verify_frame(frame: Frame, link: ChainLink, partition: int, table: str, col:
 def _put(dst: torch.Tensor, rows: Rows, src: torch.Tensor, dst_col: int, src_col: int, cols: int) -> None:
     """dst[rows, dst_col:dst_col+cols] = src[:, src_col:src_col+cols]; a plain copy into the
     slice where the rows are contiguous. `src` (decoded on the host) and `rows` move to the
-    device of `dst` (a GPU job's shards) first, the columns taken before the copy."""
+    device of `dst` (a GPU job's shards) first, through pinned memory, the columns taken before
+    the copy."""
     whole = dst_col == 0 and src_col == 0 and cols == dst.shape[1] == src.shape[1]
     if src.device != dst.device:
-        src = (src if whole else src[:, src_col : src_col + cols]).to(dst.device)
+        src = to_device(src if whole else src[:, src_col : src_col + cols], dst.device)
         src_col = 0
-        rows = rows if isinstance(rows, slice) else rows.to(dst.device)
+        rows = rows if isinstance(rows, slice) else to_device(rows, dst.device)
     if isinstance(rows, slice):
         dst[rows, dst_col : dst_col + cols].copy_(src[:, src_col : src_col + cols])
     elif whole:
