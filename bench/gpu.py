@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
 from typing import Any, Callable, Iterator, Sequence
@@ -44,13 +45,14 @@ import torch
 
 from bench.common import REPO, Measurement, config_path, document_head, log, machine_info, scalars
 from ckpt.frames import OptimState, chunk_rows, decode_frame
+from ckpt.host_buffers import HostBufferPool
 from ckpt.markers import ChainLink, IndexEntry, Marker, OffsetRange
 from ckpt.quant import codec_names, get_codec
-from ckpt.restore import restore_rows
 from ckpt.sink import RangeRead, read_one_by_one
 from ckpt.snapshot import SnapshotTaker
-from ckpt.tracker import rows_of
-from sharding.shard_views import ShardMap, ShardView
+
+# The stall and codec parts import nothing of torchrec or fbgemm (the restore part's shard
+# views do): on a GPU machine they run before fbgemm-gpu is installed.
 
 RUN = "gpu-bench"
 
@@ -92,25 +94,46 @@ class _MarkedRows:
     def __init__(self, marked: torch.Tensor) -> None:
         self.marked = marked
 
-    def touched_rows(self, i: int, since_base: bool) -> torch.Tensor:
-        return rows_of(self.marked)
+    def counts(self, since_base: bool, trained: bool = False) -> list[int]:
+        return [int(self.marked.sum())]
+
+    def touched_rows(self, i: int, since_base: bool, count: int | None = None) -> torch.Tensor:
+        """As `RowTracker.touched_rows` on a GPU (ckpt/tracker.py `rows_of`)."""
+        return self.marked.nonzero().view(-1) if count is None else torch.nonzero_static(self.marked, size=count).view(-1)
 
 
-def stall_case(n: int, dim: int, repeats: int) -> dict[str, Any]:
-    """One row count and width: the taker's stall and host-copy time against the bare copy."""
-    dev = torch.device("cuda")
-    weight = torch.randn(2 * n, dim, device=dev)
-    state = torch.rand(2 * n, device=dev)
-    marked = torch.zeros(2 * n, dtype=torch.bool, device=dev)
-    marked[torch.randperm(2 * n, device=dev)[:n]] = True
-    view = ShardView("t", 0, 0, weight, {"momentum1": state})
-    taker = SnapshotTaker(ShardMap([view], []), _MarkedRows(marked), dev)
+@dataclass
+class _Shard:
+    """The fields of a `sharding.shard_views.ShardView` that the taker reads."""
 
+    table: str
+    row_offset: int
+    col_offset: int
+    weight: torch.Tensor
+    optimizer_states: dict[str, torch.Tensor]
+
+    @property
+    def num_rows(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def num_cols(self) -> int:
+        return self.weight.shape[1]
+
+
+@dataclass
+class _Shards:
+    shards: list[_Shard]
+
+
+def _timed_takes(taker: SnapshotTaker, repeats: int, weight_codec: str | None) -> tuple[list[float], list[float]]:
+    """(stall, host copy) seconds of `repeats` takes after one warm-up; each snapshot released
+    once complete, as the writer releases it, so its pinned slab serves the next take."""
     stalls, host = [], []
     for i in range(repeats + 1):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        snap = taker.take(i, i, full=False, since_base=False)
+        snap = taker.take(i, i, full=False, since_base=False, weight_codec=weight_codec)
         torch.cuda.current_stream().synchronize()  # the next step's kernels wait for the gather
         t1 = time.perf_counter()
         snap.wait()
@@ -118,9 +141,25 @@ def stall_case(n: int, dim: int, repeats: int) -> dict[str, Any]:
         if i:
             stalls.append(t1 - t0)
             host.append(t2 - t0)
-        del snap
+        snap.release()
+    return stalls, host
 
-    idx = rows_of(marked)
+
+def stall_case(n: int, dim: int, repeats: int) -> dict[str, Any]:
+    """One row count and width: the taker's stall and host-copy time against the bare copy,
+    with fp32 rows and with adaptive4 rows encoded on the device before their copy."""
+    dev = torch.device("cuda")
+    weight = torch.randn(2 * n, dim, device=dev)
+    state = torch.rand(2 * n, device=dev)
+    marked = torch.zeros(2 * n, dtype=torch.bool, device=dev)
+    marked[torch.randperm(2 * n, device=dev)[:n]] = True
+    pool = HostBufferPool(2 * n * (dim * 4 + 12) + (64 << 20), pin_for=dev)  # as the manager's, pinned
+    taker = SnapshotTaker(_Shards([_Shard("t", 0, 0, weight, {"momentum1": state})]),  # type: ignore[arg-type]
+                          _MarkedRows(marked), dev, pool=pool)
+    stalls, host = _timed_takes(taker, repeats, None)
+    enc_stalls, enc_host = _timed_takes(taker, repeats, "adaptive4")
+
+    idx = marked.nonzero().view(-1)
     tmp_w, tmp_s = torch.empty(n, dim, device=dev), torch.empty(n, device=dev)
     out_w = torch.empty(n, dim, pin_memory=True)
     out_s = torch.empty(n, pin_memory=True)
@@ -136,8 +175,11 @@ def stall_case(n: int, dim: int, repeats: int) -> dict[str, Any]:
     bares = [_sync_time(bare) for _ in range(repeats + 1)][1:]
     nbytes = n * (dim * 4 + 4 + 8)
     s, h, b = median(stalls), median(host), median(bares)
+    es, eh = median(enc_stalls), median(enc_host)
     return {"rows": n, "dim": dim, "bytes": nbytes, "stall_s": s, "host_copy_s": h, "bare_s": b,
-            "stall_over_bare": s / b, "host_copy_over_bare": h / b, "bare_GBps": nbytes / b / 1e9}
+            "stall_over_bare": s / b, "host_copy_over_bare": h / b, "bare_GBps": nbytes / b / 1e9,
+            "encoded_stall_s": es, "encoded_host_copy_s": eh, "encoded_stall_over_bare": es / b,
+            "encoded_host_copy_over_bare": eh / b, "encoded_on_device": taker.device_encoder("adaptive4") is not None}
 
 
 # -- codecs ------------------------------------------------------------------------------------
@@ -186,6 +228,9 @@ class _MemorySource:
 
 
 def restore_case(n: int, dim: int, repeats: int) -> dict[str, Any]:
+    from ckpt.restore import restore_rows  # noqa: PLC0415 - shard views import torchrec (see the imports)
+    from sharding.shard_views import ShardMap, ShardView  # noqa: PLC0415
+
     g = torch.Generator().manual_seed(1)
     weights, state = torch.randn(n, dim, generator=g), torch.rand(n, generator=g)
     ids = torch.arange(n)
@@ -287,8 +332,10 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite gpu") -> dict[
                 case = stall_case(n, dim, args.repeats)
                 torch.cuda.empty_cache()  # the case's tables and buffers are gone: give their memory back
                 torch._C._host_emptyCache()  # and the pinned host blocks the caching host allocator kept
-                log(f"stall n={n:,} d={dim}: {case['stall_s'] * 1e3:.2f} ms (host copy {case['host_copy_s'] * 1e3:.2f}) "
-                    f"vs bare {case['bare_s'] * 1e3:.2f} ms: {case['stall_over_bare']:.2f}x; bare {case['bare_GBps']:.1f} GB/s")
+                log(f"stall n={n:,} d={dim}: {case['stall_s'] * 1e3:.3f} ms (host copy {case['host_copy_s'] * 1e3:.2f}) "
+                    f"vs bare {case['bare_s'] * 1e3:.3f} ms: {case['stall_over_bare']:.2f}x; bare {case['bare_GBps']:.1f} GB/s; "
+                    f"adaptive4 on the device: stall {case['encoded_stall_s'] * 1e3:.3f} ms, host copy "
+                    f"{case['encoded_host_copy_s'] * 1e3:.2f} ms ({case['encoded_host_copy_over_bare']:.2f}x bare)")
                 result["stall"].append(case)
     if "codecs" in parts:
         cases = [("adaptive4", d) for d in _ints(args.codec_dims)]

@@ -71,6 +71,11 @@ class CkptConfig:
     # pass waits for the rows before the embedding kernels may change one (ckpt/copy_behind.py);
     # false: the training thread copies inside the stall. GPU shards gather on a side stream.
     overlap_copy: bool = True
+    # GPU shards: where weight rows are encoded. `device`: on the GPU, before the copy to host,
+    # whenever the weight codec has a device kernel (the adaptive codecs: ckpt/quant/device.py),
+    # else on the host; `host`: the snapshot copies fp32 rows and the writer encodes them
+    # (docs/design.md §1). CPU shards always encode on the host.
+    encode_on: Literal["device", "host"] = "device"
     follow: FollowConfig = field(default_factory=FollowConfig)  # `deltarec-follow` (ckpt/follow)
     # When a rank dies: every rank rolls back to the newest checkpoint (`full`), or the
     # surviving ranks save what they have and keep it, only the dead ranks' shards rolling

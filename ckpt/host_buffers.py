@@ -13,6 +13,12 @@ the slabs still lent stay within ``keep_bytes`` (the checkpoint manager passes
 ``ckpt.max_pending_bytes``, the host memory unwritten snapshots may hold anyway), the largest
 that fit first: reuse never raises a rank's host memory above that bound.
 
+GPU shards copy their rows into a slab too (ckpt/snapshot.py): there a slab is *pinned*
+(page-locked with ``cudaHostRegister``, so the device-to-host copy is asynchronous and at full
+speed), which costs time proportional to its size; reusing slabs pays it once, and a slab the
+pool drops is unregistered and unmapped, so the pool's bound holds for pinned memory as well
+(torch's own pinned allocator keeps every block it ever made).
+
 A slab made inside the stall still faults in its pages there: the first snapshot larger than
 every kept slab (a full checkpoint as the trained rows grow, a one-shot diff as it grows
 since its base) paid 100-500 ms for it on the full-size model (docs/BENCHMARKS.md). So half
@@ -27,6 +33,7 @@ import logging
 import math
 import mmap
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -40,6 +47,7 @@ GROWTH = 1.25  # a new slab's capacity over the request: the next delta is usual
 PAGE = 1 << 21  # capacities are whole 2 MiB pages
 OS_PAGE = 4096  # one write per page faults a buffer in
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python 3.11's mmap module has no name for it
+HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, whichever thread pins
 
 
 def _round_up(n: int, to: int) -> int:
@@ -59,40 +67,78 @@ def _anonymous(capacity: int, huge: bool) -> tuple[mmap.mmap, torch.Tensor]:
     return area, torch.frombuffer(area, dtype=torch.uint8)
 
 
-class Slab:
-    """One contiguous host buffer, carved front to back into tensors of one snapshot.
+class Carver:
+    """Carves one contiguous byte buffer, front to back, into tensors (host or device)."""
 
-    `huge` only for a slab mapped ahead (`fault_in`), where huge pages cost less CPU; a stall's
-    copy into fresh huge pages was slower than into fresh 4 KiB ones (docs/BENCHMARKS.md)."""
-
-    def __init__(self, capacity: int, huge: bool = False) -> None:
-        self._area, self.buffer = _anonymous(capacity, huge)
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer  # uint8 [capacity]
         self._used = 0
-        self.fresh = True  # its pages were never written: the first snapshot in it faults them in
-
-    def fault_in(self) -> None:
-        """Map every page now (one `madvise` where the kernel has MADV_POPULATE_WRITE, else
-        one write per page), so that the snapshot copied into it later faults nothing."""
-        try:
-            self._area.madvise(MADV_POPULATE_WRITE)
-        except OSError:  # a kernel before 5.14
-            self.buffer[::OS_PAGE].zero_()
-        self.fresh = False
 
     @property
     def capacity(self) -> int:
         return self.buffer.numel()
 
+    @property
+    def used(self) -> int:
+        """Bytes carved so far (alignment included): the buffer's prefix the tensors occupy."""
+        return self._used
+
     def carve(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised contiguous tensor of `shape` and `dtype` in the slab's next free bytes."""
+        """An uninitialised contiguous tensor of `shape` and `dtype` in the buffer's next free bytes."""
         nbytes = math.prod(shape) * dtype.itemsize
         start = _round_up(self._used, ALIGN)
-        assert start + nbytes <= self.capacity, f"slab of {self.capacity} B cannot hold {start + nbytes} B"
+        assert start + nbytes <= self.capacity, f"buffer of {self.capacity} B cannot hold {start + nbytes} B"
         self._used = start + nbytes
         return self.buffer[start : start + nbytes].view(dtype).view(shape)
 
     def reset(self) -> None:
         self._used = 0
+
+
+def _unpin(ptr: int, area: mmap.mmap) -> None:
+    """Unregister a pinned slab's pages (its mapping `area` is unmapped only after this)."""
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+    del area
+
+
+class Slab(Carver):
+    """One contiguous host buffer, carved front to back into tensors of one snapshot.
+
+    `huge` only for a slab mapped ahead (`fault_in`), where huge pages cost less CPU; a stall's
+    copy into fresh huge pages was slower than into fresh 4 KiB ones (docs/BENCHMARKS.md).
+    `pin` page-locks it for asynchronous device-to-host copies (GPU snapshots); registering
+    maps every page, at the cost a fresh slab's faults have (it stays `fresh`: the stall that
+    made it paid for them)."""
+
+    def __init__(self, capacity: int, huge: bool = False) -> None:
+        area, buffer = _anonymous(capacity, huge)
+        super().__init__(buffer)
+        self._area = area
+        self.fresh = True  # its pages were never written: the first snapshot in it faults them in
+        self.pinned = False  # `pin`
+
+    def pin(self) -> None:
+        """Page-lock the slab (`cudaHostRegister`); unregistered when the slab is collected."""
+        ptr = self.buffer.data_ptr()
+        err = torch.cuda.cudart().cudaHostRegister(ptr, self.capacity, HOST_REGISTER_PORTABLE)
+        if int(err) != 0:  # cudaSuccess; an unpinned slab still works, its copies just synchronise
+            logger.warning("cannot pin a %d-byte snapshot buffer (CUDA error %s): its copies will be slower",
+                           self.capacity, int(err))
+            return
+        self.pinned = True
+        weakref.finalize(self, _unpin, ptr, self._area)
+
+    def fault_in(self) -> None:
+        """Map every page now (one `madvise` where the kernel has MADV_POPULATE_WRITE, else
+        one write per page), so that the snapshot copied into it later faults nothing."""
+        if self.pinned:  # registering mapped every page
+            self.fresh = False
+            return
+        try:
+            self._area.madvise(MADV_POPULATE_WRITE)
+        except OSError:  # a kernel before 5.14
+            self.buffer[::OS_PAGE].zero_()
+        self.fresh = False
 
 
 def _capacity_for(nbytes: int) -> int:
@@ -108,9 +154,12 @@ def slab_bytes(sizes: list[int]) -> int:
 class HostBufferPool:
     """Slabs lent to snapshots and given back by the writer; see the module docstring."""
 
-    def __init__(self, keep_bytes: int, nice: int = 0) -> None:
+    def __init__(self, keep_bytes: int, nice: int = 0, pin_for: torch.device | None = None) -> None:
         self.keep_bytes = keep_bytes
         self.nice = nice  # added to the niceness of the thread that reserves ahead
+        # a CUDA device: slabs are page-locked for its asynchronous copies, registered with that
+        # device current (the helper thread would otherwise make a context on device 0)
+        self.pin_for = pin_for if pin_for is not None and pin_for.type == "cuda" else None
         self._free: list[Slab] = []
         self._lent = 0  # capacity of the slabs lent and not given back
         self._lock = threading.Lock()
@@ -129,8 +178,18 @@ class HostBufferPool:
             else:
                 self.allocated += 1
                 slab = Slab(_capacity_for(nbytes))
+                if self.pinned:
+                    self._pin(slab)
             self._lent += slab.capacity
             return slab
+
+    @property
+    def pinned(self) -> bool:
+        return self.pin_for is not None
+
+    def _pin(self, slab: Slab) -> None:
+        with torch.cuda.device(self.pin_for):
+            slab.pin()
 
     def _fitting(self, nbytes: int) -> list[Slab]:
         return [s for s in self._free if s.capacity >= nbytes]
@@ -159,6 +218,8 @@ class HostBufferPool:
                 return False
         slab = Slab(capacity, huge=True)  # made and faulted in outside the lock: `lend` never waits for it
         slab.fault_in()
+        if self.pinned:
+            self._pin(slab)  # after the faults, which huge pages make cheaper
         with self._lock:
             self.allocated += 1
             self._keep(slab)

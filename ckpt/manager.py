@@ -260,9 +260,11 @@ class CheckpointManager:
         # full checkpoints hold the rows trained since, and markers say how to regenerate the rest.
         self.row_init = sharded.row_init
         regenerate = self.row_init is not None and cfg.untrained_rows == "regenerate"
-        # CPU snapshots reuse the memory of written ones, within the pending-snapshot budget
-        self.taker = SnapshotTaker(self.shard_map, self.tracker, device, trained_only=regenerate,
-                                   pool=HostBufferPool(cfg.max_pending_bytes, nice=cfg.writer_nice))
+        # snapshots reuse the memory of written ones, within the pending-snapshot budget (pinned
+        # for GPU shards, whose copies to host are asynchronous)
+        pool = HostBufferPool(cfg.max_pending_bytes, nice=cfg.writer_nice, pin_for=torch.device(device))
+        self.taker = SnapshotTaker(self.shard_map, self.tracker, device, trained_only=regenerate, pool=pool,
+                                   encode_on=cfg.encode_on)
         self.policy = CheckpointPolicy(self.c.policy)
         # a restore comes next: its readers connect while the rest is built (or, given by the
         # job, while its model was built)
@@ -822,7 +824,8 @@ class CheckpointManager:
         t_take = time.perf_counter()
         saved = None  # a prioritized checkpoint's rows (ckpt/priority.py)
         if decision.full or self.priority is None:
-            planned = self.taker.plan(cid, step, full=decision.full, since_base=decision.since_base)
+            planned = self.taker.plan(cid, step, full=decision.full, since_base=decision.since_base,
+                                      weight_codec=c.codecs[0])
         else:
             saved = self.priority.select(self.tracker.changed_since_last(), int(self.c.priority_budget * self.full_bytes))
             planned = PlannedSnapshot.of(self.taker.take_rows(cid, step, saved))

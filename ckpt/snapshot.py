@@ -22,25 +22,33 @@ Devices: on CPU the copy is `index_select(..., out=host_buffer)`, on the trainin
 with `ckpt.overlap_copy`, on the manager's copier thread beside the next step (ckpt/copy_behind.py),
 which first chooses the rows (`plan`: the bitmap scan, before the tracker's marks change the
 bitmaps) and copies them after (`PlannedSnapshot.copy`: before the next row update).
-On CUDA the rows are gathered on a side stream into device temporaries and copied into
-pinned host buffers with ``non_blocking=True``; the training stream waits only for the
-gather (so the next update cannot overwrite a row before it is read), and the
-device-to-host copy overlaps the next step (tests/unit/test_snapshot.py checks both on a
-GPU; docs/BENCHMARKS.md has an H100's figures). A consumer must call `Snapshot.wait()`
-before reading the host tensors (a no-op on CPU).
+On CUDA (`_take_staged`) the rows are gathered on a side stream into one device buffer laid
+out like the host memory that receives them, then copied with one ``non_blocking`` copy into
+a pinned slab of the pool (reused, page-locked ahead: ckpt/host_buffers.py); the training
+stream waits only for the gather (so the next update cannot overwrite a row before it is
+read), and the device-to-host copy overlaps the next step (tests/unit/test_snapshot.py checks
+both on a GPU). The row counts come from one reduction of the bitmaps, so every shard's
+`nonzero_static` sizes its output without a device wait, and the stall is a handful of
+launches whatever the number of tensors. Where the checkpoint's weight codec has a device
+kernel (`ckpt.encode_on`, docs/design.md §1), the weights are encoded on the device after
+the gather and only their encoded bytes cross to the host (`EncodedWeights`): the writer
+then frames them as they are, after checking the encoder's per-row refusals. A consumer must
+call `Snapshot.wait()` before reading the host tensors (a no-op on CPU).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from ckpt.host_buffers import HostBufferPool, Slab, slab_bytes
+from ckpt.host_buffers import Carver, HostBufferPool, Slab, slab_bytes
+from ckpt.quant.device import DeviceEncoder, device_encoder
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +61,23 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+EncodeOn = Literal["device", "host"]
+
+
+@dataclass
+class EncodedWeights:
+    """A shard's weight rows encoded on the device before the copy to host (`ckpt.encode_on`)."""
+
+    codec: str  # the codec's name, as the checkpoint's weight codec names it
+    payload: torch.Tensor  # uint8 [n, row_bytes], host: the rows as the codec encodes them
+    flags: torch.Tensor  # uint8 [n], host: per-row refusals (ckpt/quant/adaptive_triton.py); all 0 when none
+    cols: int
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.payload) + _nbytes(self.flags)
+
+
 @dataclass
 class ShardRows:
     """One local shard's captured rows."""
@@ -61,12 +86,18 @@ class ShardRows:
     row_offset: int  # the shard's first global row
     col_offset: int
     global_rows: torch.Tensor  # int64 [n], global row ids (row_offset + local), ascending
-    weights: torch.Tensor  # [n, num_cols] host copy (the table's dtype, float32 here)
+    weights: torch.Tensor | None  # [n, num_cols] host copy (the table's dtype, float32 here); None: `encoded`
     optimizer: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> host copy [n] or [n, num_cols]
+    encoded: EncodedWeights | None = None  # the weights, encoded on the device instead of copied
+
+    @property
+    def num_cols(self) -> int:
+        return self.encoded.cols if self.encoded is not None else self.weights.shape[1]  # type: ignore[union-attr]
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.global_rows) + _nbytes(self.weights) + sum(_nbytes(t) for t in self.optimizer.values())
+        held = self.encoded.nbytes if self.encoded is not None else _nbytes(self.weights)  # type: ignore[arg-type]
+        return _nbytes(self.global_rows) + held + sum(_nbytes(t) for t in self.optimizer.values())
 
 
 @dataclass
@@ -125,7 +156,8 @@ class SnapshotTaker:
     """Copies tracked rows of every shard in `shard_map` to host memory."""
 
     def __init__(self, shard_map: "ShardMap", tracker: "RowTracker", device: torch.device,
-                 trained_only: bool = False, pool: HostBufferPool | None = None) -> None:
+                 trained_only: bool = False, pool: HostBufferPool | None = None, encode_on: EncodeOn = "device",
+                 staged: bool | None = None) -> None:
         self.shard_map = shard_map
         self.tracker = tracker
         self.trained_only = trained_only  # a full snapshot leaves out rows never trained
@@ -137,7 +169,13 @@ class SnapshotTaker:
         if self.device.type != torch.device(device).type:
             logger.warning("SnapshotTaker: shards live on %s, not %s: copying from %s", self.device, device, self.device)
         self._cuda = self.device.type == "cuda"
-        self.pool = None if self._cuda else pool  # CPU snapshots reuse its slabs (None: fresh tensors each time)
+        # gather on the device, then one copy into host memory (`_take_staged`): CUDA's path;
+        # `staged=True` runs it on CPU shards too (tests: the same logic without a GPU)
+        self.staged = self._cuda if staged is None else staged
+        self.pool = pool  # snapshots reuse its slabs (None: fresh host memory each time); pinned on CUDA
+        if self._cuda and pool is not None and not pool.pinned:
+            raise ValueError("SnapshotTaker: GPU shards need a pinned HostBufferPool (pin_for=their device)")
+        self.encode_on = encode_on
         self._stream = torch.cuda.Stream(device=self.device) if self._cuda else None
         self._row_bytes = [_row_bytes(v) for v in shard_map.shards]
 
@@ -165,19 +203,30 @@ class SnapshotTaker:
         """Bytes a snapshot of `counts[i]` rows of shard i holds (counts from `RowTracker.counts`)."""
         return sum(n * b for n, b in zip(counts, self._row_bytes))
 
-    def take(self, checkpoint_id: int, step: int, *, full: bool, since_base: bool) -> Snapshot:
-        """Copy every row (`full`), or the rows of `since_base(i)` / `since_last(i)`, of every shard."""
-        return self.plan(checkpoint_id, step, full=full, since_base=since_base).copy()
+    def device_encoder(self, weight_codec: str | None) -> DeviceEncoder | None:
+        """The encoder a snapshot with this weight codec runs on the device (`ckpt.encode_on`):
+        on GPU shards, `device` encodes there whenever the codec has a device kernel; `host`
+        never does (the writer encodes the host copy)."""
+        if weight_codec is None or not self._cuda or self.encode_on == "host":
+            return None
+        return device_encoder(weight_codec, self.device)
 
-    def plan(self, checkpoint_id: int, step: int, *, full: bool, since_base: bool) -> "PlannedSnapshot":
+    def take(self, checkpoint_id: int, step: int, *, full: bool, since_base: bool,
+             weight_codec: str | None = None) -> Snapshot:
+        """Copy every row (`full`), or the rows of `since_base(i)` / `since_last(i)`, of every shard
+        (`weight_codec`: the checkpoint's, for `device_encoder`)."""
+        return self.plan(checkpoint_id, step, full=full, since_base=since_base, weight_codec=weight_codec).copy()
+
+    def plan(self, checkpoint_id: int, step: int, *, full: bool, since_base: bool,
+             weight_codec: str | None = None) -> "PlannedSnapshot":
         """`take` in two parts: choose the rows now (the bitmap scan) and the host memory for
         them; `PlannedSnapshot.copy()` copies them. In between the tracker may change its
         bitmaps, but no row may change. On CUDA the rows are gathered here already."""
         t0 = time.perf_counter()
-        if self._cuda:
-            shards, ready = self._take_cuda(full, since_base)
-            return PlannedSnapshot.of(Snapshot(checkpoint_id, step, full, shards, time.perf_counter() - t0, ready,
-                                               new_bytes=sum(s.nbytes for s in shards)))  # fresh pinned host tensors
+        if self.staged:
+            staged = self._take_staged(full, since_base, self.device_encoder(weight_codec))
+            return PlannedSnapshot.of(Snapshot(checkpoint_id, step, full, staged.shards, time.perf_counter() - t0,
+                                               staged.ready, staged.slab, self.pool, new_bytes=staged.new_bytes))
         copy_all = full and not self.trained_only
         views = self.shard_map.shards
         locals_ = [None if copy_all else self._local_rows(i, full, since_base) for i in range(len(views))]
@@ -188,8 +237,9 @@ class SnapshotTaker:
         return PlannedSnapshot(checkpoint_id, step, full, views, locals_, slab, self.pool, time.perf_counter() - t0)
 
     # -- CPU ------------------------------------------------------------------------------
-    def _local_rows(self, i: int, full: bool, since_base: bool) -> torch.Tensor:
-        return self.tracker.trained_rows(i) if full else self.tracker.touched_rows(i, since_base)
+    def _local_rows(self, i: int, full: bool, since_base: bool, count: int | None = None) -> torch.Tensor:
+        """Shard `i`'s rows to copy (`count`: how many, when `counts` said so already)."""
+        return self.tracker.trained_rows(i, count) if full else self.tracker.touched_rows(i, since_base, count)
 
     def take_rows(self, checkpoint_id: int, step: int, local_rows: list[torch.Tensor]) -> Snapshot:
         """Copy the given local rows of every shard (sorted int64 indices, shard order), for a
@@ -211,32 +261,101 @@ class SnapshotTaker:
         return Snapshot(checkpoint_id, step, False, shards, time.perf_counter() - t0)
 
 
-    # -- CUDA ------------------------------------------------------------------------------
-    def _take_cuda(self, full: bool, since_base: bool) -> tuple[list[ShardRows], object]:
-        main = torch.cuda.current_stream(self.device)
+    # -- CUDA (and CPU shards with `staged=True`) -----------------------------------------
+    def _take_staged(self, full: bool, since_base: bool, encoder: DeviceEncoder | None) -> "_Staged":
+        """Gather the rows into one device buffer and copy them to host memory with one copy.
+
+        The host slab and the device buffer are carved in the same order (per shard: row ids,
+        optimizer states, then the weights unless they are encoded), so their first `prefix`
+        bytes are the same layout and one copy moves them all. Weights to encode are gathered
+        after that prefix on the device only; their encoded rows and flags are carved after it
+        on the host and copied from the encoder's output."""
+        main = torch.cuda.current_stream(self.device) if self._cuda else None
         side = self._stream
-        assert side is not None
-        side.wait_stream(main)  # this step's optimizer update is done before any row is read
-        out: list[ShardRows] = []
-        with torch.cuda.stream(side):
-            gathered = []
-            for i, v in enumerate(self.shard_map.shards):
-                if full and not self.trained_only:
-                    local = torch.arange(v.num_rows, dtype=torch.int64, device=self.device)
+        if main is not None and side is not None:
+            side.wait_stream(main)  # this step's optimizer update is done before any row is read
+        views = self.shard_map.shards
+        copy_all = full and not self.trained_only
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            counts = [v.num_rows for v in views] if copy_all else self._counts(full, since_base)  # one host sync
+            layout = _StagedLayout(views, counts, encoder)
+            slab = self.pool.lend(layout.host_bytes) if self.pool is not None else None
+            host = slab if slab is not None else Carver(torch.empty(layout.host_bytes, dtype=torch.uint8,
+                                                                    pin_memory=self._cuda))
+            dev = Carver(torch.empty(layout.device_bytes, dtype=torch.uint8, device=self.device))
+            out: list[ShardRows] = []
+            locals_: list[torch.Tensor | None] = []  # per shard: its local rows (None: every row)
+            for i, (v, n) in enumerate(zip(views, counts)):
+                ids = dev.carve((n,), torch.int64)
+                if copy_all:
+                    local = None
+                    torch.arange(v.row_offset, v.row_offset + n, out=ids)
                 else:
-                    local = self._local_rows(i, full, since_base)  # nonzero syncs the host with `side`
-                dev = [local + v.row_offset, v.weight.detach().index_select(0, local)]
-                dev += [s.detach().index_select(0, local) for s in v.optimizer_states.values()]
-                gathered.append((v, dev))
-            main.wait_stream(side)  # the next update may overwrite rows only after they are gathered
-            for v, dev in gathered:
-                host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in dev]
-                for h, t in zip(host, dev):
-                    h.copy_(t, non_blocking=True)  # `dev` was allocated on `side`: freed only after this
-                rows, weights, *states = host
-                out.append(ShardRows(v.table, v.row_offset, v.col_offset, rows, weights, dict(zip(v.optimizer_states, states))))
-            ready = side.record_event()
-        return out, ready
+                    local = self._local_rows(i, full, since_base, n)
+                    torch.add(local, v.row_offset, out=ids)
+                locals_.append(local)
+                states = {k: _gather(st.detach(), local, dev) for k, st in v.optimizer_states.items()}
+                weights = None if encoder is not None else _gather(v.weight.detach(), local, dev)
+                host_ids = host.carve((n,), torch.int64)
+                host_states = {k: host.carve(t.shape, t.dtype) for k, t in states.items()}
+                host_weights = None if weights is None else host.carve(weights.shape, weights.dtype)
+                out.append(ShardRows(v.table, v.row_offset, v.col_offset, host_ids, host_weights, host_states))
+            prefix = dev.used
+            assert prefix == host.used, (prefix, host.used)
+            # the weights to encode, gathered after the prefix: the copy below leaves them on the device
+            to_encode = [] if encoder is None else [_gather(v.weight.detach(), local, dev)
+                                                    for v, local in zip(views, locals_)]
+            if main is not None and side is not None:
+                main.wait_stream(side)  # the next update may overwrite rows only after they are gathered
+            if prefix:
+                host.buffer[:prefix].copy_(dev.buffer[:prefix], non_blocking=self._cuda)
+            for i, rows in enumerate(to_encode):
+                assert encoder is not None
+                payload, flags = encoder.encode_device(rows)
+                hp, hf = host.carve(payload.shape, payload.dtype), host.carve(flags.shape, flags.dtype)
+                hp.copy_(payload, non_blocking=self._cuda)
+                hf.copy_(flags, non_blocking=self._cuda)
+                out[i].encoded = EncodedWeights(encoder.name, hp, hf, views[i].num_cols)
+            ready = side.record_event() if side is not None else None
+        new_bytes = (slab.capacity if slab.fresh else 0) if slab is not None else host.capacity
+        return _Staged(out, ready, slab, new_bytes)
+
+
+class _StagedLayout:
+    """Bytes `_take_staged` carves: the host slab (the prefix both sides share, then the encoded
+    weights and their flags) and the device buffer (the prefix, then the weights to encode)."""
+
+    def __init__(self, views: list["ShardView"], counts: list[int], encoder: DeviceEncoder | None) -> None:
+        shared: list[int] = []
+        for v, n in zip(views, counts):
+            shared.append(n * 8)
+            shared += [n * math.prod(s.shape[1:]) * s.element_size() for s in v.optimizer_states.values()]
+            if encoder is None:
+                shared.append(n * v.num_cols * v.weight.element_size())
+        host_only = [b for v, n in zip(views, counts) if encoder is not None
+                     for b in (n * encoder.row_bytes(v.num_cols), n)]
+        device_only = [n * v.num_cols * v.weight.element_size() for v, n in zip(views, counts) if encoder is not None]
+        self.host_bytes = slab_bytes(shared + host_only)
+        self.device_bytes = slab_bytes(shared + device_only)
+
+
+@dataclass
+class _Staged:
+    shards: list[ShardRows]
+    ready: object | None  # CUDA event of the host copies
+    slab: Slab | None
+    new_bytes: int
+
+
+def _gather(src: torch.Tensor, local: torch.Tensor | None, into: Carver) -> torch.Tensor:
+    """Rows `local` (None: every row) of `src`, copied into the next bytes of `into`."""
+    n = src.shape[0] if local is None else local.numel()
+    out = into.carve((n, *src.shape[1:]), src.dtype)
+    if local is None:
+        out.copy_(src)
+    else:
+        torch.index_select(src, 0, local, out=out)
+    return out
 
 
 @dataclass

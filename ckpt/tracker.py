@@ -86,12 +86,16 @@ from sharding.shard_views import ShardMap, find_sharded_ebc
 logger = logging.getLogger(__name__)
 
 
-def rows_of(mask: torch.Tensor) -> torch.Tensor:
+def rows_of(mask: torch.Tensor, count: int | None = None) -> torch.Tensor:
     """Sorted int64 indices of the set bits of a 1-D bool bitmap. On CPU numpy's `flatnonzero`,
     several times faster than torch's `nonzero` on one thread: it is part of the checkpoint stall
-    (docs/BENCHMARKS.md, "The stall against a copy into reused memory")."""
+    (docs/BENCHMARKS.md, "The stall against a copy into reused memory"). On a GPU, `count` (the
+    set bits, known from `RowTracker.counts`) lets `nonzero_static` size its output without
+    waiting for the device, as `nonzero` must."""
     if mask.device.type == "cpu":
         return torch.from_numpy(np.flatnonzero(mask.numpy()))
+    if count is not None:
+        return torch.nonzero_static(mask, size=count).view(-1)
     return mask.nonzero().view(-1)
 
 
@@ -262,18 +266,19 @@ class RowTracker:
         """bool [num_rows] of shard `i`: rows touched since the last mark_base() (includes since_last)."""
         return self._slice(self._base, i) | self._slice(self._last, i)
 
-    def touched_rows(self, i: int, since_base: bool) -> torch.Tensor:
-        """Sorted int64 local row indices of shard `i` that `since_base(i)` / `since_last(i)` mark."""
+    def touched_rows(self, i: int, since_base: bool, count: int | None = None) -> torch.Tensor:
+        """Sorted int64 local row indices of shard `i` that `since_base(i)` / `since_last(i)` mark
+        (`count`: how many, from `counts`, which spares a GPU's `nonzero` its wait)."""
         mask = self.since_base(i) if since_base else self._slice(self._last, i)
-        return rows_of(mask)
+        return rows_of(mask, count)
 
     def trained(self, i: int) -> torch.Tensor:
         """bool [num_rows] of shard `i`: rows touched since the model was initialised."""
         return self._slice(self._trained, i) | self.since_base(i)
 
-    def trained_rows(self, i: int) -> torch.Tensor:
-        """Sorted int64 local row indices of shard `i` that `trained(i)` marks."""
-        return rows_of(self.trained(i))
+    def trained_rows(self, i: int, count: int | None = None) -> torch.Tensor:
+        """Sorted int64 local row indices of shard `i` that `trained(i)` marks (`count` as in `touched_rows`)."""
+        return rows_of(self.trained(i), count)
 
     def counts(self, since_base: bool, trained: bool = False) -> list[int]:
         """Rows marked per shard (one host sync for all shards): since the last checkpoint,

@@ -31,6 +31,7 @@ from ckpt.faults import maybe_die, maybe_slow
 from ckpt.frames import EncodedFrame, OptimState, chunk_rows
 from ckpt.markers import FrameMeta, IndexEntry, OffsetRange, index_frames
 from ckpt.quant import codec_for_width, get_codec
+from ckpt.quant.device import check_flags
 from ckpt.sink import FrameSink
 from ckpt.snapshot import ShardRows, Snapshot
 from ckpt.threads import lower_thread_priority
@@ -249,7 +250,7 @@ def write_rows(job: WriteJob, *, run_id: str, rank: int, sink: FrameSink, max_fr
             for frame in encode_frames(job, shard, used, run_id, rank, max_frame_bytes):
                 sink.write(frame.data, generation=job.generation, partition=rank)
                 meta.append(FrameMeta(table=shard.table, col_offset=shard.col_offset, first_row=frame.first_row,
-                                       last_row=frame.last_row, cols=shard.weights.shape[1]))
+                                       last_row=frame.last_row, cols=shard.num_cols))
                 nbytes += len(frame.data)
             rows += shard.global_rows.numel()
         maybe_slow(job.checkpoint_id)
@@ -282,7 +283,14 @@ def encode_frames(job: WriteJob, shard: ShardRows, used: dict[str, str], run_id:
     Records the codecs it encodes with in `used`."""
     ids = shard.global_rows
     weight_codec = get_codec(job.weight_codec)
-    payload = weight_codec.encode(shard.weights, table=shard.table, row_ids=ids)
+    if shard.encoded is not None:  # encoded on the device by the snapshot (ckpt.encode_on)
+        if shard.encoded.codec != weight_codec.name:
+            raise RuntimeError(f"table {shard.table}: the snapshot encoded its rows as {shard.encoded.codec}, "
+                               f"the checkpoint writes {weight_codec.name}")
+        check_flags(weight_codec.name, shard.encoded.flags, shard.table, ids)
+        payload = shard.encoded.payload
+    else:
+        payload = weight_codec.encode(shard.weights, table=shard.table, row_ids=ids)
     used["weights"] = weight_codec.name
     optim = []
     for name, state in sorted(shard.optimizer.items()):
@@ -292,6 +300,6 @@ def encode_frames(job: WriteJob, shard: ShardRows, used: dict[str, str], run_id:
         optim.append(OptimState(name, codec.code, codec.encode(rows, table=shard.table, row_ids=ids)))
     return chunk_rows(
         run_id=run_id, checkpoint_id=job.checkpoint_id, rank=rank, table=shard.table,
-        col_offset=shard.col_offset, dim=shard.weights.shape[1], encoding=weight_codec.code,
+        col_offset=shard.col_offset, dim=shard.num_cols, encoding=weight_codec.code,
         row_ids=ids, payload=payload, optim=optim, max_frame_bytes=max_frame_bytes, epoch=job.epoch,
     )

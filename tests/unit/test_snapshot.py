@@ -14,7 +14,10 @@ import pytest
 import torch
 
 from ckpt.host_buffers import HostBufferPool, Slab
+from ckpt.quant.adaptive import AdaptiveCodec
+from ckpt.quant.base import NonFiniteRowError, RowRangeError
 from ckpt.snapshot import ShardRows, Snapshot, SnapshotTaker
+from ckpt.writer import WriteJob, encode_frames
 from tests.devices import DEVICES, NEEDS_CUDA, synchronize
 
 
@@ -53,8 +56,9 @@ class Tracker:
     def since_base(self, i: int) -> torch.Tensor:
         return self.last[i] | self.base[i]
 
-    def touched_rows(self, i: int, since_base: bool) -> torch.Tensor:
-        return (self.since_base(i) if since_base else self.last[i]).nonzero().view(-1)
+    def touched_rows(self, i: int, since_base: bool, count: int | None = None) -> torch.Tensor:
+        mask = self.since_base(i) if since_base else self.last[i]  # as RowTracker.touched_rows does
+        return mask.nonzero().view(-1) if count is None else torch.nonzero_static(mask, size=count).view(-1)
 
     def counts(self, since_base: bool) -> list[int]:
         return [int((self.since_base(i) if since_base else self.last[i]).sum()) for i in range(len(self.last))]
@@ -103,10 +107,16 @@ def train(smap: Map) -> None:
                 s.mul_(2.0).add_(1.0)
 
 
+# CPU shards take the gather-then-copy path of GPU shards too when asked (`staged`): its logic
+# is tested here without a GPU, and the CUDA cases below run it on the device
+STAGED = [False, True]
+
+
+@pytest.mark.parametrize("staged", STAGED)
 @pytest.mark.parametrize("device", DEVICES)
-def test_delta_snapshot_rows_values_and_bytes(device: str) -> None:
+def test_delta_snapshot_rows_values_and_bytes(device: str, staged: bool) -> None:
     smap, tracker = make(device)
-    taker = SnapshotTaker(smap, tracker, torch.device(device))
+    taker = SnapshotTaker(smap, tracker, torch.device(device), staged=staged or None)
     est = taker.estimate_bytes(full=False, since_base=False)
     snap = taker.take(5, 100, full=False, since_base=False)
     snap.wait()
@@ -127,10 +137,11 @@ def test_delta_snapshot_rows_values_and_bytes(device: str) -> None:
     assert est == snap.nbytes == 4 * (8 + 32 + 4) + 3 * (8 + 32 + 32) + 1 * (8 + 32)
 
 
+@pytest.mark.parametrize("staged", STAGED)
 @pytest.mark.parametrize("device", DEVICES)
-def test_snapshot_is_a_copy(device: str) -> None:
+def test_snapshot_is_a_copy(device: str, staged: bool) -> None:
     smap, tracker = make(device)
-    taker = SnapshotTaker(smap, tracker, torch.device(device))
+    taker = SnapshotTaker(smap, tracker, torch.device(device), staged=staged or None)
     delta = taker.take(1, 1, full=False, since_base=False)
     full = taker.take(2, 1, full=True, since_base=False)
     delta.wait()
@@ -147,10 +158,11 @@ def test_snapshot_is_a_copy(device: str) -> None:
     assert not torch.equal(w, delta.shards[0].weights)
 
 
+@pytest.mark.parametrize("staged", STAGED)
 @pytest.mark.parametrize("device", DEVICES)
-def test_full_snapshot_covers_every_row(device: str) -> None:
+def test_full_snapshot_covers_every_row(device: str, staged: bool) -> None:
     smap, tracker = make(device)
-    taker = SnapshotTaker(smap, tracker, torch.device(device))
+    taker = SnapshotTaker(smap, tracker, torch.device(device), staged=staged or None)
     est = taker.estimate_bytes(full=True, since_base=False)
     snap = taker.take(1, 0, full=True, since_base=False)
     snap.wait()
@@ -183,11 +195,12 @@ def test_shard_rows_nbytes_counts_every_tensor() -> None:
     assert Snapshot(1, 1, False, [r, r], 0.0).nbytes == 2 * r.nbytes
 
 
+@pytest.mark.parametrize("staged", STAGED)
 @pytest.mark.parametrize("full", [False, True])
-def test_pooled_snapshots_are_the_same_copy_and_reuse_the_memory_of_released_ones(full: bool) -> None:
+def test_pooled_snapshots_are_the_same_copy_and_reuse_the_memory_of_released_ones(full: bool, staged: bool) -> None:
     smap, tracker = make()
     pool = HostBufferPool(1 << 30)
-    taker = SnapshotTaker(smap, tracker, torch.device("cpu"), pool=pool)
+    taker = SnapshotTaker(smap, tracker, torch.device("cpu"), pool=pool, staged=staged)
     plain = SnapshotTaker(smap, tracker, torch.device("cpu")).take(1, 0, full=full, since_base=False)
 
     def assert_same(snap: Snapshot) -> None:
@@ -222,14 +235,106 @@ class _ExactPool(HostBufferPool):
         return Slab(nbytes)
 
 
-def test_a_pooled_take_asks_for_every_tensors_aligned_bytes() -> None:
+@pytest.mark.parametrize("staged", STAGED)
+def test_a_pooled_take_asks_for_every_tensors_aligned_bytes(staged: bool) -> None:
     # each shard's weights and optimizer state are carved apart, each aligned: t_item's 3 rows
     # are 96 B of weights and 96 B of state, 256 B once aligned apart, not 192 B rounded as one
     smap, tracker = make()
-    taker = SnapshotTaker(smap, tracker, torch.device("cpu"), pool=_ExactPool(1 << 30))
+    taker = SnapshotTaker(smap, tracker, torch.device("cpu"), pool=_ExactPool(1 << 30), staged=staged)
     for full in (False, True):
         snap = taker.take(1, 0, full=full, since_base=False)
         assert_equals_live(snap, smap)
+
+
+# --- weights encoded where they were gathered (ckpt.encode_on) -------------------------------------
+
+
+class _TorchEncoder:
+    """A device encoder made of the adaptive codec's torch reference: what the snapshot asks of
+    one (ckpt/quant/device.py), runnable on any device. Flags come back all clear."""
+
+    def __init__(self) -> None:
+        self.codec = AdaptiveCodec(4, impl="torch")
+        self.name = self.codec.name
+        self.calls = 0
+
+    def row_bytes(self, dim: int) -> int:
+        return self.codec.row_bytes(dim)
+
+    def encode_device(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.calls += 1
+        return self.codec.encode(rows), torch.zeros(rows.shape[0], dtype=torch.uint8, device=rows.device)
+
+
+class _EncodingTaker(SnapshotTaker):
+    def __init__(self, *args, encoder: _TorchEncoder, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.encoder = encoder
+
+    def device_encoder(self, weight_codec: str | None):  # type: ignore[override]
+        return self.encoder if weight_codec == self.encoder.name else None
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+@pytest.mark.parametrize("full", [False, True])
+def test_weights_encoded_before_the_copy_hold_the_codecs_bytes_of_the_same_rows(full: bool, pooled: bool) -> None:
+    smap, tracker = make()
+    enc = _TorchEncoder()
+    pool = _ExactPool(1 << 30) if pooled else None
+    taker = _EncodingTaker(smap, tracker, torch.device("cpu"), staged=True, encoder=enc, pool=pool)
+    plain = SnapshotTaker(smap, tracker, torch.device("cpu")).take(1, 0, full=full, since_base=False)
+    snap = taker.take(1, 0, full=full, since_base=False, weight_codec="adaptive4")
+    assert enc.calls == len(smap.shards)
+    for got, want in zip(snap.shards, plain.shards, strict=True):
+        assert got.weights is None and got.encoded is not None and got.encoded.codec == "adaptive4"
+        assert got.num_cols == want.num_cols == 8
+        assert torch.equal(got.encoded.payload, enc.codec.encode(want.weights)), got.table
+        assert got.encoded.flags.shape == (want.global_rows.numel(),) and not got.encoded.flags.any()
+        assert torch.equal(got.global_rows, want.global_rows)
+        assert all(torch.equal(got.optimizer[k], want.optimizer[k]) for k in want.optimizer)
+    # the host holds the encoded rows (20 B a row here) instead of 32 B of fp32 weights a row
+    rows = sum(s.global_rows.numel() for s in plain.shards)
+    assert snap.nbytes == plain.nbytes - rows * 32 + rows * (enc.row_bytes(8) + 1)
+    # another codec this checkpoint: the fp32 rows are copied as before
+    other = taker.take(2, 0, full=full, since_base=False, weight_codec="fp32")
+    assert all(s.encoded is None and s.weights is not None for s in other.shards)
+
+
+def test_the_writer_frames_rows_encoded_on_the_device_as_it_frames_rows_it_encodes() -> None:
+    smap, tracker = make()
+    enc = _TorchEncoder()
+    encoded = _EncodingTaker(smap, tracker, torch.device("cpu"), staged=True, encoder=enc).take(
+        3, 10, full=False, since_base=False, weight_codec="adaptive4")
+    plain = SnapshotTaker(smap, tracker, torch.device("cpu")).take(3, 10, full=False, since_base=False)
+
+    def frames(snap: Snapshot) -> list[bytes]:
+        job = WriteJob(checkpoint_id=3, step=10, generation=1, chain=[3], snapshot=snap, trainer_state={},
+                       weight_codec="adaptive4", optimizer_codec="fp32")
+        used: dict[str, str] = {}
+        out = [f.data for s in snap.shards if s.global_rows.numel()
+               for f in encode_frames(job, s, used, "run", 0, 1 << 20)]
+        assert used["weights"] == "adaptive4"
+        return out
+
+    assert frames(encoded) == frames(plain) and frames(plain)
+
+
+@pytest.mark.parametrize(("flag", "error"), [(0b100, NonFiniteRowError), (0b010, RowRangeError)])
+def test_the_writer_refuses_a_row_the_device_encoder_flagged_as_the_codec_would(flag: int, error: type) -> None:
+    smap, tracker = make()
+    enc = _TorchEncoder()
+    snap = _EncodingTaker(smap, tracker, torch.device("cpu"), staged=True, encoder=enc).take(
+        3, 10, full=False, since_base=False, weight_codec="adaptive4")
+    shard = snap.shards[0]
+    assert shard.encoded is not None
+    shard.encoded.flags[2] = flag  # the third row of t_user: global row 1250
+    job = WriteJob(checkpoint_id=3, step=10, generation=1, chain=[3], snapshot=snap, trainer_state={},
+                   weight_codec="adaptive4", optimizer_codec="fp32")
+    with pytest.raises(error, match=r"table 't_user' row 1250 \(global id\)"):
+        list(encode_frames(job, shard, {}, "run", 0, 1 << 20))
+    job.weight_codec = "adaptive2"  # a snapshot encoded for another codec is never framed as this one
+    with pytest.raises(RuntimeError, match="encoded its rows as adaptive4"):
+        encode_frames(job, snap.shards[1], {}, "run", 0, 1 << 20)
 
 
 # --- CUDA: the side-stream copy into pinned host memory -------------------------------------------
@@ -296,3 +401,34 @@ def test_training_waits_for_the_gather_only_not_for_the_copy_to_host() -> None:
     torch.cuda.synchronize()
     w, _ = live_rows(smap.shards[0], snap.shards[0].global_rows[:4])
     assert torch.equal(snap.shards[0].weights[:4] + 1.0, w)
+
+
+@NEEDS_CUDA
+@pytest.mark.gpu
+def test_a_cuda_snapshot_copies_into_page_locked_pool_slabs_and_reuses_them() -> None:
+    """The manager's pool for GPU shards registers its slabs (cudaHostRegister), the one made in
+    a stall and the one reserved ahead on the helper thread alike; a released slab serves the
+    next take, and what lands in it is the rows' bits."""
+    cpu_map, cpu_tracker = make("cpu")
+    cuda_map, cuda_tracker = make("cuda")
+    pool = HostBufferPool(1 << 30, pin_for=torch.device("cuda"))
+    taker = SnapshotTaker(cuda_map, cuda_tracker, torch.device("cuda"), pool=pool)
+    want = SnapshotTaker(cpu_map, cpu_tracker, torch.device("cpu")).take(1, 0, full=True, since_base=False)
+    first = taker.take(1, 0, full=True, since_base=False)
+    first.wait()
+    assert first._slab is not None and first._slab.pinned and first._slab.buffer.is_pinned()
+    held = first.shards[0].global_rows.data_ptr()
+    first.release()
+    second = taker.take(2, 0, full=True, since_base=False)
+    second.wait()
+    assert pool.allocated == 1 and second.shards[0].global_rows.data_ptr() == held and second.new_bytes == 0
+    for a, b in zip(second.shards, want.shards, strict=True):
+        for x, y in zip((a.global_rows, a.weights, *a.optimizer.values()), (b.global_rows, b.weights, *b.optimizer.values())):
+            assert torch.equal(x, y), a.table
+    assert pool.reserve(64 << 20)  # as the helper thread reserves ahead: made, faulted in, then pinned
+    assert all(s.pinned for s in pool._free)
+
+
+def test_a_pool_for_cpu_shards_never_pins() -> None:
+    pool = HostBufferPool(1 << 30, pin_for=torch.device("cpu"))
+    assert not pool.pinned and not pool.lend(1 << 20).pinned
