@@ -49,7 +49,7 @@ def train_run(label: str, extra: list[str], args: argparse.Namespace, work: Path
               prefix: str) -> dict[str, Any]:
     """One checkpointing training run (every rank through `bench.ckpt_rank`): its checkpoints
     from rank 0's metrics.jsonl joined with what every rank measured of each."""
-    from bench.ckpt_rank import RankCheckpoint, read_side
+    from bench.ckpt_rank import checkpoint_rows, read_sides
     from launch.ranks import read_metrics, spawn_ranks
 
     tmp = work / label
@@ -67,43 +67,9 @@ def train_run(label: str, extra: list[str], args: argparse.Namespace, work: Path
                 module="bench.ckpt_rank", extra_args=["--side", str(tmp / "side")])
     wall = time.perf_counter() - t
     metrics = read_metrics(tmp / "run")
-    side: dict[int, dict[int, RankCheckpoint]] = {}
-    rank_rows: dict[int, int] = {}
-    for rank in range(args.ranks):
-        for rec in read_side(tmp / "side" / f"rank{rank}.jsonl"):
-            side.setdefault(rec.checkpoint_id, {})[rank] = rec
-            rank_rows[rank] = rec.rank_total_rows
-    total_rows = sum(rank_rows.values())
-    rows = []
-    for m in (m for m in metrics if "ckpt_id" in m):
-        per = side.get(m["ckpt_id"], {})
-
-        def worst(key: str) -> Any:
-            return max((v for v in (getattr(p, key) for p in per.values()) if v is not None), default=None)
-
-        bare = worst("bare_ms")  # median of the three copies into reused buffers
-        take = worst("take_ms")
-        row = {
-            "ckpt_id": m["ckpt_id"], "step": m["step"], "kind": "full" if m["ckpt_full"] else "delta",
-            "committed": m["ckpt_committed"], "rows": m["ckpt_rows"], "fraction_of_rows": ratio(m["ckpt_rows"], total_rows),
-            "fraction_changed_since_last": next((p.since_last for p in per.values()), None),
-            "bytes": m["ckpt_bytes"], "bytes_per_row": m["ckpt_bytes"] / max(m["ckpt_rows"], 1),
-            "stall_ms": m["ckpt_stall_ms"], "agree_ms": worst("agree_ms"), "take_ms": take,
-            "dense_ms": worst("dense_ms"), "other_ms": worst("other_ms"), "find_rows_ms": worst("find_ms"),
-            "bare_copy_ms": bare,
-            "stall_over_bare": ratio(m["ckpt_stall_ms"], bare), "take_over_bare": ratio(take, bare),
-            "write_s": m["ckpt_write_s"], "write_MBps": m["ckpt_bytes"] / m["ckpt_write_s"] / 1e6 if m["ckpt_write_s"] else None,
-            "durable_s": m.get("ckpt_durable_s"),  # stall start to COMMIT
-            "stall_new_bytes": m.get("ckpt_stall_new_bytes"),  # all ranks: memory the stall's copy mapped fresh
-            "codec": m.get("ckpt_encoding"),
-            "committed_at_step": worst("committed_at_step"),
-            "durable_at_step": worst("durable_at_step"),
-            "per_rank": {r: {k: getattr(p, k) for k in ("rows", "stall_ms", "agree_ms", "take_ms", "dense_ms", "other_ms",
-                                                        "bare_ms_all", "find_ms")} for r, p in sorted(per.items())},
-        }
-        if not m["ckpt_committed"]:
-            row["error"] = m.get("ckpt_error")
-        rows.append(row)
+    side = read_sides(tmp / "side", args.ranks)
+    total_rows = sum({r: p.rank_total_rows for per in side.values() for r, p in per.items()}.values())
+    rows = checkpoint_rows(metrics, side)
     rates = [m["samples_per_s"] for m in metrics if "samples_per_s" in m]
     return {"run_id": run_id, "overrides": overrides, "wall_s": wall, "model_rows": total_rows,
             "samples_per_s_median": median_of(rates[1:] or rates), "checkpoints": rows,

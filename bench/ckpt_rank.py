@@ -23,7 +23,8 @@ stats, read after each step end, never from inside the stall:
   that step restores this checkpoint, whether or not the ranks had learned of it yet;
 - a bare baseline: ``bare_ms_all``, a plain ``index_select`` (``copy_`` for a full
   checkpoint) of exactly the rows the checkpoint copied, weights and every optimizer state,
-  from the same live tensors into reused buffers (`BareCopier`), three times. It runs once
+  from the same live tensors into reused buffers (`BareCopier`; from GPU shards into pinned
+  host buffers, as a snapshot copies), three times (`bare_repeats`). It runs once
   training is over (`ObservedCheckpointer.finish`, after the CPU figures below are taken),
   so it inflates neither the stall nor the throughput and CPU the suites measure, and does
   not compete with the writer. (Run at step ends, a full checkpoint's three copies of every
@@ -56,7 +57,10 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+from bench.common import ratio
+
 if TYPE_CHECKING:
+    from bench.job import Job
     from ckpt.manager import CheckpointManager, StallTiming
     from ckpt.tracker import RowTracker
     from trainer.config import JobConfig
@@ -69,30 +73,55 @@ class BareCopier:
     shard, weights and every optimizer state, with ``index_select(out=)`` / ``copy_`` into
     buffers this object keeps for the next copy, as `take` carves its snapshots from reused
     slabs (#12's goal compares the stall with exactly this). A buffer that must grow is
-    replaced by a zero-filled one before the clock starts, so no copy pays page faults."""
+    replaced by a zero-filled one before the clock starts, so no copy pays page faults.
+
+    GPU shards: the copy a snapshot makes, to host memory. The rows are gathered on the
+    device into a reused temporary and copied into reused pinned host buffers, the device
+    synchronised before the clock starts and before it stops (`bench.gpu`'s bare copy)."""
 
     def __init__(self) -> None:
         self._bufs: dict[tuple[int, int], torch.Tensor] = {}
+        self._tmps: dict[tuple[int, int], torch.Tensor] = {}
 
-    def _out(self, key: tuple[int, int], src: torch.Tensor, n: int) -> torch.Tensor:
-        buf = self._bufs.get(key)
+    @staticmethod
+    def _reuse(bufs: dict[tuple[int, int], torch.Tensor], key: tuple[int, int], src: torch.Tensor, n: int,
+               device: torch.device, pinned: bool) -> torch.Tensor:
+        buf = bufs.get(key)
         if buf is None or buf.shape[0] < n or buf.shape[1:] != src.shape[1:] or buf.dtype != src.dtype:
-            buf = torch.zeros((n, *src.shape[1:]), dtype=src.dtype, device=src.device)  # zeros touch every page
-            self._bufs[key] = buf
+            # zeros touch every page; pinned host memory is page-locked when allocated
+            buf = torch.zeros((n, *src.shape[1:]), dtype=src.dtype, device=device, pin_memory=pinned)
+            bufs[key] = buf
         return buf[:n]
 
     def copy(self, shards: Sequence[Any], locals_: Sequence[torch.Tensor | None]) -> float:
-        """Seconds to copy those rows into this object's buffers."""
+        """Seconds to copy those rows into this object's buffers (on the host)."""
+        from bench.job import sync
+
         work = []
+        devices = set()
         for i, (v, idx) in enumerate(zip(shards, locals_)):
+            if idx is not None:
+                idx = idx.to(v.weight.device)  # the tracker's rows live with its bitmaps (no-op where they are)
             for j, src in enumerate([v.weight.detach(), *(s.detach() for s in v.optimizer_states.values())]):
-                work.append((src, idx, self._out((i, j), src, src.shape[0] if idx is None else int(idx.numel()))))
+                n = src.shape[0] if idx is None else int(idx.numel())
+                cuda = src.device.type == "cuda"
+                devices.add(src.device)
+                out = self._reuse(self._bufs, (i, j), src, n, torch.device("cpu"), pinned=cuda)
+                tmp = self._reuse(self._tmps, (i, j), src, n, src.device, False) if cuda and idx is not None else None
+                work.append((src, idx, out, tmp))
+        for d in devices:
+            sync(d)
         t = time.perf_counter()
-        for src, idx, out in work:
+        for src, idx, out, tmp in work:
             if idx is None:
-                out.copy_(src)
-            else:
+                out.copy_(src, non_blocking=True)  # a device-to-host copy into pinned memory; on CPU a plain copy
+            elif tmp is None:
                 torch.index_select(src, 0, idx, out=out)
+            else:
+                torch.index_select(src, 0, idx, out=tmp)
+                out.copy_(tmp, non_blocking=True)
+        for d in devices:
+            sync(d)
         return time.perf_counter() - t
 
 
@@ -162,13 +191,15 @@ class ObservedCheckpointer:
     reads the manager's new `StallTiming`s and outcomes; after training (`finish`) it times
     the bare copies."""
 
-    def __init__(self, manager: CheckpointManager, rank: int) -> None:
+    def __init__(self, manager: CheckpointManager, rank: int, copier: BareCopier | None = None,
+                 bare_repeats: int = BARE_REPEATS) -> None:
         self.manager = manager
         self.rank = rank
         self.since_base = manager.c.policy != "incremental"  # what a delta of this policy copies
         self.records: dict[int, RankCheckpoint] = {}
         self.to_copy: list[_ToCopy] = []
-        self.copier = BareCopier()
+        self.copier = copier or BareCopier()  # one copier for several jobs of a process keeps its buffers
+        self.bare_repeats = bare_repeats  # 0: no bare copies
         self._scans: dict[int, tuple[list[torch.Tensor], float]] = {}  # step -> rows listed before its save
         self._stalls_seen = 0  # a stall is recorded once its copy is done: with `ckpt.overlap_copy`
         self._outcomes_seen = 0  # during the next step, so both lists are read past what was seen
@@ -232,7 +263,7 @@ class ObservedCheckpointer:
         while self.to_copy:
             item = self.to_copy.pop(0)
             rows = [None] * len(shards) if item.rows is None else item.rows
-            item.record.bare_ms_all = [self.copier.copy(shards, rows) * 1e3 for _ in range(BARE_REPEATS)]
+            item.record.bare_ms_all = [self.copier.copy(shards, rows) * 1e3 for _ in range(self.bare_repeats)]
 
     def dump(self, path: Path) -> None:
         """This rank's records, one JSON line per checkpoint, in checkpoint order."""
@@ -279,16 +310,26 @@ def run(cfg: JobConfig, side: Path) -> None:
     """Train `cfg` on this rank (as `trainer.main.run_job` does; with `ckpt.enabled` through
     the checkpoint manager) and write this rank's `RankCheckpoint`s to `side/rank<r>.jsonl` and
     its threads' CPU to `side/cpu_rank<r>.json`."""
-    from bench.cpu import CpuLedger
     from bench.job import start_job
+
+    train(start_job(cfg, cfg.run.run_dir / "metrics.jsonl", evaluate=True), cfg, side)
+
+
+def train(job: Job, cfg: JobConfig, side: Path, copier: BareCopier | None = None,
+          bare_repeats: int = BARE_REPEATS) -> None:
+    """`run`'s training and measuring, on a job already built (`job.trainer` fresh, reporting
+    to `job.metrics`): what a spawned rank does, and each job of the one-process suite
+    (`bench.peers_gpu`) on a model `bench.job.Pristine` put back. The checkpoint manager is
+    finished and its tracker detached from the model when this returns or raises, so another
+    job can train the same model after it."""
+    from bench.cpu import CpuLedger
     from trainer.main import make_checkpoint_manager
 
-    job = start_job(cfg, cfg.run.run_dir / "metrics.jsonl", evaluate=True)
+    manager = observed = None
     try:
-        manager = observed = None
         if cfg.ckpt.enabled:
             manager = make_checkpoint_manager(cfg, job.env, job.device, job.sharded, job.trainer, job.metrics)
-            observed = ObservedCheckpointer(manager, job.env.rank)
+            observed = ObservedCheckpointer(manager, job.env.rank, copier, bare_repeats)
             job.trainer.checkpointer = observed
             manager.restore()
         ledger, t0 = CpuLedger().start(), time.perf_counter()
@@ -301,12 +342,65 @@ def run(cfg: JobConfig, side: Path) -> None:
                       writer_by_name=ledger.by_name("writer"), faults=ledger.faults(),
                       stall_cpu_s=sum(t.cpu_ms for t in manager.stats.stalls) / 1e3 if manager else 0.0)
         if observed is not None:
-            observed.finish(job.trainer.step)
+            finished, manager = manager, None  # finished below, whatever happens next
+            try:
+                observed.finish(job.trainer.step)
+            finally:
+                finished.tracker.detach()
             observed.dump(side / f"rank{job.env.rank}.jsonl")
         side.mkdir(parents=True, exist_ok=True)
         (side / f"cpu_rank{job.env.rank}.json").write_text(json.dumps(asdict(cpu), sort_keys=True) + "\n")
     finally:
         job.metrics.close()
+        job.trainer.checkpointer = None
+        if manager is not None:  # training failed: stop the manager's threads, leave the model untracked
+            try:
+                manager.finish(job.trainer.step)
+            finally:
+                manager.tracker.detach()
+
+
+def read_sides(side: Path, ranks: int) -> dict[int, dict[int, RankCheckpoint]]:
+    """checkpoint id -> rank -> what that rank measured of it (`ObservedCheckpointer.dump`)."""
+    out: dict[int, dict[int, RankCheckpoint]] = {}
+    for rank in range(ranks):
+        for rec in read_side(side / f"rank{rank}.jsonl"):
+            out.setdefault(rec.checkpoint_id, {})[rank] = rec
+    return out
+
+
+def checkpoint_rows(metrics: list[dict[str, Any]], side: dict[int, dict[int, RankCheckpoint]]) -> list[dict[str, Any]]:
+    """One row per checkpoint of a run, as the suites report it: rank 0's metrics record of it
+    (`ckpt_*`) joined with what every rank measured (the worst rank's figure, and each rank's)."""
+    total_rows = sum({r: p.rank_total_rows for per in side.values() for r, p in per.items()}.values())
+    rows = []
+    for m in (m for m in metrics if "ckpt_id" in m):
+        per = side.get(m["ckpt_id"], {})
+
+        def worst(key: str) -> Any:
+            return max((v for v in (getattr(p, key) for p in per.values()) if v is not None), default=None)
+
+        bare, take = worst("bare_ms"), worst("take_ms")
+        row = {
+            "ckpt_id": m["ckpt_id"], "step": m["step"], "kind": "full" if m["ckpt_full"] else "delta",
+            "committed": m["ckpt_committed"], "rows": m["ckpt_rows"], "fraction_of_rows": ratio(m["ckpt_rows"], total_rows),
+            "fraction_changed_since_last": next((p.since_last for p in per.values()), None),
+            "bytes": m["ckpt_bytes"], "bytes_per_row": m["ckpt_bytes"] / max(m["ckpt_rows"], 1),
+            "stall_ms": m["ckpt_stall_ms"], "agree_ms": worst("agree_ms"), "take_ms": take,
+            "dense_ms": worst("dense_ms"), "other_ms": worst("other_ms"), "find_rows_ms": worst("find_ms"),
+            "bare_copy_ms": bare, "stall_over_bare": ratio(m["ckpt_stall_ms"], bare), "take_over_bare": ratio(take, bare),
+            "write_s": m["ckpt_write_s"],
+            "write_MBps": m["ckpt_bytes"] / m["ckpt_write_s"] / 1e6 if m["ckpt_write_s"] else None,
+            "durable_s": m.get("ckpt_durable_s"), "stall_new_bytes": m.get("ckpt_stall_new_bytes"),
+            "codec": m.get("ckpt_encoding"),
+            "committed_at_step": worst("committed_at_step"), "durable_at_step": worst("durable_at_step"),
+            "per_rank": {r: {k: getattr(p, k) for k in ("rows", "stall_ms", "agree_ms", "take_ms", "dense_ms", "other_ms",
+                                                        "bare_ms_all", "find_ms")} for r, p in sorted(per.items())},
+        }
+        if not m["ckpt_committed"]:
+            row["error"] = m.get("ckpt_error")
+        rows.append(row)
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,7 +4,9 @@ workers of the suites (`bench.ckpt_rank`, `bench.peers_rank`, `bench.ckpt_probe`
 
 A worker is spawned like a trainer rank (`launch.ranks.spawn_ranks`: torchrun's variables and
 a file rendezvous) so what it measures runs with the same config, seed, data, sharding plan
-and thread count as `python -m trainer.main` would.
+and thread count as `python -m trainer.main` would. The one-process suite (`bench.peers_gpu`)
+runs several jobs on one built model: `Pristine` puts the model back as it was built and
+`fresh_loop` gives it a new training loop, so each job starts as a new process would.
 """
 
 from __future__ import annotations
@@ -63,12 +65,24 @@ def stop_job() -> None:
     destroy_process_group()
 
 
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+def sync(device: torch.device) -> None:
+    """Wait for the work queued on `device` (CUDA runs kernels after the call that queued them
+    returned: a timer read before this would miss them); nothing to wait for on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: torch.device | None = None) -> tuple[float, Any]:
     """(seconds of `fn` on the slowest rank, its result): a barrier on both sides, so every
-    rank reports the same span."""
+    rank reports the same span; with a CUDA `device`, the work queued before is finished
+    before the clock starts and `fn`'s own before it stops."""
+    if device is not None:
+        sync(device)
     dist.barrier()
     t = time.perf_counter()
     out = fn()
+    if device is not None:
+        sync(device)
     dist.barrier()
     return time.perf_counter() - t, out
 
@@ -76,13 +90,16 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 def fingerprint(smap: ShardMap, sharded: ShardedModel) -> list[float]:
     """Sums of every local embedding shard (weights and optimizer states) and dense
     parameter: equal fingerprints after a load mean the state came back."""
+    def total(t: torch.Tensor) -> float:  # accumulated in float64 without a float64 copy of the tensor
+        return float(t.detach().sum(dtype=torch.float64))
+
     out = []
     for v in smap.shards:
-        out.append(float(v.weight.double().sum()))
-        out.extend(float(s.double().sum()) for s in v.optimizer_states.values())
+        out.append(total(v.weight))
+        out.extend(total(s) for s in v.optimizer_states.values())
     for _, p in sorted(sharded.model.named_parameters()):
         if not hasattr(p, "_in_backward_optimizers"):
-            out.append(float(p.detach().double().sum()))
+            out.append(total(p))
     return out
 
 
@@ -96,3 +113,52 @@ def perturb(smap: ShardMap, sharded: ShardedModel) -> None:
     for _, p in sharded.model.named_parameters():
         if not hasattr(p, "_in_backward_optimizers"):
             p.add_(0.5)
+
+
+class Pristine:
+    """A job's model as it was built (every row at its initial value, the optimizers' states
+    fresh) and the RNG's state then, to start several jobs from it in one process (the
+    one-process peers suite): `reset` puts them back, as a new process building the same job
+    would have them. The rows' copies stay where the rows live (on the GPU for GPU shards), so
+    a reset is one device copy rather than regenerating every row from `sharding.row_init` on
+    one host core; the dense state is `ckpt.dense_state`'s own capture."""
+
+    @torch.no_grad()
+    def __init__(self, sharded: ShardedModel, smap: ShardMap) -> None:
+        from ckpt.dense_state import DenseCapture
+
+        self.sharded, self.smap = sharded, smap
+        self.rows = [[t.detach().clone() for t in (v.weight, *v.optimizer_states.values())] for v in smap.shards]
+        self.dense = DenseCapture(sharded)()
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the rows' copies hold (on the rows' device)."""
+        return sum(t.numel() * t.element_size() for ts in self.rows for t in ts)
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Every row, optimizer state, dense parameter and buffer, the dense optimizer's state
+        and the RNG back to what they were at `Pristine(...)`."""
+        from ckpt import dense_state
+
+        for v, saved in zip(self.smap.shards, self.rows):
+            for live, t in zip((v.weight, *v.optimizer_states.values()), saved):
+                live.copy_(t)
+        dense_state.load(self.sharded, self.dense)
+        torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+
+def fresh_loop(job: Job, cfg: JobConfig, metrics: MetricsLog) -> Job:
+    """`job` with a new training loop for `cfg` (same model; its reader from the start of the
+    stream, step 0) reporting to `metrics`: a second job on the model `Pristine.reset` put
+    back, with what `trainer.main.build_job` would give it besides the model."""
+    from trainer.data.factory import make_reader
+    from trainer.trainer import Trainer
+
+    loop = Trainer(cfg, job.env, job.device, job.sharded, make_reader(cfg, job.env, "train"), None, metrics)
+    return Job(job.env, job.device, job.sharded, loop, metrics)

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import (REPO, RESTORE_PARTS, Measurement, config_path, document_head, figure, harmonic_of,
-                          loadavg, log, machine_info, mean_of, median_of, unit_of)
+                          loadavg, log, machine_info, mean_of, median_of, ratio, unit_of)
 from bench.cpu import checkpoint_cpu, process_cpu_s
 from launch.broker import EmbeddedBroker
 
@@ -373,13 +373,15 @@ class PeerRecords:
 
     interval: int
     items: list[Measurement] = field(default_factory=list)
+    common: dict[str, Any] = field(default_factory=dict)  # labels every record carries (gpu-peers: `size`)
 
     def add(self, peer: str, policy: str | None, encoding: str | None, metric: str, value: Any, unit: str,
             ckpt: int | None = None, **extra: Any) -> None:
         """Record a figure; a missing one (None) is left out."""
         if value is None:
             return
-        labels = {"peer": peer, "policy": policy, "encoding": encoding, "interval": self.interval, "ckpt": ckpt, **extra}
+        labels = {"peer": peer, "policy": policy, "encoding": encoding, "interval": self.interval, "ckpt": ckpt,
+                  **self.common, **extra}
         self.items.append(Measurement(metric, round(value, 6) if isinstance(value, float) else value, unit, labels))
 
     def series(self, metric: str, **labels: Any) -> list[tuple[int, Any]]:
@@ -390,8 +392,13 @@ class PeerRecords:
 
 
 def build_records(s: dict[str, Any], jobs: dict[tuple[str, str], dict], peers: list[dict],
-                  base: dict[str, Any]) -> tuple[PeerRecords, dict]:
-    rec = PeerRecords(s["interval"])
+                  base: dict[str, Any], common: dict[str, Any] | None = None) -> tuple[PeerRecords, dict]:
+    """Every figure of a run as records, and their summary (`summary["peers"]`, `["deltarec"]`
+    by `policy/encoding`). `s`: the run's `interval` and `steps`; `jobs`: each deltarec job's
+    run by (policy, encoding); `peers`: every rank's `bench.peers_rank` output (its `phases`,
+    the peers present among `PEERS`, and `restore`); `base`: the job without checkpoints;
+    `common`: labels every record carries."""
+    rec = PeerRecords(s["interval"], common=dict(common or {}))
     steps, interval = s["steps"], s["interval"]
     p0 = peers[0]
     # peers: no-checkpoint phases of the same process (before and after the peers' phases)
@@ -407,7 +414,7 @@ def build_records(s: dict[str, Any], jobs: dict[tuple[str, str], dict], peers: l
                                "peers": {}, "deltarec": {}}
 
     restore = p0["restore"]
-    dcp_load = median_of(restore["dcp.load"]["restore_s"])
+    dcp_load = median_of(restore.get("dcp.load", {}).get("restore_s", []))
     for ph in p0["phases"]:
         name = ph["peer"]
         if name == "none":
@@ -418,17 +425,25 @@ def build_records(s: dict[str, Any], jobs: dict[tuple[str, str], dict], peers: l
             rec.add(name, "full", "fp32", "bytes_written", c["bytes"], "B", c["ckpt"], step=c["step"])
             rec.add(name, "full", "fp32", "capacity_bytes", c["bytes"], "B", c["ckpt"], step=c["step"])
             rec.add(name, "full", "fp32", "durable_at_step", c["durable_at"], "step", c["ckpt"], step=c["step"])
+            rec.add(name, "full", "fp32", "durable_s", c.get("durable_s"), "s", c["ckpt"], step=c["step"])
+            rec.add(name, "full", "fp32", "stall_wait_ms", c.get("wait_ms"), "ms", c["ckpt"], step=c["step"])
         loss = steps_lost([(c["step"], c["durable_at"]) for c in cks], interval, steps)
         load_key = {"dcp.save": "dcp.load", "dcp.async_save": "dcp.load", "torch.save": "torch.load"}[name]
+        durable = [c["durable_s"] for c in cks if c.get("durable_s") is not None]
         agg = {"stall_ms": median_of([c["stall_ms"] for c in cks]), "bytes_written": mean_of([c["bytes"] for c in cks]),
                "capacity_bytes": max((c["bytes"] for c in cks), default=None), "samples_per_s": ph["samples_per_s"],
-               "throughput_overhead": 1 - ph["samples_per_s"] / none_rate if none_rate else None,
-               "restore_s": median_of(restore[load_key]["restore_s"]), "steps_lost_mean": loss}
+               "throughput_overhead": 1 - ph["samples_per_s"] / none_rate if none_rate and ph["samples_per_s"] else None,
+               "restore_s": median_of(restore.get(load_key, {}).get("restore_s", [])), "steps_lost_mean": loss,
+               # checkpoint step to durable (dcp.save: its stall; dcp.async_save: its future done)
+               "durable_s": median_of(durable), "durable_s_max": max(durable, default=None),
+               # dcp.async_save: its stall less the wait for the previous save (staging and planning)
+               "stall_blocking_ms": median_of([c["stall_ms"] - c["wait_ms"] for c in cks if "wait_ms" in c])}
         summary["peers"][name] = agg
         _add_agg(rec, name, "full", "fp32", agg)
-    rec.add("dcp.load", "full", "fp32", "restore_same_state", all(restore["dcp.load"]["same_state"]), "bool")
-    rec.add("torch.load", "full", "fp32", "restore_same_state", all(restore["torch.load"]["same_state"]), "bool")
-    dcp = summary["peers"]["dcp.save"]
+    for load in ("dcp.load", "torch.load"):
+        if restore.get(load, {}).get("same_state"):
+            rec.add(load, "full", "fp32", "restore_same_state", all(restore[load]["same_state"]), "bool")
+    dcp = summary["peers"].get("dcp.save", {})
 
     for (policy, enc), run in jobs.items():
         cks = [c for c in run["checkpoints"]]
@@ -452,6 +467,8 @@ def build_records(s: dict[str, Any], jobs: dict[tuple[str, str], dict], peers: l
         caps = [cap[c["ckpt_id"]]["chain_bytes"] + cap[c["ckpt_id"]]["dense_bytes"] for c in ok if c["ckpt_id"] in cap]
         label = f"deltarec:{policy}-{enc}"
         rs = restore.get(label, {})
+        if rs.get("same_state"):  # checked where the job's rows are exact (one process, fp32)
+            rec.add("deltarec", policy, enc, "restore_same_state", all(rs["same_state"]), "bool")
         agg = {
             "stall_ms": median_of([c["stall_ms"] for c in ok]),
             "bare_copy_ms": median_of([c["bare_copy_ms"] for c in ok]),
@@ -476,11 +493,10 @@ def build_records(s: dict[str, Any], jobs: dict[tuple[str, str], dict], peers: l
         agg.update(checkpoint_cpu(run["cpu"], base["cpu"], len(cks), run.get("broker_cpu_s")))
         agg["steps_lost_vs_dcp"] = (agg["steps_lost_mean"] / dcp["steps_lost_mean"]
                                     if agg["steps_lost_mean"] is not None and dcp.get("steps_lost_mean") else None)
-        agg["bytes_written_vs_dcp"] = dcp["bytes_written"] / agg["bytes_written"] if agg["bytes_written"] else None
-        agg["bytes_written_delta_vs_dcp"] = (dcp["bytes_written"] / agg["bytes_written_delta"]
-                                             if agg["bytes_written_delta"] else None)
-        agg["capacity_vs_dcp"] = dcp["capacity_bytes"] / agg["capacity_bytes"] if agg["capacity_bytes"] else None
-        agg["stall_vs_dcp_save"] = dcp["stall_ms"] / agg["stall_ms"] if agg["stall_ms"] else None
+        agg["bytes_written_vs_dcp"] = ratio(dcp.get("bytes_written"), agg["bytes_written"])
+        agg["bytes_written_delta_vs_dcp"] = ratio(dcp.get("bytes_written"), agg["bytes_written_delta"])
+        agg["capacity_vs_dcp"] = ratio(dcp.get("capacity_bytes"), agg["capacity_bytes"])
+        agg["stall_vs_dcp_save"] = ratio(dcp.get("stall_ms"), agg["stall_ms"])
         agg["restore_over_dcp_load"] = agg["restore_s"] / dcp_load if agg["restore_s"] and dcp_load else None
         if policy == FOLLOWER:
             agg["capacity_final_vs_dcp"] = (dcp["capacity_bytes"] / agg["capacity_bytes_final"]
@@ -559,8 +575,8 @@ def _follower_records(rec: PeerRecords, enc: str, run: dict[str, Any], ok: list[
     return out
 
 
-_UNITS = {"stall_ms": "ms", "bare_copy_ms": "ms", "bytes_written": "B", "bytes_written_delta": "B", "capacity_bytes": "B",
-          "capacity_bytes_final": "B",
+_UNITS = {"stall_ms": "ms", "stall_blocking_ms": "ms", "bare_copy_ms": "ms", "bytes_written": "B",
+          "bytes_written_delta": "B", "capacity_bytes": "B", "capacity_bytes_final": "B",
           "samples_per_s": "samples/s", "throughput_overhead": "fraction", "restore_s": "s", "steps_lost_mean": "steps",
           "durable_s": "s", "durable_s_max": "s",
           "committed": "checkpoints", "checkpoints": "checkpoints", "skipped": "checkpoints",
@@ -623,10 +639,13 @@ def table(summary: dict[str, Any]) -> str:
     def f(x: Any, nd: int = 2, scale: float = 1.0) -> str:
         return "" if x is None else f"{x / scale:.{nd}f}"
 
+    def durable(a: dict[str, Any]) -> str:
+        return "" if a.get("durable_s") is None else f"{f(a['durable_s'], 2)} / {f(a.get('durable_s_max'), 2)}"
+
     for name, a in summary["peers"].items():
         lines.append(f"| {name} | full / fp32 | {f(a['stall_ms'], 1)} | {f(a['bytes_written'], 1, 1e6)} | "
                      f"{f(a['capacity_bytes'], 1, 1e6)} | {f(a['samples_per_s'], 0)} | {f(a['throughput_overhead'] * 100 if a['throughput_overhead'] is not None else None, 1)}% | "
-                     f"{f(a['restore_s'], 3)} | {f(a['steps_lost_mean'], 1)} | | 1 | 1 | | |")
+                     f"{f(a['restore_s'], 3)} | {f(a['steps_lost_mean'], 1)} | {durable(a)} | 1 | 1 | | |")
     for key, a in summary["deltarec"].items():
         ov = a["throughput_overhead"]
         lines.append(f"| deltarec | {key.replace('/', ' / ')} | {f(a['stall_ms'], 1)} | {f(a['bytes_written'], 2, 1e6)} | "

@@ -57,6 +57,11 @@ SUITES = (
     Suite("full", "bench.peers", ("--size", "full"),
           "the same on 26 Criteo-cardinality tables (5.6M rows, 1.43 GB; ~21 min, "
           "plus 2 follower jobs of 8 intervals: ~6-16 min more)"),
+    Suite("gpu-peers", "bench.peers_gpu", (),
+          "deltarec (intermittent_diff and incremental x fp32/adaptive4) against dcp.save, dcp.async_save with "
+          "pinned staging and dcp.load, at world size 1 on one GPU (one process per size: --sizes full,big; "
+          "--device cpu --sizes tiny on the CPU, ~1 min): stall, time to durable, bytes, capacity, restore, "
+          "throughput (~4-5 min on an H100, estimate printed at the start)"),
     Suite("cost", "bench.cost", (),
           "what a checkpoint costs apart from the broker: the default policy at 4 bits every --interval-s (full "
           "size: a true minute) to a fresh broker and to the filesystem sink on a tmpfs, against the job without "

@@ -1,7 +1,8 @@
 """Smoke checks of the benchmark entry point `python -m bench.run --suite NAME`: the quick suites
 run end to end in a tiny form and write what their docs promise (a record for every peer and
 every deltarec policy x encoding, the common JSON-lines records with machine and commit).
-Behaviour only: no figure is judged."""
+Behaviour only: no figure is judged. The one-process peers suite (`gpu-peers`) runs its tiny
+size on the CPU here and, under the `gpu` marker, on CUDA."""
 
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ import pytest
 
 from bench.common import read_records
 from bench.peers import PEERS, POLICIES
+from bench.peers_gpu import ENCODINGS as GPU_ENCODINGS
+from bench.peers_gpu import PEERS as GPU_PEERS
+from bench.peers_gpu import POLICIES as GPU_POLICIES
 from bench.run import SUITES
+from tests.devices import DEVICES
 
 if TYPE_CHECKING:
     from tests.conftest import CliRunner
@@ -154,3 +159,48 @@ def test_markers_suite_reads_a_long_log_from_its_newest_catalog_record(tmp_path:
         assert r["same_checkpoint"], r
         assert r["whole_records_read"] == r["records"] and r["recent_records_read"] <= 9, r
     assert {"whole_s", "recent_s", "speedup"} <= {rec["metric"] for rec in read_records(records)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gpu_peers_suite_runs_every_job_in_one_process(tmp_path: Path, run_cli: CliRunner, device: str) -> None:
+    """`gpu-peers` at its tiny size, world size 1: the progress file has a line per phase as it
+    finished, and every figure of the comparison is a well-formed record, labelled with its
+    size; timings, bytes and rates are positive; every load checked gave back the state saved."""
+    out, records = tmp_path / "progress.jsonl", tmp_path / "records.jsonl"
+    run_cli("bench.run", "--suite", "gpu-peers", "--device", device, "--sizes", "tiny", "--interval", "10",
+            "--records", records, "--out", out, timeout_s=600)
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    events = [e["event"] for e in lines]
+    assert events[0] == "start" and events[-2:] == ["size_done", "end"], events
+    assert "error" not in events, [e["msg"] for e in lines if e["event"] == "error"]
+    jobs = [f"{p}-{e}" for p in GPU_POLICIES for e in GPU_ENCODINGS]
+    assert [e["phase"] for e in lines if e["event"] == "phase"] == ["none", *jobs, *GPU_PEERS]
+    assert all(isinstance(e["unix"], float) and e["size"] == "tiny" for e in lines[1:-2])
+    done = lines[-2]
+    assert done["device"] == device and done["error"] is None and done["errors"] == {}
+
+    flat = done["records"]
+    assert flat and all(FIELDS <= set(r) and r["size"] == "tiny" for r in flat)
+    agg = {(r["peer"], r["policy"], r["encoding"], r["metric"]): r["value"] for r in flat if r["ckpt"] is None}
+    for peer in GPU_PEERS:
+        for metric in ("stall_ms", "durable_s", "bytes_written", "capacity_bytes", "samples_per_s"):
+            assert agg[(peer, "full", "fp32", metric)] > 0, (peer, metric)
+        per_ckpt = [r for r in flat if r["peer"] == peer and r["metric"] == "durable_s" and r["ckpt"] is not None]
+        assert [r["ckpt"] for r in per_ckpt] == [1, 2, 3], peer
+    assert agg[("dcp.save", "full", "fp32", "restore_s")] > 0  # dcp.load's
+    assert agg[("dcp.async_save", "full", "fp32", "stall_blocking_ms")] > 0  # its stall less the wait for the last
+    for policy in GPU_POLICIES:
+        for enc in GPU_ENCODINGS:
+            for metric in ("stall_ms", "durable_s", "bytes_written", "capacity_bytes", "samples_per_s", "restore_s",
+                           "restore_over_dcp_load", "bytes_written_vs_dcp", "capacity_vs_dcp"):
+                assert agg[("deltarec", policy, enc, metric)] > 0, (policy, enc, metric)
+            assert agg[("deltarec", policy, enc, "committed")] == 3, (policy, enc)
+            assert ("deltarec", policy, enc, "throughput_overhead") in agg
+    # the loads that can be exact were checked: dcp.load, and each fp32 deltarec job's restore
+    same = {(r["peer"], r["policy"], r["encoding"]): r["value"] for r in flat if r["metric"] == "restore_same_state"}
+    assert same == {("dcp.load", "full", "fp32"): True, **{("deltarec", p, "fp32"): True for p in GPU_POLICIES}}
+    assert {g["job"] for g in done["goals"]} == {f"{p}/{e}" for p in GPU_POLICIES for e in GPU_ENCODINGS}
+
+    common = read_records(records)
+    assert len(common) == len(flat)
+    assert all(RECORD_FIELDS <= set(r) and r["suite"] == "gpu-peers" and r["labels"]["size"] == "tiny" for r in common)
