@@ -40,13 +40,11 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from bench.common import (Measurement, config_path, document_head, loadavg, log, machine_info, median_of, ratio,
-                          rounded, scalars)
+from bench.common import Measurement, config_path, document_head, loadavg, log, machine_info, median_of, ratio, rounded, scalars
 
 
 # -- 1. training runs ----------------------------------------------------------------------
-def train_run(label: str, extra: list[str], args: argparse.Namespace, work: Path, bootstrap: str,
-              prefix: str) -> dict[str, Any]:
+def train_run(label: str, extra: list[str], args: argparse.Namespace, work: Path, bootstrap: str, prefix: str) -> dict[str, Any]:
     """One checkpointing training run (every rank through `bench.ckpt_rank`): its checkpoints
     from rank 0's metrics.jsonl joined with what every rank measured of each."""
     from bench.ckpt_rank import checkpoint_rows, read_sides
@@ -56,24 +54,45 @@ def train_run(label: str, extra: list[str], args: argparse.Namespace, work: Path
     tmp.mkdir(parents=True)
     run_id = f"{prefix}-{label}"
     overrides = [
-        "ckpt.enabled=true", f"ckpt.bootstrap_servers={bootstrap}", f"ckpt.run_id={run_id}",
-        f"ckpt.policy={args.policy}", f"ckpt.interval_steps={args.interval}", f"train.steps={args.steps}",
-        "train.eval_every=0", "train.eval_batches=0", f"train.log_every={args.interval}", *extra, *args.overrides,
+        "ckpt.enabled=true",
+        f"ckpt.bootstrap_servers={bootstrap}",
+        f"ckpt.run_id={run_id}",
+        f"ckpt.policy={args.policy}",
+        f"ckpt.interval_steps={args.interval}",
+        f"train.steps={args.steps}",
+        "train.eval_every=0",
+        "train.eval_batches=0",
+        f"train.log_every={args.interval}",
+        *extra,
+        *args.overrides,
     ]
     every = f"every {args.interval} steps" if args.interval else "by time (ckpt.interval_s)"
     log(f"training run {label}: {args.steps} steps, checkpoints {every}, {' '.join(extra) or 'fp32'}")
     t = time.perf_counter()
-    spawn_ranks(args.config, overrides, tmp, world_size=args.ranks, timeout_s=args.timeout_s,
-                module="bench.ckpt_rank", extra_args=["--side", str(tmp / "side")])
+    spawn_ranks(
+        args.config,
+        overrides,
+        tmp,
+        world_size=args.ranks,
+        timeout_s=args.timeout_s,
+        module="bench.ckpt_rank",
+        extra_args=["--side", str(tmp / "side")],
+    )
     wall = time.perf_counter() - t
     metrics = read_metrics(tmp / "run")
     side = read_sides(tmp / "side", args.ranks)
     total_rows = sum({r: p.rank_total_rows for per in side.values() for r, p in per.items()}.values())
     rows = checkpoint_rows(metrics, side)
     rates = [m["samples_per_s"] for m in metrics if "samples_per_s" in m]
-    return {"run_id": run_id, "overrides": overrides, "wall_s": wall, "model_rows": total_rows,
-            "samples_per_s_median": median_of(rates[1:] or rates), "checkpoints": rows,
-            "cpu": read_cpus(tmp / "side", args.ranks)}
+    return {
+        "run_id": run_id,
+        "overrides": overrides,
+        "wall_s": wall,
+        "model_rows": total_rows,
+        "samples_per_s_median": median_of(rates[1:] or rates),
+        "checkpoints": rows,
+        "cpu": read_cpus(tmp / "side", args.ranks),
+    }
 
 
 def read_cpus(side: Path, ranks: int) -> list[dict[str, Any]]:
@@ -90,11 +109,23 @@ def baseline_run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     tmp = work / "no-ckpt"
     tmp.mkdir(parents=True)
     log(f"training run without checkpoints: {args.steps} steps")
-    overrides = [f"train.steps={args.steps}", "train.eval_every=0", "train.eval_batches=0",
-                 f"train.log_every={args.interval}", *args.overrides]
+    overrides = [
+        f"train.steps={args.steps}",
+        "train.eval_every=0",
+        "train.eval_batches=0",
+        f"train.log_every={args.interval}",
+        *args.overrides,
+    ]
     t = time.perf_counter()
-    spawn_ranks(args.config, ["ckpt.enabled=false", *overrides], tmp, world_size=args.ranks, timeout_s=args.timeout_s,
-                module="bench.ckpt_rank", extra_args=["--side", str(tmp / "side")])
+    spawn_ranks(
+        args.config,
+        ["ckpt.enabled=false", *overrides],
+        tmp,
+        world_size=args.ranks,
+        timeout_s=args.timeout_s,
+        module="bench.ckpt_rank",
+        extra_args=["--side", str(tmp / "side")],
+    )
     wall = time.perf_counter() - t
     rates = [m["samples_per_s"] for m in read_metrics(tmp / "run") if "samples_per_s" in m]
     return {"wall_s": wall, "samples_per_s_median": median_of(rates[1:] or rates), "cpu": read_cpus(tmp / "side", args.ranks)}
@@ -102,8 +133,19 @@ def baseline_run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 # per-checkpoint fields summarized as `<field>_median` for full and delta checkpoints
 MEDIAN_FIELDS = (
-    "fraction_of_rows", "bytes", "bytes_per_row", "stall_ms", "take_ms", "agree_ms", "dense_ms", "other_ms", "bare_copy_ms",
-    "stall_over_bare", "take_over_bare", "write_s", "write_MBps",
+    "fraction_of_rows",
+    "bytes",
+    "bytes_per_row",
+    "stall_ms",
+    "take_ms",
+    "agree_ms",
+    "dense_ms",
+    "other_ms",
+    "bare_copy_ms",
+    "stall_over_bare",
+    "take_over_bare",
+    "write_s",
+    "write_MBps",
 )
 
 
@@ -120,7 +162,8 @@ def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
             **{f"{key}_median": median_of([c[key] for c in cs]) for key in MEDIAN_FIELDS},
         }
     out["fraction_changed_per_interval_median"] = median_of(
-        [c["fraction_changed_since_last"] for c in ck if c["kind"] == "delta"])
+        [c["fraction_changed_since_last"] for c in ck if c["kind"] == "delta"]
+    )
     out["bytes_total"] = sum(c["bytes"] for c in ck)
     return out
 
@@ -131,13 +174,32 @@ def probe(args: argparse.Namespace, work: Path, bootstrap: str, fp32: dict, quan
 
     tmp = work / "probe"
     tmp.mkdir(parents=True)
-    extra = ["--fp32-run", fp32["run_id"], "--quant-run", quant["run_id"], "--out-dir", str(tmp),
-             "--dcp-dir", str(tmp / "dcp"), "--repeats", str(args.repeats), "--interval", str(args.interval)]
+    extra = [
+        "--fp32-run",
+        fp32["run_id"],
+        "--quant-run",
+        quant["run_id"],
+        "--out-dir",
+        str(tmp),
+        "--dcp-dir",
+        str(tmp / "dcp"),
+        "--repeats",
+        str(args.repeats),
+        "--interval",
+        str(args.interval),
+    ]
     for ov in quant_extra:
         extra += ["--quant-override", ov]
     log("probe: restore vs dcp.load, take vs bare copy, writer vs raw producer")
-    spawn_ranks(args.config, [f"ckpt.bootstrap_servers={bootstrap}", *args.overrides], tmp, world_size=args.ranks,
-                timeout_s=args.timeout_s, module="bench.ckpt_probe", extra_args=extra)
+    spawn_ranks(
+        args.config,
+        [f"ckpt.bootstrap_servers={bootstrap}", *args.overrides],
+        tmp,
+        world_size=args.ranks,
+        timeout_s=args.timeout_s,
+        module="bench.ckpt_probe",
+        extra_args=extra,
+    )
     return [json.loads((tmp / f"probe_rank{r}.json").read_text()) for r in range(args.ranks)]
 
 
@@ -156,20 +218,31 @@ def summarize_probe(ranks: list[dict]) -> dict[str, Any]:
         "restore_over_raw_kafka_read": ratio(median_of(r0["restore_s"]), median_of(r0["raw_kafka_read_s"])),
         "dcp_save_s_median": median_of(r0["dcp_save_s"]),
         "dcp_bytes_on_disk": r0["dcp_bytes_on_disk"],
-        "restore_s_all": r0["restore_s"], "dcp_load_s_all": r0["dcp_load_s"],
+        "restore_s_all": r0["restore_s"],
+        "dcp_load_s_all": r0["dcp_load_s"],
         "raw_kafka_read_s_all": r0["raw_kafka_read_s"],
         "same_state_after_each_load": all(r["restore"]["same_state_after_each"] for r in ranks),
     }
     if "other_chain" in r0:
         d = r0["other_chain"]
-        restore["other_chain"] = {"checkpoint_id": d["checkpoint_id"], "chain": d["chain"], "rows": d["rows"],
-                                  "bytes": d["bytes"], "restore_s_median": median_of(d["restore_s"]),
-                                  "rows_part_s_median": median_of(d["rows_s"]),
-                                  "over_dcp_load": ratio(median_of(d["restore_s"]), median_of(r0["dcp_load_s"]))}
+        restore["other_chain"] = {
+            "checkpoint_id": d["checkpoint_id"],
+            "chain": d["chain"],
+            "rows": d["rows"],
+            "bytes": d["bytes"],
+            "restore_s_median": median_of(d["restore_s"]),
+            "rows_part_s_median": median_of(d["rows_s"]),
+            "over_dcp_load": ratio(median_of(d["restore_s"]), median_of(r0["dcp_load_s"])),
+        }
     q = r0["quant"]
-    restore["quantized"] = {"checkpoint_id": q["checkpoint_id"], "chain": q["chain"], "bytes": q["bytes"],
-                            "restore_s_median": median_of(q["restore_s"]), "rows_part_s_median": median_of(q["rows_s"]),
-                            "over_dcp_load": ratio(median_of(q["restore_s"]), median_of(r0["dcp_load_s"]))}
+    restore["quantized"] = {
+        "checkpoint_id": q["checkpoint_id"],
+        "chain": q["chain"],
+        "bytes": q["bytes"],
+        "restore_s_median": median_of(q["restore_s"]),
+        "rows_part_s_median": median_of(q["rows_s"]),
+        "over_dcp_load": ratio(median_of(q["restore_s"]), median_of(r0["dcp_load_s"])),
+    }
     if all("weights_rel_l2_error_sq_parts" in r["restore"]["quant"] for r in ranks):
         num = sum(r["restore"]["quant"]["weights_rel_l2_error_sq_parts"][0] for r in ranks)
         den = sum(r["restore"]["quant"]["weights_rel_l2_error_sq_parts"][1] for r in ranks)
@@ -180,13 +253,17 @@ def summarize_probe(ranks: list[dict]) -> dict[str, Any]:
         takes = [r["take_vs_bare"][f"take_{kind}_ms"] for r in ranks]
         bares = [r["take_vs_bare"][f"bare_{kind}_ms"] for r in ranks]
         paired = [median(t / b for t, b in zip(ts, bs)) for ts, bs in zip(takes, bares)]  # per rank, per round
-        tb[kind] = {"rows": sum(r["take_vs_bare"][f"{kind}_rows"] for r in ranks),
-                    "bytes": sum(r["take_vs_bare"][f"{kind}_bytes"] for r in ranks),
-                    "take_ms_median": max(median(t) for t in takes), "bare_copy_ms_median": max(median(b) for b in bares),
-                    "take_over_bare_per_rank": paired, "take_over_bare": max(paired),
-                    "find_rows_ms_median": max(median(r["take_vs_bare"]["find_delta_ms"]) for r in ranks)
-                    if kind == "delta" else 0.0,
-                    "take_ms_per_rank": takes, "bare_ms_per_rank": bares}
+        tb[kind] = {
+            "rows": sum(r["take_vs_bare"][f"{kind}_rows"] for r in ranks),
+            "bytes": sum(r["take_vs_bare"][f"{kind}_bytes"] for r in ranks),
+            "take_ms_median": max(median(t) for t in takes),
+            "bare_copy_ms_median": max(median(b) for b in bares),
+            "take_over_bare_per_rank": paired,
+            "take_over_bare": max(paired),
+            "find_rows_ms_median": max(median(r["take_vs_bare"]["find_delta_ms"]) for r in ranks) if kind == "delta" else 0.0,
+            "take_ms_per_rank": takes,
+            "bare_ms_per_rank": bares,
+        }
 
     writer = []
     for i, case in enumerate(ranks[0]["writer"]):
@@ -198,18 +275,28 @@ def summarize_probe(ranks: list[dict]) -> dict[str, Any]:
         enc = [max(p["writer_s"][k] - p["sink_s"][k] for p in per) for k in range(rounds)]
         in_sink = [max(p["sink_s"][k] for p in per) for k in range(rounds)]
         snap_bytes = sum(p["snapshot_bytes"] for p in per)
-        writer.append({
-            "snapshot": case["snapshot"], "codec": case["codec"], "rows": sum(p["rows"] for p in per), "bytes": nbytes,
-            "snapshot_bytes": snap_bytes, "frames": sum(p["frames"] for p in per),
-            "writer_MBps_median": nbytes / median(w) / 1e6, "raw_producer_MBps_median": nbytes / median(raw) / 1e6,
-            "writer_over_raw_throughput": median_of([b / a for a, b in zip(w, raw)]),
-            "writer_snapshot_MBps_median": snap_bytes / median(w) / 1e6,
-            "writer_s_median": median(w), "raw_s_median": median(raw), "encode_frame_s_median": median(enc),
-            # what the writer spends besides encoding, against the raw producer (per rank, then the slower)
-            "sink_s_median": median(in_sink),
-            "sink_part_over_raw": median_of([a / b for a, b in zip(in_sink, raw)]),
-            "writer_s_all": w, "raw_s_all": raw,
-        })
+        writer.append(
+            {
+                "snapshot": case["snapshot"],
+                "codec": case["codec"],
+                "rows": sum(p["rows"] for p in per),
+                "bytes": nbytes,
+                "snapshot_bytes": snap_bytes,
+                "frames": sum(p["frames"] for p in per),
+                "writer_MBps_median": nbytes / median(w) / 1e6,
+                "raw_producer_MBps_median": nbytes / median(raw) / 1e6,
+                "writer_over_raw_throughput": median_of([b / a for a, b in zip(w, raw)]),
+                "writer_snapshot_MBps_median": snap_bytes / median(w) / 1e6,
+                "writer_s_median": median(w),
+                "raw_s_median": median(raw),
+                "encode_frame_s_median": median(enc),
+                # what the writer spends besides encoding, against the raw producer (per rank, then the slower)
+                "sink_s_median": median(in_sink),
+                "sink_part_over_raw": median_of([a / b for a, b in zip(in_sink, raw)]),
+                "writer_s_all": w,
+                "raw_s_all": raw,
+            }
+        )
     return {"restore": restore, "take_vs_bare": tb, "writer_vs_raw": writer}
 
 
@@ -221,8 +308,9 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--interval", type=int, default=50, help="ckpt.interval_steps")
     p.add_argument("--policy", default="intermittent_diff")
     p.add_argument("--quant", default="adaptive4", help="ckpt.encoding of the quantized run")
-    p.add_argument("--expected-restores", type=int, default=0,
-                   help="> 0: the quantized run uses ckpt.expected_restores=N instead of --quant")
+    p.add_argument(
+        "--expected-restores", type=int, default=0, help="> 0: the quantized run uses ckpt.expected_restores=N instead of --quant"
+    )
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5, help="timed rounds of each probe comparison")
     p.add_argument("--timeout-s", type=float, default=300)
@@ -272,8 +360,9 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite checkpoint") -
         "bytes_delta_fp32_median": d32.get("bytes_median"),
         f"bytes_full_{qlabel}": sq.get("full", {}).get("bytes_median"),
         f"bytes_delta_{qlabel}_median": sq.get("delta", {}).get("bytes_median"),
-        f"bytes_per_row_{qlabel}_over_fp32": ratio(sq.get("full", {}).get("bytes_per_row_median"),
-                                                    f32.get("bytes_per_row_median")),
+        f"bytes_per_row_{qlabel}_over_fp32": ratio(
+            sq.get("full", {}).get("bytes_per_row_median"), f32.get("bytes_per_row_median")
+        ),
         # 2. stall (training thread) against a bare copy of the same rows
         "stall_ms_delta_median": d32.get("stall_ms_median"),
         "stall_ms_full_median": f32.get("stall_ms_median"),
@@ -311,9 +400,16 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite checkpoint") -
     result = {
         **document_head("checkpoint", prog, argv, machine),
         "config": args.config,
-        "settings": {"ranks": args.ranks, "steps": args.steps, "interval_steps": args.interval, "policy": args.policy,
-                     "quantized": quant_extra[0], "quant_label": qlabel, "repeats": args.repeats,
-                     "overrides": args.overrides},
+        "settings": {
+            "ranks": args.ranks,
+            "steps": args.steps,
+            "interval_steps": args.interval,
+            "policy": args.policy,
+            "quantized": quant_extra[0],
+            "quant_label": qlabel,
+            "repeats": args.repeats,
+            "overrides": args.overrides,
+        },
         "wall_s": time.perf_counter() - started,
         "summary": summary,
         "runs": {"no_ckpt": base, "fp32": {**fp32, "summary": s32}, qlabel: {**quant, "summary": sq}},
@@ -328,9 +424,26 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite checkpoint") -
 
 
 # per-checkpoint fields written as records (labels: run, checkpoint, step, kind)
-RECORD_FIELDS = ("rows", "fraction_of_rows", "bytes", "stall_ms", "agree_ms", "take_ms", "dense_ms", "other_ms",
-                 "find_rows_ms", "bare_copy_ms", "stall_over_bare", "take_over_bare", "write_s",
-                 "write_MBps", "durable_s", "committed", "committed_at_step", "durable_at_step")
+RECORD_FIELDS = (
+    "rows",
+    "fraction_of_rows",
+    "bytes",
+    "stall_ms",
+    "agree_ms",
+    "take_ms",
+    "dense_ms",
+    "other_ms",
+    "find_rows_ms",
+    "bare_copy_ms",
+    "stall_over_bare",
+    "take_over_bare",
+    "write_s",
+    "write_MBps",
+    "durable_s",
+    "committed",
+    "committed_at_step",
+    "durable_at_step",
+)
 
 
 def measurements(result: dict[str, Any]) -> list[Measurement]:
@@ -339,8 +452,14 @@ def measurements(result: dict[str, Any]) -> list[Measurement]:
     out = scalars(result["summary"], {"policy": settings["policy"], "quantized": settings["quantized"]})
     for label in ("fp32", settings["quant_label"]):
         for c in result["runs"][label]["checkpoints"]:
-            labels = {"run": label, "policy": settings["policy"], "ckpt": c["ckpt_id"], "step": c["step"],
-                      "kind": c["kind"], "codec": c["codec"]}
+            labels = {
+                "run": label,
+                "policy": settings["policy"],
+                "ckpt": c["ckpt_id"],
+                "step": c["step"],
+                "kind": c["kind"],
+                "codec": c["codec"],
+            }
             out += scalars({k: c[k] for k in RECORD_FIELDS}, labels, {"committed_at_step": "step", "durable_at_step": "step"})
     return out
 

@@ -41,15 +41,15 @@ import json
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from bench.ckpt_rank import BareCopier, find_rows
 from bench.job import fingerprint, perturb, start_job, stop_job, timed
-
 
 WARMUP_ROUNDS = 2
 
@@ -92,8 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"rank": rank, "threads": torch.get_num_threads()}
 
     def report(rep: Any) -> dict[str, Any]:
-        return {"checkpoint_id": rep.checkpoint_id, "step": rep.step, "chain": rep.chain, "frames": rep.frames,
-                "rows": rep.rows, "bytes": rep.bytes, "rows_seconds": rep.seconds}
+        return {
+            "checkpoint_id": rep.checkpoint_id,
+            "step": rep.step,
+            "chain": rep.chain,
+            "frames": rep.frames,
+            "rows": rep.rows,
+            "bytes": rep.bytes,
+            "rows_seconds": rep.seconds,
+        }
 
     # -- 1. restore vs dcp ------------------------------------------------------------
     first_s, rep = timed(mgr.restore)
@@ -135,8 +142,15 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     merged.append([first, last])
             for first, last in merged:
-                consumer = Consumer({**conf, "group.id": f"ckpt-bench-{uuid.uuid4().hex}", "enable.auto.commit": False,
-                                     "fetch.wait.max.ms": 100, "queued.max.messages.kbytes": 16 * 1024})
+                consumer = Consumer(
+                    {
+                        **conf,
+                        "group.id": f"ckpt-bench-{uuid.uuid4().hex}",
+                        "enable.auto.commit": False,
+                        "fetch.wait.max.ms": 100,
+                        "queued.max.messages.kbytes": 16 * 1024,
+                    }
+                )
                 try:
                     consumer.assign([TopicPartition(topic, part, first)])
                     while True:
@@ -170,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     rows_s, kafka_s, matches, raw_bytes = [], [], [], 0
     kinds = ["dcp", "deltarec", "raw_kafka"]
     for r in range(R):
-        for kind in kinds[r % 3:] + kinds[: r % 3]:  # rotate the order
+        for kind in kinds[r % 3 :] + kinds[: r % 3]:  # rotate the order
             if kind == "raw_kafka":
                 t, raw_bytes = timed(lambda: raw_kafka_read(markers[latest["checkpoint_id"]]))
                 times[kind].append(t)
@@ -186,10 +200,17 @@ def main(argv: list[str] | None = None) -> int:
                 kafka_s.append(poll_s[0])
             matches.append(fingerprint(smap, sharded) == reference)
     out["restore"] = {
-        "latest": latest, "first_restore_s": first_s, "restore_s": times["deltarec"], "rows_s": rows_s,
+        "latest": latest,
+        "first_restore_s": first_s,
+        "restore_s": times["deltarec"],
+        "rows_s": rows_s,
         "kafka_poll_s": kafka_s,
-        "dcp_load_s": times["dcp"], "raw_kafka_read_s": times["raw_kafka"], "raw_kafka_bytes": raw_bytes,
-        "dcp_save_s": save_s, "dcp_bytes_on_disk": dcp_bytes, "same_state_after_each": all(matches),
+        "dcp_load_s": times["dcp"],
+        "raw_kafka_read_s": times["raw_kafka"],
+        "raw_kafka_bytes": raw_bytes,
+        "dcp_save_s": save_s,
+        "dcp_bytes_on_disk": dcp_bytes,
+        "same_state_after_each": all(matches),
     }
 
     # the other kind of chain: the newest base + delta checkpoint if the newest one is a full
@@ -204,8 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             t, rp = timed(mgr.restore)
             chain_times.append(t)
             reps.append(rp)
-        out["restore"]["other_chain"] = {**report(reps[-1]), "restore_s": chain_times,
-                                         "rows_s": [x.seconds for x in reps]}
+        out["restore"]["other_chain"] = {**report(reps[-1]), "restore_s": chain_times, "rows_s": [x.seconds for x in reps]}
         mgr.c.resume = "latest"
 
     # the quantized run's newest checkpoint
@@ -233,15 +253,14 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.interval):
         trainer.train_step()
     locals_ = [mgr.tracker.touched_rows(i, False) for i in range(len(smap.shards))]
-    pairs: dict[str, list[float]] = {"take_delta": [], "bare_delta": [], "take_full": [], "bare_full": [],
-                                     "find_delta": []}
+    pairs: dict[str, list[float]] = {"take_delta": [], "bare_delta": [], "take_full": [], "bare_full": [], "find_delta": []}
     delta_snap = None
     copier = BareCopier()
     rounds = max(3 * R, 12)
     for r in range(WARMUP_ROUNDS + rounds):
         for full in (False, True):
             dist.barrier()  # both ranks copy at the same moment, as at a real checkpoint
-            for name in (("take", "bare") if r % 2 == 0 else ("bare", "take")):
+            for name in ("take", "bare") if r % 2 == 0 else ("bare", "take"):
                 key = f"{name}_{'full' if full else 'delta'}"
                 if name == "take":
                     snap = mgr.taker.take(0, trainer.step, full=full, since_base=False)
@@ -261,18 +280,29 @@ def main(argv: list[str] | None = None) -> int:
                 pairs["find_delta"].append(find_rows(mgr.tracker, len(smap.shards), False) * 1e3)
     assert delta_snap is not None
     out["take_vs_bare"] = {
-        "delta_rows": delta_snap.rows, "delta_bytes": delta_snap.nbytes, "full_rows": full_snap.rows,
-        "full_bytes": full_snap.nbytes, **{f"{k}_ms": v for k, v in pairs.items()},
+        "delta_rows": delta_snap.rows,
+        "delta_bytes": delta_snap.nbytes,
+        "full_rows": full_snap.rows,
+        "full_bytes": full_snap.nbytes,
+        **{f"{k}_ms": v for k, v in pairs.items()},
     }
 
     # -- 3. writer vs raw producer ------------------------------------------------------
     bench_run = f"{args.fp32_run}-wbench"
     sink = KafkaSink(bench_run, conf, num_partitions=env.world_size, delivery_timeout_s=cfg.ckpt.flush_timeout_s)
     group = dist.new_group(backend="gloo")
-    writer = RankWriter(run_id=bench_run, rank=rank, sink=sink, group=group, max_frame_bytes=cfg.ckpt.max_frame_bytes,
-                        flush_timeout_s=cfg.ckpt.flush_timeout_s, committer=(lambda job, reports: None) if rank == 0 else None)
-    producer = Producer({**conf, "acks": "all", "enable.idempotence": True,
-                         "delivery.timeout.ms": int(cfg.ckpt.flush_timeout_s * 1000)})
+    writer = RankWriter(
+        run_id=bench_run,
+        rank=rank,
+        sink=sink,
+        group=group,
+        max_frame_bytes=cfg.ckpt.max_frame_bytes,
+        flush_timeout_s=cfg.ckpt.flush_timeout_s,
+        committer=(lambda job, reports: None) if rank == 0 else None,
+    )
+    producer = Producer(
+        {**conf, "acks": "all", "enable.idempotence": True, "delivery.timeout.ms": int(cfg.ckpt.flush_timeout_s * 1000)}
+    )
     admin = AdminClient(conf)
     # time the writer spends inside the sink (produce + flush), within its own timed run
     in_sink = [0.0]
@@ -284,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                 return fn(*a, **kw)
             finally:
                 in_sink[0] += time.perf_counter() - t
+
         return call
 
     sink.write, sink.flush = _timed_sink(sink.write), _timed_sink(sink.flush)  # type: ignore[method-assign]
@@ -295,10 +326,22 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = nframes = 0
         for r in range(R + 1):  # round 0: warm-up
             generation += 1
-            job = WriteJob(checkpoint_id=generation, step=step, generation=generation, chain=[generation], snapshot=snap,
-                           trainer_state={}, weight_codec=codec, optimizer_codec="fp32")
-            frames = [f.data for shard in snap.shards if shard.global_rows.numel()
-                      for f in encode_frames(job, shard, {}, writer.run_id, rank, writer.max_frame_bytes)]
+            job = WriteJob(
+                checkpoint_id=generation,
+                step=step,
+                generation=generation,
+                chain=[generation],
+                snapshot=snap,
+                trainer_state={},
+                weight_codec=codec,
+                optimizer_codec="fp32",
+            )
+            frames = [
+                f.data
+                for shard in snap.shards
+                if shard.global_rows.numel()
+                for f in encode_frames(job, shard, {}, writer.run_id, rank, writer.max_frame_bytes)
+            ]
             raw_topic = f"{bench_run}.raw.g{generation}"
             if rank == 0:
                 ensure_topic(admin, raw_topic, env.world_size)
@@ -311,8 +354,9 @@ def main(argv: list[str] | None = None) -> int:
                 for f in frames:
                     while True:
                         try:
-                            producer.produce(raw_topic, f, partition=rank,
-                                             on_delivery=lambda err, msg: errors.append(err) if err else None)
+                            producer.produce(
+                                raw_topic, f, partition=rank, on_delivery=lambda err, msg: errors.append(err) if err else None
+                            )
                             break
                         except BufferError:
                             producer.poll(0.05)
@@ -330,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
                 nbytes = rr.bytes
                 return time.perf_counter() - t0
 
-            for side in (("writer", "raw") if r % 2 == 0 else ("raw", "writer")):
+            for side in ("writer", "raw") if r % 2 == 0 else ("raw", "writer"):
                 dist.barrier()
                 dt = deltarec() if side == "writer" else raw()
                 if r > 0:
@@ -346,8 +390,17 @@ def main(argv: list[str] | None = None) -> int:
                 sink.drop_generation(generation)
                 _delete_topic(admin, raw_topic, 10.0)
             dist.barrier()
-        writer_rows.append({"snapshot": kind, "codec": codec, "rows": snap.rows, "snapshot_bytes": snap.nbytes,
-                            "bytes": nbytes, "frames": nframes, **res})
+        writer_rows.append(
+            {
+                "snapshot": kind,
+                "codec": codec,
+                "rows": snap.rows,
+                "snapshot_bytes": snap.nbytes,
+                "bytes": nbytes,
+                "frames": nframes,
+                **res,
+            }
+        )
     out["writer"] = writer_rows
     writer.close()
     sink.close()

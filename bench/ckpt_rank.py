@@ -50,10 +50,11 @@ import json
 import sys
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import median
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -84,8 +85,14 @@ class BareCopier:
         self._tmps: dict[tuple[int, int], torch.Tensor] = {}
 
     @staticmethod
-    def _reuse(bufs: dict[tuple[int, int], torch.Tensor], key: tuple[int, int], src: torch.Tensor, n: int,
-               device: torch.device, pinned: bool) -> torch.Tensor:
+    def _reuse(
+        bufs: dict[tuple[int, int], torch.Tensor],
+        key: tuple[int, int],
+        src: torch.Tensor,
+        n: int,
+        device: torch.device,
+        pinned: bool,
+    ) -> torch.Tensor:
         buf = bufs.get(key)
         if buf is None or buf.shape[0] < n or buf.shape[1:] != src.shape[1:] or buf.dtype != src.dtype:
             # zeros touch every page; pinned host memory is page-locked when allocated
@@ -191,8 +198,9 @@ class ObservedCheckpointer:
     reads the manager's new `StallTiming`s and outcomes; after training (`finish`) it times
     the bare copies."""
 
-    def __init__(self, manager: CheckpointManager, rank: int, copier: BareCopier | None = None,
-                 bare_repeats: int = BARE_REPEATS) -> None:
+    def __init__(
+        self, manager: CheckpointManager, rank: int, copier: BareCopier | None = None, bare_repeats: int = BARE_REPEATS
+    ) -> None:
         self.manager = manager
         self.rank = rank
         self.since_base = manager.c.policy != "incremental"  # what a delta of this policy copies
@@ -227,7 +235,7 @@ class ObservedCheckpointer:
             m.wait_for_copy()
             self._scans[step] = touched(m.tracker, len(m.shard_map.shards), self.since_base)
         call()
-        for timing in st.stalls[self._stalls_seen:]:
+        for timing in st.stalls[self._stalls_seen :]:
             rec = self._record(timing)
             self.records[rec.checkpoint_id] = rec
             rows, find_s = self._scans.get(timing.step, (None, 0.0))
@@ -239,7 +247,7 @@ class ObservedCheckpointer:
             # else a time-based checkpoint (`ckpt.interval_s`) whose rows were not listed: no bare copy
         self._stalls_seen = len(st.stalls)
         self._scans = {s: v for s, v in self._scans.items() if s >= step}
-        for outcome in st.outcomes[self._outcomes_seen:]:
+        for outcome in st.outcomes[self._outcomes_seen :]:
             rec = self.records.get(outcome.checkpoint_id)
             if rec is not None:
                 rec.committed, rec.committed_at_step = outcome.committed, step
@@ -251,10 +259,21 @@ class ObservedCheckpointer:
 
     def _record(self, t: StallTiming) -> RankCheckpoint:
         return RankCheckpoint(
-            checkpoint_id=t.checkpoint_id, step=t.step, full=t.full, stall_ms=t.stall_ms, agree_ms=t.agree_ms,
-            take_ms=t.take_ms, dense_ms=t.dense_ms, rows=t.rows, snapshot_bytes=t.snapshot_bytes,
-            overlapped=t.overlapped, wait_ms=t.wait_ms,
-            since_base=t.since_base, since_last=t.since_last, rank=self.rank, rank_total_rows=self.manager.total_rows,
+            checkpoint_id=t.checkpoint_id,
+            step=t.step,
+            full=t.full,
+            stall_ms=t.stall_ms,
+            agree_ms=t.agree_ms,
+            take_ms=t.take_ms,
+            dense_ms=t.dense_ms,
+            rows=t.rows,
+            snapshot_bytes=t.snapshot_bytes,
+            overlapped=t.overlapped,
+            wait_ms=t.wait_ms,
+            since_base=t.since_base,
+            since_last=t.since_last,
+            rank=self.rank,
+            rank_total_rows=self.manager.total_rows,
             find_ms=0.0 if t.full else None,
         )
 
@@ -315,8 +334,7 @@ def run(cfg: JobConfig, side: Path) -> None:
     train(start_job(cfg, cfg.run.run_dir / "metrics.jsonl", evaluate=True), cfg, side)
 
 
-def train(job: Job, cfg: JobConfig, side: Path, copier: BareCopier | None = None,
-          bare_repeats: int = BARE_REPEATS) -> None:
+def train(job: Job, cfg: JobConfig, side: Path, copier: BareCopier | None = None, bare_repeats: int = BARE_REPEATS) -> None:
     """`run`'s training and measuring, on a job already built (`job.trainer` fresh, reporting
     to `job.metrics`): what a spawned rank does, and each job of the one-process suite
     (`bench.peers_gpu`) on a model `bench.job.Pristine` put back. The checkpoint manager is
@@ -337,10 +355,17 @@ def train(job: Job, cfg: JobConfig, side: Path, copier: BareCopier | None = None
         if manager is not None:
             wait_idle(manager)
         ledger.sample()
-        cpu = RankCpu(rank=job.env.rank, steps=job.trainer.step, checkpoints=len(manager.stats.stalls) if manager else 0,
-                      threads=ledger.totals(), wall_s=time.perf_counter() - t0, other_by_name=ledger.by_name("other"),
-                      writer_by_name=ledger.by_name("writer"), faults=ledger.faults(),
-                      stall_cpu_s=sum(t.cpu_ms for t in manager.stats.stalls) / 1e3 if manager else 0.0)
+        cpu = RankCpu(
+            rank=job.env.rank,
+            steps=job.trainer.step,
+            checkpoints=len(manager.stats.stalls) if manager else 0,
+            threads=ledger.totals(),
+            wall_s=time.perf_counter() - t0,
+            other_by_name=ledger.by_name("other"),
+            writer_by_name=ledger.by_name("writer"),
+            faults=ledger.faults(),
+            stall_cpu_s=sum(t.cpu_ms for t in manager.stats.stalls) / 1e3 if manager else 0.0,
+        )
         if observed is not None:
             finished, manager = manager, None  # finished below, whatever happens next
             try:
@@ -382,20 +407,38 @@ def checkpoint_rows(metrics: list[dict[str, Any]], side: dict[int, dict[int, Ran
 
         bare, take = worst("bare_ms"), worst("take_ms")
         row = {
-            "ckpt_id": m["ckpt_id"], "step": m["step"], "kind": "full" if m["ckpt_full"] else "delta",
-            "committed": m["ckpt_committed"], "rows": m["ckpt_rows"], "fraction_of_rows": ratio(m["ckpt_rows"], total_rows),
+            "ckpt_id": m["ckpt_id"],
+            "step": m["step"],
+            "kind": "full" if m["ckpt_full"] else "delta",
+            "committed": m["ckpt_committed"],
+            "rows": m["ckpt_rows"],
+            "fraction_of_rows": ratio(m["ckpt_rows"], total_rows),
             "fraction_changed_since_last": next((p.since_last for p in per.values()), None),
-            "bytes": m["ckpt_bytes"], "bytes_per_row": m["ckpt_bytes"] / max(m["ckpt_rows"], 1),
-            "stall_ms": m["ckpt_stall_ms"], "agree_ms": worst("agree_ms"), "take_ms": take,
-            "dense_ms": worst("dense_ms"), "other_ms": worst("other_ms"), "find_rows_ms": worst("find_ms"),
-            "bare_copy_ms": bare, "stall_over_bare": ratio(m["ckpt_stall_ms"], bare), "take_over_bare": ratio(take, bare),
+            "bytes": m["ckpt_bytes"],
+            "bytes_per_row": m["ckpt_bytes"] / max(m["ckpt_rows"], 1),
+            "stall_ms": m["ckpt_stall_ms"],
+            "agree_ms": worst("agree_ms"),
+            "take_ms": take,
+            "dense_ms": worst("dense_ms"),
+            "other_ms": worst("other_ms"),
+            "find_rows_ms": worst("find_ms"),
+            "bare_copy_ms": bare,
+            "stall_over_bare": ratio(m["ckpt_stall_ms"], bare),
+            "take_over_bare": ratio(take, bare),
             "write_s": m["ckpt_write_s"],
             "write_MBps": m["ckpt_bytes"] / m["ckpt_write_s"] / 1e6 if m["ckpt_write_s"] else None,
-            "durable_s": m.get("ckpt_durable_s"), "stall_new_bytes": m.get("ckpt_stall_new_bytes"),
+            "durable_s": m.get("ckpt_durable_s"),
+            "stall_new_bytes": m.get("ckpt_stall_new_bytes"),
             "codec": m.get("ckpt_encoding"),
-            "committed_at_step": worst("committed_at_step"), "durable_at_step": worst("durable_at_step"),
-            "per_rank": {r: {k: getattr(p, k) for k in ("rows", "stall_ms", "agree_ms", "take_ms", "dense_ms", "other_ms",
-                                                        "bare_ms_all", "find_ms")} for r, p in sorted(per.items())},
+            "committed_at_step": worst("committed_at_step"),
+            "durable_at_step": worst("durable_at_step"),
+            "per_rank": {
+                r: {
+                    k: getattr(p, k)
+                    for k in ("rows", "stall_ms", "agree_ms", "take_ms", "dense_ms", "other_ms", "bare_ms_all", "find_ms")
+                }
+                for r, p in sorted(per.items())
+            },
         }
         if not m["ckpt_committed"]:
             row["error"] = m.get("ckpt_error")

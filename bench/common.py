@@ -25,11 +25,12 @@ import platform
 import shlex
 import subprocess
 import sys
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import fmean, harmonic_mean, median
-from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 # the packages a figure depends on, as pip names them (absent ones are left out)
@@ -97,8 +98,13 @@ def machine_info() -> dict[str, Any]:
         except importlib.metadata.PackageNotFoundError:
             pass
     return {
-        "cpu": cpu_model(), "cores": os.cpu_count(), "mem_total_GiB": _mem_total_gib(), "gpu": _gpu(),
-        "python": platform.python_version(), "torch_threads": torch.get_num_threads(), "packages": packages,
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "mem_total_GiB": _mem_total_gib(),
+        "gpu": _gpu(),
+        "python": platform.python_version(),
+        "torch_threads": torch.get_num_threads(),
+        "packages": packages,
         "loadavg_start": loadavg(),
     }
 
@@ -114,8 +120,9 @@ def git_commit(repo: Path = REPO) -> Commit:
     """HEAD of `repo` and whether tracked files differ from it (None where git cannot tell)."""
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True).stdout
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
-                                capture_output=True, text=True, check=True).stdout
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo, capture_output=True, text=True, check=True
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         return Commit(None, False)
     return Commit(sha.strip(), bool(status.strip()))
@@ -174,9 +181,19 @@ def rounded(x: Any, digits: int = 4) -> Any:
 # -- records ------------------------------------------------------------------------------------
 # units a metric name carries as one of its "_"-separated words, in priority order ("step_ms"
 # is in ms, "fraction_of_rows" a fraction); a ratio's name says "over" or "vs"
-_UNIT_WORDS = (("ms", "ms"), ("s", "s"), ("MBps", "MB/s"), ("pct", "%"), ("bytes", "B"), ("fraction", "fraction"),
-               ("rows", "rows"), ("steps", "steps"), ("step", "step"), ("frames", "frames"),
-               ("checkpoints", "checkpoints"))
+_UNIT_WORDS = (
+    ("ms", "ms"),
+    ("s", "s"),
+    ("MBps", "MB/s"),
+    ("pct", "%"),
+    ("bytes", "B"),
+    ("fraction", "fraction"),
+    ("rows", "rows"),
+    ("steps", "steps"),
+    ("step", "step"),
+    ("frames", "frames"),
+    ("checkpoints", "checkpoints"),
+)
 _UNIT_PHRASES = (("samples_per_s", "samples/s"), ("GB_per_s", "GB/s"), ("bytes_per_row", "B/row"))
 
 
@@ -210,8 +227,9 @@ class Measurement:
         return {**self.labels, "metric": self.metric, "value": self.value, "unit": self.unit}
 
 
-def scalars(summary: Mapping[str, Any], labels: Mapping[str, Any] | None = None,
-            units: Mapping[str, str] | None = None) -> list[Measurement]:
+def scalars(
+    summary: Mapping[str, Any], labels: Mapping[str, Any] | None = None, units: Mapping[str, str] | None = None
+) -> list[Measurement]:
     """A measurement per scalar field of `summary` (numbers, bools, strings; None and nested
     values skipped), with the unit its name implies unless `units` names it."""
     out = []
@@ -246,8 +264,14 @@ def write_records(path: Path, provenance: Provenance, measurements: Sequence[Mea
     prov = asdict(provenance)
     with path.open("a") as f:
         for m in measurements:
-            line = {"suite": prov["suite"], "metric": m.metric, "value": m.value, "unit": m.unit,
-                    "labels": dict(m.labels), **{k: v for k, v in prov.items() if k != "suite"}}
+            line = {
+                "suite": prov["suite"],
+                "metric": m.metric,
+                "value": m.value,
+                "unit": m.unit,
+                "labels": dict(m.labels),
+                **{k: v for k, v in prov.items() if k != "suite"},
+            }
             f.write(json.dumps(line, sort_keys=False) + "\n")
     return len(measurements)
 
@@ -269,8 +293,9 @@ def pyplot() -> Any:
 
 
 @contextmanager
-def figure(path: Path, nrows: int = 1, ncols: int = 1, *, figsize: tuple[float, float], dpi: int = 110,
-           **subplots: Any) -> Iterator[tuple[Any, Any]]:
+def figure(
+    path: Path, nrows: int = 1, ncols: int = 1, *, figsize: tuple[float, float], dpi: int = 110, **subplots: Any
+) -> Iterator[tuple[Any, Any]]:
     """`(fig, axes)` of a new figure, laid out tightly and saved to `path` (its directory
     created) when the block ends, then closed so a long suite does not keep figures alive."""
     plt = pyplot()

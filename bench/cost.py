@@ -50,11 +50,22 @@ import tempfile
 import time
 import uuid
 from argparse import Namespace
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from bench.common import (Measurement, config_path, document_head, harmonic_of, loadavg, log, machine_info, mean_of,
-                          median_of, scalars)
+from bench.common import (
+    Measurement,
+    config_path,
+    document_head,
+    harmonic_of,
+    loadavg,
+    log,
+    machine_info,
+    mean_of,
+    median_of,
+    scalars,
+)
 from bench.cpu import checkpoint_cpu
 from bench.peers import DEFAULT_POLICY, DEFAULT_QUANT, SIZES, broker_cpu_s, full_config
 from launch.broker import EmbeddedBroker
@@ -105,16 +116,35 @@ def none_job(s: dict[str, Any], work: Path, n: int, timeout_s: float) -> dict[st
     tmp.mkdir(parents=True)
     log(f"cost: job without checkpoints ({n}), {s['steps']} steps")
     t = time.perf_counter()
-    spawn_ranks(s["config"], [*_common(s), "ckpt.enabled=false"], tmp, world_size=2,
-                timeout_s=timeout_s, module="bench.ckpt_rank", extra_args=["--side", str(tmp / "side")])
+    spawn_ranks(
+        s["config"],
+        [*_common(s), "ckpt.enabled=false"],
+        tmp,
+        world_size=2,
+        timeout_s=timeout_s,
+        module="bench.ckpt_rank",
+        extra_args=["--side", str(tmp / "side")],
+    )
     rates = window_rates(tmp / "run")
-    return {"sink": "none", "round": n, "wall_s": time.perf_counter() - t, "samples_per_s": harmonic_of(rates),
-            "window_rates": rates, "pace_excess": pace_excess(rates), "cpu": read_cpus(tmp / "side", 2)}
+    return {
+        "sink": "none",
+        "round": n,
+        "wall_s": time.perf_counter() - t,
+        "samples_per_s": harmonic_of(rates),
+        "window_rates": rates,
+        "pace_excess": pace_excess(rates),
+        "cpu": read_cpus(tmp / "side", 2),
+    }
 
 
 def _common(s: dict[str, Any]) -> list[str]:
-    return [f"train.steps={s['steps']}", "train.eval_every=0", "train.eval_batches=0",
-            f"train.log_every={s['log_every']}", *s["overrides"]]
+    return [
+        f"train.steps={s['steps']}",
+        "train.eval_every=0",
+        "train.eval_batches=0",
+        f"train.log_every={s['log_every']}",
+        *s["overrides"],
+    ]
 
 
 def ckpt_job(sink: str, s: dict[str, Any], work: Path, n: int, tmpfs: Path, timeout_s: float) -> dict[str, Any]:
@@ -123,9 +153,20 @@ def ckpt_job(sink: str, s: dict[str, Any], work: Path, n: int, tmpfs: Path, time
     from bench.ckpt_bench import train_run
 
     label = f"{sink}-{n}"
-    ns = Namespace(policy=DEFAULT_POLICY, interval=0, steps=s["steps"], config=s["config"], ranks=2,
-                   timeout_s=timeout_s, overrides=["ckpt.final=false", f"ckpt.interval_s={s['interval_s']}",
-                                                   f"train.log_every={s['log_every']}", *s["overrides"]])
+    ns = Namespace(
+        policy=DEFAULT_POLICY,
+        interval=0,
+        steps=s["steps"],
+        config=s["config"],
+        ranks=2,
+        timeout_s=timeout_s,
+        overrides=[
+            "ckpt.final=false",
+            f"ckpt.interval_s={s['interval_s']}",
+            f"train.log_every={s['log_every']}",
+            *s["overrides"],
+        ],
+    )
     extra = [f"ckpt.encoding={DEFAULT_QUANT}"]
     prefix = f"bench-cost-{uuid.uuid4().hex[:8]}"
     if sink == "kafka":
@@ -136,8 +177,9 @@ def ckpt_job(sink: str, s: dict[str, Any], work: Path, n: int, tmpfs: Path, time
     else:
         root = Path(tempfile.mkdtemp(prefix="deltarec-cost-", dir=tmpfs))
         try:
-            run = train_run(label, [*extra, "ckpt.sink=filesystem", f"ckpt.fs_root={root / 'stream'}"], ns, work,
-                            "127.0.0.1:1", prefix)
+            run = train_run(
+                label, [*extra, "ckpt.sink=filesystem", f"ckpt.fs_root={root / 'stream'}"], ns, work, "127.0.0.1:1", prefix
+            )
             run["broker_cpu_s"] = None
         finally:
             shutil.rmtree(root, ignore_errors=True)
@@ -154,8 +196,19 @@ def round_order(sinks: list[str], n: int) -> list[str]:
 
 # /proc/vmstat counters that say whether a job ran under memory pressure (reclaim, compaction,
 # major faults, swap): the whole machine's, which is this job alone when nothing else runs
-VMSTAT_KEYS = ("pgfault", "pgmajfault", "pswpin", "pswpout", "pgscan_kswapd", "pgscan_direct", "pgsteal_kswapd",
-               "pgsteal_direct", "compact_stall", "thp_fault_alloc", "thp_fault_fallback")
+VMSTAT_KEYS = (
+    "pgfault",
+    "pgmajfault",
+    "pswpin",
+    "pswpout",
+    "pgscan_kswapd",
+    "pgscan_direct",
+    "pgsteal_kswapd",
+    "pgsteal_direct",
+    "compact_stall",
+    "thp_fault_alloc",
+    "thp_fault_fallback",
+)
 
 
 def vmstat() -> dict[str, int]:
@@ -180,9 +233,15 @@ def summarize(jobs: list[dict[str, Any]]) -> dict[str, Any]:
     base_rate = harmonic_of(j["samples_per_s"] for j in nones)
     base_cpu = [r for j in nones for r in j["cpu"]]
     base_excess = mean_of(j.get("pace_excess") for j in nones)
-    out: dict[str, Any] = {"none": {"samples_per_s": base_rate, "jobs": len(nones),
-                                    "samples_per_s_jobs": [j["samples_per_s"] for j in nones],
-                                    "pace_excess": base_excess, "pace_excess_jobs": [j.get("pace_excess") for j in nones]}}
+    out: dict[str, Any] = {
+        "none": {
+            "samples_per_s": base_rate,
+            "jobs": len(nones),
+            "samples_per_s_jobs": [j["samples_per_s"] for j in nones],
+            "pace_excess": base_excess,
+            "pace_excess_jobs": [j.get("pace_excess") for j in nones],
+        }
+    }
     for sink in SINKS:
         mine = [j for j in jobs if j["sink"] == sink]
         if not mine:
@@ -197,33 +256,40 @@ def summarize(jobs: list[dict[str, Any]]) -> dict[str, Any]:
             "throughput_overhead": 1 - rate / base_rate if rate and base_rate else None,
             "throughput_overhead_jobs": [1 - j["samples_per_s"] / base_rate if base_rate else None for j in mine],
             "samples_per_s_jobs": [j["samples_per_s"] for j in mine],
-            "pace_excess": excess, "pace_excess_jobs": [j.get("pace_excess") for j in mine],
+            "pace_excess": excess,
+            "pace_excess_jobs": [j.get("pace_excess") for j in mine],
             "throughput_overhead_within": excess - base_excess if excess is not None and base_excess is not None else None,
-            "checkpoints": len(cks), "committed": len(ok),
+            "checkpoints": len(cks),
+            "committed": len(ok),
             "full_checkpoints": sum(1 for c in ok if c["kind"] == "full"),
             "stall_ms": median_of(c["stall_ms"] for c in ok),
             "durable_s": median_of(c.get("durable_s") for c in ok),
             "bytes_written": mean_of(c["bytes"] for c in ok),
             # the baseline's CPU is scaled to these jobs' steps (all rounds of each)
-            **checkpoint_cpu([r for j in mine for r in j["cpu"]], base_cpu, len(cks),
-                             sum(broker) if None not in broker else None),
+            **checkpoint_cpu(
+                [r for j in mine for r in j["cpu"]], base_cpu, len(cks), sum(broker) if None not in broker else None
+            ),
         }
         out[sink] = agg
     return out
 
 
 def table(summary: dict[str, Any]) -> str:
-    head = ("| job | samples/s | overhead | pace excess | overhead within jobs | checkpoints (full) | stall ms | durable s "
-            "| training thread s/ckpt (in stalls) | writer | librdkafka | other | trainer process s/ckpt | broker s/ckpt | trainer CPU overhead "
-            "| direct s/ckpt | direct CPU overhead |")
+    head = (
+        "| job | samples/s | overhead | pace excess | overhead within jobs | checkpoints (full) | stall ms | durable s "
+        "| training thread s/ckpt (in stalls) | writer | librdkafka | other | trainer process s/ckpt | broker s/ckpt "
+        "| trainer CPU overhead "
+        "| direct s/ckpt | direct CPU overhead |"
+    )
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
 
     def f(x: Any, nd: int = 3, scale: float = 1.0) -> str:
         return "" if x is None else f"{x * scale:.{nd}f}"
 
     none = summary["none"]
-    lines.append(f"| none | {f(none['samples_per_s'], 0)} | 0% | {f(none.get('pace_excess'), 1, 100)}% | 0% "
-                 "| | | | | | | | | | | | |")
+    lines.append(
+        f"| none | {f(none['samples_per_s'], 0)} | 0% | {f(none.get('pace_excess'), 1, 100)}% | 0% | | | | | | | | | | | | |"
+    )
     for sink in SINKS:
         a = summary.get(sink)
         if a is None:
@@ -236,7 +302,8 @@ def table(summary: dict[str, Any]) -> str:
             f"{f(a.get('cpu_kafka_s_per_ckpt'))} | {f(a.get('cpu_other_s_per_ckpt'))} | "
             f"{f(a.get('cpu_trainer_s_per_ckpt'))} | {f(a.get('cpu_broker_s_per_ckpt'))} | "
             f"{f(a.get('cpu_trainer_overhead'), 1, 100)}% | {f(a.get('cpu_direct_s_per_ckpt'))} | "
-            f"{f(a.get('cpu_direct_overhead'), 1, 100)}% |")
+            f"{f(a.get('cpu_direct_overhead'), 1, 100)}% |"
+        )
     return "\n".join(lines)
 
 
@@ -280,10 +347,15 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite cost") -> dict
     with tempfile.TemporaryDirectory(prefix="bench-cost-") as tmpdir:
         work = args.keep / f"cost-{uuid.uuid4().hex[:8]}" if args.keep else Path(tmpdir)
         work.mkdir(parents=True, exist_ok=True)
-        s["config"] = (str(full_config(work / "full.yaml", peer["cap"], peer["dim"])) if peer["config"] is None
-                       else config_path(peer["config"]))
-        log(f"suite cost ({args.size}): {s['config']}, {s['steps']} steps a job, a checkpoint every "
-            f"{s['interval_s']:g} s; sinks {', '.join(args.sinks)}; work dir {work}")
+        s["config"] = (
+            str(full_config(work / "full.yaml", peer["cap"], peer["dim"]))
+            if peer["config"] is None
+            else config_path(peer["config"])
+        )
+        log(
+            f"suite cost ({args.size}): {s['config']}, {s['steps']} steps a job, a checkpoint every "
+            f"{s['interval_s']:g} s; sinks {', '.join(args.sinks)}; work dir {work}"
+        )
         for n in range(args.rounds):
             jobs.append(counted(lambda: none_job(s, work, n, args.timeout_s)))
             for sink in round_order(args.sinks, n):
@@ -291,10 +363,15 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite cost") -> dict
         jobs.append(counted(lambda: none_job(s, work, args.rounds, args.timeout_s)))
     machine["loadavg_end"] = loadavg()
     summary = summarize(jobs)
-    result = {**document_head("cost", prog, argv, machine), "size": args.size,
-              "settings": {k: s[k] for k in ("config", "steps", "interval_s", "overrides")} | {
-                  "policy": DEFAULT_POLICY, "encoding": DEFAULT_QUANT, "rounds": args.rounds, "sinks": args.sinks},
-              "summary": summary, "jobs": jobs, "wall_s": time.perf_counter() - started}
+    result = {
+        **document_head("cost", prog, argv, machine),
+        "size": args.size,
+        "settings": {k: s[k] for k in ("config", "steps", "interval_s", "overrides")}
+        | {"policy": DEFAULT_POLICY, "encoding": DEFAULT_QUANT, "rounds": args.rounds, "sinks": args.sinks},
+        "summary": summary,
+        "jobs": jobs,
+        "wall_s": time.perf_counter() - started,
+    }
     print(table(summary))
     print()
     print(jobs_table(jobs))

@@ -72,10 +72,21 @@ def schedule(seed: int, steps: int, kills: int, gap: int) -> list[tuple[int, int
 
 
 def _job_args(args: argparse.Namespace, run_dir: Path, seed: int) -> list[str]:
-    return [f"run.dir={run_dir}", f"run.seed={seed}", f"train.steps={args.steps}", f"train.log_every={args.log_every}",
-            f"train.eval_batches={args.eval_batches}", "train.eval_every=0", "train.progress=log",
-            "sharding.default=row_wise", "ckpt.enabled=true", "ckpt.sink=filesystem",
-            f"ckpt.interval_steps={args.interval}", f"ckpt.run_id=cpr-{seed}", *args.overrides]
+    return [
+        f"run.dir={run_dir}",
+        f"run.seed={seed}",
+        f"train.steps={args.steps}",
+        f"train.log_every={args.log_every}",
+        f"train.eval_batches={args.eval_batches}",
+        "train.eval_every=0",
+        "train.progress=log",
+        "sharding.default=row_wise",
+        "ckpt.enabled=true",
+        "ckpt.sink=filesystem",
+        f"ckpt.interval_steps={args.interval}",
+        f"ckpt.run_id=cpr-{seed}",
+        *args.overrides,
+    ]
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
@@ -85,15 +96,26 @@ def _records(path: Path) -> list[dict[str, Any]]:
 def run_mode(mode: str, seed: int, kills: list[tuple[int, int]], args: argparse.Namespace, work: Path) -> dict:
     """One job of `mode` killed at `kills`; its figures from metrics.jsonl."""
     run_dir = work / f"{mode}-seed{seed}" / "run"
-    cmd = [sys.executable, "-m", "launch.torchrun", "--nproc-per-node", str(RANKS), "--max-restarts", str(len(kills)),
-           "--config", str(args.config), *_job_args(args, run_dir, seed), *MODES[mode], "ckpt.resume=latest"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch.torchrun",
+        "--nproc-per-node",
+        str(RANKS),
+        "--max-restarts",
+        str(len(kills)),
+        "--config",
+        str(args.config),
+        *_job_args(args, run_dir, seed),
+        *MODES[mode],
+        "ckpt.resume=latest",
+    ]
     metrics = run_dir / "metrics.jsonl"
     log_path = work / f"{mode}-seed{seed}.log"
     t0 = time.monotonic()
     deadline = t0 + args.timeout_s
     with open(log_path, "w") as out:
-        job = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+        job = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         killed: set[int] = set()
         for step, victim in kills:
@@ -150,7 +172,8 @@ def figures(records: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
         "lost_samples": sum(r.get("partial_lost_samples", 0.0) for r in records),
         "pls": sum(r.get("partial_lost_samples", 0.0) for r in records) / samples,
         "rates": [r["samples_per_s"] for r in records if "samples_per_s" in r],
-        "eval_logloss": evals[-1]["eval_logloss"], "eval_auc": evals[-1]["eval_auc"],
+        "eval_logloss": evals[-1]["eval_logloss"],
+        "eval_auc": evals[-1]["eval_auc"],
     }
 
 
@@ -160,8 +183,12 @@ def run_reference(seed: int, args: argparse.Namespace, work: Path) -> dict:
     run_dir.parent.mkdir(parents=True)
     t0 = time.monotonic()
     spawn_ranks(args.config, _job_args(args, run_dir, seed), run_dir.parent, timeout_s=args.timeout_s)
-    return {"mode": "reference", "seed": seed, "wall_s": time.monotonic() - t0,
-            **figures(read_jsonl(run_dir / "metrics.jsonl"), args)}
+    return {
+        "mode": "reference",
+        "seed": seed,
+        "wall_s": time.monotonic() - t0,
+        **figures(read_jsonl(run_dir / "metrics.jsonl"), args),
+    }
 
 
 def compare(job: dict, ref: dict, args: argparse.Namespace) -> dict:
@@ -170,41 +197,71 @@ def compare(job: dict, ref: dict, args: argparse.Namespace) -> dict:
     train_s = args.steps * step_s
     retrain_s = job["retrained_steps"] * step_s
     return {
-        "mode": job["mode"], "seed": job["seed"], "restores": job["restores"],
-        "partial_restores": job["partial_restores"], "retrained_steps": job["retrained_steps"],
-        "retrain_s": retrain_s, "stall_s": job["stall_s"], "restore_s": job["restore_s"], "ckpt_mb": job["ckpt_mb"],
+        "mode": job["mode"],
+        "seed": job["seed"],
+        "restores": job["restores"],
+        "partial_restores": job["partial_restores"],
+        "retrained_steps": job["retrained_steps"],
+        "retrain_s": retrain_s,
+        "stall_s": job["stall_s"],
+        "restore_s": job["restore_s"],
+        "ckpt_mb": job["ckpt_mb"],
         "overhead_pct": 100 * (retrain_s + job["stall_s"] + job["restore_s"]) / train_s,
         "retrain_pct": 100 * retrain_s / train_s,
         "ckpt_pct": 100 * (job["stall_s"] + job["restore_s"]) / train_s,
         "wall_overhead_pct": 100 * (job["wall_s"] - ref["wall_s"]) / ref["wall_s"],
-        "pls": job["pls"], "lost_samples": job["lost_samples"],
+        "pls": job["pls"],
+        "lost_samples": job["lost_samples"],
         "logloss_rel_pct": 100 * (job["eval_logloss"] - ref["eval_logloss"]) / ref["eval_logloss"],
         "auc_delta": job["eval_auc"] - ref["eval_auc"],
-        "eval_logloss": job["eval_logloss"], "eval_auc": job["eval_auc"],
-        "reference_logloss": ref["eval_logloss"], "reference_auc": ref["eval_auc"],
-        "reference_step_s": step_s, "wall_s": job["wall_s"], "reference_wall_s": ref["wall_s"],
+        "eval_logloss": job["eval_logloss"],
+        "eval_auc": job["eval_auc"],
+        "reference_logloss": ref["eval_logloss"],
+        "reference_auc": ref["eval_auc"],
+        "reference_step_s": step_s,
+        "wall_s": job["wall_s"],
+        "reference_wall_s": ref["wall_s"],
     }
 
 
-SUMMED = ("retrained_steps", "ckpt_mb", "overhead_pct", "retrain_pct", "ckpt_pct", "wall_overhead_pct", "pls", "logloss_rel_pct",
-          "auc_delta", "restore_s", "stall_s", "partial_restores")
+SUMMED = (
+    "retrained_steps",
+    "ckpt_mb",
+    "overhead_pct",
+    "retrain_pct",
+    "ckpt_pct",
+    "wall_overhead_pct",
+    "pls",
+    "logloss_rel_pct",
+    "auc_delta",
+    "restore_s",
+    "stall_s",
+    "partial_restores",
+)
 
 
 def summarize(rows: list[dict], modes: list[str]) -> list[dict]:
     """Per mode, the mean over seeds of every compared figure."""
-    return [{"mode": m, "seeds": len(rs), **{k: fmean(r[k] for r in rs) for k in SUMMED}}
-            for m in modes if (rs := [r for r in rows if r["mode"] == m])]
+    return [
+        {"mode": m, "seeds": len(rs), **{k: fmean(r[k] for r in rs) for k in SUMMED}}
+        for m in modes
+        if (rs := [r for r in rows if r["mode"] == m])
+    ]
 
 
 def table(summary: list[dict]) -> str:
-    lines = ["| mode | re-trained steps | checkpoint MB written | overhead (re-train + ckpt) | of which ckpt | "
-             "wall vs uninterrupted | PLS | log loss vs uninterrupted | AUC vs uninterrupted |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| mode | re-trained steps | checkpoint MB written | overhead (re-train + ckpt) | of which ckpt | "
+        "wall vs uninterrupted | PLS | log loss vs uninterrupted | AUC vs uninterrupted |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for s in summary:
-        lines.append(f"| {s['mode']} | {s['retrained_steps']:.1f} | {s['ckpt_mb']:.1f} | {s['overhead_pct']:.2f}% | "
-                     f"{s['ckpt_pct']:.2f}% | "
-                     f"{s['wall_overhead_pct']:+.1f}% | {s['pls']:.4f} | {s['logloss_rel_pct']:+.3f}% | "
-                     f"{s['auc_delta']:+.4f} |")
+        lines.append(
+            f"| {s['mode']} | {s['retrained_steps']:.1f} | {s['ckpt_mb']:.1f} | {s['overhead_pct']:.2f}% | "
+            f"{s['ckpt_pct']:.2f}% | "
+            f"{s['wall_overhead_pct']:+.1f}% | {s['pls']:.4f} | {s['logloss_rel_pct']:+.3f}% | "
+            f"{s['auc_delta']:+.4f} |"
+        )
     return "\n".join(lines)
 
 
@@ -214,8 +271,13 @@ def plot(summary: list[dict], rows: list[dict], path: Path) -> str:
         modes = [s["mode"] for s in summary]
         x = range(len(modes))
         ax1.bar(x, [s["retrain_pct"] for s in summary], label="re-training", color="#c44e52")
-        ax1.bar(x, [s["ckpt_pct"] for s in summary], bottom=[s["retrain_pct"] for s in summary],
-                label="checkpoint stalls + restores", color="#4c72b0")
+        ax1.bar(
+            x,
+            [s["ckpt_pct"] for s in summary],
+            bottom=[s["retrain_pct"] for s in summary],
+            label="checkpoint stalls + restores",
+            color="#4c72b0",
+        )
         ax1.set_xticks(list(x), modes)
         ax1.set_ylabel("% of training time")
         ax1.set_title("failure-handling overhead")
@@ -238,15 +300,20 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--kills", type=int, default=5)
     p.add_argument("--interval", type=int, default=100, help="checkpoint every N steps")
-    p.add_argument("--kill-gap", type=int, default=0,
-                   help="least steps between kills (default interval + 20); the same gap gives the same kill points")
+    p.add_argument(
+        "--kill-gap",
+        type=int,
+        default=0,
+        help="least steps between kills (default interval + 20); the same gap gives the same kill points",
+    )
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="run.seed and the kill schedule's seed")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--batch", type=int, default=256, help="data.batch_size of the config (for sample counts)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-batches", type=int, default=16)
-    p.add_argument("--set", dest="overrides", action="append", default=["optimizer.sparse.lr=0.2"],
-                   help="more config overrides (repeatable)")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=["optimizer.sparse.lr=0.2"], help="more config overrides (repeatable)"
+    )
     p.add_argument("--timeout-s", type=float, default=900)
     p.add_argument("--out", default="cpr.json")
     p.add_argument("--plot-dir", type=Path)
@@ -271,18 +338,32 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite cpr") -> dict[
                 job = run_mode(mode, seed, kills, args, work)
                 rows.append(compare(job, ref, args))
                 r = rows[-1]
-                log(f"seed {seed} {mode}: {r['restores']} restores, {r['retrained_steps']} steps re-trained, overhead "
-                    f"{r['overhead_pct']:.2f}%, PLS {r['pls']:.4f}, log loss {r['logloss_rel_pct']:+.3f}%")
+                log(
+                    f"seed {seed} {mode}: {r['restores']} restores, {r['retrained_steps']} steps re-trained, overhead "
+                    f"{r['overhead_pct']:.2f}%, PLS {r['pls']:.4f}, log loss {r['logloss_rel_pct']:+.3f}%"
+                )
     finally:
         if args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
     machine["loadavg_end"] = loadavg()
     summary = summarize(rows, args.modes)
-    res = {**document_head("cpr", prog, argv, machine), "seconds": round(time.perf_counter() - t0, 1),
-           "settings": {"config": str(args.config), "steps": args.steps, "kills": args.kills, "interval": args.interval,
-                        "seeds": args.seeds, "overrides": args.overrides, "world_size": RANKS},
-           "schedules": {str(k): v for k, v in schedules.items()}, "rows": rows, "summary": summary,
-           "table_md": table(summary)}
+    res = {
+        **document_head("cpr", prog, argv, machine),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "settings": {
+            "config": str(args.config),
+            "steps": args.steps,
+            "kills": args.kills,
+            "interval": args.interval,
+            "seeds": args.seeds,
+            "overrides": args.overrides,
+            "world_size": RANKS,
+        },
+        "schedules": {str(k): v for k, v in schedules.items()},
+        "rows": rows,
+        "summary": summary,
+        "table_md": table(summary),
+    }
     print(res["table_md"])
     if args.plot_dir:
         res["plot"] = plot(summary, rows, Path(args.plot_dir) / "cpr_overhead_quality.png")

@@ -51,8 +51,8 @@ def _thread_cpu_s(task: Path) -> tuple[str, float, int] | None:
         stat = (task / "stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    comm = stat[stat.index("(") + 1: stat.rindex(")")]
-    fields = stat[stat.rindex(")") + 2:].split()
+    comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+    fields = stat[stat.rindex(")") + 2 :].split()
     minflt = int(fields[7])  # field 10 of stat
     try:
         return comm, int((task / "schedstat").read_text().split()[0]) / 1e9, minflt
@@ -66,7 +66,7 @@ def process_cpu_s(pid: int) -> float | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    fields = stat[stat.rindex(")") + 2:].split()
+    fields = stat[stat.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
@@ -91,7 +91,7 @@ class CpuLedger:
     started: dict[int, ThreadCpu] = field(default_factory=dict)  # each thread's figures at `start()`
     threads: dict[int, ThreadCpu] = field(default_factory=dict)
 
-    def start(self) -> "CpuLedger":
+    def start(self) -> CpuLedger:
         self.started = _read_threads()
         self.threads = {}
         self.sample()
@@ -143,8 +143,7 @@ def _read_threads() -> dict[int, ThreadCpu]:
     return out
 
 
-def checkpoint_cpu(job: list[dict], base: list[dict], checkpoints: int,
-                   broker_s: float | None = None) -> dict[str, float | None]:
+def checkpoint_cpu(job: list[dict], base: list[dict], checkpoints: int, broker_s: float | None = None) -> dict[str, float | None]:
     """CPU seconds per checkpoint a checkpointing job spent beyond the same job without
     checkpoints, summed over ranks (`job`, `base`: every rank's `bench.ckpt_rank.RankCpu` as a
     dict). The baseline is scaled to the job's steps. Keys (seconds per checkpoint):
@@ -169,8 +168,7 @@ def checkpoint_cpu(job: list[dict], base: list[dict], checkpoints: int,
         return sum(r["threads"][klass] for r in job) - scale * sum(r["threads"][klass] for r in base)
 
     base_total = scale * sum(sum(r["threads"].values()) for r in base)
-    parts = {"cpu_train": extra("train"), "cpu_writer": extra("writer"), "cpu_kafka": extra("kafka"),
-             "cpu_other": extra("other")}
+    parts = {"cpu_train": extra("train"), "cpu_writer": extra("writer"), "cpu_kafka": extra("kafka"), "cpu_other": extra("other")}
     trainer = sum(parts.values())
     out: dict[str, float | None] = {f"{k}_s_per_ckpt": v / checkpoints for k, v in parts.items()}
     out["cpu_stall_s_per_ckpt"] = sum(r["stall_cpu_s"] for r in job) / checkpoints

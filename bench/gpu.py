@@ -36,10 +36,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -154,8 +155,12 @@ def stall_case(n: int, dim: int, repeats: int) -> dict[str, Any]:
     marked = torch.zeros(2 * n, dtype=torch.bool, device=dev)
     marked[torch.randperm(2 * n, device=dev)[:n]] = True
     pool = HostBufferPool(2 * n * (dim * 4 + 12) + (64 << 20), pin_for=dev)  # as the manager's, pinned
-    taker = SnapshotTaker(_Shards([_Shard("t", 0, 0, weight, {"momentum1": state})]),  # type: ignore[arg-type]
-                          _MarkedRows(marked), dev, pool=pool)
+    taker = SnapshotTaker(
+        _Shards([_Shard("t", 0, 0, weight, {"momentum1": state})]),  # type: ignore[arg-type]
+        _MarkedRows(marked),
+        dev,
+        pool=pool,
+    )
     stalls, host = _timed_takes(taker, repeats, None)
     enc_stalls, enc_host = _timed_takes(taker, repeats, "adaptive4")
 
@@ -176,10 +181,22 @@ def stall_case(n: int, dim: int, repeats: int) -> dict[str, Any]:
     nbytes = n * (dim * 4 + 4 + 8)
     s, h, b = median(stalls), median(host), median(bares)
     es, eh = median(enc_stalls), median(enc_host)
-    return {"rows": n, "dim": dim, "bytes": nbytes, "stall_s": s, "host_copy_s": h, "bare_s": b,
-            "stall_over_bare": s / b, "host_copy_over_bare": h / b, "bare_GBps": nbytes / b / 1e9,
-            "encoded_stall_s": es, "encoded_host_copy_s": eh, "encoded_stall_over_bare": es / b,
-            "encoded_host_copy_over_bare": eh / b, "encoded_on_device": taker.device_encoder("adaptive4") is not None}
+    return {
+        "rows": n,
+        "dim": dim,
+        "bytes": nbytes,
+        "stall_s": s,
+        "host_copy_s": h,
+        "bare_s": b,
+        "stall_over_bare": s / b,
+        "host_copy_over_bare": h / b,
+        "bare_GBps": nbytes / b / 1e9,
+        "encoded_stall_s": es,
+        "encoded_host_copy_s": eh,
+        "encoded_stall_over_bare": es / b,
+        "encoded_host_copy_over_bare": eh / b,
+        "encoded_on_device": taker.device_encoder("adaptive4") is not None,
+    }
 
 
 # -- codecs ------------------------------------------------------------------------------------
@@ -200,8 +217,15 @@ def codec_case(name: str, n: int, dim: int, repeats: int) -> dict[str, Any]:
     e = median(_sync_time(lambda: codec.encode(x)) for _ in range(repeats))
     d = median(_sync_time(lambda: codec.decode(enc, dim)) for _ in range(repeats))
     nbytes = x.numel() * 4
-    return {"codec": name, "rows": n, "dim": dim, "encode_s": e, "decode_s": d,
-            "encode_GBps": nbytes / e / 1e9, "decode_GBps": nbytes / d / 1e9}
+    return {
+        "codec": name,
+        "rows": n,
+        "dim": dim,
+        "encode_s": e,
+        "decode_s": d,
+        "encode_GBps": nbytes / e / 1e9,
+        "decode_GBps": nbytes / d / 1e9,
+    }
 
 
 # -- restore -----------------------------------------------------------------------------------
@@ -235,12 +259,30 @@ def restore_case(n: int, dim: int, repeats: int) -> dict[str, Any]:
     weights, state = torch.randn(n, dim, generator=g), torch.rand(n, generator=g)
     ids = torch.arange(n)
     codec = get_codec("adaptive4")
-    frames = [f.data for f in chunk_rows(run_id=RUN, checkpoint_id=1, rank=0, table="t", col_offset=0, dim=dim,
-                                         encoding=codec.code, row_ids=ids, payload=codec.encode(weights),
-                                         optim=[OptimState("momentum1", get_codec("fp32").code, state.unsqueeze(1))])]
-    link = ChainLink(checkpoint_id=1, full=True, generation=1, ranges={0: [OffsetRange(0, len(frames) - 1)]},
-                     rows=n, bytes=sum(map(len, frames)),
-                     index=[IndexEntry(0, 0, len(frames) - 1, "t", 0, 0, n - 1, dim)])
+    frames = [
+        f.data
+        for f in chunk_rows(
+            run_id=RUN,
+            checkpoint_id=1,
+            rank=0,
+            table="t",
+            col_offset=0,
+            dim=dim,
+            encoding=codec.code,
+            row_ids=ids,
+            payload=codec.encode(weights),
+            optim=[OptimState("momentum1", get_codec("fp32").code, state.unsqueeze(1))],
+        )
+    ]
+    link = ChainLink(
+        checkpoint_id=1,
+        full=True,
+        generation=1,
+        ranges={0: [OffsetRange(0, len(frames) - 1)]},
+        rows=n,
+        bytes=sum(map(len, frames)),
+        index=[IndexEntry(0, 0, len(frames) - 1, "t", 0, 0, n - 1, dim)],
+    )
     marker = Marker(kind="commit", run_id=RUN, checkpoint_id=1, step=1, world_size=1, chain=[link])
     out: dict[str, Any] = {"rows": n, "dim": dim, "frames": len(frames), "bytes": link.bytes}
     result: dict[str, list[torch.Tensor]] = {}
@@ -257,8 +299,15 @@ def restore_case(n: int, dim: int, repeats: int) -> dict[str, Any]:
             times.append(time.perf_counter() - t0)
         result[device] = [view.weight.cpu(), view.optimizer_states["momentum1"].cpu()]
         s = median(times[1:])
-        out.update({f"{device}_s": s, f"{device}_MBps": link.bytes / s / 1e6, f"{device}_decode_s": got.decode_s,
-                    f"{device}_apply_s": got.apply_s, f"{device}_fetch_s": got.fetch_s})  # parts: the last repeat
+        out.update(
+            {
+                f"{device}_s": s,
+                f"{device}_MBps": link.bytes / s / 1e6,
+                f"{device}_decode_s": got.decode_s,
+                f"{device}_apply_s": got.apply_s,
+                f"{device}_fetch_s": got.fetch_s,
+            }
+        )  # parts: the last repeat
     out["cuda_over_cpu"] = out["cuda_s"] / out["cpu_s"]
     out["same_bits"] = all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(result["cpu"], result["cuda"]))
     return out
@@ -271,8 +320,19 @@ def _train(config: str, overrides: list[str], run_dir: Path, timeout_s: float) -
     """One single-process trainer job on this GPU; its metrics records."""
     from launch.ranks import read_metrics
 
-    cmd = [sys.executable, "-m", "trainer.main", "--config", config, f"run.dir={run_dir}", "train.progress=log",
-           "train.eval_every=0", "train.eval_batches=0", "sharding.default=table_wise", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer.main",
+        "--config",
+        config,
+        f"run.dir={run_dir}",
+        "train.progress=log",
+        "train.eval_every=0",
+        "train.eval_batches=0",
+        "sharding.default=table_wise",
+        *overrides,
+    ]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
         raise RuntimeError(f"job failed ({done.returncode}): {done.stderr[-3000:]}")
@@ -295,24 +355,42 @@ def overhead_case(config: str, seconds: float, interval_s: float, workdir: Path)
     from trainer.config import load_config
 
     batch, log_every = load_config(config, [], check_data=False).data.batch_size, 100
-    probe = _train(config, ["train.steps=1500", f"train.log_every={log_every}", "ckpt.enabled=false"],
-                   workdir / "probe", 600)
+    probe = _train(config, ["train.steps=1500", f"train.log_every={log_every}", "ckpt.enabled=false"], workdir / "probe", 600)
     steps_per_s = _rate(probe, batch, log_every)[0] / batch
     steps = int(steps_per_s * seconds) // log_every * log_every
     log(f"overhead: {steps_per_s:.0f} steps/s without checkpoints; jobs of {steps:,} steps")
     common = [f"train.steps={steps}", f"train.log_every={log_every}"]
     none = _train(config, [*common, "ckpt.enabled=false"], workdir / "none", seconds * 4)
     with EmbeddedBroker() as broker:
-        ckpt = _train(config, [*common, "ckpt.enabled=true", "ckpt.sink=kafka", f"ckpt.bootstrap_servers={broker.bootstrap}",
-                               "ckpt.run_id=gpu-overhead", "ckpt.interval_steps=0", f"ckpt.interval_s={interval_s}"],
-                      workdir / "kafka", seconds * 4)
+        ckpt = _train(
+            config,
+            [
+                *common,
+                "ckpt.enabled=true",
+                "ckpt.sink=kafka",
+                f"ckpt.bootstrap_servers={broker.bootstrap}",
+                "ckpt.run_id=gpu-overhead",
+                "ckpt.interval_steps=0",
+                f"ckpt.interval_s={interval_s}",
+            ],
+            workdir / "kafka",
+            seconds * 4,
+        )
     (r0, m0), (r1, m1) = _rate(none, batch, log_every), _rate(ckpt, batch, log_every)
     ckpts = [r for r in ckpt if "ckpt_id" in r]
-    return {"steps": steps, "interval_s": interval_s, "samples_per_s_none": r0, "samples_per_s_ckpt": r1,
-            "median_window_none": m0, "median_window_ckpt": m1, "overhead": 1 - r1 / r0,
-            "checkpoints": len(ckpts), "committed": sum(bool(r.get("ckpt_committed")) for r in ckpts),
-            "stall_ms_max": max((r["ckpt_stall_ms"] for r in ckpts), default=None),
-            "durable_s_max": max((r["ckpt_durable_s"] or 0 for r in ckpts), default=None)}
+    return {
+        "steps": steps,
+        "interval_s": interval_s,
+        "samples_per_s_none": r0,
+        "samples_per_s_ckpt": r1,
+        "median_window_none": m0,
+        "median_window_ckpt": m1,
+        "overhead": 1 - r1 / r0,
+        "checkpoints": len(ckpts),
+        "committed": sum(bool(r.get("ckpt_committed")) for r in ckpts),
+        "stall_ms_max": max((r["ckpt_stall_ms"] for r in ckpts), default=None),
+        "durable_s_max": max((r["ckpt_durable_s"] or 0 for r in ckpts), default=None),
+    }
 
 
 # -- the suite ---------------------------------------------------------------------------------
@@ -324,18 +402,26 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite gpu") -> dict[
         raise SystemExit(f"{prog}: needs CUDA, and torch sees no GPU")
     machine = machine_info()
     parts = set(args.parts.split(","))
-    result: dict[str, Any] = {**document_head("gpu", prog, argv, machine), "device": torch.cuda.get_device_name(0),
-                              "stall": [], "codecs": [], "restore": [], "overhead": []}
+    result: dict[str, Any] = {
+        **document_head("gpu", prog, argv, machine),
+        "device": torch.cuda.get_device_name(0),
+        "stall": [],
+        "codecs": [],
+        "restore": [],
+        "overhead": [],
+    }
     if "stall" in parts:
         for dim in _ints(args.dims):
             for n in _ints(args.rows):
                 case = stall_case(n, dim, args.repeats)
                 torch.cuda.empty_cache()  # the case's tables and buffers are gone: give their memory back
                 torch._C._host_emptyCache()  # and the pinned host blocks the caching host allocator kept
-                log(f"stall n={n:,} d={dim}: {case['stall_s'] * 1e3:.3f} ms (host copy {case['host_copy_s'] * 1e3:.2f}) "
+                log(
+                    f"stall n={n:,} d={dim}: {case['stall_s'] * 1e3:.3f} ms (host copy {case['host_copy_s'] * 1e3:.2f}) "
                     f"vs bare {case['bare_s'] * 1e3:.3f} ms: {case['stall_over_bare']:.2f}x; bare {case['bare_GBps']:.1f} GB/s; "
                     f"adaptive4 on the device: stall {case['encoded_stall_s'] * 1e3:.3f} ms, host copy "
-                    f"{case['encoded_host_copy_s'] * 1e3:.2f} ms ({case['encoded_host_copy_over_bare']:.2f}x bare)")
+                    f"{case['encoded_host_copy_s'] * 1e3:.2f} ms ({case['encoded_host_copy_over_bare']:.2f}x bare)"
+                )
                 result["stall"].append(case)
     if "codecs" in parts:
         cases = [("adaptive4", d) for d in _ints(args.codec_dims)]
@@ -348,16 +434,20 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite gpu") -> dict[
     if "restore" in parts:
         for dim in (32, 128):
             case = restore_case(args.restore_rows, dim, args.repeats)
-            log(f"restore n={case['rows']:,} d={dim}: cpu {case['cpu_s']:.3f} s, cuda {case['cuda_s']:.3f} s "
+            log(
+                f"restore n={case['rows']:,} d={dim}: cpu {case['cpu_s']:.3f} s, cuda {case['cuda_s']:.3f} s "
                 f"({case['cuda_MBps']:.0f} MB/s; decode {case['cuda_decode_s']:.3f}, apply {case['cuda_apply_s']:.3f}); "
-                f"same bits {case['same_bits']}")
+                f"same bits {case['same_bits']}"
+            )
             result["restore"].append(case)
     if "overhead" in parts:
         with tempfile.TemporaryDirectory(prefix="deltarec-gpu-") as tmp:
             case = overhead_case(config_path(args.config), args.overhead_s, args.interval_s, Path(tmp))
-        log(f"overhead at {args.interval_s:.0f} s: {case['samples_per_s_none']:,.0f} -> {case['samples_per_s_ckpt']:,.0f} "
+        log(
+            f"overhead at {args.interval_s:.0f} s: {case['samples_per_s_none']:,.0f} -> {case['samples_per_s_ckpt']:,.0f} "
             f"samples/s ({case['overhead']:.2%}); {case['committed']}/{case['checkpoints']} checkpoints committed, "
-            f"stall max {case['stall_ms_max']} ms")
+            f"stall max {case['stall_ms_max']} ms"
+        )
         result["overhead"].append(case)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

@@ -23,10 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import median
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -107,8 +108,9 @@ def _event_time(fn: Callable[[], object]) -> float:
     return start.elapsed_time(end) / 1e3
 
 
-def triton_throughput(rows: int, dims: Sequence[int], bits_list: Sequence[int], repeats: int,
-                      other_dim: int = OTHER_WIDTH_DIM) -> list[TritonThroughput]:
+def triton_throughput(
+    rows: int, dims: Sequence[int], bits_list: Sequence[int], repeats: int, other_dim: int = OTHER_WIDTH_DIM
+) -> list[TritonThroughput]:
     """adaptive4 (if 4 is in ``bits_list``) at every width of ``dims``, each other width at
     ``other_dim``: the Triton encode's and the torch reference's median time over ``repeats`` fresh
     batches of ``rows`` rows, and the rows whose bytes differ between them (over every batch)."""
@@ -124,16 +126,26 @@ def triton_throughput(rows: int, dims: Sequence[int], bits_list: Sequence[int], 
         for r in range(repeats):
             x = _rows(rows, dim, 1 + r, dev)
             got: list[torch.Tensor] = []
-            t_triton.append(_event_time(lambda: got.append(adaptive_triton.encode_rows_device(x, bits, nbins, steps,
-                                                                                               refits)[0])))
+            t_triton.append(_event_time(lambda: got.append(adaptive_triton.encode_rows_device(x, bits, nbins, steps, refits)[0])))
             want: list[torch.Tensor] = []
             t_torch.append(_event_time(lambda: want.append(fast_encode_torch(x, bits, nbins, ratio, refits))))
             differing += int((got[0] != want[0]).any(1).sum())
         a, b = median(t_triton), median(t_torch)
         nbytes = rows * dim * 4
-        out.append(TritonThroughput(codec=f"adaptive{bits}", bits=bits, rows=rows, dim=dim, triton_s=a,
-                                    triton_GBps=nbytes / a / 1e9, torch_s=b, torch_GBps=nbytes / b / 1e9,
-                                    speedup=b / a, rows_differing=differing))
+        out.append(
+            TritonThroughput(
+                codec=f"adaptive{bits}",
+                bits=bits,
+                rows=rows,
+                dim=dim,
+                triton_s=a,
+                triton_GBps=nbytes / a / 1e9,
+                torch_s=b,
+                torch_GBps=nbytes / b / 1e9,
+                speedup=b / a,
+                rows_differing=differing,
+            )
+        )
         torch.cuda.empty_cache()
     return out
 
@@ -185,9 +197,21 @@ def device_vs_host(rows: int, dims: Sequence[int], repeats: int) -> list[DeviceV
             same = same and torch.equal(enc, enc_host)
         a, b = median(t_dev), median(t_host)
         nbytes = rows * dim * 4
-        out.append(DeviceVsHost(rows=rows, dim=dim, device_s=a, device_GBps=nbytes / a / 1e9, host_s=b,
-                                host_GBps=nbytes / b / 1e9, host_copy_s=median(t_copy), host_over_device=b / a,
-                                device_pcie_bytes=rows * (row_bytes + 1), host_pcie_bytes=nbytes, same_bytes=same))
+        out.append(
+            DeviceVsHost(
+                rows=rows,
+                dim=dim,
+                device_s=a,
+                device_GBps=nbytes / a / 1e9,
+                host_s=b,
+                host_GBps=nbytes / b / 1e9,
+                host_copy_s=median(t_copy),
+                host_over_device=b / a,
+                device_pcie_bytes=rows * (row_bytes + 1),
+                host_pcie_bytes=nbytes,
+                same_bytes=same,
+            )
+        )
         torch.cuda.empty_cache()
     return out
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -48,8 +49,9 @@ def start_job(cfg: JobConfig, metrics_path: Path | None = None, evaluate: bool =
     from trainer.metrics import MetricsLog
 
     env = detect_env()
-    device = init_process_group(env, backend=cfg.sharding.backend, init_method=cfg.sharding.init_method,
-                                timeout_s=cfg.sharding.timeout_s)
+    device = init_process_group(
+        env, backend=cfg.sharding.backend, init_method=cfg.sharding.init_method, timeout_s=cfg.sharding.timeout_s
+    )
     metrics = MetricsLog(metrics_path or Path("unused"), enabled=metrics_path is not None and env.rank == 0)
     sharded, trainer = build_job(cfg, env, device, metrics, evaluate=evaluate)
     return Job(env, device, sharded, trainer, metrics)
@@ -90,6 +92,7 @@ def timed(fn: Callable[[], Any], device: torch.device | None = None) -> tuple[fl
 def fingerprint(smap: ShardMap, sharded: ShardedModel) -> list[float]:
     """Sums of every local embedding shard (weights and optimizer states) and dense
     parameter: equal fingerprints after a load mean the state came back."""
+
     def total(t: torch.Tensor) -> float:  # accumulated in float64 without a float64 copy of the tensor
         return float(t.detach().sum(dtype=torch.float64))
 

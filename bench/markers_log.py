@@ -21,9 +21,10 @@ import argparse
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from statistics import median
-from typing import Any, Callable
+from typing import Any
 
 from bench.common import Measurement, document_head, log, machine_info, scalars
 from ckpt.catalog import Catalog, read_catalog
@@ -50,22 +51,43 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def _link(cid: int, base: int, full: bool) -> ChainLink:
-    index = [IndexEntry(rank, 1000 * cid + i, 1000 * cid + i + 3, f"t_{i % TABLES}", 0, 0, 200_000, 64)
-             for rank in range(2) for i in range(INDEX_PER_RANK)]
-    return ChainLink(checkpoint_id=cid, full=full, generation=base, rows=123_456, bytes=78_000_000, epoch=1,
-                     ranges={rank: [OffsetRange(1000 * cid, 1000 * cid + 400)] for rank in range(2)}, index=index)
+    index = [
+        IndexEntry(rank, 1000 * cid + i, 1000 * cid + i + 3, f"t_{i % TABLES}", 0, 0, 200_000, 64)
+        for rank in range(2)
+        for i in range(INDEX_PER_RANK)
+    ]
+    return ChainLink(
+        checkpoint_id=cid,
+        full=full,
+        generation=base,
+        rows=123_456,
+        bytes=78_000_000,
+        epoch=1,
+        ranges={rank: [OffsetRange(1000 * cid, 1000 * cid + 400)] for rank in range(2)},
+        index=index,
+    )
 
 
 def _commit(cid: int) -> Marker:
     """The default policy's marker: a full checkpoint every tenth, a delta of it otherwise."""
     base = max(1, cid - (cid - 1) % 10)
     chain = [_link(base, base, True)] + ([_link(cid, base, False)] if cid != base else [])
-    return Marker(kind="commit", run_id=RUN, checkpoint_id=cid, step=170 * cid, world_size=2, chain=chain,
-                  policy="intermittent_diff", plan={f"t_{i}": "row_wise" for i in range(TABLES)},
-                  tables={f"t_{i}": [200_000, 64] for i in range(TABLES)},
-                  encodings={"weights": "adaptive4", "optimizer": "fp32"},
-                  dense={"path": f"/runs/x/dense/ckpt_{cid}.pt", "sha256": "ab" * 32, "bytes": 123_456},
-                  stall_ms=[30.0, 31.0], attempt="host:1:abcd", created_unix=1.7e9 + cid)
+    return Marker(
+        kind="commit",
+        run_id=RUN,
+        checkpoint_id=cid,
+        step=170 * cid,
+        world_size=2,
+        chain=chain,
+        policy="intermittent_diff",
+        plan={f"t_{i}": "row_wise" for i in range(TABLES)},
+        tables={f"t_{i}": [200_000, 64] for i in range(TABLES)},
+        encodings={"weights": "adaptive4", "optimizer": "fp32"},
+        dense={"path": f"/runs/x/dense/ckpt_{cid}.pt", "sha256": "ab" * 32, "bytes": 123_456},
+        stall_ms=[30.0, 31.0],
+        attempt="host:1:abcd",
+        created_unix=1.7e9 + cid,
+    )
 
 
 class _Writer:
@@ -89,8 +111,7 @@ class _Writer:
                 self.records += 1
 
 
-def _timed(open_reader: Callable[[], MarkerLog], read: Callable[[MarkerLog, str], Catalog]
-           ) -> tuple[float, int, int]:
+def _timed(open_reader: Callable[[], MarkerLog], read: Callable[[MarkerLog, str], Catalog]) -> tuple[float, int, int]:
     """Seconds to read the log and list what is restorable, records decoded, the newest id."""
     reader = open_reader()
     try:
@@ -103,8 +124,9 @@ def _timed(open_reader: Callable[[], MarkerLog], read: Callable[[MarkerLog, str]
         reader.close()
 
 
-def _measure(sink: str, open_reader: Callable[[], MarkerLog], writer: _Writer, lengths: list[int],
-             repeats: int) -> list[dict[str, Any]]:
+def _measure(
+    sink: str, open_reader: Callable[[], MarkerLog], writer: _Writer, lengths: list[int], repeats: int
+) -> list[dict[str, Any]]:
     rows = []
     for n in lengths:
         writer.grow_to(n)
@@ -115,13 +137,22 @@ def _measure(sink: str, open_reader: Callable[[], MarkerLog], writer: _Writer, l
             s_recent, read_recent, newest_recent = _timed(open_reader, read_recent_catalog)
             whole.append(s_whole)
             recent.append(s_recent)
-        row = {"sink": sink, "commits": n, "records": writer.records, "whole_s": median(whole),
-               "recent_s": median(recent), "speedup": median(whole) / median(recent),
-               "whole_records_read": read_whole, "recent_records_read": read_recent,
-               "same_checkpoint": newest_whole == newest_recent == n}
-        log(f"{sink} {n} commits ({writer.records} records): whole log {row['whole_s'] * 1e3:.1f} ms, from the "
+        row = {
+            "sink": sink,
+            "commits": n,
+            "records": writer.records,
+            "whole_s": median(whole),
+            "recent_s": median(recent),
+            "speedup": median(whole) / median(recent),
+            "whole_records_read": read_whole,
+            "recent_records_read": read_recent,
+            "same_checkpoint": newest_whole == newest_recent == n,
+        }
+        log(
+            f"{sink} {n} commits ({writer.records} records): whole log {row['whole_s'] * 1e3:.1f} ms, from the "
             f"newest catalog record {row['recent_s'] * 1e3:.1f} ms ({row['speedup']:.1f}x; {read_recent} records "
-            f"decoded against {read_whole})")
+            f"decoded against {read_whole})"
+        )
         rows.append(row)
     return rows
 
@@ -134,23 +165,27 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite markers") -> d
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="markers-bench-") as tmp:
         if "fs" in sinks:
-            rows += _measure("fs", lambda: FsMarkers(tmp, RUN), _Writer(FsMarkers(tmp, RUN), args.catalog_every),
-                             lengths, args.repeats)
+            rows += _measure(
+                "fs", lambda: FsMarkers(tmp, RUN), _Writer(FsMarkers(tmp, RUN), args.catalog_every), lengths, args.repeats
+            )
         if "kafka" in sinks:
             with EmbeddedBroker() as broker:
                 conf = {"bootstrap.servers": broker.bootstrap}
                 writer = _Writer(KafkaMarkers(RUN, conf, timeout_s=30.0), args.catalog_every)
-                rows += _measure("kafka", lambda: KafkaMarkers(RUN, conf, timeout_s=30.0), writer, lengths,
-                                 args.repeats)
-    result = {**document_head("markers", prog, argv, machine),
-              "settings": {"commits": lengths, "repeats": args.repeats, "catalog_every": args.catalog_every},
-              "rows": rows}
+                rows += _measure("kafka", lambda: KafkaMarkers(RUN, conf, timeout_s=30.0), writer, lengths, args.repeats)
+    result = {
+        **document_head("markers", prog, argv, machine),
+        "settings": {"commits": lengths, "repeats": args.repeats, "catalog_every": args.catalog_every},
+        "rows": rows,
+    }
     print("| sink | commits | records | whole log | from the newest catalog record | speedup | records decoded |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for r in rows:
-        print(f"| {r['sink']} | {r['commits']:,} | {r['records']:,} | {r['whole_s'] * 1e3:.1f} ms | "
-              f"{r['recent_s'] * 1e3:.1f} ms | {r['speedup']:.1f}x | {r['recent_records_read']} of "
-              f"{r['whole_records_read']} |")
+        print(
+            f"| {r['sink']} | {r['commits']:,} | {r['records']:,} | {r['whole_s'] * 1e3:.1f} ms | "
+            f"{r['recent_s'] * 1e3:.1f} ms | {r['speedup']:.1f}x | {r['recent_records_read']} of "
+            f"{r['whole_records_read']} |"
+        )
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     return result
@@ -160,6 +195,9 @@ def measurements(result: dict[str, Any]) -> list[Measurement]:
     """One record per figure of each (sink, log length)."""
     out = []
     for r in result["rows"]:
-        out += scalars({k: v for k, v in r.items() if k not in ("sink", "commits")},
-                       {"sink": r["sink"], "commits": r["commits"]}, units={"speedup": "x", "records": "records"})
+        out += scalars(
+            {k: v for k, v in r.items() if k not in ("sink", "commits")},
+            {"sink": r["sink"], "commits": r["commits"]},
+            units={"speedup": "x", "records": "records"},
+        )
     return out

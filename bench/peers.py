@@ -48,8 +48,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import (REPO, RESTORE_PARTS, Measurement, config_path, document_head, figure, harmonic_of,
-                          loadavg, log, machine_info, mean_of, median_of, ratio, unit_of)
+from bench.common import (
+    REPO,
+    RESTORE_PARTS,
+    Measurement,
+    config_path,
+    document_head,
+    figure,
+    harmonic_of,
+    loadavg,
+    log,
+    machine_info,
+    mean_of,
+    median_of,
+    ratio,
+    unit_of,
+)
 from bench.cpu import checkpoint_cpu, process_cpu_s
 from launch.broker import EmbeddedBroker
 
@@ -61,20 +75,60 @@ PEERS = ("dcp.save", "dcp.async_save", "torch.save")
 FOLLOWER = "incremental+follower"
 
 # Criteo Kaggle's 26 categorical cardinalities (configs/criteo_kaggle_8gpu.yaml)
-CRITEO_KAGGLE = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
-                 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
+CRITEO_KAGGLE = [
+    1460,
+    583,
+    10131227,
+    2202608,
+    305,
+    24,
+    12517,
+    633,
+    3,
+    93145,
+    5683,
+    8351593,
+    3194,
+    27,
+    14992,
+    5461306,
+    10,
+    5652,
+    2173,
+    4,
+    7046547,
+    18,
+    15,
+    286181,
+    105,
+    142572,
+]
 
 SIZES: dict[str, dict[str, Any]] = {
     # the quickstart model (8 tables, 457k rows, 2 ranks); ~2.5-4.5 minutes here with the follower jobs
     # follower_intervals: checkpoints of the deltarec + follower jobs, enough for the follower's
     # default thresholds (deltas >= half the baseline's bytes, or 8 deltas) to compact at least once
-    "quick": {"config": "configs/quickstart.yaml", "steps": 48, "interval": 12, "repeats": 3, "overrides": [],
-              "follower_intervals": 12},
+    "quick": {
+        "config": "configs/quickstart.yaml",
+        "steps": 48,
+        "interval": 12,
+        "repeats": 3,
+        "overrides": [],
+        "follower_intervals": 12,
+    },
     # 26 tables with Criteo Kaggle's cardinalities capped at 1M rows, dim 64: 5.6M rows,
     # 1.43 GB of fp32 embeddings (+ row-wise momentum); not run within CI
     # steps: ~0.35 s each here, so an interval of 170 steps is about one minute
-    "full": {"config": None, "steps": 510, "interval": 170, "repeats": 2, "cap": 1_000_000, "dim": 64,
-             "overrides": ["data.batch_size=2048"], "follower_intervals": 8},
+    "full": {
+        "config": None,
+        "steps": 510,
+        "interval": 170,
+        "repeats": 2,
+        "cap": 1_000_000,
+        "dim": 64,
+        "overrides": ["data.batch_size=2048"],
+        "follower_intervals": 8,
+    },
 }
 
 
@@ -86,7 +140,8 @@ def full_config(path: Path, cap: int, dim: int) -> Path:
     data["run"]["name"] = "bench_full"
     data["model"]["tables"] = [
         {"name": f"t_cat_{i}", "num_embeddings": min(n, cap), "embedding_dim": dim, "features": [f"cat_{i}"]}
-        for i, n in enumerate(CRITEO_KAGGLE)]
+        for i, n in enumerate(CRITEO_KAGGLE)
+    ]
     data["model"]["dense_arch_layer_sizes"] = [128, dim]
     data["model"]["over_arch_layer_sizes"] = [256, 64, 1]
     data["sharding"] = {"default": "table_wise"}
@@ -101,15 +156,20 @@ def capacity(config: str, overrides: list[str], bootstrap: str, run_id: str, ran
     from ckpt.markers import commits
     from trainer.config import load_config
 
-    cfg = load_config(config, [*overrides, "ckpt.enabled=true", f"ckpt.bootstrap_servers={bootstrap}",
-                               f"ckpt.run_id={run_id}"], check_data=False)
+    cfg = load_config(
+        config,
+        [*overrides, "ckpt.enabled=true", f"ckpt.bootstrap_servers={bootstrap}", f"ckpt.run_id={run_id}"],
+        check_data=False,
+    )
     backend = open_backend(cfg.ckpt, ranks)
     try:
         found = commits(backend.markers.read_markers(), run_id)
     finally:
         backend.close()
-    return {m.checkpoint_id: {"chain_bytes": m.chain_bytes, "dense_bytes": int(m.dense.get("bytes", 0)),
-                              "links": len(m.chain)} for _, m in found}
+    return {
+        m.checkpoint_id: {"chain_bytes": m.chain_bytes, "dense_bytes": int(m.dense.get("bytes", 0)), "links": len(m.chain)}
+        for _, m in found
+    }
 
 
 def steps_lost(ckpts: list[tuple[int, int | None]], interval: int, steps: int) -> float | None:
@@ -133,16 +193,24 @@ def broker_cpu_s(broker: EmbeddedBroker) -> float:
     return cpu
 
 
-def deltarec_job(policy: str, encoding: str, s: dict[str, Any], work: Path, broker: EmbeddedBroker, prefix: str,
-                 timeout_s: float) -> dict[str, Any]:
+def deltarec_job(
+    policy: str, encoding: str, s: dict[str, Any], work: Path, broker: EmbeddedBroker, prefix: str, timeout_s: float
+) -> dict[str, Any]:
     """One deltarec job on its own fresh broker (`broker`, started for it): its checkpoints,
     throughput, the capacity of each checkpoint and the broker's CPU while it trained."""
     from bench.ckpt_bench import train_run
     from launch.ranks import read_metrics
 
     label = f"{policy}-{encoding}"
-    ns = Namespace(policy=policy, interval=s["interval"], steps=s["steps"], overrides=["ckpt.final=false", *s["overrides"]],
-                   config=s["config"], ranks=2, timeout_s=timeout_s)
+    ns = Namespace(
+        policy=policy,
+        interval=s["interval"],
+        steps=s["steps"],
+        overrides=["ckpt.final=false", *s["overrides"]],
+        config=s["config"],
+        ranks=2,
+        timeout_s=timeout_s,
+    )
     bootstrap, cpu0 = broker.bootstrap, broker_cpu_s(broker)
     run = train_run(label, [f"ckpt.encoding={encoding}"], ns, work, bootstrap, prefix)
     run["broker_cpu_s"], run["bootstrap"] = broker_cpu_s(broker) - cpu0, bootstrap
@@ -196,7 +264,7 @@ class FollowerThread:
         self._done_at = 0.0
         self._thread = threading.Thread(target=self._run, name="bench-follower", daemon=True)
 
-    def start(self) -> "FollowerThread":
+    def start(self) -> FollowerThread:
         self._thread.start()
         return self
 
@@ -237,8 +305,7 @@ class FollowerThread:
             self.error = self.error or f"still running {self.grace_s + 120:.0f} s after training ended"
 
 
-def chain_capacity(config: str, overrides: list[str], bootstrap: str, run_id: str,
-                   ranks: int) -> dict[int, dict[str, Any]]:
+def chain_capacity(config: str, overrides: list[str], bootstrap: str, run_id: str, ranks: int) -> dict[int, dict[str, Any]]:
     """Per committed checkpoint id: bytes of its cheapest restorable chain (`ckpt.catalog`,
     compacted baselines included) and of its dense file, as of the end of its interval: the
     markers log folded in order up to the next COMMIT (the newest: to the end of the log)."""
@@ -247,8 +314,11 @@ def chain_capacity(config: str, overrides: list[str], bootstrap: str, run_id: st
     from ckpt.sink import is_compacted
     from trainer.config import load_config
 
-    cfg = load_config(config, [*overrides, "ckpt.enabled=true", f"ckpt.bootstrap_servers={bootstrap}",
-                               f"ckpt.run_id={run_id}"], check_data=False)
+    cfg = load_config(
+        config,
+        [*overrides, "ckpt.enabled=true", f"ckpt.bootstrap_servers={bootstrap}", f"ckpt.run_id={run_id}"],
+        check_data=False,
+    )
     backend = open_backend(cfg.ckpt, ranks)
     try:
         records = backend.markers.read_markers()
@@ -261,11 +331,15 @@ def chain_capacity(config: str, overrides: list[str], bootstrap: str, run_id: st
         own = catalog.commits[cid]
         m = catalog.cheapest(own)
         if m is not None:
-            out[cid] = {"chain_bytes": m.chain_bytes, "dense_bytes": int(m.dense.get("bytes", 0)),
-                        "links": len(m.chain), "chain": [link.checkpoint_id for link in m.chain],
-                        "from_compacted": is_compacted(m.chain[0].generation),
-                        # the trainer's own COMMIT already starts from a compacted baseline (it rebased)
-                        "marker_from_compacted": is_compacted(own.chain[0].generation)}
+            out[cid] = {
+                "chain_bytes": m.chain_bytes,
+                "dense_bytes": int(m.dense.get("bytes", 0)),
+                "links": len(m.chain),
+                "chain": [link.checkpoint_id for link in m.chain],
+                "from_compacted": is_compacted(m.chain[0].generation),
+                # the trainer's own COMMIT already starts from a compacted baseline (it rebased)
+                "marker_from_compacted": is_compacted(own.chain[0].generation),
+            }
 
     newest: int | None = None
     for record in records:
@@ -280,8 +354,16 @@ def chain_capacity(config: str, overrides: list[str], bootstrap: str, run_id: st
     return out
 
 
-def follower_job(encoding: str, s: dict[str, Any], work: Path, broker: EmbeddedBroker, prefix: str, timeout_s: float,
-                 intervals: int, grace_s: float) -> dict[str, Any]:
+def follower_job(
+    encoding: str,
+    s: dict[str, Any],
+    work: Path,
+    broker: EmbeddedBroker,
+    prefix: str,
+    timeout_s: float,
+    intervals: int,
+    grace_s: float,
+) -> dict[str, Any]:
     """deltarec + follower: the `incremental` policy over `intervals` checkpoints with a
     follower compacting its chain (started before the ranks, stopped once it has applied the
     newest COMMIT); then its lag and compactions, and the cheapest chain per checkpoint.
@@ -295,14 +377,30 @@ def follower_job(encoding: str, s: dict[str, Any], work: Path, broker: EmbeddedB
     label = f"incremental-follower-{encoding}"  # a run id: Kafka topic names take no "+"
     run_id, run_dir = f"{prefix}-{label}", work / label / "run"
     steps = s["interval"] * intervals
-    ns = Namespace(policy="incremental", interval=s["interval"], steps=steps, config=s["config"], ranks=2,
-                   overrides=["ckpt.final=false", *s["overrides"]], timeout_s=timeout_s)
-    job = [f"run.dir={run_dir}", "ckpt.enabled=true", f"ckpt.bootstrap_servers={bootstrap}",
-           f"ckpt.run_id={run_id}", "ckpt.policy=incremental", f"ckpt.interval_steps={s['interval']}",
-           f"ckpt.encoding={encoding}", *ns.overrides]
+    ns = Namespace(
+        policy="incremental",
+        interval=s["interval"],
+        steps=steps,
+        config=s["config"],
+        ranks=2,
+        overrides=["ckpt.final=false", *s["overrides"]],
+        timeout_s=timeout_s,
+    )
+    job = [
+        f"run.dir={run_dir}",
+        "ckpt.enabled=true",
+        f"ckpt.bootstrap_servers={bootstrap}",
+        f"ckpt.run_id={run_id}",
+        "ckpt.policy=incremental",
+        f"ckpt.interval_steps={s['interval']}",
+        f"ckpt.encoding={encoding}",
+        *ns.overrides,
+    ]
     cfg = load_config(s["config"], job, check_data=False).ckpt  # what `deltarec-follow --config C job...` resolves
-    log(f"follower for run {run_id} (compact at deltas >= {cfg.follow.compact_ratio} x the baseline or "
-        f"{cfg.follow.compact_links} links; poll every {cfg.follow.poll_s} s)")
+    log(
+        f"follower for run {run_id} (compact at deltas >= {cfg.follow.compact_ratio} x the baseline or "
+        f"{cfg.follow.compact_links} links; poll every {cfg.follow.poll_s} s)"
+    )
     follower = FollowerThread(cfg, grace_s).start()
     try:
         run = train_run(label, [f"ckpt.encoding={encoding}"], ns, work, bootstrap, prefix)
@@ -321,15 +419,22 @@ def follower_job(encoding: str, s: dict[str, Any], work: Path, broker: EmbeddedB
     run["follower"] = {
         "applied": [r for r in fol if "follow_ckpt" in r],
         "compactions": [r for r in fol if "compacted_ckpt" in r],
-        "stats": follower.stats, "error": follower.error, "caught_up": follower.caught_up,
+        "stats": follower.stats,
+        "error": follower.error,
+        "caught_up": follower.caught_up,
         "catch_up_s": follower.catch_up_s,
-        "settings": {"compact_ratio": cfg.follow.compact_ratio, "compact_links": cfg.follow.compact_links,
-                     "poll_s": cfg.follow.poll_s, "lease_s": cfg.follow.lease_s},
+        "settings": {
+            "compact_ratio": cfg.follow.compact_ratio,
+            "compact_links": cfg.follow.compact_links,
+            "poll_s": cfg.follow.poll_s,
+            "lease_s": cfg.follow.lease_s,
+        },
     }
     c = run["follower"]
-    log(f"follower of {run_id}: {len(c['applied'])} checkpoints applied, {len(c['compactions'])} compactions, "
-        f"caught up {c['caught_up']} ({c['catch_up_s'] or 0:.1f} s after training)"
-        + (f"; {c['error']}" if c["error"] else ""))
+    log(
+        f"follower of {run_id}: {len(c['applied'])} checkpoints applied, {len(c['compactions'])} compactions, "
+        f"caught up {c['caught_up']} ({c['catch_up_s'] or 0:.1f} s after training)" + (f"; {c['error']}" if c["error"] else "")
+    )
     return run
 
 
@@ -338,8 +443,9 @@ def baseline_job(s: dict[str, Any], work: Path, timeout_s: float) -> dict[str, A
     from bench.ckpt_bench import baseline_run
     from launch.ranks import read_metrics
 
-    ns = Namespace(interval=s["interval"], steps=s["steps"], overrides=s["overrides"], config=s["config"], ranks=2,
-                   timeout_s=timeout_s)
+    ns = Namespace(
+        interval=s["interval"], steps=s["steps"], overrides=s["overrides"], config=s["config"], ranks=2, timeout_s=timeout_s
+    )
     run = baseline_run(ns, work)
     rates = [m["samples_per_s"] for m in read_metrics(work / "no-ckpt" / "run") if "samples_per_s" in m]
     run["samples_per_s"] = harmonic_of(rates[1:] or rates)
@@ -352,16 +458,27 @@ def peers_job(s: dict[str, Any], work: Path, jobs: dict[tuple[str, str], dict], 
 
     tmp = work / "peers"
     tmp.mkdir(parents=True)
-    extra = ["--out-dir", str(tmp), "--steps", str(s["steps"]), "--interval", str(s["interval"]),
-             "--repeats", str(s["repeats"])]
+    extra = ["--out-dir", str(tmp), "--steps", str(s["steps"]), "--interval", str(s["interval"]), "--repeats", str(s["repeats"])]
     for (policy, enc), run in jobs.items():
         label = f"{policy}-{enc}"
-        extra += ["--restore", f"{label}={run['run_id']}={run['run_dir']}", "--restore-override", f"{label}=ckpt.encoding={enc}",
-                  "--restore-override", f"{label}=ckpt.bootstrap_servers={run['bootstrap']}"]
+        extra += [
+            "--restore",
+            f"{label}={run['run_id']}={run['run_dir']}",
+            "--restore-override",
+            f"{label}=ckpt.encoding={enc}",
+            "--restore-override",
+            f"{label}=ckpt.bootstrap_servers={run['bootstrap']}",
+        ]
     log(f"peers: no checkpoint / {' / '.join(PEERS)}, then restores")
-    spawn_ranks(s["config"], ["train.eval_every=0", "train.eval_batches=0",
-                              *s["overrides"]], tmp, world_size=2, timeout_s=timeout_s, module="bench.peers_rank",
-                extra_args=extra)
+    spawn_ranks(
+        s["config"],
+        ["train.eval_every=0", "train.eval_batches=0", *s["overrides"]],
+        tmp,
+        world_size=2,
+        timeout_s=timeout_s,
+        module="bench.peers_rank",
+        extra_args=extra,
+    )
     return [json.loads((tmp / f"peers_rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -375,24 +492,48 @@ class PeerRecords:
     items: list[Measurement] = field(default_factory=list)
     common: dict[str, Any] = field(default_factory=dict)  # labels every record carries (gpu-peers: `size`)
 
-    def add(self, peer: str, policy: str | None, encoding: str | None, metric: str, value: Any, unit: str,
-            ckpt: int | None = None, **extra: Any) -> None:
+    def add(
+        self,
+        peer: str,
+        policy: str | None,
+        encoding: str | None,
+        metric: str,
+        value: Any,
+        unit: str,
+        ckpt: int | None = None,
+        **extra: Any,
+    ) -> None:
         """Record a figure; a missing one (None) is left out."""
         if value is None:
             return
-        labels = {"peer": peer, "policy": policy, "encoding": encoding, "interval": self.interval, "ckpt": ckpt,
-                  **self.common, **extra}
+        labels = {
+            "peer": peer,
+            "policy": policy,
+            "encoding": encoding,
+            "interval": self.interval,
+            "ckpt": ckpt,
+            **self.common,
+            **extra,
+        }
         self.items.append(Measurement(metric, round(value, 6) if isinstance(value, float) else value, unit, labels))
 
     def series(self, metric: str, **labels: Any) -> list[tuple[int, Any]]:
         """(checkpoint, value) of the per-checkpoint figures of `metric` whose labels match, in
         checkpoint order."""
-        return sorted((m.labels["ckpt"], m.value) for m in self.items if m.metric == metric
-                      and m.labels["ckpt"] is not None and all(m.labels.get(k) == v for k, v in labels.items()))
+        return sorted(
+            (m.labels["ckpt"], m.value)
+            for m in self.items
+            if m.metric == metric and m.labels["ckpt"] is not None and all(m.labels.get(k) == v for k, v in labels.items())
+        )
 
 
-def build_records(s: dict[str, Any], jobs: dict[tuple[str, str], dict], peers: list[dict],
-                  base: dict[str, Any], common: dict[str, Any] | None = None) -> tuple[PeerRecords, dict]:
+def build_records(
+    s: dict[str, Any],
+    jobs: dict[tuple[str, str], dict],
+    peers: list[dict],
+    base: dict[str, Any],
+    common: dict[str, Any] | None = None,
+) -> tuple[PeerRecords, dict]:
     """Every figure of a run as records, and their summary (`summary["peers"]`, `["deltarec"]`
     by `policy/encoding`). `s`: the run's `interval` and `steps`; `jobs`: each deltarec job's
     run by (policy, encoding); `peers`: every rank's `bench.peers_rank` output (its `phases`,
@@ -410,8 +551,12 @@ def build_records(s: dict[str, Any], jobs: dict[tuple[str, str], dict], peers: l
     # deltarec: a job spawned like its jobs, without checkpointing
     job_rate = base["samples_per_s"]
     rec.add("none", None, None, "samples_per_s", job_rate, "samples/s")
-    summary: dict[str, Any] = {"none_samples_per_s": job_rate, "none_inproc_samples_per_s": none_rate,
-                               "peers": {}, "deltarec": {}}
+    summary: dict[str, Any] = {
+        "none_samples_per_s": job_rate,
+        "none_inproc_samples_per_s": none_rate,
+        "peers": {},
+        "deltarec": {},
+    }
 
     restore = p0["restore"]
     dcp_load = median_of(restore.get("dcp.load", {}).get("restore_s", []))
@@ -430,14 +575,20 @@ def build_records(s: dict[str, Any], jobs: dict[tuple[str, str], dict], peers: l
         loss = steps_lost([(c["step"], c["durable_at"]) for c in cks], interval, steps)
         load_key = {"dcp.save": "dcp.load", "dcp.async_save": "dcp.load", "torch.save": "torch.load"}[name]
         durable = [c["durable_s"] for c in cks if c.get("durable_s") is not None]
-        agg = {"stall_ms": median_of([c["stall_ms"] for c in cks]), "bytes_written": mean_of([c["bytes"] for c in cks]),
-               "capacity_bytes": max((c["bytes"] for c in cks), default=None), "samples_per_s": ph["samples_per_s"],
-               "throughput_overhead": 1 - ph["samples_per_s"] / none_rate if none_rate and ph["samples_per_s"] else None,
-               "restore_s": median_of(restore.get(load_key, {}).get("restore_s", [])), "steps_lost_mean": loss,
-               # checkpoint step to durable (dcp.save: its stall; dcp.async_save: its future done)
-               "durable_s": median_of(durable), "durable_s_max": max(durable, default=None),
-               # dcp.async_save: its stall less the wait for the previous save (staging and planning)
-               "stall_blocking_ms": median_of([c["stall_ms"] - c["wait_ms"] for c in cks if "wait_ms" in c])}
+        agg = {
+            "stall_ms": median_of([c["stall_ms"] for c in cks]),
+            "bytes_written": mean_of([c["bytes"] for c in cks]),
+            "capacity_bytes": max((c["bytes"] for c in cks), default=None),
+            "samples_per_s": ph["samples_per_s"],
+            "throughput_overhead": 1 - ph["samples_per_s"] / none_rate if none_rate and ph["samples_per_s"] else None,
+            "restore_s": median_of(restore.get(load_key, {}).get("restore_s", [])),
+            "steps_lost_mean": loss,
+            # checkpoint step to durable (dcp.save: its stall; dcp.async_save: its future done)
+            "durable_s": median_of(durable),
+            "durable_s_max": max(durable, default=None),
+            # dcp.async_save: its stall less the wait for the previous save (staging and planning)
+            "stall_blocking_ms": median_of([c["stall_ms"] - c["wait_ms"] for c in cks if "wait_ms" in c]),
+        }
         summary["peers"][name] = agg
         _add_agg(rec, name, "full", "fp32", agg)
     for load in ("dcp.load", "torch.load"):
@@ -456,8 +607,18 @@ def build_records(s: dict[str, Any], jobs: dict[tuple[str, str], dict], peers: l
             rec.add("deltarec", policy, enc, "rows_written", c["rows"], "rows", cid, step=c["step"])
             rec.add("deltarec", policy, enc, "committed", bool(c["committed"]), "bool", cid, step=c["step"])
             if capb:
-                rec.add("deltarec", policy, enc, "capacity_bytes", capb["chain_bytes"] + capb["dense_bytes"], "B", cid,
-                        step=c["step"], chain_links=capb["links"], dense_bytes=capb["dense_bytes"])
+                rec.add(
+                    "deltarec",
+                    policy,
+                    enc,
+                    "capacity_bytes",
+                    capb["chain_bytes"] + capb["dense_bytes"],
+                    "B",
+                    cid,
+                    step=c["step"],
+                    chain_links=capb["links"],
+                    dense_bytes=capb["dense_bytes"],
+                )
             rec.add("bare_copy", policy, enc, "stall_ms", c["bare_copy_ms"], "ms", cid, step=c["step"])
             rec.add("deltarec", policy, enc, "durable_at_step", c.get("durable_at_step"), "step", cid, step=c["step"])
             rec.add("deltarec", policy, enc, "learned_at_step", c.get("committed_at_step"), "step", cid, step=c["step"])
@@ -483,32 +644,48 @@ def build_records(s: dict[str, Any], jobs: dict[tuple[str, str], dict], peers: l
             "restore_s": median_of(rs.get("restore_s", [])),
             # where the restore's time went (`RestoreReport`), median over the repeats
             **{f"restore_{k}": median_of([p[k] for p in rs.get("parts", [])]) for k in RESTORE_PARTS},
-            "steps_lost_mean": steps_lost([(c["step"], c.get("durable_at_step") if c["committed"] else None)
-                                           for c in cks], interval, run.get("steps", steps)),
-            "committed": len(ok), "checkpoints": len(cks), "skipped": run.get("skipped", 0),
+            "steps_lost_mean": steps_lost(
+                [(c["step"], c.get("durable_at_step") if c["committed"] else None) for c in cks],
+                interval,
+                run.get("steps", steps),
+            ),
+            "committed": len(ok),
+            "checkpoints": len(cks),
+            "skipped": run.get("skipped", 0),
             # checkpoint step (its stall) to COMMIT, per checkpoint: median and worst
             "durable_s": median_of([c["durable_s"] for c in ok if c.get("durable_s") is not None]),
             "durable_s_max": max((c["durable_s"] for c in ok if c.get("durable_s") is not None), default=None),
         }
         agg.update(checkpoint_cpu(run["cpu"], base["cpu"], len(cks), run.get("broker_cpu_s")))
-        agg["steps_lost_vs_dcp"] = (agg["steps_lost_mean"] / dcp["steps_lost_mean"]
-                                    if agg["steps_lost_mean"] is not None and dcp.get("steps_lost_mean") else None)
+        agg["steps_lost_vs_dcp"] = (
+            agg["steps_lost_mean"] / dcp["steps_lost_mean"]
+            if agg["steps_lost_mean"] is not None and dcp.get("steps_lost_mean")
+            else None
+        )
         agg["bytes_written_vs_dcp"] = ratio(dcp.get("bytes_written"), agg["bytes_written"])
         agg["bytes_written_delta_vs_dcp"] = ratio(dcp.get("bytes_written"), agg["bytes_written_delta"])
         agg["capacity_vs_dcp"] = ratio(dcp.get("capacity_bytes"), agg["capacity_bytes"])
         agg["stall_vs_dcp_save"] = ratio(dcp.get("stall_ms"), agg["stall_ms"])
         agg["restore_over_dcp_load"] = agg["restore_s"] / dcp_load if agg["restore_s"] and dcp_load else None
         if policy == FOLLOWER:
-            agg["capacity_final_vs_dcp"] = (dcp["capacity_bytes"] / agg["capacity_bytes_final"]
-                                            if agg["capacity_bytes_final"] else None)
+            agg["capacity_final_vs_dcp"] = (
+                dcp["capacity_bytes"] / agg["capacity_bytes_final"] if agg["capacity_bytes_final"] else None
+            )
             summary.setdefault("follower", {})[enc] = _follower_records(rec, enc, run, ok, agg, dcp, rs)
         summary["deltarec"][f"{policy}/{enc}"] = agg
         _add_agg(rec, "deltarec", policy, enc, agg)
     return rec, summary
 
 
-def _follower_records(rec: PeerRecords, enc: str, run: dict[str, Any], ok: list[dict], agg: dict[str, Any],
-                      dcp: dict[str, Any], restore: dict[str, Any]) -> dict[str, Any]:
+def _follower_records(
+    rec: PeerRecords,
+    enc: str,
+    run: dict[str, Any],
+    ok: list[dict],
+    agg: dict[str, Any],
+    dcp: dict[str, Any],
+    restore: dict[str, Any],
+) -> dict[str, Any]:
     """The follower's own figures (peer `follower`, policy `incremental+follower`) beside the
     trainer's: per compaction and per applied checkpoint, then aggregated; returns the
     aggregates (the summary's `follower/<encoding>`)."""
@@ -516,19 +693,46 @@ def _follower_records(rec: PeerRecords, enc: str, run: dict[str, Any], ok: list[
     compactions, applied = fol["compactions"], fol["applied"]
     for c in compactions:
         cid = c["compacted_ckpt"]
-        rec.add("follower", FOLLOWER, enc, "compact_bytes", c["compact_bytes"], "B", cid, step=c["step"],
-                replaced_links=c["compact_replaced_links"], replaced_bytes=c["compact_replaced_bytes"])
+        rec.add(
+            "follower",
+            FOLLOWER,
+            enc,
+            "compact_bytes",
+            c["compact_bytes"],
+            "B",
+            cid,
+            step=c["step"],
+            replaced_links=c["compact_replaced_links"],
+            replaced_bytes=c["compact_replaced_bytes"],
+        )
         rec.add("follower", FOLLOWER, enc, "compact_s", c["compact_s"], "s", cid, step=c["step"])
     for a in applied:
         cid = a["follow_ckpt"]
-        rec.add("follower", FOLLOWER, enc, "follow_lag_ckpts", a["follow_lag_ckpts"], "checkpoints", cid,
-                step=a["step"])
+        rec.add("follower", FOLLOWER, enc, "follow_lag_ckpts", a["follow_lag_ckpts"], "checkpoints", cid, step=a["step"])
         rec.add("follower", FOLLOWER, enc, "follow_lag_s", a["follow_lag_s"], "s", cid, step=a["step"])
-        rec.add("follower", FOLLOWER, enc, "follow_apply_s", a["follow_apply_s"], "s", cid, step=a["step"],
-                rebuilt=a["follow_rebuilt"])
+        rec.add(
+            "follower",
+            FOLLOWER,
+            enc,
+            "follow_apply_s",
+            a["follow_apply_s"],
+            "s",
+            cid,
+            step=a["step"],
+            rebuilt=a["follow_rebuilt"],
+        )
     for cid, capb in sorted(run["capacity"].items()):
-        rec.add("deltarec", FOLLOWER, enc, "capacity_chain_links", capb["links"], "links", cid,
-                from_compacted=capb["from_compacted"], marker_from_compacted=capb["marker_from_compacted"])
+        rec.add(
+            "deltarec",
+            FOLLOWER,
+            enc,
+            "capacity_chain_links",
+            capb["links"],
+            "links",
+            cid,
+            from_compacted=capb["from_compacted"],
+            marker_from_compacted=capb["marker_from_compacted"],
+        )
     n = len(ok)
     trainer_total = sum(c["bytes"] for c in ok)
     follower_total = sum(c["compact_bytes"] for c in compactions)
@@ -575,16 +779,35 @@ def _follower_records(rec: PeerRecords, enc: str, run: dict[str, Any], ok: list[
     return out
 
 
-_UNITS = {"stall_ms": "ms", "stall_blocking_ms": "ms", "bare_copy_ms": "ms", "bytes_written": "B",
-          "bytes_written_delta": "B", "capacity_bytes": "B", "capacity_bytes_final": "B",
-          "samples_per_s": "samples/s", "throughput_overhead": "fraction", "restore_s": "s", "steps_lost_mean": "steps",
-          "durable_s": "s", "durable_s_max": "s",
-          "committed": "checkpoints", "checkpoints": "checkpoints", "skipped": "checkpoints",
-          "intervals": "checkpoints", "compactions": "checkpoints", "follow_applied": "checkpoints",
-          "follow_rebuilds": "checkpoints", "rebased_commits": "checkpoints", "follow_lag_ckpts_mean": "checkpoints",
-          "follow_lag_ckpts_max": "checkpoints",
-          "capacity_final_links": "links", "restore_chain_links": "links", "restore_chain": "checkpoint ids",
-          "follower_error": "text"}
+_UNITS = {
+    "stall_ms": "ms",
+    "stall_blocking_ms": "ms",
+    "bare_copy_ms": "ms",
+    "bytes_written": "B",
+    "bytes_written_delta": "B",
+    "capacity_bytes": "B",
+    "capacity_bytes_final": "B",
+    "samples_per_s": "samples/s",
+    "throughput_overhead": "fraction",
+    "restore_s": "s",
+    "steps_lost_mean": "steps",
+    "durable_s": "s",
+    "durable_s_max": "s",
+    "committed": "checkpoints",
+    "checkpoints": "checkpoints",
+    "skipped": "checkpoints",
+    "intervals": "checkpoints",
+    "compactions": "checkpoints",
+    "follow_applied": "checkpoints",
+    "follow_rebuilds": "checkpoints",
+    "rebased_commits": "checkpoints",
+    "follow_lag_ckpts_mean": "checkpoints",
+    "follow_lag_ckpts_max": "checkpoints",
+    "capacity_final_links": "links",
+    "restore_chain_links": "links",
+    "restore_chain": "checkpoint ids",
+    "follower_error": "text",
+}
 
 
 CPU_PARTS = ("train", "stall", "writer", "kafka", "other", "trainer", "broker")
@@ -610,17 +833,31 @@ def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
     f = summary.get("follower", {}).get(DEFAULT_QUANT)
     if f is not None:  # deltarec + follower (issue 11), 4-bit rows
         out += [
-            ("trainer bytes per interval, dcp.save / deltarec+follower deltas (4-bit, one full then only deltas)",
-             f["trainer_bytes_per_interval_delta"] and d_vs(summary, f["trainer_bytes_per_interval_delta"]), ">=", 17),
-            (f"trainer bytes per interval, dcp.save / deltarec+follower mean of {f['intervals']} intervals incl. "
-             "the one full (4-bit)", f["trainer_bytes_per_interval"] and d_vs(summary, f["trainer_bytes_per_interval"]),
-             ">=", 17),
-            ("capacity, dcp.save / newest restorable (cheapest) chain with a follower (4-bit)",
-             f["capacity_final_vs_dcp"], ">=", 8),
+            (
+                "trainer bytes per interval, dcp.save / deltarec+follower deltas (4-bit, one full then only deltas)",
+                f["trainer_bytes_per_interval_delta"] and d_vs(summary, f["trainer_bytes_per_interval_delta"]),
+                ">=",
+                17,
+            ),
+            (
+                f"trainer bytes per interval, dcp.save / deltarec+follower mean of {f['intervals']} intervals incl. "
+                "the one full (4-bit)",
+                f["trainer_bytes_per_interval"] and d_vs(summary, f["trainer_bytes_per_interval"]),
+                ">=",
+                17,
+            ),
+            (
+                "capacity, dcp.save / newest restorable (cheapest) chain with a follower (4-bit)",
+                f["capacity_final_vs_dcp"],
+                ">=",
+                8,
+            ),
             ("restore of that chain / dcp.load (4-bit, with a follower)", f["restore_over_dcp_load"], "<=", 1.0),
         ]
-    return [{"target": t, "value": v, "op": op, "goal": g,
-             "met": None if v is None else (v >= g if op == ">=" else v <= g)} for t, v, op, g in out]
+    return [
+        {"target": t, "value": v, "op": op, "goal": g, "met": None if v is None else (v >= g if op == ">=" else v <= g)}
+        for t, v, op, g in out
+    ]
 
 
 def d_vs(summary: dict[str, Any], nbytes: float) -> float | None:
@@ -630,10 +867,16 @@ def d_vs(summary: dict[str, Any], nbytes: float) -> float | None:
 
 
 # -- output ----------------------------------------------------------------------------------------
+def _percent(x: float | None) -> float | None:
+    return None if x is None else x * 100
+
+
 def table(summary: dict[str, Any]) -> str:
-    head = ("| peer | policy / encoding | stall ms | bytes written / interval MB | capacity MB | samples/s | overhead | "
-            "restore s | steps lost | durable s (median / max) | bytes vs dcp | capacity vs dcp | stall vs dcp | "
-            "stall / bare copy |")
+    head = (
+        "| peer | policy / encoding | stall ms | bytes written / interval MB | capacity MB | samples/s | overhead | "
+        "restore s | steps lost | durable s (median / max) | bytes vs dcp | capacity vs dcp | stall vs dcp | "
+        "stall / bare copy |"
+    )
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
 
     def f(x: Any, nd: int = 2, scale: float = 1.0) -> str:
@@ -643,26 +886,34 @@ def table(summary: dict[str, Any]) -> str:
         return "" if a.get("durable_s") is None else f"{f(a['durable_s'], 2)} / {f(a.get('durable_s_max'), 2)}"
 
     for name, a in summary["peers"].items():
-        lines.append(f"| {name} | full / fp32 | {f(a['stall_ms'], 1)} | {f(a['bytes_written'], 1, 1e6)} | "
-                     f"{f(a['capacity_bytes'], 1, 1e6)} | {f(a['samples_per_s'], 0)} | {f(a['throughput_overhead'] * 100 if a['throughput_overhead'] is not None else None, 1)}% | "
-                     f"{f(a['restore_s'], 3)} | {f(a['steps_lost_mean'], 1)} | {durable(a)} | 1 | 1 | | |")
+        lines.append(
+            f"| {name} | full / fp32 | {f(a['stall_ms'], 1)} | {f(a['bytes_written'], 1, 1e6)} | "
+            f"{f(a['capacity_bytes'], 1, 1e6)} | {f(a['samples_per_s'], 0)} | {f(_percent(a['throughput_overhead']), 1)}% | "
+            f"{f(a['restore_s'], 3)} | {f(a['steps_lost_mean'], 1)} | {durable(a)} | 1 | 1 | | |"
+        )
     for key, a in summary["deltarec"].items():
         ov = a["throughput_overhead"]
-        lines.append(f"| deltarec | {key.replace('/', ' / ')} | {f(a['stall_ms'], 1)} | {f(a['bytes_written'], 2, 1e6)} | "
-                     f"{f(a['capacity_bytes'], 2, 1e6)} | {f(a['samples_per_s'], 0)} | {f(ov * 100 if ov is not None else None, 1)}% | "
-                     f"{f(a['restore_s'], 3)} | {f(a['steps_lost_mean'], 1)} | "
-                     f"{f(a['durable_s'], 2)} / {f(a['durable_s_max'], 2)} | {f(a['bytes_written_vs_dcp'], 1)} | "
-                     f"{f(a['capacity_vs_dcp'], 1)} | {f(a['stall_vs_dcp_save'], 1)} | {f(a['stall_over_bare_copy'], 2)} |")
+        lines.append(
+            f"| deltarec | {key.replace('/', ' / ')} | {f(a['stall_ms'], 1)} | {f(a['bytes_written'], 2, 1e6)} | "
+            f"{f(a['capacity_bytes'], 2, 1e6)} | {f(a['samples_per_s'], 0)} | {f(ov * 100 if ov is not None else None, 1)}% | "
+            f"{f(a['restore_s'], 3)} | {f(a['steps_lost_mean'], 1)} | "
+            f"{f(a['durable_s'], 2)} / {f(a['durable_s_max'], 2)} | {f(a['bytes_written_vs_dcp'], 1)} | "
+            f"{f(a['capacity_vs_dcp'], 1)} | {f(a['stall_vs_dcp_save'], 1)} | {f(a['stall_over_bare_copy'], 2)} |"
+        )
     lines.append(f"| none (job, deltarec's baseline) | | | | | {f(summary['none_samples_per_s'], 0)} | 0% | | | | | | | |")
-    lines.append(f"| none (in-process, the peers' baseline) | | | | | {f(summary['none_inproc_samples_per_s'], 0)} | 0% | | | | | | | |")
+    lines.append(
+        f"| none (in-process, the peers' baseline) | | | | | {f(summary['none_inproc_samples_per_s'], 0)} | 0% | | | | | | | |"
+    )
     return "\n".join(lines)
 
 
 def cpu_table(summary: dict[str, Any]) -> str:
     """CPU seconds per checkpoint of every deltarec job beyond the job without checkpoints,
     summed over ranks, by thread class, and the broker's beside them (a fresh broker per job)."""
-    head = ("| deltarec job | training thread (of it in stalls) | writer, copier and host-buffer threads | librdkafka | other threads | "
-            "trainer process | broker process | trainer CPU overhead |")
+    head = (
+        "| deltarec job | training thread (of it in stalls) | writer, copier and host-buffer threads | librdkafka "
+        "| other threads | trainer process | broker process | trainer CPU overhead |"
+    )
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
 
     def f(x: Any, nd: int = 3) -> str:
@@ -672,10 +923,12 @@ def cpu_table(summary: dict[str, Any]) -> str:
         if "cpu_trainer_s_per_ckpt" not in a:
             continue
         ov = a["cpu_trainer_overhead"]
-        lines.append(f"| {key.replace('/', ' / ')} | {f(a['cpu_train_s_per_ckpt'])} ({f(a['cpu_stall_s_per_ckpt'])}) | "
-                     f"{f(a['cpu_writer_s_per_ckpt'])} | {f(a['cpu_kafka_s_per_ckpt'])} | {f(a['cpu_other_s_per_ckpt'])} | "
-                     f"{f(a['cpu_trainer_s_per_ckpt'])} | {f(a['cpu_broker_s_per_ckpt'])} | "
-                     f"{f(ov * 100 if ov is not None else None, 1)}% |")
+        lines.append(
+            f"| {key.replace('/', ' / ')} | {f(a['cpu_train_s_per_ckpt'])} ({f(a['cpu_stall_s_per_ckpt'])}) | "
+            f"{f(a['cpu_writer_s_per_ckpt'])} | {f(a['cpu_kafka_s_per_ckpt'])} | {f(a['cpu_other_s_per_ckpt'])} | "
+            f"{f(a['cpu_trainer_s_per_ckpt'])} | {f(a['cpu_broker_s_per_ckpt'])} | "
+            f"{f(ov * 100 if ov is not None else None, 1)}% |"
+        )
     return "\n".join(lines)
 
 
@@ -686,17 +939,21 @@ def follower_table(summary: dict[str, Any]) -> str:
     if not fol:
         return ""
     dcp = summary["peers"]["dcp.save"]
-    head = ("| incremental + follower | intervals | trainer MB / interval (all / deltas) | follower MB / interval "
-            "(compactions) | total MB / interval | newest chain MB (links) | restore s (links) | "
-            "lag ckpts mean / max | lag s median / max | trainer vs dcp (all / deltas) | total vs dcp | "
-            "capacity vs dcp | restore / dcp.load |")
+    head = (
+        "| incremental + follower | intervals | trainer MB / interval (all / deltas) | follower MB / interval "
+        "(compactions) | total MB / interval | newest chain MB (links) | restore s (links) | "
+        "lag ckpts mean / max | lag s median / max | trainer vs dcp (all / deltas) | total vs dcp | "
+        "capacity vs dcp | restore / dcp.load |"
+    )
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
 
     def f(x: Any, nd: int = 2, scale: float = 1.0) -> str:
         return "" if x is None else f"{x / scale:.{nd}f}"
 
-    lines.append(f"| dcp.save / dcp.load | | {f(dcp['bytes_written'], 1, 1e6)} | | {f(dcp['bytes_written'], 1, 1e6)} | "
-                 f"{f(dcp['capacity_bytes'], 1, 1e6)} | {f(dcp['restore_s'], 3)} | | | 1 | 1 | 1 | 1 |")
+    lines.append(
+        f"| dcp.save / dcp.load | | {f(dcp['bytes_written'], 1, 1e6)} | | {f(dcp['bytes_written'], 1, 1e6)} | "
+        f"{f(dcp['capacity_bytes'], 1, 1e6)} | {f(dcp['restore_s'], 3)} | | | 1 | 1 | 1 | 1 |"
+    )
     for enc, a in fol.items():
         tvd = d_vs(summary, a["trainer_bytes_per_interval"])
         tvdd = d_vs(summary, a["trainer_bytes_per_interval_delta"])
@@ -708,7 +965,8 @@ def follower_table(summary: dict[str, Any]) -> str:
             f"({a['restore_chain_links']}) | "
             f"{f(a['follow_lag_ckpts_mean'], 2)} / {a['follow_lag_ckpts_max']} | {f(a['follow_lag_s_median'], 2)} / "
             f"{f(a['follow_lag_s_max'], 2)} | {f(tvd, 1)} / {f(tvdd, 1)} | {f(a['total_bytes_vs_dcp'], 1)} | "
-            f"{f(a['capacity_final_vs_dcp'], 1)} | {f(a['restore_over_dcp_load'], 2)} |")
+            f"{f(a['capacity_final_vs_dcp'], 1)} | {f(a['restore_over_dcp_load'], 2)} |"
+        )
     return "\n".join(lines)
 
 
@@ -718,8 +976,10 @@ def plots(records: PeerRecords, img: Path, size: str, encodings: tuple[str, ...]
     from matplotlib.ticker import MaxNLocator
 
     written = []
-    for metric, fig_no, title in (("bytes_written", 15, "bytes written per interval"),
-                                  ("capacity_bytes", 16, "storage required per interval")):
+    for metric, fig_no, title in (
+        ("bytes_written", 15, "bytes written per interval"),
+        ("capacity_bytes", 16, "storage required per interval"),
+    ):
         path = img / f"peers_{size}_fig{fig_no}_{metric}.png"
         with figure(path, 1, len(encodings), figsize=(11, 4), dpi=100, sharey=True, squeeze=False) as (fig, grid):
             axes = grid[0]
@@ -750,12 +1010,24 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--keep", type=Path, help="keep run directories here (default: a temporary directory)")
     p.add_argument("--steps", type=int, help="override the suite's training steps (per job and per peer phase)")
     p.add_argument("--interval", type=int, help="override the suite's checkpoint interval (steps)")
-    p.add_argument("--encodings", nargs="+", choices=ENCODINGS, default=list(ENCODINGS),
-                   help="row encodings of the deltarec jobs (default: all)")
-    p.add_argument("--follower-intervals", type=int,
-                   help="checkpoints of the deltarec + follower jobs (default: the suite's; 0: leave them out)")
-    p.add_argument("--follower-grace-s", type=float, default=300,
-                   help="how long the follower may take, once training ended, to apply the newest COMMIT")
+    p.add_argument(
+        "--encodings",
+        nargs="+",
+        choices=ENCODINGS,
+        default=list(ENCODINGS),
+        help="row encodings of the deltarec jobs (default: all)",
+    )
+    p.add_argument(
+        "--follower-intervals",
+        type=int,
+        help="checkpoints of the deltarec + follower jobs (default: the suite's; 0: leave them out)",
+    )
+    p.add_argument(
+        "--follower-grace-s",
+        type=float,
+        default=300,
+        help="how long the follower may take, once training ended, to apply the newest COMMIT",
+    )
     p.add_argument("--timeout-s", type=float, default=900)
     return p
 
@@ -771,15 +1043,19 @@ def run(argv: list[str], prog: str = "python -m bench.run") -> dict[str, Any]:
     prefix = f"bench-{args.size}-{uuid.uuid4().hex[:8]}"
     # a fresh broker per job, kept until the peers' phase has restored every job from its own
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmpdir, contextlib.ExitStack() as brokers:
+
         def broker() -> EmbeddedBroker:
             return brokers.enter_context(EmbeddedBroker())
 
         work = args.keep / prefix if args.keep else Path(tmpdir)
         work.mkdir(parents=True, exist_ok=True)
-        s["config"] = str(full_config(work / "full.yaml", s["cap"], s["dim"])) if s["config"] is None \
-            else config_path(s["config"])
-        log(f"suite {args.size}: {s['config']}, {s['steps']} steps, checkpoint every {s['interval']}; a fresh broker "
-            f"per job; work dir {work}")
+        s["config"] = (
+            str(full_config(work / "full.yaml", s["cap"], s["dim"])) if s["config"] is None else config_path(s["config"])
+        )
+        log(
+            f"suite {args.size}: {s['config']}, {s['steps']} steps, checkpoint every {s['interval']}; a fresh broker "
+            f"per job; work dir {work}"
+        )
         base = baseline_job(s, work, args.timeout_s)
         jobs: dict[tuple[str, str], dict] = {}
         encodings = tuple(args.encodings)
@@ -789,8 +1065,9 @@ def run(argv: list[str], prog: str = "python -m bench.run") -> dict[str, Any]:
         intervals = s["follower_intervals"] if args.follower_intervals is None else args.follower_intervals
         if intervals > 0:
             for enc in encodings:
-                jobs[(FOLLOWER, enc)] = follower_job(enc, s, work, broker(), prefix, args.timeout_s, intervals,
-                                                     args.follower_grace_s)
+                jobs[(FOLLOWER, enc)] = follower_job(
+                    enc, s, work, broker(), prefix, args.timeout_s, intervals, args.follower_grace_s
+                )
         peers = peers_job(s, work, jobs, args.timeout_s)
         batch = _batch(s)
     machine["loadavg_end"] = loadavg()
@@ -798,18 +1075,26 @@ def run(argv: list[str], prog: str = "python -m bench.run") -> dict[str, Any]:
     tg = targets(summary)
     model_rows = next(iter(jobs.values()))["model_rows"]
     result: dict[str, Any] = {
-        **document_head("peers", prog, argv, machine), "suite": args.size,
-        "settings": {"config": s["config"], "steps": s["steps"], "interval_steps": s["interval"], "ranks": 2,
-                     "encodings": list(encodings),
-                     "overrides": s["overrides"], "model_rows": model_rows,
-                     "follower_intervals": next((r["steps"] // s["interval"] for (pol, _), r in jobs.items()
-                                                 if pol == FOLLOWER), 0),
-                     "follower": next((r["follower"]["settings"] for (pol, _), r in jobs.items()
-                                       if pol == FOLLOWER), None),
-                     "interval_s_approx": s["interval"] * 2 * batch / summary["none_samples_per_s"]
-                     if summary["none_samples_per_s"] else None},
+        **document_head("peers", prog, argv, machine),
+        "suite": args.size,
+        "settings": {
+            "config": s["config"],
+            "steps": s["steps"],
+            "interval_steps": s["interval"],
+            "ranks": 2,
+            "encodings": list(encodings),
+            "overrides": s["overrides"],
+            "model_rows": model_rows,
+            "follower_intervals": next((r["steps"] // s["interval"] for (pol, _), r in jobs.items() if pol == FOLLOWER), 0),
+            "follower": next((r["follower"]["settings"] for (pol, _), r in jobs.items() if pol == FOLLOWER), None),
+            "interval_s_approx": s["interval"] * 2 * batch / summary["none_samples_per_s"]
+            if summary["none_samples_per_s"]
+            else None,
+        },
         "wall_s": time.perf_counter() - started,
-        "records": records.items, "summary": summary, "targets": tg,
+        "records": records.items,
+        "summary": summary,
+        "targets": tg,
     }
     if args.plots:
         result["plots"] = plots(records, args.plots, args.size, encodings)
@@ -822,8 +1107,10 @@ def run(argv: list[str], prog: str = "python -m bench.run") -> dict[str, Any]:
     print(cpu_table(summary))
     for t in tg:
         v = t["value"]
-        print(f"target: {t['target']} {t['op']} {t['goal']}: {'n/a' if v is None else f'{v:.3g}'} "
-              f"({'met' if t['met'] else 'NOT met' if t['met'] is not None else 'not measured'})")
+        print(
+            f"target: {t['target']} {t['op']} {t['goal']}: {'n/a' if v is None else f'{v:.3g}'} "
+            f"({'met' if t['met'] else 'NOT met' if t['met'] is not None else 'not measured'})"
+        )
     print(f"wall {result['wall_s']:.0f} s")
     if args.out:
         args.out.write_text(json.dumps({**result, "records": [m.flat() for m in records.items]}, indent=1) + "\n")

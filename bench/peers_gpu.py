@@ -50,8 +50,9 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from bench.common import Measurement, document_head, loadavg, log, machine_info, ratio
 from bench.peers import CRITEO_KAGGLE, build_records, full_config, table
@@ -102,16 +103,26 @@ def estimate_s(name: str, device: str, args: argparse.Namespace, interval_s: flo
         interval_s = args.interval * STEP_S_GUESS[device] if args.interval else args.interval_s
     state = rows * (dim + 1) * 4
     dcp = args.checkpoints * (state / DISK_BPS + state / STAGE_BPS) + args.repeats * state / DISK_BPS
-    return (STARTUP_S[device] + rows * dim * INIT_S_PER_VALUE + phases * args.checkpoints * interval_s
-            + len(POLICIES) * len(args.encodings) * (JOB_OVERHEAD_S + args.repeats) + dcp)
+    return (
+        STARTUP_S[device]
+        + rows * dim * INIT_S_PER_VALUE
+        + phases * args.checkpoints * interval_s
+        + len(POLICIES) * len(args.encodings) * (JOB_OVERHEAD_S + args.repeats)
+        + dcp
+    )
 
 
 def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", default=None, help="comma-separated, of " + ", ".join(SIZES)
-                   + " (default: full,big on a GPU, tiny on the CPU)")
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                   help="cpu: hide the GPUs from the rank (CUDA_VISIBLE_DEVICES=), gloo")
+    p.add_argument(
+        "--sizes", default=None, help="comma-separated, of " + ", ".join(SIZES) + " (default: full,big on a GPU, tiny on the CPU)"
+    )
+    p.add_argument(
+        "--device",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="cpu: hide the GPUs from the rank (CUDA_VISIBLE_DEVICES=), gloo",
+    )
     p.add_argument("--interval-s", type=float, default=3.0, help="the checkpoint interval's target, seconds of steps")
     p.add_argument("--interval", type=int, default=0, help="the checkpoint interval in steps (overrides --interval-s)")
     p.add_argument("--checkpoints", type=int, default=3, help="checkpoints per job")
@@ -166,8 +177,9 @@ def peers_dir(args: argparse.Namespace, name: str, prefix: str) -> Path | None:
     return None
 
 
-def one_size(name: str, args: argparse.Namespace, device: str, work: Path, broker: Any, events: Path,
-             prefix: str) -> dict[str, Any]:
+def one_size(
+    name: str, args: argparse.Namespace, device: str, work: Path, broker: Any, events: Path, prefix: str
+) -> dict[str, Any]:
     """Run one size in its own process; its records, summary and goals (or what failed)."""
     from launch.ranks import start_ranks
 
@@ -177,14 +189,43 @@ def one_size(name: str, args: argparse.Namespace, device: str, work: Path, broke
     est = estimate_s(name, device, args)
     timeout_s = args.timeout_s or 3 * est + 120
     rows, dim = size_rows(name)
-    log(f"{time.strftime('%H:%M:%S')} size {name}: {rows:,} rows x {dim} ({rows * dim * 4 / 1e9:.2f} GB fp32) on {device}; "
-        f"expected ~{est:.0f} s (timeout {timeout_s:.0f} s)")
+    log(
+        f"{time.strftime('%H:%M:%S')} size {name}: {rows:,} rows x {dim} ({rows * dim * 4 / 1e9:.2f} GB fp32) on {device}; "
+        f"expected ~{est:.0f} s (timeout {timeout_s:.0f} s)"
+    )
     jobs = ",".join(f"{p}/{e}" for p in POLICIES for e in args.encodings)
-    extra = ["--out-dir", str(tmp / "out"), "--checkpoints", str(args.checkpoints),
-             "--interval", str(args.interval), "--interval-s", str(args.interval_s), "--repeats", str(args.repeats),
-             "--jobs", jobs, "--peers", ",".join(PEERS), "--stager", "pinned", "--bootstrap", broker.bootstrap,
-             "--broker-pid", str(broker.pid), "--run-prefix", f"{prefix}-{name}", "--events", str(events),
-             "--size", name, "--bare-repeats", str(SIZES[name]["bare_repeats"]), "--warmup", str(args.warmup)]
+    extra = [
+        "--out-dir",
+        str(tmp / "out"),
+        "--checkpoints",
+        str(args.checkpoints),
+        "--interval",
+        str(args.interval),
+        "--interval-s",
+        str(args.interval_s),
+        "--repeats",
+        str(args.repeats),
+        "--jobs",
+        jobs,
+        "--peers",
+        ",".join(PEERS),
+        "--stager",
+        "pinned",
+        "--bootstrap",
+        broker.bootstrap,
+        "--broker-pid",
+        str(broker.pid),
+        "--run-prefix",
+        f"{prefix}-{name}",
+        "--events",
+        str(events),
+        "--size",
+        name,
+        "--bare-repeats",
+        str(SIZES[name]["bare_repeats"]),
+        "--warmup",
+        str(args.warmup),
+    ]
     dcp_dir = peers_dir(args, name, prefix)
     if dcp_dir is not None:
         extra += ["--peers-dir", str(dcp_dir)]
@@ -194,13 +235,23 @@ def one_size(name: str, args: argparse.Namespace, device: str, work: Path, broke
     def on_event(rec: dict[str, Any]) -> None:
         if rec.get("event") == "probe":  # the interval is known now: the estimate again
             refined = estimate_s(name, device, args, interval_s=rec["interval"] * rec["step_s"])
-            log(f"size {name}: expected ~{refined:.0f} s in all at this interval "
-                f"(~{refined - (time.perf_counter() - t0):.0f} s more)")
+            log(
+                f"size {name}: expected ~{refined:.0f} s in all at this interval "
+                f"(~{refined - (time.perf_counter() - t0):.0f} s more)"
+            )
 
     t0 = time.perf_counter()
     offset = events.stat().st_size if events.exists() else 0
-    group = start_ranks(config, [*overrides, *args.overrides], tmp, world_size=1, timeout_s=timeout_s,
-                        module="bench.peers_gpu_rank", extra_args=extra, env_extra=env_extra)
+    group = start_ranks(
+        config,
+        [*overrides, *args.overrides],
+        tmp,
+        world_size=1,
+        timeout_s=timeout_s,
+        module="bench.peers_gpu_rank",
+        extra_args=extra,
+        env_extra=env_extra,
+    )
     error = None
     try:
         _follow(group, events, offset, on_event)
@@ -220,8 +271,16 @@ def one_size(name: str, args: argparse.Namespace, device: str, work: Path, broke
         return result
     one = json.loads(done.read_text())
     result.update(records_of(name, one))
-    result.update({"device": one["device"], "interval": one["interval"], "steps": one["steps"], "step_s": one["step_s"],
-                   "model_rows": one["model_rows"], "errors": one["errors"]})
+    result.update(
+        {
+            "device": one["device"],
+            "interval": one["interval"],
+            "steps": one["steps"],
+            "step_s": one["step_s"],
+            "model_rows": one["model_rows"],
+            "errors": one["errors"],
+        }
+    )
     return result
 
 
@@ -232,8 +291,7 @@ def records_of(name: str, one: dict[str, Any]) -> dict[str, Any]:
         run["capacity"] = {int(k): v for k, v in run["capacity"].items()}
         jobs[(run["policy"], run["encoding"])] = run
     base = one["none"] or {"samples_per_s": None, "cpu": []}
-    rec, summary = build_records({"interval": one["interval"], "steps": one["steps"]}, jobs, [one], base,
-                                 common={"size": name})
+    rec, summary = build_records({"interval": one["interval"], "steps": one["steps"]}, jobs, [one], base, common={"size": name})
     return {"records": rec.items, "summary": summary, "goals": goals(summary)}
 
 
@@ -249,12 +307,21 @@ def goals(summary: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for key, d in summary["deltarec"].items():
         for goal, value, op, bound in (
-                ("stall / dcp.async_save's blocking time", ratio(d["stall_ms"], blocking), "<=", 0.1),
-                ("restore / dcp.load", ratio(d["restore_s"], load), "<=", 1.0),
-                ("restore / dcp.load (stretch)", ratio(d["restore_s"], load), "<=", 0.5),
-                ("durable / dcp.async_save's durable", ratio(d["durable_s"], async_durable), "<=", 1.0)):
-            out.append({"job": key, "goal": goal, "value": value, "op": op, "bound": bound,
-                        "met": None if value is None else value <= bound})
+            ("stall / dcp.async_save's blocking time", ratio(d["stall_ms"], blocking), "<=", 0.1),
+            ("restore / dcp.load", ratio(d["restore_s"], load), "<=", 1.0),
+            ("restore / dcp.load (stretch)", ratio(d["restore_s"], load), "<=", 0.5),
+            ("durable / dcp.async_save's durable", ratio(d["durable_s"], async_durable), "<=", 1.0),
+        ):
+            out.append(
+                {
+                    "job": key,
+                    "goal": goal,
+                    "value": value,
+                    "op": op,
+                    "bound": bound,
+                    "met": None if value is None else value <= bound,
+                }
+            )
     return out
 
 
@@ -287,16 +354,27 @@ def run(argv: list[str], prog: str = "python -m bench.peers_gpu") -> dict[str, A
     head = document_head("peers-gpu", prog, argv, machine)
     prefix = f"bench-gpu-{uuid.uuid4().hex[:8]}"
     total = sum(estimate_s(s, device, args) for s in sizes)
-    log(f"{time.strftime('%H:%M:%S')} suite gpu-peers on {device}: sizes {', '.join(sizes)}; "
-        f"expected ~{total:.0f} s in all; one embedded broker (memory storage) holds every deltarec checkpoint")
+    log(
+        f"{time.strftime('%H:%M:%S')} suite gpu-peers on {device}: sizes {', '.join(sizes)}; "
+        f"expected ~{total:.0f} s in all; one embedded broker (memory storage) holds every deltarec checkpoint"
+    )
     result: dict[str, Any] = {**head, "suite": "gpu-peers", "device": device, "sizes": {}, "records": []}
     with tempfile.TemporaryDirectory(prefix="bench-gpu-peers-") as tmpdir, EmbeddedBroker() as broker:
         work = args.keep / prefix if args.keep else Path(tmpdir)
         work.mkdir(parents=True, exist_ok=True)
         events = args.out or work / "events.jsonl"
         events.parent.mkdir(parents=True, exist_ok=True)
-        _append(events, {"event": "start", **head, "device": device, "sizes": sizes, "estimate_s": total,
-                         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "keep")}})
+        _append(
+            events,
+            {
+                "event": "start",
+                **head,
+                "device": device,
+                "sizes": sizes,
+                "estimate_s": total,
+                "settings": {k: v for k, v in vars(args).items() if k not in ("out", "keep")},
+            },
+        )
         for name in sizes:
             r = one_size(name, args, device, work, broker, events, prefix)
             records = r.pop("records", [])
@@ -304,8 +382,10 @@ def run(argv: list[str], prog: str = "python -m bench.peers_gpu") -> dict[str, A
             result["sizes"][name] = r
             _append(events, {"event": "size_done", **r, "records": [m.flat() for m in records]})
             if "summary" in r:
-                print(f"\n## {name} ({r['device']}, interval {r['interval']} steps, {r['step_s'] * 1e3:.1f} ms/step, "
-                      f"{r['wall_s']:.0f} s, expected {r['estimate_s']:.0f} s)\n")
+                print(
+                    f"\n## {name} ({r['device']}, interval {r['interval']} steps, {r['step_s'] * 1e3:.1f} ms/step, "
+                    f"{r['wall_s']:.0f} s, expected {r['estimate_s']:.0f} s)\n"
+                )
                 print(table(r["summary"]))
                 print()
                 print(goals_table(r["goals"]))

@@ -32,13 +32,14 @@ import json
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from bench.common import harmonic_of, median_of
 from bench.job import Pristine, fingerprint, fresh_loop, perturb, start_job, stop_job, sync, timed
-from bench.peers_rank import (LOADS, WARMUP_STEPS, DcpPeers, PeerCheckpointer, deltarec_restore, max_over_ranks)
+from bench.peers_rank import LOADS, WARMUP_STEPS, DcpPeers, PeerCheckpointer, deltarec_restore, max_over_ranks
 
 PROBE_STEPS = 20
 Restore = Callable[[], "tuple[float, dict[str, Any], bool | None]"]  # seconds, what it restored, same state?
@@ -98,18 +99,38 @@ class OneProcessRun:
         self.smap = ShardMap.from_model(self.sharded.model)
         self.pristine = Pristine(self.sharded, self.smap)
         rows = sum(v.num_rows for v in self.smap.shards)
-        self.events("built", f"job built on {self.device} ({self.env.world_size} rank(s)) in "
-                             f"{time.perf_counter() - self.started:.1f} s: {rows:,} rows, "
-                             f"{self.pristine.nbytes / 1e9:.2f} GB of rows and optimizer state",
-                    device=str(self.device), rows=rows, state_bytes=self.pristine.nbytes)
-        self.out: dict[str, Any] = {"rank": self.env.rank, "world_size": self.env.world_size, "device": str(self.device),
-                                    "model_rows": rows, "state_bytes": self.pristine.nbytes, "none": None, "jobs": {},
-                                    "phases": [], "restore": {}, "errors": {}}
+        self.events(
+            "built",
+            f"job built on {self.device} ({self.env.world_size} rank(s)) in "
+            f"{time.perf_counter() - self.started:.1f} s: {rows:,} rows, "
+            f"{self.pristine.nbytes / 1e9:.2f} GB of rows and optimizer state",
+            device=str(self.device),
+            rows=rows,
+            state_bytes=self.pristine.nbytes,
+        )
+        self.out: dict[str, Any] = {
+            "rank": self.env.rank,
+            "world_size": self.env.world_size,
+            "device": str(self.device),
+            "model_rows": rows,
+            "state_bytes": self.pristine.nbytes,
+            "none": None,
+            "jobs": {},
+            "phases": [],
+            "restore": {},
+            "errors": {},
+        }
         peer_names = [p for p in args.peers.split(",") if p]
-        self.phases = ([Phase("none")] + [Phase("deltarec", *j.split("/")) for j in args.jobs.split(",") if j]
-                       + [Phase(p) for p in peer_names])
-        self.peers = (DcpPeers(self.sharded, self.env.rank, args.peers_dir or args.out_dir / "peers-ckpt", self.device,
-                               args.stager) if peer_names else None)
+        self.phases = (
+            [Phase("none")]
+            + [Phase("deltarec", *j.split("/")) for j in args.jobs.split(",") if j]
+            + [Phase(p) for p in peer_names]
+        )
+        self.peers = (
+            DcpPeers(self.sharded, self.env.rank, args.peers_dir or args.out_dir / "peers-ckpt", self.device, args.stager)
+            if peer_names
+            else None
+        )
         self.final_fp: dict[str, list[float]] = {}  # deltarec job -> the model's fingerprint when it ended
         self.references: dict[str, tuple[int, list[float] | None]] = {}  # load -> (checkpoint, fingerprint at it)
         self.interval = self.steps = 0
@@ -130,11 +151,17 @@ class OneProcessRun:
         self.steps = self.interval * self.args.checkpoints
         train_s = len(self.phases) * self.steps * step_s
         self.out.update(interval=self.interval, steps=self.steps, step_s=step_s)
-        self.events("probe", f"{step_s * 1e3:.1f} ms/step; interval {self.interval} steps (~{self.interval * step_s:.1f} s), "
-                             f"{self.args.checkpoints} checkpoints per job: {len(self.phases)} phases of {self.steps} "
-                             f"steps, ~{train_s:.0f} s of training, then the peers' saves and {self.args.repeats} "
-                             f"round(s) of restores",
-                    step_s=step_s, interval=self.interval, steps=self.steps, training_s_estimate=train_s)
+        self.events(
+            "probe",
+            f"{step_s * 1e3:.1f} ms/step; interval {self.interval} steps (~{self.interval * step_s:.1f} s), "
+            f"{self.args.checkpoints} checkpoints per job: {len(self.phases)} phases of {self.steps} "
+            f"steps, ~{train_s:.0f} s of training, then the peers' saves and {self.args.repeats} "
+            f"round(s) of restores",
+            step_s=step_s,
+            interval=self.interval,
+            steps=self.steps,
+            training_s_estimate=train_s,
+        )
 
     # -- 2-4. the jobs ----------------------------------------------------------------------------
     def train_all(self) -> None:
@@ -156,8 +183,9 @@ class OneProcessRun:
             finally:
                 gc.collect()
         if self.out["none"] is not None:  # the peers' baseline is the same job without checkpoints
-            self.out["phases"].insert(0, {"peer": "none", "steps": self.steps,
-                                          "samples_per_s": self.out["none"]["samples_per_s"], "checkpoints": []})
+            self.out["phases"].insert(
+                0, {"peer": "none", "steps": self.steps, "samples_per_s": self.out["none"]["samples_per_s"], "checkpoints": []}
+            )
 
     def _loop(self, label: str, extra: list[str]) -> tuple[Any, Any, Path]:
         """A fresh training loop on the built model: (job, its config, its run directory)."""
@@ -165,8 +193,10 @@ class OneProcessRun:
         from trainer.metrics import MetricsLog
 
         run_dir = self.args.out_dir / label / "run"
-        cfg = load_config(self.args.config, [*self.base, f"run.dir={run_dir}", f"train.steps={self.steps}",
-                                             f"train.log_every={self.interval}", *extra])
+        cfg = load_config(
+            self.args.config,
+            [*self.base, f"run.dir={run_dir}", f"train.steps={self.steps}", f"train.log_every={self.interval}", *extra],
+        )
         log = MetricsLog(run_dir / "metrics.jsonl", enabled=self.env.rank == 0)
         return fresh_loop(self.job0, cfg, log), cfg, run_dir
 
@@ -185,18 +215,28 @@ class OneProcessRun:
         cpu0 = self._broker_cpu()
         train(job, cfg, side, BareCopier(), self.args.bare_repeats)
         cpu1 = self._broker_cpu()
-        return {"run_id": f"{self.args.run_prefix}-{phase.label}", "run_dir": str(run_dir),
-                "bootstrap": self.args.bootstrap, "steps": self.steps, "wall_s": time.perf_counter() - t0,
-                "samples_per_s": _rate(run_dir),
-                "broker_cpu_s": cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None,
-                "cpu": [asdict(read_cpu(side / f"cpu_rank{r}.json")) for r in range(self.env.world_size)]
-                if self.env.rank == 0 else []}
+        return {
+            "run_id": f"{self.args.run_prefix}-{phase.label}",
+            "run_dir": str(run_dir),
+            "bootstrap": self.args.bootstrap,
+            "steps": self.steps,
+            "wall_s": time.perf_counter() - t0,
+            "samples_per_s": _rate(run_dir),
+            "broker_cpu_s": cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None,
+            "cpu": [asdict(read_cpu(side / f"cpu_rank{r}.json")) for r in range(self.env.world_size)]
+            if self.env.rank == 0
+            else [],
+        }
 
     def _baseline(self, phase: Phase) -> None:
         run = self._trained(phase, ["ckpt.enabled=false"])
         self.out["none"] = run
-        self.events("phase", f"no checkpoints: {run['samples_per_s'] or 0:,.0f} samples/s ({run['wall_s']:.1f} s)",
-                    phase=phase.label, result=run)
+        self.events(
+            "phase",
+            f"no checkpoints: {run['samples_per_s'] or 0:,.0f} samples/s ({run['wall_s']:.1f} s)",
+            phase=phase.label,
+            result=run,
+        )
 
     def _deltarec(self, phase: Phase) -> None:
         from bench.ckpt_rank import checkpoint_rows, read_sides
@@ -205,27 +245,40 @@ class OneProcessRun:
 
         a = self.args
         run_id = f"{a.run_prefix}-{phase.label}"
-        run = self._trained(phase, ["ckpt.enabled=true", f"ckpt.bootstrap_servers={a.bootstrap}",
-                                    f"ckpt.run_id={run_id}", f"ckpt.policy={phase.policy}",
-                                    f"ckpt.interval_steps={self.interval}", f"ckpt.encoding={phase.encoding}",
-                                    "ckpt.final=false"])
+        run = self._trained(
+            phase,
+            [
+                "ckpt.enabled=true",
+                f"ckpt.bootstrap_servers={a.bootstrap}",
+                f"ckpt.run_id={run_id}",
+                f"ckpt.policy={phase.policy}",
+                f"ckpt.interval_steps={self.interval}",
+                f"ckpt.encoding={phase.encoding}",
+                "ckpt.final=false",
+            ],
+        )
         rank0 = self.env.rank == 0
         metrics = read_metrics(Path(run["run_dir"])) if rank0 else []
         side = a.out_dir / phase.label / "side"
         run["skipped"] = sum(1 for m in metrics if m.get("ckpt_skipped"))
         run["checkpoints"] = checkpoint_rows(metrics, read_sides(side, self.env.world_size)) if rank0 else []
-        run["capacity"] = capacity(a.config, [*self.base, f"ckpt.encoding={phase.encoding}"], a.bootstrap, run_id,
-                                   self.env.world_size)
+        run["capacity"] = capacity(
+            a.config, [*self.base, f"ckpt.encoding={phase.encoding}"], a.bootstrap, run_id, self.env.world_size
+        )
         run["policy"], run["encoding"] = phase.policy, phase.encoding
         self.final_fp[phase.label] = fingerprint(self.smap, self.sharded)
         self.out["jobs"][phase.label] = run
         cks = run["checkpoints"]
-        self.events("phase", f"deltarec {phase.policy}/{phase.encoding}: "
-                             f"{sum(bool(c['committed']) for c in cks)}/{len(cks)} committed, "
-                             f"stall ms {[round(c['stall_ms'], 1) for c in cks]}, durable s "
-                             f"{[round(c['durable_s'] or 0, 2) for c in cks]}, MB {[round(c['bytes'] / 1e6, 1) for c in cks]}, "
-                             f"{run['samples_per_s'] or 0:,.0f} samples/s ({run['wall_s']:.1f} s)",
-                    phase=phase.label, result={k: v for k, v in run.items() if k != "cpu"})
+        self.events(
+            "phase",
+            f"deltarec {phase.policy}/{phase.encoding}: "
+            f"{sum(bool(c['committed']) for c in cks)}/{len(cks)} committed, "
+            f"stall ms {[round(c['stall_ms'], 1) for c in cks]}, durable s "
+            f"{[round(c['durable_s'] or 0, 2) for c in cks]}, MB {[round(c['bytes'] / 1e6, 1) for c in cks]}, "
+            f"{run['samples_per_s'] or 0:,.0f} samples/s ({run['wall_s']:.1f} s)",
+            phase=phase.label,
+            result={k: v for k, v in run.items() if k != "cpu"},
+        )
 
     def _peer(self, phase: Phase) -> None:
         assert self.peers is not None
@@ -241,12 +294,22 @@ class OneProcessRun:
         ckpts = pc.finish(job.trainer.step)
         if phase.kind != "dcp.async_save":
             self.references[LOADS[phase.kind]] = (pc.last, pc.reference)
-        ph = {"peer": phase.kind, "steps": self.steps, "wall_s": time.perf_counter() - t0, "samples_per_s": _rate(run_dir),
-              "checkpoints": ckpts}
+        ph = {
+            "peer": phase.kind,
+            "steps": self.steps,
+            "wall_s": time.perf_counter() - t0,
+            "samples_per_s": _rate(run_dir),
+            "checkpoints": ckpts,
+        }
         self.out["phases"].append(ph)
-        self.events("phase", f"{phase.kind}: stall ms {[round(c['stall_ms'], 1) for c in ckpts]}, durable s "
-                             f"{[round(c['durable_s'], 2) for c in ckpts]}, MB {[round(c['bytes'] / 1e6, 1) for c in ckpts]}, "
-                             f"{ph['samples_per_s'] or 0:,.0f} samples/s ({ph['wall_s']:.1f} s)", phase=phase.label, result=ph)
+        self.events(
+            "phase",
+            f"{phase.kind}: stall ms {[round(c['stall_ms'], 1) for c in ckpts]}, durable s "
+            f"{[round(c['durable_s'], 2) for c in ckpts]}, MB {[round(c['bytes'] / 1e6, 1) for c in ckpts]}, "
+            f"{ph['samples_per_s'] or 0:,.0f} samples/s ({ph['wall_s']:.1f} s)",
+            phase=phase.label,
+            result=ph,
+        )
 
     # -- 5. the restores --------------------------------------------------------------------------
     def _load(self, load: str, n: int, reference: list[float] | None) -> tuple[float, dict[str, Any], bool | None]:
@@ -266,19 +329,33 @@ class OneProcessRun:
         self.pristine.reset()
         cfg = load_config(self.args.config, [*self.base, "ckpt.enabled=false"])
         loop = fresh_loop(self.job0, cfg, MetricsLog(Path("unused"), enabled=False)).trainer
-        t, info = deltarec_restore(self.args.config, [*self.base, f"ckpt.run_id={run['run_id']}",
-                                                      f"run.dir={run['run_dir']}", f"ckpt.encoding={run['encoding']}",
-                                                      f"ckpt.bootstrap_servers={run['bootstrap']}"],
-                                   self.env, self.device, self.sharded, loop)
+        t, info = deltarec_restore(
+            self.args.config,
+            [
+                *self.base,
+                f"ckpt.run_id={run['run_id']}",
+                f"run.dir={run['run_dir']}",
+                f"ckpt.encoding={run['encoding']}",
+                f"ckpt.bootstrap_servers={run['bootstrap']}",
+            ],
+            self.env,
+            self.device,
+            self.sharded,
+            loop,
+        )
         # fp32 rows give back the state the job ended with (its last checkpoint is at its last step)
         exact = run["encoding"] == "fp32" and info["step"] == self.steps
         return t, info, fingerprint(self.smap, self.sharded) == self.final_fp[label] if exact else None
 
     def restores(self) -> None:
         kinds: list[tuple[str, Restore]] = [
-            (load, lambda load=load, n=n, ref=ref: self._load(load, n, ref)) for load, (n, ref) in self.references.items()]
-        kinds += [(f"deltarec:{label}", lambda label=label, run=run: self._restore(label, run))
-                  for label, run in self.out["jobs"].items() if any(c["committed"] for c in run["checkpoints"])]
+            (load, lambda load=load, n=n, ref=ref: self._load(load, n, ref)) for load, (n, ref) in self.references.items()
+        ]
+        kinds += [
+            (f"deltarec:{label}", lambda label=label, run=run: self._restore(label, run))
+            for label, run in self.out["jobs"].items()
+            if any(c["committed"] for c in run["checkpoints"])
+        ]
         restore: dict[str, dict[str, Any]] = {k: {"restore_s": [], "same_state": []} for k, _ in kinds}
         for r in range(self.args.repeats):
             shift = r % max(1, len(kinds))
@@ -298,16 +375,21 @@ class OneProcessRun:
                     rs["checkpoint"] = info
                     rs.setdefault("parts", []).append(info["parts"])
         self.out["restore"] = restore
-        self.events("restore", f"restore s (median of {self.args.repeats}): " + ", ".join(
-            f"{k} {median_of(v['restore_s']) or float('nan'):.3f}" + ("" if all(v["same_state"]) else " (NOT the same state)")
-            for k, v in restore.items()), result=restore)
+        self.events(
+            "restore",
+            f"restore s (median of {self.args.repeats}): "
+            + ", ".join(
+                f"{k} {median_of(v['restore_s']) or float('nan'):.3f}" + ("" if all(v["same_state"]) else " (NOT the same state)")
+                for k, v in restore.items()
+            ),
+            result=restore,
+        )
 
     def write(self) -> None:
         if self.env.rank == 0:
             self.args.out_dir.mkdir(parents=True, exist_ok=True)
             (self.args.out_dir / "one_process.json").write_text(json.dumps(self.out, indent=1) + "\n")
-        self.events("done", f"one process: {time.perf_counter() - self.started:.0f} s",
-                    wall_s=time.perf_counter() - self.started)
+        self.events("done", f"one process: {time.perf_counter() - self.started:.0f} s", wall_s=time.perf_counter() - self.started)
 
     def close(self) -> None:
         """Release the model and the peers before the process group goes."""

@@ -49,9 +49,10 @@ import json
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -78,8 +79,7 @@ def clone_state(obj: Any) -> Any:
 
     if isinstance(obj, ShardedTensor):
         shards = [Shard(s.tensor.detach().clone(), s.metadata) for s in obj.local_shards()]
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            shards, obj.metadata(), process_group=obj._process_group)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, obj.metadata(), process_group=obj._process_group)
     if isinstance(obj, torch.Tensor):
         return obj.detach().clone()
     if isinstance(obj, dict):
@@ -236,8 +236,9 @@ class DcpPeers:
         t = time.perf_counter()
         self.wait_async()  # the previous save must finish first (blocks training), its staged copy reused
         self.waited_s = time.perf_counter() - t
-        resp = dcp.async_save(self.state(), checkpoint_id=str(self.path("dcp.async_save", i)), async_stager=self.stager,
-                              process_group=self.group)
+        resp = dcp.async_save(
+            self.state(), checkpoint_id=str(self.path("dcp.async_save", i)), async_stager=self.stager, process_group=self.group
+        )
         # torch >= 2.9 may answer an AsyncSaveResponse (staging and upload futures) where a stager
         # stages asynchronously; a blocking stager's answer is the upload's Future
         future: Future = getattr(resp, "upload_completion", resp)
@@ -361,8 +362,9 @@ class PeerCheckpointer:
         return self.checkpoints
 
 
-def deltarec_restore(config: str, overrides: list[str], env: DistEnv, device: torch.device, sharded: ShardedModel,
-                     trainer: Trainer) -> tuple[float, dict[str, Any]]:
+def deltarec_restore(
+    config: str, overrides: list[str], env: DistEnv, device: torch.device, sharded: ShardedModel, trainer: Trainer
+) -> tuple[float, dict[str, Any]]:
     """`CheckpointManager.restore()` of the newest checkpoint of the run `overrides` name, into
     the live model (`trainer`: the loop whose state it restores): the manager built first (not
     timed: a restarted job builds it anyway, its broker connections made and the markers log
@@ -378,12 +380,18 @@ def deltarec_restore(config: str, overrides: list[str], env: DistEnv, device: to
     backend = open_for_restore(c.ckpt, env.world_size, env.rank)
     mgr = make_checkpoint_manager(c, env, device, sharded, trainer, MetricsLog(Path("unused"), enabled=False), backend)
     if backend.ahead is not None:  # a restarted job reads the markers log while it builds its model
-        backend.ahead.wait()       # (trainer/main.py); its time is the report's `markers_ahead_s`
+        backend.ahead.wait()  # (trainer/main.py); its time is the report's `markers_ahead_s`
     try:
         t, rep = timed(mgr.restore, device)
         assert rep is not None, f"no checkpoint of run {c.ckpt.run_id}"
-        return t, {"checkpoint_id": rep.checkpoint_id, "step": rep.step, "chain": rep.chain, "rows": rep.rows,
-                   "bytes": rep.bytes, "parts": {k: getattr(rep, k) for k in RESTORE_PARTS}}
+        return t, {
+            "checkpoint_id": rep.checkpoint_id,
+            "step": rep.step,
+            "chain": rep.chain,
+            "rows": rep.rows,
+            "bytes": rep.bytes,
+            "parts": {k: getattr(rep, k) for k in RESTORE_PARTS},
+        }
     finally:
         mgr.tracker.detach()
         mgr.finish(trainer.step)
@@ -415,8 +423,16 @@ def run_phases(args: argparse.Namespace, overrides: list[str]) -> int:
         wall = max_over_ranks(time.perf_counter() - t0)
         ckpts = pc.finish(args.steps) if pc is not None else []
         dist.barrier()
-        return ({"peer": name, "steps": args.steps, "wall_s": wall, "samples_per_s": args.steps * samples_per_step / wall,
-                 "checkpoints": ckpts}, pc)
+        return (
+            {
+                "peer": name,
+                "steps": args.steps,
+                "wall_s": wall,
+                "samples_per_s": args.steps * samples_per_step / wall,
+                "checkpoints": ckpts,
+            },
+            pc,
+        )
 
     done = [run_phase(name) for name in ("none", "dcp.save", "dcp.async_save", "torch.save", "none")]
     phases = [ph for ph, _ in done]
@@ -430,15 +446,26 @@ def run_phases(args: argparse.Namespace, overrides: list[str]) -> int:
         label, kv = ov.split("=", 1)
         restore_overrides.setdefault(label, []).append(kv)
     kinds: list[tuple[str, Callable[[], Any]]] = [
-        (load, lambda load=load, n=n: peers.load(load, n)) for load, (n, _) in references.items()]
+        (load, lambda load=load, n=n: peers.load(load, n)) for load, (n, _) in references.items()
+    ]
     for spec in args.restore:
         label, run_id, run_dir = spec.split("=", 2)
-        kinds.append((f"deltarec:{label}", lambda label=label, run_id=run_id, run_dir=run_dir: deltarec_restore(
-            args.config, [*overrides, f"ckpt.run_id={run_id}", f"run.dir={run_dir}", *restore_overrides.get(label, [])],
-            env, device, sharded, trainer)))
+        kinds.append(
+            (
+                f"deltarec:{label}",
+                lambda label=label, run_id=run_id, run_dir=run_dir: deltarec_restore(
+                    args.config,
+                    [*overrides, f"ckpt.run_id={run_id}", f"run.dir={run_dir}", *restore_overrides.get(label, [])],
+                    env,
+                    device,
+                    sharded,
+                    trainer,
+                ),
+            )
+        )
     restore: dict[str, dict[str, Any]] = {k: {"restore_s": [], "same_state": []} for k, _ in kinds}
     for r in range(args.repeats):
-        order = kinds[r % len(kinds):] + kinds[: r % len(kinds)]
+        order = kinds[r % len(kinds) :] + kinds[: r % len(kinds)]
         for name, fn in order:
             if name.startswith("deltarec:"):
                 t, info = fn()  # restores that run's state: not comparable to a reference

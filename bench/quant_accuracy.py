@@ -73,7 +73,7 @@ class Cell:
     evals: list[dict] = field(default_factory=list)  # eval records of every segment
     lifetime: float = float("nan")  # mean training log loss over every step (Check-N-Run's lifetime measure)
     seconds: float = 0.0
-    same_as: "Cell | None" = None  # a cell whose job is identical (reported, not re-run)
+    same_as: Cell | None = None  # a cell whose job is identical (reported, not re-run)
 
     @property
     def name(self) -> str:
@@ -128,10 +128,7 @@ def marker_codecs(config: Path, overrides: list[str]) -> dict[int, dict]:
         found = commits(backend.markers.read_markers(), cfg.ckpt.run_id)
     finally:
         backend.close()
-    return {
-        m.checkpoint_id: {"step": m.step, "full": m.chain[-1].full if m.chain else None, **m.encodings}
-        for _, m in found
-    }
+    return {m.checkpoint_id: {"step": m.step, "full": m.chain[-1].full if m.chain else None, **m.encodings} for _, m in found}
 
 
 def read_evals(run_dir: Path) -> list[dict]:
@@ -192,11 +189,12 @@ def run_cell(cell: Cell, args, base: list[str], work: Path) -> None:
         if i:
             m = RESUMED.search(out)
             if not m or int(m.group(2)) != prev:
-                raise RuntimeError(f"{cell.name} segment {i}: expected a restore at step {prev}, rank 0 printed: "
-                                   f"{m.group(0) if m else 'no resume line'}")
+                raise RuntimeError(
+                    f"{cell.name} segment {i}: expected a restore at step {prev}, rank 0 printed: "
+                    f"{m.group(0) if m else 'no resume line'}"
+                )
             cell.restored.append((int(m.group(1)), int(m.group(2))))
-        print(f"  {cell.name:16s} segment {i:2d}: steps {prev:5d} -> {end:5d}  {time.perf_counter() - ts:5.1f} s",
-              flush=True)
+        print(f"  {cell.name:16s} segment {i:2d}: steps {prev:5d} -> {end:5d}  {time.perf_counter() - ts:5.1f} s", flush=True)
         prev = end
     cell.seconds = time.perf_counter() - t0
     markers = marker_codecs(args.config, [f"run.dir={run_dir}", *common])
@@ -204,8 +202,10 @@ def run_cell(cell: Cell, args, base: list[str], work: Path) -> None:
         got = markers[cid]
         want = expected_codec(cell.setting, cell.restores, k, args.widths)
         if got["step"] != step or got.get("weights") != want:
-            raise RuntimeError(f"{cell.name}: restore {k + 1} read checkpoint {cid} (step {got['step']}) written with "
-                               f"{got.get('weights')!r}, expected {want!r} at step {step}")
+            raise RuntimeError(
+                f"{cell.name}: restore {k + 1} read checkpoint {cid} (step {got['step']}) written with "
+                f"{got.get('weights')!r}, expected {want!r} at step {step}"
+            )
         cell.codecs.append(got["weights"])
     cell.evals = read_evals(run_dir)
     cell.lifetime = lifetime_logloss(read_train_losses(run_dir), args.steps)
@@ -278,8 +278,9 @@ def table(rows: list[dict], restores: list[int], key: str = "logloss_rel_pct", a
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], restores: list[int], goal_pct: float, floor: dict, plot_dir: Path,
-         name: str = "quant_accuracy_restores.png") -> str:
+def plot(
+    rows: list[dict], restores: list[int], goal_pct: float, floor: dict, plot_dir: Path, name: str = "quant_accuracy_restores.png"
+) -> str:
     """Check-N-Run's Fig. 14 in shape: per measure, the degradation of every setting against
     the restores, the goal line and the fp16 control's band."""
     styles = {"default": ("k", "o", 2.2), "adaptive2": ("C3", "v", 1.4), "adaptive3": ("C1", "^", 1.4),
@@ -302,8 +303,17 @@ def plot(rows: list[dict], restores: list[int], goal_pct: float, floor: dict, pl
                 control = any(r["control"] for r in rows if r["setting"] == s)
                 label = "default policy (expected_restores = L)" if s == "default" else s + (" (control)" if control else "")
                 sd = [p[2] for p in pts] if all(p[2] is not None for p in pts) else None  # mean +- sd over seeds
-                ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=sd, ls=":" if control else "-", color=color,
-                            marker=marker, lw=lw, capsize=3, label=label)
+                ax.errorbar(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    yerr=sd,
+                    ls=":" if control else "-",
+                    color=color,
+                    marker=marker,
+                    lw=lw,
+                    capsize=3,
+                    label=label,
+                )
             ax.set_xscale("log")
             ax.set_xticks(restores)
             ax.set_xticklabels([str(L) for L in restores])
@@ -342,8 +352,10 @@ def run_grid(args, base: list[str], work: Path) -> dict:
     t0 = time.perf_counter()
     run_cell(ref, args, base, work)
     r0 = ref.evals[-1]
-    print(f"  reference: eval log loss {r0['eval_logloss']:.6f}, AUC {r0['eval_auc']:.5f}, "
-          f"lifetime log loss {ref.lifetime:.6f}", flush=True)
+    print(
+        f"  reference: eval log loss {r0['eval_logloss']:.6f}, AUC {r0['eval_auc']:.5f}, lifetime log loss {ref.lifetime:.6f}",
+        flush=True,
+    )
     for c in cells:
         if c.same_as is not None:
             print(f"  {c.name:16s} is the same job as {c.same_as.name}: not run again", flush=True)
@@ -352,9 +364,11 @@ def run_grid(args, base: list[str], work: Path) -> dict:
         e = c.evals[-1]
         rel = 100 * (e["eval_logloss"] - r0["eval_logloss"]) / r0["eval_logloss"]
         life = 100 * (c.lifetime - ref.lifetime) / ref.lifetime
-        print(f"  {c.name:16s} codecs {sorted(set(c.codecs))}: log loss {e['eval_logloss']:.6f} ({rel:+.4f}%), "
-              f"AUC {e['eval_auc']:.5f}, lifetime {life:+.4f}%  [{c.seconds:.0f} s, total {time.perf_counter() - t0:.0f} s]",
-              flush=True)
+        print(
+            f"  {c.name:16s} codecs {sorted(set(c.codecs))}: log loss {e['eval_logloss']:.6f} ({rel:+.4f}%), "
+            f"AUC {e['eval_auc']:.5f}, lifetime {life:+.4f}%  [{c.seconds:.0f} s, total {time.perf_counter() - t0:.0f} s]",
+            flush=True,
+        )
     rows = summarize(sorted(cells, key=lambda c: c.control), ref, round(args.steps * (1 - args.tail)))
     fp16 = [r for r in rows if r["setting"] == "fp16"]
     floor = {
@@ -378,8 +392,10 @@ def run_grid(args, base: list[str], work: Path) -> dict:
             "tail_mean": all(r["tail_logloss_rel_pct"] < args.goal for r in main_rows),
             "lifetime": all(r["lifetime_logloss_rel_pct"] < args.goal for r in main_rows),
             # per measure: can a degradation of `goal` be told apart from the drift of a near-lossless (fp16) run?
-            "resolvable": {k: None if floor[f] is None else floor[f] < args.goal
-                           for k, f in (("final", "final_pct"), ("tail_mean", "tail_pct"), ("lifetime", "lifetime_pct"))},
+            "resolvable": {
+                k: None if floor[f] is None else floor[f] < args.goal
+                for k, f in (("final", "final_pct"), ("tail_mean", "tail_pct"), ("lifetime", "lifetime_pct"))
+            },
         }
     all_L = sorted({r["restores"] for r in rows})
     res["table_md"] = table(rows, all_L)
@@ -449,29 +465,46 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--plot-dir", default=None, help="write quant_accuracy_restores.png here")
     p.add_argument("--plot-name", default="quant_accuracy_restores.png", help="file name of the plot")
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
-    p.add_argument("--set", dest="overrides", nargs="*", default=list(DEFAULT_OVERRIDES), metavar="key=value",
-                   help=f"config overrides for every run (default: {' '.join(DEFAULT_OVERRIDES)})")
-    p.add_argument("--seeds", type=int, nargs="*", default=[],
-                   help="run the whole grid once per run.seed and report mean +- sd of the paired degradations")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        nargs="*",
+        default=list(DEFAULT_OVERRIDES),
+        metavar="key=value",
+        help=f"config overrides for every run (default: {' '.join(DEFAULT_OVERRIDES)})",
+    )
+    p.add_argument(
+        "--seeds",
+        type=int,
+        nargs="*",
+        default=[],
+        help="run the whole grid once per run.seed and report mean +- sd of the paired degradations",
+    )
     p.add_argument("--steps", type=int, default=1500, help="training steps of every job")
     p.add_argument("--eval-batches", type=int, default=100, help="held-out batches per rank at each eval")
-    p.add_argument("--eval-every", type=int, default=150,
-                   help="train.eval_every: the last 20%% of the run's evals are averaged as a second, steadier figure")
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=150,
+        help="train.eval_every: the last 20%% of the run's evals are averaged as a second, steadier figure",
+    )
     p.add_argument("--tail", type=float, default=0.2, help="fraction of the run whose evals are averaged")
     p.add_argument("--interval", type=int, default=100, help="ckpt.interval_steps")
     p.add_argument("--settings", nargs="*", default=["default", "adaptive2", "adaptive3", "adaptive4", "asym8"])
     p.add_argument("--restores", type=int, nargs="*", default=[1, 3, 10, 20])
-    p.add_argument("--skip", nargs="*", default=["adaptive2@20", "adaptive3@20"],
-                   help="cells (setting@L) not to run, to fit the time budget")
-    p.add_argument("--controls", nargs="*", default=["fp32@3", "fp16@1", "fp16@3", "fp16@10"],
-                   help="control cells (setting@L)")
-    p.add_argument("--no-dedupe", action="store_true",
-                   help="also run explicit cells that are the same job as a default-policy cell")
+    p.add_argument(
+        "--skip", nargs="*", default=["adaptive2@20", "adaptive3@20"], help="cells (setting@L) not to run, to fit the time budget"
+    )
+    p.add_argument("--controls", nargs="*", default=["fp32@3", "fp16@1", "fp16@3", "fp16@10"], help="control cells (setting@L)")
+    p.add_argument(
+        "--no-dedupe", action="store_true", help="also run explicit cells that are the same job as a default-policy cell"
+    )
     p.add_argument("--goal", type=float, default=0.01, help="goal: relative log-loss degradation in percent")
     p.add_argument("--work-dir", type=Path, default=None, help="run directories (default: a temporary one)")
     p.add_argument("--keep-runs", action="store_true", help="keep the run directories")
-    p.add_argument("--reuse", action="store_true",
-                   help="with --work-dir: reuse cells already finished there with the same overrides")
+    p.add_argument(
+        "--reuse", action="store_true", help="with --work-dir: reuse cells already finished there with the same overrides"
+    )
     p.add_argument("--timeout", type=float, default=600, help="seconds per segment")
     return p
 
@@ -523,8 +556,7 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite accuracy") -> 
             "tail_pct": res["noise_fp16"]["tail_logloss_rel_pct"]["rms_single_run"],
             "lifetime_pct": res["noise_fp16"]["lifetime_logloss_rel_pct"]["rms_single_run"],
         }
-        res["plot"] = plot(rows, sorted({r["restores"] for r in rows}), args.goal, floor, Path(args.plot_dir),
-                           args.plot_name)
+        res["plot"] = plot(rows, sorted({r["restores"] for r in rows}), args.goal, floor, Path(args.plot_dir), args.plot_name)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     holds = res.get("goal_holds_default_policy") or res.get("goal_holds_default_policy_mean")
@@ -533,8 +565,16 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite accuracy") -> 
 
 
 # what a cell reports against the uninterrupted job (and, over seeds, their standard deviations)
-CELL_FIGURES = ("logloss_rel_pct", "tail_logloss_rel_pct", "lifetime_logloss_rel_pct", "auc_delta", "tail_auc_delta",
-                "eval_logloss", "eval_auc", "lifetime_logloss")
+CELL_FIGURES = (
+    "logloss_rel_pct",
+    "tail_logloss_rel_pct",
+    "lifetime_logloss_rel_pct",
+    "auc_delta",
+    "tail_auc_delta",
+    "eval_logloss",
+    "eval_auc",
+    "lifetime_logloss",
+)
 
 
 def measurements(result: dict[str, Any]) -> list[Measurement]:
@@ -543,8 +583,13 @@ def measurements(result: dict[str, Any]) -> list[Measurement]:
     out = []
     seeds = result.get("seeds")
     for c in result["cells"]:
-        labels = {"setting": c["setting"], "restores": c["restores"], "control": c["control"],
-                  "codecs": ",".join(c["codecs"]), **({"seeds": seeds} if seeds else {})}
+        labels = {
+            "setting": c["setting"],
+            "restores": c["restores"],
+            "control": c["control"],
+            "codecs": ",".join(c["codecs"]),
+            **({"seeds": seeds} if seeds else {}),
+        }
         keys = [k for name in CELL_FIGURES for k in (name, f"{name}_sd") if k in c]
         out += scalars({k: c[k] for k in keys}, labels)
     return out

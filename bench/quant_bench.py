@@ -98,13 +98,13 @@ def baselines(args, threads: list[int]) -> list[dict]:
     nbytes = x.numel() * 4
     for th in threads:
         torch.set_num_threads(th)
-        w, _, cpu = _time(
-            lambda: torch.ops.quantized.embedding_bag_4bit_prepack(x, True), nbytes, args.repeats, args.min_time
-        )
+        w, _, cpu = _time(lambda: torch.ops.quantized.embedding_bag_4bit_prepack(x, True), nbytes, args.repeats, args.min_time)
         out.append({"baseline": "torch embedding_bag_4bit_prepack(optimized_qparams=True)", "threads": th,
                     "encode_MBps": round(w, 1), **({"encode_MBps_cpu": round(cpu, 1)} if th == 1 else {})})  # fmt: skip
-        for label, codec in (("adaptive4, greedy search (nbins 200)", AdaptiveCodec(4, search="greedy")),
-                             ("adaptive4, fast search, torch reference", AdaptiveCodec(4, impl="torch"))):
+        for label, codec in (
+            ("adaptive4, greedy search (nbins 200)", AdaptiveCodec(4, search="greedy")),
+            ("adaptive4, fast search, torch reference", AdaptiveCodec(4, impl="torch")),
+        ):
             w, _, cpu = _time(lambda: codec.encode(x), nbytes, args.repeats, args.min_time)
             out.append({"baseline": label, "threads": th, "encode_MBps": round(w, 1),
                         **({"encode_MBps_cpu": round(cpu, 1)} if th == 1 else {})})  # fmt: skip
@@ -175,8 +175,7 @@ def plot(acc: list[dict], plot_dir: Path) -> list[str]:
         rs = [r for r in acc if r["rows"] == set_name]
         f = plot_dir / f"quant_l2_{set_name}.png"
         with figure(f, figsize=(5.5, 4)) as (fig, ax):
-            for method, marker in (("sym", "s"), ("asym", "o"), ("adaptive", "^"), ("adaptive-greedy", "v"),
-                                   ("kmeans", "D")):
+            for method, marker in (("sym", "s"), ("asym", "o"), ("adaptive", "^"), ("adaptive-greedy", "v"), ("kmeans", "D")):
                 pts = sorted((r["bits"], r["mean_l2"]) for r in rs if r["method"] == method)
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=method)
             ax.set_xticks([2, 3, 4, 8])
@@ -203,8 +202,7 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--min-time", type=float, default=0.3, help="seconds per timed run")
     p.add_argument("--codecs", nargs="*", default=None)
-    p.add_argument("--threads", type=int, nargs="*", default=None,
-                   help="thread counts to time (default: 1 and torch's default)")
+    p.add_argument("--threads", type=int, nargs="*", default=None, help="thread counts to time (default: 1 and torch's default)")
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--skip-accuracy", action="store_true")
     return p
@@ -229,8 +227,10 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite codecs") -> di
         res["dim_sweep"] = dim_sweep(args)
     student_t = torch.distributions.StudentT(3.0).sample  # heavy tails: what range clipping is for
     torch.manual_seed(4)
-    rowsets = {"gaussian": torch.randn(args.n_acc, args.dim, generator=torch.Generator().manual_seed(3)),
-               "student_t3": student_t((args.n_acc, args.dim)).to(torch.float32)}
+    rowsets = {
+        "gaussian": torch.randn(args.n_acc, args.dim, generator=torch.Generator().manual_seed(3)),
+        "student_t3": student_t((args.n_acc, args.dim)).to(torch.float32),
+    }
     if args.skip_accuracy:
         rowsets = {}
     if args.rows:
@@ -258,15 +258,21 @@ def measurements(result: dict[str, Any]) -> list[Measurement]:
     for r in result.get("throughput", []):
         out += scalars({k: r.get(k) for k in speed}, {"codec": r["codec"], "threads": r["threads"], "dim": r["dim"]})
     for r in result.get("baselines", []):
-        out += scalars({k: r.get(k) for k in ("encode_MBps", "encode_MBps_cpu")},
-                       {"baseline": r["baseline"], "threads": r["threads"], "dim": result["dim"]})
+        out += scalars(
+            {k: r.get(k) for k in ("encode_MBps", "encode_MBps_cpu")},
+            {"baseline": r["baseline"], "threads": r["threads"], "dim": result["dim"]},
+        )
     for r in result.get("dim_sweep", []):
-        out += scalars({k: r.get(k) for k in ("encode_MBps", "encode_MBps_cpu")},
-                       {"codec": r["codec"], "threads": r["threads"], "dim": r["dim"]})
+        out += scalars(
+            {k: r.get(k) for k in ("encode_MBps", "encode_MBps_cpu")},
+            {"codec": r["codec"], "threads": r["threads"], "dim": r["dim"]},
+        )
     for r in result.get("accuracy", []):
-        out += scalars({k: r[k] for k in ("mean_l2", "rel_l2", "max_l2", "row_bytes", "encode_s")},
-                       {"rows": r["rows"], "codec": r["codec"], "bits": r["bits"], "dim": r["dim"]},
-                       {"row_bytes": "B/row", "rel_l2": "ratio"})
+        out += scalars(
+            {k: r[k] for k in ("mean_l2", "rel_l2", "max_l2", "row_bytes", "encode_s")},
+            {"rows": r["rows"], "codec": r["codec"], "bits": r["bits"], "dim": r["dim"]},
+            {"row_bytes": "B/row", "rel_l2": "ratio"},
+        )
     return out
 
 

@@ -21,8 +21,9 @@ import shlex
 import sys
 import textwrap
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol, Sequence
+from typing import Any, NamedTuple, Protocol
 
 from bench.common import REPO, Measurement, Provenance, log, write_records
 
@@ -50,51 +51,99 @@ class Suite(NamedTuple):
 
 
 SUITES = (
-    Suite("quick", "bench.peers", ("--size", "quick"),
-          "deltarec (4 policies x fp32/adaptive4, and incremental + a follower compacting its chain) against "
-          "dcp.save, dcp.async_save and torch.save on the quickstart model: stall, bytes (the trainer's and the "
-          "follower's), capacity, throughput, restore, steps lost, follower lag (~4.5 min; CI smoke)"),
-    Suite("full", "bench.peers", ("--size", "full"),
-          "the same on 26 Criteo-cardinality tables (5.6M rows, 1.43 GB; ~21 min, "
-          "plus 2 follower jobs of 8 intervals: ~6-16 min more)"),
-    Suite("gpu-peers", "bench.peers_gpu", (),
-          "deltarec (intermittent_diff and incremental x fp32/adaptive4) against dcp.save, dcp.async_save with "
-          "pinned staging and dcp.load, at world size 1 on one GPU (one process per size: --sizes full,big; "
-          "--device cpu --sizes tiny on the CPU, ~1 min): stall, time to durable, bytes, capacity, restore, "
-          "throughput (~4-5 min on an H100, estimate printed at the start)"),
-    Suite("cost", "bench.cost", (),
-          "what a checkpoint costs apart from the broker: the default policy at 4 bits every --interval-s (full "
-          "size: a true minute) to a fresh broker and to the filesystem sink on a tmpfs, against the job without "
-          "checkpoints: throughput overhead, CPU seconds per checkpoint by thread class and of the broker "
-          "(--size full ~20 min; --size quick ~3 min)"),
-    Suite("checkpoint", "bench.ckpt_bench", (),
-          "per checkpoint on the quickstart model: rows, bytes, stall and its parts against a bare copy, "
-          "writer against a raw Kafka producer, restore against dcp.load (~3 min)"),
-    Suite("tracker", "bench.tracker_overhead", (),
-          "the row tracker's hook per training step (against no hook and a no-op hook) and the snapshot "
-          "stall against a bare copy (~2 min)"),
-    Suite("throughput", "bench.train_throughput", (),
-          "training samples/s of a config on N ranks against 1 rank (two torchrun jobs)"),
-    Suite("codecs", "bench.quant_bench", (),
-          "quantization codecs: encode/decode MB/s against torch's 4-bit prepack, L2 error per bit width "
-          "(~2.5 min)"),
-    Suite("accuracy", "bench.quant_accuracy", (),
-          "model log loss and AUC after L restores from quantized checkpoints against the uninterrupted job "
-          "(Check-N-Run Fig. 14; the default grid ~30 min)"),
-    Suite("cpr", "bench.cpr", (),
-          "CPR's comparison: full against partial recovery under 5 SIGKILLs of a random rank per job, same "
-          "failure points per mode: re-training and checkpoint overhead, PLS, final log loss and AUC against the "
-          "uninterrupted job (3 seeds, ~15 min)"),
-    Suite("markers", "bench.markers_log", (),
-          "a restore's read of the markers log against its length (100 to 10,000 COMMIT markers of the full "
-          "suite's size): the whole log against the log from its newest catalog record, on the embedded broker "
-          "and on files (~2 min)"),
-    Suite("gpu", "bench.gpu", (),
-          "needs CUDA: the snapshot stall against a bare device-to-host copy (10^4-10^7 rows, d 32-256), every "
-          "codec's encode and decode on the GPU, a restore into GPU shards against CPU shards (~1.5 min on an H100), "
-          "a one-GPU job's throughput with checkpoints every --interval-s against none (~6 min)"),
-    Suite("trained-rows", "bench.trained_rows", (),
-          "not a measurement: trains a job and saves its trained embedding rows for `codecs --rows`"),
+    Suite(
+        "quick",
+        "bench.peers",
+        ("--size", "quick"),
+        "deltarec (4 policies x fp32/adaptive4, and incremental + a follower compacting its chain) against "
+        "dcp.save, dcp.async_save and torch.save on the quickstart model: stall, bytes (the trainer's and the "
+        "follower's), capacity, throughput, restore, steps lost, follower lag (~4.5 min; CI smoke)",
+    ),
+    Suite(
+        "full",
+        "bench.peers",
+        ("--size", "full"),
+        "the same on 26 Criteo-cardinality tables (5.6M rows, 1.43 GB; ~21 min, "
+        "plus 2 follower jobs of 8 intervals: ~6-16 min more)",
+    ),
+    Suite(
+        "gpu-peers",
+        "bench.peers_gpu",
+        (),
+        "deltarec (intermittent_diff and incremental x fp32/adaptive4) against dcp.save, dcp.async_save with "
+        "pinned staging and dcp.load, at world size 1 on one GPU (one process per size: --sizes full,big; "
+        "--device cpu --sizes tiny on the CPU, ~1 min): stall, time to durable, bytes, capacity, restore, "
+        "throughput (~4-5 min on an H100, estimate printed at the start)",
+    ),
+    Suite(
+        "cost",
+        "bench.cost",
+        (),
+        "what a checkpoint costs apart from the broker: the default policy at 4 bits every --interval-s (full "
+        "size: a true minute) to a fresh broker and to the filesystem sink on a tmpfs, against the job without "
+        "checkpoints: throughput overhead, CPU seconds per checkpoint by thread class and of the broker "
+        "(--size full ~20 min; --size quick ~3 min)",
+    ),
+    Suite(
+        "checkpoint",
+        "bench.ckpt_bench",
+        (),
+        "per checkpoint on the quickstart model: rows, bytes, stall and its parts against a bare copy, "
+        "writer against a raw Kafka producer, restore against dcp.load (~3 min)",
+    ),
+    Suite(
+        "tracker",
+        "bench.tracker_overhead",
+        (),
+        "the row tracker's hook per training step (against no hook and a no-op hook) and the snapshot "
+        "stall against a bare copy (~2 min)",
+    ),
+    Suite(
+        "throughput", "bench.train_throughput", (), "training samples/s of a config on N ranks against 1 rank (two torchrun jobs)"
+    ),
+    Suite(
+        "codecs",
+        "bench.quant_bench",
+        (),
+        "quantization codecs: encode/decode MB/s against torch's 4-bit prepack, L2 error per bit width (~2.5 min)",
+    ),
+    Suite(
+        "accuracy",
+        "bench.quant_accuracy",
+        (),
+        "model log loss and AUC after L restores from quantized checkpoints against the uninterrupted job "
+        "(Check-N-Run Fig. 14; the default grid ~30 min)",
+    ),
+    Suite(
+        "cpr",
+        "bench.cpr",
+        (),
+        "CPR's comparison: full against partial recovery under 5 SIGKILLs of a random rank per job, same "
+        "failure points per mode: re-training and checkpoint overhead, PLS, final log loss and AUC against the "
+        "uninterrupted job (3 seeds, ~15 min)",
+    ),
+    Suite(
+        "markers",
+        "bench.markers_log",
+        (),
+        "a restore's read of the markers log against its length (100 to 10,000 COMMIT markers of the full "
+        "suite's size): the whole log against the log from its newest catalog record, on the embedded broker "
+        "and on files (~2 min)",
+    ),
+    Suite(
+        "gpu",
+        "bench.gpu",
+        (),
+        "needs CUDA: the snapshot stall against a bare device-to-host copy (10^4-10^7 rows, d 32-256), every "
+        "codec's encode and decode on the GPU, a restore into GPU shards against CPU shards (~1.5 min on an H100), "
+        "a one-GPU job's throughput with checkpoints every --interval-s against none (~6 min)",
+    ),
+    Suite(
+        "trained-rows",
+        "bench.trained_rows",
+        (),
+        "not a measurement: trains a job and saves its trained embedding rows for `codecs --rows`",
+    ),
 )
 
 
@@ -107,18 +156,27 @@ def listing(columns: int = 100) -> str:
     """Every suite: its name and what it measures, wrapped to `columns`."""
     width = max(len(s.name) for s in SUITES)
     indent = " " * (width + 4)
-    return "\n".join(textwrap.fill(s.measures, columns, initial_indent=f"  {s.name:<{width}}  ",
-                                   subsequent_indent=indent) for s in SUITES)
+    return "\n".join(
+        textwrap.fill(s.measures, columns, initial_indent=f"  {s.name:<{width}}  ", subsequent_indent=indent) for s in SUITES
+    )
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m bench.run", add_help=False, allow_abbrev=False, description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog="suites:\n" + listing(),
+        prog="python -m bench.run",
+        add_help=False,
+        allow_abbrev=False,
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="suites:\n" + listing(),
     )
     p.add_argument("--suite", choices=[s.name for s in SUITES], help="what to measure (see below)")
-    p.add_argument("--records", type=Path, default=DEFAULT_RECORDS,
-                   help=f"append every figure here, one JSON line each (default {DEFAULT_RECORDS.relative_to(REPO)})")
+    p.add_argument(
+        "--records",
+        type=Path,
+        default=DEFAULT_RECORDS,
+        help=f"append every figure here, one JSON line each (default {DEFAULT_RECORDS.relative_to(REPO)})",
+    )
     p.add_argument("--list", action="store_true", help="list the suites and exit")
     p.add_argument("-h", "--help", action="store_true", help="this help, or with --suite that suite's options")
     return p
@@ -132,8 +190,14 @@ def run_suite(suite: Suite, argv: list[str], records: Path) -> dict[str, Any]:
     started = time.time()
     result = module.run([*suite.fixed, *argv], prog)
     commit = result.get("commit") or {}
-    provenance = Provenance(suite=suite.name, command=f"{prog} {shlex.join(argv)}".strip(), commit=commit.get("sha"),
-                            dirty=bool(commit.get("dirty")), unix=round(started, 3), machine=result.get("machine", {}))
+    provenance = Provenance(
+        suite=suite.name,
+        command=f"{prog} {shlex.join(argv)}".strip(),
+        commit=commit.get("sha"),
+        dirty=bool(commit.get("dirty")),
+        unix=round(started, 3),
+        machine=result.get("machine", {}),
+    )
     n = write_records(records, provenance, module.measurements(result))
     log(f"{n} records of suite {suite.name} appended to {records}")
     return result

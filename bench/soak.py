@@ -29,9 +29,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -98,8 +98,9 @@ def _retrained(metrics_path: Path) -> tuple[int, int]:
     return restores, lost
 
 
-def soak(sink: str, steps: int, kills: int, seed: int, interval: int, delay_s: tuple[float, float],
-         work: Path, timeout_s: float) -> SoakResult:
+def soak(
+    sink: str, steps: int, kills: int, seed: int, interval: int, delay_s: tuple[float, float], work: Path, timeout_s: float
+) -> SoakResult:
     """One soak run in `work` (reference first); raises RuntimeError when the job fails."""
     rng = random.Random(seed)
     t0 = time.monotonic()
@@ -111,18 +112,38 @@ def soak(sink: str, steps: int, kills: int, seed: int, interval: int, delay_s: t
 
     broker = EmbeddedBroker().start() if sink == "kafka" else None
     run_dir, log = work / "run", work / "launch.log"
-    ckpt = ["ckpt.enabled=true", f"ckpt.sink={sink}", f"ckpt.run_id=soak-{seed}", f"ckpt.interval_steps={interval}",
-            "ckpt.resume=latest", "ckpt.flush_timeout_s=30"]
+    ckpt = [
+        "ckpt.enabled=true",
+        f"ckpt.sink={sink}",
+        f"ckpt.run_id=soak-{seed}",
+        f"ckpt.interval_steps={interval}",
+        "ckpt.resume=latest",
+        "ckpt.flush_timeout_s=30",
+    ]
     if broker is not None:
         ckpt.append(f"ckpt.bootstrap_servers={broker.bootstrap}")
-    cmd = [sys.executable, "-m", "launch.torchrun", "--nproc-per-node", str(RANKS), "--max-restarts", str(kills),
-           "--config", str(CONFIG), f"run.dir={run_dir}", "train.progress=log", *_train_args(steps), *ckpt]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch.torchrun",
+        "--nproc-per-node",
+        str(RANKS),
+        "--max-restarts",
+        str(kills),
+        "--config",
+        str(CONFIG),
+        f"run.dir={run_dir}",
+        "train.progress=log",
+        *_train_args(steps),
+        *ckpt,
+    ]
     t1 = time.monotonic()
     delays: list[float] = []
     try:
         with open(log, "w") as out:
-            job = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+            job = subprocess.Popen(
+                cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+            )
         deadline = time.monotonic() + timeout_s
         killed: set[int] = set()
         while len(delays) < kills and job.poll() is None and time.monotonic() < deadline:
@@ -152,8 +173,18 @@ def soak(sink: str, steps: int, kills: int, seed: int, interval: int, delay_s: t
     if rc != 0:
         raise RuntimeError(f"the soak job failed (exit {rc}) after {len(delays)} kill(s):\n{log.read_text()[-4000:]}")
     restores, retrained = _retrained(run_dir / "metrics.jsonl")
-    return SoakResult(sink, seed, steps, len(delays), restores, retrained, _identical(_params(run_dir), reference),
-                      round(wall_s, 1), round(reference_wall_s, 1), delays)
+    return SoakResult(
+        sink,
+        seed,
+        steps,
+        len(delays),
+        restores,
+        retrained,
+        _identical(_params(run_dir), reference),
+        round(wall_s, 1),
+        round(reference_wall_s, 1),
+        delays,
+    )
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -163,8 +194,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--kills", type=int, default=20)
     p.add_argument("--seed", type=int, default=None, help="draws the kill delays and victims (default: random)")
     p.add_argument("--interval", type=int, default=50, help="checkpoint interval (steps)")
-    p.add_argument("--delay", type=float, nargs=2, default=(0.0, 10.0), metavar=("MIN", "MAX"),
-                   help="seconds from an attempt's first training record to the kill (uniform)")
+    p.add_argument(
+        "--delay",
+        type=float,
+        nargs=2,
+        default=(0.0, 10.0),
+        metavar=("MIN", "MAX"),
+        help="seconds from an attempt's first training record to the kill (uniform)",
+    )
     p.add_argument("--timeout-s", type=float, default=3600.0)
     p.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
@@ -182,9 +219,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = soak(args.sink, args.steps, args.kills, seed, args.interval, tuple(args.delay), work, args.timeout_s)
     if args.out:
         args.out.write_text(json.dumps(asdict(result), indent=1) + "\n")
-    print(f"soak: {result.kills} kills survived, {result.restores} restores, {result.steps_retrained} steps "
-          f"re-trained, {result.wall_s:.0f} s (uninterrupted run without checkpoints: {result.reference_wall_s:.0f} s); "
-          f"{'bit-identical' if result.identical else 'DIFFERENT'} to the uninterrupted run")
+    print(
+        f"soak: {result.kills} kills survived, {result.restores} restores, {result.steps_retrained} steps "
+        f"re-trained, {result.wall_s:.0f} s (uninterrupted run without checkpoints: {result.reference_wall_s:.0f} s); "
+        f"{'bit-identical' if result.identical else 'DIFFERENT'} to the uninterrupted run"
+    )
     return 0 if result.identical and result.kills == args.kills else 1
 
 

@@ -61,8 +61,16 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite tracker") -> d
         worker_args = ["--worker", "--rounds", str(args.rounds), "--block", str(args.block), "--warmup", str(args.warmup),
                        "--interval", str(args.interval), "--repeats", str(args.repeats)]  # fmt: skip
         threads = str(max(1, (os.cpu_count() or 1) // args.ranks))
-        group = start_ranks(config, rest, Path(tmp), args.ranks, args.timeout_s, module="bench.tracker_overhead",
-                            extra_args=worker_args, env_extra={"OMP_NUM_THREADS": threads})
+        group = start_ranks(
+            config,
+            rest,
+            Path(tmp),
+            args.ranks,
+            args.timeout_s,
+            module="bench.tracker_overhead",
+            extra_args=worker_args,
+            env_extra={"OMP_NUM_THREADS": threads},
+        )
         results = group.wait()
     machine["loadavg_end"] = loadavg()
     ranks = [json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("{"))) for r in results]
@@ -71,8 +79,14 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite tracker") -> d
         **document_head("tracker", prog, argv, machine),
         "config": config,
         "overrides": rest,
-        "settings": {"ranks": args.ranks, "warmup": args.warmup, "rounds": args.rounds, "block": args.block,
-                     "interval": args.interval, "repeats": args.repeats},
+        "settings": {
+            "ranks": args.ranks,
+            "warmup": args.warmup,
+            "rounds": args.rounds,
+            "block": args.block,
+            "interval": args.interval,
+            "repeats": args.repeats,
+        },
         "summary": {
             "step_ms_without_tracker": worst("step_ms_off", "tracker"),
             "step_ms_with_tracker": worst("step_ms_on", "tracker"),
@@ -166,11 +180,18 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> int:
     hook_ms_per_step = hook_s[0] * 1e3 / steps_on
     tr = {
         "steps_per_mode": steps_on,
-        "step_ms_on": med["on"], "step_ms_off": med["off"], "step_ms_noop": med["noop"],
-        "ratio_on_over_off": med["on"] / med["off"], "ratio_noop_over_off": med["noop"] / med["off"],
-        "mean_step_ms_on": mean["on"], "mean_step_ms_off": mean["off"], "mean_step_ms_noop": mean["noop"],
-        "mean_ratio_on_over_off": mean["on"] / mean["off"], "mean_ratio_noop_over_off": mean["noop"] / mean["off"],
-        "hook_ms_per_step": hook_ms_per_step, "ids_per_step": hook_ids[0] / steps_on,
+        "step_ms_on": med["on"],
+        "step_ms_off": med["off"],
+        "step_ms_noop": med["noop"],
+        "ratio_on_over_off": med["on"] / med["off"],
+        "ratio_noop_over_off": med["noop"] / med["off"],
+        "mean_step_ms_on": mean["on"],
+        "mean_step_ms_off": mean["off"],
+        "mean_step_ms_noop": mean["noop"],
+        "mean_ratio_on_over_off": mean["on"] / mean["off"],
+        "mean_ratio_noop_over_off": mean["noop"] / mean["off"],
+        "hook_ms_per_step": hook_ms_per_step,
+        "ids_per_step": hook_ids[0] / steps_on,
         "hook_fraction_of_step": hook_ms_per_step / med["off"],
         "hook_ms_per_64k_ids": hook_s[0] * 1e3 / max(hook_ids[0], 1) * 65536,
     }
@@ -179,7 +200,9 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> int:
     rows = torch.tensor([1 if i is None else smap.shards[i].num_rows for i in m.shards])
     stride = 65536 // len(m.keys)
     values = (torch.rand(len(m.keys), stride) * rows[:, None]).long().view(-1)
-    kjt = KeyedJaggedTensor(keys=list(m.keys), values=values, lengths=torch.ones(values.numel(), dtype=torch.int32), stride=stride)
+    kjt = KeyedJaggedTensor(
+        keys=list(m.keys), values=values, lengths=torch.ones(values.numel(), dtype=torch.int32), stride=stride
+    )
     sebc.train()
     micro = []
     for _ in range(50):
@@ -213,7 +236,7 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> int:
 
     times_: dict[str, list[float]] = {"take_delta": [], "bare_delta": [], "take_full": [], "bare_full": [], "find": []}
     for r in range(args.repeats):  # alternate the order: fresh host memory costs page faults to whoever comes first
-        for name in (("take", "bare") if r % 2 == 0 else ("bare", "take")):
+        for name in ("take", "bare") if r % 2 == 0 else ("bare", "take"):
             fn = take if name == "take" else bare
             times_[f"{name}_delta"].append(fn(False))
             times_[f"{name}_full"].append(fn(True))
@@ -224,16 +247,28 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> int:
     rows_delta = sum(int(i.numel()) for i in locals_)
     total_rows = sum(v.num_rows for v in smap.shards)
     delta = {
-        "interval_steps": args.interval, "rows": rows_delta, "fraction_of_rows": rows_delta / max(total_rows, 1),
-        "bytes": nbytes, "stall_ms": stall * 1e3, "bare_ms": bare_ms * 1e3,
-        "ratio": stall / bare_ms, "GB_per_s": nbytes / stall / 1e9,
+        "interval_steps": args.interval,
+        "rows": rows_delta,
+        "fraction_of_rows": rows_delta / max(total_rows, 1),
+        "bytes": nbytes,
+        "stall_ms": stall * 1e3,
+        "bare_ms": bare_ms * 1e3,
+        "ratio": stall / bare_ms,
+        "GB_per_s": nbytes / stall / 1e9,
         "find_rows_ms": median(times_["find"]) * 1e3,  # the nonzero scans of the bitmaps, part of the stall
     }
     full = {
-        "rows": total_rows, "bytes": full_nbytes, "stall_ms": fstall * 1e3, "bare_ms": fbare * 1e3,
-        "ratio": fstall / fbare, "GB_per_s": full_nbytes / fstall / 1e9,
+        "rows": total_rows,
+        "bytes": full_nbytes,
+        "stall_ms": fstall * 1e3,
+        "bare_ms": fbare * 1e3,
+        "ratio": fstall / fbare,
+        "GB_per_s": full_nbytes / fstall / 1e9,
     }
-    print(json.dumps({"rank": env.rank, "threads": torch.get_num_threads(), "tracker": tr, "delta": delta, "full": full}), flush=True)
+    print(
+        json.dumps({"rank": env.rank, "threads": torch.get_num_threads(), "tracker": tr, "delta": delta, "full": full}),
+        flush=True,
+    )
     trainer = tracker = taker = smap = sharded = None  # released before the process group goes
     stop_job()
     return 0

@@ -17,8 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.common import (REPO, Measurement, config_path, document_head, loadavg, machine_info, median_of,
-                          scalars)
+from bench.common import REPO, Measurement, config_path, document_head, loadavg, machine_info, median_of, scalars
 
 
 def measure(config: str, ranks: int, steps: int, log_every: int, workdir: Path) -> dict:
@@ -27,9 +26,18 @@ def measure(config: str, ranks: int, steps: int, log_every: int, workdir: Path) 
 
     run_dir = workdir / f"ranks{ranks}"
     cmd = [
-        sys.executable, "-m", "launch.torchrun", f"--nproc-per-node={ranks}", "--config", config,
-        f"run.dir={run_dir}", f"train.steps={steps}", f"train.log_every={log_every}",
-        "train.eval_every=0", "train.eval_batches=0", "train.progress=log",
+        sys.executable,
+        "-m",
+        "launch.torchrun",
+        f"--nproc-per-node={ranks}",
+        "--config",
+        config,
+        f"run.dir={run_dir}",
+        f"train.steps={steps}",
+        f"train.log_every={log_every}",
+        "train.eval_every=0",
+        "train.eval_batches=0",
+        "train.progress=log",
     ]
     if ranks == 1:
         # table_row_wise / row_wise / column_wise all degenerate to one shard on one rank.
@@ -75,8 +83,7 @@ def measurements(result: dict[str, Any]) -> list[Measurement]:
     """samples/s of each job and their ratio."""
     out = []
     for job in (result["multi"], result["single"]):
-        out += scalars({"samples_per_s": job["samples_per_s_median"]},
-                       {"config": result["config"], "ranks": job["ranks"]})
+        out += scalars({"samples_per_s": job["samples_per_s_median"]}, {"config": result["config"], "ranks": job["ranks"]})
     speedup = {"speedup_vs_1_rank": result["speedup_vs_1_rank"]}
     return out + scalars(speedup, {"config": result["config"]}, {"speedup_vs_1_rank": "ratio"})
 

@@ -37,8 +37,11 @@ def trained_rows(model: dict) -> tuple[torch.Tensor, dict]:
     parts, stats = [], {}
     for name, fqn in sorted(model["tables"].items()):
         w = model["model"][fqn].float()
-        states = [v for v in model["optim"].get(fqn, {}).values()
-                  if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == w.shape[0]]
+        states = [
+            v
+            for v in model["optim"].get(fqn, {}).values()
+            if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == w.shape[0]
+        ]
         if states:
             touched = torch.zeros(w.shape[0], dtype=torch.bool)
             for v in states:
@@ -75,11 +78,20 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite trained-rows")
         if run_dir.exists():
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True)
-        spawn(Path(config), [*job, f"train.steps={args.steps}", "ckpt.final=true", "ckpt.resume=none"],
-              run_dir, 2, args.timeout)
+        spawn(Path(config), [*job, f"train.steps={args.steps}", "ckpt.final=true", "ckpt.resume=none"], run_dir, 2, args.timeout)
     model_path = run_dir / "model.pt"
-    cmd = [sys.executable, "-m", "trainer.ckpt_cli", "--config", config, f"run.dir={run_dir}", *job,
-           "export", "--out", str(model_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer.ckpt_cli",
+        "--config",
+        config,
+        f"run.dir={run_dir}",
+        *job,
+        "export",
+        "--out",
+        str(model_path),
+    ]
     subprocess.run(cmd, cwd=REPO, check=True)
     model = torch.load(model_path, map_location="cpu", weights_only=False)
     rows, stats = trained_rows(model)
@@ -99,8 +111,7 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite trained-rows")
 def measurements(result: dict[str, Any]) -> list[Measurement]:
     """What the saved rows are like (their count, width, norm and spread)."""
     s = result["summary"]
-    figures = {k: s[k] for k in ("rows", "dim", "mean_row_norm", "value_min", "value_max", "value_std",
-                                 "row_range_over_std")}
+    figures = {k: s[k] for k in ("rows", "dim", "mean_row_norm", "value_min", "value_max", "value_std", "row_range_over_std")}
     return scalars(figures, {"out": s["out"], "step": s["step"]}, {"dim": "", "row_range_over_std": "ratio"})
 
 

@@ -10,9 +10,9 @@ offset or a byte offset): unique, ordered like the log, and known from the appen
 
 Two writers started at once both append; the older learns it at its next read of the log (a
 trainer before its first dense file, gc at once), so exactly one goes on. A writer that was
-SIGKILLed needs no cleanup: the next one's record is newer. Followers hold a lease instead (ckpt/follow/lease.py): a second follower is a
-standby that must not displace a live one, whereas a new trainer attempt or gc is always the
-one to keep.
+SIGKILLed needs no cleanup: the next one's record is newer. Followers hold a lease instead
+(ckpt/follow/lease.py): a second follower is a standby that must not displace a live one,
+whereas a new trainer attempt or gc is always the one to keep.
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ class Announced(NamedTuple):
 
 def announce(markers: MarkerLog, run_id: str, role: str, world_size: int = 1) -> Announced:
     """Append this writer's ATTEMPT record (durable before it returns)."""
-    record = AttemptRecord(kind="attempt", run_id=run_id, role=role, attempt=new_writer_id(),
-                           world_size=world_size, created_unix=time.time())
+    record = AttemptRecord(
+        kind="attempt", run_id=run_id, role=role, attempt=new_writer_id(), world_size=world_size, created_unix=time.time()
+    )
     return Announced(record, markers.append_marker(encode_marker(record)) + 1)
 
 
@@ -67,6 +68,8 @@ def fenced_message(run_id: str, mine: AttemptRecord, newer: Holder) -> str:
     """The one line a fenced writer stops with."""
     when = datetime.datetime.fromtimestamp(newer.created_unix).strftime("%Y-%m-%d %H:%M:%S")
     what = "trainer attempt" if mine.role == "trainer" else "deltarec-ckpt gc"
-    return (f"run {run_id}: a newer {what} ({newer.attempt}, epoch {newer.epoch}, started {when}) took over "
-            f"this run's markers log, so this one ({mine.attempt}) stops: what it would write from here on "
-            f"is ignored. Two jobs with one run id, or an old attempt that outlived its restart")
+    return (
+        f"run {run_id}: a newer {what} ({newer.attempt}, epoch {newer.epoch}, started {when}) took over "
+        f"this run's markers log, so this one ({mine.attempt}) stops: what it would write from here on "
+        f"is ignored. Two jobs with one run id, or an old attempt that outlived its restart"
+    )

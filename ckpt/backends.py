@@ -7,9 +7,9 @@ untouched (SASL/TLS included, see `CkptConfig.kafka_conf`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from confluent_kafka.admin import AdminClient
 
@@ -41,8 +41,7 @@ def open_sink(cfg: CkptConfig, world_size: int, admin: AdminClient | None = None
     """A frame sink alone; on Kafka, new generations get `world_size` partitions."""
     if cfg.sink == "filesystem":
         return FsSink(Path(cfg.fs_root), cfg.run_id)
-    return KafkaSink(cfg.run_id, cfg.kafka_conf(), num_partitions=world_size, delivery_timeout_s=cfg.flush_timeout_s,
-                     admin=admin)
+    return KafkaSink(cfg.run_id, cfg.kafka_conf(), num_partitions=world_size, delivery_timeout_s=cfg.flush_timeout_s, admin=admin)
 
 
 def open_backend(cfg: CkptConfig, world_size: int) -> Backend:
@@ -52,7 +51,10 @@ def open_backend(cfg: CkptConfig, world_size: int) -> Backend:
         root = Path(cfg.fs_root)
         source = FsSource(root, run_id)
         return Backend(
-            open_sink(cfg, world_size), source, FsMarkers(root, run_id), str(root),
+            open_sink(cfg, world_size),
+            source,
+            FsMarkers(root, run_id),
+            str(root),
             lambda g, p, pos: file_where(source.segment_path(g, p), pos),
         )
     conf = cfg.kafka_conf()

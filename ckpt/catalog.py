@@ -25,11 +25,20 @@ whichever reads fewer bytes, never one through a dropped generation (docs/design
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Iterable
 
-from ckpt.markers import (AttemptRecord, CatalogRecord, ChainLink, DroppedRecord, LeaseRecord, Marker, MarkerError,
-                          SurvivorRecord, decode_record)
+from ckpt.markers import (
+    AttemptRecord,
+    CatalogRecord,
+    ChainLink,
+    DroppedRecord,
+    LeaseRecord,
+    Marker,
+    MarkerError,
+    SurvivorRecord,
+    decode_record,
+)
 from ckpt.sink import MarkerLog
 
 logger = logging.getLogger(__name__)
@@ -108,7 +117,7 @@ class Catalog:
         skips (a position is a Kafka offset or a byte offset, so "one past it" is not known)."""
         return max(self.last_pos, 0)
 
-    def feed(self, records: Iterable[tuple[int, bytes]], where: str = "markers") -> "Catalog":
+    def feed(self, records: Iterable[tuple[int, bytes]], where: str = "markers") -> Catalog:
         """Fold `(position, bytes)` records, in log order; records at or before the last
         position fed are skipped. A record that fails to decode (a damaged one) is skipped with
         a warning naming its position and kept in `damaged` (docs/design.md §7): what it said is
@@ -171,8 +180,9 @@ class Catalog:
     def _knows_links_of(self, marker: Marker) -> bool:
         """Whether every compacted baseline `marker`'s chain may start at is known here."""
         summary = self.summary
-        return summary is None or all(link.checkpoint_id in summary.links or link.checkpoint_id > summary.newest_id
-                                      for link in marker.chain)
+        return summary is None or all(
+            link.checkpoint_id in summary.links or link.checkpoint_id > summary.newest_id for link in marker.chain
+        )
 
     def _from_holder(self, marker: Marker) -> bool:
         """Whether a trainer marker counts at its point of the log: its attempt holds the run,
@@ -197,8 +207,15 @@ class Catalog:
         """The newest checkpoint id in the log, fenced markers and survivor snapshots included
         (their dense files and generations exist): the next id a trainer may use is one past it."""
         survivors = (r.link.checkpoint_id for ranks in self.survivors.values() for r in ranks.values())
-        return max([*self.commits, *self.failed, *(m.checkpoint_id for m in self.fenced_commits), *survivors,
-                    self.summary.newest_id if self.summary else 0])
+        return max(
+            [
+                *self.commits,
+                *self.failed,
+                *(m.checkpoint_id for m in self.fenced_commits),
+                *survivors,
+                self.summary.newest_id if self.summary else 0,
+            ]
+        )
 
     def complete(self, chain: list[ChainLink]) -> bool:
         return bool(chain) and chain[0].full and not any(link.generation in self.dropped for link in chain)
@@ -210,7 +227,7 @@ class Catalog:
         for i, link in enumerate(marker.chain):
             compacted = self.compactions.get(link.checkpoint_id)
             if compacted is not None:
-                option = [compacted.chain[0], *marker.chain[i + 1:]]
+                option = [compacted.chain[0], *marker.chain[i + 1 :]]
                 if self.complete(option):
                     options.append(option)
         return options

@@ -82,6 +82,9 @@ def catch_up_recent(catalog: Catalog, markers: MarkerLog, where: str = "markers"
     catalog = catch_up(catalog, markers, where)
     if catalog.exact:
         return catalog
-    logger.info("%s: a checkpoint committed after the read ahead chains through a link the catalog record "
-                "left out; reading the whole log", where)
+    logger.info(
+        "%s: a checkpoint committed after the read ahead chains through a link the catalog record "
+        "left out; reading the whole log",
+        where,
+    )
     return read_catalog(markers, catalog.run_id, where)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from ckpt.catalog import Catalog, Holder, Lease, Summary, read_catalog
 from ckpt.markers import CatalogRecord, MarkerError, decode_record, is_catalog_record
@@ -44,23 +44,35 @@ def summarize(catalog: Catalog, keep: int = KEEP) -> CatalogRecord:
     # every commit from the oldest kept restorable one on; none when nothing is restorable
     oldest = restorable[-1] if restorable else catalog.newest_id + 1
     kept = [m for cid, m in sorted(catalog.commits.items()) if cid >= oldest]
-    survivors = list(catalog.survivors.get(catalog.trainer_attempts[-1].attempt, {}).values()
-                     if catalog.trainer_attempts else [])
-    links = sorted({link.checkpoint_id for m in kept for link in m.chain} |
-                   {r.link.checkpoint_id for r in survivors})
+    survivors = list(catalog.survivors.get(catalog.trainer_attempts[-1].attempt, {}).values() if catalog.trainer_attempts else [])
+    links = sorted({link.checkpoint_id for m in kept for link in m.chain} | {r.link.checkpoint_id for r in survivors})
     lease = catalog.lease
     return CatalogRecord(
-        kind="catalog", run_id=catalog.run_id, upto=catalog.last_pos, records=catalog.records,
-        newest_id=catalog.newest_id, commits=kept,
-        compactions=[catalog.compactions[cid] for cid in links if cid in catalog.compactions], links=links,
+        kind="catalog",
+        run_id=catalog.run_id,
+        upto=catalog.last_pos,
+        records=catalog.records,
+        newest_id=catalog.newest_id,
+        commits=kept,
+        compactions=[catalog.compactions[cid] for cid in links if cid in catalog.compactions],
+        links=links,
         holders={role: [h.attempt, h.epoch, h.created_unix] for role, h in catalog.holders.items()},
         epochs_of=dict(catalog.epochs_of),
         trainer_attempts=[[h.attempt, h.epoch, h.created_unix] for h in catalog.trainer_attempts],
-        survivors=survivors, dropped=sorted(catalog.dropped),
-        lease={} if lease is None else {"holder": lease.holder, "epoch": lease.epoch,
-                                        "renewed_unix": lease.renewed_unix, "lease_s": lease.lease_s,
-                                        "released": lease.released},
-        lease_epochs=catalog.epochs, created_unix=time.time())
+        survivors=survivors,
+        dropped=sorted(catalog.dropped),
+        lease={}
+        if lease is None
+        else {
+            "holder": lease.holder,
+            "epoch": lease.epoch,
+            "renewed_unix": lease.renewed_unix,
+            "lease_s": lease.lease_s,
+            "released": lease.released,
+        },
+        lease_epochs=catalog.epochs,
+        created_unix=time.time(),
+    )
 
 
 def from_record(record: CatalogRecord) -> Catalog:
@@ -79,8 +91,7 @@ def from_record(record: CatalogRecord) -> Catalog:
         epochs=record.lease_epochs,
         last_pos=record.upto,
         records=record.records,
-        summary=Summary(upto=record.upto, newest_id=record.newest_id, oldest_kept=oldest,
-                        links=frozenset(record.links)),
+        summary=Summary(upto=record.upto, newest_id=record.newest_id, oldest_kept=oldest, links=frozenset(record.links)),
     )
 
 
@@ -98,8 +109,13 @@ def read_recent_catalog(markers: MarkerLog, run_id: str, where: str = "markers")
             catalog.feed(((p, d) for p, d in tail.records if p > upto), where)
             if catalog.exact:
                 return catalog
-            logger.info("%s: a checkpoint after position %d chains through a link its catalog record at %d "
-                        "left out; reading the whole log", where, upto, pos)
+            logger.info(
+                "%s: a checkpoint after position %d chains through a link its catalog record at %d "
+                "left out; reading the whole log",
+                where,
+                upto,
+                pos,
+            )
             return read_catalog(markers, run_id, where)
         else:
             if tail.whole:

@@ -17,17 +17,17 @@ import argparse
 import logging
 import sys
 import time
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 
 from ckpt.attempts import Fenced, announce, fenced_by, fenced_message
 from ckpt.backends import open_backend
+from ckpt.catalog import Catalog, catch_up, read_catalog
 from ckpt.config import CkptConfig
 from ckpt.dense_store import DenseRef, DenseStore
-from ckpt.catalog import Catalog, catch_up, read_catalog
 from ckpt.export import assemble, export, replicated_tables
 from ckpt.faults import maybe_die, maybe_hold
 from ckpt.markers import AttemptRecord, DroppedRecord, Marker, encode_marker
@@ -71,34 +71,50 @@ def _choose(catalog: Catalog, checkpoint: int | None) -> Marker:
         raise RestoreError(f"no committed checkpoint with id {checkpoint}")
     found = catalog.restorable() if checkpoint is None else [catalog.cheapest(catalog.commits[checkpoint])]
     if not found or found[0] is None:
-        raise RestoreError("no restorable checkpoint" + (f" with id {checkpoint}: a generation of every chain of it "
-                                                          "was dropped by gc" if checkpoint is not None else ""))
+        raise RestoreError(
+            "no restorable checkpoint"
+            + (f" with id {checkpoint}: a generation of every chain of it was dropped by gc" if checkpoint is not None else "")
+        )
     return found[0]
 
 
 def cmd_list(catalog: Catalog) -> int:
     print(f"{'id':>5} {'step':>8} {'kind':<9} {'bytes':>12} {'restore':>12} {'ranks':>5}  status")
-    rows = [*catalog.commits.values(), *catalog.failed.values(), *catalog.compactions.values(), *catalog.fenced,
-            *catalog.fenced_commits]
+    rows = [
+        *catalog.commits.values(),
+        *catalog.failed.values(),
+        *catalog.compactions.values(),
+        *catalog.fenced,
+        *catalog.fenced_commits,
+    ]
     fenced_commits = {id(m) for m in catalog.fenced_commits}
     for m in sorted(rows, key=lambda m: (m.checkpoint_id, m.kind != "commit")):
         if id(m) in fenced_commits:
-            print(f"{m.checkpoint_id:>5} {m.step:>8} {'-':<9} {m.bytes:>12,} {'-':>12} {m.world_size:>5}  "
-                  f"fenced {m.kind}: attempt {m.attempt or '(none)'} wrote it after a newer attempt started")
+            print(
+                f"{m.checkpoint_id:>5} {m.step:>8} {'-':<9} {m.bytes:>12,} {'-':>12} {m.world_size:>5}  "
+                f"fenced {m.kind}: attempt {m.attempt or '(none)'} wrote it after a newer attempt started"
+            )
         elif m.kind == "failed":
             print(f"{m.checkpoint_id:>5} {m.step:>8} {'-':<9} {'-':>12} {'-':>12} {m.world_size:>5}  failed: {m.error}")
         elif m.kind == "compacted":
             link = m.chain[0]
             fenced = catalog.compactions.get(m.checkpoint_id) is not m
-            status = ("fenced (writer lost the lease)" if fenced else
-                      "dropped (gc)" if link.generation in catalog.dropped else "compacted baseline")
-            print(f"{m.checkpoint_id:>5} {m.step:>8} {'compacted':<9} {m.bytes:>12,} {m.bytes:>12,} "
-                  f"{m.world_size:>5}  {status} in {generation_label(link.generation)}")
+            status = (
+                "fenced (writer lost the lease)"
+                if fenced
+                else "dropped (gc)"
+                if link.generation in catalog.dropped
+                else "compacted baseline"
+            )
+            print(
+                f"{m.checkpoint_id:>5} {m.step:>8} {'compacted':<9} {m.bytes:>12,} {m.bytes:>12,} "
+                f"{m.world_size:>5}  {status} in {generation_label(link.generation)}"
+            )
         else:
             best = catalog.cheapest(m)
             complete = best is not None and Path(m.dense.get("path", "")).is_file()
             status = "complete" if complete else "dropped (gc)"
-            if complete and best is not m:
+            if complete and best is not None and best is not m:
                 status += " via compacted " + "+".join(str(link.checkpoint_id) for link in best.chain)
             restore = f"{best.chain_bytes:>12,}" if best is not None else f"{'-':>12}"
             kind = "full" if m.full else "delta"
@@ -122,8 +138,11 @@ def cmd_verify(marker: Marker, catalog: Catalog, backend, dense: DenseStore, run
         frames += 1
         rows += frame.row_count
     dense.read(DenseRef.from_json(marker.dense))
-    via = "" if marker.chain == catalog.commits[marker.checkpoint_id].chain else \
-        " (chain " + "+".join(str(link.checkpoint_id) for link in marker.chain) + ", from a compacted baseline)"
+    via = (
+        ""
+        if marker.chain == catalog.commits[marker.checkpoint_id].chain
+        else " (chain " + "+".join(str(link.checkpoint_id) for link in marker.chain) + ", from a compacted baseline)"
+    )
     print(f"checkpoint {marker.checkpoint_id} (step {marker.step}): OK{via}, {frames} frames, {rows} rows, dense sha256 matches")
     base = marker.chain[0]
     compacted = catalog.compactions.get(base.checkpoint_id)
@@ -148,11 +167,15 @@ def _verify_compaction(compacted: Marker, catalog: Catalog, backend, dense: Dens
     for table, tensors in want.items():
         for name, value in tensors.items():
             if not torch.equal(got[table][name], value):
-                raise RestoreError(f"compacted baseline of checkpoint {cid} differs from its chain "
-                                   f"{[link.checkpoint_id for link in original.chain]}: table {table} {name}")
-    print(f"compacted baseline of checkpoint {cid}: identical to its chain "
-          f"{'+'.join(str(link.checkpoint_id) for link in original.chain)} "
-          f"({compacted.bytes:,} bytes instead of {original.chain_bytes:,})")
+                raise RestoreError(
+                    f"compacted baseline of checkpoint {cid} differs from its chain "
+                    f"{[link.checkpoint_id for link in original.chain]}: table {table} {name}"
+                )
+    print(
+        f"compacted baseline of checkpoint {cid}: identical to its chain "
+        f"{'+'.join(str(link.checkpoint_id) for link in original.chain)} "
+        f"({compacted.bytes:,} bytes instead of {original.chain_bytes:,})"
+    )
 
 
 def _unused(generation: int, referenced: bool, catalog: Catalog) -> bool:
@@ -204,8 +227,11 @@ def cmd_gc(catalog: Catalog, keep: int, backend, dense: DenseStore, guard: GcGua
     newest = max(catalog.commits.values(), key=lambda m: m.checkpoint_id, default=None)
     if newest is not None:
         needed.add(newest.chain[-1].generation)  # the trainer may still be writing deltas there
-    known = {link.generation for m in [*catalog.commits.values(), *catalog.compactions.values(), *catalog.fenced,
-                                       *catalog.fenced_commits] for link in m.chain} | {r.link.generation for r in survivors}
+    known = {
+        link.generation
+        for m in [*catalog.commits.values(), *catalog.compactions.values(), *catalog.fenced, *catalog.fenced_commits]
+        for link in m.chain
+    } | {r.link.generation for r in survivors}
     present = set(backend.sink.generations())
     dropped = sorted(g for g in (known | present) - needed - catalog.dropped if _unused(g, g in known, catalog))
     unfinished = sorted((present & catalog.dropped) - needed)  # recorded by a gc that was killed
@@ -219,18 +245,23 @@ def cmd_gc(catalog: Catalog, keep: int, backend, dense: DenseStore, guard: GcGua
     ids = {*catalog.commits, *(m.checkpoint_id for m in catalog.fenced_commits if m.kind == "commit")}
     stale = [cid for cid in sorted(ids) if cid not in kept_ids and dense.path_for(cid).exists()]
     # a survivor snapshot on a checkpoint gc drops can never be restored: its dense file goes too
-    stale_survivors = [r for r in survivors if r.base not in kept_bases and dense.survivor_path(
-        r.link.checkpoint_id, r.rank).exists()]
-    deletions = [*(partial(backend.sink.drop_generation, g) for g in sorted([*unfinished, *dropped])),
-                 *(partial(dense.delete, [cid]) for cid in stale),
-                 *(partial(dense.delete_survivor, r.link.checkpoint_id, r.rank) for r in stale_survivors)]
+    stale_survivors = [
+        r for r in survivors if r.base not in kept_bases and dense.survivor_path(r.link.checkpoint_id, r.rank).exists()
+    ]
+    deletions = [
+        *(partial(backend.sink.drop_generation, g) for g in sorted([*unfinished, *dropped])),
+        *(partial(dense.delete, [cid]) for cid in stale),
+        *(partial(dense.delete_survivor, r.link.checkpoint_id, r.rank) for r in stale_survivors),
+    ]
     for n, delete in enumerate(deletions, 1):
         guard.check()
         delete()
         maybe_die("gc", n, 0)
     finished = f"; finished deleting {[generation_label(g) for g in unfinished]} (an earlier gc was interrupted)"
-    print(f"kept checkpoints {sorted(kept_ids)}; dropped generations {[generation_label(g) for g in dropped]}"
-          + (finished if unfinished else ""))
+    print(
+        f"kept checkpoints {sorted(kept_ids)}; dropped generations {[generation_label(g) for g in dropped]}"
+        + (finished if unfinished else "")
+    )
     return 0
 
 
@@ -254,8 +285,10 @@ def main(argv: Sequence[str], load_ckpt_config: Callable[[str, list[str]], CkptC
             if args.command == "verify":
                 return cmd_verify(marker, catalog, backend, dense, run_id)
             model = export(marker, backend.source, dense, run_id, backend.locate, args.out, args.dcp)
-            print(f"exported checkpoint {marker.checkpoint_id} (step {marker.step}, {len(model['tables'])} tables) to {args.out}"
-                  + (f" and {args.dcp}" if args.dcp else ""))
+            print(
+                f"exported checkpoint {marker.checkpoint_id} (step {marker.step}, {len(model['tables'])} tables) to {args.out}"
+                + (f" and {args.dcp}" if args.dcp else "")
+            )
             return 0
         finally:
             backend.close()

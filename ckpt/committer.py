@@ -94,14 +94,35 @@ class Committer:
         write_s = max(r.write_s for r in reports)
         if errors:
             self._failed(job, "; ".join(errors), stall)
-            return Outcome(checkpoint_id=cid, step=job.step, committed=False, error="; ".join(errors), bytes=nbytes,
-                           rows=rows, full=full, stall_ms=stall, stall_new_bytes=fresh, write_s=write_s)
+            return Outcome(
+                checkpoint_id=cid,
+                step=job.step,
+                committed=False,
+                error="; ".join(errors),
+                bytes=nbytes,
+                rows=rows,
+                full=full,
+                stall_ms=stall,
+                stall_new_bytes=fresh,
+                write_s=write_s,
+            )
         # before the dense file: a replaced attempt writes nothing more (a failed checkpoint's
         # FAILED record above needs no read of the log; the fold ignores it all the same)
         fenced = self._fenced()
         if fenced:
-            return Outcome(checkpoint_id=cid, step=job.step, committed=False, error=fenced, bytes=nbytes, rows=rows,
-                           full=full, stall_ms=stall, stall_new_bytes=fresh, write_s=write_s, fenced=True)
+            return Outcome(
+                checkpoint_id=cid,
+                step=job.step,
+                committed=False,
+                error=fenced,
+                bytes=nbytes,
+                rows=rows,
+                full=full,
+                stall_ms=stall,
+                stall_new_bytes=fresh,
+                write_s=write_s,
+                fenced=True,
+            )
         assert job.dense_state is not None, "rank 0 snapshots the dense state"
         dense_state = dict(job.dense_state)
         # every rank's loop state, each with its reader's position: what a restore resumes from
@@ -110,16 +131,34 @@ class Committer:
             ref = self.dense.write(cid, dense_state)
         except DenseStoreError as exc:
             self._failed(job, str(exc), stall)
-            return Outcome(checkpoint_id=cid, step=job.step, committed=False, error=str(exc), bytes=nbytes,
-                           rows=rows, full=full, stall_ms=stall, stall_new_bytes=fresh, write_s=write_s)
+            return Outcome(
+                checkpoint_id=cid,
+                step=job.step,
+                committed=False,
+                error=str(exc),
+                bytes=nbytes,
+                rows=rows,
+                full=full,
+                stall_ms=stall,
+                stall_new_bytes=fresh,
+                write_s=write_s,
+            )
         ranges: dict[int, list[OffsetRange]] = {}
         index: list[IndexEntry] = []
         for r in reports:
             assert all(e.partition == r.rank for e in r.index), "a rank indexes only its own partition"
             ranges.update(r.ranges)
             index.extend(r.index)
-        link = ChainLink(checkpoint_id=cid, full=full, generation=job.generation, ranges=ranges, rows=rows,
-                         bytes=nbytes, index=index, epoch=job.epoch)
+        link = ChainLink(
+            checkpoint_id=cid,
+            full=full,
+            generation=job.generation,
+            ranges=ranges,
+            rows=rows,
+            bytes=nbytes,
+            index=index,
+            epoch=job.epoch,
+        )
         marker = Marker(
             kind="commit",
             run_id=self.run_id,
@@ -139,8 +178,18 @@ class Committer:
         self.links[cid] = link
         self._journal = CommitRecord(cid, job.step, self.where, marker.created_unix)
         self._summarize()
-        return Outcome(checkpoint_id=cid, step=job.step, committed=True, bytes=nbytes, rows=rows, full=full,
-                       stall_ms=stall, stall_new_bytes=fresh, write_s=write_s, commit_unix=durable_unix)
+        return Outcome(
+            checkpoint_id=cid,
+            step=job.step,
+            committed=True,
+            bytes=nbytes,
+            rows=rows,
+            full=full,
+            stall_ms=stall,
+            stall_new_bytes=fresh,
+            write_s=write_s,
+            commit_unix=durable_unix,
+        )
 
     def settle(self, outcome: Outcome) -> None:
         """Every rank knows `outcome`: record a COMMIT in the run's local history. A crash
@@ -152,8 +201,7 @@ class Committer:
         try:
             self.dense.record_commit(journal)
         except OSError as exc:  # committed all the same; only the lost-stream check loses this entry
-            logger.warning("checkpoint %d: committed, but not recorded in %s: %s", outcome.checkpoint_id,
-                           self.dense.root, exc)
+            logger.warning("checkpoint %d: committed, but not recorded in %s: %s", outcome.checkpoint_id, self.dense.root, exc)
 
     def _fenced(self) -> str:
         """Read what the markers log gained; the one-line reason to stop when a newer attempt
@@ -169,8 +217,11 @@ class Committer:
             logger.debug("markers log not read before a commit: %s", exc)
             return ""
         self._read_ok = True
-        newer = fenced_by(self.catalog, self.attempt) if self.attempt is not None else None
-        return fenced_message(self.run_id, self.attempt, newer) if newer is not None else ""
+        attempt = self.attempt
+        if attempt is None:
+            return ""
+        newer = fenced_by(self.catalog, attempt)
+        return fenced_message(self.run_id, attempt, newer) if newer is not None else ""
 
     def _summarize(self) -> None:
         """Every `catalog_every` records, a catalog record of the log as `_fenced` read it (just
@@ -181,8 +232,11 @@ class Committer:
         try:
             self.markers.append_marker(encode_marker(summarize(self.catalog)))
         except DeltarecError as exc:
-            logger.warning("run %s: no catalog record appended (restores read more of the markers log until the "
-                           "next one): %s", self.run_id, exc)
+            logger.warning(
+                "run %s: no catalog record appended (restores read more of the markers log until the next one): %s",
+                self.run_id,
+                exc,
+            )
 
     def _rebased(self, marker: Marker) -> Marker:
         """`marker` with its cheapest complete chain, which starts at a follower's compacted
@@ -195,8 +249,14 @@ class Committer:
     def _failed(self, job: WriteJob, error: str, stall: list[float]) -> None:
         """Best effort: a FAILED record for `deltarec-ckpt list`; its own failure is only logged."""
         marker = Marker(
-            kind="failed", run_id=self.run_id, checkpoint_id=job.checkpoint_id, step=job.step,
-            error=error, stall_ms=stall, created_unix=time.time(), **self.marker_fields,
+            kind="failed",
+            run_id=self.run_id,
+            checkpoint_id=job.checkpoint_id,
+            step=job.step,
+            error=error,
+            stall_ms=stall,
+            created_unix=time.time(),
+            **self.marker_fields,
         )
         try:
             self.markers.append_marker(encode_marker(marker))

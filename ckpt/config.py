@@ -17,7 +17,6 @@ from ckpt.quant.policy import Widths
 from ckpt.sink import check_run_id
 from common.errors import ConfigError
 
-
 REDACTED = "<redacted>"
 # librdkafka settings that hold a secret: passwords, client secrets, private keys, OAuth configs.
 _SECRET_WORDS = ("password", "secret", "ssl.key.pem", "oauthbearer.config", "keystore")
@@ -103,7 +102,7 @@ class CkptConfig:
         """`restore_bit_widths` as a table (a preset name resolved); ValueError if it is none."""
         return resolve_widths(self.restore_bit_widths)
 
-    def resolved(self, run_name: str, run_dir: Path) -> "CkptConfig":
+    def resolved(self, run_name: str, run_dir: Path) -> CkptConfig:
         """A copy with the run-derived defaults filled: run id, stream root, dense directory."""
         return replace(
             self,
@@ -139,15 +138,20 @@ class CkptConfig:
             if name not in codec_names():
                 raise ConfigError(f"{src}: {key}={name!r} is not a codec; choose one of {', '.join(codec_names())}")
         if self.optimizer_encoding not in ("fp32", "fp16", "bf16") and get_codec(self.optimizer_encoding).row_bytes(64) < 64:
-            raise ConfigError(f"{src}: ckpt.optimizer_encoding={self.optimizer_encoding!r}: optimizer state is never stored below 8 bits")
+            raise ConfigError(
+                f"{src}: ckpt.optimizer_encoding={self.optimizer_encoding!r}: optimizer state is never stored below 8 bits"
+            )
         if self.expected_restores < 0:
             raise ConfigError(f"{src}: ckpt.expected_restores must be >= 0 (0: use ckpt.encoding), got {self.expected_restores}")
         try:
             self.bit_widths()
         except ValueError as exc:
             raise ConfigError(f"{src}: ckpt.restore_bit_widths {self.restore_bit_widths}: {exc}") from None
-        if self.interval_steps < 0 or self.interval_s < 0 or (
-                self.interval_steps == 0 and self.interval_s == 0 and self.target_pls == 0):
+        if (
+            self.interval_steps < 0
+            or self.interval_s < 0
+            or (self.interval_steps == 0 and self.interval_s == 0 and self.target_pls == 0)
+        ):
             raise ConfigError(f"{src}: ckpt.interval_steps and/or ckpt.interval_s (or ckpt.target_pls) must be positive")
         if self.sink == "kafka" and not self.bootstrap_servers and "bootstrap.servers" not in self.kafka:
             raise ConfigError(
@@ -157,8 +161,9 @@ class CkptConfig:
         if self.connect_timeout_s <= 0:
             raise ConfigError(f"{src}: ckpt.connect_timeout_s must be positive, got {self.connect_timeout_s}")
         if self.catalog_every < 1:
-            raise ConfigError(f"{src}: ckpt.catalog_every must be at least 1 (records between catalog records), "
-                              f"got {self.catalog_every}")
+            raise ConfigError(
+                f"{src}: ckpt.catalog_every must be at least 1 (records between catalog records), got {self.catalog_every}"
+            )
         if self.flush_timeout_s <= 0:
             raise ConfigError(f"{src}: ckpt.flush_timeout_s must be positive (it bounds every flush), got {self.flush_timeout_s}")
         if self.resume not in ("none", "latest") and not self.resume.isdigit():
@@ -167,29 +172,38 @@ class CkptConfig:
             raise ConfigError(f"{src}: ckpt.max_pending_bytes must be positive and ckpt.max_frame_bytes at least 16384")
         self._validate_recovery(src)
         if not 0 <= self.writer_nice <= 19:
-            raise ConfigError(f"{src}: ckpt.writer_nice must be in 0..19 (added to the writer thread's niceness), got {self.writer_nice}")
+            raise ConfigError(
+                f"{src}: ckpt.writer_nice must be in 0..19 (added to the writer thread's niceness), got {self.writer_nice}"
+            )
 
     def _validate_recovery(self, src: str) -> None:
         if self.survivor_timeout_s <= 0:
             raise ConfigError(f"{src}: ckpt.survivor_timeout_s must be positive, got {self.survivor_timeout_s}")
         if not 0 <= self.target_pls < 1 or self.mtbf_s < 0:
-            raise ConfigError(f"{src}: ckpt.target_pls must be in [0, 1) and ckpt.mtbf_s >= 0, "
-                              f"got {self.target_pls} and {self.mtbf_s}")
+            raise ConfigError(
+                f"{src}: ckpt.target_pls must be in [0, 1) and ckpt.mtbf_s >= 0, got {self.target_pls} and {self.mtbf_s}"
+            )
         if self.target_pls > 0 and self.recovery != "partial":
-            raise ConfigError(f"{src}: ckpt.target_pls={self.target_pls} needs ckpt.recovery=partial: under full "
-                              "recovery no sample is lost (everything since the checkpoint is trained again)")
+            raise ConfigError(
+                f"{src}: ckpt.target_pls={self.target_pls} needs ckpt.recovery=partial: under full "
+                "recovery no sample is lost (everything since the checkpoint is trained again)"
+            )
         if self.target_pls > 0 and self.interval_s > 0:
             raise ConfigError(f"{src}: set ckpt.target_pls or ckpt.interval_s, not both: the target sets the interval")
         if self.priority == "none":
             return
         if self.recovery != "partial" or self.policy != "incremental":
-            raise ConfigError(f"{src}: ckpt.priority={self.priority} needs ckpt.recovery=partial and ckpt.policy="
-                              "incremental: its checkpoints leave changed rows out, which only a partial recovery "
-                              "accepts (it counts them as lost samples)")
+            raise ConfigError(
+                f"{src}: ckpt.priority={self.priority} needs ckpt.recovery=partial and ckpt.policy="
+                "incremental: its checkpoints leave changed rows out, which only a partial recovery "
+                "accepts (it counts them as lost samples)"
+            )
         if not 0 < self.priority_budget <= 1 or self.priority_full_every < 2 or not 0 < self.ssu_sample <= 1:
-            raise ConfigError(f"{src}: ckpt.priority_budget and ckpt.ssu_sample must be in (0, 1] and "
-                              f"ckpt.priority_full_every >= 2, got {self.priority_budget}, {self.ssu_sample} and "
-                              f"{self.priority_full_every}")
+            raise ConfigError(
+                f"{src}: ckpt.priority_budget and ckpt.ssu_sample must be in (0, 1] and "
+                f"ckpt.priority_full_every >= 2, got {self.priority_budget}, {self.ssu_sample} and "
+                f"{self.priority_full_every}"
+            )
 
     def redacted_kafka(self) -> dict[str, Any]:
         """`kafka` with every secret replaced by REDACTED: what may be written to a file or a log

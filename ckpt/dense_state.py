@@ -17,9 +17,7 @@ from sharding.dmp import ShardedModel
 
 def _dense_params(sharded: ShardedModel) -> dict[str, torch.Tensor]:
     """Parameters not owned by a fused embedding kernel (those travel as rows)."""
-    return {
-        n: p for n, p in sharded.model.named_parameters() if not hasattr(p, "_in_backward_optimizers")
-    }
+    return {n: p for n, p in sharded.model.named_parameters() if not hasattr(p, "_in_backward_optimizers")}
 
 
 def _dense_optimizer(sharded: ShardedModel):

@@ -72,7 +72,7 @@ class DenseRef:
         return {"path": self.path, "sha256": self.sha256, "bytes": self.bytes}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "DenseRef":
+    def from_json(cls, d: dict[str, Any]) -> DenseRef:
         return cls(str(d["path"]), str(d["sha256"]), int(d["bytes"]))
 
 
@@ -117,8 +117,7 @@ class DenseStore:
             ) from None
         except OSError as exc:  # a full disk, a permission error: this checkpoint fails, nothing older
             raise DenseStoreError(
-                f"dense file {final}: cannot write it: {exc.strerror or exc} "
-                f"({errno.errorcode.get(exc.errno, exc.errno)})"
+                f"dense file {final}: cannot write it: {exc.strerror or exc} ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
             ) from None
         finally:
             tmp.unlink(missing_ok=True)

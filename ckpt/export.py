@@ -52,9 +52,10 @@ import os
 import re
 import shutil
 import socket
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterable
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -101,7 +102,7 @@ def unsharded_fqn(name: str) -> str:
         stripped = False
         for prefix in _WRAPPER_PREFIXES:
             if fqn.startswith(prefix):
-                fqn, stripped = fqn[len(prefix):], True
+                fqn, stripped = fqn[len(prefix) :], True
     if not fqn.startswith(_ROOT_CHILD):
         raise ExportError(
             f"dense state name {name!r} is not inside a {FQN_ROOT} (expected it to start with {_ROOT_CHILD!r}); "
@@ -122,14 +123,23 @@ class ExportedModel:
     tables: dict[str, str]  # table name -> FQN of its weight in `model`
     fqn_root: str = FQN_ROOT
 
-    def for_serving(self) -> "ExportedModel":
+    def for_serving(self) -> ExportedModel:
         """The same model keyed relative to the inner `DLRM` (``model.`` stripped), the module
         a server runs: `DLRM.load_state_dict(f["model"])` on a freshly built one."""
+
         def strip(d: dict[str, Any]) -> dict[str, Any]:
             assert all(k.startswith(_ROOT_CHILD) for k in d), "every DLRMTrain FQN starts with model."
-            return {k[len(_ROOT_CHILD):]: v for k, v in d.items()}
-        return ExportedModel(self.checkpoint_id, self.step, strip(self.model), strip(self.optim), strip(self.buffers),
-                             {t: fqn[len(_ROOT_CHILD):] for t, fqn in self.tables.items()}, SERVING_ROOT)
+            return {k[len(_ROOT_CHILD) :]: v for k, v in d.items()}
+
+        return ExportedModel(
+            self.checkpoint_id,
+            self.step,
+            strip(self.model),
+            strip(self.optim),
+            strip(self.buffers),
+            {t: fqn[len(_ROOT_CHILD) :] for t, fqn in self.tables.items()},
+            SERVING_ROOT,
+        )
 
     def to_file(self) -> dict[str, Any]:
         """The `torch.save` payload (documented in this module's docstring)."""
@@ -153,7 +163,9 @@ class ExportedModel:
 
 
 def assemble(
-    marker: Marker, frames: Iterable[tuple[bool, Frame]], replicated: Collection[str] = (),
+    marker: Marker,
+    frames: Iterable[tuple[bool, Frame]],
+    replicated: Collection[str] = (),
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Write `frames` (each with whether it belongs to the chain's base), base first, into
     full tables: {table: {"weight": ..., "<state>": ...}}. The base must cover every table.
@@ -173,8 +185,10 @@ def assemble(
     seen = {name: torch.zeros(rows, dim, dtype=torch.bool) for name, (rows, dim) in shapes.items()}
     for full, frame in frames:
         if frame.table in replicated:
-            raise RestoreError(f"checkpoint {marker.checkpoint_id}: table {frame.table} has rows in the stream "
-                               "and a replicated copy in the dense state")
+            raise RestoreError(
+                f"checkpoint {marker.checkpoint_id}: table {frame.table} has rows in the stream "
+                "and a replicated copy in the dense state"
+            )
         if frame.table not in tables:
             raise RestoreError(f"frame of unknown table {frame.table!r} in checkpoint {marker.checkpoint_id}")
         weights, optim = decode_rows(frame)
@@ -220,7 +234,7 @@ def build_export(marker: Marker, tables: dict[str, dict[str, torch.Tensor]], den
         fqn = unsharded_fqn(name)
         _put(model, fqn, value, "parameter")
         if fqn.startswith(table_prefix) and fqn.endswith(table_suffix):  # a data-parallel table
-            names[fqn[len(table_prefix):-len(table_suffix)]] = fqn
+            names[fqn[len(table_prefix) : -len(table_suffix)]] = fqn
     for name, states in dense_state["optimizer"].get("state", {}).items():
         _put(optim, unsharded_fqn(name), dict(states), "optimizer state of")
     buffers: dict[str, torch.Tensor] = {}
@@ -262,7 +276,7 @@ def write_export(exported: ExportedModel, out: Path, dcp_dir: Path | None = None
             maybe_die("export", 2, 0)
         os.replace(tmp, out)
         _fsync_dir(out.parent)
-        if tmp_dir is not None:
+        if tmp_dir is not None and dcp_dir is not None:
             _swap_in(tmp_dir, dcp_dir)
     finally:
         tmp.unlink(missing_ok=True)
@@ -328,8 +342,15 @@ def _swap_in(new: Path, final: Path) -> None:
         _remove(old)
 
 
-def export(marker: Marker, source: FrameSource, dense: DenseStore, run_id: str,
-           locate: Callable[[int, int, int], str], out: Path, dcp_dir: Path | None = None) -> dict[str, Any]:
+def export(
+    marker: Marker,
+    source: FrameSource,
+    dense: DenseStore,
+    run_id: str,
+    locate: Callable[[int, int, int], str],
+    out: Path,
+    dcp_dir: Path | None = None,
+) -> dict[str, Any]:
     """Write the unsharded model of `marker` to `out` (and `dcp_dir`); returns the
     `torch.save` payload, whose ``"tables"`` maps each table to its weight's FQN."""
     dense_state = dense.read(DenseRef.from_json(marker.dense))

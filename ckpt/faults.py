@@ -73,8 +73,9 @@ def parse_kill_at(spec: str) -> KillAt:
     anything else is a `FaultSpecError`."""
     m = re.fullmatch(r"(\w+):(\d+|\*)(?:@(\d+))?", spec.strip())
     if m is None or m[1] not in POINTS:
-        raise FaultSpecError(f"{ENV}={spec!r}: expected point:key[@rank] with point one of {', '.join(POINTS)} "
-                             "and key a number or *")
+        raise FaultSpecError(
+            f"{ENV}={spec!r}: expected point:key[@rank] with point one of {', '.join(POINTS)} and key a number or *"
+        )
     return KillAt(m[1], None if m[2] == "*" else int(m[2]), int(m[3]) if m[3] is not None else None)
 
 
@@ -117,8 +118,11 @@ def maybe_hold_restore(checkpoint_id: int, rank: int) -> None:
         return
     cid, _, seconds = spec.partition(":")
     if int(cid) == checkpoint_id:
-        print(f"deltarec fault: rank {rank} holds its restore of checkpoint {checkpoint_id} for {seconds} s",
-              file=sys.stderr, flush=True)
+        print(
+            f"deltarec fault: rank {rank} holds its restore of checkpoint {checkpoint_id} for {seconds} s",
+            file=sys.stderr,
+            flush=True,
+        )
         time.sleep(float(seconds))
 
 

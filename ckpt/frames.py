@@ -44,8 +44,9 @@ import struct
 import sys
 import warnings
 import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -59,10 +60,10 @@ VERSION = 1
 # room for the record/batch overhead (~100 bytes).
 DEFAULT_MAX_FRAME_BYTES = 1_000_000 - 1024
 
-_PREFIX = struct.Struct("<4sHHIQ")          # magic, version, flags, header_len, total_len
-_META = struct.Struct("<QIIIIIIIBB")       # ckpt, rank, col, n, dim, row_bytes, idx, cnt, enc, n_opt
+_PREFIX = struct.Struct("<4sHHIQ")  # magic, version, flags, header_len, total_len
+_META = struct.Struct("<QIIIIIIIBB")  # ckpt, rank, col, n, dim, row_bytes, idx, cnt, enc, n_opt
 _STR_LEN = struct.Struct("<H")
-_OPT = struct.Struct("<BI")                # encoding, row_bytes
+_OPT = struct.Struct("<BI")  # encoding, row_bytes
 _CRC = struct.Struct("<I")
 _ALIGN = 8
 _MAX_STR = 0xFFFF
@@ -90,7 +91,7 @@ class FrameError(DeltarecError, ValueError):
         self.where = where
         super().__init__(f"{where}: {reason}" if where else reason)
 
-    def located(self, where: str) -> "FrameError":
+    def located(self, where: str) -> FrameError:
         """The same error, naming its origin (topic/partition/offset, file/byte offset)."""
         return FrameError(self.reason, where)
 
@@ -132,11 +133,11 @@ class Frame:
     row_bytes: int
     chunk_index: int
     chunk_count: int
-    row_ids: torch.Tensor            # int64 [n], global row ids
-    payload: torch.Tensor            # uint8 [n, row_bytes], read-only view
+    row_ids: torch.Tensor  # int64 [n], global row ids
+    payload: torch.Tensor  # uint8 [n, row_bytes], read-only view
     optim: tuple[OptimState, ...] = ()
-    first_row: int | None = None     # a run (FLAG_ROW_RUN): row_ids are first_row.. in order
-    epoch: int = 0                   # the writing trainer attempt (FLAG_EPOCH); 0: none recorded
+    first_row: int | None = None  # a run (FLAG_ROW_RUN): row_ids are first_row.. in order
+    epoch: int = 0  # the writing trainer attempt (FLAG_EPOCH); 0: none recorded
 
     @property
     def row_count(self) -> int:
@@ -144,6 +145,7 @@ class Frame:
 
 
 # --- encoding -------------------------------------------------------------------------
+
 
 def _pad(n: int) -> int:
     return -n % _ALIGN
@@ -189,8 +191,9 @@ def _header_len(tail_len: int) -> int:
     return n + _pad(n)
 
 
-def _frame_len(header_len: int, n: int, row_bytes: int, optim_row_bytes: Sequence[int], run: bool = False,
-               span: int | None = None) -> int:
+def _frame_len(
+    header_len: int, n: int, row_bytes: int, optim_row_bytes: Sequence[int], run: bool = False, span: int | None = None
+) -> int:
     """Bytes of a frame; its ids are a run, a bitmap of `span` rows, or 8 bytes a row."""
     ids = 8 if run else _bitmap_len(span) if span is not None else 8 * n
     body = sum(s + _pad(s) for s in [ids, n * row_bytes, *(n * rb for rb in optim_row_bytes)])
@@ -227,10 +230,22 @@ def _is_run(ids: torch.Tensor) -> bool:
     return n > 0 and int(ids[-1]) - int(ids[0]) == n - 1 and (n == 1 or bool((ids[1:] - ids[:-1] == 1).all()))
 
 
-def encode_frame(*, run_id: str, checkpoint_id: int, rank: int, table: str, col_offset: int,
-                 dim: int, encoding: int, row_ids: torch.Tensor, payload: torch.Tensor,
-                 optim: Sequence[OptimState] = (), chunk_index: int = 0,
-                 chunk_count: int = 1, epoch: int = 0) -> bytes:
+def encode_frame(
+    *,
+    run_id: str,
+    checkpoint_id: int,
+    rank: int,
+    table: str,
+    col_offset: int,
+    dim: int,
+    encoding: int,
+    row_ids: torch.Tensor,
+    payload: torch.Tensor,
+    optim: Sequence[OptimState] = (),
+    chunk_index: int = 0,
+    chunk_count: int = 1,
+    epoch: int = 0,
+) -> bytes:
     """Encode one frame. ``payload`` is [n, ...] of any dtype (stored as its raw bytes:
     the quantizer's output, or ``rows`` themselves for fp32); so is each ``optim[i].rows``."""
     ids = torch.as_tensor(row_ids)
@@ -254,15 +269,16 @@ def encode_frame(*, run_id: str, checkpoint_id: int, rank: int, table: str, col_
     total = _frame_len(header_len, n, row_bytes, [a.shape[1] for a in opt_np], run, span)
     flags = (FLAG_ROW_RUN if run else 0) | (FLAG_EPOCH if epoch else 0) | (FLAG_ROW_BITMAP if span is not None else 0)
     try:
-        head = (_PREFIX.pack(MAGIC, VERSION, flags, header_len, total)
-                + _META.pack(checkpoint_id, rank, col_offset, n, dim, row_bytes,
-                             chunk_index, chunk_count, encoding, len(optim))
-                + tail)
+        head = (
+            _PREFIX.pack(MAGIC, VERSION, flags, header_len, total)
+            + _META.pack(checkpoint_id, rank, col_offset, n, dim, row_bytes, chunk_index, chunk_count, encoding, len(optim))
+            + tail
+        )
     except struct.error as e:
         raise ValueError(f"frame field out of range: {e}") from None
     parts: list = [head + b"\0" * (header_len - len(head))]
     for arr in (ids_np, pay_np, *opt_np):
-        mv = memoryview(arr.reshape(-1).view(np.uint8))
+        mv = arr.reshape(-1).view(np.uint8).data
         parts.append(mv)
         if _pad(mv.nbytes):
             parts.append(b"\0" * _pad(mv.nbytes))
@@ -284,10 +300,21 @@ class EncodedFrame(NamedTuple):
     last_row: int  # row id of its last row
 
 
-def chunk_rows(*, run_id: str, checkpoint_id: int, rank: int, table: str, col_offset: int,
-               dim: int, encoding: int, row_ids: torch.Tensor, payload: torch.Tensor,
-               optim: Sequence[OptimState] = (),
-               max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, epoch: int = 0) -> Iterator[EncodedFrame]:
+def chunk_rows(
+    *,
+    run_id: str,
+    checkpoint_id: int,
+    rank: int,
+    table: str,
+    col_offset: int,
+    dim: int,
+    encoding: int,
+    row_ids: torch.Tensor,
+    payload: torch.Tensor,
+    optim: Sequence[OptimState] = (),
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    epoch: int = 0,
+) -> Iterator[EncodedFrame]:
     """Split one shard's rows into frames of at most ``max_frame_bytes`` each: the one
     place that decides how many rows a frame holds.
 
@@ -313,8 +340,10 @@ def chunk_rows(*, run_id: str, checkpoint_id: int, rank: int, table: str, col_of
     while rows_per_frame and _frame_len(header_len, rows_per_frame, row_bytes, opt_rb, run) > max_frame_bytes:
         rows_per_frame -= 1
     if rows_per_frame < 1:
-        raise ValueError(f"one row of table {table!r} needs {header_len + per_row + _CRC.size} "
-                         f"bytes with its frame header, more than max_frame_bytes={max_frame_bytes}")
+        raise ValueError(
+            f"one row of table {table!r} needs {header_len + per_row + _CRC.size} "
+            f"bytes with its frame header, more than max_frame_bytes={max_frame_bytes}"
+        )
     count = -(-n // rows_per_frame)
 
     def frames() -> Iterator[EncodedFrame]:
@@ -322,18 +351,27 @@ def chunk_rows(*, run_id: str, checkpoint_id: int, rank: int, table: str, col_of
             start, stop = i * rows_per_frame, min(n, (i + 1) * rows_per_frame)
             sl = slice(start, stop)
             data = encode_frame(
-                run_id=run_id, checkpoint_id=checkpoint_id, rank=rank, table=table,
-                col_offset=col_offset, dim=dim, encoding=encoding, row_ids=ids[sl],
+                run_id=run_id,
+                checkpoint_id=checkpoint_id,
+                rank=rank,
+                table=table,
+                col_offset=col_offset,
+                dim=dim,
+                encoding=encoding,
+                row_ids=ids[sl],
                 payload=payload[sl],
                 optim=[OptimState(o.name, o.encoding, o.rows[sl]) for o in optim],
-                chunk_index=i, chunk_count=count, epoch=epoch)
-            yield EncodedFrame(data=data, row_count=stop - start, first_row=int(ids[start]),
-                               last_row=int(ids[stop - 1]))
+                chunk_index=i,
+                chunk_count=count,
+                epoch=epoch,
+            )
+            yield EncodedFrame(data=data, row_count=stop - start, first_row=int(ids[start]), last_row=int(ids[stop - 1]))
 
     return frames()
 
 
 # --- decoding -------------------------------------------------------------------------
+
 
 def _u8(mv: memoryview, offset: int, nbytes: int) -> torch.Tensor:
     if nbytes == 0:
@@ -363,7 +401,7 @@ def _decode(mv: memoryview) -> Frame:
         what = "truncated" if size < total else "trailing bytes"
         raise FrameError(f"{what}: frame says {total} bytes, buffer has {size}")
     (stored,) = _CRC.unpack_from(mv, size - _CRC.size)
-    computed = zlib.crc32(mv[:size - _CRC.size])
+    computed = zlib.crc32(mv[: size - _CRC.size])
     if stored != computed:
         raise FrameError(f"CRC mismatch: stored {stored:#010x}, computed {computed:#010x}")
     # The bytes are what the writer wrote; what follows catches writer bugs and forgeries.
@@ -384,7 +422,7 @@ def _decode(mv: memoryview) -> Frame:
         if pos + ln > header_len:
             raise FrameError(f"{what} runs past the header")
         try:
-            s = bytes(mv[pos:pos + ln]).decode("utf-8")
+            s = bytes(mv[pos : pos + ln]).decode("utf-8")
         except UnicodeDecodeError as e:
             raise FrameError(f"{what} is not utf-8: {e}") from None
         pos += ln
@@ -421,8 +459,9 @@ def _decode(mv: memoryview) -> Frame:
             raise FrameError(f"row bitmap of {span} rows from row {first} for {n} rows")
     expect = _frame_len(header_len, n, row_bytes, [rb for _, _, rb in layout], run, span)
     if expect != total:
-        raise FrameError(f"body length mismatch: {n} rows x {row_bytes} bytes (+ optimizer) "
-                         f"need a {expect}-byte frame, got {total}")
+        raise FrameError(
+            f"body length mismatch: {n} rows x {row_bytes} bytes (+ optimizer) need a {expect}-byte frame, got {total}"
+        )
     if not idx < cnt:
         raise FrameError(f"chunk index {idx} not below chunk count {cnt}")
 
@@ -446,9 +485,23 @@ def _decode(mv: memoryview) -> Frame:
     for name, o_enc, o_rb in layout:
         optim.append(OptimState(name, o_enc, _u8(mv, off, n * o_rb).view(n, o_rb)))
         off += n * o_rb + _pad(n * o_rb)
-    return Frame(run_id=run_id, checkpoint_id=ckpt, rank=rank, table=table, col_offset=col,
-                 dim=dim, encoding=enc, row_bytes=row_bytes, chunk_index=idx, chunk_count=cnt,
-                 row_ids=row_ids, payload=payload, optim=tuple(optim), first_row=first, epoch=epoch)
+    return Frame(
+        run_id=run_id,
+        checkpoint_id=ckpt,
+        rank=rank,
+        table=table,
+        col_offset=col,
+        dim=dim,
+        encoding=enc,
+        row_bytes=row_bytes,
+        chunk_index=idx,
+        chunk_count=cnt,
+        row_ids=row_ids,
+        payload=payload,
+        optim=tuple(optim),
+        first_row=first,
+        epoch=epoch,
+    )
 
 
 def _bitmap_rows(mv: memoryview, off: int, n: int, span: int) -> torch.Tensor:
@@ -457,6 +510,8 @@ def _bitmap_rows(mv: memoryview, off: int, n: int, span: int) -> torch.Tensor:
     packed = np.frombuffer(mv, dtype=np.uint8, count=(span + 7) // 8, offset=off + _BITMAP_HEAD.size)
     offsets = np.flatnonzero(np.unpackbits(packed, count=span, bitorder="little"))
     if offsets.size != n or offsets[-1] != span - 1:
-        raise FrameError(f"row bitmap names {offsets.size} rows (last {first + int(offsets[-1]) if offsets.size else None}), "
-                         f"the frame has {n} ending at row {first + span - 1}")
+        raise FrameError(
+            f"row bitmap names {offsets.size} rows (last {first + int(offsets[-1]) if offsets.size else None}), "
+            f"the frame has {n} ending at row {first + span - 1}"
+        )
     return torch.from_numpy(offsets).add_(first)

@@ -26,12 +26,24 @@ import os
 import shutil
 import struct
 import zlib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import BinaryIO, Iterator, Sequence
+from typing import BinaryIO, Literal, overload
 
 from ckpt.frames import Frame, FrameError, decode_frame, file_where
-from ckpt.sink import RangeRead, RangeRecorder, SinkError, SinkResult, SourceError, TailRead, check_run_id, \
-    markers_name, parse_rows_name, read_one_by_one, rows_name
+from ckpt.sink import (
+    RangeRead,
+    RangeRecorder,
+    SinkError,
+    SinkResult,
+    SourceError,
+    TailRead,
+    check_run_id,
+    markers_name,
+    parse_rows_name,
+    read_one_by_one,
+    rows_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -95,12 +107,26 @@ def _refuse_if_records_follow(f: BinaryIO, path: object, pos: int, size: int, wh
     """Raise ``FrameError`` when the would-be torn tail at `pos` has a valid record inside it."""
     later = _valid_record_after(f, pos + _REC.size, size)
     if later is not None:
-        raise FrameError(f"{what}, but a complete record starts at byte {later}: a damaged length, "
-                         f"not a torn tail", file_where(path, pos))
+        raise FrameError(
+            f"{what}, but a complete record starts at byte {later}: a damaged length, not a torn tail", file_where(path, pos)
+        )
 
 
-def scan_records(f: BinaryIO, path: object, start: int = 0, *, verify: bool = True,
-                 skip_damaged: bool = False) -> Iterator[tuple[int, int, bytes | None]]:
+@overload
+def scan_records(
+    f: BinaryIO, path: object, start: int = 0, *, verify: Literal[True] = True, skip_damaged: bool = False
+) -> Iterator[tuple[int, int, bytes]]: ...
+
+
+@overload
+def scan_records(
+    f: BinaryIO, path: object, start: int = 0, *, verify: Literal[False], skip_damaged: bool = False
+) -> Iterator[tuple[int, int, None]]: ...
+
+
+def scan_records(
+    f: BinaryIO, path: object, start: int = 0, *, verify: bool = True, skip_damaged: bool = False
+) -> Iterator[tuple[int, int, bytes | None]]:
     """Yield ``(position, end, payload)`` of every complete, valid record from ``start``,
     stopping silently before a torn tail and raising ``FrameError`` on corruption.
 
@@ -140,8 +166,7 @@ def scan_records(f: BinaryIO, path: object, start: int = 0, *, verify: bool = Tr
                         _refuse_if_records_follow(f, path, pos, size, "the record that ends the file fails its CRC")
                         log.info("%s: %s (last record fails its CRC)", file_where(path, pos), torn)
                         return
-                    raise FrameError(f"record CRC mismatch ({length}-byte record, more data follows)",
-                                     file_where(path, pos))
+                    raise FrameError(f"record CRC mismatch ({length}-byte record, more data follows)", file_where(path, pos))
                 if not verify:
                     payload = None
         except FrameError as exc:
@@ -151,8 +176,7 @@ def scan_records(f: BinaryIO, path: object, start: int = 0, *, verify: bool = Tr
             if later is None:
                 log.warning("%s; nothing intact after it: read as a torn tail", exc)
                 return
-            log.warning("%s; skipped %d damaged bytes, the next intact record starts at byte %d",
-                        exc, later - pos, later)
+            log.warning("%s; skipped %d damaged bytes, the next intact record starts at byte %d", exc, later - pos, later)
             pos = later
             continue
         yield pos, end, payload
@@ -197,8 +221,10 @@ class _Appender:
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise SinkError(f"{self.path} is being written by another process (two attempts of one run at "
-                            f"once?); this checkpoint's rows are not written") from None
+            raise SinkError(
+                f"{self.path} is being written by another process (two attempts of one run at "
+                f"once?); this checkpoint's rows are not written"
+            ) from None
 
     def open_file(self) -> BinaryIO:
         """The open file (opening it cuts a torn tail, as every append does)."""
@@ -212,7 +238,7 @@ class _Appender:
     def _cut_torn_tail(self, f: BinaryIO, start: int) -> int:
         """The end of the last complete record from `start` on; anything after it is cut."""
         end = start
-        for _, end, _ in scan_records(f, self.path, start, verify=False, skip_damaged=self.skip_damaged):
+        for _, end, _ in scan_records(f, self.path, start, verify=False, skip_damaged=self.skip_damaged):  # noqa: B007 - the last end
             pass
         size = os.fstat(f.fileno()).st_size
         if end < size:
@@ -268,8 +294,11 @@ class FsSink:
         if self._closed:
             raise SinkError("sink is closed")
         if generation in self._dropped or partition < 0:
-            err = SinkError(f"generation {generation} was dropped; refusing to write it"
-                            if generation in self._dropped else f"bad partition {partition}")
+            err = SinkError(
+                f"generation {generation} was dropped; refusing to write it"
+                if generation in self._dropped
+                else f"bad partition {partition}"
+            )
             self._error = self._error or err  # the flush must not claim a complete write
             raise err
         key = (generation, partition)
@@ -340,8 +369,7 @@ class FsSource:
     def segment_path(self, generation: int, partition: int) -> Path:
         return self.root / rows_name(self.run_id, generation) / f"{partition}.seg"
 
-    def read_range(self, generation: int, partition: int, first: int, last: int
-                   ) -> Iterator[tuple[int, Frame]]:
+    def read_range(self, generation: int, partition: int, first: int, last: int) -> Iterator[tuple[int, Frame]]:
         """Frames whose records start at byte offsets ``first`` through ``last``.
 
         Only the frame CRC is checked here (the record CRC covers the same bytes): the
@@ -371,28 +399,27 @@ class FsSource:
             while True:
                 head = f.read(_REC.size)
                 if len(head) < _REC.size:
-                    raise SourceError(f"segment {path} ends at byte {size}, but the range runs "
-                                      f"through byte {last}")
+                    raise SourceError(f"segment {path} ends at byte {size}, but the range runs through byte {last}")
                 magic, length, _ = _REC.unpack(head)
                 if magic != REC_MAGIC:
-                    raise FrameError(f"no record starts here (magic {magic!r}); range "
-                                     f"[{first}, {last}] is not on record boundaries",
-                                     file_where(path, pos))
+                    raise FrameError(
+                        f"no record starts here (magic {magic!r}); range [{first}, {last}] is not on record boundaries",
+                        file_where(path, pos),
+                    )
                 if pos + _REC.size + length > size:
-                    raise SourceError(f"segment {path} ends inside the record at byte {pos}, "
-                                      f"which the range [{first}, {last}] includes")
+                    raise SourceError(
+                        f"segment {path} ends inside the record at byte {pos}, which the range [{first}, {last}] includes"
+                    )
                 payload = f.read(length)
                 frame = decode_frame(payload, where=file_where(path, pos))
                 if frame.run_id != self.run_id:
-                    raise FrameError(f"frame of run {frame.run_id!r} in run {self.run_id!r}",
-                                     file_where(path, pos))
+                    raise FrameError(f"frame of run {frame.run_id!r} in run {self.run_id!r}", file_where(path, pos))
                 yield pos, frame
                 if pos == last:
                     return
                 prev, pos = pos, pos + _REC.size + length
                 if pos > last:
-                    raise SourceError(f"range end {last} is not a record start in {path} "
-                                      f"(records start at {prev} and {pos})")
+                    raise SourceError(f"range end {last} is not a record start in {path} (records start at {prev} and {pos})")
 
     def scan(self, generation: int, partition: int) -> Iterator[tuple[int, Frame]]:
         """Every complete frame of a segment, ignoring a torn tail (diagnostics, tools)."""
@@ -461,8 +488,9 @@ class FsMarkers:
         with f:
             ends = [pos for pos, _, _ in scan_records(f, self.path, verify=False, skip_damaged=True)]
             start = ends[-records] if len(ends) > records else 0
-            return TailRead([(pos, payload) for pos, _, payload in
-                             scan_records(f, self.path, start, skip_damaged=True)], start == 0)
+            return TailRead(
+                [(pos, payload) for pos, _, payload in scan_records(f, self.path, start, skip_damaged=True)], start == 0
+            )
 
     def close(self) -> None:
         self._app.close()

@@ -122,8 +122,9 @@ class Slab(Carver):
         ptr = self.buffer.data_ptr()
         err = torch.cuda.cudart().cudaHostRegister(ptr, self.capacity, HOST_REGISTER_PORTABLE)
         if int(err) != 0:  # cudaSuccess; an unpinned slab still works, its copies just synchronise
-            logger.warning("cannot pin a %d-byte snapshot buffer (CUDA error %s): its copies will be slower",
-                           self.capacity, int(err))
+            logger.warning(
+                "cannot pin a %d-byte snapshot buffer (CUDA error %s): its copies will be slower", self.capacity, int(err)
+            )
             return
         self.pinned = True
         weakref.finalize(self, _unpin, ptr, self._area)
@@ -229,8 +230,7 @@ class HostBufferPool:
         """`reserve(nbytes)` on the pool's helper thread (started on first use, at the pool's
         `nice`), so the training thread goes on at once."""
         if self._ahead is None:
-            self._ahead = ThreadPoolExecutor(1, thread_name_prefix="deltarec-host-buffers",
-                                             initializer=self._lower_priority)
+            self._ahead = ThreadPoolExecutor(1, thread_name_prefix="deltarec-host-buffers", initializer=self._lower_priority)
         self._ahead.submit(self.reserve, nbytes).add_done_callback(_log_failure)
 
     def _lower_priority(self) -> None:

@@ -32,16 +32,26 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, NamedTuple, cast
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, \
-    Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from ckpt.frames import Frame, FrameError, decode_frame, kafka_where
-from ckpt.sink import RangeRead, RangeRecorder, SinkError, SinkResult, SourceError, TailRead, check_run_id, \
-    markers_name, parse_rows_name, rows_name
+from ckpt.sink import (
+    RangeRead,
+    RangeRecorder,
+    SinkError,
+    SinkResult,
+    SourceError,
+    TailRead,
+    check_run_id,
+    markers_name,
+    parse_rows_name,
+    rows_name,
+)
 from common.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -74,8 +84,7 @@ ADMIN_DEFAULTS = {"reconnect.backoff.ms": 10}
 # connect, 50 ms for a consumer. Connecting to the named brokers at once avoids it; a spare
 # lives until the next read only (design §6).
 SPARE_DEFAULTS = {"enable.sparse.connections": False}
-_TRANSIENT = {KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._TIMED_OUT,
-              KafkaError._RESOLVE}
+_TRANSIENT = {KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._TIMED_OUT, KafkaError._RESOLVE}
 
 
 def _common(conf: Mapping[str, Any]) -> dict[str, Any]:
@@ -90,6 +99,14 @@ def new_admin(conf: Mapping[str, Any]) -> AdminClient:
     """An AdminClient for `conf` (`ADMIN_DEFAULTS` unless `conf` sets them). A backend opens
     one and hands it to its sink, source and markers log."""
     return AdminClient({**ADMIN_DEFAULTS, **_common(conf)})
+
+
+def _at(msg: Message) -> tuple[str, int, int]:
+    """(topic, partition, offset) of a message read or delivered: the client's types allow None
+    for each, which only a message that never reached a partition has."""
+    topic, partition, offset = msg.topic(), msg.partition(), msg.offset()
+    assert topic is not None and partition is not None and offset is not None, (topic, partition, offset)
+    return topic, partition, offset
 
 
 def _code(e: BaseException) -> Any:
@@ -115,12 +132,20 @@ def topics_partitions(client: AdminClient | Consumer, timeout_s: float) -> dict[
     return {name: len(t.partitions) for name, t in md.topics.items() if t.error is None}
 
 
-def ensure_topic(admin: AdminClient, topic: str, partitions: int, *, replication_factor: int = -1,
-                 config: Mapping[str, str] | None = None, timeout_s: float = 10.0) -> int:
+def ensure_topic(
+    admin: AdminClient,
+    topic: str,
+    partitions: int,
+    *,
+    replication_factor: int = -1,
+    config: Mapping[str, str] | None = None,
+    timeout_s: float = 10.0,
+) -> int:
     """Create ``topic`` with ``partitions`` partitions unless it exists; returns its
     partition count. Raises ``SinkError``."""
-    new = NewTopic(topic, num_partitions=partitions, replication_factor=replication_factor,
-                   config={**DEFAULT_TOPIC_CONFIG, **(config or {})})
+    new = NewTopic(
+        topic, num_partitions=partitions, replication_factor=replication_factor, config={**DEFAULT_TOPIC_CONFIG, **(config or {})}
+    )
     fut = admin.create_topics([new], operation_timeout=timeout_s, request_timeout=timeout_s)[topic]
     try:
         fut.result(timeout=timeout_s + 1)
@@ -128,7 +153,7 @@ def ensure_topic(admin: AdminClient, topic: str, partitions: int, *, replication
     except KafkaException as e:
         if _code(e) != KafkaError.TOPIC_ALREADY_EXISTS:
             raise SinkError(f"cannot create topic {topic}: {e.args[0]}") from None
-    except Exception as e:  # concurrent.futures.TimeoutError
+    except Exception as e:  # noqa: BLE001 - concurrent.futures.TimeoutError, or the admin client's own errors
         raise SinkError(f"cannot create topic {topic}: {e!r}") from None
     try:
         n = topic_partitions(admin, topic, timeout_s)
@@ -139,8 +164,7 @@ def ensure_topic(admin: AdminClient, topic: str, partitions: int, *, replication
     return n
 
 
-def drop_generation(conf: Mapping[str, Any], run_id: str, generation: int,
-                    *, timeout_s: float = 10.0) -> None:
+def drop_generation(conf: Mapping[str, Any], run_id: str, generation: int, *, timeout_s: float = 10.0) -> None:
     """Delete the rows topic of ``generation`` (missing already: fine)."""
     _delete_topic(new_admin(conf), rows_name(check_run_id(run_id), generation), timeout_s)
 
@@ -152,15 +176,20 @@ def _delete_topic(admin: AdminClient, topic: str, timeout_s: float) -> None:
     except KafkaException as e:
         if _code(e) != KafkaError.UNKNOWN_TOPIC_OR_PART:
             raise SinkError(f"cannot delete topic {topic}: {e.args[0]}") from None
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - a timeout, or the admin client's own errors: one SinkError either way
         raise SinkError(f"cannot delete topic {topic}: {e!r}") from None
 
 
 class _Producer:
     """An idempotent, acks=all producer that can be thrown away and recreated."""
 
-    def __init__(self, conf: Mapping[str, Any], producer_conf: Mapping[str, Any] | None,
-                 delivery_timeout_s: float | None, queue_full_timeout_s: float) -> None:
+    def __init__(
+        self,
+        conf: Mapping[str, Any],
+        producer_conf: Mapping[str, Any] | None,
+        delivery_timeout_s: float | None,
+        queue_full_timeout_s: float,
+    ) -> None:
         pconf = {**_common(conf), **(producer_conf or {})}
         if str(pconf.get("enable.idempotence", True)).lower() not in ("true", "1"):
             raise ConfigError("ckpt.kafka: the checkpoint producer needs enable.idempotence=true")
@@ -172,7 +201,13 @@ class _Producer:
             pconf["delivery.timeout.ms"] = int(1000 * (delivery_timeout_s or DEFAULT_DELIVERY_TIMEOUT_S))
         self._conf = pconf
         self.queue_full_timeout_s = queue_full_timeout_s
-        self.producer = self._new()
+        self._producer: Producer | None = self._new()
+
+    @property
+    def producer(self) -> Producer:
+        """The client (after `close`, none: an AssertionError says so)."""
+        assert self._producer is not None, "the checkpoint producer is closed"
+        return self._producer
 
     def _new(self) -> Producer:
         # The fatal error goes to a holder, not to self: no reference cycle, so a
@@ -186,8 +221,9 @@ class _Producer:
 
         return Producer({**self._conf, "error_cb": on_error})
 
-    def produce(self, topic: str, value: bytes, partition: int,
-                on_delivery: Callable[[KafkaError | None, Message], None]) -> None:
+    def produce(
+        self, topic: str, value: bytes, partition: int, on_delivery: Callable[[KafkaError | None, Message], None]
+    ) -> None:
         """Queue one message; on a full local queue serve callbacks and retry (bounded)."""
         deadline = None
         while True:
@@ -198,8 +234,7 @@ class _Producer:
                 now = time.monotonic()
                 deadline = deadline or now + self.queue_full_timeout_s
                 if now >= deadline:
-                    raise SinkError(f"producer queue for {topic} stayed full for "
-                                    f"{self.queue_full_timeout_s:.0f}s") from None
+                    raise SinkError(f"producer queue for {topic} stayed full for {self.queue_full_timeout_s:.0f}s") from None
                 self.producer.poll(min(0.1, deadline - now))
             except KafkaException as e:
                 raise SinkError(f"cannot produce to {topic} partition {partition}: {e.args[0]}") from None
@@ -222,17 +257,19 @@ class _Producer:
         try:
             old.purge(in_queue=True, in_flight=True, blocking=False)
             old.poll(0)  # serve the purge reports (callbacks ignore stale epochs)
-        except Exception:
+        except Exception:  # noqa: BLE001 - a client being replaced: whatever it raises, the new one takes over
             pass
-        self.producer = self._new()
+        self._producer = self._new()
 
     def close(self) -> None:
+        if self._producer is None:
+            return
         try:
-            self.producer.purge(in_queue=True, in_flight=True, blocking=False)
-            self.producer.poll(0)
-        except Exception:
+            self._producer.purge(in_queue=True, in_flight=True, blocking=False)
+            self._producer.poll(0)
+        except Exception:  # noqa: BLE001 - closing: the client is dropped whatever it raises
             pass
-        self.producer = None  # destroys the client: its connections close now
+        self._producer = None  # destroys the client: its connections close now
 
 
 class KafkaSink:
@@ -243,11 +280,20 @@ class KafkaSink:
     ``delivery.timeout.ms``); a flush with a dead broker fails after about that long.
     """
 
-    def __init__(self, run_id: str, conf: Mapping[str, Any], *, num_partitions: int,
-                 producer_conf: Mapping[str, Any] | None = None, replication_factor: int = -1,
-                 topic_config: Mapping[str, str] | None = None,
-                 delivery_timeout_s: float | None = None, queue_full_timeout_s: float = 30.0,
-                 admin_timeout_s: float = 10.0, admin: AdminClient | None = None) -> None:
+    def __init__(
+        self,
+        run_id: str,
+        conf: Mapping[str, Any],
+        *,
+        num_partitions: int,
+        producer_conf: Mapping[str, Any] | None = None,
+        replication_factor: int = -1,
+        topic_config: Mapping[str, str] | None = None,
+        delivery_timeout_s: float | None = None,
+        queue_full_timeout_s: float = 30.0,
+        admin_timeout_s: float = 10.0,
+        admin: AdminClient | None = None,
+    ) -> None:
         self.run_id = check_run_id(run_id)
         if num_partitions < 1:
             raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
@@ -257,9 +303,9 @@ class KafkaSink:
         self.admin_timeout_s = admin_timeout_s
         self._admin = admin or new_admin(conf)
         self._p = _Producer(conf, producer_conf, delivery_timeout_s, queue_full_timeout_s)
-        self._topics: dict[int, int] = {}     # generation -> partitions, checked on this broker
+        self._topics: dict[int, int] = {}  # generation -> partitions, checked on this broker
         self._dropped: set[int] = set()
-        self._epoch = 0                       # one per flush; late reports of old ones are ignored
+        self._epoch = 0  # one per flush; late reports of old ones are ignored
         self._rec = RangeRecorder()
         self._error: SinkError | None = None
         self._closed = False
@@ -273,9 +319,14 @@ class KafkaSink:
             raise SinkError(f"generation {generation} ({topic}) was dropped; refusing to write it")
         parts = self._topics.get(generation)
         if parts is None:
-            parts = ensure_topic(self._admin, topic, self.num_partitions,
-                                 replication_factor=self.replication_factor,
-                                 config=self.topic_config, timeout_s=self.admin_timeout_s)
+            parts = ensure_topic(
+                self._admin,
+                topic,
+                self.num_partitions,
+                replication_factor=self.replication_factor,
+                config=self.topic_config,
+                timeout_s=self.admin_timeout_s,
+            )
             self._topics[generation] = parts
         if not 0 <= partition < parts:
             raise SinkError(f"topic {topic} has {parts} partitions; cannot write partition {partition}")
@@ -285,15 +336,14 @@ class KafkaSink:
         if self._error is None:
             self._error = err
 
-    def _on_delivery(self, epoch: int, key: tuple[int, int], err: KafkaError | None,
-                     msg: Message) -> None:
+    def _on_delivery(self, epoch: int, key: tuple[int, int], err: KafkaError | None, msg: Message) -> None:
         if epoch != self._epoch:
             return
         if err is not None:
-            self._fail(SinkError(f"delivery to topic {msg.topic()} partition {msg.partition()} "
-                                 f"failed: {err}"))
+            self._fail(SinkError(f"delivery to topic {msg.topic()} partition {msg.partition()} failed: {err}"))
         else:
-            self._rec.add(key, msg.offset(), msg.offset() + 1)
+            offset = _at(msg)[2]
+            self._rec.add(key, offset, offset + 1)
 
     def write(self, frame: bytes, *, generation: int, partition: int) -> None:
         if self._closed:
@@ -301,8 +351,7 @@ class KafkaSink:
         try:
             topic = self._topic_for(generation, partition)
             epoch, key = self._epoch, (generation, partition)
-            self._p.produce(topic, frame, partition,
-                            lambda err, msg: self._on_delivery(epoch, key, err, msg))
+            self._p.produce(topic, frame, partition, lambda err, msg: self._on_delivery(epoch, key, err, msg))
         except SinkError as e:
             self._fail(e)
             raise
@@ -317,8 +366,7 @@ class KafkaSink:
         self._epoch += 1
         self._rec, self._error = RangeRecorder(), None
         if not result.ok:
-            log.warning("kafka sink %s: flush failed (%s); recreating the producer",
-                        self.run_id, result.error)
+            log.warning("kafka sink %s: flush failed (%s); recreating the producer", self.run_id, result.error)
             self._p.recreate()
             self._topics.clear()  # the broker may be a new one: check topics again
         return result
@@ -340,24 +388,36 @@ class KafkaSink:
         if not self._closed:
             self._closed = True
             self._p.close()
-            self._admin = None
+            del self._admin  # the client goes now (its connections close)
 
 
-def _consumer_conf(conf: Mapping[str, Any], consumer_conf: Mapping[str, Any] | None,
-                   defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def _consumer_conf(
+    conf: Mapping[str, Any], consumer_conf: Mapping[str, Any] | None, defaults: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     # A fetch at the end of a partition waits fetch.wait.max.ms before the broker
     # answers (and we learn it is the end): keep that short for readers. These and the
     # reader's `defaults` are defaults: a setting of `ckpt.kafka` (in `conf`) wins.
-    c = {"queued.max.messages.kbytes": DEFAULT_READ_BUFFER_KB,
-         "max.partition.fetch.bytes": DEFAULT_FETCH_PARTITION_BYTES, "fetch.wait.max.ms": 10,
-         "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS, **(defaults or {}), **_common(conf),
-         **(consumer_conf or {})}
+    c = {
+        "queued.max.messages.kbytes": DEFAULT_READ_BUFFER_KB,
+        "max.partition.fetch.bytes": DEFAULT_FETCH_PARTITION_BYTES,
+        "fetch.wait.max.ms": 10,
+        "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,
+        **(defaults or {}),
+        **_common(conf),
+        **(consumer_conf or {}),
+    }
     # assign()-only reading: a throwaway group id (confluent-kafka insists on one),
     # never committed; start offsets are always explicit.
-    c.update({"group.id": f"deltarec-reader-{uuid.uuid4().hex}", "enable.auto.commit": False,
-              "enable.auto.offset.store": False, "enable.partition.eof": True,
-              "auto.offset.reset": "error",
-              "error_cb": lambda err: log.debug("kafka consumer: %s", err)})
+    c.update(
+        {
+            "group.id": f"deltarec-reader-{uuid.uuid4().hex}",
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "enable.partition.eof": True,
+            "auto.offset.reset": "error",
+            "error_cb": lambda err: log.debug("kafka consumer: %s", err),
+        }
+    )
     return c
 
 
@@ -426,6 +486,7 @@ class _Spare:
 
 def _close_connected(pending: Future[_Connected] | None) -> None:
     """Close the consumer of `pending` once its connect is done (now, if it is)."""
+
     def close(done: Future[_Connected]) -> None:
         if done.exception() is None:
             done.result().consumer.close()
@@ -434,8 +495,9 @@ def _close_connected(pending: Future[_Connected] | None) -> None:
         pending.add_done_callback(close)
 
 
-def _connect_on_thread(cconf: Mapping[str, Any], timeout_s: float,
-                       watermarks_of: TopicPartition | None = None) -> Future[_Connected]:
+def _connect_on_thread(
+    cconf: Mapping[str, Any], timeout_s: float, watermarks_of: TopicPartition | None = None
+) -> Future[_Connected]:
     """`_connect` on a thread of its own (librdkafka waits without holding the GIL). A daemon
     thread, not an executor's: a process that exits does not wait out a connect to a broker
     that is down."""
@@ -444,15 +506,14 @@ def _connect_on_thread(cconf: Mapping[str, Any], timeout_s: float,
     def run() -> None:
         try:
             pending.set_result(_connect(cconf, timeout_s, watermarks_of))
-        except BaseException as exc:  # raised to whoever takes the spare
+        except BaseException as exc:  # noqa: BLE001 - raised to whoever takes the spare
             pending.set_exception(exc)
 
     threading.Thread(target=run, name="deltarec-kafka-connect", daemon=True).start()
     return pending
 
 
-def _topics_for(spare: _Connected | None, admin: AdminClient, needed: Sequence[str], timeout_s: float
-                ) -> dict[str, int]:
+def _topics_for(spare: _Connected | None, admin: AdminClient, needed: Sequence[str], timeout_s: float) -> dict[str, int]:
     """The topics a read checks `needed` against: the admin client's listing without a spare;
     the spare's while it names them all, else the spare lists again (a topic created since
     must not look missing; one deleted since fails its read). A spare whose listing fails is
@@ -481,15 +542,23 @@ def _past(read: _Read, offset: int) -> bool:
     return read.last is not None and offset > read.last
 
 
-def _read_partition(cconf: Mapping[str, Any], topic: str, partition: int, start: int,
-                    last: int | None, timeout_s: float, consumer: Consumer | None = None) -> Iterator[Message]:
+def _read_partition(
+    cconf: Mapping[str, Any],
+    topic: str,
+    partition: int,
+    start: int,
+    last: int | None,
+    timeout_s: float,
+    consumer: Consumer | None = None,
+) -> Iterator[Message]:
     """Messages of one partition from ``start`` through offset ``last`` (inclusive), or to
     the end of the partition when ``last`` is None (see `_read_partitions`)."""
     return (msg for _, msg in _read_partitions(cconf, [_Read(topic, partition, start, last)], timeout_s, consumer))
 
 
-def _read_partitions(cconf: Mapping[str, Any], reads: Sequence[_Read], timeout_s: float,
-                     consumer: Consumer | None = None) -> Iterator[tuple[int, Message]]:
+def _read_partitions(
+    cconf: Mapping[str, Any], reads: Sequence[_Read], timeout_s: float, consumer: Consumer | None = None
+) -> Iterator[tuple[int, Message]]:
     """``(index into reads, message)`` for every message of every read, with one consumer:
     `consumer` (a connected spare, closed at the end like a new one) or a new one for `cconf`.
 
@@ -511,8 +580,7 @@ def _read_partitions(cconf: Mapping[str, Any], reads: Sequence[_Read], timeout_s
     return messages
 
 
-def _reading(cconf: Mapping[str, Any], reads: Sequence[_Read], timeout_s: float,
-             consumer: Consumer | None) -> Iterator[Any]:
+def _reading(cconf: Mapping[str, Any], reads: Sequence[_Read], timeout_s: float, consumer: Consumer | None) -> Iterator[Any]:
     """`_read_partitions`' messages, after a first None once the partitions are assigned."""
     by_partition: dict[tuple[str, int], list[int]] = {}
     for i, r in enumerate(reads):
@@ -560,27 +628,32 @@ def _reading(cconf: Mapping[str, Any], reads: Sequence[_Read], timeout_s: float,
                 if time.monotonic() >= deadline:
                     (t, p), q = next(iter(pending.items()))
                     last = reads[q[0]].last
-                    raise SourceError(f"topic {t} partition {p}: nothing at offset {expect[(t, p)]} within "
-                                      f"{timeout_s:g}s" + (f" (reading through offset {last})"
-                                                           if last is not None else ""))
+                    raise SourceError(
+                        f"topic {t} partition {p}: nothing at offset {expect[(t, p)]} within "
+                        f"{timeout_s:g}s" + (f" (reading through offset {last})" if last is not None else "")
+                    )
                 continue
-            key = (msg.topic(), msg.partition())
             err = msg.error()
             if err is not None:
-                if key not in pending:
+                about = (msg.topic(), msg.partition())  # (None, None): an error of no partition
+                if about not in pending:
                     continue  # about a partition whose reads are done
+                key = cast(tuple[str, int], about)
                 if err.code() == KafkaError._PARTITION_EOF:
                     last = reads[pending[key][0]].last
                     if last is None:
                         next_read(key)
                         continue
-                    raise SourceError(f"topic {key[0]} partition {key[1]} ends at offset "
-                                      f"{msg.offset()}, but the range runs through offset {last}")
+                    raise SourceError(
+                        f"topic {key[0]} partition {key[1]} ends at offset "
+                        f"{msg.offset()}, but the range runs through offset {last}"
+                    )
                 if err.code() in _TRANSIENT and not err.fatal():
                     log.debug("kafka read %s[%d]: %s", key[0], key[1], err)
                     continue
                 raise SourceError(f"topic {key[0]} partition {key[1]} at offset {expect[key]}: {err}")
-            off = msg.offset()
+            topic, partition, off = _at(msg)
+            key = (topic, partition)
             if stale(key, off):
                 continue
             exact.discard(key)
@@ -618,9 +691,15 @@ def _close_behind(consumer: Consumer) -> None:
 class KafkaSource:
     """Reads frames back by exact offset range (``assign()``, never group subscription)."""
 
-    def __init__(self, run_id: str, conf: Mapping[str, Any], *,
-                 consumer_conf: Mapping[str, Any] | None = None,
-                 timeout_s: float = DEFAULT_READ_TIMEOUT_S, admin: AdminClient | None = None) -> None:
+    def __init__(
+        self,
+        run_id: str,
+        conf: Mapping[str, Any],
+        *,
+        consumer_conf: Mapping[str, Any] | None = None,
+        timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+        admin: AdminClient | None = None,
+    ) -> None:
         self.run_id = check_run_id(run_id)
         self.timeout_s = timeout_s
         self._cconf = _consumer_conf(conf, consumer_conf)
@@ -633,13 +712,13 @@ class KafkaSource:
         read finds its client connected (design §6)."""
         self._spare.put(_connect_on_thread(self._cconf, self.timeout_s))
 
-    def read_range(self, generation: int, partition: int, first: int, last: int, *,
-                   timeout_s: float | None = None) -> Iterator[tuple[int, Frame]]:
+    def read_range(
+        self, generation: int, partition: int, first: int, last: int, *, timeout_s: float | None = None
+    ) -> Iterator[tuple[int, Frame]]:
         frames = self.read_ranges([RangeRead(generation, partition, first, last)], timeout_s=timeout_s)
         return ((pos, frame) for _, pos, frame in frames)
 
-    def read_ranges(self, reads: Sequence[RangeRead], *, timeout_s: float | None = None
-                    ) -> Iterator[tuple[int, int, Frame]]:
+    def read_ranges(self, reads: Sequence[RangeRead], *, timeout_s: float | None = None) -> Iterator[tuple[int, int, Frame]]:
         """All reads with one consumer (see `_read_partitions`): the one `prepare` connected,
         or a new one; every partition fetched at once, frames decoded while librdkafka
         fetches the next ones. Missing topics and partitions raise here, before the first
@@ -655,8 +734,9 @@ class KafkaSource:
             plan = []
             for r, topic in zip(reads, topics):
                 if topic not in listed:
-                    raise SourceError(f"topic {topic} does not exist (reading partition {r.partition} "
-                                      f"offsets {r.first}..{r.last})")
+                    raise SourceError(
+                        f"topic {topic} does not exist (reading partition {r.partition} offsets {r.first}..{r.last})"
+                    )
                 if r.partition >= listed[topic]:
                     raise SourceError(f"topic {topic} has {listed[topic]} partitions, no partition {r.partition}")
                 plan.append(_Read(topic, r.partition, r.first, r.last))
@@ -668,15 +748,17 @@ class KafkaSource:
 
     def _decoded(self, messages: Iterator[tuple[int, Message]]) -> Iterator[tuple[int, int, Frame]]:
         for i, msg in messages:
-            where = kafka_where(msg.topic(), msg.partition(), msg.offset())
+            topic, partition, offset = _at(msg)
+            where = kafka_where(topic, partition, offset)
             frame = decode_frame(msg.value() or b"", where=where)
             if frame.run_id != self.run_id:
                 raise FrameError(f"frame of run {frame.run_id!r} in run {self.run_id!r}", where)
-            yield i, msg.offset(), frame
+            yield i, offset, frame
 
     def close(self) -> None:
         self._spare.close()
-        self._admin = None
+        if hasattr(self, "_admin"):  # closed twice: gone already
+            del self._admin  # the client goes now (its connections close)
 
 
 class BrokerUnreachable(SinkError):
@@ -686,10 +768,17 @@ class BrokerUnreachable(SinkError):
 class KafkaMarkers:
     """The marker log: topic ``<run>.markers``, one partition, synchronous appends."""
 
-    def __init__(self, run_id: str, conf: Mapping[str, Any], *,
-                 producer_conf: Mapping[str, Any] | None = None,
-                 consumer_conf: Mapping[str, Any] | None = None, replication_factor: int = -1,
-                 timeout_s: float = DEFAULT_DELIVERY_TIMEOUT_S, admin: AdminClient | None = None) -> None:
+    def __init__(
+        self,
+        run_id: str,
+        conf: Mapping[str, Any],
+        *,
+        producer_conf: Mapping[str, Any] | None = None,
+        consumer_conf: Mapping[str, Any] | None = None,
+        replication_factor: int = -1,
+        timeout_s: float = DEFAULT_DELIVERY_TIMEOUT_S,
+        admin: AdminClient | None = None,
+    ) -> None:
         self.run_id = check_run_id(run_id)
         self.topic = markers_name(self.run_id)
         self.timeout_s = timeout_s
@@ -702,8 +791,10 @@ class KafkaMarkers:
         # to the end stops where its last fetch said the log ends, so fetch.wait.max.ms
         # delays only a read with nothing to read; and the embedded broker answers a fetch
         # of a long log with nothing when its own work takes longer than that (design §6).
-        self._cconf = {**_consumer_conf(conf, consumer_conf, {"fetch.wait.max.ms": MARKERS_FETCH_WAIT_MS}),
-                       "auto.offset.reset": "earliest"}
+        self._cconf = {
+            **_consumer_conf(conf, consumer_conf, {"fetch.wait.max.ms": MARKERS_FETCH_WAIT_MS}),
+            "auto.offset.reset": "earliest",
+        }
         self._topic_ok = False
         self._last: int | None = None  # offset of our own last append
         self._closed = False
@@ -713,8 +804,7 @@ class KafkaMarkers:
         if self._closed:
             raise SinkError("marker log is closed")
         if not self._topic_ok:
-            n = ensure_topic(self._admin, self.topic, 1, replication_factor=self.replication_factor,
-                             timeout_s=self.timeout_s)
+            n = ensure_topic(self._admin, self.topic, 1, replication_factor=self.replication_factor, timeout_s=self.timeout_s)
             if n != 1:
                 raise SinkError(f"marker topic {self.topic} has {n} partitions, expected 1")
             self._topic_ok = True
@@ -789,8 +879,11 @@ class KafkaMarkers:
             consumer = consumer or _connect(self._cconf, timeout_s).consumer
             # the connect `prepare` started asked already: the log has only grown since
             # (a start too early reads more, never less)
-            low, high = (spare.watermarks if spare is not None and spare.watermarks is not None else
-                         consumer.get_watermark_offsets(TopicPartition(self.topic, 0), timeout=timeout_s, cached=False))
+            low, high = (
+                spare.watermarks
+                if spare is not None and spare.watermarks is not None
+                else consumer.get_watermark_offsets(TopicPartition(self.topic, 0), timeout=timeout_s, cached=False)
+            )
         except KafkaException as exc:
             if consumer is not None:
                 consumer.close()
@@ -810,11 +903,11 @@ class KafkaMarkers:
         return False
 
     def _read_from(self, start: int, consumer: Consumer | None, timeout_s: float) -> list[tuple[int, bytes]]:
-        out = [(m.offset(), m.value() or b"")
-               for m in _read_partition(self._cconf, self.topic, 0, start, None, timeout_s, consumer)]
+        out = [
+            (_at(m)[2], m.value() or b"") for m in _read_partition(self._cconf, self.topic, 0, start, None, timeout_s, consumer)
+        ]
         if self._last is not None and self._last >= start and (not out or out[-1][0] < self._last):
-            raise SourceError(f"marker topic {self.topic} ends before offset {self._last}, "
-                              f"which this process appended")
+            raise SourceError(f"marker topic {self.topic} ends before offset {self._last}, which this process appended")
         return out
 
     def close(self) -> None:
@@ -822,4 +915,4 @@ class KafkaMarkers:
             self._closed = True
             self._spare.close()
             self._p.close()
-            self._admin = None
+            del self._admin  # the client goes now (its connections close)

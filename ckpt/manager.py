@@ -19,9 +19,11 @@ from __future__ import annotations
 import logging
 import time
 import zlib
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,14 +37,14 @@ from ckpt.committer import Committer
 from ckpt.config import CkptConfig
 from ckpt.copy_behind import CopyBehind
 from ckpt.dense_store import DenseRef, DenseStore, DenseStoreError
-from ckpt.host_buffers import HostBufferPool
 from ckpt.faults import maybe_die, maybe_slow_copy
 from ckpt.frames import FrameError
+from ckpt.host_buffers import HostBufferPool
 from ckpt.markers import Marker, SurvivorRecord
 from ckpt.partial import PartialOutcome, SkipsBatches, compose, shared_reader, with_survivors
 from ckpt.pls import interval_for_pls, run_pls
-from ckpt.priority import RowPriority
 from ckpt.policy import CheckpointPolicy, Decision
+from ckpt.priority import RowPriority
 from ckpt.quant import BitWidthPolicy, warm_up_codecs
 from ckpt.restore import RestoreError, RowsRestored, restore_rows, row_init_of
 from ckpt.resume_choice import ResumeChoice, from_rank0
@@ -167,8 +169,10 @@ class RestoreReport:
         """Where the time went, for the resume line."""
         regen = f", regenerate {self.init_s:.2f} s" if self.regenerated else ""
         ahead = f" (+{self.markers_ahead_s:.2f} s read ahead)" if self.markers_ahead_s else ""
-        return (f"markers {self.markers_s:.2f} s{ahead}, fetch {self.fetch_s:.2f} s, decode {self.decode_s:.2f} s, "
-                f"apply {self.apply_s:.2f} s{regen}, dense {self.dense_s:.2f} s")
+        return (
+            f"markers {self.markers_s:.2f} s{ahead}, fetch {self.fetch_s:.2f} s, decode {self.decode_s:.2f} s, "
+            f"apply {self.apply_s:.2f} s{regen}, dense {self.dense_s:.2f} s"
+        )
 
 
 class _ReadStats(NamedTuple):
@@ -188,11 +192,25 @@ class _ReadStats(NamedTuple):
     init_s: float
 
     @classmethod
-    def gather(cls, error: str, rows: RowsRestored | None, markers_s: float) -> "_ReadStats":
+    def gather(cls, error: str, rows: RowsRestored | None, markers_s: float) -> _ReadStats:
         """All ranks at once (one all-gather): whether any failed (`error`), and their stats."""
         r = rows or RowsRestored()
-        mine = torch.tensor([float(bool(error)), r.frames, r.rows, r.bytes, r.written, r.regenerated, markers_s,
-                             r.fetch_s, r.decode_s, r.apply_s, r.init_s], dtype=torch.float64)
+        mine = torch.tensor(
+            [
+                float(bool(error)),
+                r.frames,
+                r.rows,
+                r.bytes,
+                r.written,
+                r.regenerated,
+                markers_s,
+                r.fetch_s,
+                r.decode_s,
+                r.apply_s,
+                r.init_s,
+            ],
+            dtype=torch.float64,
+        )
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine)
         t = torch.stack(every)
@@ -206,8 +224,10 @@ def grown_estimate(previous: Mapping[str, int], now: Mapping[str, int], kinds: S
     much again as it grew since `previous` (trained rows and one-shot diffs grow checkpoint
     after checkpoint); a kind `previous` lacks (none counted yet, or counted afresh since) is
     taken to double. Never past `cap` (every row)."""
+
     def grown(k: str) -> int:
         return now[k] + (max(0, now[k] - previous[k]) if k in previous else now[k])
+
     return min(cap, max(grown(k) for k in kinds))
 
 
@@ -263,25 +283,36 @@ class CheckpointManager:
         # snapshots reuse the memory of written ones, within the pending-snapshot budget (pinned
         # for GPU shards, whose copies to host are asynchronous)
         pool = HostBufferPool(cfg.max_pending_bytes, nice=cfg.writer_nice, pin_for=torch.device(device))
-        self.taker = SnapshotTaker(self.shard_map, self.tracker, device, trained_only=regenerate, pool=pool,
-                                   encode_on=cfg.encode_on)
+        self.taker = SnapshotTaker(
+            self.shard_map, self.tracker, device, trained_only=regenerate, pool=pool, encode_on=cfg.encode_on
+        )
         self.policy = CheckpointPolicy(self.c.policy)
         # a restore comes next: its readers connect while the rest is built (or, given by the
         # job, while its model was built)
         self.backend: Backend = backend if backend is not None else open_for_restore(cfg, env.world_size, env.rank)
-        self.dense = DenseStore(cfg.dense_dir)
+        self.dense = DenseStore(Path(cfg.dense_dir))
         self.dense_capture = dense_state.DenseCapture(sharded)  # rank 0's stall; any rank's survivor
         self.committer = None
         if env.rank == 0:
             self.committer = Committer(
-                run_id=self.run_id, markers=self.backend.markers, dense=self.dense, marker_fields=self._marker_fields(),
-                rebase=self.c.policy == "incremental", where=self.backend.where, catalog_every=self.c.catalog_every,
+                run_id=self.run_id,
+                markers=self.backend.markers,
+                dense=self.dense,
+                marker_fields=self._marker_fields(),
+                rebase=self.c.policy == "incremental",
+                where=self.backend.where,
+                catalog_every=self.c.catalog_every,
                 connect_timeout_s=self.c.connect_timeout_s,
             )
         self.writer = RankWriter(
-            run_id=self.run_id, rank=env.rank, sink=self.backend.sink, group=self.group,
-            max_frame_bytes=self.c.max_frame_bytes, flush_timeout_s=self.c.flush_timeout_s,
-            committer=self.committer, nice=self.c.writer_nice,
+            run_id=self.run_id,
+            rank=env.rank,
+            sink=self.backend.sink,
+            group=self.group,
+            max_frame_bytes=self.c.max_frame_bytes,
+            flush_timeout_s=self.c.flush_timeout_s,
+            committer=self.committer,
+            nice=self.c.writer_nice,
         )
         self.next_id = 1
         self.generation = 0
@@ -300,9 +331,17 @@ class CheckpointManager:
         self.choice = ResumeChoice(cfg, self.backend, self.dense)  # what `restore` reads, agreed by every rank
         if cfg.recovery == "partial":
             self.tracker.keep_uncommitted()
-        self.priority = None if cfg.priority == "none" else RowPriority(
-            self.tracker, self.taker.row_bytes, cfg.priority, sample=cfg.ssu_sample,
-            seed=zlib.crc32(f"{self.run_id}:{env.rank}".encode()))
+        self.priority = (
+            None
+            if cfg.priority == "none"
+            else RowPriority(
+                self.tracker,
+                self.taker.row_bytes,
+                cfg.priority,
+                sample=cfg.ssu_sample,
+                seed=zlib.crc32(f"{self.run_id}:{env.rank}".encode()),
+            )
+        )
         self._since_full = 0  # checkpoints since the last full one (prioritized checkpoints)
         self._full_samples = 0  # samples seen at the last full checkpoint
         self._announcing: tuple[Future[Announced], Catalog] | None = None  # rank 0, from the start on
@@ -351,11 +390,13 @@ class CheckpointManager:
         candidates = self.choice.newest(self._announce)
         markers_s = time.perf_counter() - t0
         if self.c.resume == "none":
-            return self._start_fresh()
+            self._start_fresh()
+            return None
         if not candidates:  # `resume=latest` of a run without history (`ResumeChoice` refused the rest)
             if self.env.rank == 0:
                 logger.info("no checkpoint of run %s in %s: starting from scratch", self.run_id, self.backend.where)
-            return self._start_fresh()
+            self._start_fresh()
+            return None
         pristine = self.row_init  # the shards hold exactly these initial values until a restore writes
         for marker, survivors in self.choice.tries(candidates[0]):
             error = ""
@@ -376,8 +417,9 @@ class CheckpointManager:
             logger.warning("%s; falling back to the previous checkpoint", reason)
         raise RestoreError(f"no restorable checkpoint of run {self.run_id} in {self.backend.where}")
 
-    def _read(self, marker: Marker, survivors: list[SurvivorRecord], pristine: Any
-              ) -> tuple[RowsRestored, dict[str, Any], PartialOutcome | None, list[int]]:
+    def _read(
+        self, marker: Marker, survivors: list[SurvivorRecord], pristine: Any
+    ) -> tuple[RowsRestored, dict[str, Any], PartialOutcome | None, list[int]]:
         """Replay `marker`'s chain (and the survivors' links after it) into the shards and read
         the dense state beside the rows: the state to load, and for a partial recovery its
         outcome and the batches each rank's reader skips."""
@@ -389,13 +431,25 @@ class CheckpointManager:
                 dense.update({rank: pool.submit(self.dense.read, ref) for rank, ref in refs.items()})
 
             chain = with_survivors(marker, survivors) if survivors else marker
-            rows = restore_rows(chain, self.backend.source, self.shard_map, self.run_id, self.backend.locate,
-                                shards_hold_init=pristine, while_fetching=read_dense)
+            rows = restore_rows(
+                chain,
+                self.backend.source,
+                self.shard_map,
+                self.run_id,
+                self.backend.locate,
+                shards_hold_init=pristine,
+                while_fetching=read_dense,
+            )
             state = dense.pop(None).result()
             if not survivors:
                 return rows, state, None, []
-            state, skips, partial = compose(marker, survivors, state, {r: f.result() for r, f in dense.items()},
-                                            world_now=self.env.world_size)
+            state, skips, partial = compose(
+                marker,
+                survivors,
+                state,
+                {r: f.result() for r, f in dense.items() if r is not None},
+                world_now=self.env.world_size,
+            )
             return rows, state, partial, skips
 
     def _first_error(self, error: str) -> str:
@@ -409,15 +463,24 @@ class CheckpointManager:
         rank, first = next((r, e) for r, e in enumerate(errors) if e)
         return f"{first} (read by rank {rank})"
 
-    def _finish_restore(self, marker: Marker, rows: RowsRestored, state: dict[str, Any], t0: float,
-                        read: _ReadStats, partial: PartialOutcome | None = None, skips: Sequence[int] = ()
-                        ) -> RestoreReport:
+    def _finish_restore(
+        self,
+        marker: Marker,
+        rows: RowsRestored,
+        state: dict[str, Any],
+        t0: float,
+        read: _ReadStats,
+        partial: PartialOutcome | None = None,
+        skips: Sequence[int] = (),
+    ) -> RestoreReport:
         t_dense = time.perf_counter()
         model_sha256 = self.identity.model_sha256
         if self.env.rank == 0 and state.get("model_sha256") not in (None, model_sha256):
             logger.warning(
                 "checkpoint %d was written with another model config (sha256 %s…, now %s…); restoring what matches",
-                marker.checkpoint_id, str(state["model_sha256"])[:12], model_sha256[:12],
+                marker.checkpoint_id,
+                str(state["model_sha256"])[:12],
+                model_sha256[:12],
             )
         dense_state.load(self.sharded, state)
         self.trainer.load_state_dict(self._trainer_state(state, marker))
@@ -448,36 +511,74 @@ class CheckpointManager:
         slowest = torch.tensor([now - t0, now - t_dense], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         seconds, dense_s = slowest.tolist()
-        report = RestoreReport(marker.checkpoint_id, marker.step, self.chain, read.frames, read.rows, read.bytes, seconds,
-                               read.written, read.markers_s, read.fetch_s, read.decode_s, read.apply_s, dense_s,
-                               read.regenerated, read.init_s, partial,
-                               run_pls(self.lost_samples, float(state["trainers"][0]["samples_seen"])),
-                               self.choice.markers_read, self.choice.markers_ahead_s)
+        report = RestoreReport(
+            marker.checkpoint_id,
+            marker.step,
+            self.chain,
+            read.frames,
+            read.rows,
+            read.bytes,
+            seconds,
+            read.written,
+            read.markers_s,
+            read.fetch_s,
+            read.decode_s,
+            read.apply_s,
+            dense_s,
+            read.regenerated,
+            read.init_s,
+            partial,
+            run_pls(self.lost_samples, float(state["trainers"][0]["samples_seen"])),
+            self.choice.markers_read,
+            self.choice.markers_ahead_s,
+        )
         if self.env.rank == 0:
             logger.debug(  # the trainer prints the resume line
                 "restored checkpoint %d (step %d, chain %s): %d frames, %d rows, %.1f MB in %.2f s (%s)",
-                report.checkpoint_id, report.step, report.chain, report.frames, report.rows, report.bytes / 1e6,
-                report.seconds, report.parts(),
+                report.checkpoint_id,
+                report.step,
+                report.chain,
+                report.frames,
+                report.rows,
+                report.bytes / 1e6,
+                report.seconds,
+                report.parts(),
             )
-            self.metrics.write({
-                "step": report.step, "restored_ckpt": report.checkpoint_id, "restore_s": report.seconds,
-                "restore_bytes": report.bytes, "restore_chain": report.chain, "restore_rows_written": report.written,
-                "restore_markers_s": report.markers_s, "restore_markers_records": report.markers_read,
-                "restore_markers_ahead_s": report.markers_ahead_s,
-                "restore_fetch_s": report.fetch_s,
-                "restore_decode_s": report.decode_s, "restore_apply_s": report.apply_s, "restore_dense_s": dense_s,
-                "restore_regenerated_rows": report.regenerated, "restore_regenerate_s": report.init_s,
-                "run_pls": report.run_pls,
-            })
-            if partial is not None:
-                self.metrics.write({
-                    "step": partial.step, "partial_restore": True, "partial_kept_ranks": partial.kept,
-                    "partial_rolled_back_ranks": partial.rolled_back, "partial_rolled_back_fraction":
-                    partial.rolled_back_fraction, "partial_rolled_back_tables": partial.rolled_back_tables,
-                    "partial_samples_since_ckpt": partial.samples_since, "partial_lost_samples": partial.lost_samples,
-                    "partial_waiting_lost": partial.waiting_lost,
+            self.metrics.write(
+                {
+                    "step": report.step,
+                    "restored_ckpt": report.checkpoint_id,
+                    "restore_s": report.seconds,
+                    "restore_bytes": report.bytes,
+                    "restore_chain": report.chain,
+                    "restore_rows_written": report.written,
+                    "restore_markers_s": report.markers_s,
+                    "restore_markers_records": report.markers_read,
+                    "restore_markers_ahead_s": report.markers_ahead_s,
+                    "restore_fetch_s": report.fetch_s,
+                    "restore_decode_s": report.decode_s,
+                    "restore_apply_s": report.apply_s,
+                    "restore_dense_s": dense_s,
+                    "restore_regenerated_rows": report.regenerated,
+                    "restore_regenerate_s": report.init_s,
                     "run_pls": report.run_pls,
-                })
+                }
+            )
+            if partial is not None:
+                self.metrics.write(
+                    {
+                        "step": partial.step,
+                        "partial_restore": True,
+                        "partial_kept_ranks": partial.kept,
+                        "partial_rolled_back_ranks": partial.rolled_back,
+                        "partial_rolled_back_fraction": partial.rolled_back_fraction,
+                        "partial_rolled_back_tables": partial.rolled_back_tables,
+                        "partial_samples_since_ckpt": partial.samples_since,
+                        "partial_lost_samples": partial.lost_samples,
+                        "partial_waiting_lost": partial.waiting_lost,
+                        "run_pls": report.run_pls,
+                    }
+                )
         return report
 
     def _adopt_partial(self, marker: Marker, rows: RowsRestored, skips: Sequence[int]) -> None:
@@ -489,8 +590,10 @@ class CheckpointManager:
         skip = skips[self.env.rank] if len(skips) == self.env.world_size else 0
         if skip > 0:
             if not isinstance(self.trainer, SkipsBatches):
-                raise RestoreError(f"partial recovery: this rank's reader must skip {skip} batches, but the loop "
-                                   f"({type(self.trainer).__name__}) cannot")
+                raise RestoreError(
+                    f"partial recovery: this rank's reader must skip {skip} batches, but the loop "
+                    f"({type(self.trainer).__name__}) cannot"
+                )
             self.trainer.skip_batches(skip)
 
     def _adopt_rows(self, marker: Marker, rows: RowsRestored) -> None:
@@ -512,8 +615,9 @@ class CheckpointManager:
         has seen, so nothing earlier is overwritten."""
         self.next_id = self.choice.newest_id + 1
         if self.env.rank == 0 and self.next_id > 1:
-            logger.info("run %s starts over; its checkpoint ids continue from %d (earlier files are kept)",
-                        self.run_id, self.next_id)
+            logger.info(
+                "run %s starts over; its checkpoint ids continue from %d (earlier files are kept)", self.run_id, self.next_id
+            )
         return None
 
     def _announce(self, catalog: Catalog) -> None:
@@ -522,13 +626,13 @@ class CheckpointManager:
         first append takes about a second on the embedded broker, which the restore need not
         wait for; the first checkpoint does (`_join_attempt`)."""
         pool = ThreadPoolExecutor(1, thread_name_prefix="deltarec-announce")
-        self._announcing = (pool.submit(announce, self.backend.markers, self.run_id, "trainer", self.env.world_size),
-                            catalog)
+        self._announcing = (pool.submit(announce, self.backend.markers, self.run_id, "trainer", self.env.world_size), catalog)
         pool.shutdown(wait=False)
 
     def _join_attempt(self) -> None:
         """Before this attempt's first checkpoint: rank 0 waits for its ATTEMPT record, hands it
         to the committer, and every rank learns the epoch its frames carry."""
+
         def join() -> tuple[int, str]:
             assert self._announcing is not None and self.committer is not None
             future, catalog = self._announcing
@@ -540,6 +644,7 @@ class CheckpointManager:
                 raise SinkError(f"run {self.run_id}: cannot announce this attempt in the markers log: {exc}") from exc
             self.committer.start_attempt(attempt, epoch, catalog)
             return epoch, attempt.attempt
+
         self.epoch, self.attempt = from_rank0(join, SinkError)
 
     def _start_attempt(self) -> None:
@@ -560,13 +665,21 @@ class CheckpointManager:
         share = largest.item() / max(total.item(), 1.0)
         mtbf = self.c.mtbf_s or self.choice.mtbf_s
         if not mtbf:
-            raise ConfigError("ckpt.target_pls needs ckpt.mtbf_s (seconds) until the run has restarted at least once "
-                              "(then its own attempts give the mean time between failures)")
+            raise ConfigError(
+                "ckpt.target_pls needs ckpt.mtbf_s (seconds) until the run has restarted at least once "
+                "(then its own attempts give the mean time between failures)"
+            )
         interval = interval_for_pls(self.c.target_pls, mtbf, share)
         if self.env.rank == 0:
-            logger.info("checkpoint interval %.1f s for PLS %.4g: mean time between failures %.0f s (%s), a rank "
-                        "holds up to %.1f%% of the embedding parameters", interval, self.c.target_pls, mtbf,
-                        "ckpt.mtbf_s" if self.c.mtbf_s else "this run's attempts", share * 100)
+            logger.info(
+                "checkpoint interval %.1f s for PLS %.4g: mean time between failures %.0f s (%s), a rank "
+                "holds up to %.1f%% of the embedding parameters",
+                interval,
+                self.c.target_pls,
+                mtbf,
+                "ckpt.mtbf_s" if self.c.mtbf_s else "this run's attempts",
+                share * 100,
+            )
         return interval
 
     def _trainer_state(self, state: dict[str, Any], marker: Marker) -> dict[str, Any]:
@@ -686,24 +799,43 @@ class CheckpointManager:
             return
         kind = "full" if o.full else "delta"
         note = {  # for the console, which folds frequent checkpoints into one line
-            "checkpoint_id": o.checkpoint_id, "step": o.step, "committed": o.committed, "full": o.full,
-            "bytes": o.bytes, "stall_ms": max(o.stall_ms or [0]),
+            "checkpoint_id": o.checkpoint_id,
+            "step": o.step,
+            "committed": o.committed,
+            "full": o.full,
+            "bytes": o.bytes,
+            "stall_ms": max(o.stall_ms or [0]),
         }
         if o.committed:
             logger.info(
                 "checkpoint %d (step %d, %s) committed: %s rows, %.2f MB, stall %.1f ms (max over ranks), written in %.2f s",
-                o.checkpoint_id, o.step, kind, f"{o.rows:,}", o.bytes / 1e6, max(o.stall_ms or [0]), o.write_s,
+                o.checkpoint_id,
+                o.step,
+                kind,
+                f"{o.rows:,}",
+                o.bytes / 1e6,
+                max(o.stall_ms or [0]),
+                o.write_s,
                 extra={"ckpt": note},
             )
         else:
             logger.warning("checkpoint %d (step %d) FAILED: %s", o.checkpoint_id, o.step, o.error, extra={"ckpt": note})
-        self.metrics.write({
-            "step": o.step, "ckpt_id": o.checkpoint_id, "ckpt_committed": o.committed, "ckpt_full": o.full,
-            "ckpt_rows": o.rows, "ckpt_bytes": o.bytes, "ckpt_stall_ms": max(o.stall_ms or [0]),
-            "ckpt_stall_new_bytes": sum(o.stall_new_bytes),
-            "ckpt_write_s": o.write_s, "ckpt_error": o.error, "ckpt_encoding": pending.weight_codec,
-            "ckpt_durable_s": durable_s,
-        })
+        self.metrics.write(
+            {
+                "step": o.step,
+                "ckpt_id": o.checkpoint_id,
+                "ckpt_committed": o.committed,
+                "ckpt_full": o.full,
+                "ckpt_rows": o.rows,
+                "ckpt_bytes": o.bytes,
+                "ckpt_stall_ms": max(o.stall_ms or [0]),
+                "ckpt_stall_new_bytes": sum(o.stall_new_bytes),
+                "ckpt_write_s": o.write_s,
+                "ckpt_error": o.error,
+                "ckpt_encoding": pending.weight_codec,
+                "ckpt_durable_s": durable_s,
+            }
+        )
 
     def _start_agreement(self, step: int) -> _Agreement:
         """This rank's view, in one pair of small async all-reduces: the counts that choose the
@@ -714,15 +846,17 @@ class CheckpointManager:
             self.force_full = True  # the full checkpoint that saves what prioritized ones left waiting
         base, last = self.tracker.counts(since_base=True), self.tracker.counts(since_base=False)  # one pass each
         full = self.tracker.counts(since_base=True, trained=True) if self.taker.trained_only else None
-        est = {"full": self.taker.bytes_for(full) if full is not None else self.full_bytes,
-               "base": self.taker.bytes_for(base), "last": self.taker.bytes_for(last)}
+        est = {
+            "full": self.taker.bytes_for(full) if full is not None else self.full_bytes,
+            "base": self.taker.bytes_for(base),
+            "last": self.taker.bytes_for(last),
+        }
         self._agreed_bytes = est
         pending = self.writer.pending_bytes
-        counts = torch.tensor([sum(base), sum(last), self.total_rows, sum(full) if full is not None else self.total_rows],
-                              dtype=torch.float64)
-        flags = torch.tensor(
-            [float(self.force_full)] + [float(pending + est[k] > self.c.max_pending_bytes) for k in _KINDS]
+        counts = torch.tensor(
+            [sum(base), sum(last), self.total_rows, sum(full) if full is not None else self.total_rows], dtype=torch.float64
         )
+        flags = torch.tensor([float(self.force_full)] + [float(pending + est[k] > self.c.max_pending_bytes) for k in _KINDS])
         works = [dist.all_reduce(counts, async_op=True), dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)]
         return _Agreement(step, counts, flags, works, self.force_full)
 
@@ -761,7 +895,8 @@ class CheckpointManager:
             self.stats.skipped += 1
             if self.env.rank == 0:
                 logger.warning(
-                    "checkpoint at step %d skipped: the writers are behind (ckpt.max_pending_bytes)", step,
+                    "checkpoint at step %d skipped: the writers are behind (ckpt.max_pending_bytes)",
+                    step,
                     extra={"ckpt": {"step": step, "skipped": True}},
                 )
                 self.metrics.write({"step": step, "ckpt_skipped": True})
@@ -782,8 +917,19 @@ class CheckpointManager:
         codecs = self.codecs()
         self._pending[cid] = _Pending(started_unix=started_unix, weight_codec=codecs[0])
         overlap = self._overlap()
-        copy = _Copy(cid, step, decision, final, trainer_state, self.agreed_fractions, self.generation,
-                     list(self.chain), codecs, overlap, agree_ms=(t_agreed - t0) * 1e3)
+        copy = _Copy(
+            cid,
+            step,
+            decision,
+            final,
+            trainer_state,
+            self.agreed_fractions,
+            self.generation,
+            list(self.chain),
+            codecs,
+            overlap,
+            agree_ms=(t_agreed - t0) * 1e3,
+        )
         if overlap:
             handoff_s, handoff_cpu = time.perf_counter() - t0, time.thread_time() - cpu0
             self.copier.start(lambda finish, release: self._copy(copy, handoff_s, finish, handoff_cpu, release))
@@ -810,8 +956,9 @@ class CheckpointManager:
         if timing is not None:
             self.stats.stalls.append(timing)
 
-    def _copy(self, c: _Copy, handoff_s: float, blocked: Callable[[], float], cpu_s: float,
-              release: Callable[[], None] = lambda: None) -> StallTiming:
+    def _copy(
+        self, c: _Copy, handoff_s: float, blocked: Callable[[], float], cpu_s: float, release: Callable[[], None] = lambda: None
+    ) -> StallTiming:
         """The copy of checkpoint `c`: the bitmap scan, the tracker's marks and the dense state,
         then (after `release()`) the rows to host memory, then the writer's job. Inside the stall
         on the training thread, or on the copier thread beside the next step, whose first lookup
@@ -824,8 +971,7 @@ class CheckpointManager:
         t_take = time.perf_counter()
         saved = None  # a prioritized checkpoint's rows (ckpt/priority.py)
         if decision.full or self.priority is None:
-            planned = self.taker.plan(cid, step, full=decision.full, since_base=decision.since_base,
-                                      weight_codec=c.codecs[0])
+            planned = self.taker.plan(cid, step, full=decision.full, since_base=decision.since_base, weight_codec=c.codecs[0])
         else:
             saved = self.priority.select(self.tracker.changed_since_last(), int(self.c.priority_budget * self.full_bytes))
             planned = PlannedSnapshot.of(self.taker.take_rows(cid, step, saved))
@@ -853,17 +999,36 @@ class CheckpointManager:
         waited = blocked()
         snapshot.stall_s = handoff_s + waited
         timing = StallTiming(
-            checkpoint_id=cid, step=step, full=decision.full, agree_ms=c.agree_ms,
-            take_ms=(t_planned - t_take + t_copied - t_released) * 1e3, dense_ms=(t_released - t_planned) * 1e3,
-            stall_ms=snapshot.stall_s * 1e3, rows=snapshot.rows, snapshot_bytes=snapshot.nbytes,
-            since_base=c.fractions[0], since_last=c.fractions[1], cpu_ms=cpu_s * 1e3, new_bytes=snapshot.new_bytes,
-            overlapped=c.overlapped, wait_ms=waited * 1e3 if c.overlapped else 0.0,
+            checkpoint_id=cid,
+            step=step,
+            full=decision.full,
+            agree_ms=c.agree_ms,
+            take_ms=(t_planned - t_take + t_copied - t_released) * 1e3,
+            dense_ms=(t_released - t_planned) * 1e3,
+            stall_ms=snapshot.stall_s * 1e3,
+            rows=snapshot.rows,
+            snapshot_bytes=snapshot.nbytes,
+            since_base=c.fractions[0],
+            since_last=c.fractions[1],
+            cpu_ms=cpu_s * 1e3,
+            new_bytes=snapshot.new_bytes,
+            overlapped=c.overlapped,
+            wait_ms=waited * 1e3 if c.overlapped else 0.0,
         )
-        self.writer.submit(WriteJob(
-            checkpoint_id=cid, step=step, generation=c.generation, chain=c.chain, snapshot=snapshot,
-            trainer_state=trainer_state, dense_state=dense, weight_codec=weight_codec, optimizer_codec=optimizer_codec,
-            epoch=self.epoch,
-        ))
+        self.writer.submit(
+            WriteJob(
+                checkpoint_id=cid,
+                step=step,
+                generation=c.generation,
+                chain=c.chain,
+                snapshot=snapshot,
+                trainer_state=trainer_state,
+                dense_state=dense,
+                weight_codec=weight_codec,
+                optimizer_codec=optimizer_codec,
+                epoch=self.epoch,
+            )
+        )
         return timing
 
     def _priority_accounting(self, full: bool, saved: list[torch.Tensor] | None, samples_seen: int) -> dict[str, int]:
@@ -895,16 +1060,33 @@ class CheckpointManager:
         rows = [self.tracker.since_committed_rows(i) for i in range(len(self.shard_map.shards))]
         snapshot = self.taker.take_rows(sid, step, rows)
         weight_codec, optimizer_codec = self.codecs()
-        job = WriteJob(checkpoint_id=sid, step=step, generation=sid, chain=[], snapshot=snapshot,
-                       trainer_state=loop_state, weight_codec=weight_codec, optimizer_codec=optimizer_codec,
-                       epoch=self.epoch)
+        job = WriteJob(
+            checkpoint_id=sid,
+            step=step,
+            generation=sid,
+            chain=[],
+            snapshot=snapshot,
+            trainer_state=loop_state,
+            weight_codec=weight_codec,
+            optimizer_codec=optimizer_codec,
+            epoch=self.epoch,
+        )
         dense = self.dense_capture()
-        dense.update(restores=self.restores, lost_samples=self.lost_samples, step=step, trainer=loop_state,
-                     **self.identity._asdict())
+        dense.update(
+            restores=self.restores, lost_samples=self.lost_samples, step=step, trainer=loop_state, **self.identity._asdict()
+        )
         shards = [[s.table, s.row_offset, s.num_rows, s.col_offset, s.num_cols] for s in self.shard_map.shards]
-        return save_survivor(self.c, rank=self.env.rank, job=job, attempt=self.attempt,
-                             world_size=self.env.world_size, base=self.last_committed, dense_state=dense,
-                             shards=shards, deadline=deadline)
+        return save_survivor(
+            self.c,
+            rank=self.env.rank,
+            job=job,
+            attempt=self.attempt,
+            world_size=self.env.world_size,
+            base=self.last_committed,
+            dense_state=dense,
+            shards=shards,
+            deadline=deadline,
+        )
 
     def codecs(self) -> tuple[str, str]:
         """(weight codec, optimizer codec) for the next checkpoint: `ckpt.encoding`, or the bit
@@ -913,6 +1095,7 @@ class CheckpointManager:
         often than expected."""
         if self.c.expected_restores <= 0:
             return self.c.encoding, self.c.optimizer_encoding
-        policy = BitWidthPolicy(expected_restores=self.c.expected_restores, restores_so_far=self.restores,
-                                widths=self.c.bit_widths())
+        policy = BitWidthPolicy(
+            expected_restores=self.c.expected_restores, restores_so_far=self.restores, widths=self.c.bit_widths()
+        )
         return policy.weight_codec(), policy.optimizer_codec()

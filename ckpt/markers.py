@@ -18,8 +18,9 @@ import json
 import logging
 import struct
 import zlib
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, NamedTuple
+from typing import Any, NamedTuple
 
 from common.errors import DeltarecError
 
@@ -76,7 +77,7 @@ class ChainLink:
     epoch: int = 0
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "ChainLink":
+    def from_json(cls, d: dict[str, Any]) -> ChainLink:
         return cls(
             checkpoint_id=int(d["checkpoint_id"]),
             full=bool(d["full"]),
@@ -92,8 +93,7 @@ class ChainLink:
 def _index_entry(e: list[Any]) -> IndexEntry:
     partition, first, last, table, col_offset, min_row, max_row, cols = e
     # positional: a third faster than keywords, and the log's fold decodes thousands of these
-    return IndexEntry(int(partition), int(first), int(last), str(table), int(col_offset), int(min_row),
-                      int(max_row), int(cols))
+    return IndexEntry(int(partition), int(first), int(last), str(table), int(col_offset), int(min_row), int(max_row), int(cols))
 
 
 @dataclass(kw_only=True)
@@ -237,9 +237,16 @@ class CatalogRecord:
 #: Every record of the markers log: checkpoint markers (kinds commit, failed, compacted),
 #: follower leases, gc's drops, writers' attempts, survivor snapshots and catalog records.
 LogRecord = Marker | LeaseRecord | DroppedRecord | AttemptRecord | SurvivorRecord | CatalogRecord
-_KINDS: dict[str, type] = {"commit": Marker, "failed": Marker, "compacted": Marker, "lease": LeaseRecord,
-                           "dropped": DroppedRecord, "attempt": AttemptRecord, "survivor": SurvivorRecord,
-                           "catalog": CatalogRecord}
+_KINDS: dict[str, type] = {
+    "commit": Marker,
+    "failed": Marker,
+    "compacted": Marker,
+    "lease": LeaseRecord,
+    "dropped": DroppedRecord,
+    "attempt": AttemptRecord,
+    "survivor": SurvivorRecord,
+    "catalog": CatalogRecord,
+}
 ROLES = ("trainer", "gc")
 # A catalog record's envelope has a magic of its own, so that a reader looking for the newest
 # one tells it from the records around it without decoding them.
@@ -316,7 +323,7 @@ def _record(d: dict[str, Any], nested_in: type | None = None) -> LogRecord:
     kinds it holds)."""
     if d.get("format") != FORMAT_VERSION:
         raise MarkerError(f"marker format {d.get('format')} is not {FORMAT_VERSION}; upgrade deltarec")
-    cls = _KINDS.get(d.get("kind"))
+    cls = _KINDS.get(str(d.get("kind")))
     if cls is None:
         raise MarkerError(f"unknown record kind {d.get('kind')!r}; upgrade deltarec")
     if nested_in is not None and cls is not nested_in:
@@ -336,8 +343,14 @@ def _record(d: dict[str, Any], nested_in: type | None = None) -> LogRecord:
 
 # The JSON type each annotation of a log record's own fields must arrive as (the nested chain
 # links are converted, and checked, by `ChainLink.from_json`).
-_JSON_TYPES: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,),
-                                            "list": (list,), "dict": (dict,)}
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "str": (str,),
+    "int": (int,),
+    "float": (int, float),
+    "bool": (bool,),
+    "list": (list,),
+    "dict": (dict,),
+}
 
 
 def _check_field_types(cls: type, d: dict[str, Any]) -> None:
@@ -364,7 +377,7 @@ def commits(records: Iterable[tuple[Any, bytes]], run_id: str) -> list[tuple[Any
         except MarkerError as exc:
             logger.warning("marker at position %s: %s; record skipped", pos, exc)
             continue
-        if m.kind == "commit" and m.run_id == run_id:
+        if isinstance(m, Marker) and m.kind == "commit" and m.run_id == run_id:
             out.append((pos, m))
     return out
 
@@ -396,9 +409,18 @@ def index_frames(partition: int, positions: list[int], meta: list[FrameMeta]) ->
     for pos, m in zip(positions, meta, strict=True):
         last = out[-1] if out else None
         if last is not None and last.table == m.table and last.col_offset == m.col_offset:
-            out[-1] = last._replace(last=pos, min_row=min(last.min_row, m.first_row),
-                                    max_row=max(last.max_row, m.last_row))
+            out[-1] = last._replace(last=pos, min_row=min(last.min_row, m.first_row), max_row=max(last.max_row, m.last_row))
         else:
-            out.append(IndexEntry(partition=partition, first=pos, last=pos, table=m.table, col_offset=m.col_offset,
-                                  min_row=m.first_row, max_row=m.last_row, cols=m.cols))
+            out.append(
+                IndexEntry(
+                    partition=partition,
+                    first=pos,
+                    last=pos,
+                    table=m.table,
+                    col_offset=m.col_offset,
+                    min_row=m.first_row,
+                    max_row=m.last_row,
+                    cols=m.cols,
+                )
+            )
     return out

@@ -78,9 +78,12 @@ class PartialOutcome:
     def describe(self) -> str:
         """Which shards rolled back, for the resume line."""
         tables = ", ".join(f"{t} {f:.0%}" for t, f in sorted(self.rolled_back_tables.items()) if f > 0)
-        return (f"ranks {self.kept} of {self.world_size} kept step {self.step}, rank(s) {self.rolled_back} rolled back "
-                f"to step {self.checkpoint_step} ({self.rolled_back_fraction:.1%} of the embedding parameters"
-                + (f": {tables}" if tables else "") + ")")
+        return (
+            f"ranks {self.kept} of {self.world_size} kept step {self.step}, rank(s) {self.rolled_back} rolled back "
+            f"to step {self.checkpoint_step} ({self.rolled_back_fraction:.1%} of the embedding parameters"
+            + (f": {tables}" if tables else "")
+            + ")"
+        )
 
 
 def rolled_back_tables(marker: Marker, survivors: list[SurvivorRecord]) -> dict[str, float]:
@@ -97,9 +100,14 @@ def rolled_back_tables(marker: Marker, survivors: list[SurvivorRecord]) -> dict[
     return out
 
 
-def compose(marker: Marker, survivors: list[SurvivorRecord], checkpoint_state: dict[str, Any],
-            survivor_states: dict[int, dict[str, Any]], *, world_now: int
-            ) -> tuple[dict[str, Any], list[int], PartialOutcome]:
+def compose(
+    marker: Marker,
+    survivors: list[SurvivorRecord],
+    checkpoint_state: dict[str, Any],
+    survivor_states: dict[int, dict[str, Any]],
+    *,
+    world_now: int,
+) -> tuple[dict[str, Any], list[int], PartialOutcome]:
     """The dense state a partial restore loads (the furthest survivor's, with every rank's
     loop state under "trainers"), the batches each rank's reader must skip, and the outcome.
     `survivor_states`: rank -> the dense file of that rank's record; `world_now`: ranks of the
@@ -131,9 +139,16 @@ def compose(marker: Marker, survivors: list[SurvivorRecord], checkpoint_state: d
     rolled_back = sorted(set(range(world)) - set(survivor_states))
     waiting = _waiting_lost(trainers, rolled_back, world, fraction)
     outcome = PartialOutcome(
-        checkpoint_id=marker.checkpoint_id, checkpoint_step=marker.step, step=int(lead_loop["step"]), world_size=world,
-        kept=sorted(survivor_states), rolled_back=rolled_back, rolled_back_fraction=fraction,
-        rolled_back_tables=tables, samples_since=since, lost_samples=lost_samples(max(since, 0), fraction) + waiting,
+        checkpoint_id=marker.checkpoint_id,
+        checkpoint_step=marker.step,
+        step=int(lead_loop["step"]),
+        world_size=world,
+        kept=sorted(survivor_states),
+        rolled_back=rolled_back,
+        rolled_back_fraction=fraction,
+        rolled_back_tables=tables,
+        samples_since=since,
+        lost_samples=lost_samples(max(since, 0), fraction) + waiting,
         waiting_lost=waiting,
     )
     state = {k: v for k, v in lead_state.items() if k != "trainer"}
@@ -167,6 +182,7 @@ def shared_reader(trainers: list[dict[str, Any]], marker: Marker, why: str) -> d
     else a `RestoreError` ending in `why`."""
     readers = [t["reader"] for t in trainers]
     if any(r != readers[0] for r in readers):
-        raise RestoreError(f"checkpoint {marker.checkpoint_id} was written by {len(trainers)} ranks whose readers hold "
-                           f"different positions{why}")
+        raise RestoreError(
+            f"checkpoint {marker.checkpoint_id} was written by {len(trainers)} ranks whose readers hold different positions{why}"
+        )
     return trainers[0]

@@ -32,8 +32,7 @@ MODES = ("mfu", "ssu")
 class RowPriority:
     """Update counters (and the SSU sample) of one rank's shards, fed by its tracker's hook."""
 
-    def __init__(self, tracker: RowTracker, row_bytes: list[int], mode: str, *, sample: float = 0.1,
-                 seed: int = 0) -> None:
+    def __init__(self, tracker: RowTracker, row_bytes: list[int], mode: str, *, sample: float = 0.1, seed: int = 0) -> None:
         assert mode in MODES, mode
         self.mode = mode
         self.sample = sample
@@ -42,8 +41,11 @@ class RowPriority:
         total = sum(self.sizes)
         self.counts = torch.zeros(total, dtype=torch.int32, device=tracker.device)
         self.sampled = torch.zeros(total, dtype=torch.bool, device=tracker.device) if mode == "ssu" else None
-        self.row_bytes = torch.cat([torch.full((n,), b, dtype=torch.int64) for n, b in zip(self.sizes, row_bytes)]
-                                   ) if total else torch.zeros(0, dtype=torch.int64)
+        self.row_bytes = (
+            torch.cat([torch.full((n,), b, dtype=torch.int64) for n, b in zip(self.sizes, row_bytes)])
+            if total
+            else torch.zeros(0, dtype=torch.int64)
+        )
         self.updates_since_full = 0  # ids looked up into this rank's shards since the last full checkpoint
         self._rng = torch.Generator(device="cpu").manual_seed(seed)
         tracker.listener = self.record

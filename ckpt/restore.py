@@ -33,14 +33,14 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from common.errors import DeltarecError
 from ckpt import restore_kernel
 from ckpt.faults import maybe_die, maybe_hold_restore
 from ckpt.frames import Frame, FrameError
@@ -50,6 +50,7 @@ from ckpt.quant.base import check_encoded, view_bytes_as
 from ckpt.restore_kernel import FusedReplay
 from ckpt.restore_staging import StagedReplay, staged_for, to_device
 from ckpt.sink import FrameSource, RangeRead
+from common.errors import DeltarecError
 from sharding.row_init import RowInit, initialise_shards
 from sharding.shard_views import ShardMap, ShardView
 
@@ -78,7 +79,9 @@ class RowsRestored:
     regenerated: int = 0  # rows no link holds, set to their initial values (sharding/row_init.py)
     init_s: float = 0.0  # regenerating them
     held: list[torch.Tensor] | None = None  # per shard (shard order): bool mask of the rows the chain holds
-    link_of: list[torch.Tensor] | None = None  # per shard: int32, the newest chain link that wrote any column of each row (-1: none)
+    link_of: list[torch.Tensor] | None = (
+        None  # per shard: int32, the newest chain link that wrote any column of each row (-1: none)
+    )
 
 
 def row_init_of(marker: Marker) -> RowInit | None:
@@ -156,9 +159,12 @@ def iter_chain_frames_fetched_together(
     return _verified(source.read_ranges(reads), runs, run_id, locate)
 
 
-def _verified(frames: Iterator[tuple[int, int, Frame]],
-              runs: list[tuple[int, ChainLink, int, list[IndexEntry], list[int], _Chunks]],
-              run_id: str, locate: Callable[[int, int, int], str]) -> Iterator[tuple[int, ChainLink, Frame]]:
+def _verified(
+    frames: Iterator[tuple[int, int, Frame]],
+    runs: list[tuple[int, ChainLink, int, list[IndexEntry], list[int], _Chunks]],
+    run_id: str,
+    locate: Callable[[int, int, int], str],
+) -> Iterator[tuple[int, ChainLink, Frame]]:
     for r, pos, frame in frames:
         i, link, partition, run, firsts, chunks = runs[r]
         if _checked(link, partition, run, firsts, pos, frame, run_id, locate, chunks):
@@ -191,16 +197,31 @@ def _check_chunk(entry: IndexEntry, pos: int, frame: Frame, chunks: _Chunks, whe
     expected = (chunks.index + 1, chunks.count) if follows else (0, count)  # the next chunk, or a new sequence
     if (index, count) != expected:
         want = f"chunk {expected[0]} of {expected[1]}" if follows else "chunk 0"
-        raise FrameError(f"frame is chunk {index} of {count} of shard {frame.table}@{frame.col_offset}, expected {want}: "
-                         "a frame duplicated, missing or out of order in the range its COMMIT marker names", where)
+        raise FrameError(
+            f"frame is chunk {index} of {count} of shard {frame.table}@{frame.col_offset}, expected {want}: "
+            "a frame duplicated, missing or out of order in the range its COMMIT marker names",
+            where,
+        )
     if pos == entry.last and index != count - 1:
-        raise FrameError(f"frame is chunk {index} of {count} of shard {frame.table}@{frame.col_offset}, but the COMMIT "
-                         "marker's index ends the shard here: a frame duplicated or missing in the range it names", where)
+        raise FrameError(
+            f"frame is chunk {index} of {count} of shard {frame.table}@{frame.col_offset}, but the COMMIT "
+            "marker's index ends the shard here: a frame duplicated or missing in the range it names",
+            where,
+        )
     chunks.entry, chunks.index, chunks.count = entry.first, index, count
 
 
-def _checked(link: ChainLink, partition: int, run: list[IndexEntry], firsts: list[int], pos: int, frame: Frame,
-             run_id: str, locate: Callable[[int, int, int], str], chunks: _Chunks) -> bool:
+def _checked(
+    link: ChainLink,
+    partition: int,
+    run: list[IndexEntry],
+    firsts: list[int],
+    pos: int,
+    frame: Frame,
+    run_id: str,
+    locate: Callable[[int, int, int], str],
+    chunks: _Chunks,
+) -> bool:
     """Whether the frame at `pos` of a run of index entries (`firsts`: their first positions)
     is one of the link's (False: a frame of an earlier failed flush that landed in between);
     raises if it is not what the marker's index says is there. `chunks`: the read's place in
@@ -209,8 +230,7 @@ def _checked(link: ChainLink, partition: int, run: list[IndexEntry], firsts: lis
         return False
     entry = run[bisect.bisect_right(firsts, pos) - 1]
     if not entry.first <= pos <= entry.last:
-        raise FrameError("frame outside every indexed segment of its COMMIT marker",
-                         locate(link.generation, partition, pos))
+        raise FrameError("frame outside every indexed segment of its COMMIT marker", locate(link.generation, partition, pos))
     where = locate(link.generation, partition, pos)
     verify_frame(frame, link, partition, entry.table, entry.col_offset, run_id, where)
     _check_chunk(entry, pos, frame, chunks, where)
@@ -234,8 +254,7 @@ def _wanted_runs(link: ChainLink, want: Callable[[IndexEntry], bool]) -> list[tu
 Rows = slice | torch.Tensor  # rows of a frame or of a shard: a contiguous slice, or indices
 
 
-def decode_rows(frame: Frame, rows: Rows = slice(None), *, copy: bool = True
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def decode_rows(frame: Frame, rows: Rows = slice(None), *, copy: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Dequantized weights [n, dim] and optimizer states [n, dim or 1] of the frame's `rows`
     (all of them by default); only those rows are decoded. `copy=False`: fp32 rows may come
     back as read-only views of the frame's bytes, for a caller that only copies from them."""
@@ -264,7 +283,7 @@ class _Span(NamedTuple):
 
     src: Rows
     dst: Rows
-    count: int
+    rows: int  # how many
 
 
 def _span(frame: Frame, s: ShardView) -> _Span | None:
@@ -310,8 +329,14 @@ class _Replay:
     holds is one some link wrote: every row of a frame is written by it or by a later link.
     """
 
-    def __init__(self, marker: Marker, shard_map: ShardMap, out: RowsRestored, fused: FusedReplay | None = None,
-                 staged: StagedReplay | None = None) -> None:
+    def __init__(
+        self,
+        marker: Marker,
+        shard_map: ShardMap,
+        out: RowsRestored,
+        fused: FusedReplay | None = None,
+        staged: StagedReplay | None = None,
+    ) -> None:
         self.marker = marker
         self.shard_map = shard_map
         self.out = out
@@ -337,8 +362,9 @@ class _Replay:
                 continue
             kernel = next((k for k in self.kernels if k.fits(frame, s)), None)
             if kernel is not None:
-                done = kernel.write(frame, s, link_index, self.written[id(s)].numpy(), self.covered[id(s)].numpy(),
-                                    s.num_cols if link.full else 0)
+                done = kernel.write(
+                    frame, s, link_index, self.written[id(s)].numpy(), self.covered[id(s)].numpy(), s.num_cols if link.full else 0
+                )
                 self.out.rows += done.inside
                 self.out.written += done.kept
                 self.out.staged += int(kernel is self.staged and done.kept > 0)
@@ -349,7 +375,7 @@ class _Replay:
             if span is None:
                 continue
             c0, c1 = max(frame.col_offset, s.col_offset), min(frame.col_offset + frame.dim, s.col_offset + s.num_cols)
-            self.out.rows += span.count
+            self.out.rows += span.rows
             if link.full:
                 _count(self.covered[id(s)], span.dst, c1 - c0)
             if (c0, c1) != (s.col_offset, s.col_offset + s.num_cols):
@@ -386,16 +412,18 @@ class _Replay:
             if bool(wrong.any()):
                 first = s.row_offset + int(wrong.nonzero()[0])
                 raise RestoreError(
-                    f"checkpoint {self.marker.checkpoint_id}: table {s.table} rows {s.row_offset}..{s.row_offset + s.num_rows - 1} "
-                    f"cols {s.col_offset}..{s.col_offset + s.num_cols - 1}: {int(wrong.sum())} rows (first: row {first}) are "
+                    f"checkpoint {self.marker.checkpoint_id}: table {s.table} "
+                    f"rows {s.row_offset}..{s.row_offset + s.num_rows - 1} cols {s.col_offset}..{s.col_offset + s.num_cols - 1}: "
+                    f"{int(wrong.sum())} rows (first: row {first}) are "
                     f"not covered exactly once by the base checkpoint {self.marker.chain[0].checkpoint_id}"
                 )
         self.out.link_of = [link_of[id(s)] for s in self.shard_map.shards]
         self.out.held = [newest >= 0 for newest in self.out.link_of]
         unknown = sorted({s.table for s in self.shard_map.shards} - set(self.marker.tables))
         if self.init is not None and unknown:
-            raise RestoreError(f"checkpoint {self.marker.checkpoint_id} has no table {unknown[0]!r}; "
-                               f"it holds {sorted(self.marker.tables)}")
+            raise RestoreError(
+                f"checkpoint {self.marker.checkpoint_id} has no table {unknown[0]!r}; it holds {sorted(self.marker.tables)}"
+            )
         if self.init is not None and fill:
             t = time.perf_counter()
             tables = {name: (rows, dim) for name, (rows, dim) in self.marker.tables.items()}
@@ -432,7 +460,7 @@ class _Replay:
                     _put(state.unsqueeze(1), span.dst, col.unsqueeze(1), 0, 0, 1)
             else:
                 _put(state, span.dst, src, c0 - s.col_offset, c0 - frame.col_offset, c1 - c0)
-        self.out.written += span.count
+        self.out.written += span.rows
         return decode_s
 
 
@@ -444,9 +472,16 @@ def _count(counts: torch.Tensor, rows: Rows, cols: int) -> None:
 
 
 def restore_rows(
-    marker: Marker, source: FrameSource, shard_map: ShardMap, run_id: str, locate: Callable[[int, int, int], str],
-    *, shards_hold_init: RowInit | None = None, while_fetching: Callable[[], object] | None = None,
-    fused: bool = True, staging: StagedReplay | None = None,
+    marker: Marker,
+    source: FrameSource,
+    shard_map: ShardMap,
+    run_id: str,
+    locate: Callable[[int, int, int], str],
+    *,
+    shards_hold_init: RowInit | None = None,
+    while_fetching: Callable[[], object] | None = None,
+    fused: bool = True,
+    staging: StagedReplay | None = None,
 ) -> RowsRestored:
     """Replay the marker's chain into this rank's shards (every link fetched at once, rows
     of older links that a later one replaces skipped); verify the base covered them, and
@@ -532,8 +567,15 @@ def scatter_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> No
     contiguous, numpy copies each row as one element of the row's bytes, 3-4x faster than
     `index_copy_`, which loops over the columns of every row (docs/BENCHMARKS.md, restore)."""
     row_bytes = dst.shape[1] * dst.element_size() if dst.dim() == 2 else 0
-    if (row_bytes and dst.device.type == src.device.type == rows.device.type == "cpu" and dst.dtype == src.dtype
-            and dst.shape[1] == src.shape[1] and dst.is_contiguous() and src.is_contiguous()):
+    if (
+        row_bytes
+        and dst.device.type == src.device.type == rows.device.type == "cpu"
+        and dst.dtype == src.dtype
+        and dst.shape[1] == src.shape[1]
+        and dst.is_contiguous()
+        and src.is_contiguous()
+    ):
+
         def as_rows(t: torch.Tensor) -> np.ndarray:  # [n] elements of row_bytes bytes, sharing t's memory
             return t.detach().view(torch.uint8).numpy().view(np.dtype((np.void, row_bytes))).reshape(-1)
 

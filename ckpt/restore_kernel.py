@@ -64,8 +64,9 @@ def _weights_layout(encoding: int) -> int | None:
     family = getattr(codec, "family", "")
     if codec.code == _FP32:
         return _RAW
-    if family in ("asym", "adaptive") and codec.bits < 8:
-        return codec.bits
+    bits = getattr(codec, "bits", 32)  # the N-bit families' width
+    if family in ("asym", "adaptive") and bits < 8:
+        return bits
     return None
 
 
@@ -107,8 +108,9 @@ class FusedReplay:
         """After `select`: the shard's local rows of the rows kept (the first `kept`)."""
         return self._dst
 
-    def select(self, frame: Frame, s: ShardView, link: int, written: np.ndarray, covered: np.ndarray,
-               cols: int) -> tuple[int, int]:
+    def select(
+        self, frame: Frame, s: ShardView, link: int, written: np.ndarray, covered: np.ndarray, cols: int
+    ) -> tuple[int, int]:
         """(rows kept, rows of the frame in the shard): the frame's rows in `s` that no later link
         than `link` wrote, listed in `src`/`dst` and marked in `written`; `covered` counts `cols`
         columns of every row in the shard."""
@@ -117,11 +119,9 @@ class FusedReplay:
             self._src, self._dst = np.empty(n, np.int64), np.empty(n, np.int64)
         first = frame.first_row if frame.first_row is not None else -1
         ids = self._no_ids if first >= 0 else frame.row_ids.numpy()
-        return self.k.select_rows(ids, first, n, s.row_offset, s.num_rows, written, link, covered, cols,
-                                  self._src, self._dst)
+        return self.k.select_rows(ids, first, n, s.row_offset, s.num_rows, written, link, covered, cols, self._src, self._dst)
 
-    def decode_into(self, frame: Frame, kept: int, rows: np.ndarray, weight: np.ndarray,
-                    states: dict[str, np.ndarray]) -> float:
+    def decode_into(self, frame: Frame, kept: int, rows: np.ndarray, weight: np.ndarray, states: dict[str, np.ndarray]) -> float:
         """Decode the `kept` rows `select` listed into rows `rows[:kept]` of `weight` (float32
         [rows, dim]) and copy their optimizer states into `states` (name -> uint8 [rows, row
         bytes]); returns the seconds spent decoding the weights."""
@@ -138,8 +138,7 @@ class FusedReplay:
             self.k.raw_rows_into(optim[name].numpy(), self._src, rows, kept, out)
         return decode_s
 
-    def write(self, frame: Frame, s: ShardView, link: int, written: np.ndarray, covered: np.ndarray,
-              cols: int) -> Written:
+    def write(self, frame: Frame, s: ShardView, link: int, written: np.ndarray, covered: np.ndarray, cols: int) -> Written:
         """Write the frame's rows that no later link than `link` wrote into `s` (marking them in
         `written`, and counting `cols` columns of every row in the shard in `covered`)."""
         kept, inside = self.select(frame, s, link, written, covered, cols)

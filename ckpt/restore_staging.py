@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Callable, Iterable, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -149,7 +150,7 @@ class _Layout(NamedTuple):
     nbytes: int
 
     @classmethod
-    def of(cls, rows: int, widths: tuple[int, ...], indices: bool) -> "_Layout":
+    def of(cls, rows: int, widths: tuple[int, ...], indices: bool) -> _Layout:
         offsets, at = [], 0
         for w in widths:
             offsets.append(at)
@@ -161,8 +162,7 @@ class _Layout(NamedTuple):
 
     def parts(self, buf: torch.Tensor) -> list[torch.Tensor]:
         """The float32 parts, views of `buf` (uint8, on any device)."""
-        return [buf[o : o + self.rows * 4 * w].view(torch.float32).view(self.rows, w)
-                for o, w in zip(self.offsets, self.widths)]
+        return [buf[o : o + self.rows * 4 * w].view(torch.float32).view(self.rows, w) for o, w in zip(self.offsets, self.widths)]
 
     def indices(self, buf: torch.Tensor) -> torch.Tensor:
         o = self.offsets[len(self.widths)]
@@ -212,8 +212,7 @@ class StagedReplay:
         """Whether the kernel writes this frame into shard `s` through staging (else the torch path)."""
         return fits_on(frame, s, self.queue.device)
 
-    def write(self, frame: Frame, s: ShardView, link: int, written: np.ndarray, covered: np.ndarray,
-              cols: int) -> Written:
+    def write(self, frame: Frame, s: ShardView, link: int, written: np.ndarray, covered: np.ndarray, cols: int) -> Written:
         """As `FusedReplay.write`, the rows decoded into a staging buffer and their device work
         queued: when this returns, the rows may still be on their way."""
         kept, inside = self.fused.select(frame, s, link, written, covered, cols)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Iterator, NamedTuple, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple, TypeVar
 
 import torch.distributed as dist
 
@@ -99,7 +100,12 @@ class ResumeChoice:
         `newest_id` matters."""
         found = from_rank0(lambda: self._read(on_chosen))
         self.newest_id, self.survivors, self.mtbf_s, self._summarized, self.markers_read = (
-            found.newest_id, found.survivors, found.mtbf_s, found.summarized, found.markers_read)
+            found.newest_id,
+            found.survivors,
+            found.mtbf_s,
+            found.summarized,
+            found.markers_read,
+        )
         return found.newest
 
     def tries(self, newest: Marker) -> Iterator[tuple[Marker, list[SurvivorRecord]]]:
@@ -130,8 +136,9 @@ class ResumeChoice:
         mtbf = estimate_mtbf([a.created_unix for a in catalog.trainer_attempts], time.time())
         self._older = ordered[1:]
         self._history = history
-        return _Candidates(ordered[:1], max(catalog.newest_id, history.newest_id), survivors, mtbf,
-                           catalog.summary is not None, catalog.read)
+        return _Candidates(
+            ordered[:1], max(catalog.newest_id, history.newest_id), survivors, mtbf, catalog.summary is not None, catalog.read
+        )
 
     def _recent_catalog(self) -> Catalog:
         """The markers log from its newest catalog record on when that has the checkpoint
@@ -171,13 +178,16 @@ class ResumeChoice:
         ordered = [m for m in found if m.checkpoint_id == chosen]
         older = sorted((m for m in found if m.checkpoint_id < chosen), key=lambda m: m.checkpoint_id, reverse=True)
         if not ordered:
-            why = (f"checkpoint {chosen} of run {self.run_id}: every chain that restores it reads a generation "
-                   f"deltarec-ckpt gc dropped ({sorted(catalog.dropped)}); `deltarec-ckpt list` shows what is left"
-                   if chosen in catalog.commits else
-                   f"checkpoint {chosen} of run {self.run_id} has no COMMIT marker in {self.backend.where}")
+            why = (
+                f"checkpoint {chosen} of run {self.run_id}: every chain that restores it reads a generation "
+                f"deltarec-ckpt gc dropped ({sorted(catalog.dropped)}); `deltarec-ckpt list` shows what is left"
+                if chosen in catalog.commits
+                else f"checkpoint {chosen} of run {self.run_id} has no COMMIT marker in {self.backend.where}"
+            )
             if self.c.on_corrupt == "fail" or not older:
-                raise RestoreError(why + (" (or set ckpt.on_corrupt=previous to fall back to an older checkpoint)"
-                                          if older else ""))
+                raise RestoreError(
+                    why + (" (or set ckpt.on_corrupt=previous to fall back to an older checkpoint)" if older else "")
+                )
             logger.warning("%s; falling back to the previous checkpoint", why)
         return ordered + older
 

@@ -21,11 +21,12 @@ run inside its own ``write``/``flush`` calls.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, NamedTuple, Protocol, Sequence
+from typing import NamedTuple, Protocol
 
-from common.errors import ConfigError, DeltarecError
 from ckpt.frames import Frame
+from common.errors import ConfigError, DeltarecError
 
 Range = tuple[int, int]
 Key = tuple[int, int]  # (generation, partition)
@@ -44,7 +45,10 @@ class SourceError(DeltarecError, RuntimeError):
 def check_run_id(run_id: str) -> str:
     """Run ids become Kafka topic and file names: ``[A-Za-z0-9._-]``, at most 200 chars."""
     if not _RUN_ID.match(run_id) or run_id in (".", ".."):
-        raise ConfigError(f"run id {run_id!r} (ckpt.run_id, default run.name) must match [A-Za-z0-9._-]{{1,200}}: it names topics and directories")
+        raise ConfigError(
+            f"run id {run_id!r} (ckpt.run_id, default run.name) must match [A-Za-z0-9._-]{{1,200}}: "
+            "it names topics and directories"
+        )
     return run_id
 
 
@@ -82,7 +86,7 @@ def parse_rows_name(run_id: str, name: str) -> int | None:
     """The generation a topic or directory `name` holds (inverse of `rows_name`); None when
     it is not one of this run's generations."""
     prefix = f"{run_id}."
-    m = _ROWS_SUFFIX.match(name[len(prefix):]) if name.startswith(prefix) else None
+    m = _ROWS_SUFFIX.match(name[len(prefix) :]) if name.startswith(prefix) else None
     if m is None:
         return None
     if m.group(1) is not None:
@@ -98,7 +102,7 @@ def compacted_epoch(generation: int) -> int:
 
 def generation_label(generation: int) -> str:
     """How `deltarec-ckpt` and logs name a generation: ``g7`` or ``e2.c41``."""
-    return rows_name("", generation)[len(".rows."):]
+    return rows_name("", generation)[len(".rows.") :]
 
 
 def markers_name(run_id: str) -> str:
@@ -127,7 +131,7 @@ class SinkResult:
     def ok(self) -> bool:
         return self.error is None
 
-    def raise_for_error(self) -> "SinkResult":
+    def raise_for_error(self) -> SinkResult:
         if self.error is not None:
             raise self.error
         return self
@@ -155,9 +159,12 @@ class RangeRecorder:
         self._positions.setdefault(key, []).append(position)
 
     def result(self, error: SinkError | None = None) -> SinkResult:
-        return SinkResult(ranges={k: [(r[0], r[1]) for r in v] for k, v in self._runs.items()},
-                          frames=dict(self._count), error=error,
-                          positions={k: list(v) for k, v in self._positions.items()})
+        return SinkResult(
+            ranges={k: [(r[0], r[1]) for r in v] for k, v in self._runs.items()},
+            frames=dict(self._count),
+            error=error,
+            positions={k: list(v) for k, v in self._positions.items()},
+        )
 
 
 class FrameSink(Protocol):
@@ -188,8 +195,7 @@ class RangeRead(NamedTuple):
 
 
 class FrameSource(Protocol):
-    def read_range(self, generation: int, partition: int, first: int, last: int
-                   ) -> Iterator[tuple[int, Frame]]:
+    def read_range(self, generation: int, partition: int, first: int, last: int) -> Iterator[tuple[int, Frame]]:
         """Yield ``(position, frame)`` for exactly the frames in ``[first, last]``,
         verified, streaming. Raises ``SourceError`` if data is missing and
         ``FrameError`` (with its location) if a frame is corrupt."""
@@ -231,7 +237,7 @@ class MarkerLog(Protocol):
         returned), in order, as ``(position, payload)``. Several processes may append (the
         trainer's rank 0, a follower, `deltarec-ckpt gc`)."""
 
-    def read_tail(self, records: int) -> "TailRead":
+    def read_tail(self, records: int) -> TailRead:
         """At least the last `records` durable markers (all of them when the log holds fewer),
         in order, without reading from the log's start (a broker) or without reading more
         than record headers before them (files)."""

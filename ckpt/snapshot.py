@@ -139,7 +139,7 @@ class Snapshot:
             self._slab = None
 
 
-def _copied_bytes(view: "ShardView", n: int) -> list[int]:
+def _copied_bytes(view: ShardView, n: int) -> list[int]:
     """Bytes of each host tensor `_copy_cpu` makes for `n` rows of `view` (weights, then every
     optimizer state; the row ids are not among them)."""
     sizes = [n * view.num_cols * view.weight.element_size()]
@@ -147,7 +147,7 @@ def _copied_bytes(view: "ShardView", n: int) -> list[int]:
     return sizes
 
 
-def _row_bytes(view: "ShardView") -> int:
+def _row_bytes(view: ShardView) -> int:
     """Host bytes per captured row of `view`: global row id + weights + optimizer state."""
     return 8 + sum(_copied_bytes(view, 1))
 
@@ -155,9 +155,16 @@ def _row_bytes(view: "ShardView") -> int:
 class SnapshotTaker:
     """Copies tracked rows of every shard in `shard_map` to host memory."""
 
-    def __init__(self, shard_map: "ShardMap", tracker: "RowTracker", device: torch.device,
-                 trained_only: bool = False, pool: HostBufferPool | None = None, encode_on: EncodeOn = "device",
-                 staged: bool | None = None) -> None:
+    def __init__(
+        self,
+        shard_map: ShardMap,
+        tracker: RowTracker,
+        device: torch.device,
+        trained_only: bool = False,
+        pool: HostBufferPool | None = None,
+        encode_on: EncodeOn = "device",
+        staged: bool | None = None,
+    ) -> None:
         self.shard_map = shard_map
         self.tracker = tracker
         self.trained_only = trained_only  # a full snapshot leaves out rows never trained
@@ -211,22 +218,33 @@ class SnapshotTaker:
             return None
         return device_encoder(weight_codec, self.device)
 
-    def take(self, checkpoint_id: int, step: int, *, full: bool, since_base: bool,
-             weight_codec: str | None = None) -> Snapshot:
+    def take(self, checkpoint_id: int, step: int, *, full: bool, since_base: bool, weight_codec: str | None = None) -> Snapshot:
         """Copy every row (`full`), or the rows of `since_base(i)` / `since_last(i)`, of every shard
         (`weight_codec`: the checkpoint's, for `device_encoder`)."""
         return self.plan(checkpoint_id, step, full=full, since_base=since_base, weight_codec=weight_codec).copy()
 
-    def plan(self, checkpoint_id: int, step: int, *, full: bool, since_base: bool,
-             weight_codec: str | None = None) -> "PlannedSnapshot":
+    def plan(
+        self, checkpoint_id: int, step: int, *, full: bool, since_base: bool, weight_codec: str | None = None
+    ) -> PlannedSnapshot:
         """`take` in two parts: choose the rows now (the bitmap scan) and the host memory for
         them; `PlannedSnapshot.copy()` copies them. In between the tracker may change its
         bitmaps, but no row may change. On CUDA the rows are gathered here already."""
         t0 = time.perf_counter()
         if self.staged:
             staged = self._take_staged(full, since_base, self.device_encoder(weight_codec))
-            return PlannedSnapshot.of(Snapshot(checkpoint_id, step, full, staged.shards, time.perf_counter() - t0,
-                                               staged.ready, staged.slab, self.pool, new_bytes=staged.new_bytes))
+            return PlannedSnapshot.of(
+                Snapshot(
+                    checkpoint_id,
+                    step,
+                    full,
+                    staged.shards,
+                    time.perf_counter() - t0,
+                    staged.ready,
+                    staged.slab,
+                    self.pool,
+                    new_bytes=staged.new_bytes,
+                )
+            )
         copy_all = full and not self.trained_only
         views = self.shard_map.shards
         locals_ = [None if copy_all else self._local_rows(i, full, since_base) for i in range(len(views))]
@@ -252,17 +270,22 @@ class SnapshotTaker:
             if self._cuda:
                 local = local.to(self.device)
                 rows = local + view.row_offset
-                shards.append(ShardRows(view.table, view.row_offset, view.col_offset, rows.cpu(),
-                                        view.weight.detach().index_select(0, local).cpu(),
-                                        {k: s.detach().index_select(0, local).cpu()
-                                         for k, s in view.optimizer_states.items()}))
+                shards.append(
+                    ShardRows(
+                        view.table,
+                        view.row_offset,
+                        view.col_offset,
+                        rows.cpu(),
+                        view.weight.detach().index_select(0, local).cpu(),
+                        {k: s.detach().index_select(0, local).cpu() for k, s in view.optimizer_states.items()},
+                    )
+                )
             else:
                 shards.append(_copy_cpu(view, local.clone()))
         return Snapshot(checkpoint_id, step, False, shards, time.perf_counter() - t0)
 
-
     # -- CUDA (and CPU shards with `staged=True`) -----------------------------------------
-    def _take_staged(self, full: bool, since_base: bool, encoder: DeviceEncoder | None) -> "_Staged":
+    def _take_staged(self, full: bool, since_base: bool, encoder: DeviceEncoder | None) -> _Staged:
         """Gather the rows into one device buffer and copy them to host memory with one copy.
 
         The host slab and the device buffer are carved in the same order (per shard: row ids,
@@ -280,8 +303,7 @@ class SnapshotTaker:
             counts = [v.num_rows for v in views] if copy_all else self._counts(full, since_base)  # one host sync
             layout = _StagedLayout(views, counts, encoder)
             slab = self.pool.lend(layout.host_bytes) if self.pool is not None else None
-            host = slab if slab is not None else Carver(torch.empty(layout.host_bytes, dtype=torch.uint8,
-                                                                    pin_memory=self._cuda))
+            host = slab if slab is not None else Carver(torch.empty(layout.host_bytes, dtype=torch.uint8, pin_memory=self._cuda))
             dev = Carver(torch.empty(layout.device_bytes, dtype=torch.uint8, device=self.device))
             out: list[ShardRows] = []
             locals_: list[torch.Tensor | None] = []  # per shard: its local rows (None: every row)
@@ -303,8 +325,7 @@ class SnapshotTaker:
             prefix = dev.used
             assert prefix == host.used, (prefix, host.used)
             # the weights to encode, gathered after the prefix: the copy below leaves them on the device
-            to_encode = [] if encoder is None else [_gather(v.weight.detach(), local, dev)
-                                                    for v, local in zip(views, locals_)]
+            to_encode = [] if encoder is None else [_gather(v.weight.detach(), local, dev) for v, local in zip(views, locals_)]
             if main is not None and side is not None:
                 main.wait_stream(side)  # the next update may overwrite rows only after they are gathered
             if prefix:
@@ -325,15 +346,14 @@ class _StagedLayout:
     """Bytes `_take_staged` carves: the host slab (the prefix both sides share, then the encoded
     weights and their flags) and the device buffer (the prefix, then the weights to encode)."""
 
-    def __init__(self, views: list["ShardView"], counts: list[int], encoder: DeviceEncoder | None) -> None:
+    def __init__(self, views: list[ShardView], counts: list[int], encoder: DeviceEncoder | None) -> None:
         shared: list[int] = []
         for v, n in zip(views, counts):
             shared.append(n * 8)
             shared += [n * math.prod(s.shape[1:]) * s.element_size() for s in v.optimizer_states.values()]
             if encoder is None:
                 shared.append(n * v.num_cols * v.weight.element_size())
-        host_only = [b for v, n in zip(views, counts) if encoder is not None
-                     for b in (n * encoder.row_bytes(v.num_cols), n)]
+        host_only = [b for v, n in zip(views, counts) if encoder is not None for b in (n * encoder.row_bytes(v.num_cols), n)]
         device_only = [n * v.num_cols * v.weight.element_size() for v, n in zip(views, counts) if encoder is not None]
         self.host_bytes = slab_bytes(shared + host_only)
         self.device_bytes = slab_bytes(shared + device_only)
@@ -366,7 +386,7 @@ class PlannedSnapshot:
     checkpoint_id: int
     step: int
     full: bool
-    views: list["ShardView"]
+    views: list[ShardView]
     local_rows: list[torch.Tensor | None]  # per shard: sorted local rows (None: every row)
     slab: Slab | None
     pool: HostBufferPool | None
@@ -374,7 +394,7 @@ class PlannedSnapshot:
     taken: Snapshot | None = None
 
     @classmethod
-    def of(cls, snapshot: Snapshot) -> "PlannedSnapshot":
+    def of(cls, snapshot: Snapshot) -> PlannedSnapshot:
         """A snapshot taken at once (CUDA, or rows named by the caller): `copy()` returns it."""
         return cls(snapshot.checkpoint_id, snapshot.step, snapshot.full, [], [], None, None, 0.0, snapshot)
 
@@ -386,8 +406,17 @@ class PlannedSnapshot:
         shards = [_copy_cpu(v, local, self.slab) for v, local in zip(self.views, self.local_rows)]
         slab = self.slab
         fresh = sum(s.nbytes for s in shards) if slab is None else slab.capacity if slab.fresh else 0
-        self.taken = Snapshot(self.checkpoint_id, self.step, self.full, shards, self.plan_s + time.perf_counter() - t0,
-                              None, slab, self.pool, new_bytes=fresh)
+        self.taken = Snapshot(
+            self.checkpoint_id,
+            self.step,
+            self.full,
+            shards,
+            self.plan_s + time.perf_counter() - t0,
+            None,
+            slab,
+            self.pool,
+            new_bytes=fresh,
+        )
         return self.taken
 
 
@@ -395,7 +424,7 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, slab: Slab | None) -> tor
     return torch.empty(shape, dtype=dtype) if slab is None else slab.carve(shape, dtype)
 
 
-def _copy_cpu(view: "ShardView", local: torch.Tensor | None, slab: Slab | None = None) -> ShardRows:
+def _copy_cpu(view: ShardView, local: torch.Tensor | None, slab: Slab | None = None) -> ShardRows:
     """Host copies of the `local` rows (None: every row) of one CPU shard, in `slab` if given;
     `local` becomes the global ids in place."""
     n = view.num_rows if local is None else local.numel()

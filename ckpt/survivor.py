@@ -42,16 +42,27 @@ class SurvivorError(DeltarecError, RuntimeError):
     """A survivor snapshot could not be saved in time; nothing a restore would use was left."""
 
 
-def save_survivor(cfg: CkptConfig, *, rank: int, job: WriteJob, attempt: str, world_size: int, base: int,
-                  dense_state: dict[str, Any], shards: list[list[Any]], deadline: float) -> SurvivorRecord:
+def save_survivor(
+    cfg: CkptConfig,
+    *,
+    rank: int,
+    job: WriteJob,
+    attempt: str,
+    world_size: int,
+    base: int,
+    dense_state: dict[str, Any],
+    shards: list[list[Any]],
+    deadline: float,
+) -> SurvivorRecord:
     """Write one surviving rank's snapshot (`job`: its rows since checkpoint `base`, for
     generation and checkpoint id S; `dense_state`: what its dense file holds) and, only if
     all of it is durable before `deadline` (time.monotonic()), its SURVIVOR record."""
     left = _left(deadline, "before writing anything")
     backend = open_backend(replace(cfg, flush_timeout_s=max(left, 0.1)), world_size)
     try:
-        report = write_rows(job, run_id=cfg.run_id, rank=rank, sink=backend.sink,
-                            max_frame_bytes=cfg.max_frame_bytes, flush_timeout_s=left)
+        report = write_rows(
+            job, run_id=cfg.run_id, rank=rank, sink=backend.sink, max_frame_bytes=cfg.max_frame_bytes, flush_timeout_s=left
+        )
         if not report.ok:
             raise SurvivorError(f"survivor snapshot of rank {rank}: {report.error}")
         _left(deadline, "after its frames")
@@ -59,11 +70,29 @@ def save_survivor(cfg: CkptConfig, *, rank: int, job: WriteJob, attempt: str, wo
         _left(deadline, "after its dense file")
         maybe_die("survivor", job.checkpoint_id, rank)
         maybe_hold("survivor", job.checkpoint_id)
-        link = ChainLink(checkpoint_id=job.checkpoint_id, full=False, generation=job.generation, ranges=report.ranges,
-                         rows=report.rows, bytes=report.bytes, index=report.index, epoch=job.epoch)
-        record = SurvivorRecord(kind="survivor", run_id=cfg.run_id, attempt=attempt, rank=rank,
-                                world_size=world_size, base=base, step=job.step, link=link, dense=ref.as_json(),
-                                shards=shards, created_unix=time.time())
+        link = ChainLink(
+            checkpoint_id=job.checkpoint_id,
+            full=False,
+            generation=job.generation,
+            ranges=report.ranges,
+            rows=report.rows,
+            bytes=report.bytes,
+            index=report.index,
+            epoch=job.epoch,
+        )
+        record = SurvivorRecord(
+            kind="survivor",
+            run_id=cfg.run_id,
+            attempt=attempt,
+            rank=rank,
+            world_size=world_size,
+            base=base,
+            step=job.step,
+            link=link,
+            dense=ref.as_json(),
+            shards=shards,
+            created_unix=time.time(),
+        )
         _left(deadline, "before its record")
         backend.markers.append_marker(encode_marker(record))
         return record

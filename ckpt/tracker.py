@@ -73,8 +73,9 @@ bitmaps. Not tested on CUDA (no GPU here); nothing in the hook syncs the host.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -146,10 +147,8 @@ class RowTracker:
         self.sharded_ebc.register_post_lookup_tracker_fn(self.record_lookup)
 
     # -- mapping ------------------------------------------------------------------------
-    def _build_lookup_maps(self, sebc: nn.Module) -> dict[tuple[str, ...], LookupGroup]:
-        index = {
-            (id(s.kernel), s.table, s.row_offset, s.col_offset): i for i, s in enumerate(self.shard_map.shards)
-        }
+    def _build_lookup_maps(self, sebc: Any) -> dict[tuple[str, ...], LookupGroup]:
+        index = {(id(s.kernel), s.table, s.row_offset, s.col_offset): i for i, s in enumerate(self.shard_map.shards)}
         maps: dict[tuple[str, ...], LookupGroup] = {}
         used: set[int] = set()
         for lookup in sebc._lookups:

@@ -22,8 +22,9 @@ import queue
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
@@ -198,8 +199,12 @@ class RankWriter:
                 outcome = self._coordinate(job, report)
             except Exception as exc:  # noqa: BLE001 - a writer bug must reach the trainer, not kill the thread silently
                 logger.error("checkpoint %d: writer failed: %s", job.checkpoint_id, traceback.format_exc())
-                outcome = Outcome(checkpoint_id=job.checkpoint_id, step=job.step, committed=False,
-                                  error=f"writer error on rank {self.rank}: {exc}")
+                outcome = Outcome(
+                    checkpoint_id=job.checkpoint_id,
+                    step=job.step,
+                    committed=False,
+                    error=f"writer error on rank {self.rank}: {exc}",
+                )
             finally:
                 with self._lock:
                     self._pending_bytes -= job.snapshot.nbytes
@@ -208,8 +213,14 @@ class RankWriter:
             self._outcomes.put(outcome)
 
     def _write(self, job: WriteJob) -> RankReport:
-        return write_rows(job, run_id=self.run_id, rank=self.rank, sink=self.sink,
-                          max_frame_bytes=self.max_frame_bytes, flush_timeout_s=self.flush_timeout_s)
+        return write_rows(
+            job,
+            run_id=self.run_id,
+            rank=self.rank,
+            sink=self.sink,
+            max_frame_bytes=self.max_frame_bytes,
+            flush_timeout_s=self.flush_timeout_s,
+        )
 
     def _coordinate(self, job: WriteJob, report: RankReport) -> Outcome:
         reports: list[RankReport] | None = [None] * dist.get_world_size(self.group) if self.rank == 0 else None  # type: ignore[list-item]
@@ -221,8 +232,9 @@ class RankWriter:
                 decided[0] = self.committer(job, reports)
             except Exception as exc:  # noqa: BLE001 - the outcome must still reach every rank
                 logger.error("checkpoint %d: commit failed: %s", job.checkpoint_id, traceback.format_exc())
-                decided[0] = Outcome(checkpoint_id=job.checkpoint_id, step=job.step, committed=False,
-                                     error=f"commit failed on rank 0: {exc}")
+                decided[0] = Outcome(
+                    checkpoint_id=job.checkpoint_id, step=job.step, committed=False, error=f"commit failed on rank 0: {exc}"
+                )
         dist.broadcast_object_list(decided, src=0, group=self.group)
         assert decided[0] is not None
         if self.committer is not None:
@@ -230,8 +242,9 @@ class RankWriter:
         return decided[0]
 
 
-def write_rows(job: WriteJob, *, run_id: str, rank: int, sink: FrameSink, max_frame_bytes: int,
-               flush_timeout_s: float) -> RankReport:
+def write_rows(
+    job: WriteJob, *, run_id: str, rank: int, sink: FrameSink, max_frame_bytes: int, flush_timeout_s: float
+) -> RankReport:
     """Encode the job's rows into frames, write them to partition `rank` of the job's
     generation and flush: this rank's report (acknowledged ranges and frame index, or why not).
     The writer thread's work for each checkpoint, and a surviving rank's (ckpt/survivor.py)."""
@@ -249,8 +262,15 @@ def write_rows(job: WriteJob, *, run_id: str, rank: int, sink: FrameSink, max_fr
                 continue
             for frame in encode_frames(job, shard, used, run_id, rank, max_frame_bytes):
                 sink.write(frame.data, generation=job.generation, partition=rank)
-                meta.append(FrameMeta(table=shard.table, col_offset=shard.col_offset, first_row=frame.first_row,
-                                       last_row=frame.last_row, cols=shard.num_cols))
+                meta.append(
+                    FrameMeta(
+                        table=shard.table,
+                        col_offset=shard.col_offset,
+                        first_row=frame.first_row,
+                        last_row=frame.last_row,
+                        cols=shard.num_cols,
+                    )
+                )
                 nbytes += len(frame.data)
             rows += shard.global_rows.numel()
         maybe_slow(job.checkpoint_id)
@@ -271,25 +291,38 @@ def write_rows(job: WriteJob, *, run_id: str, rank: int, sink: FrameSink, max_fr
             ranges = {rank: [OffsetRange(*r) for r in result.ranges.get(key, [])]} if positions else {}
             index = index_frames(rank, positions, meta)
     return RankReport(
-        rank=rank, ok=not error, error=error, ranges=ranges, index=index, rows=rows, bytes=nbytes,
-        stall_ms=job.snapshot.stall_s * 1e3, write_s=time.perf_counter() - t0, trainer_state=job.trainer_state,
-        encodings=used, stall_new_bytes=job.snapshot.new_bytes,
+        rank=rank,
+        ok=not error,
+        error=error,
+        ranges=ranges,
+        index=index,
+        rows=rows,
+        bytes=nbytes,
+        stall_ms=job.snapshot.stall_s * 1e3,
+        write_s=time.perf_counter() - t0,
+        trainer_state=job.trainer_state,
+        encodings=used,
+        stall_new_bytes=job.snapshot.new_bytes,
     )
 
 
-def encode_frames(job: WriteJob, shard: ShardRows, used: dict[str, str], run_id: str, rank: int,
-                  max_frame_bytes: int) -> Iterator[EncodedFrame]:
+def encode_frames(
+    job: WriteJob, shard: ShardRows, used: dict[str, str], run_id: str, rank: int, max_frame_bytes: int
+) -> Iterator[EncodedFrame]:
     """Encode one shard's rows and split them into frames (lazily, in row order).
     Records the codecs it encodes with in `used`."""
     ids = shard.global_rows
     weight_codec = get_codec(job.weight_codec)
     if shard.encoded is not None:  # encoded on the device by the snapshot (ckpt.encode_on)
         if shard.encoded.codec != weight_codec.name:
-            raise RuntimeError(f"table {shard.table}: the snapshot encoded its rows as {shard.encoded.codec}, "
-                               f"the checkpoint writes {weight_codec.name}")
+            raise RuntimeError(
+                f"table {shard.table}: the snapshot encoded its rows as {shard.encoded.codec}, "
+                f"the checkpoint writes {weight_codec.name}"
+            )
         check_flags(weight_codec.name, shard.encoded.flags, shard.table, ids)
         payload = shard.encoded.payload
     else:
+        assert shard.weights is not None, "a snapshot holds its weights, encoded or not"
         payload = weight_codec.encode(shard.weights, table=shard.table, row_ids=ids)
     used["weights"] = weight_codec.name
     optim = []
@@ -299,7 +332,16 @@ def encode_frames(job: WriteJob, shard: ShardRows, used: dict[str, str], run_id:
         used[f"optimizer.{name}"] = codec.name
         optim.append(OptimState(name, codec.code, codec.encode(rows, table=shard.table, row_ids=ids)))
     return chunk_rows(
-        run_id=run_id, checkpoint_id=job.checkpoint_id, rank=rank, table=shard.table,
-        col_offset=shard.col_offset, dim=shard.num_cols, encoding=weight_codec.code,
-        row_ids=ids, payload=payload, optim=optim, max_frame_bytes=max_frame_bytes, epoch=job.epoch,
+        run_id=run_id,
+        checkpoint_id=job.checkpoint_id,
+        rank=rank,
+        table=shard.table,
+        col_offset=shard.col_offset,
+        dim=shard.num_cols,
+        encoding=weight_codec.code,
+        row_ids=ids,
+        payload=payload,
+        optim=optim,
+        max_frame_bytes=max_frame_bytes,
+        epoch=job.epoch,
     )

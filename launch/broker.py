@@ -81,8 +81,9 @@ import sys
 import tempfile
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 from common.errors import DeltarecError
 
@@ -157,6 +158,7 @@ def _listens(pid: int, port: int) -> bool | None:
 
 # --- process helpers (work for our children and for detached brokers found by pid) ---
 
+
 def pid_alive(pid: int) -> bool:
     """True if ``pid`` runs and is not a zombie (PID 1 in containers may not reap)."""
     try:
@@ -180,8 +182,7 @@ def _is_our_broker(pid: int, port: int) -> bool:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return True  # no /proc: cannot tell, trust the pid
-    return bool(argv) and b"tansu" in os.path.basename(argv[0]) and \
-        f"tcp://{HOST}:{port}".encode() in argv
+    return bool(argv) and b"tansu" in os.path.basename(argv[0]) and f"tcp://{HOST}:{port}".encode() in argv
 
 
 def _wait_exit(pid: int, timeout_s: float, proc: subprocess.Popen | None = None) -> bool:
@@ -244,8 +245,7 @@ def _log_tail(path: Path) -> str:
     return lines[-1] if lines else ""
 
 
-def wait_until_serving(bootstrap: str, timeout_s: float,
-                       alive: Callable[[], bool] = lambda: True) -> None:
+def wait_until_serving(bootstrap: str, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> None:
     """Block until a Kafka Metadata request to ``bootstrap`` succeeds.
 
     ``alive()`` is checked between attempts so a broker that died fails fast.
@@ -264,10 +264,11 @@ def wait_until_serving(bootstrap: str, timeout_s: float,
             break
         except OSError:
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"{bootstrap} accepted no TCP connection within {timeout_s:.0f}s")
+                raise TimeoutError(f"{bootstrap} accepted no TCP connection within {timeout_s:.0f}s") from None
             time.sleep(0.01)
     # 2) A real Kafka request.
-    admin = AdminClient({"bootstrap.servers": bootstrap, "logger": _log})
+    conf: dict[str, Any] = {"bootstrap.servers": bootstrap, "logger": _log}
+    admin = AdminClient(conf)
     while True:
         remaining = deadline - time.monotonic()
         try:
@@ -280,7 +281,7 @@ def wait_until_serving(bootstrap: str, timeout_s: float,
                 raise TimeoutError(f"{bootstrap} did not answer Metadata within {timeout_s:.0f}s: {e}") from e
 
 
-_live: "weakref.WeakSet[EmbeddedBroker]" = weakref.WeakSet()
+_live: weakref.WeakSet[EmbeddedBroker] = weakref.WeakSet()
 
 
 @atexit.register
@@ -298,9 +299,15 @@ class EmbeddedBroker:
     session and does not stop it at interpreter exit (the CLI uses this).
     """
 
-    def __init__(self, *, port: int | None = None, state_dir: str | os.PathLike | None = None,
-                 start_timeout_s: float = 30.0, detach: bool = False,
-                 binary: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        state_dir: str | os.PathLike | None = None,
+        start_timeout_s: float = 30.0,
+        detach: bool = False,
+        binary: str | None = None,
+    ) -> None:
         self._want_port = port
         self._own_dir = state_dir is None
         self.state_dir = Path(state_dir) if state_dir is not None else None
@@ -330,7 +337,7 @@ class EmbeddedBroker:
         return self._proc is not None and self._proc.poll() is None
 
     # -- lifecycle --
-    def start(self) -> "EmbeddedBroker":
+    def start(self) -> EmbeddedBroker:
         if self.alive():
             return self
         binary = self.binary or broker_binary()
@@ -353,16 +360,19 @@ class EmbeddedBroker:
 
     def _spawn(self, binary: str, port: int) -> None:
         url = f"tcp://{HOST}:{port}"
-        argv = [binary, "broker", "--listener-url", url, "--advertised-listener-url", url,
-                "--storage-engine", "memory://tansu/"]
+        argv = [binary, "broker", "--listener-url", url, "--advertised-listener-url", url, "--storage-engine", "memory://tansu/"]
         with open(self.log_path, "wb") as log:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=self.detach,
-                                    cwd=self.state_dir)
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=self.detach,
+                cwd=self.state_dir,
+            )
         self._proc, self.port = proc, port
         try:
-            wait_until_serving(self.bootstrap, self.start_timeout_s,
-                               alive=lambda: proc.poll() is None)
+            wait_until_serving(self.bootstrap, self.start_timeout_s, alive=lambda: proc.poll() is None)
             if _listens(proc.pid, port) is False:  # somebody else answered our probe
                 raise _AddressInUse("address in use (another process listens on it)")
         except (BrokerError, TimeoutError) as e:
@@ -375,7 +385,8 @@ class EmbeddedBroker:
                 f"tansu failed to start on {HOST}:{port}: {e}"
                 + (f" (exit code {proc.returncode})" if proc.returncode is not None else "")
                 + (f"; last log line: {tail}" if tail else "")
-                + f"; log: {self.log_path}") from None
+                + f"; log: {self.log_path}"
+            ) from None
         if not self.detach:
             _live.add(self)
         _log.info("tansu pid %d serving on %s (log %s)", proc.pid, self.bootstrap, self.log_path)
@@ -399,7 +410,7 @@ class EmbeddedBroker:
             shutil.rmtree(self.state_dir, ignore_errors=True)
             self.state_dir = None
 
-    def __enter__(self) -> "EmbeddedBroker":
+    def __enter__(self) -> EmbeddedBroker:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -411,6 +422,7 @@ class EmbeddedBroker:
 
 
 # --- CLI ------------------------------------------------------------------------------
+
 
 def _read_record(state_dir: Path) -> dict | None:
     try:
@@ -455,8 +467,7 @@ def _cmd_start(state_dir: Path, port: int | None) -> int:
     with _locked(state_dir):
         rec = _running(state_dir)
         if rec is not None:
-            print(f"deltarec-broker: already running at {rec['bootstrap']} (pid {rec['pid']})",
-                  file=sys.stderr)
+            print(f"deltarec-broker: already running at {rec['bootstrap']} (pid {rec['pid']})", file=sys.stderr)
             print(rec["bootstrap"])
             return 0
         broker = EmbeddedBroker(port=port, state_dir=state_dir, detach=True)
@@ -465,9 +476,17 @@ def _cmd_start(state_dir: Path, port: int | None) -> int:
         except BrokerError as e:
             print(f"deltarec-broker: {e}", file=sys.stderr)
             return 1
-        _write_record(state_dir, {"bootstrap": broker.bootstrap, "host": HOST, "port": broker.port,
-                                  "pid": broker.pid, "log": str(broker.log_path.resolve()),
-                                  "started_at": time.time()})
+        _write_record(
+            state_dir,
+            {
+                "bootstrap": broker.bootstrap,
+                "host": HOST,
+                "port": broker.port,
+                "pid": broker.pid,
+                "log": str(broker.log_path.resolve()),
+                "started_at": time.time(),
+            },
+        )
         print(f"deltarec-broker: started pid {broker.pid}, log {broker.log_path}", file=sys.stderr)
         print(broker.bootstrap)
         return 0
@@ -499,14 +518,16 @@ def _cmd_stop(state_dir: Path, grace_s: float) -> int:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="deltarec-broker",
-                                description="Run the embedded Tansu broker on 127.0.0.1.")
+    p = argparse.ArgumentParser(prog="deltarec-broker", description="Run the embedded Tansu broker on 127.0.0.1.")
     p.add_argument("command", choices=("start", "stop", "status"))
-    p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
-                   help=f"where broker.json and the log live (default ./{DEFAULT_STATE_DIR})")
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=DEFAULT_STATE_DIR,
+        help=f"where broker.json and the log live (default ./{DEFAULT_STATE_DIR})",
+    )
     p.add_argument("--port", type=int, default=None, help="port for start (default: a free one)")
-    p.add_argument("--grace", type=float, default=2.0,
-                   help="seconds stop waits after SIGTERM before SIGKILL (default 2)")
+    p.add_argument("--grace", type=float, default=2.0, help="seconds stop waits after SIGTERM before SIGKILL (default 2)")
     args = p.parse_args(argv)
     if args.command == "start":
         return _cmd_start(args.state_dir, args.port)

@@ -18,11 +18,12 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Sequence
 
-from ckpt.faults import ENV as KILL_AT, FaultSpecError, parse_kill_at
+from ckpt.faults import ENV as KILL_AT
+from ckpt.faults import FaultSpecError, parse_kill_at
 from launch.broker import EmbeddedBroker
 
 REPO = Path(__file__).resolve().parents[1]

@@ -19,9 +19,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 PEER_GRACE_S = 15.0  # how long the other ranks may take to end after one failed, when failure is expected
@@ -104,16 +104,28 @@ def start_ranks(
     rdzv = tmp_path / f"rdzv-{time.monotonic_ns()}"
     run_dir = tmp_path / "run"
     base = [
-        sys.executable, "-m", module, "--config", str(config), *extra_args,
-        f"sharding.init_method=file://{rdzv}", f"run.dir={run_dir}", "train.progress=log", *overrides,
+        sys.executable,
+        "-m",
+        module,
+        "--config",
+        str(config),
+        *extra_args,
+        f"sharding.init_method=file://{rdzv}",
+        f"run.dir={run_dir}",
+        "train.progress=log",
+        *overrides,
     ]
     procs, logs = [], []
     tag = time.monotonic_ns()
     for rank in range(world_size):
         env = dict(os.environ)
         env.update(
-            RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world_size), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world_size),
+            PYTHONUNBUFFERED="1",
+            OMP_NUM_THREADS="1",
         )
         env.update(env_extra or {})
         out = open(tmp_path / f"rank{rank}-{tag}.out", "w+")

@@ -29,7 +29,8 @@ import logging
 import os
 import signal
 import sys
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 from trainer import console
 
@@ -69,8 +70,12 @@ def rendezvous_flags(args: argparse.Namespace) -> list[str]:
     """torchrun's rendezvous flags: `--standalone` on one node, c10d on several."""
     if args.nnodes == 1 and not args.rdzv_endpoint:
         return ["--standalone"]
-    flags = [f"--nnodes={args.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}",
-             f"--rdzv-id={args.rdzv_id or 'deltarec'}"]
+    flags = [
+        f"--nnodes={args.nnodes}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={args.rdzv_endpoint}",
+        f"--rdzv-id={args.rdzv_id or 'deltarec'}",
+    ]
     return [*flags, f"--local-addr={args.local_addr}"] if args.local_addr else flags
 
 
@@ -121,7 +126,7 @@ class RankFailures(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.msg != FAILED_RECORD or not isinstance(record.args, tuple) or len(record.args) != 4:
             return True
-        exitcode, local_rank = int(record.args[0]), int(record.args[1])
+        exitcode, local_rank = int(cast(Any, record.args[0])), int(cast(Any, record.args[1]))
         self.failed_attempts += 1
         if self.failed_attempts <= self.max_restarts:
             attempt, attempts = self.failed_attempts + 1, self.max_restarts + 1
@@ -145,8 +150,7 @@ def launch(argv: Sequence[str]) -> int:
     failures = RankFailures(args.max_restarts, multi_node=args.nnodes > 1)
     logging.getLogger(AGENT_LOGGER).addFilter(failures)
     if args.rdzv_endpoint:
-        say(f"c10d rendezvous at {args.rdzv_endpoint}, id {args.rdzv_id}, "
-            f"{args.nnodes} node(s) x {args.nproc_per_node} rank(s)")
+        say(f"c10d rendezvous at {args.rdzv_endpoint}, id {args.rdzv_id}, {args.nnodes} node(s) x {args.nproc_per_node} rank(s)")
     try:
         torchrun.run(torchrun.parse_args(build_command(argv)[3:]))
     except ChildFailedError as exc:

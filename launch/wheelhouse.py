@@ -25,8 +25,8 @@ try:  # the library for requirement strings and markers; pip always carries a co
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name, parse_wheel_filename
 except ImportError:  # pragma: no cover - a python with pip but no packaging
-    from pip._vendor.packaging.requirements import Requirement
-    from pip._vendor.packaging.utils import canonicalize_name, parse_wheel_filename
+    from pip._vendor.packaging.requirements import Requirement  # type: ignore[assignment]
+    from pip._vendor.packaging.utils import canonicalize_name, parse_wheel_filename  # type: ignore[assignment]
 
 from common.errors import DeltarecError
 from launch.versions import COMMON, CUDA_TABLE, TORCHMETRICS_ANY
@@ -109,8 +109,7 @@ def missing(wheels: dict[str, list[Wheel]], has: dict[str, str | None], python: 
                     continue
                 if not any(req.specifier.contains(v, prereleases=True) for v in have):
                     raise WheelhouseError(
-                        f"wheelhouse: {wheel.name} {wheel.version} needs {line}, "
-                        f"but only {dep} {', '.join(have)} is there"
+                        f"wheelhouse: {wheel.name} {wheel.version} needs {line}, but only {dep} {', '.join(have)} is there"
                     )
     return sorted(wanted.values())
 
@@ -181,8 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{path.stat().st_size / 1e3:9.0f} kB  {path.name}")
     total = sum(p.stat().st_size for p in files)
     print(f"{total / 1e6:7.1f} MB  {len(files)} wheels ({len(wheels)} packages) in {args.dest}")
-    print(f"fbgemm-gpu is not included: put the wheel for the machine's torch in {args.dest} or in a second "
-          "directory (DELTAREC_WHEELHOUSE=DIR1:DIR2)")
+    print(
+        f"fbgemm-gpu is not included: put the wheel for the machine's torch in {args.dest} or in a second "
+        "directory (DELTAREC_WHEELHOUSE=DIR1:DIR2)"
+    )
     return 0
 
 

@@ -7,8 +7,8 @@ silently picks the non-fused `dense` kernel (docs/design.md §8).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist

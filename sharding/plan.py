@@ -10,8 +10,8 @@ choice. Impossible combinations are refused before any memory is allocated.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch.distributed as dist
 from torch import nn
@@ -160,9 +160,7 @@ def _planner_plan(
         else:
             pinned = kind if device_type != "cpu" or kind in PLANNER_CPU_TYPES else "table_wise"
             constraints[t.name] = ParameterConstraints(sharding_types=[pinned], min_partition=min(32, t.embedding_dim))
-    topology = Topology(
-        world_size=env.world_size, local_world_size=env.local_world_size, compute_device=device_type
-    )
+    topology = Topology(world_size=env.world_size, local_world_size=env.local_world_size, compute_device=device_type)
     planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
     if collective:
         plan = planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)

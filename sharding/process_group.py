@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Mapping
 
 import torch
 import torch.distributed as dist
@@ -63,9 +63,7 @@ def pick_device(env: DistEnv) -> torch.device:
     return torch.device("cpu")
 
 
-def init_process_group(
-    env: DistEnv, *, backend: str = "auto", init_method: str = "env://", timeout_s: int = 300
-) -> torch.device:
+def init_process_group(env: DistEnv, *, backend: str = "auto", init_method: str = "env://", timeout_s: int = 300) -> torch.device:
     """Initialise torch.distributed for this process and return its compute device.
 
     A lone process gets a one-rank gloo group over a file rendezvous, so the same

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,7 +45,7 @@ class RowInit:
         return {"scheme": self.scheme, "seed": self.seed}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any] | None) -> "RowInit | None":
+    def from_json(cls, d: dict[str, Any] | None) -> RowInit | None:
         """None for an empty record (a checkpoint that stores every row)."""
         if not d:
             return None
@@ -74,8 +75,16 @@ def chunk_values(init: RowInit, table: str, num_embeddings: int, dim: int, chunk
     return u.mul_(2.0**-24).mul_(hi - lo).add_(lo)
 
 
-def fill_rows(init: RowInit, table: str, num_embeddings: int, dim: int, dst: torch.Tensor, row_offset: int,
-              col_offset: int, mask: torch.Tensor | None = None) -> int:
+def fill_rows(
+    init: RowInit,
+    table: str,
+    num_embeddings: int,
+    dim: int,
+    dst: torch.Tensor,
+    row_offset: int,
+    col_offset: int,
+    mask: torch.Tensor | None = None,
+) -> int:
     """Write the initial values into `dst` ([num_rows, num_cols], rows ``row_offset..``,
     columns ``col_offset..`` of the table), only at the rows `mask` marks (all by default);
     chunks without a marked row are not generated. Returns the rows written."""
@@ -100,8 +109,9 @@ def fill_rows(init: RowInit, table: str, num_embeddings: int, dim: int, dst: tor
 
 
 @torch.no_grad()
-def initialise_shards(init: RowInit, shards: Iterable[ShardView], tables: dict[str, tuple[int, int]],
-                      masks: dict[int, torch.Tensor] | None = None) -> int:
+def initialise_shards(
+    init: RowInit, shards: Iterable[ShardView], tables: dict[str, tuple[int, int]], masks: dict[int, torch.Tensor] | None = None
+) -> int:
     """Set every row of `shards` (or the rows of ``masks[id(shard)]``) to its initial value
     and its optimizer state to zero. `tables`: name -> (num_embeddings, embedding_dim).
     Returns the rows written."""
@@ -111,8 +121,7 @@ def initialise_shards(init: RowInit, shards: Iterable[ShardView], tables: dict[s
         if mask is not None and not bool(mask.any()):
             continue
         rows, dim = tables[s.table]
-        written += fill_rows(init, s.table, rows, dim, s.weight, s.row_offset, s.col_offset,
-                             None if mask is None else mask.cpu())
+        written += fill_rows(init, s.table, rows, dim, s.weight, s.row_offset, s.col_offset, None if mask is None else mask.cpu())
         for state in s.optimizer_states.values():
             if mask is None:
                 state.zero_()

@@ -11,6 +11,7 @@ dense optimizer, so they travel with the dense state and are listed separately.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -64,7 +65,7 @@ class ShardMap:
         return list(self._by_table)
 
     @classmethod
-    def from_model(cls, model: nn.Module) -> "ShardMap":
+    def from_model(cls, model: nn.Module) -> ShardMap:
         """Walk the sharded EmbeddingBagCollection inside a DMP-wrapped DLRMTrain."""
         sebc = find_sharded_ebc(model)
         shards: list[ShardView] = []
@@ -83,20 +84,20 @@ class ShardMap:
                 for t, w, st in zip(tables, weights, states):
                     row_off, col_off = t.local_metadata.shard_offsets
                     assert tuple(w.shape) == (t.local_rows, t.local_cols), (t.name, w.shape)
-                    shards.append(
-                        ShardView(t.name, int(row_off), int(col_off), w, dict(zip(names, st)), kernel)
-                    )
+                    shards.append(ShardView(t.name, int(row_off), int(col_off), w, dict(zip(names, st)), kernel))
         return cls(shards, replicated)
 
 
-def find_sharded_ebc(model: nn.Module) -> nn.Module:
+def find_sharded_ebc(model: nn.Module) -> Any:
+    """torchrec's ShardedEmbeddingBagCollection inside a DMP-wrapped DLRMTrain (typed Any: its
+    lookups and hook API are not in nn.Module's type)."""
     module = getattr(model, "module", model)  # DMP wraps the DLRMTrain as .module
     ebc = module.get_submodule(EBC_PATH)
     assert hasattr(ebc, "_lookups"), f"{EBC_PATH} is not sharded: {type(ebc).__name__}"
     return ebc
 
 
-def _state_names(kernel: nn.Module, count: int) -> list[str]:
+def _state_names(kernel: Any, count: int) -> list[str]:
     """Names of the kernel's per-table optimizer states ('sum' for Adagrad variants)."""
     try:
         names = list(kernel.get_optimizer_state()[0].keys())

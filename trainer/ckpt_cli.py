@@ -11,7 +11,7 @@ so the same file and overrides that ran a job find its checkpoints.
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from ckpt import cli as ckpt_cli
 from ckpt.config import CkptConfig

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Mapping, Sequence
+from typing import Literal
 
 import yaml
 
@@ -198,8 +199,16 @@ def validate(cfg: JobConfig, check_data: bool = True) -> None:
     _check_minimum(src, {"sharding.timeout_s": [cfg.sharding.timeout_s]}, 1)
     _check_minimum(src, {"train.threads_per_rank": [tr.threads_per_rank]}, 0)
     o = cfg.optimizer
-    _check_minimum(src, {"optimizer.sparse.lr": [o.sparse.lr], "optimizer.sparse.eps": [o.sparse.eps],
-                         "optimizer.dense.lr": [o.dense.lr], "optimizer.dense.eps": [o.dense.eps]}, 0)
+    _check_minimum(
+        src,
+        {
+            "optimizer.sparse.lr": [o.sparse.lr],
+            "optimizer.sparse.eps": [o.sparse.eps],
+            "optimizer.dense.lr": [o.dense.lr],
+            "optimizer.dense.eps": [o.dense.eps],
+        },
+        0,
+    )
     if d.kind == "synthetic" and d.synthetic.zipf_exponent <= 0:
         raise ConfigError(f"{src}: data.synthetic.zipf_exponent must be > 0, got {d.synthetic.zipf_exponent}")
     cfg.ckpt.validate(src)
@@ -229,5 +238,6 @@ def _check_criteo_files(src: str, c: CriteoDataConfig) -> None:
     for p in c.train_paths + c.eval_paths:
         if not Path(p).is_file():
             raise ConfigError(f"{src}: data file not found: {p}")
+
 
 __all__ = ["CkptConfig", "ConfigError", "JobConfig", "ShardingConfig", "TableConfig", "load_config", "validate"]

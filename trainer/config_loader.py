@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import types
-import typing
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, TypeVar, Union, cast, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -94,22 +93,23 @@ def build(cls: type[T], data: Any, *, source: str, path: str = "") -> T:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: {path or 'top level'} must be a mapping, got {_tname(data)}")
     hints = get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {f.name: f for f in dataclasses.fields(cast(Any, cls)) if f.init}
     for name in data:
         if not isinstance(name, str):  # YAML `1:`, `~:`, `true:`: never a config key
             key = f"{path}.{name}" if path else str(name)
-            raise ConfigError(f"{source}: key {key!r} ({_tname(name)}) is not a name (known keys here: {', '.join(sorted(fields))})")
+            raise ConfigError(
+                f"{source}: key {key!r} ({_tname(name)}) is not a name (known keys here: {', '.join(sorted(fields))})"
+            )
     unknown = sorted(set(data) - set(fields))
     if unknown:
         key = f"{path}.{unknown[0]}" if path else unknown[0]
-        raise ConfigError(
-            f"{source}: unknown key {key!r} (known keys here: {', '.join(sorted(fields))})"
-        )
+        raise ConfigError(f"{source}: unknown key {key!r} (known keys here: {', '.join(sorted(fields))})")
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
         kwargs[name] = _convert(hints[name], value, source=source, path=f"{path}.{name}" if path else name)
     missing = [
-        n for n, f in fields.items()
+        n
+        for n, f in fields.items()
         if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     ]
     if missing:
@@ -121,7 +121,7 @@ def build(cls: type[T], data: Any, *, source: str, path: str = "") -> T:
 def _convert(tp: Any, value: Any, *, source: str, path: str) -> Any:
     origin = get_origin(tp)
     if dataclasses.is_dataclass(tp):
-        return build(tp, value, source=source, path=path)
+        return build(cast(type, tp), value, source=source, path=path)
     if origin in (Union, types.UnionType):
         args = get_args(tp)
         if value is None and type(None) in args:
@@ -138,16 +138,14 @@ def _convert(tp: Any, value: Any, *, source: str, path: str) -> Any:
     if origin is Literal:
         allowed = get_args(tp)
         if value not in allowed:
-            raise ConfigError(
-                f"{source}: {path} must be one of {', '.join(map(str, allowed))}; got {value!r}"
-            )
+            raise ConfigError(f"{source}: {path} must be one of {', '.join(map(str, allowed))}; got {value!r}")
         return value
-    if origin in (list, typing.List):
+    if origin in (list, list):
         (item,) = get_args(tp) or (Any,)
         if not isinstance(value, list):
             raise ConfigError(f"{source}: {path} must be a list, got {_tname(value)}")
         return [_convert(item, v, source=source, path=f"{path}.{i}") for i, v in enumerate(value)]
-    if origin in (dict, typing.Dict):
+    if origin in (dict, dict):
         kt, vt = get_args(tp) or (Any, Any)
         if not isinstance(value, dict):
             raise ConfigError(f"{source}: {path} must be a mapping, got {_tname(value)}")

@@ -26,8 +26,9 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from tqdm import tqdm
 
@@ -77,49 +78,60 @@ class LogNoise:
 
 TRAINER_NOISE: tuple[WarningNoise | LogNoise, ...] = (
     WarningNoise(
-        FutureWarning, r"HeuristicalStorageReservation is known to cause issues", r"torchrec\.distributed\.planner\.",
-        "torchrec's planner default; it concerns the planner's dense-memory estimate, and deltarec prints its own "
-        "bytes per rank",
+        FutureWarning,
+        r"HeuristicalStorageReservation is known to cause issues",
+        r"torchrec\.distributed\.planner\.",
+        "torchrec's planner default; it concerns the planner's dense-memory estimate, and deltarec prints its own bytes per rank",
     ),
     WarningNoise(
-        FutureWarning, r"`broadcast_buffers` is deprecated", r"torchrec\.distributed\.",
+        FutureWarning,
+        r"`broadcast_buffers` is deprecated",
+        r"torchrec\.distributed\.",
         "torchrec itself passes the deprecated DistributedDataParallel argument; no deltarec setting reaches it",
     ),
     WarningNoise(
-        FutureWarning, r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+        FutureWarning,
+        r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
         r"torch\.distributed\.c10d_logger",
         "torchrec's pooled-embedding collectives call the deprecated names; deltarec calls neither",
     ),
     WarningNoise(
-        UserWarning, r"fbgemm::dense_embedding_codegen_lookup_function: an autograd kernel was not registered",
+        UserWarning,
+        r"fbgemm::dense_embedding_codegen_lookup_function: an autograd kernel was not registered",
         r"torch\.autograd\.graph",
         "fbgemm's data_parallel lookup computes its own backward, registered off the Autograd key; its gradients "
         "are right (tests/unit/test_console.py checks them)",
     ),
     LogNoise(
-        "torch.fx._symbolic_trace", r"is_fx_tracing will return true for both",
+        "torch.fx._symbolic_trace",
+        r"is_fx_tracing will return true for both",
         "torchrec's KTRegroupAsDict asks is_fx_tracing() in its first forward; the note is for code that tells fx "
         "tracing from export apart, and deltarec traces nothing",
     ),
     LogNoise(
-        "root", r"Sharding spec not found for .*\.",
-        "torchrec's planner checks every table's shard ranks; data_parallel tables are replicated and have no "
-        "shards to check",
+        "root",
+        r"Sharding spec not found for .*\.",
+        "torchrec's planner checks every table's shard ranks; data_parallel tables are replicated and have no shards to check",
     ),
     LogNoise(
-        "torchrec.distributed.utils", r"Sharding Type is data_parallel, caching params will be ignored",
+        "torchrec.distributed.utils",
+        r"Sharding Type is data_parallel, caching params will be ignored",
         "torchrec says it for every data_parallel table; deltarec sets no caching parameters",
     ),
     LogNoise(
-        "torchrec.distributed.comm", r"TORCHREC_RESOLVED_POD_SIZE not set",
+        "torchrec.distributed.comm",
+        r"TORCHREC_RESOLVED_POD_SIZE not set",
         "a pod is one node here: torchrec's fallback to LOCAL_WORLD_SIZE is the right size",
     ),
     LogNoise(
-        "torchrec.distributed.comm", r"\[Connection\] (intra|cross)_group:",
+        "torchrec.distributed.comm",
+        r"\[Connection\] (intra|cross)_group:",
         "torchrec lists the node-local process groups it builds, at warning level",
     ),
     LogNoise(
-        "torchrec.distributed.planner", "", "the planner's long estimates; deltarec prints the plan table instead",
+        "torchrec.distributed.planner",
+        "",
+        "the planner's long estimates; deltarec prints the plan table instead",
         level=logging.ERROR,
     ),
 )
@@ -127,7 +139,9 @@ TRAINER_NOISE: tuple[WarningNoise | LogNoise, ...] = (
 
 CUDA_NOISE: tuple[WarningNoise | LogNoise, ...] = (
     WarningNoise(
-        UserWarning, r"TBE B200 optimization: device_major=", r"torch\.autograd\.graph",
+        UserWarning,
+        r"TBE B200 optimization: device_major=",
+        r"torch\.autograd\.graph",
         "fbgemm-gpu's CUDA backward says, once per kernel, whether its Blackwell-only path is on; on any GPU it "
         "is a note about fbgemm's own dispatch (seen on an H100)",
     ),
@@ -136,8 +150,10 @@ CUDA_NOISE: tuple[WarningNoise | LogNoise, ...] = (
 
 EXPORT_NOISE: tuple[WarningNoise, ...] = (
     WarningNoise(
-        UserWarning, r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to save "
-        r"in a single process", r"torch\.distributed\.checkpoint\.",
+        UserWarning,
+        r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to save "
+        r"in a single process",
+        r"torch\.distributed\.checkpoint\.",
         "dcp.save in a process without a process group (the follower's serving snapshots, deltarec-ckpt export): "
         "a single process writing the whole model is the intent",
     ),
@@ -146,15 +162,18 @@ EXPORT_NOISE: tuple[WarningNoise, ...] = (
 
 LAUNCHER_NOISE: tuple[LogNoise, ...] = (
     LogNoise(
-        "torch.distributed.run", r"\n\*+\nSetting OMP_NUM_THREADS environment variable",
+        "torch.distributed.run",
+        r"\n\*+\nSetting OMP_NUM_THREADS environment variable",
         "torchrun's banner; the trainer sets each rank's threads itself (train.threads_per_rank)",
     ),
     LogNoise(
-        "torch.distributed.elastic.multiprocessing.api", r"Sending process \d+ closing signal SIG[A-Z]+$",
+        "torch.distributed.elastic.multiprocessing.api",
+        r"Sending process \d+ closing signal SIG[A-Z]+$",
         "the agent stopping the ranks after one failed or a signal came; the launcher's line says which",
     ),
     LogNoise(
-        "torch.distributed.elastic.agent.server.api", r"Received [\w.]+ death signal, shutting down workers",
+        "torch.distributed.elastic.agent.server.api",
+        r"Received [\w.]+ death signal, shutting down workers",
         "the launcher's 'stopped by' line says it",
     ),
 )
@@ -242,7 +261,9 @@ class CheckpointDigest:
     once the oldest held is `hold_s` old. A failed checkpoint is never held."""
 
     def __init__(
-        self, window_s: float = CHECKPOINT_WINDOW_S, hold_s: float = CHECKPOINT_HOLD_S,
+        self,
+        window_s: float = CHECKPOINT_WINDOW_S,
+        hold_s: float = CHECKPOINT_HOLD_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.window_s = window_s
@@ -286,9 +307,7 @@ def summarize_checkpoints(notes: list[CheckpointNote]) -> str:
         )
     if skipped:
         steps = f"step {skipped[0].step}" if len(skipped) == 1 else f"steps {skipped[0].step}-{skipped[-1].step}"
-        parts.append(
-            f"{len(skipped)} checkpoint(s) skipped at {steps}: the writers are behind (ckpt.max_pending_bytes)"
-        )
+        parts.append(f"{len(skipped)} checkpoint(s) skipped at {steps}: the writers are behind (ckpt.max_pending_bytes)")
     return "; ".join(parts)
 
 
@@ -317,7 +336,7 @@ class ConsoleHandler(logging.Handler):
                 self.write(self.digest.offer(note, line, self.console_formatter.formatTime(record, "%H:%M:%S")))
             else:
                 self.write([*self.held_lines(), line])
-        except Exception:
+        except Exception:  # noqa: BLE001 - logging.Handler's contract: a handler never raises, handleError reports
             self.handleError(record)
 
     def held_lines(self) -> list[str]:
@@ -340,8 +359,9 @@ class ConsoleHandler(logging.Handler):
 _handler: ConsoleHandler | None = None
 
 
-def setup_rank(rank: int, verbose: bool = False,
-               noise: Iterable[WarningNoise | LogNoise] = (*TRAINER_NOISE, *CUDA_NOISE)) -> None:
+def setup_rank(
+    rank: int, verbose: bool = False, noise: Iterable[WarningNoise | LogNoise] = (*TRAINER_NOISE, *CUDA_NOISE)
+) -> None:
     """Configure this training rank's console: deltarec's INFO lines on rank 0 only, warnings
     and errors everywhere, the known `noise` filtered (none of that with `verbose`)."""
     global _handler
@@ -426,8 +446,7 @@ _COLLECTIVE_CODE = ("/torchrec/", "/torch/distributed/", "/torch/nn/parallel/", 
 def is_stalled_collective(exc: BaseException) -> bool:
     """Whether `exc` is a collective that timed out waiting for another rank (alive, silent)."""
     text = str(exc)
-    return isinstance(exc, RuntimeError) and ("gloo" in text and STALLED.search(text) is not None
-                                              or PAIR_TIMED_OUT in text)
+    return isinstance(exc, RuntimeError) and ("gloo" in text and STALLED.search(text) is not None or PAIR_TIMED_OUT in text)
 
 
 def stalled_collective(exc: BaseException) -> str:
@@ -446,8 +465,12 @@ def stalled_collective(exc: BaseException) -> str:
         return where
 
     library = name(next((f for f in reversed(frames) if any(p in f[0].co_filename for p in _COLLECTIVE_CODE)), None))
-    ours = name(next((f for f in reversed(frames) if "site-packages" not in f[0].co_filename
-                      and "/lib/python" not in f[0].co_filename), None))
+    ours = name(
+        next(
+            (f for f in reversed(frames) if "site-packages" not in f[0].co_filename and "/lib/python" not in f[0].co_filename),
+            None,
+        )
+    )
     where = " in ".join(n for n in (library, ours) if n)
     return where or "an unknown collective"
 
@@ -457,8 +480,10 @@ def stalled_line(rank: int, exc: BaseException, timeout_s: float | None = None) 
     figure, else the configured `timeout_s`: its pair-closure message has none), where."""
     m = STALLED.search(str(exc))
     waited = f"{int(m[1]) / 1000:g} s" if m else f"{timeout_s:g} s" if timeout_s else "the timeout"
-    return (f"deltarec-train: rank {rank} stopped: a collective waited {waited} (sharding.timeout_s) for a rank that "
-            f"does not answer: {stalled_collective(exc)}")
+    return (
+        f"deltarec-train: rank {rank} stopped: a collective waited {waited} (sharding.timeout_s) for a rank that "
+        f"does not answer: {stalled_collective(exc)}"
+    )
 
 
 def reports_peer_lost(record: logging.LogRecord) -> bool:

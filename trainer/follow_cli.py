@@ -11,8 +11,8 @@ the console and opens the follower's metrics log (`ckpt.follow.metrics`, default
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from ckpt.config import CkptConfig
 from ckpt.follow import cli as follow_cli

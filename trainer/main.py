@@ -13,8 +13,8 @@ import gc
 import os
 import sys
 import traceback
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Sequence
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
@@ -26,10 +26,10 @@ from sharding.dmp import ShardedModel, plan_model, shard_model
 from sharding.plan import format_plan, summarize
 from sharding.process_group import DistEnv, destroy_process_group, detect_env, init_process_group, pick_device
 from sharding.row_init import RowInit
-from trainer.config import JobConfig, load_config
-from trainer.data.factory import make_reader
 from trainer import console, param_dump
 from trainer.allocator import keep_freed_memory
+from trainer.config import JobConfig, load_config
+from trainer.data.factory import make_reader
 from trainer.metrics import MetricsLog
 from trainer.model import build_model
 from trainer.stop import SigtermStopsLoop, keeps_work, save_survivor
@@ -43,7 +43,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=0, help="with --dry-run: plan for this many ranks")
     p.add_argument("--device", choices=["cpu", "cuda"], help="with --dry-run: plan for this device type")
     p.add_argument(
-        "--verbose", action="store_true",
+        "--verbose",
+        action="store_true",
         help="every rank's log lines and every library warning (by default known noise is filtered)",
     )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
@@ -102,18 +103,24 @@ def build_job(
     if cfg.train.keep_freed_memory:
         keep_freed_memory()
     torch.manual_seed(cfg.run.seed)
-    sharded = shard_model(build_model(cfg.model, device), cfg.model.tables, cfg.sharding, cfg.optimizer, env, device,
-                          row_init=RowInit(cfg.run.seed))
+    sharded = shard_model(
+        build_model(cfg.model, device), cfg.model.tables, cfg.sharding, cfg.optimizer, env, device, row_init=RowInit(cfg.run.seed)
+    )
+    train_reader = make_reader(cfg, env, "train")
+    assert train_reader is not None, "every job has training data"
     eval_reader = make_reader(cfg, env, "eval") if evaluate else None
-    return sharded, Trainer(cfg, env, device, sharded, make_reader(cfg, env, "train"), eval_reader, metrics)
+    return sharded, Trainer(cfg, env, device, sharded, train_reader, eval_reader, metrics)
 
 
 def run_job(cfg: JobConfig, env: DistEnv, device: torch.device) -> None:
     """Build the sharded model and readers, train, report. Everything it builds is
     released when it returns."""
     run_dir = cfg.run.run_dir
-    metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=env.rank == 0,
-                         tensorboard_dir=run_dir / "tensorboard" if cfg.train.tensorboard else None)
+    metrics = MetricsLog(
+        run_dir / "metrics.jsonl",
+        enabled=env.rank == 0,
+        tensorboard_dir=run_dir / "tensorboard" if cfg.train.tensorboard else None,
+    )
     # the checkpoint readers connect while the model is built: a restore finds them connected
     backend = open_for_restore(cfg.ckpt, env.world_size, env.rank) if cfg.ckpt.enabled else None
     try:
@@ -132,8 +139,7 @@ def run_job(cfg: JobConfig, env: DistEnv, device: torch.device) -> None:
     manager = None
     stopper = SigtermStopsLoop(trainer) if cfg.ckpt.enabled and cfg.ckpt.recovery == "partial" else None
     try:
-        manager = (make_checkpoint_manager(cfg, env, device, sharded, trainer, metrics, backend)
-                   if backend is not None else None)
+        manager = make_checkpoint_manager(cfg, env, device, sharded, trainer, metrics, backend) if backend is not None else None
         if manager is not None:
             trainer.checkpointer = manager
             restored = manager.restore()
@@ -168,14 +174,26 @@ def run_job(cfg: JobConfig, env: DistEnv, device: torch.device) -> None:
 
 
 def make_checkpoint_manager(
-    cfg: JobConfig, env: DistEnv, device: torch.device, sharded: ShardedModel, trainer: Trainer, metrics: MetricsLog,
+    cfg: JobConfig,
+    env: DistEnv,
+    device: torch.device,
+    sharded: ShardedModel,
+    trainer: Trainer,
+    metrics: MetricsLog,
     backend: Backend | None = None,
 ) -> CheckpointManager:
     """The checkpoint manager of this rank, given only what it reads of the job (`backend`:
     one `open_for_restore` opened earlier, else the manager opens its own)."""
     return CheckpointManager(
-        cfg.ckpt, tables=cfg.model.tables, identity=JobIdentity(cfg.digest(), cfg.model_digest()),
-        env=env, device=device, sharded=sharded, trainer=trainer, metrics=metrics, backend=backend,
+        cfg.ckpt,
+        tables=cfg.model.tables,
+        identity=JobIdentity(cfg.digest(), cfg.model_digest()),
+        env=env,
+        device=device,
+        sharded=sharded,
+        trainer=trainer,
+        metrics=metrics,
+        backend=backend,
     )
 
 
@@ -183,8 +201,10 @@ def partial_line(restored: RestoreReport) -> str:
     """The resume line's sequel after a partial recovery: what was kept and what was lost."""
     p = restored.partial
     assert p is not None
-    return (f"deltarec: partial recovery: {p.describe()}; {p.lost_samples:,.0f} of the {p.samples_since:,} samples "
-            f"since the checkpoint lost their updates there (run PLS {restored.run_pls:.2e})")
+    return (
+        f"deltarec: partial recovery: {p.describe()}; {p.lost_samples:,.0f} of the {p.samples_since:,} samples "
+        f"since the checkpoint lost their updates there (run PLS {restored.run_pls:.2e})"
+    )
 
 
 def checkpoint_summary(manager: CheckpointManager, resumed: bool = False) -> str:
@@ -236,7 +256,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verbose:
             traceback.print_exc()
         timeout_s = cfg.sharding.timeout_s if cfg is not None else None
-        console.say(console.stalled_line(env.rank, exc, timeout_s) if stalled else console.peer_lost_line(env.rank, exc), err=True)
+        console.say(
+            console.stalled_line(env.rank, exc, timeout_s) if stalled else console.peer_lost_line(env.rank, exc), err=True
+        )
         if not stalled:  # a silent rank has not exited, so no agent knows of a failure: exit now
             console.wait_for_agent()
         # Not stopped by an agent: this exit is the failure to report. `record` only writes

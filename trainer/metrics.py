@@ -73,9 +73,7 @@ class Progress:
         use_bar = enabled and (mode == "bar" or (mode == "auto" and sys.stderr.isatty()))
         self.enabled = enabled
         self.total = total
-        self._bar = (
-            tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr) if use_bar else None
-        )
+        self._bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr) if use_bar else None
 
     @staticmethod
     def format_fields(fields: dict[str, float]) -> str:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torchrec.optim.keyed import CombinedOptimizer
 
 from sharding.shard_views import ShardMap
-from torchrec.optim.keyed import CombinedOptimizer
 
 
 def local_tensors(model: nn.Module, optimizer: CombinedOptimizer) -> dict[str, torch.Tensor]:

@@ -20,9 +20,10 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -189,8 +190,11 @@ def read_metrics(path: Path) -> RunMetrics:
         rec = line.record
         if "restored_ckpt" in rec:
             restore = Restore(
-                line.integer("step"), line.integer("restored_ckpt"), float(line.number("restore_s")),
-                line.integer("restore_bytes"), line.ids("restore_chain"),
+                line.integer("step"),
+                line.integer("restored_ckpt"),
+                float(line.number("restore_s")),
+                line.integer("restore_bytes"),
+                line.ids("restore_chain"),
             )
             attempts.append(Attempt(restore=restore))
             last_window_step = None
@@ -200,8 +204,12 @@ def read_metrics(path: Path) -> RunMetrics:
             attempts[-1].checkpoints.append(_checkpoint(line))
         elif "eval_auc" in rec:
             attempts[-1].evals.append(
-                Evaluation(line.integer("step"), float(line.number("eval_auc")), float(line.number("eval_logloss")),
-                           line.integer("eval_samples"))
+                Evaluation(
+                    line.integer("step"),
+                    float(line.number("eval_auc")),
+                    float(line.number("eval_logloss")),
+                    line.integer("eval_samples"),
+                )
             )
         elif "loss" in rec:
             window = TrainWindow(line.integer("step"), float(line.number("loss")), float(line.number("samples_per_s")))
@@ -375,8 +383,15 @@ def figure(metrics: RunMetrics, title: str) -> Figure:
             ax.axvline(r.step, color=_RESTORE, linestyle="--", linewidth=1.5)
     for r in metrics.restores:
         axes[0].annotate(
-            f"restore of ckpt {r.ckpt_id}", xy=(r.step, 1.0), xycoords=("data", "axes fraction"),
-            xytext=(3, -3), textcoords="offset points", ha="left", va="top", fontsize=8, color=_RESTORE,
+            f"restore of ckpt {r.ckpt_id}",
+            xy=(r.step, 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, -3),
+            textcoords="offset points",
+            ha="left",
+            va="top",
+            fontsize=8,
+            color=_RESTORE,
         )
     axes[-1].set_xlabel("training step")
     axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -387,8 +402,7 @@ def _legend(ax: Axes, handles: list[Any], right_axis: bool = False) -> None:
     """Beside the panel, where it hides no data."""
     if not handles:
         return
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.09 if right_axis else 1.01, 1.0), fontsize=8,
-              borderaxespad=0)
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.09 if right_axis else 1.01, 1.0), fontsize=8, borderaxespad=0)
 
 
 def _zero_based(ax: Axes, values: list[float]) -> None:
@@ -402,8 +416,9 @@ def _restore_handle() -> list[Line2D]:
 
 
 def _loss_auc_panel(ax: Axes, m: RunMetrics, has_ckpts: bool) -> None:
-    ax.set_title("Training loss (left axis) and eval AUC (right axis)"
-                 + ("" if has_ckpts else ": no checkpoints in this run"), loc="left")
+    ax.set_title(
+        "Training loss (left axis) and eval AUC (right axis)" + ("" if has_ckpts else ": no checkpoints in this run"), loc="left"
+    )
     auc_ax = ax.twinx()
     redone = False
     for a, after in zip(m.attempts, m.attempts[1:] + [None]):
@@ -417,9 +432,8 @@ def _loss_auc_panel(ax: Axes, m: RunMetrics, has_ckpts: bool) -> None:
             lost = [p for p in points if cut is not None and p.step >= cut]  # joined to `kept` at the cut
             if kept:
                 axis.plot([p.step for p in kept], [value(p) for p in kept], color=color, marker=marker)
-            if any(p.step > cut for p in lost):
-                axis.plot([p.step for p in lost], [value(p) for p in lost], color=color, marker=marker, alpha=0.35,
-                          linestyle=":")
+            if cut is not None and any(p.step > cut for p in lost):
+                axis.plot([p.step for p in lost], [value(p) for p in lost], color=color, marker=marker, alpha=0.35, linestyle=":")
                 redone = True
     ax.set_ylabel("training loss", color=_LOSS)
     auc_ax.set_ylabel("eval AUC", color=_AUC)
@@ -428,8 +442,17 @@ def _loss_auc_panel(ax: Axes, m: RunMetrics, has_ckpts: bool) -> None:
         Line2D([], [], color=_AUC, marker="o", label="eval AUC"),
     ]
     if redone:
-        handles.append(Line2D([], [], color="gray", marker=".", alpha=0.5, linestyle=":",
-                              label="logged before a crash, past the restored step (trained again)"))
+        handles.append(
+            Line2D(
+                [],
+                [],
+                color="gray",
+                marker=".",
+                alpha=0.5,
+                linestyle=":",
+                label="logged before a crash, past the restored step (trained again)",
+            )
+        )
     if not m.windows and not m.evals:
         ax.text(0.5, 0.5, "no training windows or evaluations logged", transform=ax.transAxes, ha="center")
     _legend(ax, handles + (_restore_handle() if m.restores else []), right_axis=True)
@@ -445,13 +468,26 @@ def _bytes_panel(ax: Axes, m: RunMetrics) -> None:
     for c in ckpts:
         color = _FULL if c.full else _DELTA
         ax.bar(
-            c.step, c.bytes, width=width, color=color if c.committed else "none",
-            edgecolor=color if c.committed else _FAILED, linewidth=0.8 if c.committed else 2,
-            hatch=hatch.get(c.encoding, "") if c.encoding is not None else "", hatchcolor="black",
+            c.step,
+            c.bytes,
+            width=width,
+            color=color if c.committed else "none",
+            edgecolor=color if c.committed else _FAILED,
+            linewidth=0.8 if c.committed else 2,
+            hatch=hatch.get(c.encoding, "") if c.encoding is not None else "",
+            hatchcolor="black",
         )
     if m.skipped:
-        ax.plot(m.skipped, [0] * len(m.skipped), linestyle="none", marker="x", color=_SKIP, markersize=10,
-                markeredgewidth=2, clip_on=False)
+        ax.plot(
+            m.skipped,
+            [0] * len(m.skipped),
+            linestyle="none",
+            marker="x",
+            color=_SKIP,
+            markersize=10,
+            markeredgewidth=2,
+            clip_on=False,
+        )
     ax.yaxis.set_major_formatter(EngFormatter(unit="B"))
     ax.set_ylabel("bytes")
     handles: list[Any] = [Patch(color=_FULL, label="full"), Patch(color=_DELTA, label="delta")]
@@ -478,11 +514,17 @@ def _bar_width(ckpt_steps: list[int], window_steps: list[int]) -> float:
 def _per_checkpoint(ax: Axes, m: RunMetrics, value: Callable[[Checkpoint], float | None]) -> None:
     """Committed checkpoints' markers, coloured full/delta, joined in file order within each attempt."""
     for a in m.attempts:
-        pts = [(c, value(c)) for c in a.checkpoints if c.committed and value(c) is not None]
+        pts = [(c, v) for c in a.checkpoints if c.committed for v in [value(c)] if v is not None]
         if pts:
             ax.plot([c.step for c, _ in pts], [v for _, v in pts], color="lightgray", linewidth=1, zorder=1)
-            ax.scatter([c.step for c, _ in pts], [v for _, v in pts],
-                       c=[_FULL if c.full else _DELTA for c, _ in pts], edgecolors="black", linewidths=0.5, zorder=2)
+            ax.scatter(
+                [c.step for c, _ in pts],
+                [v for _, v in pts],
+                c=[_FULL if c.full else _DELTA for c, _ in pts],
+                edgecolors="black",
+                linewidths=0.5,
+                zorder=2,
+            )
 
 
 def _kind_handles(m: RunMetrics, failed_label: str) -> list[Any]:
@@ -500,8 +542,7 @@ def _stall_panel(ax: Axes, m: RunMetrics) -> None:
     _per_checkpoint(ax, m, lambda c: c.stall_ms)
     failed = [c for c in m.checkpoints if not c.committed]
     if failed:
-        ax.plot([c.step for c in failed], [c.stall_ms for c in failed], linestyle="none", marker="x",
-                color=_FAILED, markersize=9)
+        ax.plot([c.step for c in failed], [c.stall_ms for c in failed], linestyle="none", marker="x", color=_FAILED, markersize=9)
     ax.set_ylabel("stall (ms)")
     _zero_based(ax, [c.stall_ms for c in m.checkpoints])
     _legend(ax, _kind_handles(m, "failed checkpoint"))
@@ -511,14 +552,18 @@ def _durable_panel(ax: Axes, m: RunMetrics) -> None:
     ax.set_title("Time to COMMIT: from the checkpoint's stall to its COMMIT marker (restorable from then)", loc="left")
     ax.set_ylabel("time to COMMIT (s)")
     if not any(c.durable_s is not None for c in m.checkpoints):
-        msg = "no checkpoint committed" if not any(c.committed for c in m.checkpoints) else (
-            "not recorded in this run's metrics (written by an older deltarec)")
+        msg = (
+            "no checkpoint committed"
+            if not any(c.committed for c in m.checkpoints)
+            else ("not recorded in this run's metrics (written by an older deltarec)")
+        )
         ax.text(0.5, 0.5, msg, transform=ax.transAxes, ha="center", va="center", color="dimgray")
     _per_checkpoint(ax, m, lambda c: c.durable_s)
     failed = [c for c in m.checkpoints if not c.committed]
     if failed:
-        ax.plot([c.step for c in failed], [0] * len(failed), linestyle="none", marker="x", color=_FAILED, markersize=9,
-                clip_on=False)
+        ax.plot(
+            [c.step for c in failed], [0] * len(failed), linestyle="none", marker="x", color=_FAILED, markersize=9, clip_on=False
+        )
     durable = [c.durable_s for c in m.checkpoints if c.durable_s is not None]
     _zero_based(ax, durable)
     handles = _kind_handles(m, "failed (no COMMIT)")

@@ -51,10 +51,11 @@ def save_survivor(manager: CheckpointManager, trainer: Trainer, rank: int) -> No
     try:
         record = manager.save_survivor(trainer.completed_state())
     except Exception as exc:  # noqa: BLE001 - the rank is exiting anyway; the job restarts without it
-        console.say(f"deltarec-train: rank {rank}: survivor snapshot not saved (its shards will roll back): {exc}",
-                    err=True)
+        console.say(f"deltarec-train: rank {rank}: survivor snapshot not saved (its shards will roll back): {exc}", err=True)
         return
     if record is not None:
-        console.say(f"deltarec-train: rank {rank} saved its survivor snapshot: step {record.step}, "
-                    f"{record.link.rows:,} rows changed since checkpoint {record.base}, {record.link.bytes / 1e6:.2f} MB",
-                    err=True)
+        console.say(
+            f"deltarec-train: rank {rank} saved its survivor snapshot: step {record.step}, "
+            f"{record.link.rows:,} rows changed since checkpoint {record.base}, {record.link.bytes / 1e6:.2f} MB",
+            err=True,
+        )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from ckpt.config import CkptConfig
 from ckpt.follow.follower import Follower
@@ -26,10 +26,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         description="Follow a run's checkpoints: keep its model, compact its chain, publish serving snapshots.",
     )
     p.add_argument("--config", required=True, help="the job's YAML config")
-    p.add_argument("--export-every", type=int, metavar="N",
-                   help="a serving snapshot every N checkpoints (default: ckpt.follow.export_every)")
-    p.add_argument("--export-every-s", type=float, metavar="T",
-                   help="a serving snapshot every T seconds (default: ckpt.follow.export_every_s)")
+    p.add_argument(
+        "--export-every", type=int, metavar="N", help="a serving snapshot every N checkpoints (default: ckpt.follow.export_every)"
+    )
+    p.add_argument(
+        "--export-every-s",
+        type=float,
+        metavar="T",
+        help="a serving snapshot every T seconds (default: ckpt.follow.export_every_s)",
+    )
     p.add_argument("--verbose", action="store_true", help="every library line too")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="the job's overrides")
     args = p.parse_args(argv)

@@ -15,8 +15,16 @@ from ckpt.markers import ChainLink, FrameMeta, IndexEntry, OffsetRange, index_fr
 from ckpt.sink import FrameSink, SinkError
 
 
-def write_compacted(store: RowStore, *, sink: FrameSink, run_id: str, checkpoint_id: int, generation: int,
-                    max_frame_bytes: int, flush_timeout_s: float) -> ChainLink:
+def write_compacted(
+    store: RowStore,
+    *,
+    sink: FrameSink,
+    run_id: str,
+    checkpoint_id: int,
+    generation: int,
+    max_frame_bytes: int,
+    flush_timeout_s: float,
+) -> ChainLink:
     """Write every row of `store` as checkpoint `checkpoint_id` into `generation`; raises
     `SinkError` when any frame is not durable."""
     meta: dict[int, list[FrameMeta]] = {}  # partition -> frames in write order
@@ -24,14 +32,28 @@ def write_compacted(store: RowStore, *, sink: FrameSink, run_id: str, checkpoint
     for frame in store.frames(run_id, checkpoint_id):
         partition = frame.rank
         for encoded in chunk_rows(
-            run_id=run_id, checkpoint_id=checkpoint_id, rank=partition, table=frame.table,
-            col_offset=frame.col_offset, dim=frame.dim, encoding=frame.encoding, row_ids=frame.row_ids,
-            payload=frame.payload, optim=frame.optim, max_frame_bytes=max_frame_bytes,
+            run_id=run_id,
+            checkpoint_id=checkpoint_id,
+            rank=partition,
+            table=frame.table,
+            col_offset=frame.col_offset,
+            dim=frame.dim,
+            encoding=frame.encoding,
+            row_ids=frame.row_ids,
+            payload=frame.payload,
+            optim=frame.optim,
+            max_frame_bytes=max_frame_bytes,
         ):
             sink.write(encoded.data, generation=generation, partition=partition)
-            meta.setdefault(partition, []).append(FrameMeta(table=frame.table, col_offset=frame.col_offset,
-                                                            first_row=encoded.first_row, last_row=encoded.last_row,
-                                                            cols=frame.dim))
+            meta.setdefault(partition, []).append(
+                FrameMeta(
+                    table=frame.table,
+                    col_offset=frame.col_offset,
+                    first_row=encoded.first_row,
+                    last_row=encoded.last_row,
+                    cols=frame.dim,
+                )
+            )
             nbytes += len(encoded.data)
         rows += frame.row_count
     result = sink.flush(flush_timeout_s).raise_for_error()
@@ -40,9 +62,12 @@ def write_compacted(store: RowStore, *, sink: FrameSink, run_id: str, checkpoint
     for partition, frames in sorted(meta.items()):
         positions = result.positions.get((generation, partition), [])
         if len(positions) != len(frames):
-            raise SinkError(f"compaction of checkpoint {checkpoint_id}: partition {partition}: {len(frames)} frames "
-                            f"written but {len(positions)} acknowledged")
+            raise SinkError(
+                f"compaction of checkpoint {checkpoint_id}: partition {partition}: {len(frames)} frames "
+                f"written but {len(positions)} acknowledged"
+            )
         ranges[partition] = [OffsetRange(*r) for r in result.ranges[(generation, partition)]]
         index.extend(index_frames(partition, positions, frames))
-    return ChainLink(checkpoint_id=checkpoint_id, full=True, generation=generation, ranges=ranges, rows=rows,
-                     bytes=nbytes, index=index)
+    return ChainLink(
+        checkpoint_id=checkpoint_id, full=True, generation=generation, ranges=ranges, rows=rows, bytes=nbytes, index=index
+    )

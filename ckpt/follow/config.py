@@ -29,7 +29,9 @@ class FollowConfig:
         if self.compact_ratio <= 0 or self.compact_links < 1:
             raise ConfigError(f"{source}: ckpt.follow.compact_ratio must be > 0 and ckpt.follow.compact_links >= 1")
         if self.poll_s <= 0 or self.lease_s < 3 * self.poll_s:
-            raise ConfigError(f"{source}: ckpt.follow.poll_s must be > 0 and ckpt.follow.lease_s at least 3 x poll_s "
-                              f"(the lease is renewed every lease_s / 3), got poll_s={self.poll_s}, lease_s={self.lease_s}")
+            raise ConfigError(
+                f"{source}: ckpt.follow.poll_s must be > 0 and ckpt.follow.lease_s at least 3 x poll_s "
+                f"(the lease is renewed every lease_s / 3), got poll_s={self.poll_s}, lease_s={self.lease_s}"
+            )
         if self.export_every < 0 or self.export_every_s < 0 or self.export_keep < 1:
             raise ConfigError(f"{source}: ckpt.follow.export_every / export_every_s must be >= 0 and export_keep >= 1")

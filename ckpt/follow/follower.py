@@ -19,9 +19,9 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 from ckpt.attempts import new_writer_id
 from ckpt.backends import open_backend, open_sink
@@ -54,8 +54,9 @@ class FollowStats:
 class Follower:
     """The follower of one run (`cfg` is the job's resolved `ckpt` section)."""
 
-    def __init__(self, cfg: CkptConfig, metrics: MetricsSink, *, export_every: int | None = None,
-                 export_every_s: float | None = None) -> None:
+    def __init__(
+        self, cfg: CkptConfig, metrics: MetricsSink, *, export_every: int | None = None, export_every_s: float | None = None
+    ) -> None:
         self.c = cfg
         self.f = cfg.follow
         self.run_id = cfg.run_id
@@ -67,8 +68,9 @@ class Follower:
         self.store = RowStore()
         self.applied: Marker | None = None  # the checkpoint the store holds
         self.chain: list[ChainLink] = []  # how the store got there: a baseline, then deltas
-        self.publisher = Publisher(Path(self.f.export_dir), DenseStore(cfg.dense_dir), keep=self.f.export_keep,
-                                   dcp=self.f.export_dcp)
+        self.publisher = Publisher(
+            Path(self.f.export_dir), DenseStore(Path(cfg.dense_dir)), keep=self.f.export_keep, dcp=self.f.export_dcp
+        )
         self.export_every = self.f.export_every if export_every is None else export_every
         self.export_every_s = self.f.export_every_s if export_every_s is None else export_every_s
         self._last_export = time.monotonic()
@@ -77,10 +79,13 @@ class Follower:
         self.stop = threading.Event()
 
     # -- the loop -----------------------------------------------------------------------
-    def run(self, until: Callable[["Follower"], bool] | None = None) -> None:
+    def run(self, until: Callable[[Follower], bool] | None = None) -> None:
         """Follow until SIGINT/SIGTERM (or `until(self)` is true after a poll)."""
-        previous = {s: signal.signal(s, lambda *_: self.stop.set()) for s in (signal.SIGINT, signal.SIGTERM)} \
-            if threading.current_thread() is threading.main_thread() else {}
+        previous = (
+            {s: signal.signal(s, lambda *_: self.stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+            if threading.current_thread() is threading.main_thread()
+            else {}
+        )
         logger.info("following run %s in %s as %s", self.run_id, self.backend.where, self.follower_id)
         try:
             while not self.stop.is_set():
@@ -101,8 +106,9 @@ class Follower:
     def poll(self) -> None:
         """One round: the lease, then every new COMMIT in order (the newest at once on start)."""
         self.lease.tend()
-        pending = [m for cid, m in sorted(self.catalog.commits.items())
-                   if self.applied is None or cid > self.applied.checkpoint_id]
+        pending = [
+            m for cid, m in sorted(self.catalog.commits.items()) if self.applied is None or cid > self.applied.checkpoint_id
+        ]
         if self.applied is None and pending:
             pending = pending[-1:]  # start from the newest checkpoint's cheapest chain
         for marker in pending:
@@ -125,8 +131,13 @@ class Follower:
         except DeltarecError as exc:
             logger.warning("could not release the compaction lease: %s", exc)
         self.backend.close()
-        logger.info("stopped: %d checkpoints applied (%d rebuilds), %d compacted, %d serving snapshots",
-                    self.stats.applied, self.stats.rebuilt, self.stats.compacted, self.stats.exported)
+        logger.info(
+            "stopped: %d checkpoints applied (%d rebuilds), %d compacted, %d serving snapshots",
+            self.stats.applied,
+            self.stats.rebuilt,
+            self.stats.compacted,
+            self.stats.exported,
+        )
 
     # -- applying checkpoints -----------------------------------------------------------
     def _extended(self, marker: Marker) -> list[ChainLink] | None:
@@ -167,14 +178,29 @@ class Follower:
         self.stats.bytes_read += read
         behind = sum(1 for cid in self.catalog.commits if cid > marker.checkpoint_id)
         lag_s = time.time() - marker.created_unix
-        logger.info("checkpoint %d (step %d) applied (%s): %.2f MB in %.2f s; %d behind the newest COMMIT, %.1f s after its COMMIT",
-                    marker.checkpoint_id, marker.step, how, read / 1e6, time.perf_counter() - t0, behind, lag_s)
-        self.metrics.write({
-            "step": marker.step, "follow_ckpt": marker.checkpoint_id, "follow_read_bytes": read,
-            "follow_apply_s": time.perf_counter() - t0, "follow_lag_ckpts": behind, "follow_lag_s": lag_s,
-            "follow_chain": [link.checkpoint_id for link in self.chain], "follow_store_bytes": self.store.nbytes,
-            "follow_rebuilt": how != "delta",
-        })
+        logger.info(
+            "checkpoint %d (step %d) applied (%s): %.2f MB in %.2f s; %d behind the newest COMMIT, %.1f s after its COMMIT",
+            marker.checkpoint_id,
+            marker.step,
+            how,
+            read / 1e6,
+            time.perf_counter() - t0,
+            behind,
+            lag_s,
+        )
+        self.metrics.write(
+            {
+                "step": marker.step,
+                "follow_ckpt": marker.checkpoint_id,
+                "follow_read_bytes": read,
+                "follow_apply_s": time.perf_counter() - t0,
+                "follow_lag_ckpts": behind,
+                "follow_lag_s": lag_s,
+                "follow_chain": [link.checkpoint_id for link in self.chain],
+                "follow_store_bytes": self.store.nbytes,
+                "follow_rebuilt": how != "delta",
+            }
+        )
 
     def _apply(self, link: ChainLink, marker: Marker) -> int:
         """Keep one link's rows in the store; returns the bytes read."""
@@ -192,8 +218,10 @@ class Follower:
         if self.applied is None or len(self.chain) < 2 or self.applied.policy != "incremental":
             return False  # only incremental chains run through an older checkpoint's baseline
         deltas = self.chain[1:]
-        return (len(deltas) >= self.f.compact_links
-                or sum(link.bytes for link in deltas) >= self.f.compact_ratio * self.chain[0].bytes)
+        return (
+            len(deltas) >= self.f.compact_links
+            or sum(link.bytes for link in deltas) >= self.f.compact_ratio * self.chain[0].bytes
+        )
 
     def _maybe_compact(self) -> None:
         if not self._due() or not self.lease.tend():
@@ -204,20 +232,28 @@ class Follower:
         generation = compacted_generation(self.lease.epoch, marker.checkpoint_id)
         sink = open_sink(self.c, marker.world_size)
         try:
-            link = write_compacted(self.store, sink=sink, run_id=self.run_id, checkpoint_id=marker.checkpoint_id,
-                                   generation=generation, max_frame_bytes=self.c.max_frame_bytes,
-                                   flush_timeout_s=self.c.flush_timeout_s)
+            link = write_compacted(
+                self.store,
+                sink=sink,
+                run_id=self.run_id,
+                checkpoint_id=marker.checkpoint_id,
+                generation=generation,
+                max_frame_bytes=self.c.max_frame_bytes,
+                flush_timeout_s=self.c.flush_timeout_s,
+            )
         except DeltarecError as exc:
             logger.warning("compaction of checkpoint %d failed (training is not affected): %s", marker.checkpoint_id, exc)
             return
         finally:
             sink.close()
         if not self.lease.tend():  # fenced while writing: the rows are never referenced
-            logger.warning("lost the compaction lease while compacting checkpoint %d; its rows in %s are unused",
-                           marker.checkpoint_id, generation_label(generation))
+            logger.warning(
+                "lost the compaction lease while compacting checkpoint %d; its rows in %s are unused",
+                marker.checkpoint_id,
+                generation_label(generation),
+            )
             return
-        record = replace(marker, kind="compacted", chain=[link], follower=self.follower_id, stall_ms=[],
-                         created_unix=time.time())
+        record = replace(marker, kind="compacted", chain=[link], follower=self.follower_id, stall_ms=[], created_unix=time.time())
         self.backend.markers.append_marker(encode_marker(record))
         catch_up(self.catalog, self.backend.markers)
         accepted = self.catalog.compactions.get(marker.checkpoint_id)
@@ -229,14 +265,26 @@ class Follower:
         self.stats.compacted += 1
         self.stats.bytes_compacted += link.bytes
         seconds = time.perf_counter() - t0
-        logger.info("checkpoint %d compacted into %s: %.2f MB replace a chain of %d links (%.2f MB) in %.2f s",
-                    marker.checkpoint_id, generation_label(generation), link.bytes / 1e6, len(replaced),
-                    sum(x.bytes for x in replaced) / 1e6, seconds)
-        self.metrics.write({
-            "step": marker.step, "compacted_ckpt": marker.checkpoint_id, "compact_bytes": link.bytes,
-            "compact_replaced_bytes": sum(x.bytes for x in replaced), "compact_replaced_links": len(replaced),
-            "compact_s": seconds, "compact_generation": generation_label(generation),
-        })
+        logger.info(
+            "checkpoint %d compacted into %s: %.2f MB replace a chain of %d links (%.2f MB) in %.2f s",
+            marker.checkpoint_id,
+            generation_label(generation),
+            link.bytes / 1e6,
+            len(replaced),
+            sum(x.bytes for x in replaced) / 1e6,
+            seconds,
+        )
+        self.metrics.write(
+            {
+                "step": marker.step,
+                "compacted_ckpt": marker.checkpoint_id,
+                "compact_bytes": link.bytes,
+                "compact_replaced_bytes": sum(x.bytes for x in replaced),
+                "compact_replaced_links": len(replaced),
+                "compact_s": seconds,
+                "compact_generation": generation_label(generation),
+            }
+        )
 
     # -- serving snapshots ----------------------------------------------------------------
     def _maybe_export(self) -> None:
@@ -252,7 +300,9 @@ class Follower:
             return
         self._since_export, self._last_export = 0, time.monotonic()
         self.stats.exported += 1
-        logger.info("serving snapshot of checkpoint %d (step %d): %s in %.2f s", snap.checkpoint_id, snap.step,
-                    snap.path, snap.seconds)
-        self.metrics.write({"step": snap.step, "export_ckpt": snap.checkpoint_id, "export_path": str(snap.path),
-                            "export_s": snap.seconds})
+        logger.info(
+            "serving snapshot of checkpoint %d (step %d): %s in %.2f s", snap.checkpoint_id, snap.step, snap.path, snap.seconds
+        )
+        self.metrics.write(
+            {"step": snap.step, "export_ckpt": snap.checkpoint_id, "export_path": str(snap.path), "export_s": snap.seconds}
+        )

@@ -36,8 +36,14 @@ class LeaseKeeper:
         self._renewed = 0.0  # monotonic time of our last claim or renewal
 
     def _append(self, event: str) -> None:
-        record = LeaseRecord(kind="lease", run_id=self.catalog.run_id, follower=self.follower_id, event=event,
-                             lease_s=self.lease_s, created_unix=time.time())
+        record = LeaseRecord(
+            kind="lease",
+            run_id=self.catalog.run_id,
+            follower=self.follower_id,
+            event=event,
+            lease_s=self.lease_s,
+            created_unix=time.time(),
+        )
         self.markers.append_marker(encode_marker(record))
         self._renewed = time.monotonic()
 

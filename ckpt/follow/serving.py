@@ -66,8 +66,7 @@ class Publisher:
         path, dcp_dir = snapshot_paths(self.export_dir, marker.checkpoint_id, marker.step)
         write_export(build_export(marker, tables, dense_state).for_serving(), path, dcp_dir if self.dcp else None)
         self._trim()
-        return Snapshot(marker.checkpoint_id, marker.step, path, dcp_dir if self.dcp else None,
-                        time.perf_counter() - t0)
+        return Snapshot(marker.checkpoint_id, marker.step, path, dcp_dir if self.dcp else None, time.perf_counter() - t0)
 
     def _trim(self) -> None:
         for _, path in list_snapshots(self.export_dir)[: -self.keep]:

@@ -18,8 +18,9 @@ A 4-bit-only stream of 64-dim rows with row-wise Adagrad costs 36 + 4 + 4 bytes 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -45,7 +46,7 @@ class EncodedRows:
     code: torch.Tensor  # uint8 [rows]: the codec id of each row; 0 = not written yet
 
     @classmethod
-    def empty(cls, rows: int, width: int) -> "EncodedRows":
+    def empty(cls, rows: int, width: int) -> EncodedRows:
         return cls(width, torch.zeros(rows, 0, dtype=torch.uint8), torch.zeros(rows, dtype=torch.uint8))
 
     def put(self, ids: torch.Tensor, code: int, rows: torch.Tensor) -> None:
@@ -97,12 +98,15 @@ class RowStore:
         key = ShardKey(frame.table, frame.col_offset, frame.dim)
         shard = self.shards.get(key)
         if shard is None:
-            shard = self.shards[key] = ShardRows(EncodedRows.empty(table_rows, frame.dim),
-                                                 torch.zeros(table_rows, dtype=torch.int16))
+            shard = self.shards[key] = ShardRows(
+                EncodedRows.empty(table_rows, frame.dim), torch.zeros(table_rows, dtype=torch.int16)
+            )
         ids = frame.row_ids
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= shard.partition.shape[0]):
-            raise RestoreError(f"table {frame.table}: frame of checkpoint {frame.checkpoint_id} has rows outside "
-                               f"0..{shard.partition.shape[0] - 1}")
+            raise RestoreError(
+                f"table {frame.table}: frame of checkpoint {frame.checkpoint_id} has rows outside "
+                f"0..{shard.partition.shape[0] - 1}"
+            )
         shard.weights.put(ids, frame.encoding, frame.payload)
         for o in frame.optim:
             state = shard.optim.get(o.name)
@@ -121,8 +125,10 @@ class RowStore:
             for name, rows in [("weights", shard.weights), *shard.optim.items()]:
                 missing = int(((rows.code == 0) & present).sum()) if untrained_ok else int((rows.code == 0).sum())
                 if missing:
-                    raise RestoreError(f"checkpoint {checkpoint_id}: table {key.table} columns {key.col_offset}.."
-                                       f"{key.col_offset + key.dim - 1}: {missing} rows have no {name} in the chain")
+                    raise RestoreError(
+                        f"checkpoint {checkpoint_id}: table {key.table} columns {key.col_offset}.."
+                        f"{key.col_offset + key.dim - 1}: {missing} rows have no {name} in the chain"
+                    )
 
     def frames(self, run_id: str, checkpoint_id: int) -> Iterator[Frame]:
         """The whole store as frames of checkpoint `checkpoint_id`, unsized (the caller
@@ -146,7 +152,17 @@ class RowStore:
                     ocode = (value >> (8 * (i + 1))) & 0xFF
                     optim.append(OptimState(name, ocode, rows.data[ids, : rows.row_bytes(ocode)]))
                 yield Frame(
-                    run_id=run_id, checkpoint_id=checkpoint_id, rank=value >> 48, table=key.table,
-                    col_offset=key.col_offset, dim=key.dim, encoding=code, row_bytes=nbytes, chunk_index=0,
-                    chunk_count=1, row_ids=ids, payload=shard.weights.data[ids, :nbytes], optim=tuple(optim),
+                    run_id=run_id,
+                    checkpoint_id=checkpoint_id,
+                    rank=value >> 48,
+                    table=key.table,
+                    col_offset=key.col_offset,
+                    dim=key.dim,
+                    encoding=code,
+                    row_bytes=nbytes,
+                    chunk_index=0,
+                    chunk_count=1,
+                    row_ids=ids,
+                    payload=shard.weights.data[ids, :nbytes],
+                    optim=tuple(optim),
                 )

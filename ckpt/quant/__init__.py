@@ -10,8 +10,16 @@ accuracy and speed, and :mod:`ckpt.quant.policy` for choosing the bit width.
 """
 
 from .base import NonFiniteRowError, RowCodec, RowRangeError
-from .policy import (CHECK_N_RUN_WIDTHS, DELTAREC_WIDTHS, WIDTH_PRESETS, BitWidthPolicy, bits_for_expected_restores,
-                     check_widths, codec_for_width, resolve_widths)
+from .policy import (
+    CHECK_N_RUN_WIDTHS,
+    DELTAREC_WIDTHS,
+    WIDTH_PRESETS,
+    BitWidthPolicy,
+    bits_for_expected_restores,
+    check_widths,
+    codec_for_width,
+    resolve_widths,
+)
 from .registry import CODE_TABLE, codec_names, get_codec, register_codec, warm_up_codecs
 
 __all__ = [

@@ -57,8 +57,7 @@ import math
 import torch
 
 from . import adaptive_kernel, adaptive_triton, uniform
-from .base import (FP16_MAX, RowRangeError, as_float_rows, check_encoded, check_finite_meta, check_finite_rows,
-                   refuse_non_finite)
+from .base import FP16_MAX, RowRangeError, as_float_rows, check_encoded, check_finite_meta, check_finite_rows, refuse_non_finite
 from .bitpack import pack_bits, packed_bytes
 from .uniform import _half_ok, decode_nbit, encode_nbit_with_range
 
@@ -360,10 +359,7 @@ class AdaptiveCodec:
 
     def __repr__(self) -> str:
         extra = f" refits={self.refits}" if self.search == "fast" else ""
-        return (
-            f"<codec {self.name} code={self.code} search={self.search} nbins={self.nbins} "
-            f"ratio={self.ratio}{extra}>"
-        )
+        return f"<codec {self.name} code={self.code} search={self.search} nbins={self.nbins} ratio={self.ratio}{extra}>"
 
     def row_bytes(self, dim: int) -> int:
         return packed_bytes(dim, self.bits) + 4
@@ -398,7 +394,8 @@ class AdaptiveCodec:
         x = as_float_rows(rows, table, row_ids, check_finite=False)
         if self.search == "fast" and self.uses_kernel(x):  # the kernel checks as it reads the rows
             out, checks = adaptive_kernel.encode_rows_checked(
-                x, self.bits, self.nbins, search_steps(self.nbins, self.ratio), self.refits)
+                x, self.bits, self.nbins, search_steps(self.nbins, self.ratio), self.refits
+            )
             if checks.sums_not_finite:
                 refuse_non_finite(x, table, row_ids)
             if checks.meta_not_finite:
@@ -425,8 +422,7 @@ class AdaptiveCodec:
         if self.search != "fast":
             raise ValueError(f"{self.name}: encode_device runs the fast search only, not {self.search!r}")
         x = rows if rows.dtype == torch.float32 and rows.is_contiguous() else rows.to(torch.float32).contiguous()
-        return adaptive_triton.encode_rows_device(
-            x, self.bits, self.nbins, search_steps(self.nbins, self.ratio), self.refits)
+        return adaptive_triton.encode_rows_device(x, self.bits, self.nbins, search_steps(self.nbins, self.ratio), self.refits)
 
     def _encode_greedy(self, x: torch.Tensor) -> torch.Tensor:
         n, dim = x.shape

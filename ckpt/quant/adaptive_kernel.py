@@ -56,8 +56,7 @@ class KernelChecks(NamedTuple):
     first_meta_not_finite: int  # the first of those (0 when none)
 
 
-def encode_rows_checked(x: torch.Tensor, bits: int, nbins: int, steps: int, refits: int
-                        ) -> tuple[torch.Tensor, KernelChecks]:
+def encode_rows_checked(x: torch.Tensor, bits: int, nbins: int, steps: int, refits: int) -> tuple[torch.Tensor, KernelChecks]:
     """float32 [n, dim] (CPU, C-contiguous) -> (asymN-layout rows uint8 [n, bytes], checks)."""
     n, dim = x.shape
     out = torch.empty(n, (dim * bits + 7) // 8 + 4, dtype=torch.uint8)

@@ -67,7 +67,7 @@ from __future__ import annotations
 import importlib.util
 import threading
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -88,6 +88,9 @@ NUM_WARPS = 4  # per program on the GPU: BLOCK_R = 32 * NUM_WARPS rows, one per 
 COLS = 4  # columns per load in the search's passes: one 16-byte load per row
 GROUPS_GPU = 32  # code groups per tile of the packing pass on the GPU
 INTERPRET_ROWS = 4096  # rows per program in the interpreter (its cost is per op, not per row)
+
+if TYPE_CHECKING:
+    tl: Any  # triton.language, put in the kernel functions' namespace when a mode's kernel is built
 
 
 # ----------------------------------------------------------------------------------------------
@@ -237,10 +240,26 @@ def _sse_stats(x0, m0, D: tl.constexpr, COLS: tl.constexpr, s, b, inv, QMAX: tl.
     return _finite_or_inf(acc), sq, sqq, sqx
 
 
-def _encode_kernel(x_ptr, out_ptr, flags_ptr, n, nbins, keep,
-                   D: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr, STEPS: tl.constexpr,
-                   REFITS: tl.constexpr, P: tl.constexpr, CPG: tl.constexpr, BPG: tl.constexpr,
-                   NG: tl.constexpr, COLS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+def _encode_kernel(
+    x_ptr,
+    out_ptr,
+    flags_ptr,
+    n,
+    nbins,
+    keep,
+    D: tl.constexpr,
+    BITS: tl.constexpr,
+    QMAX: tl.constexpr,
+    STEPS: tl.constexpr,
+    REFITS: tl.constexpr,
+    P: tl.constexpr,
+    CPG: tl.constexpr,
+    BPG: tl.constexpr,
+    NG: tl.constexpr,
+    COLS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):
     """Encode rows [pid*BLOCK_R, +BLOCK_R) of x [n, D] into out [n, P + 4] and flags [n]. P: code
     bytes per row; CPG codes fill BPG whole bytes (a group); NG groups per row."""
     pid = tl.program_id(0)
@@ -353,8 +372,25 @@ def _encode_kernel(x_ptr, out_ptr, flags_ptr, n, nbins, keep,
             tl.store(o2 + kb, ((word >> (8 * t)) & 0xFF).to(tl.uint8), mask=m2 & (kb < P))
 
 
-_SOURCES = (_zeros, _h16, _div, _finite_or_inf, _min, _max, _code, _params, _tile, _split4, _acc, _minmax, _err,
-            _sse, _sse2, _sse_stats, _encode_kernel)
+_SOURCES = (
+    _zeros,
+    _h16,
+    _div,
+    _finite_or_inf,
+    _min,
+    _max,
+    _code,
+    _params,
+    _tile,
+    _split4,
+    _acc,
+    _minmax,
+    _err,
+    _sse,
+    _sse2,
+    _sse_stats,
+    _encode_kernel,
+)
 _BUILT: dict[bool, Any] = {}
 _BUILD_LOCK = threading.Lock()
 
@@ -389,8 +425,9 @@ def _next_pow2(v: int) -> int:
     return 1 << max(0, (v - 1).bit_length())
 
 
-def encode_rows_device(x: torch.Tensor, bits: int, nbins: int, steps: int, refits: int, *,
-                       num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_rows_device(
+    x: torch.Tensor, bits: int, nbins: int, steps: int, refits: int, *, num_warps: int = NUM_WARPS
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x: float32 [n, d] contiguous (CUDA, or CPU: the kernel then runs in triton's interpreter) ->
     (out uint8 [n, packed_bytes(d, bits) + 4] on x's device, flags uint8 [n] on x's device: bit 0 =
     the row's element sum is not finite (NaN/Inf in it, or an overflow), bit 1 = its fp16 scale or
@@ -426,9 +463,22 @@ def encode_rows_device(x: torch.Tensor, bits: int, nbins: int, steps: int, refit
         block_r, block_g, warps = 32 * num_warps, min(GROUPS_GPU, _next_pow2(groups)), num_warps
     kernel = _kernel(interpret)
     launch = kernel[(-(-n // block_r),)]
-    consts = dict(D=d, BITS=bits, QMAX=float((1 << bits) - 1), STEPS=steps, REFITS=refits, P=p, CPG=cpg,
-                  BPG=cpg * bits // 8, NG=groups, COLS=COLS, BLOCK_R=block_r, BLOCK_G=block_g,
-                  num_warps=warps, enable_fp_fusion=False)
+    consts = dict(
+        D=d,
+        BITS=bits,
+        QMAX=float((1 << bits) - 1),
+        STEPS=steps,
+        REFITS=refits,
+        P=p,
+        CPG=cpg,
+        BPG=cpg * bits // 8,
+        NG=groups,
+        COLS=COLS,
+        BLOCK_R=block_r,
+        BLOCK_G=block_g,
+        num_warps=warps,
+        enable_fp_fusion=False,
+    )
     if interpret:
         with np.errstate(all="ignore"):  # inf/NaN in refused rows and masked lanes, as on the GPU
             launch(x, out, flags, n, float(nbins), keep_factor(d), **consts)

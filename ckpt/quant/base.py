@@ -36,9 +36,7 @@ class RowCodec(Protocol):
 
     def row_bytes(self, dim: int) -> int: ...
 
-    def encode(
-        self, rows: torch.Tensor, *, table: str = "?", row_ids: torch.Tensor | None = None
-    ) -> torch.Tensor: ...
+    def encode(self, rows: torch.Tensor, *, table: str = "?", row_ids: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def decode(self, data: torch.Tensor, dim: int) -> torch.Tensor: ...
 
@@ -57,9 +55,7 @@ class NonFiniteRowError(ValueError):
         self.index = index  # position in the batch
         self.row = int(row_ids[index]) if row_ids is not None else index
         self.n_bad = n_bad  # rows of the batch that have NaN/Inf
-        super().__init__(
-            f"table '{table}' row {_row_label(index, row_ids)} has NaN/Inf; refusing to checkpoint it"
-        )
+        super().__init__(f"table '{table}' row {_row_label(index, row_ids)} has NaN/Inf; refusing to checkpoint it")
 
 
 class RowRangeError(ValueError):
@@ -78,8 +74,7 @@ class RowRangeError(ValueError):
         )
 
 
-def as_float_rows(rows: torch.Tensor, table: str, row_ids: torch.Tensor | None, *,
-                  check_finite: bool = True) -> torch.Tensor:
+def as_float_rows(rows: torch.Tensor, table: str, row_ids: torch.Tensor | None, *, check_finite: bool = True) -> torch.Tensor:
     """Validate a batch of rows and return it as contiguous float32 ``[n, dim]``.
 
     NaN/Inf rows raise :class:`NonFiniteRowError` naming the table and the row. The check is one
@@ -96,9 +91,7 @@ def as_float_rows(rows: torch.Tensor, table: str, row_ids: torch.Tensor | None, 
         raise ValueError("rows must have dim >= 1")
     if row_ids is not None:
         if row_ids.dim() != 1 or row_ids.shape[0] != rows.shape[0]:
-            raise ValueError(
-                f"row_ids must be 1-D with one id per row ({rows.shape[0]}), got {tuple(row_ids.shape)}"
-            )
+            raise ValueError(f"row_ids must be 1-D with one id per row ({rows.shape[0]}), got {tuple(row_ids.shape)}")
     x = rows.to(torch.float32).contiguous()
     if check_finite:
         check_finite_rows(x, table, row_ids)
@@ -119,9 +112,7 @@ def refuse_non_finite(x: torch.Tensor, table: str, row_ids: torch.Tensor | None)
         raise NonFiniteRowError(table, int(bad[0]), row_ids, int(bad.numel()))
 
 
-def check_finite_meta(
-    ok: torch.Tensor, table: str, row_ids: torch.Tensor | None, codec: str
-) -> None:
+def check_finite_meta(ok: torch.Tensor, table: str, row_ids: torch.Tensor | None, codec: str) -> None:
     """``ok``: bool ``[n]``, False where the row's fp16 metadata/values overflowed."""
     if ok.numel() and not bool(ok.all()):
         bad = (~ok).nonzero().flatten()
@@ -132,9 +123,7 @@ def check_encoded(data: torch.Tensor, expected_cols: int, codec: str) -> None:
     if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 2:
         raise ValueError(f"codec '{codec}': encoded data must be uint8 [n, row_bytes]")
     if data.shape[1] != expected_cols:
-        raise ValueError(
-            f"codec '{codec}': encoded rows have {data.shape[1]} bytes, expected {expected_cols} for this dim"
-        )
+        raise ValueError(f"codec '{codec}': encoded rows have {data.shape[1]} bytes, expected {expected_cols} for this dim")
 
 
 def view_bytes_as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

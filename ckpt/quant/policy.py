@@ -71,8 +71,10 @@ def resolve_widths(spec: str | Sequence[Sequence[int]]) -> Widths:
     """The table a preset name (`WIDTH_PRESETS`) stands for, or `spec` itself validated."""
     if isinstance(spec, str):
         if spec not in WIDTH_PRESETS:
-            raise ValueError(f"{spec!r} is not a preset; choose one of {', '.join(WIDTH_PRESETS)} "
-                             "or give a table [[most expected restores, bits], ...]")
+            raise ValueError(
+                f"{spec!r} is not a preset; choose one of {', '.join(WIDTH_PRESETS)} "
+                "or give a table [[most expected restores, bits], ...]"
+            )
         return WIDTH_PRESETS[spec]
     return check_widths(spec)
 
@@ -150,6 +152,6 @@ class BitWidthPolicy:
     def codecs(self, weight_dim: int | None = None, optimizer_dim: int | None = None) -> tuple[str, str]:
         return self.weight_codec(weight_dim), self.optimizer_codec(optimizer_dim)
 
-    def after_restore(self) -> "BitWidthPolicy":
+    def after_restore(self) -> BitWidthPolicy:
         """The policy after one more restore (frozen: returns a new object)."""
         return replace(self, restores_so_far=self.restores_so_far + 1)

@@ -30,7 +30,7 @@ code  name        row layout (see the module of each family)
 from __future__ import annotations
 
 import numbers
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -80,7 +80,7 @@ def register_codec(codec: RowCodec) -> RowCodec:
 
 
 def _register_builtins() -> None:
-    for c in (
+    builtins: tuple[RowCodec, ...] = (
         FloatCodec("fp32", 1, torch.float32),
         FloatCodec("fp16", 2, torch.float16),
         FloatCodec("bf16", 3, torch.bfloat16),
@@ -88,7 +88,8 @@ def _register_builtins() -> None:
         *(SymCodec(b) for b in (2, 3, 4, 8)),
         *(AdaptiveCodec(b) for b in (2, 3, 4)),
         *(KMeansCodec(b) for b in (2, 3, 4)),
-    ):
+    )
+    for c in builtins:
         register_codec(c)
     assert {n: c.code for n, c in _BY_NAME.items()} == CODE_TABLE
 

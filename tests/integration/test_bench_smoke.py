@@ -40,8 +40,26 @@ def test_quick_suite_writes_every_peer_and_policy(tmp_path: Path, run_cli: CliRu
     out, img, records = tmp_path / "results.json", tmp_path / "img", tmp_path / "records.jsonl"
     # shortened (2 checkpoints per job, a short follower job, one encoding: the jobs of the other
     # differ only in `ckpt.encoding`): what is checked is that every record is there
-    run_cli("bench.run", "--suite", "quick", "--records", records, "--out", out, "--plots", img, "--steps", "24",
-            "--interval", "12", "--follower-intervals", "3", "--encodings", SMOKE_ENCODING, timeout_s=900)
+    run_cli(
+        "bench.run",
+        "--suite",
+        "quick",
+        "--records",
+        records,
+        "--out",
+        out,
+        "--plots",
+        img,
+        "--steps",
+        "24",
+        "--interval",
+        "12",
+        "--follower-intervals",
+        "3",
+        "--encodings",
+        SMOKE_ENCODING,
+        timeout_s=900,
+    )
     result = json.loads(out.read_text())
     flat = result["records"]
     assert flat and all(FIELDS <= set(r) for r in flat)
@@ -60,21 +78,34 @@ def test_quick_suite_writes_every_peer_and_policy(tmp_path: Path, run_cli: CliRu
         for enc in [SMOKE_ENCODING]:
             mine = [r for r in flat if r["peer"] == "deltarec" and r["policy"] == policy and r["encoding"] == enc]
             metrics = {r["metric"] for r in mine}
-            assert {"stall_ms", "bytes_written", "capacity_bytes", "samples_per_s", "restore_s",
-                    "steps_lost_mean", "throughput_overhead"} <= metrics, (policy, enc, metrics)
+            assert {
+                "stall_ms",
+                "bytes_written",
+                "capacity_bytes",
+                "samples_per_s",
+                "restore_s",
+                "steps_lost_mean",
+                "throughput_overhead",
+            } <= metrics, (policy, enc, metrics)
             assert any(r["ckpt"] is not None and r["metric"] == "bytes_written" for r in mine), (policy, enc)
             assert any(r["metric"] == "durable_at_step" for r in mine), (policy, enc)  # committed_at_step
-            assert any(r["metric"] == "stall_ms" for r in flat
-                       if r["peer"] == "bare_copy" and r["policy"] == policy and r["encoding"] == enc)
+            assert any(
+                r["metric"] == "stall_ms"
+                for r in flat
+                if r["peer"] == "bare_copy" and r["policy"] == policy and r["encoding"] == enc
+            )
             cpu = {r["metric"]: r["value"] for r in mine if r["metric"].startswith("cpu_")}
-            assert {f"cpu_{k}_s_per_ckpt" for k in ("train", "stall", "writer", "kafka", "other", "trainer",
-                                                     "broker")} <= set(cpu), (policy, cpu)
+            assert {f"cpu_{k}_s_per_ckpt" for k in ("train", "stall", "writer", "kafka", "other", "trainer", "broker")} <= set(
+                cpu
+            ), (policy, cpu)
             # its own fresh broker served it, and the writer encoded on its own thread
             assert cpu["cpu_broker_s_per_ckpt"] > 0 and cpu["cpu_writer_s_per_ckpt"] > 0, (policy, cpu)
 
     assert {t["target"] for t in result["targets"]}  # reported, not judged
-    assert sorted(p.name for p in img.glob("*.png")) == ["peers_quick_fig15_bytes_written.png",
-                                                         "peers_quick_fig16_capacity_bytes.png"]
+    assert sorted(p.name for p in img.glob("*.png")) == [
+        "peers_quick_fig15_bytes_written.png",
+        "peers_quick_fig16_capacity_bytes.png",
+    ]
 
     # the common records: the same figures, one JSON line each, with machine and commit
     lines = read_records(records)
@@ -85,9 +116,7 @@ def test_quick_suite_writes_every_peer_and_policy(tmp_path: Path, run_cli: CliRu
     assert {r["labels"]["peer"] for r in lines} >= {"deltarec", "bare_copy", *PEERS}
 
 
-def test_quant_accuracy_restores_are_exact_in_fp32_and_quantized_ones_are_not(
-    tmp_path: Path, run_cli: CliRunner
-) -> None:
+def test_quant_accuracy_restores_are_exact_in_fp32_and_quantized_ones_are_not(tmp_path: Path, run_cli: CliRunner) -> None:
     """A tiny Fig. 14 grid on 2 real ranks: every segment is a new process restoring from the
     filesystem sink. fp32 restores must reproduce the uninterrupted run exactly (final eval and
     lifetime log loss); a 2-bit restore must move both (or the grid measures nothing)."""
@@ -113,8 +142,24 @@ def test_cost_suite_measures_kafka_and_the_tmpfs_reference_against_no_checkpoint
     checkpoints and CPU per checkpoint by thread class; the broker's CPU only where there is
     a broker; the baseline run before and after."""
     out, records = tmp_path / "cost.json", tmp_path / "records.jsonl"
-    run_cli("bench.run", "--suite", "cost", "--size", "quick", "--steps", "120", "--interval-s", "1", "--records",
-            records, "--out", out, "--keep", tmp_path / "runs", timeout_s=900)
+    run_cli(
+        "bench.run",
+        "--suite",
+        "cost",
+        "--size",
+        "quick",
+        "--steps",
+        "120",
+        "--interval-s",
+        "1",
+        "--records",
+        records,
+        "--out",
+        out,
+        "--keep",
+        tmp_path / "runs",
+        timeout_s=900,
+    )
     result = json.loads(out.read_text())
     summary = result["summary"]
     assert summary["none"]["jobs"] == 2 and summary["none"]["samples_per_s"] > 0
@@ -141,8 +186,20 @@ def test_checkpoint_suite_runs_its_probes_to_the_end(tmp_path: Path, run_cli: Cl
     """A tiny `checkpoint` run: the writer's frames against a raw producer of the same bytes,
     the stall against a bare copy, restore against `dcp.load`, each with its figure."""
     records = tmp_path / "records.jsonl"
-    run_cli("bench.run", "--suite", "checkpoint", "--steps", "40", "--interval", "20", "--repeats", "2",
-            "--records", records, timeout_s=600)
+    run_cli(
+        "bench.run",
+        "--suite",
+        "checkpoint",
+        "--steps",
+        "40",
+        "--interval",
+        "20",
+        "--repeats",
+        "2",
+        "--records",
+        records,
+        timeout_s=600,
+    )
     got = {r["metric"]: r["value"] for r in read_records(records)}
     wanted = {"writer_over_raw_full_fp32", "writer_over_raw_full_adaptive4", "stall_over_bare", "restore_over_dcp_load"}
     assert wanted <= set(got), sorted(got)
@@ -151,8 +208,22 @@ def test_checkpoint_suite_runs_its_probes_to_the_end(tmp_path: Path, run_cli: Cl
 
 def test_markers_suite_reads_a_long_log_from_its_newest_catalog_record(tmp_path: Path, run_cli: CliRunner) -> None:
     out, records = tmp_path / "results.json", tmp_path / "records.jsonl"
-    run_cli("bench.run", "--suite", "markers", "--records", records, "--out", out, "--commits", "20,120",
-            "--repeats", "1", "--catalog-every", "8", timeout_s=300)
+    run_cli(
+        "bench.run",
+        "--suite",
+        "markers",
+        "--records",
+        records,
+        "--out",
+        out,
+        "--commits",
+        "20,120",
+        "--repeats",
+        "1",
+        "--catalog-every",
+        "8",
+        timeout_s=300,
+    )
     rows = json.loads(out.read_text())["rows"]
     assert [(r["sink"], r["commits"]) for r in rows] == [("fs", 20), ("fs", 120), ("kafka", 20), ("kafka", 120)]
     for r in rows:
@@ -167,8 +238,22 @@ def test_gpu_peers_suite_runs_every_job_in_one_process(tmp_path: Path, run_cli: 
     finished, and every figure of the comparison is a well-formed record, labelled with its
     size; timings, bytes and rates are positive; every load checked gave back the state saved."""
     out, records = tmp_path / "progress.jsonl", tmp_path / "records.jsonl"
-    run_cli("bench.run", "--suite", "gpu-peers", "--device", device, "--sizes", "tiny", "--interval", "10",
-            "--records", records, "--out", out, timeout_s=600)
+    run_cli(
+        "bench.run",
+        "--suite",
+        "gpu-peers",
+        "--device",
+        device,
+        "--sizes",
+        "tiny",
+        "--interval",
+        "10",
+        "--records",
+        records,
+        "--out",
+        out,
+        timeout_s=600,
+    )
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     events = [e["event"] for e in lines]
     assert events[0] == "start" and events[-2:] == ["size_done", "end"], events
@@ -191,8 +276,17 @@ def test_gpu_peers_suite_runs_every_job_in_one_process(tmp_path: Path, run_cli: 
     assert agg[("dcp.async_save", "full", "fp32", "stall_blocking_ms")] > 0  # its stall less the wait for the last
     for policy in GPU_POLICIES:
         for enc in GPU_ENCODINGS:
-            for metric in ("stall_ms", "durable_s", "bytes_written", "capacity_bytes", "samples_per_s", "restore_s",
-                           "restore_over_dcp_load", "bytes_written_vs_dcp", "capacity_vs_dcp"):
+            for metric in (
+                "stall_ms",
+                "durable_s",
+                "bytes_written",
+                "capacity_bytes",
+                "samples_per_s",
+                "restore_s",
+                "restore_over_dcp_load",
+                "bytes_written_vs_dcp",
+                "capacity_vs_dcp",
+            ):
                 assert agg[("deltarec", policy, enc, metric)] > 0, (policy, enc, metric)
             assert agg[("deltarec", policy, enc, "committed")] == 3, (policy, enc)
             assert ("deltarec", policy, enc, "throughput_overhead") in agg

@@ -17,7 +17,7 @@ def test_a_calibrated_table_then_8_bit_once_restored_more_often_than_expected(tm
     job = ["ckpt.enabled=true", "ckpt.sink=filesystem", "ckpt.interval_steps=10", "ckpt.expected_restores=1",
            "ckpt.restore_bit_widths=[[1,3]]", "train.eval_batches=1"]  # fmt: skip
     spawn_ranks(debug_config.path, [*job, "train.steps=20"], tmp_path)
-    for restore, (step, steps) in enumerate([(20, 30), (30, 40)], start=1):
+    for step, steps in [(20, 30), (30, 40)]:
         out = spawn_ranks(debug_config.path, [*job, f"train.steps={steps}", "ckpt.resume=latest"], tmp_path)[0].stdout
         assert f"at step {step}" in out, out[-2000:]
 

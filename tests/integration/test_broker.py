@@ -6,8 +6,9 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import pytest
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
@@ -120,13 +121,22 @@ def test_python_api_round_trip(broker, unique_name):
     got_offsets = []
     p = Producer({"bootstrap.servers": broker.bootstrap, "enable.idempotence": True, "acks": "all"})
     for i in range(6):
-        p.produce(topic, f"v{i}".encode(), partition=i % 2,
-                  on_delivery=lambda err, m: got_offsets.append((err, m.partition(), m.offset())))
+        p.produce(
+            topic,
+            f"v{i}".encode(),
+            partition=i % 2,
+            on_delivery=lambda err, m: got_offsets.append((err, m.partition(), m.offset())),
+        )
     assert p.flush(10) == 0
-    assert sorted(got_offsets) == [(None, 0, 0), (None, 0, 1), (None, 0, 2),
-                                   (None, 1, 0), (None, 1, 1), (None, 1, 2)]
-    c = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": unique_name("g"),
-                  "enable.partition.eof": True, "auto.offset.reset": "error"})
+    assert sorted(got_offsets) == [(None, 0, 0), (None, 0, 1), (None, 0, 2), (None, 1, 0), (None, 1, 1), (None, 1, 2)]
+    c = Consumer(
+        {
+            "bootstrap.servers": broker.bootstrap,
+            "group.id": unique_name("g"),
+            "enable.partition.eof": True,
+            "auto.offset.reset": "error",
+        }
+    )
     c.assign([TopicPartition(topic, 1, 1)])
     values = []
     while True:

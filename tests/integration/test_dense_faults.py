@@ -20,15 +20,24 @@ pytestmark = pytest.mark.integration
 
 def _job(run_id: str, steps: int) -> list[str]:
     return [
-        "ckpt.enabled=true", "ckpt.sink=filesystem", f"ckpt.run_id={run_id}", "ckpt.policy=intermittent_diff",
-        "ckpt.interval_steps=10", "ckpt.final=false", f"train.steps={steps}", "train.eval_batches=1",
+        "ckpt.enabled=true",
+        "ckpt.sink=filesystem",
+        f"ckpt.run_id={run_id}",
+        "ckpt.policy=intermittent_diff",
+        "ckpt.interval_steps=10",
+        "ckpt.final=false",
+        f"train.steps={steps}",
+        "train.eval_batches=1",
     ]
 
 
-@pytest.mark.parametrize("failing, code, message", [
-    (2, "ENOSPC", "No space left on device"),  # mid-run: the next checkpoint is full
-    (4, "EACCES", "Permission denied"),  # the newest: resume takes the one before
-])
+@pytest.mark.parametrize(
+    "failing, code, message",
+    [
+        (2, "ENOSPC", "No space left on device"),  # mid-run: the next checkpoint is full
+        (4, "EACCES", "Permission denied"),  # the newest: resume takes the one before
+    ],
+)
 def test_a_failed_dense_write_fails_that_checkpoint_only(
     tmp_path, unique_name, debug_config: DebugConfig, metrics: MetricsReader, failing, code, message
 ):

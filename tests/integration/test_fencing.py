@@ -30,13 +30,24 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.integration
 
-SHAPE = ["train.save_params=true", "train.eval_batches=1", "sharding.default=row_wise", "ckpt.interval_steps=10",
-         "ckpt.flush_timeout_s=20"]
+SHAPE = [
+    "train.save_params=true",
+    "train.eval_batches=1",
+    "sharding.default=row_wise",
+    "ckpt.interval_steps=10",
+    "ckpt.flush_timeout_s=20",
+]
 
 
 def _job(run_id: str, sink: str, bootstrap: str = "", policy: str = "incremental") -> list[str]:
-    return ["ckpt.enabled=true", f"ckpt.sink={sink}", f"ckpt.bootstrap_servers={bootstrap}", f"ckpt.run_id={run_id}",
-            f"ckpt.policy={policy}", *SHAPE]
+    return [
+        "ckpt.enabled=true",
+        f"ckpt.sink={sink}",
+        f"ckpt.bootstrap_servers={bootstrap}",
+        f"ckpt.run_id={run_id}",
+        f"ckpt.policy={policy}",
+        *SHAPE,
+    ]
 
 
 def _catalog(debug_config: DebugConfig, tmp_path: Path, job: list[str]):
@@ -98,8 +109,9 @@ def test_an_old_attempt_that_wakes_up_after_a_newer_one_started_stops_and_is_nev
     # stops with the line, and a rank still in the next step's collective may stop on the lost
     # peer instead (the race is whose writer thread delivered the outcome first).
     lines = [ln for r in results for ln in r.stderr.splitlines() if "a newer trainer attempt" in ln]
-    assert lines and all("took over this run's markers log" in ln and f"epoch {epoch_b}," in ln for ln in lines), \
-        "\n".join(r.stderr[-2000:] for r in results)
+    assert lines and all("took over this run's markers log" in ln and f"epoch {epoch_b}," in ln for ln in lines), "\n".join(
+        r.stderr[-2000:] for r in results
+    )
 
     final = _catalog(debug_config, tmp_path, job)
     assert sorted(final.commits) == sorted(after_b.commits), "attempt A committed after B started"
@@ -107,8 +119,9 @@ def test_an_old_attempt_that_wakes_up_after_a_newer_one_started_stops_and_is_nev
     assert all(link.epoch in (1, epoch_b) for m in final.commits.values() for link in m.chain)
     assert {link.epoch for i in b_ids for link in final.commits[i].chain if link.checkpoint_id in b_ids} == {epoch_b}
     dense_ids = sorted(int(p.stem.split("-")[1]) for p in (run / "dense").glob("dense-*.pt"))
-    assert set(dense_ids) - dense_before_b == set(final.commits) - set(before.commits), \
+    assert set(dense_ids) - dense_before_b == set(final.commits) - set(before.commits), (
         f"attempt A wrote a dense file after B started: {dense_ids}, before B {sorted(dense_before_b)}"
+    )
 
     c = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest", f"train.steps={newest * 10 + 30}"],
                     tmp_path, timeout_s=180)  # fmt: skip
@@ -121,8 +134,14 @@ def test_an_old_attempt_that_wakes_up_after_a_newer_one_started_stops_and_is_nev
 
 def _gc(tool: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     full_env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS} | {"PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.Popen([sys.executable, "-m", "trainer.ckpt_cli", *tool, "gc", "--keep", "1"], cwd=REPO,
-                            env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainer.ckpt_cli", *tool, "gc", "--keep", "1"],
+        cwd=REPO,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_of_two_gcs_at_once_exactly_one_deletes(tmp_path, unique_name, debug_config: DebugConfig):
@@ -146,9 +165,14 @@ def test_of_two_gcs_at_once_exactly_one_deletes(tmp_path, unique_name, debug_con
         while "holding at gc:0" not in err:
             assert a.poll() is None and time.monotonic() < deadline, f"gc A never held: {a.communicate()}"
             err += os.read(a.stderr.fileno(), 4096).decode()
-        b = subprocess.run([sys.executable, "-m", "trainer.ckpt_cli", *tool, "gc", "--keep", "1"], cwd=REPO,
-                           env={k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS},
-                           capture_output=True, text=True, timeout=60)
+        b = subprocess.run(
+            [sys.executable, "-m", "trainer.ckpt_cli", *tool, "gc", "--keep", "1"],
+            cwd=REPO,
+            env={k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert b.returncode == 0, b.stderr[-2000:]
         assert "kept checkpoints [4]; dropped generations []; finished deleting ['g1', 'g2', 'g3']" in b.stdout, b.stdout
         assert generations() == [f"{cfg.run_id}.rows.g4"]
@@ -166,8 +190,9 @@ def test_of_two_gcs_at_once_exactly_one_deletes(tmp_path, unique_name, debug_con
     refused = spawn_ranks(debug_config.path, [*job, "ckpt.resume=2", "train.steps=50"], tmp_path, world_size=1,
                           timeout_s=120, expect_ok=False)  # fmt: skip
     assert refused[0].returncode == 2, refused[0].stderr[-2000:]
-    assert (f"checkpoint 2 of run {cfg.run_id}: every chain that restores it reads a generation deltarec-ckpt gc "
-            "dropped ([1, 2, 3])") in refused[0].stderr, refused[0].stderr[-2000:]
+    assert (
+        f"checkpoint 2 of run {cfg.run_id}: every chain that restores it reads a generation deltarec-ckpt gc dropped ([1, 2, 3])"
+    ) in refused[0].stderr, refused[0].stderr[-2000:]
     assert "resumed from" not in refused[0].stdout
 
 
@@ -175,16 +200,17 @@ def test_a_filesystem_segment_has_one_writer_at_a_time(tmp_path):
     """Two processes appending to one segment file would interleave their records: another
     process's append fails (that checkpoint fails) while this one holds the file open, and
     succeeds once it closed it."""
-    code = ("import sys; from ckpt.fs_sink import FsSink, scan_records; from ckpt.sink import SinkError\n"
-            "s = FsSink(sys.argv[1], 'seg')\n"
-            "try: s.write(b'y' * 64, generation=5, partition=0)\n"
-            "except SinkError: pass\n"
-            "r = s.flush(); print('ok' if r.ok else r.error)\n")
+    code = (
+        "import sys; from ckpt.fs_sink import FsSink, scan_records; from ckpt.sink import SinkError\n"
+        "s = FsSink(sys.argv[1], 'seg')\n"
+        "try: s.write(b'y' * 64, generation=5, partition=0)\n"
+        "except SinkError: pass\n"
+        "r = s.flush(); print('ok' if r.ok else r.error)\n"
+    )
     first = FsSink(tmp_path, "seg")
     first.write(b"x" * 64, generation=5, partition=0)
     assert first.flush().ok
-    second = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, capture_output=True, text=True,
-                            timeout=60)
+    second = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert "0.seg is being written by another process" in second.stdout, second.stdout + second.stderr
     first.write(b"z" * 64, generation=5, partition=0)  # the holder goes on undisturbed
     assert first.flush().ok
@@ -197,4 +223,3 @@ def test_a_filesystem_segment_has_one_writer_at_a_time(tmp_path):
     with open(segment, "rb") as f:
         payloads = [payload for _, _, payload in scan_records(f, segment)]
     assert payloads == [b"x" * 64, b"z" * 64, b"w" * 64]
-

@@ -14,9 +14,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -44,15 +45,30 @@ pytestmark = pytest.mark.integration
 STEPS = 60  # the crash test's job: 12 checkpoints, one full then deltas
 LEASE_S = 1.5
 FOLLOW = ["ckpt.follow.poll_s=0.2", f"ckpt.follow.lease_s={LEASE_S}"]
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "TORCHELASTIC_RESTART_COUNT", "DELTAREC_KILL_AT")
+LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "DELTAREC_KILL_AT",
+)
 
 
 def _job(run_id: str, sink: str = "filesystem", bootstrap: str = "", encoding: str = "fp32") -> list[str]:
     job = [
-        "ckpt.enabled=true", f"ckpt.sink={sink}", f"ckpt.run_id={run_id}", "ckpt.policy=incremental",
-        "ckpt.interval_steps=5", "ckpt.flush_timeout_s=20", f"ckpt.encoding={encoding}", *FOLLOW,
-        "train.eval_batches=1", "train.save_params=true",
+        "ckpt.enabled=true",
+        f"ckpt.sink={sink}",
+        f"ckpt.run_id={run_id}",
+        "ckpt.policy=incremental",
+        "ckpt.interval_steps=5",
+        "ckpt.flush_timeout_s=20",
+        f"ckpt.encoding={encoding}",
+        *FOLLOW,
+        "train.eval_batches=1",
+        "train.save_params=true",
     ]
     return [*job, f"ckpt.bootstrap_servers={bootstrap}"] if bootstrap else job
 
@@ -109,8 +125,13 @@ def _owner_pid(follower_id: str) -> int:
     return int(follower_id.rsplit(":", 2)[1])
 
 
-def _wait_for(predicate: Callable[[], object], timeout_s: float, what: str,
-              followers: tuple[FollowerProc, ...] = (), group: RankGroup | None = None) -> None:
+def _wait_for(
+    predicate: Callable[[], object],
+    timeout_s: float,
+    what: str,
+    followers: tuple[FollowerProc, ...] = (),
+    group: RankGroup | None = None,
+) -> None:
     """Poll `predicate` until true; fail after `timeout_s` (or when a watched follower died)
     showing the followers' logs."""
     deadline = time.monotonic() + timeout_s
@@ -121,7 +142,7 @@ def _wait_for(predicate: Callable[[], object], timeout_s: float, what: str,
             logs = "\n".join(f.tail() for f in followers)
             ranks = ""
             if group is not None:
-                for rank, (out, err) in enumerate(group.logs):
+                for rank, (_out, err) in enumerate(group.logs):
                     err.flush()
                     ranks += f"\n--- rank {rank} ---\n{Path(err.name).read_text()[-1500:]}"
             pytest.fail(f"waiting for {what}: {why}\n{logs}{ranks}", pytrace=False)
@@ -197,8 +218,9 @@ def _assert_same_tables(got: dict, want: dict, what: str) -> None:
             assert torch.equal(got[table][name], value), f"{what}: table {table} {name} differs"
 
 
-def _train_40_steps_followed(debug_config: DebugConfig, job: list[str], tmp_path: Path, cfg: CkptConfig,
-                             *follow_args: str) -> int:
+def _train_40_steps_followed(
+    debug_config: DebugConfig, job: list[str], tmp_path: Path, cfg: CkptConfig, *follow_args: str
+) -> int:
     """Train 40 steps with a follower running; stop it once it applied the last checkpoint,
     whose id is returned."""
     follower = FollowerProc(debug_config.path, job, tmp_path, "follower", *follow_args)
@@ -206,8 +228,12 @@ def _train_40_steps_followed(debug_config: DebugConfig, job: list[str], tmp_path
         _wait_for(lambda: "following run" in follower.text(), 60, "the follower to start", (follower,))
         spawn_ranks(debug_config.path, [*job, "train.steps=40"], tmp_path, timeout_s=180)
         last = max(_catalog(cfg).commits)
-        _wait_for(lambda: f"checkpoint {last} (step 40) applied" in follower.text(), 60,
-                  f"the follower applying checkpoint {last}", (follower,))
+        _wait_for(
+            lambda: f"checkpoint {last} (step 40) applied" in follower.text(),
+            60,
+            f"the follower applying checkpoint {last}",
+            (follower,),
+        )
         assert follower.stop() == 0, follower.tail()
     finally:
         follower.kill()
@@ -246,7 +272,13 @@ SYNCED = ["ckpt.on_backpressure=wait", "ckpt.max_pending_bytes=152000"]  # one f
 
 @pytest.mark.parametrize("sink", ["filesystem", "kafka"])
 def test_trainer_and_follower_killed_resume_is_bit_exact_from_compacted_chain(
-    tmp_path, request, sink, unique_name, reference, debug_config: DebugConfig, metrics: MetricsReader,
+    tmp_path,
+    request,
+    sink,
+    unique_name,
+    reference,
+    debug_config: DebugConfig,
+    metrics: MetricsReader,
     replay_seed: ReplaySeed,
 ):
     rng = replay_seed.rng()
@@ -267,8 +299,13 @@ def test_trainer_and_follower_killed_resume_is_bit_exact_from_compacted_chain(
     try:
         first = FollowerProc(debug_config.path, job, tmp_path, "follower1")
         followers.append(first)
-        crashed = start_ranks(debug_config.path, [*job, f"train.steps={STEPS}"], tmp_path, timeout_s=180,
-                              env_extra={"DELTAREC_KILL_AT": f"{point}:{key}@{rank}"})
+        crashed = start_ranks(
+            debug_config.path,
+            [*job, f"train.steps={STEPS}"],
+            tmp_path,
+            timeout_s=180,
+            env_extra={"DELTAREC_KILL_AT": f"{point}:{key}@{rank}"},
+        )
         groups.append(crashed)
 
         def compacted_once() -> bool:
@@ -283,9 +320,16 @@ def test_trainer_and_follower_killed_resume_is_bit_exact_from_compacted_chain(
 
         second = None
         if phase == "training":  # once it compacted and applied `after_ckpt` (or the trainer is gone)
-            _wait_for(lambda: compacted_once() and (not crashed.running() or any(
-                r.get("follow_ckpt", 0) >= after_ckpt for r in _follower_records(run_dir))),
-                120, f"follower1 compacting and applying checkpoint {after_ckpt} ({why})", (first,), crashed)
+            _wait_for(
+                lambda: (
+                    compacted_once()
+                    and (not crashed.running() or any(r.get("follow_ckpt", 0) >= after_ckpt for r in _follower_records(run_dir)))
+                ),
+                120,
+                f"follower1 compacting and applying checkpoint {after_ckpt} ({why})",
+                (first,),
+                crashed,
+            )
             second = restart_follower()
         results = crashed.wait(expect_ok=False)
         assert results[rank].returncode == -9, f"{why}: the trainer did not die by SIGKILL ({results[rank].returncode})"
@@ -299,18 +343,25 @@ def test_trainer_and_follower_killed_resume_is_bit_exact_from_compacted_chain(
             newest = catalog.restorable()
             return bool(newest) and is_compacted(newest[0].chain[0].generation)
 
-        _wait_for(resume_reads_compacted, 60, f"a compacted baseline under the newest checkpoint ({why})",
-                  tuple(f for f in followers if f is not first or phase == "resumed"))
+        _wait_for(
+            resume_reads_compacted,
+            60,
+            f"a compacted baseline under the newest checkpoint ({why})",
+            tuple(f for f in followers if f is not first or phase == "resumed"),
+        )
         before = _catalog(cfg)
         newest_before = max(before.commits)
 
-        resumed = start_ranks(debug_config.path, [*job, f"train.steps={STEPS}", "ckpt.resume=latest"], tmp_path,
-                              timeout_s=180)
+        resumed = start_ranks(debug_config.path, [*job, f"train.steps={STEPS}", "ckpt.resume=latest"], tmp_path, timeout_s=180)
         groups.append(resumed)
         if phase == "resumed":
-            _wait_for(lambda: not resumed.running() or any(
-                r.get("follow_ckpt", 0) > newest_before for r in _follower_records(run_dir)),
-                120, f"follower1 applying a checkpoint of the resumed run ({why})", (first,), resumed)
+            _wait_for(
+                lambda: not resumed.running() or any(r.get("follow_ckpt", 0) > newest_before for r in _follower_records(run_dir)),
+                120,
+                f"follower1 applying a checkpoint of the resumed run ({why})",
+                (first,),
+                resumed,
+            )
             second = restart_follower()
         out = resumed.wait()
         assert second is not None
@@ -318,11 +369,19 @@ def test_trainer_and_follower_killed_resume_is_bit_exact_from_compacted_chain(
         final = _catalog(cfg)
         last = max(final.commits)
         assert final.commits[last].step == STEPS, why
-        _wait_for(lambda: f"checkpoint {last} (step {STEPS}) applied" in second.text(), 60,
-                  f"follower2 applying the final checkpoint {last} ({why})", (second,))
+        _wait_for(
+            lambda: f"checkpoint {last} (step {STEPS}) applied" in second.text(),
+            60,
+            f"follower2 applying the final checkpoint {last} ({why})",
+            (second,),
+        )
         # follower1 died without releasing: follower2 gets the lease once lease_s passed
-        _wait_for(lambda: "holding the compaction lease (epoch 2)" in second.text(), 30,
-                  f"follower2 taking the lease over ({why})", (second,))
+        _wait_for(
+            lambda: "holding the compaction lease (epoch 2)" in second.text(),
+            30,
+            f"follower2 taking the lease over ({why})",
+            (second,),
+        )
         assert second.stop() == 0, f"{why}\n{second.tail()}"
         assert "stopped:" in second.text(), second.tail()
     finally:
@@ -382,9 +441,7 @@ def test_trainer_and_follower_killed_resume_is_bit_exact_from_compacted_chain(
 # --- 2. 4-bit rows: a compacted baseline restores what its chain restores -----------------------
 
 
-def test_adaptive4_compaction_is_identical_to_its_chain(
-    tmp_path, unique_name, debug_config: DebugConfig, run_cli: CliRunner
-):
+def test_adaptive4_compaction_is_identical_to_its_chain(tmp_path, unique_name, debug_config: DebugConfig, run_cli: CliRunner):
     job = _job(unique_name("q4"), encoding="adaptive4")
     run_dir = tmp_path / "run"
     cfg = _ckpt_config(debug_config, job, run_dir)
@@ -399,8 +456,9 @@ def test_adaptive4_compaction_is_identical_to_its_chain(
     newest_compacted = max(catalog.compactions)
     verify = run_cli(*cli, "verify", "--checkpoint", str(newest_compacted))
     assert f"checkpoint {newest_compacted} " in verify.stdout and "OK" in verify.stdout, verify.stdout
-    assert f"compacted baseline of checkpoint {newest_compacted}: identical to its chain" in verify.stdout, \
+    assert f"compacted baseline of checkpoint {newest_compacted}: identical to its chain" in verify.stdout, (
         verify.stdout + verify.stderr[-2000:]
+    )
 
     # In-process: every compacted baseline, and the newest checkpoint's cheapest chain, give
     # exactly the tables the trainer's own links give (decoded 4-bit rows included).
@@ -408,19 +466,25 @@ def test_adaptive4_compaction_is_identical_to_its_chain(
         original = _original_chain(catalog, catalog.commits[cid].chain)
         assert original[0].full and not is_compacted(original[0].generation) and len(original) == cid
         want = _tables(catalog.commits[cid], original, cfg)
-        _assert_same_tables(_tables(catalog.commits[cid], compacted.chain, cfg), want,
-                            f"compacted baseline of checkpoint {cid} vs chain {[x.checkpoint_id for x in original]}")
+        _assert_same_tables(
+            _tables(catalog.commits[cid], compacted.chain, cfg),
+            want,
+            f"compacted baseline of checkpoint {cid} vs chain {[x.checkpoint_id for x in original]}",
+        )
         assert compacted.chain[0].bytes < sum(x.bytes for x in original)
     newest = catalog.commits[last]
     cheapest = catalog.cheapest(newest)
     assert is_compacted(cheapest.chain[0].generation), [x.checkpoint_id for x in cheapest.chain]
-    _assert_same_tables(_tables(newest, cheapest.chain, cfg), _tables(newest, _original_chain(catalog, newest.chain), cfg),
-                        f"checkpoint {last}: chain {[x.checkpoint_id for x in cheapest.chain]} vs the trainer's")
+    _assert_same_tables(
+        _tables(newest, cheapest.chain, cfg),
+        _tables(newest, _original_chain(catalog, newest.chain), cfg),
+        f"checkpoint {last}: chain {[x.checkpoint_id for x in cheapest.chain]} vs the trainer's",
+    )
     # the 4-bit rows really are quantized: weights differ from the trained fp32 ones
     dumps = _dumps(run_dir)
     tables = _tables(newest, cheapest.chain, cfg)
     dumped = {k: v for d in dumps for k, v in d.items() if k.startswith("emb/t_user/") and k.endswith("/weight")}
-    (name, value), = dumped.items()  # table_wise: one shard of t_user
+    ((name, value),) = dumped.items()  # table_wise: one shard of t_user
     assert not torch.equal(tables["t_user"]["weight"], value), "adaptive4 rows came back as fp32"
     assert torch.allclose(tables["t_user"]["weight"], value, atol=0.1), name
 
@@ -436,9 +500,7 @@ def _fresh_train_model(debug_config: DebugConfig, job: list[str]) -> torch.nn.Mo
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # dcp.load in this one process
-def test_serving_snapshots_load_into_a_fresh_dlrm(
-    tmp_path, unique_name, debug_config: DebugConfig, run_cli: CliRunner
-):
+def test_serving_snapshots_load_into_a_fresh_dlrm(tmp_path, unique_name, debug_config: DebugConfig, run_cli: CliRunner):
     job = [*_job(unique_name("serve")), "ckpt.follow.export_keep=2"]
     run_dir = tmp_path / "run"
     cfg = _ckpt_config(debug_config, job, run_dir)
@@ -522,12 +584,15 @@ def test_two_followers_one_compacts_the_other_takes_over(tmp_path, unique_name, 
     try:
         a = FollowerProc(debug_config.path, job, tmp_path, "follower-a")
         b = FollowerProc(debug_config.path, job, tmp_path, "follower-b")
-        _wait_for(lambda: "following run" in a.text() and "following run" in b.text(), 60,
-                  "both followers to start", (a, b))
+        _wait_for(lambda: "following run" in a.text() and "following run" in b.text(), 60, "both followers to start", (a, b))
         spawn_ranks(debug_config.path, [*job, "train.steps=30"], tmp_path, timeout_s=180)
         last = max(_catalog(cfg).commits)
-        _wait_for(lambda: all(f"checkpoint {last} (step 30) applied" in f.text() for f in (a, b)), 60,
-                  f"both followers applying checkpoint {last}", (a, b))
+        _wait_for(
+            lambda: all(f"checkpoint {last} (step 30) applied" in f.text() for f in (a, b)),
+            60,
+            f"both followers applying checkpoint {last}",
+            (a, b),
+        )
         first = _catalog(cfg)
         assert first.compactions, f"no compaction\n{a.tail()}\n{b.tail()}"
         writers = {m.follower for m in first.compactions.values()}
@@ -542,12 +607,15 @@ def test_two_followers_one_compacts_the_other_takes_over(tmp_path, unique_name, 
         assert holder.stop() == 0, holder.tail()
         assert "stopped:" in holder.text()
         # the release lets the standby claim on its next poll (not lease_s later), and compact what comes next
-        _wait_for(lambda: "holding the compaction lease (epoch 2)" in standby.text(), 20, "the standby taking over",
-                  (standby,))
+        _wait_for(lambda: "holding the compaction lease (epoch 2)" in standby.text(), 20, "the standby taking over", (standby,))
         spawn_ranks(debug_config.path, [*job, "train.steps=60", "ckpt.resume=latest"], tmp_path, timeout_s=180)
         final_id = max(_catalog(cfg).commits)
-        _wait_for(lambda: f"checkpoint {final_id} (step 60) applied" in standby.text(), 60,
-                  f"the standby applying checkpoint {final_id}", (standby,))
+        _wait_for(
+            lambda: f"checkpoint {final_id} (step 60) applied" in standby.text(),
+            60,
+            f"the standby applying checkpoint {final_id}",
+            (standby,),
+        )
         assert standby.stop() == 0, standby.tail()
     finally:
         for f in (a, b):
@@ -580,9 +648,7 @@ def test_two_followers_one_compacts_the_other_takes_over(tmp_path, unique_name, 
 # --- 5. a lease that frees up later -------------------------------------------------------------
 
 
-def test_a_follower_that_gets_the_lease_late_compacts_without_a_new_commit(
-    tmp_path, unique_name, debug_config: DebugConfig
-):
+def test_a_follower_that_gets_the_lease_late_compacts_without_a_new_commit(tmp_path, unique_name, debug_config: DebugConfig):
     """A killed follower's lease stays valid for lease_s; its successor follows at once and
     compacts the chain that is due as soon as the lease is free, with no new COMMIT."""
     job = _job(unique_name("late"))
@@ -591,15 +657,18 @@ def test_a_follower_that_gets_the_lease_late_compacts_without_a_new_commit(
     cfg = _ckpt_config(debug_config, job, run_dir)
     backend = open_backend(cfg, world_size=1)
     try:  # a follower that claimed the lease and died: nobody releases it
-        backend.markers.append_marker(encode_marker(LeaseRecord(
-            kind="lease", run_id=cfg.run_id, follower="gone:1:x", event="claim", lease_s=LEASE_S,
-            created_unix=time.time())))
+        backend.markers.append_marker(
+            encode_marker(
+                LeaseRecord(
+                    kind="lease", run_id=cfg.run_id, follower="gone:1:x", event="claim", lease_s=LEASE_S, created_unix=time.time()
+                )
+            )
+        )
     finally:
         backend.close()
     follower = FollowerProc(debug_config.path, job, tmp_path, "late")
     try:
-        _wait_for(lambda: "compacted into e2.c8" in follower.text(), 60, "the compaction of checkpoint 8",
-                  (follower,))
+        _wait_for(lambda: "compacted into e2.c8" in follower.text(), 60, "the compaction of checkpoint 8", (follower,))
         catalog = _catalog(cfg)
         assert sorted(catalog.compactions) == [8] and catalog.lease.epoch == 2, follower.tail()
         assert [link.checkpoint_id for link in catalog.cheapest(catalog.commits[8]).chain] == [8]

@@ -162,8 +162,10 @@ def damaged(trained: Trained, tmp_path_factory: pytest.TempPathFactory) -> Damag
     frame = decode_frame(first[_HEAD.size :])
     assert (frame.checkpoint_id, frame.table, frame.chunk_index) == (3, "t_user", 0)
     n = frame.chunk_count
-    duplicate = (f"{dup_seg} at byte {dup_at}: frame is chunk 0 of {n} of shard t_user@0, expected chunk 1 of {n}: "
-                 "a frame duplicated, missing or out of order in the range its COMMIT marker names")
+    duplicate = (
+        f"{dup_seg} at byte {dup_at}: frame is chunk 0 of {n} of shard t_user@0, expected chunk 1 of {n}: "
+        "a frame duplicated, missing or out of order in the range its COMMIT marker names"
+    )
 
     # partition 1: checkpoint 3's segment deleted (generation 3 holds nothing of checkpoint 2)
     assert link.generation not in {lk.generation for lk in trained.previous.chain}
@@ -197,9 +199,7 @@ def _assert_fell_back(damaged: Damaged, trained: Trained, rank: int, reason: str
     _assert_bit_identical(_dumps(damaged.run), _dumps(trained.run, "params-ckpt2"), "checkpoint 2's job")
 
 
-def test_frame_duplicated_inside_a_named_range_fails_naming_file_and_offset_or_falls_back(
-    damaged: Damaged, trained: Trained
-):
+def test_frame_duplicated_inside_a_named_range_fails_naming_file_and_offset_or_falls_back(damaged: Damaged, trained: Trained):
     _assert_fails_naming(damaged.failed[0], damaged.duplicate)
     rc, out = damaged.verify_duplicate
     assert rc == 1 and f"deltarec-ckpt: error: {damaged.duplicate}" in out, out

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from launch.ranks import start_ranks, spawn_ranks
+from launch.ranks import spawn_ranks, start_ranks
 from tests.devices import NEEDS_CUDA
 
 if TYPE_CHECKING:
@@ -31,8 +31,16 @@ BASE = [f"train.steps={STEPS}", "train.save_params=true", "train.eval_batches=1"
 
 
 def _job(run_id: str, bootstrap: str) -> list[str]:
-    return [*BASE, "ckpt.enabled=true", "ckpt.sink=kafka", f"ckpt.bootstrap_servers={bootstrap}",
-            f"ckpt.run_id={run_id}", "ckpt.policy=one_shot_diff", "ckpt.interval_steps=10", "ckpt.flush_timeout_s=20"]
+    return [
+        *BASE,
+        "ckpt.enabled=true",
+        "ckpt.sink=kafka",
+        f"ckpt.bootstrap_servers={bootstrap}",
+        f"ckpt.run_id={run_id}",
+        "ckpt.policy=one_shot_diff",
+        "ckpt.interval_steps=10",
+        "ckpt.flush_timeout_s=20",
+    ]
 
 
 def _params(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -63,8 +71,9 @@ def test_sigkill_while_shipping_rows_then_resume_is_bit_exact(
     tmp_path, broker, unique_name, reference, debug_config: DebugConfig, metrics: MetricsReader
 ) -> None:
     job = _job(unique_name("gpu"), broker.bootstrap)
-    crashed = spawn_ranks(debug_config.path, job, tmp_path, world_size=1, expect_ok=False,
-                          env_extra={"DELTAREC_KILL_AT": "rows:4@0"})
+    crashed = spawn_ranks(
+        debug_config.path, job, tmp_path, world_size=1, expect_ok=False, env_extra={"DELTAREC_KILL_AT": "rows:4@0"}
+    )
     assert crashed[0].returncode == -signal.SIGKILL, crashed[0].stderr[-2000:]
     resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest"], tmp_path, world_size=1)
     assert "deltarec: resumed from checkpoint 3 at step 30" in resumed[0].stdout, resumed[0].stdout[-2000:]
@@ -73,7 +82,12 @@ def test_sigkill_while_shipping_rows_then_resume_is_bit_exact(
 
 
 def test_sigkill_from_outside_then_resume_is_bit_exact(
-    tmp_path, broker, unique_name, reference, debug_config: DebugConfig, metrics: MetricsReader,
+    tmp_path,
+    broker,
+    unique_name,
+    reference,
+    debug_config: DebugConfig,
+    metrics: MetricsReader,
     replay_seed: ReplaySeed,
 ) -> None:
     """The rank is SIGKILLed by pid, not through its own hook, once checkpoint k (drawn from the

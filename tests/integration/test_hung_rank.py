@@ -44,9 +44,7 @@ def _wait_for(what: str, done, proc: subprocess.Popen, log: Path) -> None:
         time.sleep(0.05)  # polling files another process writes
 
 
-def test_a_stopped_rank_fails_the_job_naming_the_collective_and_torchrun_resumes_it(
-    tmp_path, debug_config: DebugConfig
-):
+def test_a_stopped_rank_fails_the_job_naming_the_collective_and_torchrun_resumes_it(tmp_path, debug_config: DebugConfig):
     reference_dir = tmp_path / "reference"
     reference_dir.mkdir()
     spawn_ranks(debug_config.path, TRAIN, reference_dir)

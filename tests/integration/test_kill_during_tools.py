@@ -37,8 +37,15 @@ KILLED = -signal.SIGKILL
 
 def _job(run_id: str, sink: str, bootstrap: str = "", policy: str = "incremental", steps: int = STEPS) -> list[str]:
     return [
-        "ckpt.enabled=true", f"ckpt.sink={sink}", f"ckpt.bootstrap_servers={bootstrap}", f"ckpt.run_id={run_id}",
-        f"ckpt.policy={policy}", "ckpt.interval_steps=10", "ckpt.flush_timeout_s=20", f"train.steps={steps}", *SHAPE,
+        "ckpt.enabled=true",
+        f"ckpt.sink={sink}",
+        f"ckpt.bootstrap_servers={bootstrap}",
+        f"ckpt.run_id={run_id}",
+        f"ckpt.policy={policy}",
+        "ckpt.interval_steps=10",
+        "ckpt.flush_timeout_s=20",
+        f"train.steps={steps}",
+        *SHAPE,
     ]
 
 

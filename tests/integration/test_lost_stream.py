@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import pytest
 from confluent_kafka.admin import AdminClient
@@ -24,9 +25,15 @@ STEPS = 30
 
 def _job(run_id: str, sink: str, bootstrap: str = "") -> list[str]:
     return [
-        "ckpt.enabled=true", f"ckpt.sink={sink}", f"ckpt.bootstrap_servers={bootstrap}", f"ckpt.run_id={run_id}",
-        "ckpt.interval_steps=10", "ckpt.flush_timeout_s=20", "ckpt.final=false",
-        f"train.steps={STEPS}", "train.eval_batches=1",
+        "ckpt.enabled=true",
+        f"ckpt.sink={sink}",
+        f"ckpt.bootstrap_servers={bootstrap}",
+        f"ckpt.run_id={run_id}",
+        "ckpt.interval_steps=10",
+        "ckpt.flush_timeout_s=20",
+        "ckpt.final=false",
+        f"train.steps={STEPS}",
+        "train.eval_batches=1",
     ]
 
 
@@ -38,8 +45,9 @@ def _committed_ids(run_dir: Path) -> list[int]:
     return [r["ckpt_id"] for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("ckpt_committed")]
 
 
-def _refused_then_started_over(debug_config: DebugConfig, job: list[str], tmp_path: Path,
-                               *losses: Callable[[], tuple[list[str], str]]) -> None:
+def _refused_then_started_over(
+    debug_config: DebugConfig, job: list[str], tmp_path: Path, *losses: Callable[[], tuple[list[str], str]]
+) -> None:
     """Train, then for each loss: lose the stream (the callable returns overrides, such as
     another broker's address, and the stream the job then points at) and check `resume=latest`
     is refused naming that stream; then start over."""
@@ -93,8 +101,11 @@ def test_broker_restarted_empty_is_refused_not_started_over(tmp_path, unique_nam
         return [f"ckpt.bootstrap_servers={b.bootstrap}"], b.bootstrap
 
     def topics_deleted() -> tuple[list[str], str]:
-        leaked = [t for t in AdminClient({"bootstrap.servers": others[0].bootstrap}).list_topics(timeout=10).topics
-                  if t.startswith(run_id)]
+        leaked = [
+            t
+            for t in AdminClient({"bootstrap.servers": others[0].bootstrap}).list_topics(timeout=10).topics
+            if t.startswith(run_id)
+        ]
         assert leaked == [], f"the refused start wrote to the broker it was wrongly pointed at: {leaked}"
         admin = AdminClient({"bootstrap.servers": first.bootstrap})
         ours = [t for t in admin.list_topics(timeout=10).topics if t.startswith(run_id)]

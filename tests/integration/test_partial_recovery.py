@@ -21,7 +21,7 @@ from ckpt.catalog import Catalog
 from ckpt.fs_sink import FsMarkers
 from ckpt.markers import SurvivorRecord
 from ckpt.restore import decode_rows, iter_link_frames
-from launch.ranks import REPO, read_jsonl, rank_pids, spawn_ranks, start_ranks
+from launch.ranks import REPO, rank_pids, read_jsonl, spawn_ranks, start_ranks
 from trainer.ckpt_cli import load_ckpt_config
 
 if TYPE_CHECKING:
@@ -31,16 +31,23 @@ pytestmark = pytest.mark.integration
 
 
 def _job(run_id: str, *extra: str) -> list[str]:
-    return [f"ckpt.run_id={run_id}", "ckpt.enabled=true", "ckpt.sink=filesystem", "ckpt.interval_steps=10",
-            "ckpt.recovery=partial", "sharding.default=row_wise", "train.eval_batches=1", *extra]
+    return [
+        f"ckpt.run_id={run_id}",
+        "ckpt.enabled=true",
+        "ckpt.sink=filesystem",
+        "ckpt.interval_steps=10",
+        "ckpt.recovery=partial",
+        "sharding.default=row_wise",
+        "train.eval_batches=1",
+        *extra,
+    ]
 
 
 def _catalog(run_dir: Path, run_id: str) -> Catalog:
     return Catalog(run_id).feed(FsMarkers(run_dir / "stream", run_id).read_markers())
 
 
-def _wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None = None,
-              log: Path | None = None) -> None:
+def _wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
     """Poll `predicate`; fail after `timeout_s`, or as soon as `proc` ends, with `log`'s tail."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -101,8 +108,11 @@ def test_a_rank_killed_under_torchrun_rolls_back_alone_and_the_survivor_keeps_it
     assert record.base <= base.checkpoint_id and record.step >= base.step and record.link.rows > 0
 
     # Restart at the survivor's step without training: the dump is what the restore made.
-    resumed = spawn_ranks(debug_config.path, job("ckpt.resume=latest", f"train.steps={record.step}",
-                                                 "ckpt.final=false", "train.save_params=true"), tmp_path)
+    resumed = spawn_ranks(
+        debug_config.path,
+        job("ckpt.resume=latest", f"train.steps={record.step}", "ckpt.final=false", "train.save_params=true"),
+        tmp_path,
+    )
     out = resumed[0].stdout
     assert f"resumed from checkpoint {base.checkpoint_id} at step {base.step}" in out, out
     assert f"partial recovery: ranks [0] of 2 kept step {record.step}, rank(s) [1] rolled back" in out, out
@@ -110,7 +120,8 @@ def test_a_rank_killed_under_torchrun_rolls_back_alone_and_the_survivor_keeps_it
     partial = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("partial_restore")]
     assert partial[-1]["step"] == record.step and partial[-1]["partial_rolled_back_ranks"] == [1]
     assert partial[-1]["partial_lost_samples"] == pytest.approx(
-        (record.step - base.step) * 2 * 256 * partial[-1]["partial_rolled_back_fraction"])
+        (record.step - base.step) * 2 * 256 * partial[-1]["partial_rolled_back_fraction"]
+    )
     restored = _params(run_dir)
     (run_dir / "params").rename(tmp_path / "params-partial")
 
@@ -142,21 +153,24 @@ def test_a_rank_killed_under_torchrun_rolls_back_alone_and_the_survivor_keeps_it
         assert differs > 0
 
 
-def test_a_survivor_killed_while_saving_is_ignored_and_recovery_is_bit_exact(
-    tmp_path, unique_name, debug_config: DebugConfig
-):
+def test_a_survivor_killed_while_saving_is_ignored_and_recovery_is_bit_exact(tmp_path, unique_name, debug_config: DebugConfig):
     steps = "train.steps=80"
     (tmp_path / "reference").mkdir()
     spawn_ranks(debug_config.path, [*_job(unique_name("reference"), steps, "train.save_params=true")],
                 tmp_path / "reference")  # fmt: skip
     run_id, run_dir, hold = unique_name("partial"), tmp_path / "run", tmp_path / "hold"
     hold.touch()
-    group = start_ranks(debug_config.path, _job(run_id, steps), tmp_path, env_extra={
-        # rank 1 dies once it learns checkpoint 1 committed (a step fixed in advance could come
-        # before any commit on a loaded machine: writers run at low priority); rank 0 survives it ...
-        "DELTAREC_KILL_AT": "committed:1@1",
-        "DELTAREC_HOLD_AT": f"survivor:*={hold}",  # ... and holds with its frames and dense file durable
-    })
+    group = start_ranks(
+        debug_config.path,
+        _job(run_id, steps),
+        tmp_path,
+        env_extra={
+            # rank 1 dies once it learns checkpoint 1 committed (a step fixed in advance could come
+            # before any commit on a loaded machine: writers run at low priority); rank 0 survives it ...
+            "DELTAREC_KILL_AT": "committed:1@1",
+            "DELTAREC_HOLD_AT": f"survivor:*={hold}",  # ... and holds with its frames and dense file durable
+        },
+    )
     err0 = Path(group.logs[0][1].name)
     _wait_for(lambda: "holding at survivor:" in err0.read_text(), 120, "rank 0 saving its survivor snapshot",
               group.procs[0], err0)  # fmt: skip
@@ -189,8 +203,13 @@ def test_a_pls_target_sets_the_checkpoint_interval(tmp_path, unique_name, debug_
 def test_prioritized_checkpoints_stay_within_their_budget_and_count_what_they_left_out(
     tmp_path, unique_name, debug_config: DebugConfig, mode: str
 ):
-    job = _job(unique_name(mode), "ckpt.policy=incremental", f"ckpt.priority={mode}", "ckpt.priority_full_every=4",
-               "ckpt.priority_budget=0.1")
+    job = _job(
+        unique_name(mode),
+        "ckpt.policy=incremental",
+        f"ckpt.priority={mode}",
+        "ckpt.priority_full_every=4",
+        "ckpt.priority_budget=0.1",
+    )
     # checkpoints at 10 (full), 20, 30, 40, 50 (full), 60, 70, 80, 90 (full), ...; rank 1 dies as
     # soon as it learns checkpoint 6 committed (a loaded machine's writers can lag 15 steps, so a
     # step number would not say which is newest). By then 7 or 8 may have committed too: all
@@ -214,4 +233,5 @@ def test_prioritized_checkpoints_stay_within_their_budget_and_count_what_they_le
     partial = next(r for r in records if r.get("partial_restore"))
     assert partial["partial_waiting_lost"] > 0  # rows the chain left waiting on rank 1 count as lost
     assert partial["partial_lost_samples"] == pytest.approx(
-        partial["partial_samples_since_ckpt"] * partial["partial_rolled_back_fraction"] + partial["partial_waiting_lost"])
+        partial["partial_samples_since_ckpt"] * partial["partial_rolled_back_fraction"] + partial["partial_waiting_lost"]
+    )

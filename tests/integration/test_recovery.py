@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from ckpt import cli as ckpt_cli
+from ckpt.dense_store import DenseStore
 from ckpt.fs_sink import FsMarkers
 from ckpt.kafka_sink import KafkaMarkers
-from ckpt.dense_store import DenseStore
 from ckpt.markers import ChainLink, SurvivorRecord, commits, decode_record, encode_marker, is_catalog_record
 from launch.broker import EmbeddedBroker, free_port
 from launch.ranks import read_metrics, spawn_ranks, start_ranks
@@ -62,9 +62,16 @@ def test_checkpoint_restores_into_other_world_sizes_and_plans(
     for world, sharding in [(1, "table_wise"), (2, "row_wise"), (2, "column_wise")]:
         results = spawn_ranks(
             debug_config.path,
-            [*job, f"sharding.default={sharding}", "ckpt.resume=latest", "train.steps=30",
-             "train.save_params=true", "train.eval_batches=1"],
-            tmp_path, world_size=world,
+            [
+                *job,
+                f"sharding.default={sharding}",
+                "ckpt.resume=latest",
+                "train.steps=30",
+                "train.save_params=true",
+                "train.eval_batches=1",
+            ],
+            tmp_path,
+            world_size=world,
         )
         assert "resumed from checkpoint 3 at step 30" in results[0].stdout
         got = _assemble(tmp_path / "run", world)
@@ -109,7 +116,8 @@ def test_corrupt_frame_fails_naming_where_or_falls_back(tmp_path, unique_name, d
 
 
 def test_falling_back_past_every_checkpoint_a_catalog_record_kept_reads_the_whole_log(
-        tmp_path, unique_name, debug_config: DebugConfig, metrics: MetricsReader):
+    tmp_path, unique_name, debug_config: DebugConfig, metrics: MetricsReader
+):
     """Checkpoints 3..8 damaged: the resume tries those the newest catalog record kept and
     those after it, then the older ones the rest of the log holds, and restores checkpoint 2."""
     run_id = unique_name("fallback")
@@ -126,8 +134,11 @@ def test_falling_back_past_every_checkpoint_a_catalog_record_kept_reads_the_whol
         data = bytearray(segment.read_bytes())
         data[first + 64] ^= 0xFF
         segment.write_bytes(bytes(data))
-    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest", "ckpt.on_corrupt=previous",
-                                              "train.steps=90", "train.eval_batches=1"], tmp_path)
+    resumed = spawn_ranks(
+        debug_config.path,
+        [*job, "ckpt.resume=latest", "ckpt.on_corrupt=previous", "train.steps=90", "train.eval_batches=1"],
+        tmp_path,
+    )
     assert "resumed from checkpoint 2 at step 20" in resumed[0].stdout, resumed[0].stdout[-2000:]
     assert resumed[0].stderr.count("falling back to the previous checkpoint") == 6, resumed[0].stderr[-3000:]
     assert metrics.values(tmp_path / "run", "restore_markers_records", restored_ckpt=2)[-1] < len(records)
@@ -178,10 +189,21 @@ def test_cli_list_verify_and_gc(tmp_path, unique_name, debug_config: DebugConfig
     dense, markers = DenseStore(tmp_path / "run" / "dense"), FsMarkers(tmp_path / "run" / "stream", job_id)
     for cid, base in ((6, 2), (7, 5)):
         ref = dense.write_survivor(cid, 1, {"step": 10 * base + 1})
-        markers.append_marker(encode_marker(SurvivorRecord(
-            kind="survivor", run_id=job_id, attempt=f"a-test-{cid}", rank=1, world_size=2, base=base, step=10 * base + 1,
-            link=ChainLink(checkpoint_id=cid, full=False, generation=cid, ranges={}, rows=0, bytes=0),
-            dense=ref.as_json())))
+        markers.append_marker(
+            encode_marker(
+                SurvivorRecord(
+                    kind="survivor",
+                    run_id=job_id,
+                    attempt=f"a-test-{cid}",
+                    rank=1,
+                    world_size=2,
+                    base=base,
+                    step=10 * base + 1,
+                    link=ChainLink(checkpoint_id=cid, full=False, generation=cid, ranges={}, rows=0, bytes=0),
+                    dense=ref.as_json(),
+                )
+            )
+        )
     rc, gc = _cli(capsys, *cli, "gc", "--keep", "2")
     assert rc == 0 and "dropped generations ['g1', 'g2', 'g3', 'g6']" in gc, gc
     assert not dense.survivor_path(6, 1).exists() and dense.survivor_path(7, 1).exists()
@@ -214,10 +236,10 @@ def test_broker_gone_training_goes_on_and_recovers_with_a_full_checkpoint(
     first = EmbeddedBroker()
     first.start()
     port = first.port
-    job = _ckpt(unique_name("gone"), "kafka", first.bootstrap, flush_timeout_s=2, interval_steps=20,
-                max_pending_bytes=400000)
-    group = start_ranks(debug_config.path, [*job, "train.steps=1500", "train.log_every=50", "train.eval_batches=1"],
-                        tmp_path, timeout_s=300)
+    job = _ckpt(unique_name("gone"), "kafka", first.bootstrap, flush_timeout_s=2, interval_steps=20, max_pending_bytes=400000)
+    group = start_ranks(
+        debug_config.path, [*job, "train.steps=1500", "train.log_every=50", "train.eval_batches=1"], tmp_path, timeout_s=300
+    )
     second = None
     try:
         _wait_for(lambda: metrics(run_dir, live=True, ckpt_committed=True), 120, "a first checkpoint")
@@ -244,9 +266,7 @@ def test_broker_gone_training_goes_on_and_recovers_with_a_full_checkpoint(
         assert 1 <= len(refused) <= 4, "\n".join(refused[:20])
 
 
-def test_broker_unreachable_at_start_stops_every_rank_with_one_line(
-    tmp_path, unique_name, debug_config: DebugConfig
-):
+def test_broker_unreachable_at_start_stops_every_rank_with_one_line(tmp_path, unique_name, debug_config: DebugConfig):
     """Nothing listens at the bootstrap address: within ckpt.connect_timeout_s every rank stops
     (none waits for rank 0 at a broadcast) with the line naming the address, before training
     and before anything is written; resume=latest and resume=none alike (neither can tell
@@ -257,7 +277,7 @@ def test_broker_unreachable_at_start_stops_every_rank_with_one_line(
         (tmp_path / resume).mkdir()
         results = spawn_ranks(debug_config.path, [*job, "train.steps=20"], tmp_path / resume, expect_ok=False,
                               timeout_s=120)  # fmt: skip
-        line = (f"deltarec-train: error: no Kafka broker answered at {bootstrap} within 3 s (ckpt.connect_timeout_s): ")
+        line = f"deltarec-train: error: no Kafka broker answered at {bootstrap} within 3 s (ckpt.connect_timeout_s): "
         for r in results:
             assert r.returncode == 2, f"rank {r.rank}: exit {r.returncode}\n{r.stderr[-3000:]}"
             assert [x for x in r.stderr.splitlines() if x.startswith(line)], r.stderr[-3000:]
@@ -290,13 +310,16 @@ FULL_SNAPSHOT_BYTES = 1532 * 76
 
 
 @pytest.mark.parametrize("mode", ["skip", "wait"])
-def test_pending_snapshots_stay_within_the_budget(
-    tmp_path, unique_name, mode, debug_config: DebugConfig, metrics: MetricsReader
-):
+def test_pending_snapshots_stay_within_the_budget(tmp_path, unique_name, mode, debug_config: DebugConfig, metrics: MetricsReader):
     """A writer held busy: `skip` drops (and reports) checkpoints that would not fit,
     `wait` holds training until they fit; neither holds more than the budget."""
-    job = _ckpt(unique_name("budget"), interval_steps=1, max_pending_bytes=FULL_SNAPSHOT_BYTES,
-                on_backpressure=mode, untrained_rows="store")  # every full snapshot is FULL_SNAPSHOT_BYTES
+    job = _ckpt(
+        unique_name("budget"),
+        interval_steps=1,
+        max_pending_bytes=FULL_SNAPSHOT_BYTES,
+        on_backpressure=mode,
+        untrained_rows="store",
+    )  # every full snapshot is FULL_SNAPSHOT_BYTES
     run_dir = tmp_path / "run"
     spawn_ranks(debug_config.path, [*job, "sharding.default=row_wise", "train.steps=8", "train.eval_batches=1"],
                 tmp_path, env_extra={"DELTAREC_SLOW_FLUSH": "1:1.5" if mode == "wait" else "1:6"})  # fmt: skip

@@ -52,8 +52,17 @@ def test_tensorboard_mirrors_metrics_of_a_real_run(
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = tmp_path / "run"
-    run_cli("trainer.main", "--config", debug_config.path, f"run.dir={run_dir}", "train.steps=20",
-            "train.log_every=5", "train.eval_batches=1", "train.tensorboard=true", timeout_s=300)
+    run_cli(
+        "trainer.main",
+        "--config",
+        debug_config.path,
+        f"run.dir={run_dir}",
+        "train.steps=20",
+        "train.log_every=5",
+        "train.eval_batches=1",
+        "train.tensorboard=true",
+        timeout_s=300,
+    )
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     assert sorted(events.Tags()["scalars"]) == ["eval_auc", "eval_logloss", "eval_samples", "loss", "samples_per_s"]

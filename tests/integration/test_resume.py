@@ -25,9 +25,17 @@ pytestmark = pytest.mark.integration
 
 def _job(run_id: str, sink: str, bootstrap: str, policy: str) -> list[str]:
     return [
-        "ckpt.enabled=true", f"ckpt.sink={sink}", f"ckpt.bootstrap_servers={bootstrap}", f"ckpt.run_id={run_id}",
-        f"ckpt.policy={policy}", "ckpt.interval_steps=10", "ckpt.flush_timeout_s=20",
-        f"train.steps={STEPS}", "train.save_params=true", "train.eval_batches=1", "sharding.default=row_wise",
+        "ckpt.enabled=true",
+        f"ckpt.sink={sink}",
+        f"ckpt.bootstrap_servers={bootstrap}",
+        f"ckpt.run_id={run_id}",
+        f"ckpt.policy={policy}",
+        "ckpt.interval_steps=10",
+        "ckpt.flush_timeout_s=20",
+        f"train.steps={STEPS}",
+        "train.save_params=true",
+        "train.eval_batches=1",
+        "sharding.default=row_wise",
     ]
 
 
@@ -71,8 +79,9 @@ def test_sigkill_anywhere_then_resume_is_bit_exact(
     why = f"killed rank {rank} at {point}:{key}, {replay_seed}"
     print(why)
     job = _job(unique_name("resume"), "kafka", broker.bootstrap, policy)
-    crashed = spawn_ranks(debug_config.path, job, tmp_path, expect_ok=False, timeout_s=180,
-                          env_extra={"DELTAREC_KILL_AT": f"{point}:{key}@{rank}"})
+    crashed = spawn_ranks(
+        debug_config.path, job, tmp_path, expect_ok=False, timeout_s=180, env_extra={"DELTAREC_KILL_AT": f"{point}:{key}@{rank}"}
+    )
     assert crashed[rank].returncode == -9, f"{why}: rank did not die by SIGKILL ({crashed[rank].returncode})"
     resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest"], tmp_path, timeout_s=180)
     lines = [x for x in resumed[0].stdout.splitlines() if x.startswith("deltarec: resumed from checkpoint")]
@@ -85,9 +94,7 @@ def test_sigkill_anywhere_then_resume_is_bit_exact(
     _assert_identical(_dumps(tmp_path / "run"), reference, why)
 
 
-def test_filesystem_sink_resumes_bit_exact(
-    tmp_path, unique_name, reference, debug_config: DebugConfig, metrics: MetricsReader
-):
+def test_filesystem_sink_resumes_bit_exact(tmp_path, unique_name, reference, debug_config: DebugConfig, metrics: MetricsReader):
     job = _job(unique_name("fs"), "filesystem", "", "incremental")
     spawn_ranks(debug_config.path, job, tmp_path, expect_ok=False, env_extra={"DELTAREC_KILL_AT": "rows:4@1"})
     resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest"], tmp_path)
@@ -97,8 +104,7 @@ def test_filesystem_sink_resumes_bit_exact(
     # the debug config's catalog_every=2: the log is [attempt, commits 1, 2, a catalog record
     # of the log before commit 2, commit 3], and the resume read it from that record on
     first_attempt_log = FsMarkers(tmp_path / "run" / "stream", job[3].split("=", 1)[1]).read_markers()[:5]
-    assert [decode_record(data).kind for _, data in first_attempt_log] == ["attempt", "commit", "commit", "catalog",
-                                                                          "commit"]
+    assert [decode_record(data).kind for _, data in first_attempt_log] == ["attempt", "commit", "commit", "catalog", "commit"]
     assert metrics.values(tmp_path / "run", "restore_markers_records", restored_ckpt=3) == [3]
 
 
@@ -114,8 +120,9 @@ def test_a_late_copy_still_holds_the_rows_of_its_checkpoint_step(
     # resumed run differs from the uninterrupted one. Without the overlap the stall simply
     # lasts longer.
     job = [*_job(unique_name("late-copy"), "filesystem", "", "one_shot_diff"), f"ckpt.overlap_copy={overlap}"]
-    spawn_ranks(debug_config.path, job, tmp_path, expect_ok=False,
-                env_extra={"DELTAREC_KILL_AT": "rows:4@1", "DELTAREC_SLOW_COPY": late})
+    spawn_ranks(
+        debug_config.path, job, tmp_path, expect_ok=False, env_extra={"DELTAREC_KILL_AT": "rows:4@1", "DELTAREC_SLOW_COPY": late}
+    )
     resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest"], tmp_path)
     assert "deltarec: resumed from checkpoint 3 at step 30" in resumed[0].stdout
     _assert_identical(_dumps(tmp_path / "run"), reference, f"copies late ({late}), ckpt.overlap_copy={overlap}")

@@ -7,21 +7,22 @@ Kafka-only, torn tails are filesystem-only.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import pytest
 import torch
 
+from ckpt import kafka_sink
 from ckpt.catalog import Catalog
 from ckpt.catalog_ahead import CatalogAhead, catch_up_recent
 from ckpt.catalog_record import read_recent_catalog, summarize
 from ckpt.frames import FrameError, OptimState, chunk_rows, decode_frame
-from ckpt.markers import ChainLink, Marker, OffsetRange, encode_marker
 from ckpt.fs_sink import REC_MAGIC, FsMarkers, FsSink, FsSource, encode_record
-from ckpt import kafka_sink
 from ckpt.kafka_sink import BrokerUnreachable, KafkaMarkers, KafkaSink, KafkaSource
+from ckpt.markers import ChainLink, Marker, OffsetRange, encode_marker
 from ckpt.sink import RangeRead, SinkError, SourceError
 from launch.broker import EmbeddedBroker, free_port
 
@@ -44,35 +45,58 @@ def backend(request, tmp_path, unique_name):
     run = unique_name("run")
     if request.param == "kafka":
         conf = {"bootstrap.servers": request.getfixturevalue("broker").bootstrap}
-        b = Backend("kafka", run,
-                    sink=lambda: KafkaSink(run, conf, num_partitions=WORLD, delivery_timeout_s=10),
-                    source=lambda: KafkaSource(run, conf, timeout_s=3),
-                    markers=lambda: KafkaMarkers(run, conf, timeout_s=10))
+        b = Backend(
+            "kafka",
+            run,
+            sink=lambda: KafkaSink(run, conf, num_partitions=WORLD, delivery_timeout_s=10),
+            source=lambda: KafkaSource(run, conf, timeout_s=3),
+            markers=lambda: KafkaMarkers(run, conf, timeout_s=10),
+        )
     else:
-        b = Backend("fs", run, sink=lambda: FsSink(tmp_path, run),
-                    source=lambda: FsSource(tmp_path, run), markers=lambda: FsMarkers(tmp_path, run))
+        b = Backend(
+            "fs",
+            run,
+            sink=lambda: FsSink(tmp_path, run),
+            source=lambda: FsSource(tmp_path, run),
+            markers=lambda: FsMarkers(tmp_path, run),
+        )
     return b
 
 
-def make_frames(run: str, ckpt: int, rank: int, n: int, *, table: str = "t0", seed: int = 0,
-                max_frame_bytes: int = 4096) -> list[bytes]:
+def make_frames(
+    run: str, ckpt: int, rank: int, n: int, *, table: str = "t0", seed: int = 0, max_frame_bytes: int = 4096
+) -> list[bytes]:
     g = torch.Generator().manual_seed(seed * 1000 + ckpt * 10 + rank)
     ids = torch.randperm(100_000, generator=g)[:n]
     rows = torch.randn(n, 16, generator=g)
     mom = torch.rand(n, generator=g)
-    return [f.data for f in chunk_rows(run_id=run, checkpoint_id=ckpt, rank=rank, table=table, col_offset=0,
-                           dim=16, encoding=0, row_ids=ids, payload=rows,
-                           optim=[OptimState("momentum1", 0, mom)], max_frame_bytes=max_frame_bytes)]
+    return [
+        f.data
+        for f in chunk_rows(
+            run_id=run,
+            checkpoint_id=ckpt,
+            rank=rank,
+            table=table,
+            col_offset=0,
+            dim=16,
+            encoding=0,
+            row_ids=ids,
+            payload=rows,
+            optim=[OptimState("momentum1", 0, mom)],
+            max_frame_bytes=max_frame_bytes,
+        )
+    ]
 
 
 def same(a, b) -> bool:
     """Two decoded frames carry the same fields and bytes."""
-    return (a.run_id, a.checkpoint_id, a.rank, a.table, a.col_offset, a.dim, a.encoding,
-            a.chunk_index, a.chunk_count) == \
-        (b.run_id, b.checkpoint_id, b.rank, b.table, b.col_offset, b.dim, b.encoding,
-         b.chunk_index, b.chunk_count) and torch.equal(a.row_ids, b.row_ids) and \
-        torch.equal(a.payload, b.payload) and \
-        all(torch.equal(x.rows, y.rows) for x, y in zip(a.optim, b.optim))
+    return (
+        (a.run_id, a.checkpoint_id, a.rank, a.table, a.col_offset, a.dim, a.encoding, a.chunk_index, a.chunk_count)
+        == (b.run_id, b.checkpoint_id, b.rank, b.table, b.col_offset, b.dim, b.encoding, b.chunk_index, b.chunk_count)
+        and torch.equal(a.row_ids, b.row_ids)
+        and torch.equal(a.payload, b.payload)
+        and all(torch.equal(x.rows, y.rows) for x, y in zip(a.optim, b.optim))
+    )
 
 
 def read_all(source, gen, part, rng):
@@ -142,8 +166,7 @@ def test_missing_data_is_a_clear_error(backend):
         t0 = time.monotonic()
         with pytest.raises(SourceError) as e:  # the partition ends before the range does
             read_all(source, 0, 1, (first, last + 1000))
-        assert ("/1.seg ends at byte" if backend.name == "fs" else "partition 1 ends at offset") \
-            in str(e.value)
+        assert ("/1.seg ends at byte" if backend.name == "fs" else "partition 1 ends at offset") in str(e.value)
         with pytest.raises(SourceError, match="does not exist"):
             read_all(source, 7, 1, (0, 0))
         with pytest.raises(SourceError):  # nothing written to partition 0
@@ -160,17 +183,23 @@ def test_read_ranges_gives_every_read_in_order_whatever_the_interleaving(backend
     sink, source = backend.sink(), backend.source()
     try:
         small = 700  # bytes a frame: several frames a partition
-        written = {(0, 0): make_frames(backend.run, 1, 0, 60, max_frame_bytes=small),
-                   (0, 1): make_frames(backend.run, 1, 1, 30, max_frame_bytes=small),
-                   (1, 0): make_frames(backend.run, 2, 0, 20, max_frame_bytes=small)}
+        written = {
+            (0, 0): make_frames(backend.run, 1, 0, 60, max_frame_bytes=small),
+            (0, 1): make_frames(backend.run, 1, 1, 30, max_frame_bytes=small),
+            (1, 0): make_frames(backend.run, 2, 0, 20, max_frame_bytes=small),
+        }
         for (gen, part), frames in written.items():
             for fr in frames:
                 sink.write(fr, generation=gen, partition=part)
         res = sink.flush(30).raise_for_error()
         pos = {key: res.positions[key] for key in written}
         assert len(pos[(0, 0)]) >= 8, "the test needs a partition of at least 8 frames"
-        reads = [RangeRead(0, 0, pos[(0, 0)][5], pos[(0, 0)][7]), RangeRead(1, 0, pos[(1, 0)][0], pos[(1, 0)][-1]),
-                 RangeRead(0, 0, pos[(0, 0)][0], pos[(0, 0)][2]), RangeRead(0, 1, pos[(0, 1)][0], pos[(0, 1)][-1])]
+        reads = [
+            RangeRead(0, 0, pos[(0, 0)][5], pos[(0, 0)][7]),
+            RangeRead(1, 0, pos[(1, 0)][0], pos[(1, 0)][-1]),
+            RangeRead(0, 0, pos[(0, 0)][0], pos[(0, 0)][2]),
+            RangeRead(0, 1, pos[(0, 1)][0], pos[(0, 1)][-1]),
+        ]
         got: dict[int, list] = {i: [] for i in range(len(reads))}
         for i, p, frame in source.read_ranges(reads):
             got[i].append((p, frame))
@@ -223,8 +252,8 @@ def test_drop_generation(backend):
             sink.write(make_frames(backend.run, 5, 0, 1)[0], generation=0, partition=0)
         assert not sink.flush(10).ok  # the refused write failed this flush...
         sink.write(make_frames(backend.run, 6, 0, 1)[0], generation=1, partition=0)
-        assert sink.flush(30).ok      # ...and the next one works
-        sink.drop_generation(0)       # dropping twice is fine
+        assert sink.flush(30).ok  # ...and the next one works
+        sink.drop_generation(0)  # dropping twice is fine
     finally:
         sink.close()
 
@@ -271,10 +300,13 @@ def test_a_restore_folds_a_markers_log_from_its_newest_catalog_record(backend):
         chain = [ChainLink(checkpoint_id=1, full=True, generation=1, ranges={0: [OffsetRange(0, 0)]}, rows=1, bytes=9)]
         for cid in range(1, 301):
             if cid > 1:
-                chain = [chain[0], ChainLink(checkpoint_id=cid, full=False, generation=1,
-                                             ranges={0: [OffsetRange(cid, cid)]}, rows=1, bytes=1)]
-            record = encode_marker(Marker(kind="commit", run_id=backend.run, checkpoint_id=cid, step=cid,
-                                          world_size=2, chain=chain))
+                chain = [
+                    chain[0],
+                    ChainLink(checkpoint_id=cid, full=False, generation=1, ranges={0: [OffsetRange(cid, cid)]}, rows=1, bytes=1),
+                ]
+            record = encode_marker(
+                Marker(kind="commit", run_id=backend.run, checkpoint_id=cid, step=cid, world_size=2, chain=chain)
+            )
             fold.feed([(m.append_marker(record), record)])
             if fold.since_summary >= 32:
                 summary = encode_marker(summarize(fold))
@@ -286,13 +318,15 @@ def test_a_restore_folds_a_markers_log_from_its_newest_catalog_record(backend):
             fresh.close()
         assert recent.summary is not None and recent.read <= 33
         assert [x.checkpoint_id for x in recent.restorable()] == [x.checkpoint_id for x in fold.restorable()][
-            :len(recent.restorable())]
+            : len(recent.restorable())
+        ]
         assert recent.restorable()[0].checkpoint_id == 300 and recent.newest_id == 300
     finally:
         m.close()
 
 
 # --- Kafka only ---------------------------------------------------------------------
+
 
 def test_killed_broker_fails_flush_then_sink_recovers_on_new_broker(tmp_path, unique_name):
     run = unique_name("run")
@@ -337,8 +371,9 @@ def test_killed_broker_fails_flush_then_sink_recovers_on_new_broker(tmp_path, un
 def test_kafka_full_local_queue_is_back_pressure_not_an_error(broker, unique_name):
     run = unique_name("run")
     conf = {"bootstrap.servers": broker.bootstrap}
-    sink = KafkaSink(run, conf, num_partitions=1, queue_full_timeout_s=20,
-                     producer_conf={"queue.buffering.max.messages": 2, "linger.ms": 5})
+    sink = KafkaSink(
+        run, conf, num_partitions=1, queue_full_timeout_s=20, producer_conf={"queue.buffering.max.messages": 2, "linger.ms": 5}
+    )
     frames = make_frames(run, 1, 0, 2000, max_frame_bytes=1024)
     assert len(frames) > 50
     for fr in frames:
@@ -357,8 +392,11 @@ def test_kafka_range_starting_past_the_end_times_out_with_its_location(broker, u
     sink.write(make_frames(run, 1, 0, 1)[0], generation=0, partition=0)
     sink.flush(30).raise_for_error()
     t0 = time.monotonic()
-    with pytest.raises(SourceError, match=rf"topic {run}.rows.g0 partition 0: nothing at offset 5 "
-                                          r"within 1s \(reading through offset 9\)"):
+    with pytest.raises(
+        SourceError,
+        match=rf"topic {run}.rows.g0 partition 0: nothing at offset 5 "
+        r"within 1s \(reading through offset 9\)",
+    ):
         read_all(KafkaSource(run, conf, timeout_s=1), 0, 0, (5, 9))
     assert time.monotonic() - t0 < 5
     sink.close()
@@ -466,10 +504,11 @@ def test_kafka_markers_read_ahead_is_caught_up_at_restore_time_by_the_reader_it_
     run, reader, writer, connects = counted_markers
 
     def commit(cid: int) -> None:
-        link = ChainLink(checkpoint_id=cid, full=True, generation=cid, ranges={0: [OffsetRange(0, 0)]}, rows=1,
-                         bytes=10)
-        writer.append_marker(encode_marker(Marker(kind="commit", run_id=run, checkpoint_id=cid, step=cid,
-                                                  world_size=1, chain=[link])))
+        link = ChainLink(checkpoint_id=cid, full=True, generation=cid, ranges={0: [OffsetRange(0, 0)]}, rows=1, bytes=10)
+        writer.append_marker(
+            encode_marker(Marker(kind="commit", run_id=run, checkpoint_id=cid, step=cid, world_size=1, chain=[link]))
+        )
+
     for cid in (1, 2, 3):
         commit(cid)
     reader.prepare(5)
@@ -575,6 +614,7 @@ def test_kafka_conf_is_validated(broker, unique_name):
 
 # --- filesystem only ----------------------------------------------------------------
 
+
 def test_fs_torn_tail_is_ignored_and_cut_by_the_next_writer(tmp_path):
     run = "torn"
     sink, source = FsSink(tmp_path, run), FsSource(tmp_path, run)
@@ -634,7 +674,7 @@ def test_fs_corruption_before_the_tail_is_an_error_not_a_tail(tmp_path):
     w = FsSink(tmp_path, run)
     w.write(b"x", generation=0, partition=0)
     assert w.flush().raise_for_error().ranges[(0, 0)] == [(len(data), len(data))]
-    assert seg.read_bytes()[:len(data)] == bytes(data)
+    assert seg.read_bytes()[: len(data)] == bytes(data)
 
 
 def test_fs_markers_torn_tail(tmp_path):

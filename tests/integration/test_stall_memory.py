@@ -21,8 +21,15 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 def test_no_snapshot_of_a_job_allocates_host_memory_inside_its_stall(tmp_path, metrics: MetricsReader):
     # the quickstart model: its snapshots span several 2 MiB pages, so a growing delta
     # outgrows the slab of the one before (the debug model fits one page whatever it trains)
-    job = ["ckpt.enabled=true", "ckpt.sink=filesystem", "ckpt.run_id=stall-memory", "ckpt.policy=one_shot_diff",
-           "ckpt.interval_steps=12", "train.steps=60", "train.eval_batches=0"]
+    job = [
+        "ckpt.enabled=true",
+        "ckpt.sink=filesystem",
+        "ckpt.run_id=stall-memory",
+        "ckpt.policy=one_shot_diff",
+        "ckpt.interval_steps=12",
+        "train.steps=60",
+        "train.eval_batches=0",
+    ]
     spawn_ranks(REPO / "configs" / "quickstart.yaml", job, tmp_path, timeout_s=240)
     fresh = metrics.values(tmp_path / "run", "ckpt_stall_new_bytes", ckpt_committed=True)
     assert fresh == [0, 0, 0, 0, 0], f"host bytes allocated inside each stall: {fresh}"

@@ -20,9 +20,10 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -38,6 +39,11 @@ STEPS = 100
 NODES = {0: "127.0.0.2", 1: "127.0.0.3"}
 RDZV_PORT = 29400  # any port: nothing else listens in the namespace
 KILL_AFTER_STEP = 20  # the second node dies once this step's checkpoint committed
+# One thread per rank in the reference and in the two-node job: a rank alone on its node would
+# otherwise take every core (`train.threads_per_rank=0`) where the reference's two ranks share
+# them, and the CPU kernels then sum in another order (bit-exact resume compares runs of one
+# configuration; this differed on a 2-core VM of 2026-11-27 even at the commit before it).
+THREADS = "train.threads_per_rank=1"
 DEADLINE_S = 300
 
 
@@ -82,14 +88,14 @@ def ns_broker(netns: Namespace, tmp_path_factory) -> Iterator[str]:
     """The embedded broker, started inside the namespace by its own CLI; its bootstrap."""
     state = tmp_path_factory.mktemp("ns-broker")
     cli = [sys.executable, "-m", "launch.broker"]
-    started = subprocess.run(netns.wrap([*cli, "start", "--state-dir", str(state)]), cwd=REPO,
-                             capture_output=True, text=True, timeout=60)
+    started = subprocess.run(
+        netns.wrap([*cli, "start", "--state-dir", str(state)]), cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert started.returncode == 0, started.stderr
     try:
         yield started.stdout.strip()
     finally:
-        subprocess.run(netns.wrap([*cli, "stop", "--state-dir", str(state)]), cwd=REPO,
-                       capture_output=True, timeout=60)
+        subprocess.run(netns.wrap([*cli, "stop", "--state-dir", str(state)]), cwd=REPO, capture_output=True, timeout=60)
 
 
 class Agents:
@@ -124,9 +130,19 @@ def agents() -> Iterator[Agents]:
 
 def _job(run_dir: Path, bootstrap: str, run_id: str) -> list[str]:
     return [
-        f"run.dir={run_dir}", "train.progress=log", f"train.steps={STEPS}", "train.save_params=true",
-        "train.eval_batches=1", "ckpt.enabled=true", "ckpt.sink=kafka", f"ckpt.bootstrap_servers={bootstrap}",
-        f"ckpt.run_id={run_id}", "ckpt.interval_steps=10", "ckpt.flush_timeout_s=30", "ckpt.resume=latest",
+        f"run.dir={run_dir}",
+        "train.progress=log",
+        f"train.steps={STEPS}",
+        "train.save_params=true",
+        "train.eval_batches=1",
+        THREADS,
+        "ckpt.enabled=true",
+        "ckpt.sink=kafka",
+        f"ckpt.bootstrap_servers={bootstrap}",
+        f"ckpt.run_id={run_id}",
+        "ckpt.interval_steps=10",
+        "ckpt.flush_timeout_s=30",
+        "ckpt.resume=latest",
     ]
 
 
@@ -145,8 +161,10 @@ def _wait_committed(run_dir: Path, step: int, agents: Sequence[subprocess.Popen]
         if any(r.get("ckpt_committed") is True and r["step"] >= step for r in records):
             return
         if any(a.poll() is not None for a in agents):
-            pytest.fail("an agent ended before the checkpoint of step "
-                        f"{step} committed:\n" + "\n".join(p.read_text()[-3000:] for p in logs))
+            pytest.fail(
+                "an agent ended before the checkpoint of step "
+                f"{step} committed:\n" + "\n".join(p.read_text()[-3000:] for p in logs)
+            )
         time.sleep(0.05)  # polling a file another process writes
     pytest.fail(f"no checkpoint of step {step} committed within {DEADLINE_S} s")
 
@@ -177,7 +195,7 @@ def test_second_node_killed_resumes_bit_identical_then_one_node_restores(
 ):
     reference_dir = tmp_path / "reference"
     reference_dir.mkdir()
-    spawn_ranks(debug_config.path, [f"train.steps={STEPS}", "train.save_params=true", "train.eval_batches=1"],
+    spawn_ranks(debug_config.path, [f"train.steps={STEPS}", "train.save_params=true", "train.eval_batches=1", THREADS],
                 reference_dir)  # fmt: skip
     reference = _dumps(reference_dir / "run")
 

@@ -18,8 +18,9 @@ pytestmark = pytest.mark.multirank
 
 
 def test_dry_run_prints_plan_and_bytes_per_rank(run_cli: CliRunner, debug_config: DebugConfig) -> None:
-    p = run_cli("trainer.main", "--config", debug_config.path, "--dry-run", "--world-size", "2",
-                "model.tables.0.sharding=row_wise")
+    p = run_cli(
+        "trainer.main", "--config", debug_config.path, "--dry-run", "--world-size", "2", "model.tables.0.sharding=row_wise"
+    )
     lines = p.stdout.splitlines()
     assert "sharding plan for 2 rank(s) on cpu:" in lines[0]
     assert any(line.split()[:3] == ["t_user", "row_wise", "0,1"] for line in lines)
@@ -70,8 +71,17 @@ def test_torchrun_wrapper_trains_every_sharding_type(
     ]
     for i, overrides in enumerate(jobs):
         run_dir = tmp_path / f"job{i}"
-        p = run_cli("launch.torchrun", "--nproc-per-node", "2", "--config", debug_config.path,
-                    f"run.dir={run_dir}", "train.steps=40", *overrides, timeout_s=180)
+        p = run_cli(
+            "launch.torchrun",
+            "--nproc-per-node",
+            "2",
+            "--config",
+            debug_config.path,
+            f"run.dir={run_dir}",
+            "train.steps=40",
+            *overrides,
+            timeout_s=180,
+        )
         assert "deltarec: trained 40 steps" in p.stdout
         assert metrics.values(run_dir, "step", "loss") == [20, 40]
         assert (run_dir / "config.yaml").is_file()

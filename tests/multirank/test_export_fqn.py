@@ -28,9 +28,14 @@ if TYPE_CHECKING:
     from tests.conftest import CliRunner, DebugConfig
 
 JOB = [
-    "ckpt.enabled=true", "ckpt.sink=filesystem", "ckpt.interval_steps=10",
-    "ckpt.encoding=fp32", "ckpt.optimizer_encoding=fp32",
-    "model.tables.0.sharding=row_wise", "model.tables.1.sharding=column_wise", "model.tables.2.sharding=data_parallel",
+    "ckpt.enabled=true",
+    "ckpt.sink=filesystem",
+    "ckpt.interval_steps=10",
+    "ckpt.encoding=fp32",
+    "ckpt.optimizer_encoding=fp32",
+    "model.tables.0.sharding=row_wise",
+    "model.tables.1.sharding=column_wise",
+    "model.tables.2.sharding=data_parallel",
 ]
 STEPS = 30
 TABLE_PREFIX = f"{EBC_PATH}.embedding_bags."
@@ -73,18 +78,16 @@ def _trained_state(run_dir: Path, ranks: int, shapes: dict[str, tuple[int, ...]]
                     full = optim.setdefault(fqn, {}).setdefault(name, torch.full((rows, dim), float("nan")))
                     full[row : row + value.shape[0], col : col + value.shape[1]] = value
             elif parts[0] == "dense" and r == 0:
-                model[key[len("dense/"):]] = value
+                model[key[len("dense/") :]] = value
             elif parts[0] == "dense_opt" and r == 0:
-                pname, state = key[len("dense_opt/"):].rsplit("/", 1)
+                pname, state = key[len("dense_opt/") :].rsplit("/", 1)
                 optim.setdefault(pname, {})[state] = value
     return model, optim
 
 
 @pytest.mark.multirank
 def test_export_loads_into_a_fresh_unsharded_model(tmp_path: Path, debug_config: DebugConfig, run_cli: CliRunner) -> None:
-    spawn_ranks(
-        debug_config.path, [*JOB, f"train.steps={STEPS}", "train.save_params=true", "train.eval_batches=1"], tmp_path
-    )
+    spawn_ranks(debug_config.path, [*JOB, f"train.steps={STEPS}", "train.save_params=true", "train.eval_batches=1"], tmp_path)
     run_dir = tmp_path / "run"
     out, dcp_dir = tmp_path / "export" / "model.pt", tmp_path / "export" / "dcp"
     p = run_cli("trainer.ckpt_cli", "--config", debug_config.path, f"run.dir={run_dir}", *JOB,

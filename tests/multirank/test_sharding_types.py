@@ -16,9 +16,7 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.multirank
 
 
-@pytest.mark.parametrize(
-    "sharding", ["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel", "auto"]
-)
+@pytest.mark.parametrize("sharding", ["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel", "auto"])
 def test_every_sharding_type_trains_and_loss_falls(
     tmp_path: Path, sharding: str, debug_config: DebugConfig, metrics: MetricsReader
 ) -> None:

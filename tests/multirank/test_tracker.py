@@ -57,7 +57,10 @@ def test_tracked_rows_are_exactly_the_changed_rows(report: tuple[str, list[dict]
     assert shards, f"{plan}: no model-parallel shard on any rank"
     if plan == "column_wise_2_per_rank":
         assert sorted((s["table"], s["col_offset"]) for s in reports[0]["exact"]["shards"]) == [
-            ("t_item", 0), ("t_item", 4), ("t_user", 0), ("t_user", 4)
+            ("t_item", 0),
+            ("t_item", 4),
+            ("t_user", 0),
+            ("t_user", 4),
         ]
     for s in shards:
         where = f"{plan} {s['table']} rows {s['row_offset']}+{s['rows']} cols {s['col_offset']}"

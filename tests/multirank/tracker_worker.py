@@ -83,12 +83,21 @@ def check_exact(trainer: Trainer, smap: ShardMap, tracker: RowTracker, cfg, step
                 mask, local = s.local_rows(d[f].values())
                 own[local] = True
         ch = changed[i]
-        shards.append({
-            "table": s.table, "row_offset": s.row_offset, "col_offset": s.col_offset, "rows": s.num_rows,
-            "changed": int(ch.sum()), "tracked": int(tracked.sum()),
-            "changed_not_tracked": int((ch & ~tracked).sum()), "tracked_not_changed": int((tracked & ~ch).sum()),
-            "own": int(own.sum()), "changed_not_own": int((ch & ~own).sum()), "own_not_changed": int((own & ~ch).sum()),
-        })
+        shards.append(
+            {
+                "table": s.table,
+                "row_offset": s.row_offset,
+                "col_offset": s.col_offset,
+                "rows": s.num_rows,
+                "changed": int(ch.sum()),
+                "tracked": int(tracked.sum()),
+                "changed_not_tracked": int((ch & ~tracked).sum()),
+                "tracked_not_changed": int((tracked & ~ch).sum()),
+                "own": int(own.sum()),
+                "changed_not_own": int((ch & ~own).sum()),
+                "own_not_changed": int((own & ~ch).sum()),
+            }
+        )
     return {"shards": shards, "replicated": list(smap.replicated_tables)}
 
 
@@ -113,8 +122,10 @@ def check_eval(trainer: Trainer, tracker: RowTracker) -> dict:
     after_train_forward = tracker.count_since_base()
     tracker.mark_base()
     return {
-        "after_evaluate": after_evaluate, "after_eval_forward": after_eval_forward,
-        "after_no_grad_forward": after_no_grad, "after_train_forward": after_train_forward,
+        "after_evaluate": after_evaluate,
+        "after_eval_forward": after_eval_forward,
+        "after_no_grad_forward": after_no_grad,
+        "after_train_forward": after_train_forward,
     }
 
 
@@ -184,7 +195,8 @@ def check_snapshot(trainer: Trainer, smap: ShardMap, tracker: RowTracker) -> dic
     full = taker.take(1, trainer.step, full=True, since_base=False)
     r["full_est_eq_nbytes"] = est_full == full.nbytes
     r["full_covers_every_row"] = all(
-        torch.equal(s.global_rows, torch.arange(v.row_offset, v.row_offset + v.num_rows)) for s, v in zip(full.shards, smap.shards)
+        torch.equal(s.global_rows, torch.arange(v.row_offset, v.row_offset + v.num_rows))
+        for s, v in zip(full.shards, smap.shards)
     )
     r["full_equals_live"] = _snapshot_equals_live(full, smap)
     tracker.mark_base()
@@ -271,8 +283,9 @@ def main() -> int:
     if args.column_shards_per_rank > 1:
         # Several column shards of one table on one rank: the lookup's KJT then names the
         # same feature at several key positions, one per shard.
-        import sharding.plan as plan_module
         from torchrec.distributed.sharding_plan import column_wise
+
+        import sharding.plan as plan_module
 
         k = args.column_shards_per_rank
         plan_module.column_wise = lambda ranks: column_wise(ranks=[r for r in ranks for _ in range(k)])

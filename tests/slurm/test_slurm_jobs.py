@@ -180,9 +180,7 @@ ALLOCATIONS = [
 @pytest.mark.parametrize("case, slurm_env, ranks, cpus_per_rank, node_cpus", ALLOCATIONS,
                          ids=[a[0] for a in ALLOCATIONS])  # fmt: skip
 @pytest.mark.parametrize("form", ["torchrun", "srun"])
-def test_template_takes_ranks_and_cpus_from_the_allocation(
-    tmp_path, form, case, slurm_env, ranks, cpus_per_rank, node_cpus
-):
+def test_template_takes_ranks_and_cpus_from_the_allocation(tmp_path, form, case, slurm_env, ranks, cpus_per_rank, node_cpus):
     """Both forms of the template against stub srun/scontrol on two nodes: GPUs, else tasks,
     decide the ranks per node; the node's CPUs are split between them; overrides win."""
     bin_dir = tmp_path / "bin"

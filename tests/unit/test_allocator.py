@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+
 import pytest
 
 from launch.ranks import REPO
@@ -35,8 +36,15 @@ glibc = pytest.mark.skipif(not (hasattr(os, "confstr") and os.confstr("CS_GNU_LI
 
 def _run(mode: str, env: dict[str, str] | None = None) -> dict:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    out = subprocess.run([sys.executable, "-c", _STEPS, mode], cwd=REPO, env={**clean, **(env or {})},
-                         capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _STEPS, mode],
+        cwd=REPO,
+        env={**clean, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return json.loads(out.stdout)
 
 
@@ -76,9 +84,14 @@ print(json.dumps({"calls": len(calls)}))
 
 @pytest.mark.parametrize("keep", ["true", "false"])
 def test_a_rank_keeps_freed_memory_unless_its_config_says_not(keep: str, tmp_path, debug_config) -> None:
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-           "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", _BUILD, str(debug_config.path), keep, str(tmp_path / "rdzv"),
-                          str(tmp_path / "run")], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", _BUILD, str(debug_config.path), keep, str(tmp_path / "rdzv"), str(tmp_path / "run")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"calls": 1 if keep == "true" else 0}

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from bench.common import harmonic_of
-from bench.cpu import CLASSES, CpuLedger, checkpoint_cpu, process_cpu_s, thread_class
 from bench.cost import is_tmpfs
+from bench.cpu import CLASSES, CpuLedger, checkpoint_cpu, process_cpu_s, thread_class
 
 
 def _burn(seconds: float) -> None:
@@ -117,9 +117,16 @@ def test_cpu_spent_before_start_is_not_counted() -> None:
 
 
 def test_a_process_cpu_is_read_from_proc() -> None:
-    child = subprocess.Popen([sys.executable, "-c", "import time\nt=time.process_time()\nwhile time.process_time()-t<0.5: pass\n"
-                              "import sys; sys.stdout.write('done\\n'); sys.stdout.flush(); time.sleep(30)"],
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\nt=time.process_time()\nwhile time.process_time()-t<0.5: pass\n"
+            "import sys; sys.stdout.write('done\\n'); sys.stdout.flush(); time.sleep(30)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert child.stdout is not None and child.stdout.readline() == "done\n"
         cpu = process_cpu_s(child.pid)
@@ -130,10 +137,8 @@ def test_a_process_cpu_is_read_from_proc() -> None:
     assert process_cpu_s(child.pid) is None  # reaped: gone
 
 
-def _rank(steps: int, train: float, writer: float = 0.0, kafka: float = 0.0, other: float = 0.0,
-          stall: float = 0.0) -> dict:
-    return {"steps": steps, "threads": {"train": train, "writer": writer, "kafka": kafka, "other": other},
-            "stall_cpu_s": stall}
+def _rank(steps: int, train: float, writer: float = 0.0, kafka: float = 0.0, other: float = 0.0, stall: float = 0.0) -> dict:
+    return {"steps": steps, "threads": {"train": train, "writer": writer, "kafka": kafka, "other": other}, "stall_cpu_s": stall}
 
 
 def test_checkpoint_cpu_subtracts_the_baseline_scaled_to_the_jobs_steps() -> None:
@@ -206,8 +211,16 @@ def test_the_overhead_within_jobs_is_a_sinks_pace_excess_less_the_baselines() ->
     def job(sink: str, rates: list[float]) -> dict:
         from bench.cost import pace_excess
 
-        return {"sink": sink, "round": 0, "samples_per_s": harmonic_of(rates), "window_rates": rates,
-                "pace_excess": pace_excess(rates), "cpu": [], "checkpoints": [], "broker_cpu_s": None}
+        return {
+            "sink": sink,
+            "round": 0,
+            "samples_per_s": harmonic_of(rates),
+            "window_rates": rates,
+            "pace_excess": pace_excess(rates),
+            "cpu": [],
+            "checkpoints": [],
+            "broker_cpu_s": None,
+        }
 
     # the baselines run at different paces (a drifting machine), one slow window each; the sink's
     # job is slower than either baseline and has three slow windows

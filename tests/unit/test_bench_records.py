@@ -33,18 +33,37 @@ def test_metric_names_carry_their_units() -> None:
 def test_records_are_one_json_line_per_measurement_with_provenance(tmp_path: Path) -> None:
     ms = scalars({"stall_ms": 1.5, "committed": True, "skipped": None, "chain": [1, 2]}, {"run": "fp32"})
     assert [(m.metric, m.unit) for m in ms] == [("stall_ms", "ms"), ("committed", "bool")]  # None and lists left out
-    prov = Provenance(suite="checkpoint", command="python -m bench.run --suite checkpoint", commit="abc", dirty=True,
-                      unix=1.0, machine={"cores": 2})
+    prov = Provenance(
+        suite="checkpoint",
+        command="python -m bench.run --suite checkpoint",
+        commit="abc",
+        dirty=True,
+        unix=1.0,
+        machine={"cores": 2},
+    )
     path = tmp_path / "r.jsonl"
     assert write_records(path, prov, ms) == 2
     write_records(path, prov, [Measurement("rows", 3, "rows")])  # appends
     lines = read_records(path)
     assert len(lines) == 3
-    assert lines[0] == {"suite": "checkpoint", "metric": "stall_ms", "value": 1.5, "unit": "ms",
-                        "labels": {"run": "fp32"}, "command": prov.command, "commit": "abc", "dirty": True,
-                        "unix": 1.0, "machine": {"cores": 2}}
-    assert Measurement("x_ms", 2.0, "ms", {"peer": "dcp.save"}).flat() == {"peer": "dcp.save", "metric": "x_ms",
-                                                                          "value": 2.0, "unit": "ms"}
+    assert lines[0] == {
+        "suite": "checkpoint",
+        "metric": "stall_ms",
+        "value": 1.5,
+        "unit": "ms",
+        "labels": {"run": "fp32"},
+        "command": prov.command,
+        "commit": "abc",
+        "dirty": True,
+        "unix": 1.0,
+        "machine": {"cores": 2},
+    }
+    assert Measurement("x_ms", 2.0, "ms", {"peer": "dcp.save"}).flat() == {
+        "peer": "dcp.save",
+        "metric": "x_ms",
+        "value": 2.0,
+        "unit": "ms",
+    }
 
 
 # -- bench.ckpt_rank against a stand-in manager -------------------------------------------------
@@ -140,8 +159,7 @@ def test_ckpt_rank_records_each_checkpoint_from_the_managers_stats(tmp_path: Pat
 def test_the_bare_copy_copies_the_rows_into_buffers_it_reuses() -> None:
     from bench.ckpt_rank import BareCopier
 
-    shards = [_Shard(torch.arange(40.0).view(10, 4), {"momentum": torch.arange(10.0)}),
-              _Shard(torch.arange(12.0).view(6, 2), {})]
+    shards = [_Shard(torch.arange(40.0).view(10, 4), {"momentum": torch.arange(10.0)}), _Shard(torch.arange(12.0).view(6, 2), {})]
     copier = BareCopier()
     rows = [torch.tensor([7, 2, 9]), torch.tensor([0, 5])]
     copier.copy(shards, rows)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from ckpt.catalog import Catalog
 from ckpt.markers import AttemptRecord, ChainLink, DroppedRecord, LeaseRecord, Marker, encode_marker
 from ckpt.sink import compacted_epoch, compacted_generation, generation_label, parse_rows_name, rows_name
@@ -15,8 +14,16 @@ def _link(cid: int, *, full: bool = False, generation: int = 1, nbytes: int = 10
 
 
 def _commit(chain: list[ChainLink], attempt: str = "") -> Marker:
-    return Marker(kind="commit", run_id=RUN, checkpoint_id=chain[-1].checkpoint_id, step=10 * chain[-1].checkpoint_id,
-                  world_size=2, chain=chain, policy="incremental", attempt=attempt)
+    return Marker(
+        kind="commit",
+        run_id=RUN,
+        checkpoint_id=chain[-1].checkpoint_id,
+        step=10 * chain[-1].checkpoint_id,
+        world_size=2,
+        chain=chain,
+        policy="incremental",
+        attempt=attempt,
+    )
 
 
 def _attempt(attempt: str, role: str = "trainer", at: float = 100.0) -> AttemptRecord:
@@ -25,8 +32,7 @@ def _attempt(attempt: str, role: str = "trainer", at: float = 100.0) -> AttemptR
 
 def _compacted(cid: int, follower: str, epoch: int = 1, nbytes: int = 500) -> Marker:
     link = _link(cid, full=True, generation=compacted_generation(epoch, cid), nbytes=nbytes)
-    return Marker(kind="compacted", run_id=RUN, checkpoint_id=cid, step=10 * cid, world_size=2, chain=[link],
-                  follower=follower)
+    return Marker(kind="compacted", run_id=RUN, checkpoint_id=cid, step=10 * cid, world_size=2, chain=[link], follower=follower)
 
 
 def _lease(follower: str, event: str, at: float, lease_s: float = 10.0) -> LeaseRecord:
@@ -59,8 +65,14 @@ def test_a_renewal_keeps_the_lease_and_a_release_frees_it_at_once() -> None:
 
 
 def test_only_the_lease_holders_compaction_counts_a_fenced_one_is_kept_apart() -> None:
-    c = _fold(_commit(CHAIN), _lease("a", "claim", 100.0), _compacted(6, "a"),
-              _lease("b", "claim", 200.0), _compacted(6, "a", nbytes=1), _compacted(5, "a"))
+    c = _fold(
+        _commit(CHAIN),
+        _lease("a", "claim", 100.0),
+        _compacted(6, "a"),
+        _lease("b", "claim", 200.0),
+        _compacted(6, "a", nbytes=1),
+        _compacted(5, "a"),
+    )
     assert c.compactions[6].follower == "a" and c.compactions[6].bytes == 500
     assert 5 not in c.compactions and [m.checkpoint_id for m in c.fenced] == [6, 5]
 
@@ -79,8 +91,12 @@ def test_a_compacted_baseline_dearer_than_the_chain_is_not_used() -> None:
 
 def test_chains_through_a_dropped_generation_are_not_restorable() -> None:
     compacted = compacted_generation(1, 4)
-    c = _fold(_commit(CHAIN), _lease("a", "claim", 100.0), _compacted(4, "a"),
-              DroppedRecord(kind="dropped", run_id=RUN, generations=[compacted], created_unix=1.0))
+    c = _fold(
+        _commit(CHAIN),
+        _lease("a", "claim", 100.0),
+        _compacted(4, "a"),
+        DroppedRecord(kind="dropped", run_id=RUN, generations=[compacted], created_unix=1.0),
+    )
     assert c.cheapest(c.commits[6]) is c.commits[6]  # back to the full chain
     c.feed([(9, encode_marker(DroppedRecord(kind="dropped", run_id=RUN, generations=[1], created_unix=2.0)))])
     assert c.cheapest(c.commits[6]) is None and c.restorable() == []
@@ -96,19 +112,23 @@ def test_feeding_in_pieces_skips_what_was_read_and_other_runs_do_not_count() -> 
 
 
 def test_a_damaged_record_is_skipped_with_a_warning_naming_its_position(caplog) -> None:
-    good = [(0, encode_marker(_commit([BASE]))), (4, b"DRM1\0\0\0\0{}"),
-            (9, encode_marker(_commit(CHAIN[:2])))]
+    good = [(0, encode_marker(_commit([BASE]))), (4, b"DRM1\0\0\0\0{}"), (9, encode_marker(_commit(CHAIN[:2])))]
     c = Catalog(RUN).feed(good, "markers of x")
     assert sorted(c.commits) == [1, 2] and c.damaged == [4] and c.last_pos == 9
-    assert any("markers of x position 4: marker record CRC mismatch; record skipped" in r.getMessage()
-               for r in caplog.records)
+    assert any("markers of x position 4: marker record CRC mismatch; record skipped" in r.getMessage() for r in caplog.records)
 
 
 def test_markers_of_an_attempt_after_a_newer_attempt_started_are_fenced() -> None:
     """The newest ATTEMPT record holds the run from its position on: the old attempt's COMMIT
     that lands after it is ignored (and listed), even with a new id; ids still never repeat."""
-    c = _fold(_attempt("a"), _commit([BASE], "a"), _commit(CHAIN[:2], "a"), _attempt("b"),
-              _commit(CHAIN[:3], "a"), _commit([_link(4, full=True, generation=4)], "b"))
+    c = _fold(
+        _attempt("a"),
+        _commit([BASE], "a"),
+        _commit(CHAIN[:2], "a"),
+        _attempt("b"),
+        _commit(CHAIN[:3], "a"),
+        _commit([_link(4, full=True, generation=4)], "b"),
+    )
     assert sorted(c.commits) == [1, 2, 4] and [m.checkpoint_id for m in c.fenced_commits] == [3]
     # an epoch is the record's position + 1
     assert c.holder("trainer").attempt == "b" and c.holder("trainer").epoch == 4 and c.epochs_of == {"a": 1, "b": 4}
@@ -121,8 +141,12 @@ def test_markers_before_any_attempt_record_count_and_a_marker_without_attempt_af
 
 
 def test_an_attempt_whose_own_record_was_damaged_keeps_its_markers() -> None:
-    records = [(0, encode_marker(_attempt("a"))), (1, encode_marker(_commit([BASE], "a"))),
-               (2, b"DRM1 damaged attempt record of b"), (3, encode_marker(_commit(CHAIN[:2], "b")))]
+    records = [
+        (0, encode_marker(_attempt("a"))),
+        (1, encode_marker(_commit([BASE], "a"))),
+        (2, b"DRM1 damaged attempt record of b"),
+        (3, encode_marker(_commit(CHAIN[:2], "b"))),
+    ]
     c = Catalog(RUN).feed(records)
     assert sorted(c.commits) == [1, 2] and not c.fenced_commits and c.damaged == [2]
 

@@ -27,7 +27,7 @@ class PreparedLog(MemoryLog):
         self.prepares += 1
 
     @classmethod
-    def of(cls, log: MemoryLog) -> "PreparedLog":
+    def of(cls, log: MemoryLog) -> PreparedLog:
         out = cls()
         out.records, out.end = list(log.records), log.end
         return out
@@ -68,8 +68,15 @@ def test_a_commit_after_the_read_ahead_is_the_one_restored() -> None:
     read = CatalogAhead(log, RUN, "markers", timeout_s=1.0).take()
     assert read is not None
     newest = read.catalog.restorable()[0]
-    later = Marker(kind="commit", run_id=RUN, checkpoint_id=newest.checkpoint_id + 1, step=0, world_size=2,
-                   chain=[newest.chain[0], _link(newest.checkpoint_id + 1, 1, False)], attempt="a0")
+    later = Marker(
+        kind="commit",
+        run_id=RUN,
+        checkpoint_id=newest.checkpoint_id + 1,
+        step=0,
+        world_size=2,
+        chain=[newest.chain[0], _link(newest.checkpoint_id + 1, 1, False)],
+        attempt="a0",
+    )
     log.append_marker(encode_marker(later))
     caught = catch_up_recent(read.catalog, log)
     assert caught.restorable()[0].checkpoint_id == later.checkpoint_id

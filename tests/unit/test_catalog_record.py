@@ -10,8 +10,18 @@ import pytest
 
 from ckpt.catalog import Catalog
 from ckpt.catalog_record import TAIL_READ, from_record, read_recent_catalog, summarize
-from ckpt.markers import (AttemptRecord, ChainLink, DroppedRecord, LeaseRecord, Marker, MarkerError, SurvivorRecord,
-                          decode_record, encode_marker, is_catalog_record)
+from ckpt.markers import (
+    AttemptRecord,
+    ChainLink,
+    DroppedRecord,
+    LeaseRecord,
+    Marker,
+    MarkerError,
+    SurvivorRecord,
+    decode_record,
+    encode_marker,
+    is_catalog_record,
+)
 from ckpt.partial import usable_survivors
 from ckpt.sink import TailRead, compacted_generation
 
@@ -42,7 +52,7 @@ class MemoryLog:
         self.tail_reads.append(records)
         return TailRead(self.records[-records:], len(self.records) <= records)
 
-    def prefix(self, n: int) -> "MemoryLog":
+    def prefix(self, n: int) -> MemoryLog:
         log = MemoryLog()
         for _, payload in self.records[:n]:
             log.append_marker(payload)
@@ -50,8 +60,9 @@ class MemoryLog:
 
 
 def _link(cid: int, generation: int, full: bool) -> ChainLink:
-    return ChainLink(checkpoint_id=cid, full=full, generation=generation, ranges={0: [(cid, cid)]}, rows=cid,
-                     bytes=100 if not full else 1000)
+    return ChainLink(
+        checkpoint_id=cid, full=full, generation=generation, ranges={0: [(cid, cid)]}, rows=cid, bytes=100 if not full else 1000
+    )
 
 
 @dataclass
@@ -82,8 +93,17 @@ class RunSim:
         else:
             self.chain = [*self.chain, _link(cid, self.chain[0].generation, False)]
         kind = "failed" if self.rng.random() < 0.05 else "commit"
-        self.append(Marker(kind=kind, run_id=RUN, checkpoint_id=cid, step=10 * cid, world_size=2,
-                           chain=list(self.chain) if kind == "commit" else [], attempt=attempt))
+        self.append(
+            Marker(
+                kind=kind,
+                run_id=RUN,
+                checkpoint_id=cid,
+                step=10 * cid,
+                world_size=2,
+                chain=list(self.chain) if kind == "commit" else [],
+                attempt=attempt,
+            )
+        )
         if kind == "failed":
             self.chain = self.chain[:-1]
         elif self.fold.since_summary >= self.every:  # as the committer does, from its own fold
@@ -96,8 +116,9 @@ class RunSim:
         if self.rng.random() < 0.3:
             self.zombie = self.attempt
         self.attempt = f"a{self.next_id}x{self.rng.randrange(1000)}"
-        self.append(AttemptRecord(kind="attempt", run_id=RUN, role="trainer", attempt=self.attempt, world_size=2,
-                                  created_unix=self.clock))
+        self.append(
+            AttemptRecord(kind="attempt", run_id=RUN, role="trainer", attempt=self.attempt, world_size=2, created_unix=self.clock)
+        )
         found = self.fold.restorable()
         if found:
             pick = found[0] if self.rng.random() < 0.7 else self.rng.choice(found)
@@ -117,29 +138,60 @@ class RunSim:
         elif r < 0.70:
             follower = self.rng.choice(["f1", "f2"])
             event = self.rng.choice(["claim", "claim", "renew", "release"])
-            self.append(LeaseRecord(kind="lease", run_id=RUN, follower=follower, event=event, lease_s=10.0,
-                                    created_unix=self.clock))
+            self.append(
+                LeaseRecord(kind="lease", run_id=RUN, follower=follower, event=event, lease_s=10.0, created_unix=self.clock)
+            )
         elif r < 0.80 and self.chain:
             link = self.rng.choice(self.chain)
             epoch = self.fold.lease.epoch if self.fold.lease else 1
-            base = ChainLink(checkpoint_id=link.checkpoint_id, full=True, bytes=self.rng.choice([50, 500, 5000]),
-                             generation=compacted_generation(epoch, link.checkpoint_id), ranges={0: [(0, 1)]}, rows=1)
-            self.append(Marker(kind="compacted", run_id=RUN, checkpoint_id=link.checkpoint_id, step=0, world_size=2,
-                               chain=[base], follower=self.rng.choice(["f1", "f2"])))
+            base = ChainLink(
+                checkpoint_id=link.checkpoint_id,
+                full=True,
+                bytes=self.rng.choice([50, 500, 5000]),
+                generation=compacted_generation(epoch, link.checkpoint_id),
+                ranges={0: [(0, 1)]},
+                rows=1,
+            )
+            self.append(
+                Marker(
+                    kind="compacted",
+                    run_id=RUN,
+                    checkpoint_id=link.checkpoint_id,
+                    step=0,
+                    world_size=2,
+                    chain=[base],
+                    follower=self.rng.choice(["f1", "f2"]),
+                )
+            )
         elif r < 0.84:
             generations = sorted({link.generation for m in self.fold.commits.values() for link in m.chain})
             if generations:
-                self.append(DroppedRecord(kind="dropped", run_id=RUN, generations=[self.rng.choice(generations)],
-                                          created_unix=self.clock))
+                self.append(
+                    DroppedRecord(kind="dropped", run_id=RUN, generations=[self.rng.choice(generations)], created_unix=self.clock)
+                )
         elif r < 0.90 and self.fold.commits:
             cid, self.next_id = self.next_id, self.next_id + 1
             base = max(self.fold.commits)
-            self.append(SurvivorRecord(kind="survivor", run_id=RUN, attempt=self.attempt, rank=self.rng.randint(0, 1),
-                                       world_size=2, base=base, step=10 * cid, link=_link(cid, cid, False),
-                                       dense={"path": f"s{cid}"}, created_unix=self.clock))
+            self.append(
+                SurvivorRecord(
+                    kind="survivor",
+                    run_id=RUN,
+                    attempt=self.attempt,
+                    rank=self.rng.randint(0, 1),
+                    world_size=2,
+                    base=base,
+                    step=10 * cid,
+                    link=_link(cid, cid, False),
+                    dense={"path": f"s{cid}"},
+                    created_unix=self.clock,
+                )
+            )
         elif r < 0.93:
-            self.append(AttemptRecord(kind="attempt", run_id=RUN, role="gc", attempt=f"gc{self.next_id}",
-                                      world_size=1, created_unix=self.clock))
+            self.append(
+                AttemptRecord(
+                    kind="attempt", run_id=RUN, role="gc", attempt=f"gc{self.next_id}", world_size=1, created_unix=self.clock
+                )
+            )
         else:
             self.commit(self.attempt)
 
@@ -198,8 +250,7 @@ def _commits_log(n: int, every: int) -> MemoryLog:
     for _ in range(n):
         cid, sim.next_id = sim.next_id, sim.next_id + 1
         sim.chain = [sim.chain[0], _link(cid, 1, False)]
-        sim.append(Marker(kind="commit", run_id=RUN, checkpoint_id=cid, step=cid, world_size=2, chain=sim.chain,
-                          attempt="a0"))
+        sim.append(Marker(kind="commit", run_id=RUN, checkpoint_id=cid, step=cid, world_size=2, chain=sim.chain, attempt="a0"))
         if sim.fold.since_summary >= every:
             sim.append(summarize(sim.fold))
     return sim.log
@@ -221,7 +272,7 @@ def test_a_tail_without_a_catalog_record_is_read_wider_until_one_or_the_start() 
     assert recent.summary is not None and log.tail_reads == [TAIL_READ, TAIL_READ * 8]
     assert log.whole_reads == 0
     old = MemoryLog()  # a log of a deltarec without catalog records
-    for pos, data in log.records:
+    for _pos, data in log.records:
         if not is_catalog_record(data):
             old.append_marker(data)
     recent = read_recent_catalog(old, RUN)
@@ -248,8 +299,19 @@ def test_a_chain_through_a_link_the_record_left_out_is_answered_from_the_whole_l
     log = _commits_log(100, every=10)
     fold = Catalog(RUN).feed(log.records)
     old = fold.commits[5]
-    log.append_marker(encode_marker(Marker(kind="commit", run_id=RUN, checkpoint_id=102, step=102, world_size=2,
-                                           chain=[*old.chain, _link(102, 1, False)], attempt="a0")))
+    log.append_marker(
+        encode_marker(
+            Marker(
+                kind="commit",
+                run_id=RUN,
+                checkpoint_id=102,
+                step=102,
+                world_size=2,
+                chain=[*old.chain, _link(102, 1, False)],
+                attempt="a0",
+            )
+        )
+    )
     whole_reads = log.whole_reads
     recent = read_recent_catalog(log, RUN)
     assert log.whole_reads == whole_reads + 1 and recent.summary is None
@@ -279,7 +341,7 @@ def test_a_catalog_record_written_late_is_folded_from_its_own_position_on() -> N
     widens to reach it."""
     log = _commits_log(20, every=1000)
     stale = summarize(Catalog(RUN).feed(log.records))
-    later = _commits_log(120, every=1000).records[len(log.records):]
+    later = _commits_log(120, every=1000).records[len(log.records) :]
     for _, data in later:
         log.append_marker(data)
     log.append_marker(encode_marker(stale))

@@ -11,25 +11,52 @@ import pytest
 import torch
 
 from ckpt.dense_store import JOURNAL, CommitRecord, DenseHistory, DenseRef, DenseStore, DenseStoreError
-from ckpt.markers import (MAGIC, ChainLink, IndexEntry, Marker, MarkerError, OffsetRange, commits, decode_marker,
-                          encode_marker, select)
+from ckpt.markers import (
+    MAGIC,
+    ChainLink,
+    IndexEntry,
+    Marker,
+    MarkerError,
+    OffsetRange,
+    commits,
+    decode_marker,
+    encode_marker,
+    select,
+)
 
 if TYPE_CHECKING:
     from tests.conftest import ReplaySeed
 
 
 def _marker(cid: int, kind: str = "commit", run: str = "r1") -> Marker:
-    chain = [ChainLink(checkpoint_id=1, full=True, generation=0,
-                       ranges={0: [OffsetRange(0, 9)], 1: [OffsetRange(0, 3), OffsetRange(5, 7)]}, rows=100, bytes=4000,
-                       index=[IndexEntry(partition=0, first=0, last=9, table="t", col_offset=0, min_row=0, max_row=49,
-                                         cols=4),
-                              IndexEntry(partition=1, first=0, last=7, table="t", col_offset=0, min_row=50, max_row=99,
-                                         cols=4)])]
+    chain = [
+        ChainLink(
+            checkpoint_id=1,
+            full=True,
+            generation=0,
+            ranges={0: [OffsetRange(0, 9)], 1: [OffsetRange(0, 3), OffsetRange(5, 7)]},
+            rows=100,
+            bytes=4000,
+            index=[
+                IndexEntry(partition=0, first=0, last=9, table="t", col_offset=0, min_row=0, max_row=49, cols=4),
+                IndexEntry(partition=1, first=0, last=7, table="t", col_offset=0, min_row=50, max_row=99, cols=4),
+            ],
+        )
+    ]
     if cid > 1:
-        chain.append(ChainLink(checkpoint_id=cid, full=False, generation=0, ranges={0: [OffsetRange(10, 11)]}, rows=5,
-                               bytes=200))
-    return Marker(kind=kind, run_id=run, checkpoint_id=cid, step=cid * 10, world_size=2, chain=chain,
-                  policy="incremental", plan={"t": "row_wise"}, tables={"t": [100, 4]}, encodings={"weights": "fp32"})
+        chain.append(ChainLink(checkpoint_id=cid, full=False, generation=0, ranges={0: [OffsetRange(10, 11)]}, rows=5, bytes=200))
+    return Marker(
+        kind=kind,
+        run_id=run,
+        checkpoint_id=cid,
+        step=cid * 10,
+        world_size=2,
+        chain=chain,
+        policy="incremental",
+        plan={"t": "row_wise"},
+        tables={"t": [100, 4]},
+        encodings={"weights": "fp32"},
+    )
 
 
 def test_marker_round_trip() -> None:
@@ -63,8 +90,7 @@ def test_a_marker_in_the_list_wire_form_decodes_into_records_and_encodes_back_by
     assert (m.kind, m.run_id, m.checkpoint_id, m.step, m.world_size) == ("commit", "run-a", 3, 30, 2)
     base, delta = m.chain
     assert base.ranges == {0: [OffsetRange(first=0, last=2)], 1: [OffsetRange(0, 0), OffsetRange(3, 4)]}
-    assert base.index[3] == IndexEntry(partition=1, first=3, last=4, table="t_item", col_offset=8, min_row=41,
-                                       max_row=90, cols=8)
+    assert base.index[3] == IndexEntry(partition=1, first=3, last=4, table="t_item", col_offset=8, min_row=41, max_row=90, cols=8)
     assert [e.table for e in base.index] == ["t_user", "t_item", "t_user", "t_item"]
     assert delta.index == [IndexEntry(0, 5, 5, "t_user", 0, 7, 9, 8)] and not delta.full
     assert m.bytes == 300 and m.chain_bytes == 3300 and m.created_unix == 1700000000.25

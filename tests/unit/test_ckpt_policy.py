@@ -86,5 +86,9 @@ def test_next_kinds_are_what_decide_may_choose_after_the_baseline() -> None:
         p.record(p.decide(0.0), 1.0)
         kinds[name] = p.next_kinds()
         assert p.next_kinds(force_full=True) == ("full",)
-    assert kinds == {"full": ("full",), "incremental": ("last",), "one_shot_diff": ("base",),
-                     "intermittent_diff": ("full", "base")}
+    assert kinds == {
+        "full": ("full",),
+        "incremental": ("last",),
+        "one_shot_diff": ("base",),
+        "intermittent_diff": ("full", "base"),
+    }

@@ -135,8 +135,11 @@ def test_restore_bit_widths_reach_the_checkpoint_manager_and_bad_tables_are_refu
     assert CheckpointManager.codecs(SimpleNamespace(c=cnr.ckpt, restores=0)) == ("adaptive3", "asym8")
     table = load_config(debug_config.path, [*base, "ckpt.restore_bit_widths=[[1,2],[10,3]]"])
     assert CheckpointManager.codecs(SimpleNamespace(c=table.ckpt, restores=0)) == ("adaptive3", "asym8")
-    with pytest.raises(ConfigError, match=r"ckpt.restore_bit_widths cnr: 'cnr' is not a preset; choose one of "
-                                          r"deltarec, check_n_run or give a table"):
+    with pytest.raises(
+        ConfigError,
+        match=r"ckpt.restore_bit_widths cnr: 'cnr' is not a preset; choose one of "
+        r"deltarec, check_n_run or give a table",
+    ):
         load_config(debug_config.path, [*base, "ckpt.restore_bit_widths=cnr"])
     with pytest.raises(ConfigError, match=r"ckpt.restore_bit_widths \[\[20, 4\], \[3, 3\]\]: entry 1 .* restores must increase"):
         load_config(debug_config.path, [*base, "ckpt.restore_bit_widths=[[20,4],[3,3]]"])

@@ -46,9 +46,7 @@ def test_frequent_checkpoints_fold_into_one_line() -> None:
     for cid in (2, 3, 4):
         clock.now += 0.5
         assert digest.offer(committed(cid, full=cid == 4), f"line {cid}", f"12:00:0{cid}") == []
-    assert digest.flush() == [
-        "12:00:04 checkpoints 2-4 committed (steps 20-40; 1 full, 2 delta): 3.00 MB, stall max 4.0 ms"
-    ]
+    assert digest.flush() == ["12:00:04 checkpoints 2-4 committed (steps 20-40; 1 full, 2 delta): 3.00 MB, stall max 4.0 ms"]
     assert digest.flush() == []
 
 
@@ -92,9 +90,7 @@ def test_skipped_checkpoints_are_counted_in_the_folded_line() -> None:
     for step in (2, 3, 4):
         clock.now += 0.1
         digest.offer(CheckpointNote(step=step, skipped=True), f"skipped {step}", "t")
-    assert digest.flush() == [
-        "t 3 checkpoint(s) skipped at steps 2-4: the writers are behind (ckpt.max_pending_bytes)"
-    ]
+    assert digest.flush() == ["t 3 checkpoint(s) skipped at steps 2-4: the writers are behind (ckpt.max_pending_bytes)"]
 
 
 def test_another_line_prints_the_held_checkpoints_first(capsys: pytest.CaptureFixture[str]) -> None:
@@ -209,8 +205,10 @@ def test_what_counts_as_a_peer_gone() -> None:
     )
 
 
-GLOO_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] "
-                "Timed out waiting 5000ms for send operation to complete")
+GLOO_TIMEOUT = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] "
+    "Timed out waiting 5000ms for send operation to complete"
+)
 
 
 def _train_step_that_stalls() -> None:
@@ -224,11 +222,13 @@ def test_a_timed_out_collective_is_one_line_with_the_wait_and_where() -> None:
         caught = exc
     assert console.is_stalled_collective(caught) and not console.is_peer_lost(caught)
     line = console.stalled_line(1, caught)
-    assert line.startswith("deltarec-train: rank 1 stopped: a collective waited 5 s (sharding.timeout_s) "
-                           "for a rank that does not answer: ")
+    assert line.startswith(
+        "deltarec-train: rank 1 stopped: a collective waited 5 s (sharding.timeout_s) for a rank that does not answer: "
+    )
     # no torchrec or torch.distributed frame here: the innermost frame outside the libraries
-    assert line.endswith("_train_step_that_stalls (unit/test_console.py:" + str(
-        _train_step_that_stalls.__code__.co_firstlineno + 1) + ")"), line
+    assert line.endswith(
+        "_train_step_that_stalls (unit/test_console.py:" + str(_train_step_that_stalls.__code__.co_firstlineno + 1) + ")"
+    ), line
     assert not console.is_stalled_collective(RuntimeError("Timed out waiting 5000ms for the broker"))
     assert not console.is_stalled_collective(RuntimeError(GLOO_RESET))
     # an operation on a connection an earlier one timed out on (seen in torchrec's input all-to-all)

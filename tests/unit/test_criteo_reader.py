@@ -15,10 +15,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from trainer.data.criteo import CriteoTsvReader, MalformedLineError, diagnose_line
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from trainer.data.criteo import CriteoTsvReader, MalformedLineError, diagnose_line
 from trainer.data.reader import Batch, Reader
 
 NAMES = [f"C{i}" for i in range(1, 27)]
@@ -37,7 +36,7 @@ def line(label: object = 1, dense: list | None = None, cats: list | None = None)
 
 def marked(marker: int, label: int = 0, width: int = 0) -> str:
     """A valid record whose C1 holds ``marker``; ``width`` pads C26 to vary line length."""
-    cats = ["%x" % marker] + ["1f"] * 24 + ["f" * max(1, min(width, 16))]
+    cats = [f"{marker:x}"] + ["1f"] * 24 + ["f" * max(1, min(width, 16))]
     return line(label, [marker % 50] + [None] * 12, cats)
 
 
@@ -50,9 +49,7 @@ def write(path: Path, lines: list[str], newline: str = "\n", trailing: bool = Tr
 
 def reader(paths: list[str] | None = None, **overrides: object) -> CriteoTsvReader:
     """A reader over ``paths``; keyword overrides replace the defaults."""
-    kwargs: dict[str, object] = dict(
-        paths=paths, feature_names=NAMES, num_embeddings=SIZES, batch_size=4, rank=0, world_size=1
-    )
+    kwargs: dict[str, object] = dict(paths=paths, feature_names=NAMES, num_embeddings=SIZES, batch_size=4, rank=0, world_size=1)
     kwargs.update(overrides)
     return CriteoTsvReader(**kwargs)  # type: ignore[arg-type]
 
@@ -87,7 +84,7 @@ def read_one_epoch(r: CriteoTsvReader) -> list[int]:
 
 def test_decodes_values_exactly(tmp_path: Path) -> None:
     dense_a = [0, 5, -3, None, 123456789012, 1, 2, 3, 4, 5, 6, 7, 99]
-    cats_a = ["ffffffff", None, "0A", "abcdef0123456789"] + ["%x" % i for i in range(22)]
+    cats_a = ["ffffffff", None, "0A", "abcdef0123456789"] + [f"{i:x}" for i in range(22)]
     dense_b = [None] * 13
     cats_b = [None] * 26
     path = write(tmp_path / "a.tsv", [line(1, dense_a, cats_a), line(0, dense_b, cats_b)], newline="\r\n")
@@ -342,8 +339,27 @@ def test_skip_with_no_valid_line_fails_instead_of_spinning(tmp_path: Path) -> No
 
 
 FIELD = st.sampled_from(
-    ["", "0", "1", "2", "-", "-7", "12", "ab", "AB", "0x1", "1.5", " 1", "g", "\r", "f" * 16, "f" * 17,
-     "9" * 18, "9" * 19, "-" + "9" * 18]
+    [
+        "",
+        "0",
+        "1",
+        "2",
+        "-",
+        "-7",
+        "12",
+        "ab",
+        "AB",
+        "0x1",
+        "1.5",
+        " 1",
+        "g",
+        "\r",
+        "f" * 16,
+        "f" * 17,
+        "9" * 18,
+        "9" * 19,
+        "-" + "9" * 18,
+    ]
 )
 
 
@@ -367,9 +383,7 @@ def reference_batch(lines: list[str]) -> Batch:
     """Decode valid records one field at a time with Python's int()."""
     rows = [text.rstrip("\r").split("\t") for text in lines]
     labels = torch.tensor([float(f[0]) for f in rows], dtype=torch.float32)
-    dense = torch.tensor(
-        [[np.float32(math.log1p(max(int(v or 0), 0))) for v in f[1:14]] for f in rows], dtype=torch.float32
-    )
+    dense = torch.tensor([[np.float32(math.log1p(max(int(v or 0), 0))) for v in f[1:14]] for f in rows], dtype=torch.float32)
     values, lengths = [], []
     for j, size in enumerate(SIZES):
         for f in rows:

@@ -20,9 +20,21 @@ def _frame(ids: list[int], codec: str, seed: int, col: int = 0, dim: int = DIM, 
     weights = torch.randn(len(ids), dim, generator=g)
     c = get_codec(codec)
     momentum = get_codec("fp32")
-    return Frame(run_id="r", checkpoint_id=cid, rank=seed % 2, table="t", col_offset=col, dim=dim, encoding=c.code,
-                 row_bytes=c.row_bytes(dim), chunk_index=0, chunk_count=1, row_ids=ids_t, payload=c.encode(weights),
-                 optim=(OptimState("momentum", momentum.code, momentum.encode(torch.rand(len(ids), 1, generator=g))),))
+    return Frame(
+        run_id="r",
+        checkpoint_id=cid,
+        rank=seed % 2,
+        table="t",
+        col_offset=col,
+        dim=dim,
+        encoding=c.code,
+        row_bytes=c.row_bytes(dim),
+        chunk_index=0,
+        chunk_count=1,
+        row_ids=ids_t,
+        payload=c.encode(weights),
+        optim=(OptimState("momentum", momentum.code, momentum.encode(torch.rand(len(ids), 1, generator=g))),),
+    )
 
 
 def _replay(frames: list[Frame]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,8 +47,7 @@ def _replay(frames: list[Frame]) -> tuple[torch.Tensor, torch.Tensor]:
     return w, m
 
 
-@pytest.mark.parametrize("codecs", [("fp32", "fp32"), ("adaptive4", "adaptive4"), ("adaptive4", "fp32"),
-                                    ("fp32", "adaptive2")])
+@pytest.mark.parametrize("codecs", [("fp32", "fp32"), ("adaptive4", "adaptive4"), ("adaptive4", "fp32"), ("fp32", "adaptive2")])
 def test_store_frames_restore_exactly_what_the_chain_restores(codecs: tuple[str, str]) -> None:
     base = _frame(list(range(ROWS)), codecs[0], seed=0)
     delta = _frame([3, 4, 17, 49], codecs[1], seed=1)
@@ -69,8 +80,7 @@ def test_narrower_rows_widen_the_store_and_keep_their_own_byte_count() -> None:
     store.apply(_frame([1], "fp32", seed=3), 0, ROWS)
     assert store.nbytes > narrow
     sizes = {f.encoding: f.payload.shape[1] for f in store.frames("r", 2)}
-    assert sizes == {get_codec("adaptive4").code: get_codec("adaptive4").row_bytes(DIM),
-                     get_codec("fp32").code: 4 * DIM}
+    assert sizes == {get_codec("adaptive4").code: get_codec("adaptive4").row_bytes(DIM), get_codec("fp32").code: 4 * DIM}
 
 
 def test_a_base_that_misses_rows_is_refused_and_rows_outside_the_table_too() -> None:

@@ -4,10 +4,21 @@ import zlib
 import pytest
 import torch
 
-from ckpt.frames import (DEFAULT_MAX_FRAME_BYTES, MAGIC, VERSION, Frame, FrameError, OptimState,
-                         chunk_rows, decode_frame, encode_frame, file_where, kafka_where)
-META = dict(run_id="run-7", checkpoint_id=42, rank=3, table="t_cat_0", col_offset=32, dim=16,
-            encoding=0)
+from ckpt.frames import (
+    DEFAULT_MAX_FRAME_BYTES,
+    MAGIC,
+    VERSION,
+    Frame,
+    FrameError,
+    OptimState,
+    chunk_rows,
+    decode_frame,
+    encode_frame,
+    file_where,
+    kafka_where,
+)
+
+META = dict(run_id="run-7", checkpoint_id=42, rank=3, table="t_cat_0", col_offset=32, dim=16, encoding=0)
 
 
 def _rows(n: int, dim: int = 16, seed: int = 0):
@@ -31,13 +42,17 @@ def test_round_trip_all_fields_and_tensors():
     ids, rows, mom = _rows(7)
     half = rows.to(torch.float16)
     m2 = torch.arange(7 * 3, dtype=torch.int16).view(7, 3)
-    buf = encode_frame(**dict(META, encoding=1), row_ids=ids, payload=half,
-                       optim=[OptimState("momentum1", 0, mom), OptimState("m2", 9, m2)],
-                       chunk_index=2, chunk_count=5)
+    buf = encode_frame(
+        **dict(META, encoding=1),
+        row_ids=ids,
+        payload=half,
+        optim=[OptimState("momentum1", 0, mom), OptimState("m2", 9, m2)],
+        chunk_index=2,
+        chunk_count=5,
+    )
     f = decode_frame(buf)
     assert isinstance(f, Frame)
-    assert (f.run_id, f.checkpoint_id, f.rank, f.table, f.col_offset, f.dim, f.encoding) == \
-        ("run-7", 42, 3, "t_cat_0", 32, 16, 1)
+    assert (f.run_id, f.checkpoint_id, f.rank, f.table, f.col_offset, f.dim, f.encoding) == ("run-7", 42, 3, "t_cat_0", 32, 16, 1)
     assert (f.chunk_index, f.chunk_count, f.row_count, f.row_bytes) == (2, 5, 7, 32)
     assert f.row_ids.dtype == torch.int64 and torch.equal(f.row_ids, ids)
     assert f.payload.shape == (7, 32) and f.payload.dtype == torch.uint8
@@ -53,7 +68,7 @@ def test_decoded_tensors_are_views_of_the_buffer():
     f = decode_frame(buf)
     before = f.payload[0, 0].item()
     at = bytes(buf).index(rows[0].numpy().tobytes())
-    buf[at] ^= 0xFF                       # change the buffer: the tensor sees it
+    buf[at] ^= 0xFF  # change the buffer: the tensor sees it
     assert f.payload[0, 0].item() == before ^ 0xFF
 
 
@@ -116,7 +131,7 @@ def test_inconsistent_header_with_valid_crc_is_rejected():
     buf = _frame(3)
     # row_count field (after prefix 20 bytes + ckpt 8 + rank 4 + col 4) claims 4 rows
     at = 20 + 16
-    forged = _reseal(buf[:at] + struct.pack("<I", 4) + buf[at + 4:])
+    forged = _reseal(buf[:at] + struct.pack("<I", 4) + buf[at + 4 :])
     with pytest.raises(FrameError, match="body length mismatch"):
         decode_frame(forged)
 
@@ -146,16 +161,21 @@ def test_encode_rejects_inconsistent_inputs():
         encode_frame(**dict(META, rank=-1), row_ids=ids, payload=rows)
 
 
-@pytest.mark.parametrize("n,dim,max_bytes", [
-    (1, 16, 4096), (100, 16, 4096), (1000, 64, 20_000), (5000, 128, DEFAULT_MAX_FRAME_BYTES),
-    (333, 3, 1000),
-])
+@pytest.mark.parametrize(
+    "n,dim,max_bytes",
+    [
+        (1, 16, 4096),
+        (100, 16, 4096),
+        (1000, 64, 20_000),
+        (5000, 128, DEFAULT_MAX_FRAME_BYTES),
+        (333, 3, 1000),
+    ],
+)
 def test_chunking_respects_limit_and_covers_rows_once(n, dim, max_bytes, replay_seed):
     ids, rows, mom = _rows(n, dim)
     mom2 = torch.randn(n, 2, dtype=torch.float64, generator=replay_seed.torch_generator())
     optim = [OptimState("momentum1", 0, mom), OptimState("m2", 0, mom2)]
-    frames = list(chunk_rows(**dict(META, dim=dim), row_ids=ids, payload=rows, optim=optim,
-                             max_frame_bytes=max_bytes))
+    frames = list(chunk_rows(**dict(META, dim=dim), row_ids=ids, payload=rows, optim=optim, max_frame_bytes=max_bytes))
     assert frames and all(len(f.data) <= max_bytes for f in frames)
     dec = [decode_frame(f.data) for f in frames]
     assert [f.chunk_index for f in dec] == list(range(len(dec)))
@@ -164,13 +184,18 @@ def test_chunking_respects_limit_and_covers_rows_once(n, dim, max_bytes, replay_
     assert torch.equal(torch.cat([f.payload for f in dec]).view(torch.float32), rows)
     assert torch.equal(torch.cat([_optim(f)["m2"] for f in dec]).view(torch.float64), mom2), str(replay_seed)
     # What the writer indexes comes with each frame and agrees with the frame itself.
-    assert [(e.row_count, e.first_row, e.last_row) for e in frames] == \
-        [(f.row_count, int(f.row_ids[0]), int(f.row_ids[-1])) for f in dec]
+    assert [(e.row_count, e.first_row, e.last_row) for e in frames] == [
+        (f.row_count, int(f.row_ids[0]), int(f.row_ids[-1])) for f in dec
+    ]
     # Frames are as full as the limit allows: one more row would not have fit.
     per = dec[0].row_count
     if len(dec) > 1:
-        one_more = encode_frame(**dict(META, dim=dim), row_ids=ids[:per + 1], payload=rows[:per + 1],
-                                optim=[OptimState(o.name, o.encoding, o.rows[:per + 1]) for o in optim])
+        one_more = encode_frame(
+            **dict(META, dim=dim),
+            row_ids=ids[: per + 1],
+            payload=rows[: per + 1],
+            optim=[OptimState(o.name, o.encoding, o.rows[: per + 1]) for o in optim],
+        )
         assert len(one_more) > max_bytes
 
 
@@ -222,8 +247,7 @@ def test_the_writer_epoch_round_trips_and_old_frames_are_epoch_0():
     with_epoch = encode_frame(**META, row_ids=ids, payload=rows, epoch=7)
     back = decode_frame(with_epoch)
     assert back.epoch == 7 and torch.equal(back.payload.view(torch.float32), rows)
-    frames = list(chunk_rows(**META, row_ids=torch.arange(100), payload=torch.randn(100, 4), epoch=3,
-                             max_frame_bytes=600))
+    frames = list(chunk_rows(**META, row_ids=torch.arange(100), payload=torch.randn(100, 4), epoch=3, max_frame_bytes=600))
     assert len(frames) > 1 and {decode_frame(f.data).epoch for f in frames} == {3}
     # the flag without its field: the header ends too early
     buf = bytearray(encode_frame(**META, row_ids=ids, payload=rows))

@@ -30,8 +30,8 @@ import yaml
 from ckpt.catalog import Catalog
 from ckpt.frames import FrameError, OptimState, decode_frame, encode_frame, kafka_where
 from ckpt.fs_sink import FsMarkers, FsSink, FsSource
-from ckpt.markers import (MAGIC as MARKER_MAGIC, ChainLink, IndexEntry, Marker, MarkerError, OffsetRange, commits,
-                          decode_record, encode_marker)
+from ckpt.markers import MAGIC as MARKER_MAGIC
+from ckpt.markers import ChainLink, IndexEntry, Marker, MarkerError, OffsetRange, commits, decode_record, encode_marker
 from ckpt.sink import SourceError
 from common.errors import ConfigError
 from trainer.config import load_config
@@ -45,8 +45,35 @@ if TYPE_CHECKING:
 # The debug config with checkpointing on, so the ckpt section's rules run too.
 CKPT = {"enabled": True, "sink": "filesystem", "interval_steps": 20, "encoding": "fp16", "policy": "incremental"}
 # Values a mutation puts anywhere: every YAML type, out-of-range numbers, path-like and odd strings.
-VALUES: list[Any] = [None, True, False, 0, 1, -1, 7, 2**40, 0.5, -2.5, "", "x", "../x", "a/b", "a.b", "\u00e9t\u00e9",
-                     "row_wise", "fp7", "none", [], [0], [1, 2], ["a"], [[1]], {}, {"k": 1}, {"a": {"b": 1}}]
+VALUES: list[Any] = [
+    None,
+    True,
+    False,
+    0,
+    1,
+    -1,
+    7,
+    2**40,
+    0.5,
+    -2.5,
+    "",
+    "x",
+    "../x",
+    "a/b",
+    "a.b",
+    "\u00e9t\u00e9",
+    "row_wise",
+    "fp7",
+    "none",
+    [],
+    [0],
+    [1, 2],
+    ["a"],
+    [[1]],
+    {},
+    {"k": 1},
+    {"a": {"b": 1}},
+]
 NEW_KEYS: list[Any] = ["stepz", "x", "Name", "", 1, None, True, "a.b"]
 
 
@@ -83,7 +110,7 @@ def _mutate(data: dict[str, Any], rng: random.Random) -> tuple[str, list[tuple]]
     if op == "rename" and isinstance(parent, dict):
         key = str(path[-1])
         at = rng.randrange(len(key))
-        new = key[:at] + rng.choice("xz_") + key[at + 1:]
+        new = key[:at] + rng.choice("xz_") + key[at + 1 :]
         parent[new] = parent.pop(path[-1])
         return f"renamed {path} to {new!r}", [path, path[:-1] + (new,)]
     holder = parent[path[-1]] if isinstance(parent[path[-1]], dict) else parent
@@ -120,8 +147,11 @@ def _load_or_config_error(path: Path, overrides: list[str], what: str) -> str | 
     except ConfigError as exc:
         message = str(exc)
     except Exception as exc:  # the bug this test looks for
-        pytest.fail(f"{what}: {type(exc).__name__}: {exc}\n--- config ---\n{path.read_text(errors='replace')}"
-                    f"\n--- overrides --- {overrides}", pytrace=False)
+        pytest.fail(
+            f"{what}: {type(exc).__name__}: {exc}\n--- config ---\n{path.read_text(errors='replace')}"
+            f"\n--- overrides --- {overrides}",
+            pytrace=False,
+        )
     assert "\n" not in message, f"{what}: a ConfigError of several lines:\n{message}"
     return message
 
@@ -140,13 +170,14 @@ def test_mutated_configs_load_or_name_the_key(tmp_path: Path, debug_config: Debu
             continue
         refused += 1
         assert message.startswith(f"{path}: "), f"{replay_seed}: {what}: the error does not name the file: {message}"
-        reason = message[len(f"{path}: "):]
+        reason = message[len(f"{path}: ") :]
         assert any(_names(reason, k) for k in keys), f"{replay_seed}: {what}: the error does not name the key: {message}"
     assert loaded > 10 and refused > 100, (loaded, refused)  # the mutations reach both outcomes
 
 
-def test_damaged_config_text_loads_or_is_one_config_error(tmp_path: Path, debug_config: DebugConfig,
-                                                          replay_seed: ReplaySeed) -> None:
+def test_damaged_config_text_loads_or_is_one_config_error(
+    tmp_path: Path, debug_config: DebugConfig, replay_seed: ReplaySeed
+) -> None:
     rng = replay_seed.rng()
     text = yaml.safe_dump(_job(debug_config), sort_keys=False).encode()
     path = tmp_path / "job.yaml"
@@ -157,7 +188,7 @@ def test_damaged_config_text_loads_or_is_one_config_error(tmp_path: Path, debug_
             for _ in range(rng.randint(1, 4)):
                 data[rng.randrange(len(data))] = rng.randrange(256)
         elif op == "cut":
-            del data[rng.randrange(len(data)):]
+            del data[rng.randrange(len(data)) :]
         elif op == "drop line":
             lines = data.split(b"\n")
             del lines[rng.randrange(len(lines))]
@@ -177,8 +208,9 @@ def test_random_overrides_load_or_name_the_key(debug_config: DebugConfig, replay
     raws = ["", "1", "-1", "0", "x", "[1, 2]", "{a: 1}", "null", "true", "[", "'", "../x", "1e9", ": :", "{}"]
     for _ in range(200):
         override = f"{rng.choice(keys)}={rng.choice(raws)}" if rng.random() < 0.95 else rng.choice(keys)
-        message = _load_or_config_error(debug_config.path, ["ckpt.enabled=true", "ckpt.sink=filesystem", override],
-                                        f"{replay_seed}: override {override!r}")
+        message = _load_or_config_error(
+            debug_config.path, ["ckpt.enabled=true", "ckpt.sink=filesystem", override], f"{replay_seed}: override {override!r}"
+        )
         if message is not None:
             parts = override.split("=", 1)[0].split(".")
             # the source (file and overrides) leads most messages; the key must be named after it:
@@ -186,7 +218,8 @@ def test_random_overrides_load_or_name_the_key(debug_config: DebugConfig, replay
             reason = message.split("): ", 1)[-1] if message.startswith(str(debug_config.path)) else message
             prefixes = [".".join(parts[:k]) for k in range(min(2, len(parts)), len(parts) + 1)]
             assert any(p in reason for p in prefixes) or _names(reason, tuple(int(p) if p.isdigit() else p for p in parts)), (
-                f"{replay_seed}: override {override!r}: the error does not name the key: {message}")
+                f"{replay_seed}: override {override!r}: the error does not name the key: {message}"
+            )
 
 
 @pytest.mark.parametrize(
@@ -206,8 +239,9 @@ def test_random_overrides_load_or_name_the_key(debug_config: DebugConfig, replay
         (["ckpt.sink=kafka", "ckpt.bootstrap_servers=h:9092", "ckpt.kafka.sasl.password=x"], "ckpt.kafka.sasl"),
     ],
 )
-def test_a_config_that_makes_checkpoints_impossible_is_refused_at_load(overrides: list[str], key: str,
-                                                                        debug_config: DebugConfig) -> None:
+def test_a_config_that_makes_checkpoints_impossible_is_refused_at_load(
+    overrides: list[str], key: str, debug_config: DebugConfig
+) -> None:
     with pytest.raises(ConfigError) as err:
         debug_config.load(["ckpt.enabled=true", "ckpt.sink=filesystem", *overrides])
     assert key in str(err.value) and "\n" not in str(err.value), str(err.value)
@@ -218,14 +252,27 @@ def test_a_config_that_makes_checkpoints_impossible_is_refused_at_load(overrides
 
 def _random_frame(rng: random.Random) -> bytes:
     n = rng.randint(0, 12)
-    ids = (torch.arange(n) + rng.randrange(1 << 40)) if rng.random() < 0.5 else torch.tensor(
-        rng.sample(range(1 << 20), n), dtype=torch.int64)
+    ids = (
+        (torch.arange(n) + rng.randrange(1 << 40))
+        if rng.random() < 0.5
+        else torch.tensor(rng.sample(range(1 << 20), n), dtype=torch.int64)
+    )
     dim = rng.choice([4, 8, 16])
     optim = [OptimState(f"state{i}", rng.randrange(256), torch.rand(n, rng.randint(0, 3))) for i in range(rng.randint(0, 2))]
-    return encode_frame(run_id=rng.choice(["r", "run-7", "x" * 200]), checkpoint_id=rng.randrange(1 << 63),
-                        rank=rng.randrange(1 << 16), table=rng.choice(["t", "t_cat_25", "\u00e9"]),
-                        col_offset=rng.randrange(1024), dim=dim, encoding=rng.randrange(256), row_ids=ids,
-                        payload=torch.rand(n, dim), optim=optim, chunk_index=0, chunk_count=rng.randint(1, 9))
+    return encode_frame(
+        run_id=rng.choice(["r", "run-7", "x" * 200]),
+        checkpoint_id=rng.randrange(1 << 63),
+        rank=rng.randrange(1 << 16),
+        table=rng.choice(["t", "t_cat_25", "\u00e9"]),
+        col_offset=rng.randrange(1024),
+        dim=dim,
+        encoding=rng.randrange(256),
+        row_ids=ids,
+        payload=torch.rand(n, dim),
+        optim=optim,
+        chunk_index=0,
+        chunk_count=rng.randint(1, 9),
+    )
 
 
 def _damage(buf: bytes, rng: random.Random) -> tuple[str, bytes]:
@@ -239,12 +286,12 @@ def _damage(buf: bytes, rng: random.Random) -> tuple[str, bytes]:
         if data == buf:  # two flips of one byte that cancel: flip once more
             data[0] ^= 1
     elif op == "cut":
-        del data[rng.randrange(len(data)):]
+        del data[rng.randrange(len(data)) :]
     elif op == "extend":
         data += bytes(rng.randrange(256) for _ in range(rng.randint(1, 16)))
     else:
         at = rng.randrange(len(data))
-        del data[at:at + rng.randint(1, 32)]
+        del data[at : at + rng.randint(1, 32)]
     return op, bytes(data)
 
 
@@ -303,9 +350,22 @@ def test_damaged_segment_files_raise_errors_naming_file_and_byte(tmp_path: Path,
     for trial in range(25):
         run = f"seg{trial}"
         sink, source = FsSink(tmp_path, run), FsSource(tmp_path, run)
-        frames = [encode_frame(run_id=run, checkpoint_id=1, rank=0, table="t", col_offset=0, dim=4, encoding=1,
-                               row_ids=torch.arange(k * 8, k * 8 + 3), payload=torch.rand(3, 4), chunk_index=k,
-                               chunk_count=6) for k in range(6)]
+        frames = [
+            encode_frame(
+                run_id=run,
+                checkpoint_id=1,
+                rank=0,
+                table="t",
+                col_offset=0,
+                dim=4,
+                encoding=1,
+                row_ids=torch.arange(k * 8, k * 8 + 3),
+                payload=torch.rand(3, 4),
+                chunk_index=k,
+                chunk_count=6,
+            )
+            for k in range(6)
+        ]
         for fr in frames:
             sink.write(fr, generation=0, partition=0)
         ((first, last),) = sink.flush().raise_for_error().ranges[(0, 0)]
@@ -328,11 +388,29 @@ def test_damaged_segment_files_raise_errors_naming_file_and_byte(tmp_path: Path,
 
 def _random_marker(rng: random.Random, cid: int) -> Marker:
     index = [IndexEntry(p, 0, rng.randrange(9), "t", 0, 0, rng.randrange(99), 4) for p in range(rng.randint(0, 3))]
-    chain = [ChainLink(checkpoint_id=c, full=c == 1, generation=1, rows=rng.randrange(1000), bytes=rng.randrange(1 << 30),
-                       ranges={p: [OffsetRange(0, rng.randrange(9))] for p in range(rng.randint(1, 3))}, index=index)
-             for c in range(1, cid + 1)]
-    return Marker(kind=rng.choice(["commit", "failed"]), run_id="r", checkpoint_id=cid, step=10 * cid, world_size=2,
-                  chain=chain, plan={"t": "row_wise"}, tables={"t": [100, 4]}, stall_ms=[rng.random()])
+    chain = [
+        ChainLink(
+            checkpoint_id=c,
+            full=c == 1,
+            generation=1,
+            rows=rng.randrange(1000),
+            bytes=rng.randrange(1 << 30),
+            ranges={p: [OffsetRange(0, rng.randrange(9))] for p in range(rng.randint(1, 3))},
+            index=index,
+        )
+        for c in range(1, cid + 1)
+    ]
+    return Marker(
+        kind=rng.choice(["commit", "failed"]),
+        run_id="r",
+        checkpoint_id=cid,
+        step=10 * cid,
+        world_size=2,
+        chain=chain,
+        plan={"t": "row_wise"},
+        tables={"t": [100, 4]},
+        stall_ms=[rng.random()],
+    )
 
 
 def test_damaged_markers_raise_only_marker_errors_naming_the_position(replay_seed: ReplaySeed) -> None:
@@ -359,8 +437,25 @@ def test_forged_marker_bodies_are_refused_or_decode_to_sound_records(replay_seed
     """A marker body changed and sealed with a matching CRC: any JSON value anywhere, fields
     deleted. Refused with MarkerError, or a record that encodes back and decodes to itself."""
     rng = replay_seed.rng()
-    values: list[Any] = [None, True, -1, 0, 2**70, 1.5, float("inf"), "", "x", [], [1], {}, {"a": 1}, [[1, 2]],
-                         "commit", "lease", "dropped"]
+    values: list[Any] = [
+        None,
+        True,
+        -1,
+        0,
+        2**70,
+        1.5,
+        float("inf"),
+        "",
+        "x",
+        [],
+        [1],
+        {},
+        {"a": 1},
+        [[1, 2]],
+        "commit",
+        "lease",
+        "dropped",
+    ]
     for i in range(600):
         body = json.loads(encode_marker(_random_marker(rng, rng.randint(1, 3)))[8:])
         path = rng.choice(_paths(body) + [()])
@@ -402,25 +497,32 @@ def test_damaged_markers_log_loses_only_the_damaged_records(tmp_path: Path, repl
         if rng.random() < 0.3:  # a damaged length: runs past the end, or ends exactly at the end
             pos, payload = written[rng.randrange(len(written) - 1)]
             length = rng.choice([len(payload) + rng.randint(1, 1 << 20), len(original) - pos - 12])
-            op, bad = f"length of the record at {pos} set to {length}", original[:pos + 4] + struct.pack(
-                "<I", length) + original[pos + 8:]
+            op, bad = (
+                f"length of the record at {pos} set to {length}",
+                original[: pos + 4] + struct.pack("<I", length) + original[pos + 8 :],
+            )
         Path(log.path).write_bytes(bad)
         first_change = next((i for i, (a, b) in enumerate(zip(original, bad)) if a != b), min(len(bad), len(original)))
         ends = [pos + 12 + len(payload) for pos, payload in written]  # 12: the record header
         kept = [r for r, end in zip(written, ends) if end <= first_change]
         shift = len(bad) - len(original)
-        intact_after = [(pos + shift, payload) for (pos, payload), end in zip(written, ends)
-                        if pos >= first_change and bad[pos + shift:end + shift] == original[pos:end]]
+        intact_after = [
+            (pos + shift, payload)
+            for (pos, payload), end in zip(written, ends)
+            if pos >= first_change and bad[pos + shift : end + shift] == original[pos:end]
+        ]
         try:
             got = FsMarkers(tmp_path, f"mk{trial}").read_markers()
         except Exception as exc:
             pytest.fail(f"{replay_seed}: markers log {trial} ({op}): {type(exc).__name__}: {exc}", pytrace=False)
         # a damaged record between them may still hold its own intact bytes elsewhere: only order matters
-        assert got[:len(kept)] == kept, f"{replay_seed}: {op} at byte {first_change}: records before the damage lost"
-        assert [r for r in got if r in intact_after] == intact_after, \
+        assert got[: len(kept)] == kept, f"{replay_seed}: {op} at byte {first_change}: records before the damage lost"
+        assert [r for r in got if r in intact_after] == intact_after, (
             f"{replay_seed}: {op} at byte {first_change}: intact records after the damage lost"
-        assert {p for p, _ in got} <= {p for p, _ in kept} | {p for p, _ in intact_after}, \
+        )
+        assert {p for p, _ in got} <= {p for p, _ in kept} | {p for p, _ in intact_after}, (
             f"{replay_seed}: {op}: a record read that was never written whole"
+        )
 
 
 def test_a_damaged_record_mid_log_is_skipped_by_readers_and_the_next_writer_cuts_nothing(tmp_path: Path, caplog) -> None:
@@ -440,11 +542,12 @@ def test_a_damaged_record_mid_log_is_skipped_by_readers_and_the_next_writer_cuts
     assert FsMarkers(tmp_path, "mk").read_markers() == [(positions[0], records[0]), (positions[3], records[3])]
     messages = "\n".join(r.getMessage() for r in caplog.records)
     assert f"{log.path} at byte {positions[1]}: record length {len(data)} runs past the end" in messages
-    assert f"skipped {positions[3] - positions[1]} damaged bytes, the next intact record starts at byte {positions[3]}" \
-        in messages
+    assert (
+        f"skipped {positions[3] - positions[1]} damaged bytes, the next intact record starts at byte {positions[3]}" in messages
+    )
     fifth = encode_marker(_random_marker(random.Random(5), 5))
     at = FsMarkers(tmp_path, "mk").append_marker(fifth)
-    assert at == len(data) and Path(log.path).read_bytes() == bytes(data) + Path(log.path).read_bytes()[len(data):]
+    assert at == len(data) and Path(log.path).read_bytes() == bytes(data) + Path(log.path).read_bytes()[len(data) :]
     assert FsMarkers(tmp_path, "mk").read_markers()[-1] == (at, fifth)
 
 
@@ -456,7 +559,7 @@ CATS = [f"C{i}" for i in range(1, 27)]
 
 def _valid_line(rng: random.Random) -> bytes:
     dense = [rng.choice(["", str(rng.randint(-5, 10**6))]) for _ in range(13)]
-    cats = [rng.choice(["", "%x" % rng.randrange(1 << 32)]) for _ in range(26)]
+    cats = [rng.choice(["", f"{rng.randrange(1 << 32):x}"]) for _ in range(26)]
     return "\t".join([rng.choice("01"), *dense, *cats]).encode()
 
 
@@ -470,10 +573,10 @@ def _garbage_line(rng: random.Random) -> bytes:
     elif op == 2:  # a field dropped or doubled
         fields = bytes(line).split(b"\t")
         at = rng.randrange(len(fields))
-        fields[at:at + 1] = [] if rng.random() < 0.5 else [fields[at]] * 2
+        fields[at : at + 1] = [] if rng.random() < 0.5 else [fields[at]] * 2
         return b"\t".join(fields)
     elif op == 3:  # cut short
-        del line[rng.randrange(len(line)):]
+        del line[rng.randrange(len(line)) :]
     elif op == 4:  # a huge field
         fields = bytes(line).split(b"\t")
         fields[rng.randrange(len(fields))] = rng.choice([b"9" * 400, b"f" * 400, b"-" * 3, b"\xff\xfe" * 20])
@@ -484,12 +587,18 @@ def _garbage_line(rng: random.Random) -> bytes:
 
 
 def _reader(path: str, **kw: Any) -> CriteoTsvReader:
-    return CriteoTsvReader(paths=[path], feature_names=CATS, num_embeddings=[1000] * 26, batch_size=kw.pop("batch_size", 3),
-                           rank=0, world_size=1, **kw)
+    return CriteoTsvReader(
+        paths=[path],
+        feature_names=CATS,
+        num_embeddings=[1000] * 26,
+        batch_size=kw.pop("batch_size", 3),
+        rank=0,
+        world_size=1,
+        **kw,
+    )
 
 
-def test_criteo_garbage_lines_stop_with_file_and_line_or_are_counted_skips(tmp_path: Path,
-                                                                          replay_seed: ReplaySeed) -> None:
+def test_criteo_garbage_lines_stop_with_file_and_line_or_are_counted_skips(tmp_path: Path, replay_seed: ReplaySeed) -> None:
     """Byte-level garbage (random bytes, NUL, non-UTF-8, huge or missing fields) mixed into valid
     lines: `stop` raises `path:line: reason` for the first bad line (the reason `diagnose_line`
     gives), `skip` yields exactly the valid lines in one epoch and counts the others."""

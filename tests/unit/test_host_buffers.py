@@ -18,7 +18,14 @@ def test_carved_tensors_are_aligned_disjoint_and_typed() -> None:
     a = slab.carve((3, 5), torch.float32)
     b = slab.carve((3,), torch.int64)
     c = slab.carve((7,), torch.float16)
-    assert (a.shape, a.dtype, b.shape, b.dtype, c.shape, c.dtype) == ((3, 5), torch.float32, (3,), torch.int64, (7,), torch.float16)
+    assert (a.shape, a.dtype, b.shape, b.dtype, c.shape, c.dtype) == (
+        (3, 5),
+        torch.float32,
+        (3,),
+        torch.int64,
+        (7,),
+        torch.float16,
+    )
     assert all(t.is_contiguous() and t.data_ptr() % ALIGN == 0 for t in (a, b, c))
     a.fill_(1.0), b.fill_(-1), c.fill_(2.0)
     assert a.sum().item() == 15.0 and b.sum().item() == -3 and c.sum().item() == 14.0  # no overlap

@@ -96,7 +96,6 @@ def test_a_read_to_the_end_of_an_empty_partition_ends_on_the_eof_event() -> None
 
 
 def test_a_read_whose_range_the_partition_does_not_reach_still_fails() -> None:
-    consumer = ScriptedConsumer([msgs("t", 0, range(0, 3)) + [Msg("t", 0, 3, KafkaError._PARTITION_EOF)]],
-                                {("t", 0): 3})
+    consumer = ScriptedConsumer([msgs("t", 0, range(0, 3)) + [Msg("t", 0, 3, KafkaError._PARTITION_EOF)]], {("t", 0): 3})
     with pytest.raises(SourceError, match=r"topic t partition 0 ends at offset 3, but the range runs through offset 5"):
         list(_read_partitions({}, [_Read("t", 0, 0, 5)], 0.2, consumer))

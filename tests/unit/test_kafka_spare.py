@@ -25,8 +25,9 @@ class FakeConsumer:
 
     def list_topics(self, timeout: float) -> SimpleNamespace:
         self.listings += 1
-        return SimpleNamespace(topics={name: SimpleNamespace(partitions=list(range(n)), error=None)
-                                       for name, n in self.topics.items()})
+        return SimpleNamespace(
+            topics={name: SimpleNamespace(partitions=list(range(n)), error=None) for name, n in self.topics.items()}
+        )
 
 
 def done(consumer: FakeConsumer) -> Future:
@@ -95,7 +96,8 @@ def test_a_spare_whose_listing_fails_is_closed() -> None:
 
 @pytest.mark.parametrize("user", [{}, {"enable.sparse.connections": True}])
 def test_a_spare_connects_to_the_named_brokers_at_once_unless_the_user_says_otherwise(
-        monkeypatch: pytest.MonkeyPatch, user: dict) -> None:
+    monkeypatch: pytest.MonkeyPatch, user: dict
+) -> None:
     made: list[dict] = []
 
     class Recording(FakeConsumer):

@@ -21,8 +21,13 @@ def test_torchrun_variables() -> None:
 
 def test_slurm_variables_without_torchrun() -> None:
     env = detect_env(
-        {"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_JOB_NUM_NODES": "2",
-         "SLURM_NTASKS_PER_NODE": "8(x2)"}
+        {
+            "SLURM_PROCID": "9",
+            "SLURM_NTASKS": "16",
+            "SLURM_LOCALID": "1",
+            "SLURM_JOB_NUM_NODES": "2",
+            "SLURM_NTASKS_PER_NODE": "8(x2)",
+        }
     )
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.launcher) == (9, 16, 1, 8, "slurm")
 
@@ -45,11 +50,28 @@ def test_wrapper_builds_torchrun_command() -> None:
 
 
 def test_wrapper_builds_a_multi_node_c10d_rendezvous() -> None:
-    cmd = build_command(["--nnodes", "2", "--rdzv-endpoint", "127.0.0.2:29400", "--rdzv-id", "j1",
-                         "--local-addr", "127.0.0.3", "--config", "c.yaml"])
+    cmd = build_command(
+        [
+            "--nnodes",
+            "2",
+            "--rdzv-endpoint",
+            "127.0.0.2:29400",
+            "--rdzv-id",
+            "j1",
+            "--local-addr",
+            "127.0.0.3",
+            "--config",
+            "c.yaml",
+        ]
+    )
     assert "--standalone" not in cmd
-    for flag in ["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.2:29400", "--rdzv-id=j1",
-                 "--local-addr=127.0.0.3"]:
+    for flag in [
+        "--nnodes=2",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=127.0.0.2:29400",
+        "--rdzv-id=j1",
+        "--local-addr=127.0.0.3",
+    ]:
         assert flag in cmd
     assert cmd[-4:] == ["-m", "trainer.main", "--config", "c.yaml"]
     assert "--local-addr" not in " ".join(build_command(["--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-id", "j"]))
@@ -92,9 +114,7 @@ def _agent_record(msg: str, args: tuple) -> logging.LogRecord:
 def test_the_agents_failure_record_becomes_one_deltarec_line(capsys: pytest.CaptureFixture[str]) -> None:
     failures = RankFailures(max_restarts=1)
     assert failures.filter(_agent_record(FAILED_RECORD, (-9, 1, 4321, "/usr/bin/python"))) is False
-    assert capsys.readouterr().err == (
-        "deltarec-launch: rank 1 exited (SIGKILL); torchrun restarts the job, attempt 2/2\n"
-    )
+    assert capsys.readouterr().err == ("deltarec-launch: rank 1 exited (SIGKILL); torchrun restarts the job, attempt 2/2\n")
     # the last attempt's failure is dropped here: `launch` reports it with every rank's status
     assert failures.filter(_agent_record(FAILED_RECORD, (1, 0, 4322, "/usr/bin/python"))) is False
     assert capsys.readouterr().err == ""

@@ -10,7 +10,16 @@ import pytest
 import torch
 
 from ckpt.catalog import Catalog
-from ckpt.markers import AttemptRecord, ChainLink, DroppedRecord, Marker, OffsetRange, SurvivorRecord, decode_record, encode_marker
+from ckpt.markers import (
+    AttemptRecord,
+    ChainLink,
+    DroppedRecord,
+    Marker,
+    OffsetRange,
+    SurvivorRecord,
+    decode_record,
+    encode_marker,
+)
 from ckpt.partial import compose, usable_survivors, with_survivors
 from ckpt.pls import estimate_mtbf, expected_pls, interval_for_pls, lost_samples, run_pls
 from ckpt.restore import RestoreError
@@ -41,19 +50,45 @@ def test_pls_and_interval_formulas_with_worked_numbers() -> None:
 
 # -- records and which ones a restore uses --------------------------------------------------
 def _link(cid: int, generation: int | None = None, full: bool = False) -> ChainLink:
-    return ChainLink(checkpoint_id=cid, full=full, generation=cid if generation is None else generation,
-                     ranges={0: [OffsetRange(0, 3)]}, rows=4, bytes=400, epoch=7)
+    return ChainLink(
+        checkpoint_id=cid,
+        full=full,
+        generation=cid if generation is None else generation,
+        ranges={0: [OffsetRange(0, 3)]},
+        rows=4,
+        bytes=400,
+        epoch=7,
+    )
 
 
 def _survivor(attempt: str, rank: int, base: int, sid: int, step: int = 25) -> SurvivorRecord:
-    return SurvivorRecord(kind="survivor", run_id=RUN, attempt=attempt, rank=rank, world_size=2, base=base, step=step,
-                          link=_link(sid), dense={"path": f"/d/survivor-{sid}-r{rank}.pt", "sha256": "0" * 64, "bytes": 1},
-                          shards=[["t", 0, 100, 0, 8]], created_unix=1.0)
+    return SurvivorRecord(
+        kind="survivor",
+        run_id=RUN,
+        attempt=attempt,
+        rank=rank,
+        world_size=2,
+        base=base,
+        step=step,
+        link=_link(sid),
+        dense={"path": f"/d/survivor-{sid}-r{rank}.pt", "sha256": "0" * 64, "bytes": 1},
+        shards=[["t", 0, 100, 0, 8]],
+        created_unix=1.0,
+    )
 
 
 def _commit(cid: int, attempt: str, step: int) -> Marker:
-    return Marker(kind="commit", run_id=RUN, checkpoint_id=cid, step=step, world_size=2, chain=[_link(1, full=True)],
-                  attempt=attempt, tables={"t": [200, 8], "d": [10, 8]}, plan={"t": "row_wise", "d": "data_parallel"})
+    return Marker(
+        kind="commit",
+        run_id=RUN,
+        checkpoint_id=cid,
+        step=step,
+        world_size=2,
+        chain=[_link(1, full=True)],
+        attempt=attempt,
+        tables={"t": [200, 8], "d": [10, 8]},
+        plan={"t": "row_wise", "d": "data_parallel"},
+    )
 
 
 def _attempt(name: str) -> AttemptRecord:
@@ -159,13 +194,16 @@ def test_rows_changed_since_the_newest_committed_checkpoint() -> None:
 
 
 # -- config ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("overrides, message", [
-    (["ckpt.target_pls=0.01"], "needs ckpt.recovery=partial"),
-    (["ckpt.recovery=partial", "ckpt.target_pls=0.01", "ckpt.interval_s=5"], "not both"),
-    (["ckpt.recovery=partial", "ckpt.survivor_timeout_s=0"], "survivor_timeout_s must be positive"),
-    (["ckpt.recovery=partial", "ckpt.target_pls=1.5"], r"target_pls must be in \[0, 1\)"),
-    (["ckpt.recovery=sometimes"], "ckpt.recovery"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["ckpt.target_pls=0.01"], "needs ckpt.recovery=partial"),
+        (["ckpt.recovery=partial", "ckpt.target_pls=0.01", "ckpt.interval_s=5"], "not both"),
+        (["ckpt.recovery=partial", "ckpt.survivor_timeout_s=0"], "survivor_timeout_s must be positive"),
+        (["ckpt.recovery=partial", "ckpt.target_pls=1.5"], r"target_pls must be in \[0, 1\)"),
+        (["ckpt.recovery=sometimes"], "ckpt.recovery"),
+    ],
+)
 def test_recovery_options_are_checked(debug_config, overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(debug_config.path, ["ckpt.enabled=true", "ckpt.sink=filesystem", *overrides], check_data=False)
@@ -224,12 +262,15 @@ def test_ssu_saves_only_rows_its_sub_sample_touched() -> None:
     assert p.counts.tolist() == [1, 1, 0, 1, 0, 0, 1, 0, 1, 0]
 
 
-@pytest.mark.parametrize("overrides", [
-    ["ckpt.priority=mfu"],
-    ["ckpt.priority=ssu", "ckpt.recovery=partial"],
-    ["ckpt.priority=mfu", "ckpt.recovery=partial", "ckpt.policy=incremental", "ckpt.priority_budget=0"],
-    ["ckpt.priority=mfu", "ckpt.recovery=partial", "ckpt.policy=incremental", "ckpt.priority_full_every=1"],
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["ckpt.priority=mfu"],
+        ["ckpt.priority=ssu", "ckpt.recovery=partial"],
+        ["ckpt.priority=mfu", "ckpt.recovery=partial", "ckpt.policy=incremental", "ckpt.priority_budget=0"],
+        ["ckpt.priority=mfu", "ckpt.recovery=partial", "ckpt.policy=incremental", "ckpt.priority_full_every=1"],
+    ],
+)
 def test_prioritized_checkpoints_need_partial_recovery_and_sane_budgets(debug_config, overrides: list[str]) -> None:
     with pytest.raises(ConfigError, match="ckpt.priority"):
         load_config(debug_config.path, ["ckpt.enabled=true", "ckpt.sink=filesystem", *overrides], check_data=False)
@@ -242,12 +283,21 @@ def _survivor_job(tmp_path):
     from ckpt.writer import WriteJob
 
     g = torch.Generator().manual_seed(5)
-    rows = ShardRows("t", 100, 0, torch.tensor([100, 103, 150]), torch.randn(3, 8, generator=g),
-                     {"momentum1": torch.rand(3, generator=g)})
-    job = WriteJob(checkpoint_id=9, step=55, generation=9, chain=[], snapshot=Snapshot(9, 55, False, [rows], 0.0),
-                   trainer_state={"step": 55, "samples_seen": 99}, epoch=4)
-    cfg = CkptConfig(enabled=True, sink="filesystem", run_id=RUN, fs_root=str(tmp_path / "stream"),
-                     dense_dir=str(tmp_path / "dense"))
+    rows = ShardRows(
+        "t", 100, 0, torch.tensor([100, 103, 150]), torch.randn(3, 8, generator=g), {"momentum1": torch.rand(3, generator=g)}
+    )
+    job = WriteJob(
+        checkpoint_id=9,
+        step=55,
+        generation=9,
+        chain=[],
+        snapshot=Snapshot(9, 55, False, [rows], 0.0),
+        trainer_state={"step": 55, "samples_seen": 99},
+        epoch=4,
+    )
+    cfg = CkptConfig(
+        enabled=True, sink="filesystem", run_id=RUN, fs_root=str(tmp_path / "stream"), dense_dir=str(tmp_path / "dense")
+    )
     return cfg, job
 
 
@@ -259,8 +309,15 @@ def test_a_survivor_saves_frames_and_dense_file_before_its_record(tmp_path) -> N
     from ckpt.survivor import SurvivorError, save_survivor
 
     cfg, job = _survivor_job(tmp_path)
-    kwargs = dict(rank=1, job=job, attempt="a1", world_size=2, base=7, dense_state={"trainer": job.trainer_state},
-                  shards=[["t", 100, 100, 0, 8]])
+    kwargs = dict(
+        rank=1,
+        job=job,
+        attempt="a1",
+        world_size=2,
+        base=7,
+        dense_state={"trainer": job.trainer_state},
+        shards=[["t", 100, 100, 0, 8]],
+    )
     with pytest.raises(SurvivorError, match="out of time"):
         save_survivor(cfg, deadline=time.monotonic() - 1, **kwargs)
     markers = FsMarkers(tmp_path / "stream", RUN)

@@ -8,13 +8,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckpt.quant import get_codec
-from ckpt.quant import adaptive_kernel
+from ckpt.quant import adaptive_kernel, get_codec
 from ckpt.quant.adaptive import AdaptiveCodec, greedy_range_search, search_steps
 from ckpt.quant.uniform import decode_nbit, encode_nbit_with_range
 
 from .test_quant_codecs import batches
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -57,13 +57,17 @@ def batches(draw, max_n: int = 10, max_dim: int = 40) -> torch.Tensor:
     return x.contiguous()
 
 
-explicit_rows = st.integers(1, 9).flatmap(
-    lambda d: st.lists(
-        st.lists(st.floats(-1e4, 1e4, allow_nan=False, width=32), min_size=d, max_size=d),
-        min_size=1,
-        max_size=4,
+explicit_rows = (
+    st.integers(1, 9)
+    .flatmap(
+        lambda d: st.lists(
+            st.lists(st.floats(-1e4, 1e4, allow_nan=False, width=32), min_size=d, max_size=d),
+            min_size=1,
+            max_size=4,
+        )
     )
-).map(lambda rows: torch.tensor(rows, dtype=torch.float32))
+    .map(lambda rows: torch.tensor(rows, dtype=torch.float32))
+)
 
 
 # ---------------------------------------------------------------------------------------------

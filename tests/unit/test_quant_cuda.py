@@ -65,7 +65,9 @@ def test_encoding_on_cuda_matches_the_cpu_reference(name: str, dim: int, replay_
     assert got.shape == want.shape
     if name not in SEARCHED:
         differ = (got != want).any(dim=1)
-        assert not bool(differ.any()), f"{name} d={dim}: {int(differ.sum())} rows differ, first {int(differ.nonzero()[0])}; {replay_seed}"
+        assert not bool(differ.any()), (
+            f"{name} d={dim}: {int(differ.sum())} rows differ, first {int(differ.nonzero()[0])}; {replay_seed}"
+        )
         return
     e_got, e_want = _row_error(name, got, x), _row_error(name, want, x)
     if name.startswith("adaptive"):

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from ckpt.quant import CHECK_N_RUN_WIDTHS, BitWidthPolicy, bits_for_expected_restores, get_codec
 
 
-@pytest.mark.parametrize(
-    "n,bits", [(0, 2), (1, 2), (2, 3), (3, 3), (4, 4), (19, 4), (20, 4), (21, 8), (1000, 8)]
-)
+@pytest.mark.parametrize("n,bits", [(0, 2), (1, 2), (2, 3), (3, 3), (4, 4), (19, 4), (20, 4), (21, 8), (1000, 8)])
 def test_bits_for_expected_restores_with_check_n_runs_table(n, bits):
     assert bits_for_expected_restores(n, CHECK_N_RUN_WIDTHS) == bits
 
@@ -99,7 +99,7 @@ def test_policy_validates():
     with pytest.raises(ValueError):
         BitWidthPolicy(1, restores_so_far=-1)
     p = BitWidthPolicy(2)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         p.restores_so_far = 5  # frozen: use after_restore()
 
 

@@ -109,9 +109,7 @@ def test_huge_finite_rows_are_not_mistaken_for_nonfinite():
         assert torch.isfinite(dec).all()
 
 
-@pytest.mark.parametrize(
-    "name", ["fp16", "asym2", "asym3", "asym4", "sym2", "sym3", "sym4", "adaptive2", "adaptive4", "kmeans3"]
-)
+@pytest.mark.parametrize("name", ["fp16", "asym2", "asym3", "asym4", "sym2", "sym3", "sym4", "adaptive2", "adaptive4", "kmeans3"])
 def test_rows_beyond_fp16_range_refused(name, replay_seed: ReplaySeed):
     x = torch.randn(4, 8, generator=replay_seed.torch_generator())
     x[2, 1] = 1e6  # fp16 max is 65504: the codec's fp16 value/scale/absmax would be Inf

@@ -49,8 +49,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _params(bits: int, nbins=None, ratio=None, refits=None) -> tuple[int, float, int]:
-    return (FAST_NBINS[bits] if nbins is None else nbins, FAST_RATIO[bits] if ratio is None else ratio,
-            FAST_REFITS[bits] if refits is None else refits)
+    return (
+        FAST_NBINS[bits] if nbins is None else nbins,
+        FAST_RATIO[bits] if ratio is None else ratio,
+        FAST_REFITS[bits] if refits is None else refits,
+    )
 
 
 def _triton(x: torch.Tensor, bits: int, **params) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,8 +96,11 @@ def _expected_flags(x: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     meta = want[:, -4:].contiguous().view(torch.float16)
     nonfinite = ~torch.isfinite(x).all(1)
     meta_bad = ~torch.isfinite(meta).all(1) | nonfinite  # a NaN row's fields are NaN
-    return ((~torch.isfinite(sums)).to(torch.uint8) * at.FLAG_SUM | meta_bad.to(torch.uint8) * at.FLAG_META
-            | nonfinite.to(torch.uint8) * at.FLAG_NON_FINITE)
+    return (
+        (~torch.isfinite(sums)).to(torch.uint8) * at.FLAG_SUM
+        | meta_bad.to(torch.uint8) * at.FLAG_META
+        | nonfinite.to(torch.uint8) * at.FLAG_NON_FINITE
+    )
 
 
 def _check(x: torch.Tensor, bits: int, what: str, **params) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,8 +182,7 @@ def _raised(codec, x: torch.Tensor, row_ids: torch.Tensor | None) -> tuple[type,
 # The interpreter's cost is per operation (about 0.1 ms each, whatever the row count), i.e. per
 # column and pass. 2- and 3-bit rows skip the wide dims that fill whole groups of codes (4 and 8)
 # and whole 4-column loads: 64 takes the same code path, and the CUDA tests cover them.
-CASES = [(bits, dim) for bits in BITS for dim in DIMS
-         if bits == 4 or dim < 128 or dim % (8 // (bits & -bits)) or dim % 4]
+CASES = [(bits, dim) for bits in BITS for dim in DIMS if bits == 4 or dim < 128 or dim % (8 // (bits & -bits)) or dim % 4]
 
 
 @pytest.mark.parametrize("bits,dim", CASES)
@@ -215,8 +220,7 @@ def test_edge_rows_bytes_and_flags(bits: int, dim: int, replay_seed: ReplaySeed)
 def test_bytes_match_reference_other_parameters(bits, nbins, ratio, refits, replay_seed: ReplaySeed):
     # no refit pass, no greedy step at all, many refits
     x = _mixed(64, 13, replay_seed.torch_generator())
-    _check(x, bits, f"nbins={nbins} ratio={ratio} refits={refits} {replay_seed}", nbins=nbins, ratio=ratio,
-           refits=refits)
+    _check(x, bits, f"nbins={nbins} ratio={ratio} refits={refits} {replay_seed}", nbins=nbins, ratio=ratio, refits=refits)
 
 
 # no greedy step, no refit: plain asymN, whose range the search cannot move off the ties
@@ -373,8 +377,7 @@ def test_interpreter_needs_no_environment_and_import_loads_no_triton():
     )
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": repo}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=repo)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300, cwd=repo)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
@@ -385,9 +388,21 @@ def test_interpreter_needs_no_environment_and_import_loads_no_triton():
 
 @pytest.mark.gpu
 @NEEDS_CUDA
-@pytest.mark.parametrize("bits,dim,n", [(4, 32, 200_000), (4, 64, 200_000), (4, 128, 200_000), (4, 256, 200_000),
-                                        (3, 128, 50_000), (2, 128, 50_000), (3, 33, 50_000), (2, 300, 20_000),
-                                        (4, 7, 50_000), (4, 100, 50_000)])
+@pytest.mark.parametrize(
+    "bits,dim,n",
+    [
+        (4, 32, 200_000),
+        (4, 64, 200_000),
+        (4, 128, 200_000),
+        (4, 256, 200_000),
+        (3, 128, 50_000),
+        (2, 128, 50_000),
+        (3, 33, 50_000),
+        (2, 300, 20_000),
+        (4, 7, 50_000),
+        (4, 100, 50_000),
+    ],
+)
 def test_cuda_bytes_match_cpu_reference(bits: int, dim: int, n: int, replay_seed: ReplaySeed):
     x = _mixed(n, dim, replay_seed.torch_generator())
     got, flags = _triton(x.cuda(), bits)

@@ -32,12 +32,20 @@ def evaluation(step: int, auc: float, logloss: float) -> dict[str, Any]:
     return {"step": step, "eval_auc": auc, "eval_logloss": logloss, "eval_samples": 1024}
 
 
-def ckpt(step: int, cid: int, full: bool, nbytes: int, stall_ms: float, encoding: str, durable_s: float | None,
-         committed: bool = True) -> dict[str, Any]:
+def ckpt(
+    step: int, cid: int, full: bool, nbytes: int, stall_ms: float, encoding: str, durable_s: float | None, committed: bool = True
+) -> dict[str, Any]:
     return {
-        "step": step, "ckpt_id": cid, "ckpt_committed": committed, "ckpt_full": full, "ckpt_rows": nbytes // 10,
-        "ckpt_bytes": nbytes, "ckpt_stall_ms": stall_ms, "ckpt_write_s": 0.01,
-        "ckpt_error": "" if committed else "broker unreachable", "ckpt_encoding": encoding,
+        "step": step,
+        "ckpt_id": cid,
+        "ckpt_committed": committed,
+        "ckpt_full": full,
+        "ckpt_rows": nbytes // 10,
+        "ckpt_bytes": nbytes,
+        "ckpt_stall_ms": stall_ms,
+        "ckpt_write_s": 0.01,
+        "ckpt_error": "" if committed else "broker unreachable",
+        "ckpt_encoding": encoding,
         "ckpt_durable_s": durable_s,
     }
 
@@ -124,16 +132,21 @@ def test_cli_writes_the_png_and_prints_the_summary(tmp_path: Path, debug_config,
 def test_every_step_panel_marks_the_restore_and_failed_skipped_are_told_apart(tmp_path: Path) -> None:
     fig = figure(read_metrics(write_run(tmp_path, RESUMED)), "t")
     with_restore = [
-        ax for ax in fig.axes
-        if any(isinstance(ln, Line2D) and list(ln.get_xdata()) == [50, 50] for ln in ax.get_lines())
+        ax for ax in fig.axes if any(isinstance(ln, Line2D) and list(ln.get_xdata()) == [50, 50] for ln in ax.get_lines())
     ]
     assert len(with_restore) == 4  # loss/AUC, bytes, stall, time to COMMIT
     bytes_ax = with_restore[1]
     bars = [p for p in bytes_ax.patches if isinstance(p, Rectangle)]
     assert sorted(b.get_height() for b in bars) == [200, 300, 400, 1000, 1200]
     labels = {t.get_text() for t in bytes_ax.get_legend().get_texts()}
-    assert {"full", "delta", "encoding adaptive4", "encoding fp32", "failed (never committed)",
-            "skipped (writers behind)"} <= labels
+    assert {
+        "full",
+        "delta",
+        "encoding adaptive4",
+        "encoding fp32",
+        "failed (never committed)",
+        "skipped (writers behind)",
+    } <= labels
     loss_labels = {t.get_text() for t in with_restore[0].get_legend().get_texts()}
     assert any("trained again" in t for t in loss_labels)  # attempt 1's step 60, redone after the restore
 
@@ -184,16 +197,17 @@ BAD_INPUT = {
     "truncated JSON": (f'{GOOD}\n{{"step": 20, "loss"\n', ":2: not a JSON record"),
     "empty line": (f"{GOOD}\n\n{GOOD}\n", ":2: empty line"),
     "not an object": ("[1, 2]\n", ":1: expected a JSON object"),
-    "missing field": (json.dumps({k: v for k, v in RESUMED[1].items() if k != "ckpt_bytes"}) + "\n",
-                      ":1: metrics record has no 'ckpt_bytes' field"),
+    "missing field": (
+        json.dumps({k: v for k, v in RESUMED[1].items() if k != "ckpt_bytes"}) + "\n",
+        ":1: metrics record has no 'ckpt_bytes' field",
+    ),
     "wrong type": (json.dumps({**window(10, 0.7), "loss": "low"}) + "\n", ":1: 'loss' must be a number"),
     "no records": ("", ": no metrics records yet"),
 }
 
 
 @pytest.mark.parametrize("name", list(BAD_INPUT))
-def test_bad_metrics_line_is_one_error_line_naming_file_and_line(name: str, tmp_path: Path, debug_config,
-                                                                   capsys) -> None:
+def test_bad_metrics_line_is_one_error_line_naming_file_and_line(name: str, tmp_path: Path, debug_config, capsys) -> None:
     text, expected = BAD_INPUT[name]
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -44,28 +44,69 @@ def _chain(codec: str, dim: int, rng: random.Random, g: torch.Generator) -> tupl
         for chunk in torch.split(rows, rng.randrange(3, 23)):
             n = len(chunk)
             payload = c.encode(torch.randn(n, dim, generator=g) * rng.choice([1e-3, 1.0, 30.0]))
-            optim = [OptimState("momentum1", fp32, torch.rand(n, 1, generator=g)),
-                     OptimState("momentum2", fp32, torch.rand(n, dim, generator=g))]
-            index.append(IndexEntry(partition=0, first=len(frames), last=len(frames), table="t", col_offset=0,
-                                    min_row=int(chunk.min()), max_row=int(chunk.max()), cols=dim))
-            frames.append(encode_frame(run_id=RUN, checkpoint_id=cid, rank=0, table="t", col_offset=0, dim=dim,
-                                       encoding=c.code, row_ids=chunk, payload=payload, optim=optim))
-        chain.append(ChainLink(checkpoint_id=cid, full=cid == 1, generation=cid,
-                               ranges={0: [OffsetRange(0, len(frames) - 1)]}, rows=0, bytes=0, index=index))
+            optim = [
+                OptimState("momentum1", fp32, torch.rand(n, 1, generator=g)),
+                OptimState("momentum2", fp32, torch.rand(n, dim, generator=g)),
+            ]
+            index.append(
+                IndexEntry(
+                    partition=0,
+                    first=len(frames),
+                    last=len(frames),
+                    table="t",
+                    col_offset=0,
+                    min_row=int(chunk.min()),
+                    max_row=int(chunk.max()),
+                    cols=dim,
+                )
+            )
+            frames.append(
+                encode_frame(
+                    run_id=RUN,
+                    checkpoint_id=cid,
+                    rank=0,
+                    table="t",
+                    col_offset=0,
+                    dim=dim,
+                    encoding=c.code,
+                    row_ids=chunk,
+                    payload=payload,
+                    optim=optim,
+                )
+            )
+        chain.append(
+            ChainLink(
+                checkpoint_id=cid,
+                full=cid == 1,
+                generation=cid,
+                ranges={0: [OffsetRange(0, len(frames) - 1)]},
+                rows=0,
+                bytes=0,
+                index=index,
+            )
+        )
         store[(cid, 0)] = frames
     return chain, store
 
 
 def _views(dim: int, cut: int) -> list[ShardView]:
-    return [ShardView("t", r0, 0, torch.full((r1 - r0, dim), -7.0),
-                      {"momentum1": torch.full((r1 - r0,), -7.0), "momentum2": torch.full((r1 - r0, dim), -7.0)})
-            for r0, r1 in ((0, cut), (cut, ROWS))]
+    return [
+        ShardView(
+            "t",
+            r0,
+            0,
+            torch.full((r1 - r0, dim), -7.0),
+            {"momentum1": torch.full((r1 - r0,), -7.0), "momentum2": torch.full((r1 - r0, dim), -7.0)},
+        )
+        for r0, r1 in ((0, cut), (cut, ROWS))
+    ]
 
 
 @pytest.mark.parametrize("codec", TAKEN + DECLINED)
 @pytest.mark.parametrize("dim", [1, 5, 13, 32])
-def test_the_kernel_writes_the_bits_the_torch_path_writes(codec: str, dim: int, replay_seed: ReplaySeed,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_kernel_writes_the_bits_the_torch_path_writes(
+    codec: str, dim: int, replay_seed: ReplaySeed, monkeypatch: pytest.MonkeyPatch
+) -> None:
     rng, g = replay_seed.rng(), replay_seed.torch_generator()
     chain, store = _chain(codec, dim, rng, g)
     marker = Marker(kind="commit", run_id=RUN, checkpoint_id=len(chain), step=10, world_size=1, chain=chain)
@@ -77,24 +118,41 @@ def test_the_kernel_writes_the_bits_the_torch_path_writes(codec: str, dim: int, 
     results = {}
     for fused in (False, True):
         views = _views(dim, cut)
-        out = restore_rows(marker, ListSource(store, order, random.Random(replay_seed.value)), ShardMap(views, []),
-                           RUN, lambda g, p, o: f"{g}/{p}@{o}", fused=fused)
+        out = restore_rows(
+            marker,
+            ListSource(store, order, random.Random(replay_seed.value)),
+            ShardMap(views, []),
+            RUN,
+            lambda g, p, o: f"{g}/{p}@{o}",
+            fused=fused,
+        )
         results[fused] = (views, out)
     (ref, ref_out), (got, got_out) = results[False], results[True]
     for a, b in zip(ref, got):
-        for name, x, y in [("weights", a.weight, b.weight), *((n, a.optimizer_states[n], b.optimizer_states[n])
-                                                              for n in a.optimizer_states)]:
-            assert torch.equal(x.view(torch.int32), y.view(torch.int32)), f"{codec} dim {dim} {order}: {name} of " \
-                                                                          f"rows {a.row_offset}..: {replay_seed}"
+        for name, x, y in [
+            ("weights", a.weight, b.weight),
+            *((n, a.optimizer_states[n], b.optimizer_states[n]) for n in a.optimizer_states),
+        ]:
+            assert torch.equal(x.view(torch.int32), y.view(torch.int32)), (
+                f"{codec} dim {dim} {order}: {name} of rows {a.row_offset}..: {replay_seed}"
+            )
     assert (got_out.rows, got_out.written, got_out.frames) == (ref_out.rows, ref_out.written, ref_out.frames)
     assert bool(fused_writes) == (codec in TAKEN), f"{codec}: the kernel wrote {len(fused_writes)} frames"
 
 
 def test_a_column_split_or_a_gpu_shard_is_left_to_the_torch_path() -> None:
-    frame_meta = dict(run_id=RUN, checkpoint_id=1, rank=0, table="t", col_offset=0, dim=4,
-                      encoding=get_codec("adaptive4").code, row_ids=torch.arange(3),
-                      payload=get_codec("adaptive4").encode(torch.randn(3, 4)),
-                      optim=[OptimState("momentum1", get_codec("fp32").code, torch.rand(3, 1))])
+    frame_meta = dict(
+        run_id=RUN,
+        checkpoint_id=1,
+        rank=0,
+        table="t",
+        col_offset=0,
+        dim=4,
+        encoding=get_codec("adaptive4").code,
+        row_ids=torch.arange(3),
+        payload=get_codec("adaptive4").encode(torch.randn(3, 4)),
+        optim=[OptimState("momentum1", get_codec("fp32").code, torch.rand(3, 1))],
+    )
     from ckpt.frames import decode_frame
 
     frame = decode_frame(encode_frame(**frame_meta))
@@ -105,8 +163,9 @@ def test_a_column_split_or_a_gpu_shard_is_left_to_the_torch_path() -> None:
     assert not fused.fits(frame, ShardView("t", 0, 0, torch.zeros(3, 4), {"other": torch.zeros(3)}))
     assert not fused.fits(frame, ShardView("t", 0, 0, torch.zeros(4, 3).t(), {"momentum1": torch.zeros(3)}))
     if torch.cuda.is_available():
-        assert not fused.fits(frame, ShardView("t", 0, 0, torch.zeros(3, 4, device="cuda"),
-                                               {"momentum1": torch.zeros(3, device="cuda")}))
+        assert not fused.fits(
+            frame, ShardView("t", 0, 0, torch.zeros(3, 4, device="cuda"), {"momentum1": torch.zeros(3, device="cuda")})
+        )
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
@@ -120,8 +179,16 @@ def test_every_finite_fp16_scale_and_bias_decodes_exactly(bits: int, replay_seed
     data[:, packed - 1] &= (1 << (dim * bits - 8 * (packed - 1))) - 1  # unused high bits are zero
     halves = rs.integers(0, 1 << 16, (n, 2), dtype=np.uint16)
     halves[(halves & 0x7C00) == 0x7C00] &= 0x83FF  # inf/nan -> a subnormal: encoders refuse non-finite fields
-    halves[:8] = [[0x0001, 0x8001], [0x8000, 0x0000], [0x7BFF, 0xFBFF], [0x03FF, 0x0400], [0x3C00, 0xBC00],
-                  [0x0000, 0x8000], [0x8001, 0x7BFF], [0x0400, 0x03FF]]
+    halves[:8] = [
+        [0x0001, 0x8001],
+        [0x8000, 0x0000],
+        [0x7BFF, 0xFBFF],
+        [0x03FF, 0x0400],
+        [0x3C00, 0xBC00],
+        [0x0000, 0x8000],
+        [0x8001, 0x7BFF],
+        [0x0400, 0x03FF],
+    ]
     data[:, packed:] = halves.view(np.uint8).reshape(n, 4)
     want = decode_nbit(torch.from_numpy(data), bits, dim)
     got = np.full((n + 3, dim), np.nan, np.float32)

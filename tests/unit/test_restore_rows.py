@@ -32,8 +32,9 @@ class ListSource:
     random interleaving of the reads, each still in position order) drawn from `rng`.
     """
 
-    def __init__(self, frames: dict[tuple[int, int], list[bytes]], order: str = "forward",
-                 rng: random.Random | None = None) -> None:
+    def __init__(
+        self, frames: dict[tuple[int, int], list[bytes]], order: str = "forward", rng: random.Random | None = None
+    ) -> None:
         self.frames = frames
         self.order = order
         self.rng = rng or random.Random(0)
@@ -75,20 +76,25 @@ def _link(cid: int, full: bool, frames: list[bytes], table: str, col: int, cols:
 
 
 def _view(rows: int, cols: int, row_offset: int = 0, col_offset: int = 0, device: str = "cpu") -> ShardView:
-    return ShardView("t", row_offset, col_offset, torch.zeros(rows, cols, device=device),
-                     {"momentum1": torch.zeros(rows, device=device)})
+    return ShardView(
+        "t", row_offset, col_offset, torch.zeros(rows, cols, device=device), {"momentum1": torch.zeros(rows, device=device)}
+    )
 
 
-def _restore(frames_by_link: list[tuple[bool, list[bytes], int, int, int, int]], views: list[ShardView],
-             hold: RowInit | None = None, **marker_fields):
+def _restore(
+    frames_by_link: list[tuple[bool, list[bytes], int, int, int, int]],
+    views: list[ShardView],
+    hold: RowInit | None = None,
+    **marker_fields,
+):
     chain, store = [], {}
     for cid, (full, frames, col, cols, lo, hi) in enumerate(frames_by_link, start=1):
         chain.append(_link(cid, full, frames, "t", col, cols, lo, hi))
         store[(cid, 0)] = frames
-    marker = Marker(kind="commit", run_id=RUN, checkpoint_id=len(chain), step=10, world_size=1, chain=chain,
-                    **marker_fields)
-    return restore_rows(marker, ListSource(store), ShardMap(views, []), RUN, lambda g, p, o: f"{g}/{p}@{o}",
-                        shards_hold_init=hold)
+    marker = Marker(kind="commit", run_id=RUN, checkpoint_id=len(chain), step=10, world_size=1, chain=chain, **marker_fields)
+    return restore_rows(
+        marker, ListSource(store), ShardMap(views, []), RUN, lambda g, p, o: f"{g}/{p}@{o}", shards_hold_init=hold
+    )
 
 
 def test_base_then_delta_whole_width_and_row_split(replay_seed: ReplaySeed) -> None:
@@ -125,8 +131,11 @@ def test_base_must_cover_every_row_exactly_once(rows: list[int], replay_seed: Re
     r = torch.tensor(rows)
     w = torch.randn(len(rows), 3, generator=replay_seed.torch_generator())
     base = [_frame(1, "t", 0, r, w, torch.ones(len(rows)))]
-    with pytest.raises(RestoreError, match=r"table t rows 0\.\.4 cols 0\.\.2: 1 rows \(first: row 3\) are not covered "
-                                           r"exactly once by the base checkpoint 1"):
+    with pytest.raises(
+        RestoreError,
+        match=r"table t rows 0\.\.4 cols 0\.\.2: 1 rows \(first: row 3\) are not covered "
+        r"exactly once by the base checkpoint 1",
+    ):
         _restore([(True, base, 0, 3, 0, 4)], [_view(5, 3)])
 
 
@@ -170,8 +179,9 @@ def random_rows(rng: random.Random, full: bool, rows: int, longest_run: int) -> 
     return torch.tensor(sorted(rng.sample(range(rows), rng.randrange(1, rows // 2))))
 
 
-def _random_link(cid: int, full: bool, rng: random.Random, g: torch.Generator, ref_w: torch.Tensor,
-                 ref_m: torch.Tensor) -> tuple[ChainLink, list[bytes]]:
+def _random_link(
+    cid: int, full: bool, rng: random.Random, g: torch.Generator, ref_w: torch.Tensor, ref_m: torch.Tensor
+) -> tuple[ChainLink, list[bytes]]:
     """One link of table "t" in a column split of its own (the job may have been resharded
     between links): the base holds every row as runs of a few frames, a delta a random set
     of rows (sometimes one run). Applies it to the references, in chain order."""
@@ -208,19 +218,32 @@ def test_any_arrival_order_gives_the_chain_replayed_in_order(order: str, device:
         chain.append(link)
         store[(cid, 0)] = frames
     row_cut, col_cut = rng.randrange(1, ROWS), rng.choice([DIM, 2, 1, 3])
-    views = [ShardView("t", r0, c0, torch.zeros(r1 - r0, c1 - c0, device=device),
-                       {"momentum1": torch.zeros(r1 - r0, device=device)})
-             for r0, r1 in ((0, row_cut), (row_cut, ROWS)) for c0, c1 in ((0, col_cut), (col_cut, DIM)) if c1 > c0]
+    views = [
+        ShardView("t", r0, c0, torch.zeros(r1 - r0, c1 - c0, device=device), {"momentum1": torch.zeros(r1 - r0, device=device)})
+        for r0, r1 in ((0, row_cut), (row_cut, ROWS))
+        for c0, c1 in ((0, col_cut), (col_cut, DIM))
+        if c1 > c0
+    ]
     marker = Marker(kind="commit", run_id=RUN, checkpoint_id=len(chain), step=10, world_size=1, chain=chain)
     out = restore_rows(marker, ListSource(store, order, rng), ShardMap(views, []), RUN, lambda g, p, o: f"{g}/{p}@{o}")
     for v in views:
         rows, cols = slice(v.row_offset, v.row_offset + v.num_rows), slice(v.col_offset, v.col_offset + v.num_cols)
         assert v.weight.device.type == device
-        torch.testing.assert_close(v.weight.cpu(), ref_w[rows, cols], rtol=0, atol=0,
-                                   msg=lambda m: f"{order}, view {v.row_offset}/{v.col_offset}: {m}\n{replay_seed}")
+        torch.testing.assert_close(
+            v.weight.cpu(),
+            ref_w[rows, cols],
+            rtol=0,
+            atol=0,
+            msg=lambda m: f"{order}, view {v.row_offset}/{v.col_offset}: {m}\n{replay_seed}",
+        )
         # a target shard's row-wise state comes from the source shard holding its first column
-        torch.testing.assert_close(v.optimizer_states["momentum1"].cpu(), ref_m[rows, v.col_offset], rtol=0, atol=0,
-                                   msg=lambda m: f"{order}, momentum {v.row_offset}/{v.col_offset}: {m}\n{replay_seed}")
+        torch.testing.assert_close(
+            v.optimizer_states["momentum1"].cpu(),
+            ref_m[rows, v.col_offset],
+            rtol=0,
+            atol=0,
+            msg=lambda m: f"{order}, momentum {v.row_offset}/{v.col_offset}: {m}\n{replay_seed}",
+        )
     assert out.frames == sum(len(f) for f in store.values()), replay_seed
     assert out.written <= out.rows, (out, replay_seed)
 
@@ -299,14 +322,22 @@ def test_work_given_to_overlap_the_first_fetch_starts_after_the_reads_are_issued
             def awaited():
                 events.append("first frame awaited")
                 yield from frames
+
             return awaited()
 
     frames = [_frame(1, "t", 0, torch.arange(4), w, mom)]
-    marker = Marker(kind="commit", run_id=RUN, checkpoint_id=1, step=10, world_size=1,
-                    chain=[_link(1, True, frames, "t", 0, 2, 0, 3)])
+    marker = Marker(
+        kind="commit", run_id=RUN, checkpoint_id=1, step=10, world_size=1, chain=[_link(1, True, frames, "t", 0, 2, 0, 3)]
+    )
     view = _view(4, 2)
-    restore_rows(marker, Recording({(1, 0): frames}), ShardMap([view], []), RUN,
-                 lambda g, p, o: f"{g}/{p}@{o}", while_fetching=lambda: events.append("dense read started"))
+    restore_rows(
+        marker,
+        Recording({(1, 0): frames}),
+        ShardMap([view], []),
+        RUN,
+        lambda g, p, o: f"{g}/{p}@{o}",
+        while_fetching=lambda: events.append("dense read started"),
+    )
     assert events == ["issued", "dense read started", "first frame awaited"]
     assert torch.equal(view.weight, w)
 

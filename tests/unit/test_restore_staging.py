@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import random
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -82,21 +83,46 @@ def _staged(queue: HostQueue, slots: int = 3) -> StagedReplay:
 # --- chains -----------------------------------------------------------------------------------
 
 
-def _frames(cid: int, codec: str, rows: torch.Tensor, sizes: list[int], dim: int, g: torch.Generator
-            ) -> tuple[list[bytes], list[IndexEntry]]:
+def _frames(
+    cid: int, codec: str, rows: torch.Tensor, sizes: list[int], dim: int, g: torch.Generator
+) -> tuple[list[bytes], list[IndexEntry]]:
     """`rows` of table "t" in frames of `sizes` rows: weights in `codec`, a row-wise state
     (momentum1, one fp32 a row) and one a column (momentum2)."""
     c = get_codec(codec)
     frames, index = [], []
     for chunk in torch.split(rows, sizes):
         n = len(chunk)
-        optim = [OptimState("momentum1", FP32, torch.rand(n, 1, generator=g)),
-                 OptimState("momentum2", FP32, torch.randn(n, dim, generator=g))]
+        optim = [
+            OptimState("momentum1", FP32, torch.rand(n, 1, generator=g)),
+            OptimState("momentum2", FP32, torch.randn(n, dim, generator=g)),
+        ]
         payload = c.encode(torch.randn(n, dim, generator=g) * float(torch.rand(1, generator=g)) * 10)
-        index.append(IndexEntry(partition=0, first=len(frames), last=len(frames), table="t", col_offset=0,
-                                min_row=int(chunk.min()), max_row=int(chunk.max()), cols=dim))
-        frames.append(encode_frame(run_id=RUN, checkpoint_id=cid, rank=0, table="t", col_offset=0, dim=dim,
-                                   encoding=c.code, row_ids=chunk, payload=payload, optim=optim))
+        index.append(
+            IndexEntry(
+                partition=0,
+                first=len(frames),
+                last=len(frames),
+                table="t",
+                col_offset=0,
+                min_row=int(chunk.min()),
+                max_row=int(chunk.max()),
+                cols=dim,
+            )
+        )
+        frames.append(
+            encode_frame(
+                run_id=RUN,
+                checkpoint_id=cid,
+                rank=0,
+                table="t",
+                col_offset=0,
+                dim=dim,
+                encoding=c.code,
+                row_ids=chunk,
+                payload=payload,
+                optim=optim,
+            )
+        )
     return frames, index
 
 
@@ -115,8 +141,17 @@ def _chain(links: list[tuple[str, torch.Tensor, list[int]]], dim: int, g: torch.
     chain, store = [], {}
     for cid, (codec, rows, sizes) in enumerate(links, start=1):
         frames, index = _frames(cid, codec, rows, sizes, dim, g)
-        chain.append(ChainLink(checkpoint_id=cid, full=cid == 1, generation=cid,
-                               ranges={0: [OffsetRange(0, len(frames) - 1)]}, rows=0, bytes=0, index=index))
+        chain.append(
+            ChainLink(
+                checkpoint_id=cid,
+                full=cid == 1,
+                generation=cid,
+                ranges={0: [OffsetRange(0, len(frames) - 1)]},
+                rows=0,
+                bytes=0,
+                index=index,
+            )
+        )
         store[(cid, 0)] = frames
     return Marker(kind="commit", run_id=RUN, checkpoint_id=len(chain), step=10, world_size=1, chain=chain), store
 
@@ -143,20 +178,33 @@ def _growing(rng: random.Random, g: torch.Generator, codecs: list[str], dim: int
 
 def _views(dim: int, cut: int, device: str = "cpu") -> list[ShardView]:
     """Table "t" in two row shards cut at `cut`: frames across the cut are partly outside each."""
-    return [ShardView("t", r0, 0, torch.full((r1 - r0, dim), -7.0, device=device),
-                      {"momentum1": torch.full((r1 - r0,), -7.0, device=device),
-                       "momentum2": torch.full((r1 - r0, dim), -7.0, device=device)})
-            for r0, r1 in ((0, cut), (cut, ROWS))]
+    return [
+        ShardView(
+            "t",
+            r0,
+            0,
+            torch.full((r1 - r0, dim), -7.0, device=device),
+            {
+                "momentum1": torch.full((r1 - r0,), -7.0, device=device),
+                "momentum2": torch.full((r1 - r0, dim), -7.0, device=device),
+            },
+        )
+        for r0, r1 in ((0, cut), (cut, ROWS))
+    ]
 
 
 def _restore(marker: Marker, store: dict, views: list[ShardView], order: str, seed: int, **kw) -> RowsRestored:
-    return restore_rows(marker, ListSource(store, order, random.Random(seed)), ShardMap(views, []), RUN,
-                        lambda g, p, o: f"{g}/{p}@{o}", **kw)
+    return restore_rows(
+        marker, ListSource(store, order, random.Random(seed)), ShardMap(views, []), RUN, lambda g, p, o: f"{g}/{p}@{o}", **kw
+    )
 
 
 def _bits(views: list[ShardView]) -> list[tuple[str, torch.Tensor]]:
-    return [(f"{name} of rows {v.row_offset}..", t.cpu().view(torch.int32))
-            for v in views for name, t in [("weights", v.weight), *v.optimizer_states.items()]]
+    return [
+        (f"{name} of rows {v.row_offset}..", t.cpu().view(torch.int32))
+        for v in views
+        for name, t in [("weights", v.weight), *v.optimizer_states.items()]
+    ]
 
 
 def _assert_same(got: list[ShardView], want: list[ShardView], what: str) -> None:
@@ -176,8 +224,9 @@ def _case(rng: random.Random, codec: str) -> list[str]:
 
 @pytest.mark.parametrize("codec", [*CODECS, "mixed"])
 @pytest.mark.parametrize("dim", [1, 7, 32])
-def test_staging_writes_the_bits_of_the_direct_kernel_and_of_the_torch_path(codec: str, dim: int,
-                                                                             replay_seed: ReplaySeed) -> None:
+def test_staging_writes_the_bits_of_the_direct_kernel_and_of_the_torch_path(
+    codec: str, dim: int, replay_seed: ReplaySeed
+) -> None:
     rng, g = replay_seed.rng(), replay_seed.torch_generator()
     codecs = _case(rng, codec)
     marker, store = _marker(rng, g, codecs, dim)
@@ -190,16 +239,18 @@ def test_staging_writes_the_bits_of_the_direct_kernel_and_of_the_torch_path(code
     out = _restore(marker, store, staged, order, replay_seed.value, staging=writer)
     _assert_same(direct, reference, f"direct kernel against the torch path, {what}")
     _assert_same(staged, reference, f"staged against the torch path, {what}")
-    assert (out.rows, out.written, out.frames) == (ref_out.rows, ref_out.written, ref_out.frames) == \
-           (direct_out.rows, direct_out.written, direct_out.frames), what
+    assert (
+        (out.rows, out.written, out.frames)
+        == (ref_out.rows, ref_out.written, ref_out.frames)
+        == (direct_out.rows, direct_out.written, direct_out.frames)
+    ), what
     if codec != "mixed":  # (a mixed chain's staged links may all be overwritten by its torch-path ones)
         assert (out.staged > 0) == (codec != "fp16"), (out.staged, what)
     assert writer.frames == out.staged and not writer.queue.pending, what
 
 
 @pytest.mark.parametrize("slots", [1, 2, 3])
-def test_buffers_grow_to_the_largest_frame_and_are_reused_once_their_copies_ran(slots: int,
-                                                                                 replay_seed: ReplaySeed) -> None:
+def test_buffers_grow_to_the_largest_frame_and_are_reused_once_their_copies_ran(slots: int, replay_seed: ReplaySeed) -> None:
     """Frames growing in size, many more than buffers, runs and scattered rows: each buffer is
     allocated again when a frame outgrows it and decoded into again only after its copies ran."""
     rng, g = replay_seed.rng(), replay_seed.torch_generator()
@@ -221,8 +272,7 @@ def test_a_ring_that_did_not_wait_for_its_copies_would_write_wrong_rows(replay_s
     after the next frames were decoded into it, and the shard gets their rows."""
     g = replay_seed.torch_generator()
     frames, index = _frames(1, "fp32", torch.arange(ROWS), [20, 20, 20, 20], 4, g)
-    link = ChainLink(checkpoint_id=1, full=True, generation=1, ranges={0: [OffsetRange(0, 3)]}, rows=0, bytes=0,
-                     index=index)
+    link = ChainLink(checkpoint_id=1, full=True, generation=1, ranges={0: [OffsetRange(0, 3)]}, rows=0, bytes=0, index=index)
     marker = Marker(kind="commit", run_id=RUN, checkpoint_id=1, step=1, world_size=1, chain=[link])
     reference, careless = _views(4, ROWS // 2), _views(4, ROWS // 2)
     _restore(marker, {(1, 0): frames}, reference, "forward", 0, fused=False)
@@ -260,8 +310,7 @@ def test_a_failed_restore_leaves_no_staged_copy_behind(replay_seed: ReplaySeed) 
     ([5], 5), ([3, 4, 5, 6], 3), ([0, 1, 2], 0),
     ([3, 5, 6], None), ([4, 3, 5, 6], None), ([3, 5, 4, 6], None), ([6, 5, 4, 3], None), ([2, 9], None),
 ])  # fmt: skip
-def test_destination_rows_are_one_slice_only_when_consecutive_and_ascending(rows: list[int], start: int | None
-                                                                             ) -> None:
+def test_destination_rows_are_one_slice_only_when_consecutive_and_ascending(rows: list[int], start: int | None) -> None:
     assert run_start(np.array(rows, dtype=np.int64)) == start
 
 
@@ -276,8 +325,7 @@ def test_host_tensors_stay_where_they_are_for_a_host_shard() -> None:
 @pytest.mark.parametrize("device", [CUDA])
 @pytest.mark.parametrize("codec", [*CODECS, "mixed"])
 @pytest.mark.parametrize("dim", [1, 7, 32, 128])
-def test_into_gpu_shards_the_bits_of_the_cpu_restore(codec: str, dim: int, device: str,
-                                                     replay_seed: ReplaySeed) -> None:
+def test_into_gpu_shards_the_bits_of_the_cpu_restore(codec: str, dim: int, device: str, replay_seed: ReplaySeed) -> None:
     """The restore's own choice for GPU shards (a `StagedReplay` on a side stream; the torch
     path's copies through pinned memory) against the torch path into CPU shards."""
     rng, g = replay_seed.rng(), replay_seed.torch_generator()

@@ -19,8 +19,7 @@ def test_values_are_pinned_so_a_library_upgrade_cannot_change_them() -> None:
     """Restore regenerates untrained rows from these values: they must never drift."""
     v = chunk_values(INIT, "t_user", 200_000, 8, 1)
     assert v.shape == (CHUNK_ROWS, 8) and v.dtype == torch.float32
-    assert hashlib.sha256(v.numpy().tobytes()).hexdigest() == (
-        "7cdf24c458235d98815c389a392ca332e60eff947505a710c735d780fc2370ee")
+    assert hashlib.sha256(v.numpy().tobytes()).hexdigest() == ("7cdf24c458235d98815c389a392ca332e60eff947505a710c735d780fc2370ee")
     lo, hi = bounds(200_000)
     assert hi == pytest.approx(math.sqrt(1 / 200_000)) and lo == -hi  # torchrec's default range
     assert float(v.min()) >= lo and float(v.max()) < hi
@@ -29,8 +28,11 @@ def test_values_are_pinned_so_a_library_upgrade_cannot_change_them() -> None:
 
 def test_seed_table_and_chunk_each_change_the_values() -> None:
     base = chunk_values(INIT, "a", 100_000, 4, 0)
-    for other in (chunk_values(RowInit(43), "a", 100_000, 4, 0), chunk_values(INIT, "b", 100_000, 4, 0),
-                  chunk_values(INIT, "a", 100_000, 4, 1)[: base.shape[0]]):
+    for other in (
+        chunk_values(RowInit(43), "a", 100_000, 4, 0),
+        chunk_values(INIT, "b", 100_000, 4, 0),
+        chunk_values(INIT, "a", 100_000, 4, 1)[: base.shape[0]],
+    ):
         assert not torch.equal(base, other)
 
 

@@ -107,13 +107,25 @@ def test_a_frame_table_name_never_becomes_a_path(tmp_path: Path) -> None:
     name says, every file the sink writes is under its root, and the frame reads back."""
     root = tmp_path / "root"
     sink = FsSink(root, "run")
-    frame = encode_frame(run_id="run", checkpoint_id=1, rank=0, table="../../outside", col_offset=0, dim=4, encoding=1,
-                         row_ids=torch.arange(3), payload=torch.ones(3, 4))
+    frame = encode_frame(
+        run_id="run",
+        checkpoint_id=1,
+        rank=0,
+        table="../../outside",
+        col_offset=0,
+        dim=4,
+        encoding=1,
+        row_ids=torch.arange(3),
+        payload=torch.ones(3, 4),
+    )
     sink.write(frame, generation=1, partition=0)
     ((first, last),) = sink.flush().raise_for_error().ranges[(1, 0)]
     sink.close()
     assert [p.relative_to(tmp_path).as_posix() for p in sorted(tmp_path.rglob("*"))] == [
-        "root", "root/run.rows.g1", "root/run.rows.g1/0.seg"]
+        "root",
+        "root/run.rows.g1",
+        "root/run.rows.g1/0.seg",
+    ]
     ((_, back),) = list(FsSource(root, "run").read_range(1, 0, first, last))
     assert back.table == "../../outside"
 
@@ -174,12 +186,12 @@ class _Admin(_Recorder):
         return SimpleNamespace(topics={"secure.rows.g1": topic, "secure.markers": topic})
 
 
-def test_sasl_ssl_settings_reach_every_producer_and_consumer_unchanged(tmp_path: Path, debug_config: DebugConfig,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sasl_ssl_settings_reach_every_producer_and_consumer_unchanged(
+    tmp_path: Path, debug_config: DebugConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     data = debug_config.raw()
     data["run"]["name"] = "secure"
-    data["ckpt"] = {"enabled": True, "sink": "kafka", "bootstrap_servers": "broker-1:9093,broker-2:9093",
-                    "kafka": dict(SECURITY)}
+    data["ckpt"] = {"enabled": True, "sink": "kafka", "bootstrap_servers": "broker-1:9093,broker-2:9093", "kafka": dict(SECURITY)}
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(data))
     cfg = load_config(path)
@@ -220,8 +232,12 @@ def test_the_resolved_config_in_the_run_directory_holds_no_secret(tmp_path: Path
     """`<run_dir>/config.yaml` is JobConfig.to_yaml(): passwords and keys are redacted there,
     the other settings are kept, and the clients still get the real values."""
     data = debug_config.raw()
-    data["ckpt"] = {"enabled": True, "sink": "kafka", "bootstrap_servers": "b:9093",
-                    "kafka": {**SECURITY, "sasl.oauthbearer.client.secret": "oauth-s3cret"}}
+    data["ckpt"] = {
+        "enabled": True,
+        "sink": "kafka",
+        "bootstrap_servers": "b:9093",
+        "kafka": {**SECURITY, "sasl.oauthbearer.client.secret": "oauth-s3cret"},
+    }
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(data))
     cfg = load_config(path)
@@ -232,5 +248,6 @@ def test_the_resolved_config_in_the_run_directory_holds_no_secret(tmp_path: Path
     assert written["sasl.password"] == written["ssl.key.password"] == REDACTED
     assert written["sasl.oauthbearer.client.secret"] == REDACTED
     assert {k: v for k, v in written.items() if v != REDACTED} == {
-        k: v for k, v in SECURITY.items() if k not in ("sasl.password", "ssl.key.password")}
+        k: v for k, v in SECURITY.items() if k not in ("sasl.password", "ssl.key.password")
+    }
     assert cfg.ckpt.kafka_conf()["sasl.password"] == SECURITY["sasl.password"]  # the clients get the real one

@@ -129,9 +129,7 @@ def test_cpu_torch_gets_the_ci_recipe(tmp_path: Path, bare_python: Path) -> None
 
 
 @pytest.mark.parametrize(("version", "cuda"), [("2.13.0+cu126", "12.6"), ("2.9.1+cu126", "12.6")])
-def test_torch_without_a_row_is_refused_before_anything(
-    tmp_path: Path, bare_python: Path, version: str, cuda: str
-) -> None:
+def test_torch_without_a_row_is_refused_before_anything(tmp_path: Path, bare_python: Path, version: str, cuda: str) -> None:
     run = dry_run(tmp_path, bare_python, fake_torch(tmp_path / "t", version, cuda))
     assert run.returncode == 2
     assert run.commands == [] and not (tmp_path / "venv").exists()

@@ -127,6 +127,15 @@ def test_replay_seed_is_shown_on_failure_and_replays(run_cli: CliRunner, tmp_pat
 def test_replay_seed_refuses_a_malformed_seed(run_cli: CliRunner, tmp_path: Path) -> None:
     test_file = tmp_path / "test_draw.py"
     test_file.write_text(DRAWS)
-    r = run_cli("pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest", test_file,
-                env={"DELTAREC_TEST_SEED": "twelve"}, expect_rc=1)
+    r = run_cli(
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "tests.conftest",
+        test_file,
+        env={"DELTAREC_TEST_SEED": "twelve"},
+        expect_rc=1,
+    )
     assert "DELTAREC_TEST_SEED='twelve': not an integer seed" in r.stdout

@@ -64,20 +64,22 @@ class Tracker:
         return [int((self.since_base(i) if since_base else self.last[i]).sum()) for i in range(len(self.last))]
 
     def mark_checkpoint(self) -> None:
-        for b, l in zip(self.base, self.last):
-            b |= l
-            l.zero_()
+        for base, last in zip(self.base, self.last):
+            base |= last
+            last.zero_()
 
 
 def make(device: str = "cpu") -> tuple[Map, Tracker]:
     g = torch.Generator().manual_seed(0)
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(device)  # noqa: E731
-    smap = Map([
-        View("t_user", 1000, 0, rnd(500, 8), {"sum": rnd(500).abs()}),  # row-wise Adagrad, a row_wise shard
-        View("t_item", 0, 8, rnd(300, 8), {"sum": rnd(300, 8).abs()}),  # Adagrad, a column shard
-        View("t_ctx", 0, 0, rnd(64, 8)),  # SGD: no state
-        View("t_empty", 7, 0, rnd(0, 8), {"sum": rnd(0)}),
-    ])
+    smap = Map(
+        [
+            View("t_user", 1000, 0, rnd(500, 8), {"sum": rnd(500).abs()}),  # row-wise Adagrad, a row_wise shard
+            View("t_item", 0, 8, rnd(300, 8), {"sum": rnd(300, 8).abs()}),  # Adagrad, a column shard
+            View("t_ctx", 0, 0, rnd(64, 8)),  # SGD: no state
+            View("t_empty", 7, 0, rnd(0, 8), {"sum": rnd(0)}),
+        ]
+    )
     tracker = Tracker(smap)
     for bits, idx in zip(tracker.last, ([0, 3, 499, 250], [1, 2, 299], [63], [])):
         bits[torch.tensor(idx, dtype=torch.long)] = True
@@ -169,8 +171,12 @@ def test_full_snapshot_covers_every_row(device: str, staged: bool) -> None:
     for s, v in zip(snap.shards, smap.shards):
         assert torch.equal(s.global_rows, torch.arange(v.row_offset, v.row_offset + v.num_rows))
     assert_equals_live(snap, smap)
-    assert est == snap.nbytes == sum(
-        v.num_rows * 8 + v.weight.numel() * 4 + sum(t.numel() * 4 for t in v.optimizer_states.values()) for v in smap.shards
+    assert (
+        est
+        == snap.nbytes
+        == sum(
+            v.num_rows * 8 + v.weight.numel() * 4 + sum(t.numel() * 4 for t in v.optimizer_states.values()) for v in smap.shards
+        )
     )
 
 
@@ -190,7 +196,14 @@ def test_since_base_takes_the_union_of_windows() -> None:
 
 
 def test_shard_rows_nbytes_counts_every_tensor() -> None:
-    r = ShardRows("t", 0, 0, torch.zeros(3, dtype=torch.int64), torch.zeros(3, 4), {"a": torch.zeros(3), "b": torch.zeros(3, 4, dtype=torch.float16)})
+    r = ShardRows(
+        "t",
+        0,
+        0,
+        torch.zeros(3, dtype=torch.int64),
+        torch.zeros(3, 4),
+        {"a": torch.zeros(3), "b": torch.zeros(3, 4, dtype=torch.float16)},
+    )
     assert r.nbytes == 24 + 48 + 12 + 24
     assert Snapshot(1, 1, False, [r, r], 0.0).nbytes == 2 * r.nbytes
 
@@ -304,15 +317,23 @@ def test_the_writer_frames_rows_encoded_on_the_device_as_it_frames_rows_it_encod
     smap, tracker = make()
     enc = _TorchEncoder()
     encoded = _EncodingTaker(smap, tracker, torch.device("cpu"), staged=True, encoder=enc).take(
-        3, 10, full=False, since_base=False, weight_codec="adaptive4")
+        3, 10, full=False, since_base=False, weight_codec="adaptive4"
+    )
     plain = SnapshotTaker(smap, tracker, torch.device("cpu")).take(3, 10, full=False, since_base=False)
 
     def frames(snap: Snapshot) -> list[bytes]:
-        job = WriteJob(checkpoint_id=3, step=10, generation=1, chain=[3], snapshot=snap, trainer_state={},
-                       weight_codec="adaptive4", optimizer_codec="fp32")
+        job = WriteJob(
+            checkpoint_id=3,
+            step=10,
+            generation=1,
+            chain=[3],
+            snapshot=snap,
+            trainer_state={},
+            weight_codec="adaptive4",
+            optimizer_codec="fp32",
+        )
         used: dict[str, str] = {}
-        out = [f.data for s in snap.shards if s.global_rows.numel()
-               for f in encode_frames(job, s, used, "run", 0, 1 << 20)]
+        out = [f.data for s in snap.shards if s.global_rows.numel() for f in encode_frames(job, s, used, "run", 0, 1 << 20)]
         assert used["weights"] == "adaptive4"
         return out
 
@@ -324,12 +345,21 @@ def test_the_writer_refuses_a_row_the_device_encoder_flagged_as_the_codec_would(
     smap, tracker = make()
     enc = _TorchEncoder()
     snap = _EncodingTaker(smap, tracker, torch.device("cpu"), staged=True, encoder=enc).take(
-        3, 10, full=False, since_base=False, weight_codec="adaptive4")
+        3, 10, full=False, since_base=False, weight_codec="adaptive4"
+    )
     shard = snap.shards[0]
     assert shard.encoded is not None
     shard.encoded.flags[2] = flag  # the third row of t_user: global row 1250
-    job = WriteJob(checkpoint_id=3, step=10, generation=1, chain=[3], snapshot=snap, trainer_state={},
-                   weight_codec="adaptive4", optimizer_codec="fp32")
+    job = WriteJob(
+        checkpoint_id=3,
+        step=10,
+        generation=1,
+        chain=[3],
+        snapshot=snap,
+        trainer_state={},
+        weight_codec="adaptive4",
+        optimizer_codec="fp32",
+    )
     with pytest.raises(error, match=r"table 't_user' row 1250 \(global id\)"):
         list(encode_frames(job, shard, {}, "run", 0, 1 << 20))
     job.weight_codec = "adaptive2"  # a snapshot encoded for another codec is never framed as this one

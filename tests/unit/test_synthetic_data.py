@@ -55,9 +55,7 @@ def batches_equal(a: Batch, b: Batch) -> bool:
 def fingerprint(batch: Batch) -> bytes:
     """Bytes that identify a batch's content."""
     return (
-        batch.sparse_features.values().numpy().tobytes()
-        + batch.dense_features.numpy().tobytes()
-        + batch.labels.numpy().tobytes()
+        batch.sparse_features.values().numpy().tobytes() + batch.dense_features.numpy().tobytes() + batch.labels.numpy().tobytes()
     )
 
 

@@ -16,11 +16,10 @@ from ckpt.committer import Committer
 from ckpt.dense_store import DenseRef, DenseStore
 from ckpt.frames import OptimState, chunk_rows, decode_frame
 from ckpt.fs_sink import FsMarkers, FsSink, FsSource
-from ckpt.markers import IndexEntry, OffsetRange, commits, decode_record
+from ckpt.markers import FrameMeta, IndexEntry, OffsetRange, commits, decode_record, index_frames
 from ckpt.quant import get_codec
 from ckpt.restore import restore_rows
 from ckpt.snapshot import ShardRows, Snapshot
-from ckpt.markers import FrameMeta, index_frames
 from ckpt.writer import RankReport, RankWriter, WriteJob, encode_frames
 from sharding.shard_views import ShardMap, ShardView
 
@@ -32,27 +31,44 @@ def _snapshot() -> Snapshot:
     """A full snapshot of two shards: t_user (whole width, row-wise state) and t_item
     (the column shard 4..7, element-wise state)."""
     g = torch.Generator().manual_seed(3)
-    user = ShardRows("t_user", 0, 0, torch.arange(200), torch.randn(200, 8, generator=g),
-                     {"momentum1": torch.rand(200, generator=g)})
-    item = ShardRows("t_item", 0, 4, torch.arange(50), torch.randn(50, 4, generator=g),
-                     {"sum": torch.rand(50, 4, generator=g)})
+    user = ShardRows(
+        "t_user", 0, 0, torch.arange(200), torch.randn(200, 8, generator=g), {"momentum1": torch.rand(200, generator=g)}
+    )
+    item = ShardRows("t_item", 0, 4, torch.arange(50), torch.randn(50, 4, generator=g), {"sum": torch.rand(50, 4, generator=g)})
     return Snapshot(1, 10, True, [user, item], 0.002)
 
 
 def _job(snapshot: Snapshot) -> WriteJob:
-    return WriteJob(checkpoint_id=1, step=10, generation=1, chain=[1], snapshot=snapshot,
-                    trainer_state={"step": 10, "reader": {"next_global_batch": 11}},
-                    dense_state={"params": {"mlp.w": torch.ones(2, 2)}})
+    return WriteJob(
+        checkpoint_id=1,
+        step=10,
+        generation=1,
+        chain=[1],
+        snapshot=snapshot,
+        trainer_state={"step": 10, "reader": {"next_global_batch": 11}},
+        dense_state={"params": {"mlp.w": torch.ones(2, 2)}},
+    )
 
 
 @pytest.fixture
 def rank0(tmp_path: Path):
     sink = FsSink(tmp_path, RUN)
     markers = FsMarkers(tmp_path, RUN)
-    committer = Committer(run_id=RUN, markers=markers, dense=DenseStore(tmp_path / "dense"),
-                          marker_fields={"policy": "full", "world_size": 1, "plan": {}, "tables": {}})
-    writer = RankWriter(run_id=RUN, rank=0, sink=sink, group=None,  # type: ignore[arg-type]
-                        max_frame_bytes=MAX_FRAME_BYTES, flush_timeout_s=10.0, committer=committer)
+    committer = Committer(
+        run_id=RUN,
+        markers=markers,
+        dense=DenseStore(tmp_path / "dense"),
+        marker_fields={"policy": "full", "world_size": 1, "plan": {}, "tables": {}},
+    )
+    writer = RankWriter(
+        run_id=RUN,
+        rank=0,
+        sink=sink,
+        group=None,  # type: ignore[arg-type]
+        max_frame_bytes=MAX_FRAME_BYTES,
+        flush_timeout_s=10.0,
+        committer=committer,
+    )
     yield writer, committer, markers
     assert writer.close(10.0) == []
     sink.close()
@@ -65,8 +81,7 @@ def test_a_written_and_committed_checkpoint_restores_exactly(tmp_path: Path, ran
     job = _job(snap)
     report = writer._write(job)
     assert report.ok, report.error
-    assert report.rows == 250 and report.encodings == {"weights": "fp32", "optimizer.momentum1": "fp32",
-                                                       "optimizer.sum": "fp32"}
+    assert report.rows == 250 and report.encodings == {"weights": "fp32", "optimizer.momentum1": "fp32", "optimizer.sum": "fp32"}
 
     # frames of a shard are numbered 0..count-1; the report counts their bytes
     nbytes = sum(len(f.data) for shard in snap.shards for f in encode_frames(job, shard, {}, RUN, 0, writer.max_frame_bytes))
@@ -85,10 +100,12 @@ def test_a_written_and_committed_checkpoint_restores_exactly(tmp_path: Path, ran
     n_user = len(by_table["t_user"])
     assert report.ranges == {0: [OffsetRange(first=0, last=positions[-1])]}
     assert report.index == [
-        IndexEntry(partition=0, first=0, last=positions[n_user - 1], table="t_user", col_offset=0, min_row=0,
-                   max_row=199, cols=8),
-        IndexEntry(partition=0, first=positions[n_user], last=positions[-1], table="t_item", col_offset=4, min_row=0,
-                   max_row=49, cols=4),
+        IndexEntry(
+            partition=0, first=0, last=positions[n_user - 1], table="t_user", col_offset=0, min_row=0, max_row=199, cols=8
+        ),
+        IndexEntry(
+            partition=0, first=positions[n_user], last=positions[-1], table="t_item", col_offset=4, min_row=0, max_row=49, cols=4
+        ),
     ]
 
     outcome = committer(job, [report])
@@ -109,8 +126,9 @@ def test_a_written_and_committed_checkpoint_restores_exactly(tmp_path: Path, ran
     item = ShardView("t_item", 0, 4, torch.zeros(50, 4), {"sum": torch.zeros(50, 4)})
     got = restore_rows(marker, source, ShardMap([item], []), RUN, lambda g, p, o: f"{g}/{p}@{o}")
     assert got.frames == len(by_table["t_item"]) and got.rows == 50
-    assert torch.equal(item.weight, snap.shards[1].weights) and torch.equal(item.optimizer_states["sum"],
-                                                                           snap.shards[1].optimizer["sum"])
+    assert torch.equal(item.weight, snap.shards[1].weights) and torch.equal(
+        item.optimizer_states["sum"], snap.shards[1].optimizer["sum"]
+    )
     user = ShardView("t_user", 0, 0, torch.zeros(200, 8), {"momentum1": torch.zeros(200)})
     restore_rows(marker, source, ShardMap([user], []), RUN, lambda g, p, o: f"{g}/{p}@{o}")
     assert torch.equal(user.weight, snap.shards[0].weights)
@@ -120,8 +138,18 @@ def test_a_written_and_committed_checkpoint_restores_exactly(tmp_path: Path, ran
 def test_a_failed_rank_fails_the_checkpoint_without_a_commit_time(rank0) -> None:
     writer, committer, markers = rank0
     job = _job(_snapshot())
-    failed = RankReport(rank=0, ok=False, error="rank 0: broker gone", ranges={}, index=[], rows=0, bytes=0,
-                        stall_ms=2.0, write_s=0.1, trainer_state={})
+    failed = RankReport(
+        rank=0,
+        ok=False,
+        error="rank 0: broker gone",
+        ranges={},
+        index=[],
+        rows=0,
+        bytes=0,
+        stall_ms=2.0,
+        write_s=0.1,
+        trainer_state={},
+    )
     outcome = committer(job, [failed])
     assert not outcome.committed and outcome.error == "rank 0: broker gone" and outcome.commit_unix == 0.0
     assert commits(markers.read_markers(), RUN) == [] and len(markers.read_markers()) == 1  # the FAILED record
@@ -129,8 +157,7 @@ def test_a_failed_rank_fails_the_checkpoint_without_a_commit_time(rank0) -> None
     assert committer.dense.history().commits == []
 
 
-def test_an_attempt_replaced_by_a_newer_one_writes_nothing_more_and_its_epoch_marks_its_frames(
-        tmp_path: Path, rank0) -> None:
+def test_an_attempt_replaced_by_a_newer_one_writes_nothing_more_and_its_epoch_marks_its_frames(tmp_path: Path, rank0) -> None:
     """The committer of attempt A (epoch 1) commits with its attempt id and epoch in marker and
     frames; once attempt B announced itself, A's next checkpoint writes no dense file and no
     marker, and its outcome says it is fenced, naming B."""
@@ -161,8 +188,7 @@ def test_an_attempt_replaced_by_a_newer_one_writes_nothing_more_and_its_epoch_ma
 
 
 def test_segments_merge_consecutive_frames_of_one_shard_only() -> None:
-    meta = [FrameMeta("t", 0, 0, 4, 8), FrameMeta("t", 0, 5, 9, 8), FrameMeta("t", 8, 0, 9, 8),
-            FrameMeta("t", 0, 10, 12, 8)]
+    meta = [FrameMeta("t", 0, 0, 4, 8), FrameMeta("t", 0, 5, 9, 8), FrameMeta("t", 8, 0, 9, 8), FrameMeta("t", 0, 10, 12, 8)]
     assert index_frames(3, [0, 100, 200, 300], meta) == [
         IndexEntry(partition=3, first=0, last=100, table="t", col_offset=0, min_row=0, max_row=9, cols=8),
         IndexEntry(partition=3, first=200, last=200, table="t", col_offset=8, min_row=0, max_row=9, cols=8),
@@ -177,10 +203,21 @@ def test_the_writer_frames_a_shard_with_the_frames_module_rule(rank0) -> None:
     shard = snap.shards[0]
     got = list(encode_frames(_job(snap), shard, {}, RUN, 0, writer.max_frame_bytes))
     fp32 = get_codec("fp32")
-    want = list(chunk_rows(run_id=RUN, checkpoint_id=1, rank=0, table="t_user", col_offset=0, dim=8,
-                           encoding=fp32.code, row_ids=shard.global_rows, payload=shard.weights,
-                           optim=[OptimState("momentum1", fp32.code, shard.optimizer["momentum1"].reshape(-1, 1))],
-                           max_frame_bytes=MAX_FRAME_BYTES))
+    want = list(
+        chunk_rows(
+            run_id=RUN,
+            checkpoint_id=1,
+            rank=0,
+            table="t_user",
+            col_offset=0,
+            dim=8,
+            encoding=fp32.code,
+            row_ids=shard.global_rows,
+            payload=shard.weights,
+            optim=[OptimState("momentum1", fp32.code, shard.optimizer["momentum1"].reshape(-1, 1))],
+            max_frame_bytes=MAX_FRAME_BYTES,
+        )
+    )
     assert [f.data for f in got] == [f.data for f in want]
     assert len(got) > 1 and all(len(f.data) <= MAX_FRAME_BYTES for f in got)
     assert sum(f.row_count for f in got) == 200 and got[0].first_row == 0 and got[-1].last_row == 199
@@ -188,7 +225,8 @@ def test_the_writer_frames_a_shard_with_the_frames_module_rule(rank0) -> None:
 
 
 def test_the_committer_appends_a_catalog_record_every_catalog_every_records_and_a_restore_reads_from_it(
-        tmp_path: Path, rank0, monkeypatch) -> None:
+    tmp_path: Path, rank0, monkeypatch
+) -> None:
     """With `catalog_every=3`, a catalog record follows each COMMIT whose read of the log
     before it found 3 records since the previous catalog record; it summarises the log as
     that read found it, and a restore reads the log from the newest one on (not from its
@@ -198,14 +236,33 @@ def test_the_committer_appends_a_catalog_record_every_catalog_every_records_and_
     mine, epoch = announce(markers, RUN, "trainer")
     committer.start_attempt(mine, epoch, read_catalog(markers, RUN))
     for cid in range(1, 9):
-        job = WriteJob(**{**_job(_snapshot()).__dict__, "checkpoint_id": cid, "chain": [cid], "generation": cid,
-                          "step": 10 * cid, "epoch": epoch})
+        job = WriteJob(
+            **{
+                **_job(_snapshot()).__dict__,
+                "checkpoint_id": cid,
+                "chain": [cid],
+                "generation": cid,
+                "step": 10 * cid,
+                "epoch": epoch,
+            }
+        )
         assert committer(job, [writer._write(job)]).committed
     kinds = [decode_record(data).kind for _, data in markers.read_markers()]
     # the read before commit 3 has 3 records since the log's start (attempt, commits 1 and 2);
     # the one before commit 7 has 3 since the catalog record (commits 4, 5, 6)
-    assert kinds == ["attempt", "commit", "commit", "commit", "catalog", "commit", "commit", "commit", "commit",
-                     "catalog", "commit"], kinds
+    assert kinds == [
+        "attempt",
+        "commit",
+        "commit",
+        "commit",
+        "catalog",
+        "commit",
+        "commit",
+        "commit",
+        "commit",
+        "catalog",
+        "commit",
+    ], kinds
     record = decode_record(markers.read_markers()[9][1])
     assert [m.checkpoint_id for m in record.commits] == [3, 4, 5, 6]  # as of the read before commit 7: KEEP = 4
     monkeypatch.setattr(markers, "read_markers", lambda start=0: pytest.fail("the whole log was read"))
@@ -227,12 +284,12 @@ def test_the_markers_reader_is_prepared_only_when_the_commit_will_read_the_log(t
     markers = _CountingMarkers(tmp_path, RUN)
     markers.prepared = []
     fields = {"policy": "full", "world_size": 1, "plan": {}, "tables": {}}
-    plain = Committer(run_id=RUN, markers=markers, dense=DenseStore(tmp_path / "d1"), marker_fields=fields,
-                      connect_timeout_s=7.0)
+    plain = Committer(run_id=RUN, markers=markers, dense=DenseStore(tmp_path / "d1"), marker_fields=fields, connect_timeout_s=7.0)
     plain.prepare()  # no fencing, no rebasing: the commit reads nothing
     assert markers.prepared == []
-    rebasing = Committer(run_id=RUN, markers=markers, dense=DenseStore(tmp_path / "d2"), marker_fields=fields,
-                         rebase=True, connect_timeout_s=7.0)
+    rebasing = Committer(
+        run_id=RUN, markers=markers, dense=DenseStore(tmp_path / "d2"), marker_fields=fields, rebase=True, connect_timeout_s=7.0
+    )
     rebasing.prepare()
     assert markers.prepared == [7.0]
     catalog = read_catalog(markers, RUN)

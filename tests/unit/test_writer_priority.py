@@ -16,8 +16,16 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "setpriority"), reason="needs os
 
 def _writer(nice: int) -> RankWriter:
     # rank 1 (no committer); the thread only waits for jobs, so no sink or group is touched
-    return RankWriter(run_id="r", rank=1, sink=None, group=None, max_frame_bytes=1 << 20,  # type: ignore[arg-type]
-                      flush_timeout_s=1.0, committer=None, nice=nice)
+    return RankWriter(
+        run_id="r",
+        rank=1,
+        sink=None,
+        group=None,
+        max_frame_bytes=1 << 20,  # type: ignore[arg-type]
+        flush_timeout_s=1.0,
+        committer=None,
+        nice=nice,
+    )
 
 
 def _thread_nice(w: RankWriter, want: int) -> int:

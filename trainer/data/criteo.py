@@ -59,9 +59,7 @@ _MAX_DEC_DIGITS = 18  # fits int64 with a sign
 _LOG_FIRST_SKIPS = 10  # skipped lines: warn for the first 10, then every 1000th
 _LOG_EVERY_SKIPS = 1000
 _ON_MALFORMED = ("stop", "skip")
-_STATE_SCHEMA = MappingProxyType(
-    {"epoch": int, "file_index": int, "byte_offset": int, "skipped_lines": int}
-)
+_STATE_SCHEMA = MappingProxyType({"epoch": int, "file_index": int, "byte_offset": int, "skipped_lines": int})
 _DEC_RE = re.compile(rb"-?[0-9]{1,%d}" % _MAX_DEC_DIGITS)
 _HEX_RE = re.compile(rb"[0-9a-fA-F]{1,%d}" % _MAX_HEX_DIGITS)
 _TAB, _NEWLINE, _CR, _MINUS = 9, 10, 13, 45
@@ -243,7 +241,7 @@ def _parse_decimal(fields: _Fields) -> tuple[np.ndarray, np.ndarray]:
             values *= 10
             values += decoded[..., j]
     np.negative(values, out=values, where=negative)
-    return values, bad.any(axis=-1)
+    return values, np.asarray(bad.any(axis=-1))
 
 
 def _parse_hex(fields: _Fields) -> tuple[np.ndarray, np.ndarray]:
@@ -251,7 +249,7 @@ def _parse_hex(fields: _Fields) -> tuple[np.ndarray, np.ndarray]:
     returns (uint64 values, per-row bad)."""
     lengths = fields.lengths
     bad = lengths > _MAX_HEX_DIGITS
-    values = np.zeros(lengths.shape, dtype=np.uint64)
+    values: np.ndarray = np.zeros(lengths.shape, dtype=np.uint64)
     width = min(int(lengths.max(initial=0)), _MAX_HEX_DIGITS)
     if width:
         decoded = _HEX_LUT[fields.right_aligned(width)]
@@ -261,7 +259,7 @@ def _parse_hex(fields: _Fields) -> tuple[np.ndarray, np.ndarray]:
         for j in range(width):
             values <<= np.uint64(4)
             values |= decoded[..., j]
-    return values, bad.any(axis=-1)
+    return values, np.asarray(bad.any(axis=-1))
 
 
 # -- splitting the input between ranks ---------------------------------------------------
@@ -276,9 +274,7 @@ class _Segment:
     end: int
 
 
-def _plan_segments(
-    paths: list[str], sizes: list[int], rank: int, world_size: int
-) -> list[_Segment]:
+def _plan_segments(paths: list[str], sizes: list[int], rank: int, world_size: int) -> list[_Segment]:
     """Cut the concatenated input into ``world_size`` line-aligned byte ranges and return
     ``rank``'s as per-file segments. Every rank computes every boundary, so all ranks
     agree and all fail together when some rank would get no line."""
@@ -286,10 +282,7 @@ def _plan_segments(
     if total == 0:
         raise DataError(f"{_OWNER}: the input files are empty: {paths}")
     file_starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).tolist()
-    bounds = [
-        _next_line_start(paths, sizes, file_starts, k * total // world_size)
-        for k in range(world_size + 1)
-    ]
+    bounds = [_next_line_start(paths, sizes, file_starts, k * total // world_size) for k in range(world_size + 1)]
     for r in range(world_size):
         if bounds[r] >= bounds[r + 1]:
             raise DataError(
@@ -499,14 +492,9 @@ class CriteoTsvReader:
     ) -> None:
         names, sizes = validate_features(feature_names, num_embeddings, _OWNER)
         if len(names) != NUM_SPARSE:
-            raise DataError(
-                f"{_OWNER}: feature_names must name the {NUM_SPARSE} categorical fields, "
-                f"got {len(names)}"
-            )
+            raise DataError(f"{_OWNER}: feature_names must name the {NUM_SPARSE} categorical fields, got {len(names)}")
         if on_malformed not in _ON_MALFORMED:
-            raise DataError(
-                f"{_OWNER}: on_malformed must be one of {_ON_MALFORMED}, got {on_malformed!r}"
-            )
+            raise DataError(f"{_OWNER}: on_malformed must be one of {_ON_MALFORMED}, got {on_malformed!r}")
         validate_rank(rank, world_size, _OWNER)
         self.batch_size = validate_positive_int(batch_size, "batch_size", _OWNER)
         self.paths = _check_paths(paths)
@@ -525,8 +513,12 @@ class CriteoTsvReader:
         first, last = self._segments[0], self._segments[-1]
         logger.info(
             "rank %d/%d reads %s@%d .. %s@%d",
-            self.rank, self.world_size, self.paths[first.file_index], first.start,
-            self.paths[last.file_index], last.end,
+            self.rank,
+            self.world_size,
+            self.paths[first.file_index],
+            first.start,
+            self.paths[last.file_index],
+            last.end,
         )
 
     # -- Reader protocol ---------------------------------------------------------------
@@ -577,8 +569,7 @@ class CriteoTsvReader:
             if segment.file_index == file_index and segment.start <= offset < segment.end:
                 if offset > 0 and not _is_line_start(self.paths[file_index], offset):
                     raise DataError(
-                        f"{_OWNER} state: byte_offset {offset} of {self.paths[file_index]} "
-                        "is not the start of a line"
+                        f"{_OWNER} state: byte_offset {offset} of {self.paths[file_index]} is not the start of a line"
                     )
                 return i
         ranges = ", ".join(f"file {s.file_index} [{s.start}, {s.end})" for s in self._segments)
@@ -625,9 +616,7 @@ class CriteoTsvReader:
         logger.info("rank %d: end of its input range, starting epoch %d", self.rank, self.epoch)
         return 1
 
-    def _handle_bad_lines(
-        self, chunk: bytes, bad_starts: np.ndarray, file_index: int, chunk_offset: int
-    ) -> None:
+    def _handle_bad_lines(self, chunk: bytes, bad_starts: np.ndarray, file_index: int, chunk_offset: int) -> None:
         """Raise for the first bad line (``stop``) or count and log them (``skip``)."""
         for start in bad_starts.tolist():
             if self.on_malformed == "stop":
@@ -638,9 +627,7 @@ class CriteoTsvReader:
                 error = self._error(chunk, start, file_index, chunk_offset)
                 logger.warning("skipping malformed line %s (%d skipped so far)", error, n)
 
-    def _error(
-        self, chunk: bytes, start: int, file_index: int, chunk_offset: int
-    ) -> MalformedLineError:
+    def _error(self, chunk: bytes, start: int, file_index: int, chunk_offset: int) -> MalformedLineError:
         """The error for the bad line at ``start`` in ``chunk``."""
         end = chunk.index(b"\n", start) + 1
         reason = diagnose_line(chunk[start:end]) or "malformed line"
@@ -663,9 +650,7 @@ class CriteoTsvReader:
 def _check_paths(paths: Sequence[str]) -> list[str]:
     """``paths`` must be a non-empty sequence of existing files."""
     if isinstance(paths, (str, bytes)) or not isinstance(paths, Sequence) or not paths:
-        raise DataError(
-            f"{_OWNER}: paths must be a non-empty sequence of file paths, got {paths!r}"
-        )
+        raise DataError(f"{_OWNER}: paths must be a non-empty sequence of file paths, got {paths!r}")
     checked = [os.fspath(p) for p in paths]
     for path in checked:
         if not os.path.isfile(path):

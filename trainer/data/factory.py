@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from sharding.process_group import DistEnv
 from trainer.config import JobConfig
@@ -16,7 +17,7 @@ logger = logging.getLogger(__name__)
 def make_reader(cfg: JobConfig, env: DistEnv, split: str) -> Reader | None:
     """This rank's reader of `split` ("train" or "eval"); None when there is no eval data."""
     assert split in ("train", "eval"), split
-    common = dict(
+    common: dict[str, Any] = dict(
         feature_names=feature_names(cfg.model),
         num_embeddings=feature_cardinalities(cfg.model),
         batch_size=cfg.data.batch_size,

@@ -74,16 +74,11 @@ def validate_state(state: object, schema: Mapping[str, type], owner: str) -> dic
     missing = sorted(set(schema) - set(state))
     unexpected = sorted(str(k) for k in set(state) - set(schema))
     if missing or unexpected:
-        raise DataError(
-            f"{owner} state has wrong keys: missing {missing}, unexpected {unexpected}"
-        )
+        raise DataError(f"{owner} state has wrong keys: missing {missing}, unexpected {unexpected}")
     for key, expected in schema.items():
         value = state[key]
         if not _has_type(value, expected):
-            raise DataError(
-                f"{owner} state key {key!r} must be {expected.__name__}, "
-                f"got {type(value).__name__} ({value!r})"
-            )
+            raise DataError(f"{owner} state key {key!r} must be {expected.__name__}, got {type(value).__name__} ({value!r})")
     return dict(state)
 
 
@@ -96,9 +91,7 @@ def _has_type(value: object, expected: type) -> bool:
     return isinstance(value, expected)
 
 
-def validate_features(
-    feature_names: Sequence[str], num_embeddings: Sequence[int], owner: str
-) -> tuple[list[str], list[int]]:
+def validate_features(feature_names: Sequence[str], num_embeddings: Sequence[int], owner: str) -> tuple[list[str], list[int]]:
     """Check feature names (non-empty, unique strings) and one positive table size per
     feature; return them as lists. Raises ``DataError`` naming the argument."""
     if isinstance(feature_names, (str, bytes)) or not isinstance(feature_names, Sequence):
@@ -120,10 +113,7 @@ def validate_features(
         )
     for name, size in zip(names, sizes):
         if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
-            raise DataError(
-                f"{owner}: num_embeddings for feature {name!r} must be a positive int, "
-                f"got {size!r}"
-            )
+            raise DataError(f"{owner}: num_embeddings for feature {name!r} must be a positive int, got {size!r}")
     return names, [int(s) for s in sizes]
 
 

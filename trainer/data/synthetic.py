@@ -18,11 +18,11 @@ teacher stores no table-sized state: per-id values are hashes of the id.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
 from collections.abc import Sequence
-import dataclasses
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -238,10 +238,7 @@ def _check_table_sizes(names: list[str], sizes: list[int]) -> None:
     """Reject tables too large for the uint64 affine scatter."""
     for name, size in zip(names, sizes):
         if size > _MAX_NUM_EMBEDDINGS:
-            raise DataError(
-                f"{_OWNER}: num_embeddings for {name!r} is {size}; at most "
-                f"{_MAX_NUM_EMBEDDINGS} rows are supported"
-            )
+            raise DataError(f"{_OWNER}: num_embeddings for {name!r} is {size}; at most {_MAX_NUM_EMBEDDINGS} rows are supported")
 
 
 def _check_exponent(zipf_exponent: float) -> None:
@@ -414,9 +411,7 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * x))
 
 
-def _raw_components(
-    teacher: _Teacher, ids: np.ndarray, ranks: np.ndarray, dense: np.ndarray, space: _IdSpace
-) -> np.ndarray:
+def _raw_components(teacher: _Teacher, ids: np.ndarray, ranks: np.ndarray, dense: np.ndarray, space: _IdSpace) -> np.ndarray:
     """The three uncalibrated teacher terms, float64 ``[3, B]``: sum of per-id scalar
     effects, sum over feature pairs of dot products of per-id vectors (bags mean-pooled),
     and the linear dense term."""
@@ -433,9 +428,7 @@ def _raw_components(
     return np.stack([scalar, pairwise, linear])
 
 
-def _teacher_logits(
-    teacher: _Teacher, space: _IdSpace, ids: np.ndarray, ranks: np.ndarray, dense: np.ndarray
-) -> np.ndarray:
+def _teacher_logits(teacher: _Teacher, space: _IdSpace, ids: np.ndarray, ranks: np.ndarray, dense: np.ndarray) -> np.ndarray:
     """Calibrated teacher logit, float64 ``[B]``."""
     components = _raw_components(teacher, ids, ranks, dense, space)
     return teacher.bias + ((components - teacher.center[:, None]) * teacher.coef[:, None]).sum(0)
@@ -457,9 +450,7 @@ def _draw_inputs(
     return ranks, ids, dense
 
 
-def _draw_samples(
-    rng: np.random.Generator, n: int, ids_per_feature: int, space: _IdSpace, teacher: _Teacher
-) -> _Draw:
+def _draw_samples(rng: np.random.Generator, n: int, ids_per_feature: int, space: _IdSpace, teacher: _Teacher) -> _Draw:
     """Draw one batch: inputs, then labels ~ Bernoulli(sigmoid(teacher logit))."""
     ranks, ids, dense = _draw_inputs(rng, n, ids_per_feature, space, teacher)
     logits = _teacher_logits(teacher, space, ids, ranks, dense)
