@@ -61,6 +61,9 @@ DEFAULT_ROW = next(row for row in CUDA_TABLE if DEFAULT_TORCH.startswith(row.tor
 # Triton for the CPU recipe only, where tests run Triton kernels under its CPU interpreter; a CUDA
 # torch pins its own triton (2.11 wants 3.6.0, 2.13 wants 3.7.1), so the other recipes leave it to torch.
 CPU_TRITON = "triton==3.6.0"
+# The checks .ci/run runs before the tests (launch/check.sh), in the CPU recipe (CI's and a
+# contributor's machine); pinned so that a new release's rules never turn main red by themselves.
+CHECK_TOOLS = ("ruff==0.17.6", "mypy==2.4.1", "import-linter==2.17")
 # What deltarec and torchrec (installed --no-deps) import, unpinned: pip skips what the machine has.
 # setuptools builds `-e .` without build isolation; 70.1 is the first that needs no `wheel` for it.
 COMMON = (
@@ -170,9 +173,7 @@ def gpu_visible() -> bool:
 def choose(torch: TorchFound | None, gpu: bool) -> Plan:
     """The plan for a machine whose python has `torch` (None: no torch) and sees a GPU or not."""
     if torch is not None and torch.cuda is not None:
-        row = next(
-            (r for r in CUDA_TABLE if r.torch_minor == torch.minor and r.cuda_major == torch.cuda_major), None
-        )
+        row = next((r for r in CUDA_TABLE if r.torch_minor == torch.minor and r.cuda_major == torch.cuda_major), None)
         if row is None:
             rows = "; ".join(r.describe() for r in CUDA_TABLE)
             raise SetupError(
@@ -187,8 +188,7 @@ def choose(torch: TorchFound | None, gpu: bool) -> Plan:
             requirements=(f"torch=={torch.public}", f"fbgemm-gpu=={row.fbgemm}", *COMMON, TORCHMETRICS_ANY),
             no_deps=(f"torchrec=={row.torchrec}",),
             cuda_check=True,
-            summary=f"the machine's torch {torch.version} (CUDA {torch.cuda}), fbgemm-gpu {row.fbgemm}, "
-            f"torchrec {row.torchrec}",
+            summary=f"the machine's torch {torch.version} (CUDA {torch.cuda}), fbgemm-gpu {row.fbgemm}, torchrec {row.torchrec}",
         )
     torch_req = f"torch=={DEFAULT_TORCH}"
     torchrec_req = f"torchrec=={DEFAULT_ROW.torchrec}"
@@ -205,7 +205,7 @@ def choose(torch: TorchFound | None, gpu: bool) -> Plan:
     return Plan(
         recipe="cpu",
         system_site=False,
-        requirements=(torch_req, f"fbgemm-gpu-cpu=={DEFAULT_ROW.fbgemm}", *COMMON, TORCHMETRICS_PINNED, CPU_TRITON),
+        requirements=(torch_req, f"fbgemm-gpu-cpu=={DEFAULT_ROW.fbgemm}", *COMMON, TORCHMETRICS_PINNED, CPU_TRITON, *CHECK_TOOLS),
         no_deps=(torchrec_req,),
         cuda_check=False,
         summary=f"torch {DEFAULT_TORCH}, fbgemm-gpu-cpu {DEFAULT_ROW.fbgemm}, torchrec {DEFAULT_ROW.torchrec}",

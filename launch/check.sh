@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The static checks, first in .ci/run: lint and format (ruff), types (mypy on the product's
+# packages), and the layers of docs/design.md §2 (import-linter). Settings: pyproject.toml.
+# Sets up what is missing first (launch/setup.sh). Exit status: the first check that failed.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash launch/setup.sh || exit 1
+BIN=.venv/bin
+status=0
+check() {  # name, command...: runs it, says how it went in one line
+  local name="$1"
+  shift
+  if "$@"; then
+    echo "launch/check.sh: $name ok" >&2
+  else
+    echo "launch/check.sh: $name FAILED" >&2
+    [[ $status -ne 0 ]] || status=1
+  fi
+}
+check "ruff lint" "$BIN/ruff" check --quiet .
+check "ruff format" "$BIN/ruff" format --check --quiet .
+check "mypy" "$BIN/mypy" --no-error-summary
+check "layers" "$BIN/lint-imports" --no-cache
+exit $status
