@@ -7,14 +7,17 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash launch/setup.sh || exit 1
 BIN=.venv/bin
 status=0
-check() {  # name, command...: runs it, says how it went in one line
+out="$(mktemp)"
+trap 'rm -f "$out"' EXIT
+check() {  # name, command...: one line for it; the tool's own output only when it failed
   local name="$1"
   shift
-  if "$@"; then
+  if "$@" >"$out" 2>&1; then
     echo "launch/check.sh: $name ok" >&2
   else
+    cat "$out" >&2
     echo "launch/check.sh: $name FAILED" >&2
-    [[ $status -ne 0 ]] || status=1
+    status=1
   fi
 }
 check "ruff lint" "$BIN/ruff" check --quiet .
