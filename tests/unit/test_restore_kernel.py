@@ -32,6 +32,22 @@ TAKEN = ["fp32", "asym2", "asym3", "asym4", "adaptive2", "adaptive3", "adaptive4
 DECLINED = ["asym8", "sym4", "fp16", "bf16"]  # the torch path decodes these
 
 
+def add_frame(
+    frames: list[bytes], index: list[IndexEntry], cid: int, chunk: torch.Tensor, codec: int, payload: torch.Tensor,
+    optim: list[OptimState], dim: int,
+) -> None:  # fmt: skip
+    """Append one frame of table "t" (rows `chunk`, encoded `payload` and `optim`) at the next
+    position of partition 0, and its index entry."""
+    index.append(
+        IndexEntry(partition=0, first=len(frames), last=len(frames), table="t", col_offset=0,
+                   min_row=int(chunk.min()), max_row=int(chunk.max()), cols=dim)
+    )  # fmt: skip
+    frames.append(
+        encode_frame(run_id=RUN, checkpoint_id=cid, rank=0, table="t", col_offset=0, dim=dim, encoding=codec,
+                     row_ids=chunk, payload=payload, optim=optim)
+    )  # fmt: skip
+
+
 def _chain(codec: str, dim: int, rng: random.Random, g: torch.Generator) -> tuple[list[ChainLink], dict]:
     """A base of every row and 2-3 deltas of table "t", rows encoded with `codec`: scattered rows,
     runs, frames of a few rows each; a row-wise state (one fp32 a row) and a full-width one."""
@@ -48,32 +64,7 @@ def _chain(codec: str, dim: int, rng: random.Random, g: torch.Generator) -> tupl
                 OptimState("momentum1", fp32, torch.rand(n, 1, generator=g)),
                 OptimState("momentum2", fp32, torch.rand(n, dim, generator=g)),
             ]
-            index.append(
-                IndexEntry(
-                    partition=0,
-                    first=len(frames),
-                    last=len(frames),
-                    table="t",
-                    col_offset=0,
-                    min_row=int(chunk.min()),
-                    max_row=int(chunk.max()),
-                    cols=dim,
-                )
-            )
-            frames.append(
-                encode_frame(
-                    run_id=RUN,
-                    checkpoint_id=cid,
-                    rank=0,
-                    table="t",
-                    col_offset=0,
-                    dim=dim,
-                    encoding=c.code,
-                    row_ids=chunk,
-                    payload=payload,
-                    optim=optim,
-                )
-            )
+            add_frame(frames, index, cid, chunk, c.code, payload, optim, dim)
         chain.append(
             ChainLink(
                 checkpoint_id=cid,

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from ckpt import restore_kernel
-from ckpt.frames import Frame, FrameError, OptimState, decode_frame, encode_frame
+from ckpt.frames import Frame, FrameError, OptimState, decode_frame
 from ckpt.markers import ChainLink, IndexEntry, Marker, OffsetRange
 from ckpt.quant import get_codec
 from ckpt.restore import RowsRestored, restore_rows
@@ -31,6 +31,7 @@ from ckpt.restore_kernel import FusedReplay
 from ckpt.restore_staging import CudaQueue, HostQueue, StagedReplay, run_start, to_device
 from sharding.shard_views import ShardMap, ShardView
 from tests.devices import CUDA, DEVICES
+from tests.unit.test_restore_kernel import RUN, add_frame
 from tests.unit.test_restore_rows import ListSource, random_rows
 
 if TYPE_CHECKING:
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.skipif(not restore_kernel.AVAILABLE, reason="numba is not installed")
 
-RUN = "r"
 ROWS = 80
 FP32 = get_codec("fp32").code
 CODECS = ["adaptive4", "asym4", "fp32", "fp16"]  # fp16: the kernel declines it, the torch path writes it
@@ -97,32 +97,7 @@ def _frames(
             OptimState("momentum2", FP32, torch.randn(n, dim, generator=g)),
         ]
         payload = c.encode(torch.randn(n, dim, generator=g) * float(torch.rand(1, generator=g)) * 10)
-        index.append(
-            IndexEntry(
-                partition=0,
-                first=len(frames),
-                last=len(frames),
-                table="t",
-                col_offset=0,
-                min_row=int(chunk.min()),
-                max_row=int(chunk.max()),
-                cols=dim,
-            )
-        )
-        frames.append(
-            encode_frame(
-                run_id=RUN,
-                checkpoint_id=cid,
-                rank=0,
-                table="t",
-                col_offset=0,
-                dim=dim,
-                encoding=c.code,
-                row_ids=chunk,
-                payload=payload,
-                optim=optim,
-            )
-        )
+        add_frame(frames, index, cid, chunk, c.code, payload, optim, dim)
     return frames, index
 
 
