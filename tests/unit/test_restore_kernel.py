@@ -48,6 +48,13 @@ def add_frame(
     )  # fmt: skip
 
 
+def link(cid: int, frames: list[bytes], index: list[IndexEntry]) -> ChainLink:
+    """Checkpoint `cid` as a link of generation `cid` holding `frames` at positions 0.. of
+    partition 0 (the first checkpoint is the base)."""
+    return ChainLink(checkpoint_id=cid, full=cid == 1, generation=cid, ranges={0: [OffsetRange(0, len(frames) - 1)]},
+                     rows=0, bytes=0, index=index)  # fmt: skip
+
+
 def _chain(codec: str, dim: int, rng: random.Random, g: torch.Generator) -> tuple[list[ChainLink], dict]:
     """A base of every row and 2-3 deltas of table "t", rows encoded with `codec`: scattered rows,
     runs, frames of a few rows each; a row-wise state (one fp32 a row) and a full-width one."""
@@ -65,17 +72,7 @@ def _chain(codec: str, dim: int, rng: random.Random, g: torch.Generator) -> tupl
                 OptimState("momentum2", fp32, torch.rand(n, dim, generator=g)),
             ]
             add_frame(frames, index, cid, chunk, c.code, payload, optim, dim)
-        chain.append(
-            ChainLink(
-                checkpoint_id=cid,
-                full=cid == 1,
-                generation=cid,
-                ranges={0: [OffsetRange(0, len(frames) - 1)]},
-                rows=0,
-                bytes=0,
-                index=index,
-            )
-        )
+        chain.append(link(cid, frames, index))
         store[(cid, 0)] = frames
     return chain, store
 

@@ -32,6 +32,7 @@ from ckpt.restore_staging import CudaQueue, HostQueue, StagedReplay, run_start, 
 from sharding.shard_views import ShardMap, ShardView
 from tests.devices import CUDA, DEVICES
 from tests.unit.test_restore_kernel import RUN, add_frame
+from tests.unit.test_restore_kernel import link as chain_link
 from tests.unit.test_restore_rows import ListSource, random_rows
 
 if TYPE_CHECKING:
@@ -116,17 +117,7 @@ def _chain(links: list[tuple[str, torch.Tensor, list[int]]], dim: int, g: torch.
     chain, store = [], {}
     for cid, (codec, rows, sizes) in enumerate(links, start=1):
         frames, index = _frames(cid, codec, rows, sizes, dim, g)
-        chain.append(
-            ChainLink(
-                checkpoint_id=cid,
-                full=cid == 1,
-                generation=cid,
-                ranges={0: [OffsetRange(0, len(frames) - 1)]},
-                rows=0,
-                bytes=0,
-                index=index,
-            )
-        )
+        chain.append(chain_link(cid, frames, index))
         store[(cid, 0)] = frames
     return Marker(kind="commit", run_id=RUN, checkpoint_id=len(chain), step=10, world_size=1, chain=chain), store
 

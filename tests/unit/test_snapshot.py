@@ -313,25 +313,24 @@ def test_weights_encoded_before_the_copy_hold_the_codecs_bytes_of_the_same_rows(
     assert all(s.encoded is None and s.weights is not None for s in other.shards)
 
 
+def _encoded_delta(smap: Map, tracker: Tracker) -> Snapshot:
+    """Checkpoint 3's delta with its weights encoded as adaptive4 where they were gathered."""
+    taker = _EncodingTaker(smap, tracker, torch.device("cpu"), staged=True, encoder=_TorchEncoder())
+    return taker.take(3, 10, full=False, since_base=False, weight_codec="adaptive4")
+
+
+def _job(snap: Snapshot) -> WriteJob:
+    return WriteJob(checkpoint_id=3, step=10, generation=1, chain=[3], snapshot=snap, trainer_state={},
+                    weight_codec="adaptive4", optimizer_codec="fp32")  # fmt: skip
+
+
 def test_the_writer_frames_rows_encoded_on_the_device_as_it_frames_rows_it_encodes() -> None:
     smap, tracker = make()
-    enc = _TorchEncoder()
-    encoded = _EncodingTaker(smap, tracker, torch.device("cpu"), staged=True, encoder=enc).take(
-        3, 10, full=False, since_base=False, weight_codec="adaptive4"
-    )
+    encoded = _encoded_delta(smap, tracker)
     plain = SnapshotTaker(smap, tracker, torch.device("cpu")).take(3, 10, full=False, since_base=False)
 
     def frames(snap: Snapshot) -> list[bytes]:
-        job = WriteJob(
-            checkpoint_id=3,
-            step=10,
-            generation=1,
-            chain=[3],
-            snapshot=snap,
-            trainer_state={},
-            weight_codec="adaptive4",
-            optimizer_codec="fp32",
-        )
+        job = _job(snap)
         used: dict[str, str] = {}
         out = [f.data for s in snap.shards if s.global_rows.numel() for f in encode_frames(job, s, used, "run", 0, 1 << 20)]
         assert used["weights"] == "adaptive4"
@@ -343,23 +342,11 @@ def test_the_writer_frames_rows_encoded_on_the_device_as_it_frames_rows_it_encod
 @pytest.mark.parametrize(("flag", "error"), [(0b100, NonFiniteRowError), (0b010, RowRangeError)])
 def test_the_writer_refuses_a_row_the_device_encoder_flagged_as_the_codec_would(flag: int, error: type) -> None:
     smap, tracker = make()
-    enc = _TorchEncoder()
-    snap = _EncodingTaker(smap, tracker, torch.device("cpu"), staged=True, encoder=enc).take(
-        3, 10, full=False, since_base=False, weight_codec="adaptive4"
-    )
+    snap = _encoded_delta(smap, tracker)
     shard = snap.shards[0]
     assert shard.encoded is not None
     shard.encoded.flags[2] = flag  # the third row of t_user: global row 1250
-    job = WriteJob(
-        checkpoint_id=3,
-        step=10,
-        generation=1,
-        chain=[3],
-        snapshot=snap,
-        trainer_state={},
-        weight_codec="adaptive4",
-        optimizer_codec="fp32",
-    )
+    job = _job(snap)
     with pytest.raises(error, match=r"table 't_user' row 1250 \(global id\)"):
         list(encode_frames(job, shard, {}, "run", 0, 1 << 20))
     job.weight_codec = "adaptive2"  # a snapshot encoded for another codec is never framed as this one
