@@ -70,12 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     from confluent_kafka import Consumer, Producer, TopicPartition
     from confluent_kafka.admin import AdminClient
 
-    from ckpt import kafka_sink
-    from ckpt.kafka_sink import KafkaSink, _delete_topic, ensure_topic
-    from ckpt.markers import commits
-    from ckpt.restore import _overlaps
-    from ckpt.sink import rows_name
-    from ckpt.writer import RankWriter, WriteJob, encode_frames
+    from ckpt.log.markers import commits
+    from ckpt.restore.replay import _overlaps
+    from ckpt.stream import kafka as kafka_sink
+    from ckpt.stream.kafka import KafkaSink, _delete_topic, ensure_topic
+    from ckpt.stream.sink import rows_name
+    from ckpt.write.writer import RankWriter, WriteJob, encode_frames
     from trainer.config import load_config
     from trainer.main import make_checkpoint_manager
 

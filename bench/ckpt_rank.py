@@ -62,8 +62,8 @@ from bench.common import ratio
 
 if TYPE_CHECKING:
     from bench.job import Job
+    from ckpt.capture.tracker import RowTracker
     from ckpt.manager import CheckpointManager, StallTiming
-    from ckpt.tracker import RowTracker
     from trainer.config import JobConfig
 
 BARE_REPEATS = 3

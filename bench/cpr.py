@@ -26,7 +26,7 @@ reference, checkpoints on):
   + restores) / the reference's training time: CPR's "checkpoint-related overhead", without
   the restart cost (process start and rendezvous, the same in every mode: the wall-time
   overhead shows it);
-* PLS: samples whose updates a partial recovery lost / samples trained (ckpt/pls.py);
+* PLS: samples whose updates a partial recovery lost / samples trained (ckpt/recovery/lost_samples.py);
 * final eval log loss (relative, %) and AUC against the reference.
 """
 

@@ -45,12 +45,12 @@ from typing import Any
 import torch
 
 from bench.common import REPO, Measurement, config_path, document_head, log, machine_info, scalars
-from ckpt.frames import OptimState, chunk_rows, decode_frame
-from ckpt.host_buffers import HostBufferPool
-from ckpt.markers import ChainLink, IndexEntry, Marker, OffsetRange
+from ckpt.capture.host_buffers import HostBufferPool
+from ckpt.capture.snapshot import SnapshotTaker
+from ckpt.log.markers import ChainLink, IndexEntry, Marker, OffsetRange
 from ckpt.quant import codec_names, get_codec
-from ckpt.sink import RangeRead, read_one_by_one
-from ckpt.snapshot import SnapshotTaker
+from ckpt.stream.frames import OptimState, chunk_rows, decode_frame
+from ckpt.stream.sink import RangeRead, read_one_by_one
 
 # The stall and codec parts import nothing of torchrec or fbgemm (the restore part's shard
 # views do): on a GPU machine they run before fbgemm-gpu is installed.
@@ -99,7 +99,7 @@ class _MarkedRows:
         return [int(self.marked.sum())]
 
     def touched_rows(self, i: int, since_base: bool, count: int | None = None) -> torch.Tensor:
-        """As `RowTracker.touched_rows` on a GPU (ckpt/tracker.py `rows_of`)."""
+        """As `RowTracker.touched_rows` on a GPU (ckpt/capture/tracker.py `rows_of`)."""
         return self.marked.nonzero().view(-1) if count is None else torch.nonzero_static(self.marked, size=count).view(-1)
 
 
@@ -252,7 +252,7 @@ class _MemorySource:
 
 
 def restore_case(n: int, dim: int, repeats: int) -> dict[str, Any]:
-    from ckpt.restore import restore_rows  # noqa: PLC0415 - shard views import torchrec (see the imports)
+    from ckpt.restore.replay import restore_rows  # noqa: PLC0415 - shard views import torchrec (see the imports)
     from sharding.shard_views import ShardMap, ShardView  # noqa: PLC0415
 
     g = torch.Generator().manual_seed(1)

@@ -124,11 +124,11 @@ class Pristine:
     one-process peers suite): `reset` puts them back, as a new process building the same job
     would have them. The rows' copies stay where the rows live (on the GPU for GPU shards), so
     a reset is one device copy rather than regenerating every row from `sharding.row_init` on
-    one host core; the dense state is `ckpt.dense_state`'s own capture."""
+    one host core; the dense state is `ckpt.dense.state`'s own capture."""
 
     @torch.no_grad()
     def __init__(self, sharded: ShardedModel, smap: ShardMap) -> None:
-        from ckpt.dense_state import DenseCapture
+        from ckpt.dense.state import DenseCapture
 
         self.sharded, self.smap = sharded, smap
         self.rows = [[t.detach().clone() for t in (v.weight, *v.optimizer_states.values())] for v in smap.shards]
@@ -145,7 +145,7 @@ class Pristine:
     def reset(self) -> None:
         """Every row, optimizer state, dense parameter and buffer, the dense optimizer's state
         and the RNG back to what they were at `Pristine(...)`."""
-        from ckpt import dense_state
+        from ckpt.dense import state as dense_state
 
         for v, saved in zip(self.smap.shards, self.rows):
             for live, t in zip((v.weight, *v.optimizer_states.values()), saved):

@@ -1,6 +1,6 @@
 """A restore's choice of checkpoint against the length of the markers log: folding the whole
-log (`ckpt.catalog.read_catalog`) against folding it from its newest catalog record
-(`ckpt.catalog_record.read_recent_catalog`), on the embedded broker and on files.
+log (`ckpt.log.catalog.read_catalog`) against folding it from its newest catalog record
+(`ckpt.log.catalog_record.read_recent_catalog`), on the embedded broker and on files.
 
     python -m bench.run --suite markers [--commits 100,1000,10000] [--repeats 5] [--sinks kafka,fs]
                                         [--out results.json]
@@ -27,12 +27,12 @@ from statistics import median
 from typing import Any
 
 from bench.common import Measurement, document_head, log, machine_info, scalars
-from ckpt.catalog import Catalog, read_catalog
-from ckpt.catalog_record import read_recent_catalog, summarize
-from ckpt.fs_sink import FsMarkers
-from ckpt.kafka_sink import KafkaMarkers
-from ckpt.markers import ChainLink, IndexEntry, Marker, OffsetRange, encode_marker
-from ckpt.sink import MarkerLog
+from ckpt.log.catalog import Catalog, read_catalog
+from ckpt.log.catalog_record import read_recent_catalog, summarize
+from ckpt.log.markers import ChainLink, IndexEntry, Marker, OffsetRange, encode_marker
+from ckpt.stream.filesystem import FsMarkers
+from ckpt.stream.kafka import KafkaMarkers
+from ckpt.stream.sink import MarkerLog
 from launch.broker import EmbeddedBroker
 
 RUN = "markers-bench"

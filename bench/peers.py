@@ -18,7 +18,7 @@ On one model, one data stream and one checkpoint interval (the suite's), in this
    (the job's own resolved `ckpt` section, default `ckpt.follow.*` settings) and folding
    the deltas into compacted baselines; the trainer's markers then start from the newest
    one. From `<run_dir>/follower.jsonl`: lag (checkpoints and seconds behind the newest
-   COMMIT) and the compacted bytes; from the markers log folded by `ckpt.catalog` in log
+   COMMIT) and the compacted bytes; from the markers log folded by `ckpt.log.catalog` in log
    order: the bytes of each checkpoint's cheapest restorable chain as of the end of its
    interval.
 2. `bench.peers_rank` (2 ranks, the same job in-process): training with no checkpoint,
@@ -152,8 +152,8 @@ def full_config(path: Path, cap: int, dim: int) -> Path:
 # -- measurements --------------------------------------------------------------------------------
 def capacity(config: str, overrides: list[str], bootstrap: str, run_id: str, ranks: int) -> dict[int, dict[str, int]]:
     """Per committed checkpoint id: bytes of its chain (rows of base + deltas) and its dense file."""
-    from ckpt.backends import open_backend
-    from ckpt.markers import commits
+    from ckpt.log.backend import open_backend
+    from ckpt.log.markers import commits
     from trainer.config import load_config
 
     cfg = load_config(
@@ -306,12 +306,12 @@ class FollowerThread:
 
 
 def chain_capacity(config: str, overrides: list[str], bootstrap: str, run_id: str, ranks: int) -> dict[int, dict[str, Any]]:
-    """Per committed checkpoint id: bytes of its cheapest restorable chain (`ckpt.catalog`,
+    """Per committed checkpoint id: bytes of its cheapest restorable chain (`ckpt.log.catalog`,
     compacted baselines included) and of its dense file, as of the end of its interval: the
     markers log folded in order up to the next COMMIT (the newest: to the end of the log)."""
-    from ckpt.backends import open_backend
-    from ckpt.catalog import Catalog
-    from ckpt.sink import is_compacted
+    from ckpt.log.backend import open_backend
+    from ckpt.log.catalog import Catalog
+    from ckpt.stream.sink import is_compacted
     from trainer.config import load_config
 
     cfg = load_config(

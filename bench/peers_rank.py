@@ -371,7 +371,7 @@ def deltarec_restore(
     read while its model is built), then `restore()` alone (marker lookup, chain replay, dense,
     reader and RNG state), timed with barriers on both sides and, on a GPU, the device's work
     finished. Returns (seconds, what it restored)."""
-    from ckpt.backends import open_for_restore
+    from ckpt.log.backend import open_for_restore
     from trainer.config import load_config
     from trainer.main import make_checkpoint_manager
     from trainer.metrics import MetricsLog

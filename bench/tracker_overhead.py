@@ -127,9 +127,9 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from bench.ckpt_rank import BareCopier, find_rows
     from bench.job import start_job, stop_job
-    from ckpt.host_buffers import HostBufferPool
-    from ckpt.snapshot import SnapshotTaker
-    from ckpt.tracker import RowTracker
+    from ckpt.capture.host_buffers import HostBufferPool
+    from ckpt.capture.snapshot import SnapshotTaker
+    from ckpt.capture.tracker import RowTracker
     from sharding.shard_views import ShardMap
     from trainer.config import load_config
 

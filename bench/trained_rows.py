@@ -31,7 +31,7 @@ CKPT = ["ckpt.enabled=true", "ckpt.sink=filesystem", "ckpt.encoding=fp32", "ckpt
 
 
 def trained_rows(model: dict) -> tuple[torch.Tensor, dict]:
-    """(rows [n, d], per-table stats) of an exported model (`ckpt.export`'s file: `tables`
+    """(rows [n, d], per-table stats) of an exported model (`ckpt.restore.export`'s file: `tables`
     maps a table to the FQN of its weight in `model`; `optim` holds that weight's state, one
     tensor per state with a row per embedding row)."""
     parts, stats = [], {}

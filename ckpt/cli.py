@@ -23,16 +23,17 @@ from pathlib import Path
 
 import torch
 
-from ckpt.attempts import Fenced, announce, fenced_by, fenced_message
-from ckpt.backends import open_backend
-from ckpt.catalog import Catalog, catch_up, read_catalog
 from ckpt.config import CkptConfig
-from ckpt.dense_store import DenseRef, DenseStore
-from ckpt.export import assemble, export, replicated_tables
+from ckpt.dense.store import DenseRef, DenseStore
+from ckpt.errors import RestoreError
 from ckpt.faults import maybe_die, maybe_hold
-from ckpt.markers import AttemptRecord, DroppedRecord, Marker, encode_marker
-from ckpt.restore import RestoreError, iter_chain_frames
-from ckpt.sink import compacted_epoch, generation_label, is_compacted
+from ckpt.log.backend import open_backend
+from ckpt.log.catalog import Catalog, catch_up, read_catalog
+from ckpt.log.fencing import Fenced, announce, fenced_by, fenced_message
+from ckpt.log.markers import AttemptRecord, DroppedRecord, Marker, encode_marker
+from ckpt.restore.export import assemble, export, replicated_tables
+from ckpt.restore.replay import iter_chain_frames
+from ckpt.stream.sink import compacted_epoch, generation_label, is_compacted
 from common.errors import DeltarecError
 
 logger = logging.getLogger(__name__)
@@ -191,7 +192,7 @@ def _unused(generation: int, referenced: bool, catalog: Catalog) -> bool:
 
 
 class GcGuard:
-    """gc's fencing (ckpt/attempts.py): its ATTEMPT record went into the log before the log was
+    """gc's fencing (ckpt/log/fencing.py): its ATTEMPT record went into the log before the log was
     read; before its DROPPED record and before each deletion it reads what the log gained and
     stops when a newer gc announced itself. That one read the log later, so it deletes what this
     one recorded as dropped; of two gcs at once exactly one deletes."""

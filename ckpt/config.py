@@ -11,10 +11,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from ckpt.follow.config import FollowConfig
 from ckpt.quant import codec_names, get_codec, resolve_widths
-from ckpt.quant.policy import Widths
-from ckpt.sink import check_run_id
+from ckpt.quant.bit_widths import Widths
+from ckpt.stream.sink import check_run_id
 from common.errors import ConfigError
 
 REDACTED = "<redacted>"
@@ -24,6 +23,36 @@ _SECRET_WORDS = ("password", "secret", "ssl.key.pem", "oauthbearer.config", "key
 
 def _is_secret(name: str) -> bool:
     return any(word in name for word in _SECRET_WORDS)
+
+
+@dataclass
+class FollowConfig:
+    """When the follower compacts, how it fences, how often it publishes serving snapshots."""
+
+    # compact when the deltas since the newest baseline reach this fraction of its bytes ...
+    compact_ratio: float = 0.5
+    # ... or when this many deltas follow it (a restore replays at most about this many links)
+    compact_links: int = 8
+    # a follower that has not renewed its lease for this long may be replaced by another
+    lease_s: float = 30.0
+    poll_s: float = 1.0  # how often the markers log is read for new COMMITs
+    export_every: int = 0  # serving snapshot every N applied checkpoints (0: not by count)
+    export_every_s: float = 0.0  # ... or every T seconds (0: not by time)
+    export_keep: int = 3  # newest serving snapshots kept
+    export_dcp: bool = True  # also a torch.distributed.checkpoint directory beside each file
+    export_dir: str = ""  # default <run_dir>/serving
+    metrics: str = ""  # default <run_dir>/follower.jsonl
+
+    def validate(self, source: str) -> None:
+        if self.compact_ratio <= 0 or self.compact_links < 1:
+            raise ConfigError(f"{source}: ckpt.follow.compact_ratio must be > 0 and ckpt.follow.compact_links >= 1")
+        if self.poll_s <= 0 or self.lease_s < 3 * self.poll_s:
+            raise ConfigError(
+                f"{source}: ckpt.follow.poll_s must be > 0 and ckpt.follow.lease_s at least 3 x poll_s "
+                f"(the lease is renewed every lease_s / 3), got poll_s={self.poll_s}, lease_s={self.lease_s}"
+            )
+        if self.export_every < 0 or self.export_every_s < 0 or self.export_keep < 1:
+            raise ConfigError(f"{source}: ckpt.follow.export_every / export_every_s must be >= 0 and export_keep >= 1")
 
 
 @dataclass
@@ -59,7 +88,7 @@ class CkptConfig:
     max_frame_bytes: int = 998_976  # under Kafka's default message.max.bytes
     flush_timeout_s: float = 60.0
     connect_timeout_s: float = 15.0  # at start: how long a broker may take to answer before the job stops
-    # markers-log records between catalog records (ckpt/catalog_record.py): a restore reads the
+    # markers-log records between catalog records (ckpt/log/catalog_record.py): a restore reads the
     # log from the newest one on, about this many records, instead of the whole log
     catalog_every: int = 32
     # niceness the writer thread adds to itself (Linux): encoding rows on the CPU must not
@@ -67,7 +96,7 @@ class CkptConfig:
     writer_nice: int = 10
     # CPU shards: the checkpoint's copy of rows and dense state runs on a thread of its own
     # beside the next step, whose first lookup waits for the tracker's marks and whose backward
-    # pass waits for the rows before the embedding kernels may change one (ckpt/copy_behind.py);
+    # pass waits for the rows before the embedding kernels may change one (ckpt/capture/overlapped_copy.py);
     # false: the training thread copies inside the stall. GPU shards gather on a side stream.
     overlap_copy: bool = True
     # GPU shards: where weight rows are encoded. `device`: on the GPU, before the copy to host,
@@ -78,18 +107,18 @@ class CkptConfig:
     follow: FollowConfig = field(default_factory=FollowConfig)  # `deltarec-follow` (ckpt/follow)
     # When a rank dies: every rank rolls back to the newest checkpoint (`full`), or the
     # surviving ranks save what they have and keep it, only the dead ranks' shards rolling
-    # back (`partial`, CPR; ckpt/survivor.py, ckpt/partial.py, docs/design.md §11)
+    # back (`partial`, CPR; ckpt/recovery/survivor.py, ckpt/recovery/partial.py, docs/design.md §11)
     recovery: Literal["full", "partial"] = "full"
     # how long a surviving rank may take to save its snapshot (torchrun SIGKILLs a rank 30 s
     # after its SIGTERM); one that cannot finish leaves nothing a restore would use
     survivor_timeout_s: float = 20.0
     # > 0 (with recovery=partial): checkpoint interval from CPR's analysis, 2 * target_pls *
-    # MTBF / (the largest share of the embedding parameters one rank holds) (ckpt/pls.py)
+    # MTBF / (the largest share of the embedding parameters one rank holds) (ckpt/recovery/lost_samples.py)
     target_pls: float = 0.0
     # mean time between failures for `target_pls`; 0: estimated from this run's attempts
     # (it must then have restarted at least once)
     mtbf_s: float = 0.0
-    # With recovery=partial and policy=incremental, CPR's prioritized checkpoints (ckpt/priority.py):
+    # With recovery=partial and policy=incremental, CPR's prioritized checkpoints (ckpt/recovery/priority.py):
     # a checkpoint that is not full saves at most `priority_budget` of a full snapshot's bytes
     # per rank, the most updated changed rows (`mfu`) or those a sub-sample of the updates
     # touched (`ssu`, `ssu_sample` of the ids); every `priority_full_every`-th checkpoint is full

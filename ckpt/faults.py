@@ -38,7 +38,7 @@ ENV = "DELTAREC_KILL_AT"
 SLOW_ENV = "DELTAREC_SLOW_FLUSH"  # "checkpoint_id:seconds": that checkpoint's writer sleeps before flushing
 # "checkpoint_id:seconds[:rows]" (* for every checkpoint; several separated by commas): the copy of
 # that checkpoint starts late, or with ":rows" its copy of the rows does, after the tracker's
-# marks (tests that the next step waits for a copy running beside it, ckpt/copy_behind.py)
+# marks (tests that the next step waits for a copy running beside it, ckpt/capture/overlapped_copy.py)
 SLOW_COPY_ENV = "DELTAREC_SLOW_COPY"
 # "checkpoint_id:ERRNO" (e.g. "3:ENOSPC"): writing that checkpoint's dense file fails with that OSError
 DENSE_ERROR_ENV = "DELTAREC_DENSE_ERROR"

@@ -2,13 +2,13 @@
 
 The trainer calls `save(step)` after every step and `finish(step)` at the end; on start
 `restore()` brings back the newest (or a chosen) checkpoint, under `ckpt.recovery: partial`
-with the survivor snapshots a failed attempt left (ckpt/partial.py), which a surviving rank
-writes with `save_survivor` (ckpt/survivor.py). At a checkpoint step the training thread:
+with the survivor snapshots a failed attempt left (ckpt/recovery/partial.py), which a surviving rank
+writes with `save_survivor` (ckpt/recovery/survivor.py). At a checkpoint step the training thread:
 agrees with the other ranks on the checkpoint's kind (small all-reduces of row counts and
 flags, started at the end of the step before; never a wait on Kafka), copies the chosen
 rows and the dense state to host memory, and hands them to its writer thread. On CPU the
 copy runs beside the next step, whose first lookup waits for the tracker's marks and whose
-backward pass waits for the rows (`ckpt.overlap_copy`, ckpt/copy_behind.py); the stall is
+backward pass waits for the rows (`ckpt.overlap_copy`, ckpt/capture/overlapped_copy.py); the stall is
 the hand-off plus those waits.
 Outcomes come back asynchronously and are logged, counted and written to metrics; a
 failed checkpoint makes the next one full.
@@ -23,36 +23,39 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ckpt import dense_state, restore_kernel
-from ckpt.attempts import Announced, Fenced, announce
-from ckpt.backends import Backend, open_for_restore
-from ckpt.catalog import Catalog
-from ckpt.committer import Committer
+from ckpt.capture.host_buffers import HostBufferPool
+from ckpt.capture.overlapped_copy import CopyBehind
+from ckpt.capture.snapshot import PlannedSnapshot, SnapshotTaker
+from ckpt.capture.tracker import RowTracker
+from ckpt.checkpoint_policy import CheckpointPolicy, Decision
 from ckpt.config import CkptConfig
-from ckpt.copy_behind import CopyBehind
-from ckpt.dense_store import DenseRef, DenseStore, DenseStoreError
+from ckpt.dense import state as dense_state
+from ckpt.dense.store import DenseRef, DenseStore, DenseStoreError
+from ckpt.errors import RestoreError
+from ckpt.events import MetricsSink
 from ckpt.faults import maybe_die, maybe_slow_copy
-from ckpt.frames import FrameError
-from ckpt.host_buffers import HostBufferPool
-from ckpt.markers import Marker, SurvivorRecord
-from ckpt.partial import PartialOutcome, SkipsBatches, compose, shared_reader, with_survivors
-from ckpt.pls import interval_for_pls, run_pls
-from ckpt.policy import CheckpointPolicy, Decision
-from ckpt.priority import RowPriority
+from ckpt.log.backend import Backend, open_for_restore
+from ckpt.log.catalog import Catalog
+from ckpt.log.fencing import Announced, Fenced, announce
+from ckpt.log.markers import Marker, SurvivorRecord
 from ckpt.quant import BitWidthPolicy, warm_up_codecs
-from ckpt.restore import RestoreError, RowsRestored, restore_rows, row_init_of
-from ckpt.resume_choice import ResumeChoice, from_rank0
-from ckpt.sink import SinkError, SourceError
-from ckpt.snapshot import PlannedSnapshot, SnapshotTaker
-from ckpt.survivor import save_survivor
-from ckpt.tracker import RowTracker
-from ckpt.writer import Outcome, RankWriter, WriteJob
+from ckpt.recovery.lost_samples import interval_for_pls, run_pls
+from ckpt.recovery.partial import PartialOutcome, SkipsBatches, compose, shared_reader, with_survivors
+from ckpt.recovery.priority import RowPriority
+from ckpt.recovery.survivor import save_survivor
+from ckpt.restore import kernel as restore_kernel
+from ckpt.restore.choice import ResumeChoice, from_rank0
+from ckpt.restore.replay import RowsRestored, restore_rows, row_init_of
+from ckpt.stream.frames import FrameError
+from ckpt.stream.sink import SinkError, SourceError
+from ckpt.write.committer import Committer
+from ckpt.write.writer import Outcome, RankWriter, WriteJob
 from common.errors import ConfigError, DeltarecError
 from sharding.config import TableConfig
 from sharding.dmp import ShardedModel
@@ -66,12 +69,6 @@ _TIME_CHECK_EVERY = 10  # steps between agreements on a time-based interval
 _KINDS = ("full", "base", "last")  # a full checkpoint, a delta since the base, a delta since the last one
 
 
-class MetricsSink(Protocol):
-    """Where the manager reports checkpoint outcomes and restores (the trainer's metrics log)."""
-
-    def write(self, record: dict[str, Any]) -> None: ...
-
-
 class JobIdentity(NamedTuple):
     """What ties a checkpoint to the job that wrote it (stored in every dense file)."""
 
@@ -81,7 +78,7 @@ class JobIdentity(NamedTuple):
 
 class StallTiming(NamedTuple):
     """Where one checkpoint's stall went on this rank (milliseconds). With the copy overlapping
-    the next step (`overlapped`, ckpt/copy_behind.py) `take_ms` and `dense_ms` ran on the copier
+    the next step (`overlapped`, ckpt/capture/overlapped_copy.py) `take_ms` and `dense_ms` ran on the copier
     thread, and the stall is the hand-off plus `wait_ms`; else all of it ran in the stall."""
 
     checkpoint_id: int
@@ -156,7 +153,7 @@ class RestoreReport:
     regenerated: int = 0  # rows no link held, regenerated from the row initialisation
     init_s: float = 0.0  # regenerating them (slowest rank)
     partial: PartialOutcome | None = None  # a partial recovery: what it kept, rolled back and lost
-    run_pls: float = 0.0  # the run's portion of lost samples so far (ckpt/pls.py)
+    run_pls: float = 0.0  # the run's portion of lost samples so far (ckpt/recovery/lost_samples.py)
     markers_read: int = 0  # records of the markers log decoded to choose the checkpoint
     # rank 0: reading most of them while the model was built, before `restore()` (not in `seconds`)
     markers_ahead_s: float = 0.0
@@ -272,7 +269,7 @@ class CheckpointManager:
         self.metrics = metrics
         self.run_id = cfg.run_id
         # Writers coordinate on their own gloo group so the training thread's collectives
-        # and theirs never interleave (see ckpt/writer.py).
+        # and theirs never interleave (see ckpt/write/writer.py).
         self.group = dist.new_group(backend="gloo")
         self.shard_map = ShardMap.from_model(sharded.model)
         self.tracker = RowTracker(sharded.model, self.shard_map)
@@ -323,10 +320,10 @@ class CheckpointManager:
         self.total_rows = sum(s.num_rows for s in self.shard_map.shards)
         self.stats = CheckpointStats()
         self.restores = 0  # restores of this job so far (persisted in the dense state)
-        self.epoch = 0  # this attempt's epoch (ckpt/attempts.py), written into every frame; 0: not yet known
+        self.epoch = 0  # this attempt's epoch (ckpt/log/fencing.py), written into every frame; 0: not yet known
         self.attempt = ""  # this attempt's id, known with its epoch
         self.last_committed = 0  # the newest checkpoint this rank knows committed (restored or written)
-        self.lost_samples = 0.0  # samples whose updates partial recoveries lost, over the run (ckpt/pls.py)
+        self.lost_samples = 0.0  # samples whose updates partial recoveries lost, over the run (ckpt/recovery/lost_samples.py)
         self.interval_s = cfg.interval_s  # or what `ckpt.target_pls` sets at start
         self.choice = ResumeChoice(cfg, self.backend, self.dense)  # what `restore` reads, agreed by every rank
         if cfg.recovery == "partial":
@@ -622,7 +619,7 @@ class CheckpointManager:
 
     def _announce(self, catalog: Catalog) -> None:
         """Rank 0, once the checkpoint to resume is chosen from `catalog`: this attempt's ATTEMPT
-        record (ckpt/attempts.py) is appended in the background. A fresh idempotent producer's
+        record (ckpt/log/fencing.py) is appended in the background. A fresh idempotent producer's
         first append takes about a second on the embedded broker, which the restore need not
         wait for; the first checkpoint does (`_join_attempt`)."""
         pool = ThreadPoolExecutor(1, thread_name_prefix="deltarec-announce")
@@ -656,7 +653,7 @@ class CheckpointManager:
             self.interval_s = self._pls_interval()
 
     def _pls_interval(self) -> float:
-        """CPR's interval for `ckpt.target_pls` (ckpt/pls.py): the rank holding the largest share
+        """CPR's interval for `ckpt.target_pls` (ckpt/recovery/lost_samples.py): the rank holding the largest share
         of the embedding parameters is the one whose failure loses the most."""
         local = float(sum(s.num_rows * s.num_cols for s in self.shard_map.shards))
         total, largest = torch.tensor([local], dtype=torch.float64), torch.tensor([local], dtype=torch.float64)
@@ -939,7 +936,7 @@ class CheckpointManager:
             self.stats.stalls.append(timing._replace(cpu_ms=(time.thread_time() - cpu0) * 1e3))
 
     def _overlap(self) -> bool:
-        """Whether this checkpoint's copy runs beside the next step (ckpt/copy_behind.py)."""
+        """Whether this checkpoint's copy runs beside the next step (ckpt/capture/overlapped_copy.py)."""
         return self.c.overlap_copy and self.taker.device.type == "cpu" and self.tracker.attached
 
     def wait_for_copy(self) -> None:
@@ -962,14 +959,14 @@ class CheckpointManager:
         """The copy of checkpoint `c`: the bitmap scan, the tracker's marks and the dense state,
         then (after `release()`) the rows to host memory, then the writer's job. Inside the stall
         on the training thread, or on the copier thread beside the next step, whose first lookup
-        waits for `release()` and whose backward pass waits for the rest (ckpt/copy_behind.py).
+        waits for `release()` and whose backward pass waits for the rest (ckpt/capture/overlapped_copy.py).
         `blocked()`, called as its last step before the writer gets the job, says how long the
         training thread has been waiting for it (inside the stall: all of it) on top of
         `handoff_s`, the stall before the copy started."""
         decision, cid, step = c.decision, c.checkpoint_id, c.step
         maybe_slow_copy(cid, "start")
         t_take = time.perf_counter()
-        saved = None  # a prioritized checkpoint's rows (ckpt/priority.py)
+        saved = None  # a prioritized checkpoint's rows (ckpt/recovery/priority.py)
         if decision.full or self.priority is None:
             planned = self.taker.plan(cid, step, full=decision.full, since_base=decision.since_base, weight_codec=c.codecs[0])
         else:
@@ -1033,7 +1030,7 @@ class CheckpointManager:
 
     def _priority_accounting(self, full: bool, saved: list[torch.Tensor] | None, samples_seen: int) -> dict[str, int]:
         """After a checkpoint's marks: restart the counters it saved, and what a restore of the
-        chain so far would lose on this rank (kept with the rank's loop state, ckpt/partial.py)."""
+        chain so far would lose on this rank (kept with the rank's loop state, ckpt/recovery/partial.py)."""
         assert self.priority is not None
         if full:
             self.priority.full()
@@ -1047,7 +1044,7 @@ class CheckpointManager:
     def save_survivor(self, loop_state: dict[str, Any]) -> SurvivorRecord | None:
         """Another rank died: under `ckpt.recovery: partial` save this rank's rows changed since
         the newest checkpoint it knows committed, its dense and loop state (`loop_state`: as of
-        its last completed step) within `ckpt.survivor_timeout_s` (ckpt/survivor.py). None when
+        its last completed step) within `ckpt.survivor_timeout_s` (ckpt/recovery/survivor.py). None when
         there is nothing a restore could use: full recovery, or no committed checkpoint yet."""
         if self.c.recovery != "partial" or not self.epoch:
             return None

@@ -45,7 +45,7 @@ with confluent-kafka 2.16 / librdkafka 2.16, and what the code does about it:
   topic/partition/offset.
 - Message size: Tansu enforces no limit (30 MB produced and fetched fine) and
   DescribeConfigs answers nothing. Apache Kafka defaults to ~1 MB, so frames are chunked
-  below ``ckpt.frames.DEFAULT_MAX_FRAME_BYTES`` anyway.
+  below ``ckpt.stream.frames.DEFAULT_MAX_FRAME_BYTES`` anyway.
 - DeleteTopics works at once. But a producer that still has the topic's metadata
   cached keeps producing to the deleted topic and receives *successful* delivery
   reports for data that is gone. The Kafka sink refuses writes to a generation it

@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
-from ckpt.backends import Backend, open_for_restore
+from ckpt.log.backend import Backend, open_for_restore
 from ckpt.manager import CheckpointManager, JobIdentity, RestoreReport
 from common.errors import DeltarecError
 from sharding.dmp import ShardedModel, plan_model, shard_model

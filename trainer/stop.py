@@ -2,7 +2,7 @@
 
 When one rank dies torchrun's agent sends SIGTERM to the others and SIGKILLs them 30 s later.
 By default SIGTERM ends a rank at once; under partial recovery it only asks the loop to stop
-after the step in progress, so the rank can save its survivor snapshot (ckpt/survivor.py) of
+after the step in progress, so the rank can save its survivor snapshot (ckpt/recovery/survivor.py) of
 a completed step first. A rank whose collective fails because a peer died takes the same
 path without a signal.
 """

@@ -95,7 +95,7 @@ class Trainer(Stateful):
 
     def completed_state(self) -> dict[str, Any]:
         """`state_dict()` as of the last completed step, also while a step is in progress (a
-        collective failed inside it): what a surviving rank saves (ckpt/survivor.py)."""
+        collective failed inside it): what a surviving rank saves (ckpt/recovery/survivor.py)."""
         state = self.state_dict()
         if self._step_start is not None:
             state["reader"], state["rng_torch"] = self._step_start

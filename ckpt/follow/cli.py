@@ -15,8 +15,8 @@ import sys
 from collections.abc import Callable, Sequence
 
 from ckpt.config import CkptConfig
+from ckpt.events import MetricsSink
 from ckpt.follow.follower import Follower
-from ckpt.manager import MetricsSink
 from common.errors import DeltarecError
 
 

@@ -10,9 +10,9 @@ half-written compaction is never referenced (docs/design.md §10).
 from __future__ import annotations
 
 from ckpt.follow.store import RowStore
-from ckpt.frames import chunk_rows
-from ckpt.markers import ChainLink, FrameMeta, IndexEntry, OffsetRange, index_frames
-from ckpt.sink import FrameSink, SinkError
+from ckpt.log.markers import ChainLink, FrameMeta, IndexEntry, OffsetRange, index_frames
+from ckpt.stream.frames import chunk_rows
+from ckpt.stream.sink import FrameSink, SinkError
 
 
 def write_compacted(

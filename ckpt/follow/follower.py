@@ -23,19 +23,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ckpt.attempts import new_writer_id
-from ckpt.backends import open_backend, open_sink
-from ckpt.catalog import Catalog, catch_up
 from ckpt.config import CkptConfig
-from ckpt.dense_store import DenseStore
+from ckpt.dense.store import DenseStore
+from ckpt.events import MetricsSink
 from ckpt.follow.compact import write_compacted
 from ckpt.follow.lease import LeaseKeeper
 from ckpt.follow.serving import Publisher
 from ckpt.follow.store import RowStore
-from ckpt.manager import MetricsSink
-from ckpt.markers import ChainLink, Marker, MarkerError, encode_marker
-from ckpt.restore import iter_link_frames
-from ckpt.sink import compacted_generation, generation_label
+from ckpt.log.backend import open_backend, open_sink
+from ckpt.log.catalog import Catalog, catch_up
+from ckpt.log.fencing import new_writer_id
+from ckpt.log.markers import ChainLink, Marker, MarkerError, encode_marker
+from ckpt.restore.replay import iter_link_frames
+from ckpt.stream.sink import compacted_generation, generation_label
 from common.errors import DeltarecError
 
 logger = logging.getLogger(__name__)

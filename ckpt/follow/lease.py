@@ -3,7 +3,7 @@
 The lease lives in the markers log itself, so it needs nothing a broker or filesystem
 lacks: a follower appends a `claim`, renews it every third of `lease_s`, and appends a
 `release` when it stops cleanly. Who holds the lease is decided by folding the log in
-order (`ckpt.catalog.Catalog`): a claim is accepted when nobody holds the lease, when its
+order (`ckpt.log.catalog.Catalog`): a claim is accepted when nobody holds the lease, when its
 holder released it, or when the holder's last renewal is older than its `lease_s` at the
 claim's time stamp. Every accepted claim starts a new epoch.
 
@@ -18,9 +18,9 @@ from __future__ import annotations
 import logging
 import time
 
-from ckpt.catalog import Catalog, catch_up
-from ckpt.markers import LeaseRecord, encode_marker
-from ckpt.sink import MarkerLog
+from ckpt.log.catalog import Catalog, catch_up
+from ckpt.log.markers import LeaseRecord, encode_marker
+from ckpt.stream.sink import MarkerLog
 
 logger = logging.getLogger(__name__)
 

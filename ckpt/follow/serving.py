@@ -1,6 +1,6 @@
 """Serving snapshots: the follower's current model, published as files a server can load.
 
-Each snapshot is what `deltarec-ckpt export` writes (ckpt/export.py), keyed relative to the
+Each snapshot is what `deltarec-ckpt export` writes (ckpt/restore/export.py), keyed relative to the
 inner `DLRM` a server runs (``"fqn_root": "DLRM"``): a `torch.save` file whose ``"model"``
 loads with `DLRM.load_state_dict`, and a DCP directory beside it that `dcp.load` fills,
 both tagged with checkpoint id and step and written atomically. Rows are dequantized here
@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from ckpt.dense_store import DenseRef, DenseStore
-from ckpt.export import assemble, build_export, replicated_tables, write_export
+from ckpt.dense.store import DenseRef, DenseStore
 from ckpt.follow.store import RowStore
-from ckpt.markers import Marker
+from ckpt.log.markers import Marker
+from ckpt.restore.export import assemble, build_export, replicated_tables, write_export
 
 logger = logging.getLogger(__name__)
 

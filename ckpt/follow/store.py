@@ -24,9 +24,9 @@ from typing import NamedTuple
 
 import torch
 
-from ckpt.frames import Frame, OptimState
+from ckpt.errors import RestoreError
 from ckpt.quant import get_codec
-from ckpt.restore import RestoreError
+from ckpt.stream.frames import Frame, OptimState
 
 
 class ShardKey(NamedTuple):

@@ -6,11 +6,11 @@
 
 Rows with NaN/Inf raise :class:`NonFiniteRowError`; finite rows that overflow a codec's fp16
 fields raise :class:`RowRangeError` (both ``ValueError``). See docs/quant.md for layouts,
-accuracy and speed, and :mod:`ckpt.quant.policy` for choosing the bit width.
+accuracy and speed, and :mod:`ckpt.quant.bit_widths` for choosing the bit width.
 """
 
 from .base import NonFiniteRowError, RowCodec, RowRangeError
-from .policy import (
+from .bit_widths import (
     CHECK_N_RUN_WIDTHS,
     DELTAREC_WIDTHS,
     WIDTH_PRESETS,

@@ -1,6 +1,6 @@
 """Zombie writers (issue 13, item 6): two trainer attempts of one run at once, and two
 `deltarec-ckpt gc` at once. The newest ATTEMPT record in the markers log holds the run
-(ckpt/attempts.py): the older writer stops with one line and nothing it could still write is
+(ckpt/log/fencing.py): the older writer stops with one line and nothing it could still write is
 ever restored. Real gloo ranks, the real embedded broker, real files, SIGSTOP/SIGCONT from
 outside."""
 
@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from ckpt.backends import open_backend
-from ckpt.catalog import read_catalog
 from ckpt.faults import HOLD_ENV
-from ckpt.fs_sink import FsSink, scan_records
+from ckpt.log.backend import open_backend
+from ckpt.log.catalog import read_catalog
+from ckpt.stream.filesystem import FsSink, scan_records
 from launch.ranks import REPO, spawn_ranks, start_ranks
 from tests.conftest import LAUNCHER_VARS
 from trainer.ckpt_cli import load_ckpt_config
@@ -201,7 +201,7 @@ def test_a_filesystem_segment_has_one_writer_at_a_time(tmp_path):
     process's append fails (that checkpoint fails) while this one holds the file open, and
     succeeds once it closed it."""
     code = (
-        "import sys; from ckpt.fs_sink import FsSink, scan_records; from ckpt.sink import SinkError\n"
+        "import sys; from ckpt.stream.filesystem import FsSink, scan_records; from ckpt.stream.sink import SinkError\n"
         "s = FsSink(sys.argv[1], 'seg')\n"
         "try: s.write(b'y' * 64, generation=5, partition=0)\n"
         "except SinkError: pass\n"

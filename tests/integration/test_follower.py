@@ -23,14 +23,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ckpt.backends import open_backend
-from ckpt.catalog import Catalog, read_catalog
 from ckpt.config import CkptConfig
-from ckpt.dense_store import DenseRef, DenseStore
-from ckpt.export import assemble, replicated_tables
-from ckpt.markers import ChainLink, LeaseRecord, Marker, decode_record, encode_marker
-from ckpt.restore import iter_chain_frames
-from ckpt.sink import generation_label, is_compacted
+from ckpt.dense.store import DenseRef, DenseStore
+from ckpt.log.backend import open_backend
+from ckpt.log.catalog import Catalog, read_catalog
+from ckpt.log.markers import ChainLink, LeaseRecord, Marker, decode_record, encode_marker
+from ckpt.restore.export import assemble, replicated_tables
+from ckpt.restore.replay import iter_chain_frames
+from ckpt.stream.sink import generation_label, is_compacted
 from launch.ranks import REPO, RankGroup, read_jsonl, spawn_ranks, start_ranks
 from sharding.plan import EBC_PATH
 from sharding.process_group import DistEnv

@@ -29,9 +29,9 @@ import pytest
 import torch
 
 from ckpt import cli as ckpt_cli
-from ckpt.frames import decode_frame
-from ckpt.fs_sink import REC_MAGIC, FsMarkers
-from ckpt.markers import Marker, decode_record
+from ckpt.log.markers import Marker, decode_record
+from ckpt.stream.filesystem import REC_MAGIC, FsMarkers
+from ckpt.stream.frames import decode_frame
 from launch.ranks import RankResult, spawn_ranks
 from trainer.ckpt_cli import load_ckpt_config
 
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.integration
 
-_HEAD = struct.Struct("<4sII")  # a segment record: magic, payload length, crc32 (ckpt/fs_sink.py)
+_HEAD = struct.Struct("<4sII")  # a segment record: magic, payload length, crc32 (ckpt/stream/filesystem.py)
 TRAIN_ERROR_RC = 2  # `deltarec-train: error: ...`
 FALL_BACK = "falling back to the previous checkpoint"
 RESUME = ["ckpt.resume=latest", "train.steps=30"]

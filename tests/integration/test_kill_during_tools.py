@@ -18,9 +18,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ckpt import cli as ckpt_cli
-from ckpt.backends import open_backend
-from ckpt.catalog import read_catalog
 from ckpt.faults import ENV, SLOW_RESTORE_ENV
+from ckpt.log.backend import open_backend
+from ckpt.log.catalog import read_catalog
 from launch.ranks import REPO, spawn_ranks, start_ranks
 from tests.conftest import LAUNCHER_VARS
 from trainer.ckpt_cli import load_ckpt_config
@@ -119,7 +119,7 @@ def test_restore_killed_by_its_fault_hook_and_from_outside_then_resume_is_bit_ex
     group.wait(expect_ok=False)
 
     after, _, _ = _state(debug_config, tmp_path, job)
-    # an attempt announces itself in the background (ckpt/attempts.py), and wrote nothing else
+    # an attempt announces itself in the background (ckpt/log/fencing.py), and wrote nothing else
     assert records <= after.records <= records + 2, f"{why}: a killed restore wrote to the markers log"
     assert after.commits.keys() == catalog.commits.keys() and after.failed.keys() == catalog.failed.keys(), why
     assert after.dropped == catalog.dropped and not after.fenced_commits, why
@@ -181,7 +181,7 @@ def test_gc_killed_midway_the_next_gc_finishes_and_the_newest_checkpoint_resumes
 
 
 def _flat(payload: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The tensors of an export file under their DCP keys (ckpt/export.py's `to_dcp`)."""
+    """The tensors of an export file under their DCP keys (ckpt/restore/export.py's `to_dcp`)."""
     flat = dict(payload["model"])
     flat.update({f"optim.{fqn}.{k}": v for fqn, states in payload["optim"].items() for k, v in states.items()})
     flat.update({f"buffers.{fqn}": v for fqn, v in payload["buffers"].items()})

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from ckpt.backends import Backend, open_backend
-from ckpt.catalog import Catalog
-from ckpt.fs_sink import FsMarkers
-from ckpt.markers import SurvivorRecord
-from ckpt.restore import decode_rows, iter_link_frames
+from ckpt.log.backend import Backend, open_backend
+from ckpt.log.catalog import Catalog
+from ckpt.log.markers import SurvivorRecord
+from ckpt.restore.replay import decode_rows, iter_link_frames
+from ckpt.stream.filesystem import FsMarkers
 from launch.ranks import REPO, rank_pids, read_jsonl, spawn_ranks, start_ranks
 from trainer.ckpt_cli import load_ckpt_config
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from ckpt import cli as ckpt_cli
-from ckpt.dense_store import DenseStore
-from ckpt.fs_sink import FsMarkers
-from ckpt.kafka_sink import KafkaMarkers
-from ckpt.markers import ChainLink, SurvivorRecord, commits, decode_record, encode_marker, is_catalog_record
+from ckpt.dense.store import DenseStore
+from ckpt.log.markers import ChainLink, SurvivorRecord, commits, decode_record, encode_marker, is_catalog_record
+from ckpt.stream.filesystem import FsMarkers
+from ckpt.stream.kafka import KafkaMarkers
 from launch.broker import EmbeddedBroker, free_port
 from launch.ranks import read_metrics, spawn_ranks, start_ranks
 from trainer.ckpt_cli import load_ckpt_config

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from ckpt.fs_sink import FsMarkers
-from ckpt.markers import decode_record
+from ckpt.log.markers import decode_record
+from ckpt.stream.filesystem import FsMarkers
 from launch.ranks import spawn_ranks
 
 if TYPE_CHECKING:

@@ -15,15 +15,15 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from ckpt import kafka_sink
-from ckpt.catalog import Catalog
-from ckpt.catalog_ahead import CatalogAhead, catch_up_recent
-from ckpt.catalog_record import read_recent_catalog, summarize
-from ckpt.frames import FrameError, OptimState, chunk_rows, decode_frame
-from ckpt.fs_sink import REC_MAGIC, FsMarkers, FsSink, FsSource, encode_record
-from ckpt.kafka_sink import BrokerUnreachable, KafkaMarkers, KafkaSink, KafkaSource
-from ckpt.markers import ChainLink, Marker, OffsetRange, encode_marker
-from ckpt.sink import RangeRead, SinkError, SourceError
+from ckpt.log.catalog import Catalog
+from ckpt.log.catalog_ahead import CatalogAhead, catch_up_recent
+from ckpt.log.catalog_record import read_recent_catalog, summarize
+from ckpt.log.markers import ChainLink, Marker, OffsetRange, encode_marker
+from ckpt.stream import kafka as kafka_sink
+from ckpt.stream.filesystem import REC_MAGIC, FsMarkers, FsSink, FsSource, encode_record
+from ckpt.stream.frames import FrameError, OptimState, chunk_rows, decode_frame
+from ckpt.stream.kafka import BrokerUnreachable, KafkaMarkers, KafkaSink, KafkaSource
+from ckpt.stream.sink import RangeRead, SinkError, SourceError
 from launch.broker import EmbeddedBroker, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
@@ -568,7 +568,7 @@ def test_a_markers_read_prepared_while_the_broker_was_away_reads_once_it_answers
 
 
 def test_kafka_readers_prepared_before_their_broker_started_read_once_it_answers(unique_name, tmp_path):
-    """A job opens its readers before it builds its model (`ckpt.backends.open_for_restore`):
+    """A job opens its readers before it builds its model (`ckpt.log.backend.open_for_restore`):
     a broker that comes up meanwhile (a restart of both) must not fail the restore."""
     run, port = unique_name("run"), free_port()
     conf = {"bootstrap.servers": f"127.0.0.1:{port}"}

@@ -1,6 +1,6 @@
 """The stall copies into host memory that is already there: half an interval before each
 snapshot (a job's first included) the checkpoint manager reserves the snapshot's slab ahead
-(ckpt/host_buffers.py), so no stall allocates and faults in memory, even
+(ckpt/capture/host_buffers.py), so no stall allocates and faults in memory, even
 as `one_shot_diff`'s deltas grow past every slab the pool keeps (without the reservations the
 first checkpoint makes a slab of 8 MiB inside its stall, the third and fourth of 6-8 MiB)."""
 

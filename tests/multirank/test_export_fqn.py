@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ckpt.export import ExportError, unsharded_fqn
+from ckpt.restore.export import ExportError, unsharded_fqn
 from launch.ranks import spawn_ranks
 from sharding.plan import EBC_PATH
 from sharding.process_group import DistEnv

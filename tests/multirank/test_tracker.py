@@ -124,7 +124,7 @@ def test_snapshot_copies_the_tracked_rows(report: tuple[str, list[dict]]) -> Non
 def test_a_held_step_waits_at_its_first_lookup_and_again_before_any_row_changes(
     report: tuple[str, list[dict]],
 ) -> None:
-    """What a checkpoint's copy beside the next step relies on (ckpt/copy_behind.py): its
+    """What a checkpoint's copy beside the next step relies on (ckpt/capture/overlapped_copy.py): its
     bookkeeping is waited for at the first lookup, its rows before the backward pass reaches
     the fused kernels of any lookup group; a forward without backward (an eval beside the
     copy) leaves the second wait to the next training step."""

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from ckpt.snapshot import SnapshotTaker
-from ckpt.tracker import RowTracker
+from ckpt.capture.snapshot import SnapshotTaker
+from ckpt.capture.tracker import RowTracker
 from sharding.dmp import shard_model
 from sharding.process_group import destroy_process_group, detect_env, init_process_group
 from sharding.shard_views import ShardMap

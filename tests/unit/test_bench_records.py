@@ -15,7 +15,7 @@ import torch
 from bench.ckpt_rank import ObservedCheckpointer, read_side
 from bench.common import Measurement, Provenance, read_records, scalars, unit_of, write_records
 from ckpt.manager import CheckpointStats, StallTiming
-from ckpt.writer import Outcome
+from ckpt.write.writer import Outcome
 
 
 def test_metric_names_carry_their_units() -> None:

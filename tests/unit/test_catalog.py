@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ckpt.catalog import Catalog
-from ckpt.markers import AttemptRecord, ChainLink, DroppedRecord, LeaseRecord, Marker, encode_marker
-from ckpt.sink import compacted_epoch, compacted_generation, generation_label, parse_rows_name, rows_name
+from ckpt.log.catalog import Catalog
+from ckpt.log.markers import AttemptRecord, ChainLink, DroppedRecord, LeaseRecord, Marker, encode_marker
+from ckpt.stream.sink import compacted_epoch, compacted_generation, generation_label, parse_rows_name, rows_name
 
 RUN = "cat"
 

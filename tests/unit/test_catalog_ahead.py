@@ -1,4 +1,4 @@
-"""The markers log read while the model is built (`ckpt.catalog_ahead`): caught up at restore
+"""The markers log read while the model is built (`ckpt.log.catalog_ahead`): caught up at restore
 time, it answers exactly as a read at that moment would, decoding only the records appended
 since; a failed read leaves the restore to read the log itself."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import threading
 
-from ckpt.catalog import Catalog
-from ckpt.catalog_ahead import CatalogAhead, catch_up_recent
-from ckpt.markers import Marker, encode_marker
+from ckpt.log.catalog import Catalog
+from ckpt.log.catalog_ahead import CatalogAhead, catch_up_recent
+from ckpt.log.markers import Marker, encode_marker
 from tests.unit.test_catalog_record import RUN, MemoryLog, RunSim, _assert_answers_like, _commits_log, _link
 
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from ckpt.catalog import Catalog
-from ckpt.catalog_record import TAIL_READ, from_record, read_recent_catalog, summarize
-from ckpt.markers import (
+from ckpt.log.catalog import Catalog
+from ckpt.log.catalog_record import TAIL_READ, from_record, read_recent_catalog, summarize
+from ckpt.log.markers import (
     AttemptRecord,
     ChainLink,
     DroppedRecord,
@@ -22,8 +22,8 @@ from ckpt.markers import (
     encode_marker,
     is_catalog_record,
 )
-from ckpt.partial import usable_survivors
-from ckpt.sink import TailRead, compacted_generation
+from ckpt.recovery.partial import usable_survivors
+from ckpt.stream.sink import TailRead, compacted_generation
 
 RUN = "cr"
 

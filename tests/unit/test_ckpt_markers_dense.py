@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from ckpt.dense_store import JOURNAL, CommitRecord, DenseHistory, DenseRef, DenseStore, DenseStoreError
-from ckpt.markers import (
+from ckpt.dense.store import JOURNAL, CommitRecord, DenseHistory, DenseRef, DenseStore, DenseStoreError
+from ckpt.log.markers import (
     MAGIC,
     ChainLink,
     IndexEntry,

@@ -189,7 +189,7 @@ GLOO_RESET = (
 
 def _record(msg: str, exc: BaseException | None = None) -> logging.LogRecord:
     exc_info = (type(exc), exc, None) if exc is not None else None
-    return logging.LogRecord("ckpt.writer", logging.ERROR, "writer.py", 1, msg, None, exc_info)
+    return logging.LogRecord("ckpt.write.writer", logging.ERROR, "writer.py", 1, msg, None, exc_info)
 
 
 def test_what_counts_as_a_peer_gone() -> None:

@@ -1,4 +1,4 @@
-"""ckpt/copy_behind.py: a checkpoint's copy on its own thread, its two waits (the bookkeeping,
+"""ckpt/capture/overlapped_copy.py: a checkpoint's copy on its own thread, its two waits (the bookkeeping,
 then the rows), and how long the training thread waited for it (what the stall reports)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from ckpt.copy_behind import CopyBehind, Finish, Release
+from ckpt.capture.overlapped_copy import CopyBehind, Finish, Release
 
 
 def _set_once_waited_for(copier: CopyBehind, event: threading.Event, after_s: float = 0.0) -> None:

@@ -1,4 +1,4 @@
-"""Rank 0's dense capture (ckpt/dense_state.py `DenseCapture`): it finds the parameters once,
+"""Rank 0's dense capture (ckpt/dense/state.py `DenseCapture`): it finds the parameters once,
 so each capture must still hold the values of that moment, in tensors of its own."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from ckpt.dense_state import DenseCapture, load
+from ckpt.dense.state import DenseCapture, load
 
 
 def _sharded(seed: int) -> SimpleNamespace:

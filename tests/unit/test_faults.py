@@ -66,7 +66,7 @@ def test_the_named_point_kills_the_named_rank_on_the_first_attempt_only() -> Non
 
 
 def test_dense_write_error_injection(tmp_path, monkeypatch) -> None:
-    from ckpt.dense_store import DenseStore, DenseStoreError
+    from ckpt.dense.store import DenseStore, DenseStoreError
     from ckpt.faults import DENSE_ERROR_ENV
 
     store = DenseStore(tmp_path)

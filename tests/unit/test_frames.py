@@ -4,7 +4,7 @@ import zlib
 import pytest
 import torch
 
-from ckpt.frames import (
+from ckpt.stream.frames import (
     DEFAULT_MAX_FRAME_BYTES,
     MAGIC,
     VERSION,

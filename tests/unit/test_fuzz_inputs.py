@@ -27,12 +27,12 @@ import pytest
 import torch
 import yaml
 
-from ckpt.catalog import Catalog
-from ckpt.frames import FrameError, OptimState, decode_frame, encode_frame, kafka_where
-from ckpt.fs_sink import FsMarkers, FsSink, FsSource
-from ckpt.markers import MAGIC as MARKER_MAGIC
-from ckpt.markers import ChainLink, IndexEntry, Marker, MarkerError, OffsetRange, commits, decode_record, encode_marker
-from ckpt.sink import SourceError
+from ckpt.log.catalog import Catalog
+from ckpt.log.markers import MAGIC as MARKER_MAGIC
+from ckpt.log.markers import ChainLink, IndexEntry, Marker, MarkerError, OffsetRange, commits, decode_record, encode_marker
+from ckpt.stream.filesystem import FsMarkers, FsSink, FsSource
+from ckpt.stream.frames import FrameError, OptimState, decode_frame, encode_frame, kafka_where
+from ckpt.stream.sink import SourceError
 from common.errors import ConfigError
 from trainer.config import load_config
 from trainer.data.criteo import CriteoTsvReader, MalformedLineError, diagnose_line

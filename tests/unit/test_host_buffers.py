@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt.host_buffers import ALIGN, OS_PAGE, PAGE, HostBufferPool, slab_bytes
+from ckpt.capture.host_buffers import ALIGN, OS_PAGE, PAGE, HostBufferPool, slab_bytes
 from ckpt.manager import grown_estimate
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ckpt.kafka_sink import MARKERS_FETCH_WAIT_MS, KafkaMarkers, KafkaSource
+from ckpt.stream.kafka import MARKERS_FETCH_WAIT_MS, KafkaMarkers, KafkaSource
 
 CONF = {"bootstrap.servers": "127.0.0.1:1"}  # nothing listens; building a client connects to nothing yet
 

@@ -1,4 +1,4 @@
-"""How one consumer serves several reads (`ckpt.kafka_sink._read_partitions`), with a
+"""How one consumer serves several reads (`ckpt.stream.kafka._read_partitions`), with a
 stand-in consumer that hands out scripted fetches: no broker needed."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 from confluent_kafka import KafkaError
 
-from ckpt.kafka_sink import _Read, _read_partitions
-from ckpt.sink import SourceError
+from ckpt.stream.kafka import _Read, _read_partitions
+from ckpt.stream.sink import SourceError
 
 
 class Msg:

@@ -1,4 +1,4 @@
-"""The connected consumer a Kafka reader keeps for its next read (`ckpt.kafka_sink._Spare`)
+"""The connected consumer a Kafka reader keeps for its next read (`ckpt.stream.kafka._Spare`)
 and the topic listing it carries, with stand-in consumers: no broker needed."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-from ckpt import kafka_sink
-from ckpt.kafka_sink import _Connected, _Spare, _topics_for
-from ckpt.sink import SourceError
+from ckpt.stream import kafka as kafka_sink
+from ckpt.stream.kafka import _Connected, _Spare, _topics_for
+from ckpt.stream.sink import SourceError
 
 
 class FakeConsumer:

@@ -9,8 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ckpt.catalog import Catalog
-from ckpt.markers import (
+from ckpt.capture.tracker import RowTracker
+from ckpt.errors import RestoreError
+from ckpt.log.catalog import Catalog
+from ckpt.log.markers import (
     AttemptRecord,
     ChainLink,
     DroppedRecord,
@@ -20,10 +22,8 @@ from ckpt.markers import (
     decode_record,
     encode_marker,
 )
-from ckpt.partial import compose, usable_survivors, with_survivors
-from ckpt.pls import estimate_mtbf, expected_pls, interval_for_pls, lost_samples, run_pls
-from ckpt.restore import RestoreError
-from ckpt.tracker import RowTracker
+from ckpt.recovery.lost_samples import estimate_mtbf, expected_pls, interval_for_pls, lost_samples, run_pls
+from ckpt.recovery.partial import compose, usable_survivors, with_survivors
 from trainer.config import ConfigError, load_config
 
 RUN = "unit-run"
@@ -218,8 +218,8 @@ def test_a_pls_target_alone_sets_the_interval(debug_config) -> None:
 
 # -- prioritized checkpoints (MFU, SSU) ---------------------------------------------------------
 def _priority(mode: str, sizes: tuple[int, ...] = (6, 4), row_bytes: tuple[int, ...] = (10, 20)):
-    from ckpt.priority import RowPriority
-    from ckpt.tracker import LookupGroup
+    from ckpt.capture.tracker import LookupGroup
+    from ckpt.recovery.priority import RowPriority
 
     t = _tracker(sum(sizes))
     t.shard_map = SimpleNamespace(shards=[SimpleNamespace(num_rows=n) for n in sizes])
@@ -278,9 +278,9 @@ def test_prioritized_checkpoints_need_partial_recovery_and_sane_budgets(debug_co
 
 # -- a survivor's save: all of it in time, or no record ---------------------------------------
 def _survivor_job(tmp_path):
+    from ckpt.capture.snapshot import ShardRows, Snapshot
     from ckpt.config import CkptConfig
-    from ckpt.snapshot import ShardRows, Snapshot
-    from ckpt.writer import WriteJob
+    from ckpt.write.writer import WriteJob
 
     g = torch.Generator().manual_seed(5)
     rows = ShardRows(
@@ -304,9 +304,9 @@ def _survivor_job(tmp_path):
 def test_a_survivor_saves_frames_and_dense_file_before_its_record(tmp_path) -> None:
     import time
 
-    from ckpt.fs_sink import FsMarkers, FsSource
-    from ckpt.restore import decode_rows, iter_link_frames
-    from ckpt.survivor import SurvivorError, save_survivor
+    from ckpt.recovery.survivor import SurvivorError, save_survivor
+    from ckpt.restore.replay import decode_rows, iter_link_frames
+    from ckpt.stream.filesystem import FsMarkers, FsSource
 
     cfg, job = _survivor_job(tmp_path)
     kwargs = dict(

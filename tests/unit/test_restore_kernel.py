@@ -1,4 +1,4 @@
-"""The restore's fused replay (ckpt/restore_kernel.py) writes exactly what the torch path writes:
+"""The restore's fused replay (ckpt/restore/kernel.py) writes exactly what the torch path writes:
 the same bits in every shard, the same row counts, for every codec it takes, whatever order
 the links' frames arrive in; and the frames it does not fit go through the torch path."""
 
@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt import restore_kernel
-from ckpt.frames import OptimState, encode_frame
-from ckpt.markers import ChainLink, IndexEntry, Marker, OffsetRange
+from ckpt.log.markers import ChainLink, IndexEntry, Marker, OffsetRange
 from ckpt.quant import get_codec
 from ckpt.quant.uniform import decode_nbit
-from ckpt.restore import restore_rows
-from ckpt.restore_kernel import FusedReplay
+from ckpt.restore import kernel as restore_kernel
+from ckpt.restore.kernel import FusedReplay
+from ckpt.restore.replay import restore_rows
+from ckpt.stream.frames import OptimState, encode_frame
 from sharding.shard_views import ShardMap, ShardView
 from tests.unit.test_restore_rows import ListSource, random_rows
 
@@ -141,7 +141,7 @@ def test_a_column_split_or_a_gpu_shard_is_left_to_the_torch_path() -> None:
         payload=get_codec("adaptive4").encode(torch.randn(3, 4)),
         optim=[OptimState("momentum1", get_codec("fp32").code, torch.rand(3, 1))],
     )
-    from ckpt.frames import decode_frame
+    from ckpt.stream.frames import decode_frame
 
     frame = decode_frame(encode_frame(**frame_meta))
     fused = FusedReplay(restore_kernel.load())

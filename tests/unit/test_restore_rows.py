@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from ckpt.frames import OptimState, decode_frame, encode_frame
-from ckpt.markers import ChainLink, IndexEntry, Marker, OffsetRange
-from ckpt.restore import RestoreError, restore_rows, scatter_rows
+from ckpt.errors import RestoreError
+from ckpt.log.markers import ChainLink, IndexEntry, Marker, OffsetRange
+from ckpt.restore.replay import restore_rows, scatter_rows
+from ckpt.stream.frames import OptimState, decode_frame, encode_frame
 from sharding.row_init import RowInit, fill_rows
 from sharding.shard_views import ShardMap, ShardView
 from tests.devices import DEVICES
@@ -143,14 +144,14 @@ def test_base_must_cover_every_row_exactly_once(rows: list[int], replay_seed: Re
     ("run_id", "another-run", "run id 'another-run' != 'r'"),
     ("checkpoint_id", 7, "checkpoint id 7 != 1"),
     ("rank", 3, "rank 3 != partition 0"),
-    ("epoch", 5, "attempt epoch 5 != 0"),  # another trainer attempt's frame (ckpt/attempts.py)
+    ("epoch", 5, "attempt epoch 5 != 0"),  # another trainer attempt's frame (ckpt/log/fencing.py)
 ])  # fmt: skip
 def test_a_frame_that_does_not_match_its_marker_is_refused_before_anything_is_written(
     field, value, says, replay_seed: ReplaySeed
 ) -> None:
     """A frame from another run (a reused topic or directory), another checkpoint, another rank or
     another trainer attempt at the position the marker names is refused with its location; the shard keeps its values."""
-    from ckpt.frames import FrameError
+    from ckpt.stream.frames import FrameError
 
     meta = dict(run_id=RUN, checkpoint_id=1, rank=0, table="t", col_offset=0, dim=4, encoding=FP32,
                 row_ids=torch.arange(5), payload=torch.randn(5, 4, generator=replay_seed.torch_generator()),

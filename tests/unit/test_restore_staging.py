@@ -1,4 +1,4 @@
-"""The restore's staged path (ckpt/restore_staging.py) writes exactly what the direct kernel and
+"""The restore's staged path (ckpt/restore/staging.py) writes exactly what the direct kernel and
 the torch path write: the same bits in the weights and every optimizer state, for the codecs the
 kernel takes and those it leaves to the torch path, frames of runs and of scattered ids, frames
 partly outside a shard, links overwriting earlier ones in any arrival order, buffers that grow
@@ -22,13 +22,13 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt import restore_kernel
-from ckpt.frames import Frame, FrameError, OptimState, decode_frame
-from ckpt.markers import ChainLink, IndexEntry, Marker, OffsetRange
+from ckpt.log.markers import ChainLink, IndexEntry, Marker, OffsetRange
 from ckpt.quant import get_codec
-from ckpt.restore import RowsRestored, restore_rows
-from ckpt.restore_kernel import FusedReplay
-from ckpt.restore_staging import CudaQueue, HostQueue, StagedReplay, run_start, to_device
+from ckpt.restore import kernel as restore_kernel
+from ckpt.restore.kernel import FusedReplay
+from ckpt.restore.replay import RowsRestored, restore_rows
+from ckpt.restore.staging import CudaQueue, HostQueue, StagedReplay, run_start, to_device
+from ckpt.stream.frames import Frame, FrameError, OptimState, decode_frame
 from sharding.shard_views import ShardMap, ShardView
 from tests.devices import CUDA, DEVICES
 from tests.unit.test_restore_kernel import RUN, add_frame

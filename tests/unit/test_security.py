@@ -16,12 +16,12 @@ import pytest
 import torch
 import yaml
 
-import ckpt.kafka_sink as kafka_sink
-from ckpt.backends import open_backend
+import ckpt.stream.kafka as kafka_sink
 from ckpt.config import REDACTED
-from ckpt.dense_store import DenseRef, DenseStore, DenseStoreError
-from ckpt.frames import encode_frame
-from ckpt.fs_sink import FsMarkers, FsSink, FsSource
+from ckpt.dense.store import DenseRef, DenseStore, DenseStoreError
+from ckpt.log.backend import open_backend
+from ckpt.stream.filesystem import FsMarkers, FsSink, FsSource
+from ckpt.stream.frames import encode_frame
 from common.errors import ConfigError
 from trainer.config import load_config
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from ckpt.host_buffers import HostBufferPool, Slab
+from ckpt.capture.host_buffers import HostBufferPool, Slab
+from ckpt.capture.snapshot import ShardRows, Snapshot, SnapshotTaker
 from ckpt.quant.adaptive import AdaptiveCodec
 from ckpt.quant.base import NonFiniteRowError, RowRangeError
-from ckpt.snapshot import ShardRows, Snapshot, SnapshotTaker
-from ckpt.writer import WriteJob, encode_frames
+from ckpt.write.writer import WriteJob, encode_frames
 from tests.devices import DEVICES, NEEDS_CUDA, synchronize
 
 

@@ -9,18 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt.attempts import announce
-from ckpt.catalog import read_catalog
-from ckpt.catalog_record import read_recent_catalog
-from ckpt.committer import Committer
-from ckpt.dense_store import DenseRef, DenseStore
-from ckpt.frames import OptimState, chunk_rows, decode_frame
-from ckpt.fs_sink import FsMarkers, FsSink, FsSource
-from ckpt.markers import FrameMeta, IndexEntry, OffsetRange, commits, decode_record, index_frames
+from ckpt.capture.snapshot import ShardRows, Snapshot
+from ckpt.dense.store import DenseRef, DenseStore
+from ckpt.log.catalog import read_catalog
+from ckpt.log.catalog_record import read_recent_catalog
+from ckpt.log.fencing import announce
+from ckpt.log.markers import FrameMeta, IndexEntry, OffsetRange, commits, decode_record, index_frames
 from ckpt.quant import get_codec
-from ckpt.restore import restore_rows
-from ckpt.snapshot import ShardRows, Snapshot
-from ckpt.writer import RankReport, RankWriter, WriteJob, encode_frames
+from ckpt.restore.replay import restore_rows
+from ckpt.stream.filesystem import FsMarkers, FsSink, FsSource
+from ckpt.stream.frames import OptimState, chunk_rows, decode_frame
+from ckpt.write.committer import Committer
+from ckpt.write.writer import RankReport, RankWriter, WriteJob, encode_frames
 from sharding.shard_views import ShardMap, ShardView
 
 RUN = "unit-run"

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ckpt.writer import RankWriter
+from ckpt.write.writer import RankWriter
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "setpriority"), reason="needs os.setpriority (Linux)")
 

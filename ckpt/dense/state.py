@@ -1,0 +1,77 @@
+"""Capture and load the dense half of the model: MLPs, data-parallel tables, dense optimizer.
+
+Captured as detached host copies during the checkpoint stall (so training can go on
+changing the live tensors) and keyed by parameter name, which does not depend on the
+world size or sharding plan, so a dense file restores into any of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ckpt.errors import RestoreError
+from sharding.dmp import ShardedModel
+
+
+def _dense_params(sharded: ShardedModel) -> dict[str, torch.Tensor]:
+    """Parameters not owned by a fused embedding kernel (those travel as rows)."""
+    return {n: p for n, p in sharded.model.named_parameters() if not hasattr(p, "_in_backward_optimizers")}
+
+
+def _dense_optimizer(sharded: ShardedModel):
+    return sharded.optimizer.optimizers[-1][1]
+
+
+def _copy(tree: Any) -> Any:
+    if torch.is_tensor(tree):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: _copy(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [_copy(v) for v in tree]
+    return tree
+
+
+class DenseCapture:
+    """Host copies of dense parameters, buffers and the dense optimizer's state, for rank 0's
+    stall. The parameters and buffers are found once, not at every capture (finding them was
+    more than half of the capture's time: docs/BENCHMARKS.md); their tensors stay
+    the same for the model's life, as `load` copies into them. The optimizer's state is read
+    at each capture (it may add tensors as training goes)."""
+
+    def __init__(self, sharded: ShardedModel) -> None:
+        self.sharded = sharded
+        self._params = _dense_params(sharded)
+        self._buffers = dict(sharded.model.named_buffers())
+
+    def __call__(self) -> dict[str, Any]:
+        return {
+            "params": _copy(self._params),
+            "buffers": _copy(self._buffers),
+            "optimizer": _copy(_dense_optimizer(self.sharded).state_dict()),
+        }
+
+
+@torch.no_grad()
+def load(sharded: ShardedModel, state: dict[str, Any]) -> None:
+    """Copy a captured dense state into the live model; names must match exactly."""
+    params = _dense_params(sharded)
+    missing = sorted(set(params) - set(state["params"]))
+    extra = sorted(set(state["params"]) - set(params))
+    if missing or extra:
+        raise RestoreError(
+            f"dense state does not match this model: missing {missing[:3]}, unexpected {extra[:3]} "
+            "(was the checkpoint written with another model config?)"
+        )
+    for name, p in params.items():
+        src = state["params"][name]
+        if src.shape != p.shape:
+            raise RestoreError(f"dense parameter {name}: checkpoint shape {tuple(src.shape)} != model {tuple(p.shape)}")
+        p.copy_(src)
+    buffers = dict(sharded.model.named_buffers())
+    for name, b in state["buffers"].items():
+        if name in buffers:
+            buffers[name].copy_(b)
+    _dense_optimizer(sharded).load_state_dict(state["optimizer"])

@@ -1,0 +1,258 @@
+"""The run's checkpoints as the markers log says they are: one in-order fold of its records.
+
+Every reader of the log (restore, the trainer's committer, the follower, `deltarec-ckpt`)
+sees the same facts because they are derived from the records alone, in log order, never
+from a reader's clock:
+
+- COMMIT and FAILED markers of this run;
+- which follower holds the compaction lease, and so which COMPACTED markers count: a
+  compacted baseline is accepted only when its writer held the lease at that point of the
+  log; one from a fenced follower (it lost the lease while it was writing) is ignored;
+- the generations `deltarec-ckpt gc` dropped;
+- which trainer attempt holds the run, and so which COMMIT and FAILED markers count: the
+  newest trainer ATTEMPT record holds it from its position on, and a marker of an older
+  attempt after that point (a zombie: an old attempt still alive after a restart, or a
+  second job with the same run id) is fenced, never restored (docs/design.md §7). The same
+  rule says which `deltarec-ckpt gc` may delete;
+- the survivor snapshots each trainer attempt's ranks left when another rank died
+  (`ckpt.recovery: partial`, ckpt/recovery/partial.py chooses which a restore uses).
+
+From these it gives, for any committed checkpoint, the cheapest complete chain: its own
+chain, or an accepted compacted baseline of one of its links plus the links after it,
+whichever reads fewer bytes, never one through a dropped generation (docs/design.md §10).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+from ckpt.log.markers import (
+    AttemptRecord,
+    CatalogRecord,
+    ChainLink,
+    DroppedRecord,
+    LeaseRecord,
+    Marker,
+    MarkerError,
+    SurvivorRecord,
+    decode_record,
+)
+from ckpt.stream.sink import MarkerLog
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Lease:
+    """The compaction lease as of some point of the log."""
+
+    holder: str
+    epoch: int  # 1 for the first accepted claim, +1 for each later one
+    renewed_unix: float  # the holder's last claim or renewal (its own clock)
+    lease_s: float
+    released: bool = False
+
+    def free_at(self, when_unix: float) -> bool:
+        """Whether a claim stamped `when_unix` may take the lease over."""
+        return self.released or when_unix - self.renewed_unix > self.lease_s
+
+
+@dataclass(frozen=True)
+class Holder:
+    """The writer of one role that holds the run as of some point of the log."""
+
+    attempt: str
+    epoch: int  # the ATTEMPT record's position + 1: ordered like the log
+    created_unix: float  # the holder's own clock, for messages
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What a catalog folded from a catalog record (ckpt/log/catalog_record.py) does not know:
+    records before `upto` beyond what the record kept."""
+
+    upto: int  # the record's `upto`
+    newest_id: int  # the newest checkpoint id as of `upto`
+    oldest_kept: int  # commits older than this one were left out
+    links: frozenset[int]  # checkpoint ids whose compacted baselines the record kept
+
+
+@dataclass
+class Catalog:
+    """Fold of one run's markers log; `feed` more records as the log grows.
+
+    A catalog folded from a catalog record (`summary` set) knows the commits from the
+    record's oldest kept one on and answers for them as the whole log's fold would, as long
+    as it stays `exact`: a later commit whose chain runs through an older link (whose
+    compacted baselines the record left out) makes it inexact, and its reader folds the
+    whole log instead."""
+
+    run_id: str
+    commits: dict[int, Marker] = field(default_factory=dict)
+    failed: dict[int, Marker] = field(default_factory=dict)
+    compactions: dict[int, Marker] = field(default_factory=dict)  # checkpoint id -> newest accepted
+    fenced: list[Marker] = field(default_factory=list)  # compactions by a follower without the lease
+    # commit and failed markers of a trainer attempt that no longer held the run
+    fenced_commits: list[Marker] = field(default_factory=list)
+    holders: dict[str, Holder] = field(default_factory=dict)  # role -> newest ATTEMPT record
+    epochs_of: dict[str, int] = field(default_factory=dict)  # attempt id -> its epoch
+    trainer_attempts: list[Holder] = field(default_factory=list)  # every trainer ATTEMPT record, in log order
+    survivors: dict[str, dict[int, SurvivorRecord]] = field(default_factory=dict)  # attempt -> rank -> record
+    dropped: set[int] = field(default_factory=set)
+    lease: Lease | None = None
+    epochs: int = 0
+    last_pos: int = -1  # position of the last record fed
+    damaged: list[int] = field(default_factory=list)  # positions of records that failed to decode
+    records: int = 0
+    read: int = 0  # records this object decoded (a catalog folded from a catalog record: those after it)
+    summary: Summary | None = None  # None: folded from the log's first record
+    since_summary: int = 0  # records of this run since its newest catalog record
+    exact: bool = True
+
+    @property
+    def read_from(self) -> int:
+        """Where the next `read_markers` should start: the last record fed, which `feed`
+        skips (a position is a Kafka offset or a byte offset, so "one past it" is not known)."""
+        return max(self.last_pos, 0)
+
+    def feed(self, records: Iterable[tuple[int, bytes]], where: str = "markers") -> Catalog:
+        """Fold `(position, bytes)` records, in log order; records at or before the last
+        position fed are skipped. A record that fails to decode (a damaged one) is skipped with
+        a warning naming its position and kept in `damaged` (docs/design.md §7): what it said is
+        lost (a COMMIT: that checkpoint is not restorable; a DROPPED record: a restore through
+        those generations fails on their missing data), never what the other records say."""
+        for pos, data in records:
+            if pos <= self.last_pos:
+                continue
+            self.last_pos = pos
+            self.read += 1
+            try:
+                rec = decode_record(data)
+            except MarkerError as exc:
+                logger.warning("%s position %s: %s; record skipped", where, pos, exc)
+                self.damaged.append(pos)
+                continue
+            self.records += 1
+            if rec.run_id != self.run_id:
+                continue
+            if isinstance(rec, CatalogRecord):  # a summary of what was folded before it
+                self.since_summary = 0
+                continue
+            self.since_summary += 1
+            if isinstance(rec, LeaseRecord):
+                self._lease_event(rec)
+            elif isinstance(rec, AttemptRecord):
+                self.holders[rec.role] = Holder(rec.attempt, pos + 1, rec.created_unix)
+                self.epochs_of[rec.attempt] = pos + 1
+                if rec.role == "trainer":
+                    self.trainer_attempts.append(self.holders[rec.role])
+            elif isinstance(rec, SurvivorRecord):
+                self.survivors.setdefault(rec.attempt, {})[rec.rank] = rec
+            elif isinstance(rec, DroppedRecord):  # honoured whoever wrote it: its deletions may have begun
+                self.dropped.update(rec.generations)
+            elif rec.kind in ("commit", "failed") and not self._from_holder(rec):
+                self.fenced_commits.append(rec)
+            elif rec.kind == "commit":
+                self.commits[rec.checkpoint_id] = rec
+                self.exact = self.exact and self._knows_links_of(rec)
+            elif rec.kind == "failed":
+                self.failed[rec.checkpoint_id] = rec
+            elif self.holds(rec.follower):
+                self.compactions[rec.checkpoint_id] = rec
+            else:
+                self.fenced.append(rec)
+        return self
+
+    def _lease_event(self, r: LeaseRecord) -> None:
+        lease = self.lease
+        if r.event == "claim":
+            if lease is None or lease.holder == r.follower or lease.free_at(r.created_unix):
+                self.epochs += 1
+                self.lease = Lease(holder=r.follower, epoch=self.epochs, renewed_unix=r.created_unix, lease_s=r.lease_s)
+        elif lease is not None and lease.holder == r.follower and not lease.released:
+            if r.event == "renew":
+                lease.renewed_unix = max(lease.renewed_unix, r.created_unix)
+            elif r.event == "release":
+                lease.released = True
+
+    def _knows_links_of(self, marker: Marker) -> bool:
+        """Whether every compacted baseline `marker`'s chain may start at is known here."""
+        summary = self.summary
+        return summary is None or all(
+            link.checkpoint_id in summary.links or link.checkpoint_id > summary.newest_id for link in marker.chain
+        )
+
+    def _from_holder(self, marker: Marker) -> bool:
+        """Whether a trainer marker counts at its point of the log: its attempt holds the run,
+        or there is no ATTEMPT record yet (logs of older deltarec versions). A marker of an
+        attempt whose own ATTEMPT record was damaged (skipped) counts too: nothing says a newer
+        attempt started after it, and a damaged record must not cost that attempt's work."""
+        held = self.holders.get("trainer")
+        if held is None or marker.attempt == held.attempt:
+            return True
+        return bool(marker.attempt) and marker.attempt not in self.epochs_of
+
+    def holder(self, role: str) -> Holder | None:
+        """The newest writer of `role` ("trainer", "gc") as of the end of what was fed."""
+        return self.holders.get(role)
+
+    def holds(self, follower: str) -> bool:
+        """Whether `follower` holds the lease as of the end of what was fed."""
+        return bool(follower) and self.lease is not None and self.lease.holder == follower and not self.lease.released
+
+    @property
+    def newest_id(self) -> int:
+        """The newest checkpoint id in the log, fenced markers and survivor snapshots included
+        (their dense files and generations exist): the next id a trainer may use is one past it."""
+        survivors = (r.link.checkpoint_id for ranks in self.survivors.values() for r in ranks.values())
+        return max(
+            [
+                *self.commits,
+                *self.failed,
+                *(m.checkpoint_id for m in self.fenced_commits),
+                *survivors,
+                self.summary.newest_id if self.summary else 0,
+            ]
+        )
+
+    def complete(self, chain: list[ChainLink]) -> bool:
+        return bool(chain) and chain[0].full and not any(link.generation in self.dropped for link in chain)
+
+    def chain_options(self, marker: Marker) -> list[list[ChainLink]]:
+        """Every complete chain that restores `marker`'s checkpoint: its own, and each
+        accepted compacted baseline of one of its links followed by the links after it."""
+        options = [marker.chain] if self.complete(marker.chain) else []
+        for i, link in enumerate(marker.chain):
+            compacted = self.compactions.get(link.checkpoint_id)
+            if compacted is not None:
+                option = [compacted.chain[0], *marker.chain[i + 1 :]]
+                if self.complete(option):
+                    options.append(option)
+        return options
+
+    def cheapest(self, marker: Marker) -> Marker | None:
+        """`marker` with the complete chain that reads the fewest bytes (fewest links on a
+        tie); None when every chain of it runs through a dropped generation."""
+        options = self.chain_options(marker)
+        if not options:
+            return None
+        best = min(options, key=lambda chain: (sum(link.bytes for link in chain), len(chain)))
+        return marker if best is marker.chain else replace(marker, chain=best)
+
+    def restorable(self) -> list[Marker]:
+        """Committed checkpoints that still have a complete chain, newest first, each with
+        its cheapest chain."""
+        out = [self.cheapest(m) for _, m in sorted(self.commits.items(), reverse=True)]
+        return [m for m in out if m is not None]
+
+
+def read_catalog(markers: MarkerLog, run_id: str, where: str = "markers") -> Catalog:
+    """The whole log folded."""
+    return Catalog(run_id).feed(markers.read_markers(), where)
+
+
+def catch_up(catalog: Catalog, markers: MarkerLog, where: str = "markers") -> Catalog:
+    """Fold what was appended since the last read."""
+    return catalog.feed(markers.read_markers(catalog.read_from), where)

@@ -1,0 +1,141 @@
+"""Catalog records: the markers log's fold, summarised in the log, so that a restore reads
+the log's tail instead of all of it (docs/design.md §4, "Catalog records").
+
+A run that checkpoints every minute for a week has 10,000 COMMIT markers; folding them all
+takes seconds (each names every shard's frames), more than restoring the model. So rank 0's
+committer appends a catalog record every `ckpt.catalog_every` records (`Committer`), and a restore
+(`read_recent_catalog`) reads the tail of the log, folds from the newest catalog record in it
+and feeds the records after it. The result answers for the newest checkpoints exactly as the
+whole fold would: the record keeps the newest `KEEP` restorable commits and every newer one,
+and the compacted baselines their chains can start at. Anything it cannot answer for (an
+older checkpoint asked for, every kept one failing to restore, a later chain through a link
+it left out) is answered by reading the whole log, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+from ckpt.log.catalog import Catalog, Holder, Lease, Summary, read_catalog
+from ckpt.log.markers import CatalogRecord, MarkerError, decode_record, is_catalog_record
+from ckpt.stream.sink import MarkerLog
+
+logger = logging.getLogger(__name__)
+
+#: Records a restore reads from the log's end first; 8 times as many each time that holds
+#: no catalog record (the writer's `ckpt.catalog_every` is 32 by default).
+TAIL_READ = 64
+#: Restorable checkpoints a catalog record keeps: the fallbacks a restore has before it
+#: reads the whole log.
+KEEP = 4
+
+
+def summarize(catalog: Catalog, keep: int = KEEP) -> CatalogRecord:
+    """`catalog` (which must be exact) as a catalog record."""
+    assert catalog.exact, "an inexact fold is not summarised"
+    restorable: list[int] = []
+    for cid in sorted(catalog.commits, reverse=True):
+        if len(restorable) == keep:
+            break
+        if catalog.cheapest(catalog.commits[cid]) is not None:
+            restorable.append(cid)
+    # every commit from the oldest kept restorable one on; none when nothing is restorable
+    oldest = restorable[-1] if restorable else catalog.newest_id + 1
+    kept = [m for cid, m in sorted(catalog.commits.items()) if cid >= oldest]
+    survivors = list(catalog.survivors.get(catalog.trainer_attempts[-1].attempt, {}).values() if catalog.trainer_attempts else [])
+    links = sorted({link.checkpoint_id for m in kept for link in m.chain} | {r.link.checkpoint_id for r in survivors})
+    lease = catalog.lease
+    return CatalogRecord(
+        kind="catalog",
+        run_id=catalog.run_id,
+        upto=catalog.last_pos,
+        records=catalog.records,
+        newest_id=catalog.newest_id,
+        commits=kept,
+        compactions=[catalog.compactions[cid] for cid in links if cid in catalog.compactions],
+        links=links,
+        holders={role: [h.attempt, h.epoch, h.created_unix] for role, h in catalog.holders.items()},
+        epochs_of=dict(catalog.epochs_of),
+        trainer_attempts=[[h.attempt, h.epoch, h.created_unix] for h in catalog.trainer_attempts],
+        survivors=survivors,
+        dropped=sorted(catalog.dropped),
+        lease={}
+        if lease is None
+        else {
+            "holder": lease.holder,
+            "epoch": lease.epoch,
+            "renewed_unix": lease.renewed_unix,
+            "lease_s": lease.lease_s,
+            "released": lease.released,
+        },
+        lease_epochs=catalog.epochs,
+        created_unix=time.time(),
+    )
+
+
+def from_record(record: CatalogRecord) -> Catalog:
+    """The fold a catalog record summarises, ready to `feed` the records after `record.upto`."""
+    oldest = min((m.checkpoint_id for m in record.commits), default=record.newest_id + 1)
+    return Catalog(
+        run_id=record.run_id,
+        commits={m.checkpoint_id: m for m in record.commits},
+        compactions={m.checkpoint_id: m for m in record.compactions},
+        holders={role: Holder(str(a), int(e), float(t)) for role, (a, e, t) in record.holders.items()},
+        epochs_of={a: int(e) for a, e in record.epochs_of.items()},
+        trainer_attempts=[Holder(str(a), int(e), float(t)) for a, e, t in record.trainer_attempts],
+        survivors={record.survivors[0].attempt: {r.rank: r for r in record.survivors}} if record.survivors else {},
+        dropped=set(record.dropped),
+        lease=Lease(**record.lease) if record.lease else None,
+        epochs=record.lease_epochs,
+        last_pos=record.upto,
+        records=record.records,
+        summary=Summary(upto=record.upto, newest_id=record.newest_id, oldest_kept=oldest, links=frozenset(record.links)),
+    )
+
+
+def read_recent_catalog(markers: MarkerLog, run_id: str, where: str = "markers") -> Catalog:
+    """The log folded from its newest catalog record on, or from its start when it has none,
+    or when what follows the record cannot be folded exactly from it."""
+    want = TAIL_READ
+    while True:
+        tail = markers.read_tail(want)
+        first = tail.records[0][0] if tail.records else 0
+        for pos, catalog in _catalog_records(tail.records, run_id, where):
+            upto = catalog.last_pos
+            if upto < first and not tail.whole:
+                break  # records it did not fold lie before what was read: read more
+            catalog.feed(((p, d) for p, d in tail.records if p > upto), where)
+            if catalog.exact:
+                return catalog
+            logger.info(
+                "%s: a checkpoint after position %d chains through a link its catalog record at %d "
+                "left out; reading the whole log",
+                where,
+                upto,
+                pos,
+            )
+            return read_catalog(markers, run_id, where)
+        else:
+            if tail.whole:
+                return Catalog(run_id).feed(tail.records, where)
+        want *= 8
+
+
+def _catalog_records(records: list[tuple[int, bytes]], run_id: str, where: str) -> Iterator[tuple[int, Catalog]]:
+    """The folds the catalog records of `run_id` among `records` summarise, newest first,
+    decoding nothing else; a damaged one is skipped with a warning (an older one serves)."""
+    for pos, data in reversed(records):
+        if not is_catalog_record(data):
+            continue
+        try:
+            record = decode_record(data)
+            assert isinstance(record, CatalogRecord)
+            if record.run_id != run_id:
+                continue
+            catalog = from_record(record)
+        except (MarkerError, TypeError, ValueError) as exc:  # the last two: nested fields of the wrong shape
+            logger.warning("%s position %s: %s; an older catalog record serves", where, pos, exc)
+            continue
+        yield pos, catalog

@@ -1,0 +1,426 @@
+"""COMMIT (and FAILED) markers: the records that make a checkpoint exist.
+
+A checkpoint exists only once its COMMIT marker is durable, and rank 0 writes one only
+after every rank's rows and the dense file are durable (invariant 1). The marker lists,
+for every checkpoint of the chain a restore must replay (full baseline first, then the
+deltas), the exact offset range of each partition, so recovery never asks the broker
+where a partition ends. FAILED markers are informational: `deltarec-ckpt list` shows
+them; restore ignores them.
+
+Wire form: b"DRM1" + crc32 (u32, little endian) of the JSON body + the JSON body (utf-8).
+JSON keeps the record readable with any Kafka tool; the CRC catches a damaged record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import struct
+import zlib
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any, NamedTuple
+
+from common.errors import DeltarecError
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"DRM1"
+FORMAT_VERSION = 1
+_HEAD = struct.Struct("<4sI")
+
+
+class MarkerError(DeltarecError, ValueError):
+    """A marker record that cannot be trusted (bad magic, CRC, JSON or fields)."""
+
+
+class OffsetRange(NamedTuple):
+    """Positions ``first``..``last`` of one partition, both inclusive (JSON: ``[first, last]``)."""
+
+    first: int
+    last: int
+
+
+class IndexEntry(NamedTuple):
+    """One run of consecutive frames of one shard in one partition (JSON: a list in this
+    field order). Row ids ascend within a shard's frames, so the rows lie in
+    ``min_row``..``max_row``; the frames hold columns ``col_offset``..``col_offset + cols - 1``."""
+
+    partition: int
+    first: int  # position of the run's first frame
+    last: int  # position of its last frame
+    table: str
+    col_offset: int
+    min_row: int
+    max_row: int
+    cols: int
+
+
+@dataclass(kw_only=True)
+class ChainLink:
+    """One checkpoint's rows: where they are and how much there is."""
+
+    checkpoint_id: int
+    full: bool
+    generation: int
+    # partition (= writing rank) -> offset ranges. Usually one range; several when frames
+    # of an earlier failed flush landed in between (they belong to no checkpoint and are
+    # never read). A partition without frames is absent.
+    ranges: dict[int, list[OffsetRange]]
+    rows: int
+    bytes: int
+    # Where each shard's frames are, so a restoring rank reads only what overlaps its shards.
+    index: list[IndexEntry] = field(default_factory=list)
+    # The trainer attempt that wrote the link (its frames carry the same number; 0: written
+    # before attempts were recorded, or by a follower's compaction).
+    epoch: int = 0
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ChainLink:
+        return cls(
+            checkpoint_id=int(d["checkpoint_id"]),
+            full=bool(d["full"]),
+            generation=int(d["generation"]),
+            ranges={int(p): [OffsetRange(int(a), int(b)) for a, b in rs] for p, rs in d["ranges"].items()},
+            rows=int(d["rows"]),
+            bytes=int(d["bytes"]),
+            index=[_index_entry(e) for e in d.get("index", [])],
+            epoch=int(d.get("epoch", 0)),
+        )
+
+
+def _index_entry(e: list[Any]) -> IndexEntry:
+    partition, first, last, table, col_offset, min_row, max_row, cols = e
+    # positional: a third faster than keywords, and the log's fold decodes thousands of these
+    return IndexEntry(int(partition), int(first), int(last), str(table), int(col_offset), int(min_row), int(max_row), int(cols))
+
+
+@dataclass(kw_only=True)
+class Marker:
+    """A COMMIT or FAILED record for one checkpoint."""
+
+    kind: str  # "commit" or "failed"
+    run_id: str
+    checkpoint_id: int
+    step: int
+    world_size: int
+    chain: list[ChainLink] = field(default_factory=list)
+    policy: str = ""
+    plan: dict[str, str] = field(default_factory=dict)  # table -> sharding type of the writing job
+    tables: dict[str, list[int]] = field(default_factory=dict)  # table -> [rows, dim]
+    encodings: dict[str, str] = field(default_factory=dict)  # "weights"/"optimizer" -> codec name
+    dense: dict[str, Any] = field(default_factory=dict)  # path, sha256, bytes
+    stall_ms: list[float] = field(default_factory=list)  # per rank
+    error: str = ""  # why a checkpoint failed
+    created_unix: float = 0.0
+    format: int = FORMAT_VERSION
+    follower: str = ""  # "compacted" records: the follower that wrote it (checked against the lease)
+    attempt: str = ""  # commit and failed records: the trainer attempt that wrote it (ckpt/log/catalog.py)
+    # How rows were initialised (sharding/row_init.py `RowInit.to_json`): the chain then holds
+    # only rows trained since, and restore regenerates the others. Empty: every row is stored.
+    init: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def full(self) -> bool:
+        return bool(self.chain) and self.chain[-1].full
+
+    @property
+    def bytes(self) -> int:
+        """Bytes this checkpoint itself wrote (rows of its own link)."""
+        return self.chain[-1].bytes if self.chain else 0
+
+    @property
+    def chain_bytes(self) -> int:
+        """Bytes a restore reads (the whole chain)."""
+        return sum(link.bytes for link in self.chain)
+
+
+@dataclass(kw_only=True)
+class LeaseRecord:
+    """A follower's claim, renewal or release of the right to compact (ckpt/follow/lease.py).
+    Which claim holds is decided by folding the log in order (ckpt/log/catalog.py)."""
+
+    kind: str  # "lease"
+    run_id: str
+    follower: str  # the follower's id (host, pid, random suffix)
+    event: str  # "claim", "renew" or "release"
+    lease_s: float  # a holder that has not renewed for this long may be replaced
+    created_unix: float
+    format: int = FORMAT_VERSION
+
+
+@dataclass(kw_only=True)
+class DroppedRecord:
+    """`deltarec-ckpt gc` dropped these generations: no chain through them is restorable.
+    Appended before the data is deleted, so a restore never starts reading a generation
+    that is going away."""
+
+    kind: str  # "dropped"
+    run_id: str
+    generations: list[int]
+    created_unix: float
+    format: int = FORMAT_VERSION
+
+
+@dataclass(kw_only=True)
+class AttemptRecord:
+    """A writer announcing itself before it writes anything: every trainer attempt (rank 0,
+    at start) and every `deltarec-ckpt gc`. Of each role, the newest record in the log holds
+    the run; an older writer is fenced from that point on (its later COMMITs are ignored,
+    and it stops when it sees the newer record). A writer's epoch is the record's position
+    + 1 (ckpt/log/fencing.py)."""
+
+    kind: str  # "attempt"
+    run_id: str
+    role: str  # "trainer" or "gc"
+    attempt: str  # host, pid and a random suffix
+    world_size: int
+    created_unix: float
+    format: int = FORMAT_VERSION
+
+
+@dataclass(kw_only=True)
+class SurvivorRecord:
+    """One surviving rank's snapshot after another rank died (`ckpt.recovery: partial`,
+    ckpt/recovery/survivor.py): the rows of its shards changed since checkpoint `base`, as one chain
+    link of frames, and its dense and loop state in a dense file. Appended last, once the
+    frames and the file are durable, so a snapshot whose writer died or ran out of time has
+    no record and is never used (docs/design.md §11)."""
+
+    kind: str  # "survivor"
+    run_id: str
+    attempt: str  # the trainer attempt the rank belonged to
+    rank: int
+    world_size: int
+    base: int  # the newest checkpoint this rank knew committed: the rows are a delta of it
+    step: int  # the last step the rank completed: its rows, dense and loop state are of it
+    link: ChainLink  # its frames (checkpoint id and generation: ckpt/recovery/survivor.py)
+    dense: dict[str, Any]  # path, sha256, bytes of its dense file (dense and loop state)
+    # its shards [table, row_offset, num_rows, col_offset, num_cols]: what it keeps, and so,
+    # by elimination, what rolls back to `base`
+    shards: list[list[Any]] = field(default_factory=list)
+    created_unix: float = 0.0
+    format: int = FORMAT_VERSION
+
+
+@dataclass(kw_only=True)
+class CatalogRecord:
+    """The fold of the log (ckpt/log/catalog.py) as of position `upto`, summarised, so that a
+    restore reads the log's tail instead of the whole log (docs/design.md §4, "Catalog
+    records"). Rank 0's committer appends one every few records. What it keeps is what a
+    restore of one of the newest checkpoints needs: the newest `keep` restorable COMMIT
+    markers (and every commit newer than the oldest of them) with the compacted baselines
+    their chains can start at, and everything the fold carries forward that stays small
+    (attempts, lease, drops, the newest attempt's survivors, the newest id). Older
+    checkpoints are found by reading the whole log."""
+
+    kind: str  # "catalog"
+    run_id: str
+    upto: int  # the position of the last record folded into it; a reader folds what follows
+    records: int  # records folded, for diagnostics
+    newest_id: int  # `Catalog.newest_id` as of `upto`
+    commits: list[Marker]  # checkpoint id ascending
+    compactions: list[Marker]  # accepted compacted baselines of the kept commits' links
+    links: list[int]  # checkpoint ids of every link of the kept commits' chains
+    holders: dict[str, list[Any]]  # role -> [attempt, epoch, created_unix]
+    epochs_of: dict[str, int]  # every writer attempt -> its epoch
+    trainer_attempts: list[list[Any]]  # [attempt, epoch, created_unix], log order
+    survivors: list[SurvivorRecord]  # of the newest trainer attempt
+    dropped: list[int]
+    lease: dict[str, Any]  # `Lease` fields; empty: nobody ever claimed
+    lease_epochs: int
+    created_unix: float
+    format: int = FORMAT_VERSION
+
+
+#: Every record of the markers log: checkpoint markers (kinds commit, failed, compacted),
+#: follower leases, gc's drops, writers' attempts, survivor snapshots and catalog records.
+LogRecord = Marker | LeaseRecord | DroppedRecord | AttemptRecord | SurvivorRecord | CatalogRecord
+_KINDS: dict[str, type] = {
+    "commit": Marker,
+    "failed": Marker,
+    "compacted": Marker,
+    "lease": LeaseRecord,
+    "dropped": DroppedRecord,
+    "attempt": AttemptRecord,
+    "survivor": SurvivorRecord,
+    "catalog": CatalogRecord,
+}
+ROLES = ("trainer", "gc")
+# A catalog record's envelope has a magic of its own, so that a reader looking for the newest
+# one tells it from the records around it without decoding them.
+CATALOG_MAGIC = b"DRC1"
+
+
+def _fields(record: LogRecord) -> dict[str, Any]:
+    """A record's JSON object; empty optional fields of markers are left out (the wire form
+    markers always had)."""
+    fields = asdict(record)
+    if isinstance(record, SurvivorRecord) and not fields["link"]["epoch"]:
+        del fields["link"]["epoch"]
+    if isinstance(record, Marker):
+        for name in ("follower", "attempt", "init"):
+            if not fields[name]:
+                del fields[name]
+        for link in fields["chain"]:
+            if not link["epoch"]:
+                del link["epoch"]
+    if isinstance(record, CatalogRecord):
+        for name in ("commits", "compactions", "survivors"):
+            fields[name] = [_fields(r) for r in getattr(record, name)]
+    return fields
+
+
+def encode_marker(marker: LogRecord) -> bytes:
+    """Serialise any log record with the CRC envelope."""
+    assert _KINDS.get(marker.kind) is type(marker), marker.kind
+    body = json.dumps(_fields(marker), sort_keys=True, separators=(",", ":")).encode()
+    return _HEAD.pack(CATALOG_MAGIC if marker.kind == "catalog" else MAGIC, zlib.crc32(body)) + body
+
+
+def is_catalog_record(data: bytes) -> bool:
+    """Whether `data` is enveloped as a catalog record (not yet verified: `decode_record` does)."""
+    return data[:4] == CATALOG_MAGIC
+
+
+def decode_marker(data: bytes) -> Marker:
+    """Parse and verify one checkpoint marker (commit, failed, compacted)."""
+    record = decode_record(data)
+    if not isinstance(record, Marker):
+        raise MarkerError(f"a {record.kind} record where a checkpoint marker was expected")
+    return record
+
+
+def decode_record(data: bytes) -> LogRecord:
+    """Parse and verify one record of the markers log; raise MarkerError naming what is wrong."""
+    if len(data) < _HEAD.size:
+        raise MarkerError(f"marker record too short ({len(data)} bytes)")
+    magic, crc = _HEAD.unpack_from(data)
+    if magic not in (MAGIC, CATALOG_MAGIC):
+        raise MarkerError(f"not a marker record (magic {magic!r})")
+    body = bytes(data[_HEAD.size :])
+    if zlib.crc32(body) != crc:
+        raise MarkerError("marker record CRC mismatch")
+    try:
+        d = json.loads(body)
+        if not isinstance(d, dict):
+            raise MarkerError(f"marker record body is a JSON {type(d).__name__}, not an object")
+        record = _record(d)
+    except MarkerError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
+        # OverflowError: a JSON `Infinity` where an integer belongs; AttributeError: a list
+        # or number where the chain's `ranges` mapping belongs
+        raise MarkerError(f"marker record has bad fields: {exc}") from exc
+    if (magic == CATALOG_MAGIC) != isinstance(record, CatalogRecord):
+        raise MarkerError(f"a {record.kind} record in a {magic!r} envelope")
+    return record
+
+
+def _record(d: dict[str, Any], nested_in: type | None = None) -> LogRecord:
+    """The record a verified JSON object describes (a catalog record's nested ones: only the
+    kinds it holds)."""
+    if d.get("format") != FORMAT_VERSION:
+        raise MarkerError(f"marker format {d.get('format')} is not {FORMAT_VERSION}; upgrade deltarec")
+    cls = _KINDS.get(str(d.get("kind")))
+    if cls is None:
+        raise MarkerError(f"unknown record kind {d.get('kind')!r}; upgrade deltarec")
+    if nested_in is not None and cls is not nested_in:
+        raise MarkerError(f"a {d.get('kind')} record where a catalog record holds {nested_in.__name__}s")
+    _check_field_types(cls, d)
+    if cls is AttemptRecord and d.get("role") not in ROLES:
+        raise MarkerError(f"attempt record of unknown role {d.get('role')!r}")
+    if cls is Marker:
+        d["chain"] = [ChainLink.from_json(link) for link in d["chain"]]
+    if cls is SurvivorRecord:
+        d["link"] = ChainLink.from_json(d["link"])
+    if cls is CatalogRecord:
+        for name, kind in (("commits", Marker), ("compactions", Marker), ("survivors", SurvivorRecord)):
+            d[name] = [_record(r, kind) for r in d[name]]
+    return cls(**d)
+
+
+# The JSON type each annotation of a log record's own fields must arrive as (the nested chain
+# links are converted, and checked, by `ChainLink.from_json`).
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "str": (str,),
+    "int": (int,),
+    "float": (int, float),
+    "bool": (bool,),
+    "list": (list,),
+    "dict": (dict,),
+}
+
+
+def _check_field_types(cls: type, d: dict[str, Any]) -> None:
+    """Refuse a record whose top-level fields have the wrong JSON type (a string where the
+    checkpoint id belongs, a list where the plan belongs), which `cls(**d)` would take as it
+    is and a later comparison or lookup would trip over far from the record."""
+    for f in dataclasses.fields(cls):
+        kind = str(f.type).split("[", 1)[0]
+        if f.name not in d or kind not in _JSON_TYPES:  # missing: cls() says so; an unlisted type: unchecked
+            continue
+        want, value = _JSON_TYPES[kind], d[f.name]
+        if not isinstance(value, want) or (isinstance(value, bool) and bool not in want):
+            raise MarkerError(f"marker record field {f.name!r} must be a JSON {kind}, got {type(value).__name__}")
+
+
+def commits(records: Iterable[tuple[Any, bytes]], run_id: str) -> list[tuple[Any, Marker]]:
+    """The COMMIT markers of `run_id` among raw (position, bytes) records, in log order, as
+    written (diagnostics and benchmarks; restores fold the log with `ckpt.log.catalog`, which also
+    fences markers of a replaced trainer attempt). A damaged record is skipped with a warning."""
+    out = []
+    for pos, data in records:
+        try:
+            m = decode_record(data)
+        except MarkerError as exc:
+            logger.warning("marker at position %s: %s; record skipped", pos, exc)
+            continue
+        if isinstance(m, Marker) and m.kind == "commit" and m.run_id == run_id:
+            out.append((pos, m))
+    return out
+
+
+def select(markers: list[tuple[Any, Marker]], checkpoint_id: int | None = None) -> Marker | None:
+    """The newest COMMIT marker, or the one of `checkpoint_id`; None when there is none."""
+    if checkpoint_id is None:
+        return max((m for _, m in markers), key=lambda m: m.checkpoint_id, default=None)
+    for _, m in markers:
+        if m.checkpoint_id == checkpoint_id:
+            return m
+    return None
+
+
+class FrameMeta(NamedTuple):
+    """What the index needs of one written frame until the sink says where it landed."""
+
+    table: str
+    col_offset: int
+    first_row: int
+    last_row: int
+    cols: int
+
+
+def index_frames(partition: int, positions: list[int], meta: list[FrameMeta]) -> list[IndexEntry]:
+    """The index of one partition's frames: consecutive frames of one shard (``meta`` and
+    their ``positions``, both in write order) merged into one entry."""
+    out: list[IndexEntry] = []
+    for pos, m in zip(positions, meta, strict=True):
+        last = out[-1] if out else None
+        if last is not None and last.table == m.table and last.col_offset == m.col_offset:
+            out[-1] = last._replace(last=pos, min_row=min(last.min_row, m.first_row), max_row=max(last.max_row, m.last_row))
+        else:
+            out.append(
+                IndexEntry(
+                    partition=partition,
+                    first=pos,
+                    last=pos,
+                    table=m.table,
+                    col_offset=m.col_offset,
+                    min_row=m.first_row,
+                    max_row=m.last_row,
+                    cols=m.cols,
+                )
+            )
+    return out

@@ -1,0 +1,517 @@
+"""Checkpoint frames: the binary unit that carries embedding rows to a sink.
+
+One frame holds rows of one (table, column offset) shard of one rank for one
+checkpoint. Layout, version 1, all integers little-endian::
+
+    prefix   magic "DRF1" | version u16 | flags u16 | header_len u32 | total_len u64
+    meta     checkpoint_id u64 | rank u32 | col_offset u32 | row_count u32 | dim u32
+             | row_bytes u32 | chunk_index u32 | chunk_count u32 | encoding u8 | n_optim u8
+             | run_id (u16 length + utf-8) | table (u16 length + utf-8)
+             | n_optim x [name (u16 length + utf-8) | encoding u8 | row_bytes u32]
+             | zero padding to a multiple of 8                      (= header_len bytes)
+    body     row ids int64[n] | payload uint8[n, row_bytes] | each optimizer state
+             uint8[n, its row_bytes]; every section zero-padded to a multiple of 8
+    trailer  crc32 u32 over every byte before it
+
+``flags`` bit 0 (``FLAG_ROW_RUN``): the rows are the run ``first``..``first + n - 1``, and
+the row-ids section holds only ``first`` (int64): full checkpoints and compacted baselines
+write whole shards, whose ids would otherwise cost 8 bytes a row. Bit 1 (``FLAG_EPOCH``):
+the header tail ends with the writing trainer attempt's epoch (u64) after the optimizer
+layout; a restore checks it against the COMMIT marker's link (frames without it are epoch
+0). Bit 2 (``FLAG_ROW_BITMAP``): the rows ascend, and the row-ids section holds ``first``
+(int64), ``span`` (int64) and a bitmap of ``span`` bits (LSB first), bit i set for row
+``first + i``: what a frame of scattered trained rows uses when that is smaller than 8 bytes
+a row. Other bits are refused.
+
+``encoding`` is a codec id of ``ckpt.quant``'s registry (fp32=1, fp16=2, asym8=24, ...),
+carried as an integer: this module never interprets payload bytes. Sections start
+8-aligned, so a decoder can view them in place (``torch.frombuffer``) without copying.
+
+CRC: ``zlib.crc32`` (stdlib, ~1.5 GB/s here, detects every error burst up to 32 bits,
+so any single flipped byte). CRC32C would be what Kafka uses for batches but needs a
+third-party package and buys no extra detection for our purpose.
+
+Decoding checks, in order: magic, version, total length (truncation / trailing bytes),
+CRC, then internal consistency. Every failure raises :class:`FrameError`; the reader
+that knows where the bytes came from adds it with ``where=`` (see :func:`kafka_where`,
+:func:`file_where`).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import sys
+import warnings
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from common.errors import DeltarecError
+
+MAGIC = b"DRF1"
+VERSION = 1
+# librdkafka refuses messages over message.max.bytes (default 1,000,000) and Apache
+# Kafka's broker default is 1,048,588 for a whole record batch: stay under both with
+# room for the record/batch overhead (~100 bytes).
+DEFAULT_MAX_FRAME_BYTES = 1_000_000 - 1024
+
+_PREFIX = struct.Struct("<4sHHIQ")  # magic, version, flags, header_len, total_len
+_META = struct.Struct("<QIIIIIIIBB")  # ckpt, rank, col, n, dim, row_bytes, idx, cnt, enc, n_opt
+_STR_LEN = struct.Struct("<H")
+_OPT = struct.Struct("<BI")  # encoding, row_bytes
+_CRC = struct.Struct("<I")
+_ALIGN = 8
+_MAX_STR = 0xFFFF
+FLAG_ROW_RUN = 0x1  # row ids are first..first+n-1; the ids section holds `first` alone
+FLAG_EPOCH = 0x2  # the header tail ends with the writer's epoch (u64)
+FLAG_ROW_BITMAP = 0x4  # the ids section holds first, span and a bitmap of the rows in first..first+span-1
+_BITMAP_HEAD = struct.Struct("<qq")  # first, span
+_EPOCH = struct.Struct("<Q")
+
+if sys.byteorder != "little":  # pragma: no cover
+    raise ImportError("ckpt.stream.frames writes tensors in native byte order and needs a little-endian host")
+
+# torch warns once per process when it views a read-only buffer (bytes from Kafka or a
+# file). The views are documented read-only; spend that one warning here, silently.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    torch.frombuffer(b"\0" * 8, dtype=torch.uint8)
+
+
+class FrameError(DeltarecError, ValueError):
+    """A frame failed validation. ``reason`` says what, ``where`` where it came from."""
+
+    def __init__(self, reason: str, where: str | None = None) -> None:
+        self.reason = reason
+        self.where = where
+        super().__init__(f"{where}: {reason}" if where else reason)
+
+    def located(self, where: str) -> FrameError:
+        """The same error, naming its origin (topic/partition/offset, file/byte offset)."""
+        return FrameError(self.reason, where)
+
+
+def kafka_where(topic: str, partition: int, offset: int) -> str:
+    return f"topic {topic} partition {partition} offset {offset}"
+
+
+def file_where(path: object, byte_offset: int) -> str:
+    return f"{path} at byte {byte_offset}"
+
+
+@dataclass(frozen=True)
+class OptimState:
+    """Rows of one optimizer tensor (e.g. row-wise Adagrad momentum) matching the frame's rows.
+
+    On encode ``rows`` may be any dtype with first dimension n (its bytes are stored as
+    they are); on decode it is a read-only ``uint8 [n, row_bytes]`` view.
+    """
+
+    name: str
+    encoding: int
+    rows: torch.Tensor
+
+    @property
+    def row_bytes(self) -> int:
+        return _row_bytes(self.rows)
+
+
+@dataclass(frozen=True)
+class Frame:
+    run_id: str
+    checkpoint_id: int
+    rank: int
+    table: str
+    col_offset: int
+    dim: int
+    encoding: int
+    row_bytes: int
+    chunk_index: int
+    chunk_count: int
+    row_ids: torch.Tensor  # int64 [n], global row ids
+    payload: torch.Tensor  # uint8 [n, row_bytes], read-only view
+    optim: tuple[OptimState, ...] = ()
+    first_row: int | None = None  # a run (FLAG_ROW_RUN): row_ids are first_row.. in order
+    epoch: int = 0  # the writing trainer attempt (FLAG_EPOCH); 0: none recorded
+
+    @property
+    def row_count(self) -> int:
+        return int(self.row_ids.shape[0])
+
+
+# --- encoding -------------------------------------------------------------------------
+
+
+def _pad(n: int) -> int:
+    return -n % _ALIGN
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    return math.prod(t.shape[1:]) * t.element_size()
+
+
+def _as_row_bytes(t: torch.Tensor, n: int, what: str) -> np.ndarray:
+    """``t`` (first dim n, any dtype) as a contiguous uint8 numpy array [n, row_bytes]."""
+    if not isinstance(t, torch.Tensor):
+        t = torch.as_tensor(t)
+    if t.dim() == 0 or t.shape[0] != n:
+        raise ValueError(f"{what} has shape {tuple(t.shape)}, expected first dimension {n}")
+    t = t.detach().cpu().contiguous().reshape(n, math.prod(t.shape[1:]))
+    if t.dtype != torch.uint8:
+        t = t.view(torch.uint8)
+    return t.numpy()
+
+
+def _str_field(s: str, what: str) -> bytes:
+    b = s.encode("utf-8")
+    if len(b) > _MAX_STR:
+        raise ValueError(f"{what} is {len(b)} bytes, at most {_MAX_STR}")
+    return _STR_LEN.pack(len(b)) + b
+
+
+def _header_tail(run_id: str, table: str, optim_layout: Sequence[tuple[str, int, int]], epoch: int = 0) -> bytes:
+    parts = [_str_field(run_id, "run id"), _str_field(table, "table name")]
+    for name, enc, rb in optim_layout:
+        parts += [_str_field(name, "optimizer state name"), _OPT.pack(enc, rb)]
+    if epoch:
+        try:
+            parts.append(_EPOCH.pack(epoch))
+        except struct.error:
+            raise ValueError(f"epoch {epoch} out of range") from None
+    return b"".join(parts)
+
+
+def _header_len(tail_len: int) -> int:
+    n = _PREFIX.size + _META.size + tail_len
+    return n + _pad(n)
+
+
+def _frame_len(
+    header_len: int, n: int, row_bytes: int, optim_row_bytes: Sequence[int], run: bool = False, span: int | None = None
+) -> int:
+    """Bytes of a frame; its ids are a run, a bitmap of `span` rows, or 8 bytes a row."""
+    ids = 8 if run else _bitmap_len(span) if span is not None else 8 * n
+    body = sum(s + _pad(s) for s in [ids, n * row_bytes, *(n * rb for rb in optim_row_bytes)])
+    return header_len + body + _CRC.size
+
+
+def _bitmap_len(span: int) -> int:
+    return _BITMAP_HEAD.size + (span + 7) // 8
+
+
+def _bitmap_span(ids: torch.Tensor) -> int | None:
+    """The span of a bitmap holding `ids` (1-D) when it is smaller than 8 bytes a row and the
+    ids strictly ascend; else None."""
+    n = int(ids.shape[0])
+    if n < 2:
+        return None
+    span = int(ids[-1]) - int(ids[0]) + 1
+    size = _bitmap_len(span)
+    if size + _pad(size) >= 8 * n or not bool((ids[1:] > ids[:-1]).all()):
+        return None
+    return span
+
+
+def _bitmap(ids: torch.Tensor, span: int) -> np.ndarray:
+    bits = np.zeros(span, dtype=np.uint8)
+    bits[(ids - ids[0]).numpy()] = 1
+    head = np.frombuffer(_BITMAP_HEAD.pack(int(ids[0]), span), dtype=np.uint8)
+    return np.concatenate([head, np.packbits(bits, bitorder="little")])
+
+
+def _is_run(ids: torch.Tensor) -> bool:
+    """Whether `ids` (1-D) are first, first+1, ..., first+n-1."""
+    n = int(ids.shape[0])
+    return n > 0 and int(ids[-1]) - int(ids[0]) == n - 1 and (n == 1 or bool((ids[1:] - ids[:-1] == 1).all()))
+
+
+def encode_frame(
+    *,
+    run_id: str,
+    checkpoint_id: int,
+    rank: int,
+    table: str,
+    col_offset: int,
+    dim: int,
+    encoding: int,
+    row_ids: torch.Tensor,
+    payload: torch.Tensor,
+    optim: Sequence[OptimState] = (),
+    chunk_index: int = 0,
+    chunk_count: int = 1,
+    epoch: int = 0,
+) -> bytes:
+    """Encode one frame. ``payload`` is [n, ...] of any dtype (stored as its raw bytes:
+    the quantizer's output, or ``rows`` themselves for fp32); so is each ``optim[i].rows``."""
+    ids = torch.as_tensor(row_ids)
+    if ids.dim() != 1:
+        raise ValueError(f"row_ids must be 1-D, got shape {tuple(ids.shape)}")
+    n = int(ids.shape[0])
+    ids = ids.detach().cpu().to(torch.int64)
+    run = _is_run(ids)
+    span = None if run else _bitmap_span(ids)
+    ids_np = ids[:1].numpy() if run else _bitmap(ids, span) if span is not None else ids.contiguous().numpy()
+    pay_np = _as_row_bytes(payload, n, "payload")
+    opt_np = [_as_row_bytes(o.rows, n, f"optimizer state {o.name!r}") for o in optim]
+    if len(optim) > 255:
+        raise ValueError("at most 255 optimizer states per frame")
+    if not 0 <= chunk_index < chunk_count:
+        raise ValueError(f"chunk_index {chunk_index} not in [0, chunk_count={chunk_count})")
+    row_bytes = pay_np.shape[1]
+    layout = [(o.name, o.encoding, a.shape[1]) for o, a in zip(optim, opt_np)]
+    tail = _header_tail(run_id, table, layout, epoch)
+    header_len = _header_len(len(tail))
+    total = _frame_len(header_len, n, row_bytes, [a.shape[1] for a in opt_np], run, span)
+    flags = (FLAG_ROW_RUN if run else 0) | (FLAG_EPOCH if epoch else 0) | (FLAG_ROW_BITMAP if span is not None else 0)
+    try:
+        head = (
+            _PREFIX.pack(MAGIC, VERSION, flags, header_len, total)
+            + _META.pack(checkpoint_id, rank, col_offset, n, dim, row_bytes, chunk_index, chunk_count, encoding, len(optim))
+            + tail
+        )
+    except struct.error as e:
+        raise ValueError(f"frame field out of range: {e}") from None
+    parts: list = [head + b"\0" * (header_len - len(head))]
+    for arr in (ids_np, pay_np, *opt_np):
+        mv = arr.reshape(-1).view(np.uint8).data
+        parts.append(mv)
+        if _pad(mv.nbytes):
+            parts.append(b"\0" * _pad(mv.nbytes))
+    crc = 0
+    for p in parts:
+        crc = zlib.crc32(p, crc)
+    parts.append(_CRC.pack(crc))
+    out = b"".join(parts)
+    assert len(out) == total, (len(out), total)
+    return out
+
+
+class EncodedFrame(NamedTuple):
+    """One frame of a shard as :func:`chunk_rows` made it, with what an index of it needs."""
+
+    data: bytes
+    row_count: int
+    first_row: int  # row id of the frame's first row
+    last_row: int  # row id of its last row
+
+
+def chunk_rows(
+    *,
+    run_id: str,
+    checkpoint_id: int,
+    rank: int,
+    table: str,
+    col_offset: int,
+    dim: int,
+    encoding: int,
+    row_ids: torch.Tensor,
+    payload: torch.Tensor,
+    optim: Sequence[OptimState] = (),
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    epoch: int = 0,
+) -> Iterator[EncodedFrame]:
+    """Split one shard's rows into frames of at most ``max_frame_bytes`` each: the one
+    place that decides how many rows a frame holds.
+
+    Each frame holds as many rows as fit. Frames are produced lazily, in row order,
+    numbered ``chunk_index`` 0..count-1 with the same ``chunk_count``; every row is in
+    exactly one frame. No rows: no frames. Raises ``ValueError`` (at the call, before any
+    frame is made) if a single row does not fit.
+    """
+    ids = torch.as_tensor(row_ids)
+    n = int(ids.shape[0])
+    if n == 0:
+        return iter(())
+    row_bytes = _row_bytes(torch.as_tensor(payload))
+    opt_rb = [o.row_bytes for o in optim]
+    tail = _header_tail(run_id, table, [(o.name, o.encoding, rb) for o, rb in zip(optim, opt_rb)], epoch)
+    header_len = _header_len(len(tail))
+    run = _is_run(ids)  # a whole run: every frame is a run too, and its ids cost 8 bytes
+    # Otherwise frames are sized for 8 bytes of id a row; a frame whose ids pack smaller as a
+    # bitmap (`encode_frame` decides) comes out that much under max_frame_bytes.
+    per_row = (0 if run else 8) + row_bytes + sum(opt_rb)
+    # Largest row count whose frame fits; section padding can cost a few rows less.
+    rows_per_frame = max(0, (max_frame_bytes - header_len - _CRC.size - (8 if run else 0)) // max(per_row, 1))
+    while rows_per_frame and _frame_len(header_len, rows_per_frame, row_bytes, opt_rb, run) > max_frame_bytes:
+        rows_per_frame -= 1
+    if rows_per_frame < 1:
+        raise ValueError(
+            f"one row of table {table!r} needs {header_len + per_row + _CRC.size} "
+            f"bytes with its frame header, more than max_frame_bytes={max_frame_bytes}"
+        )
+    count = -(-n // rows_per_frame)
+
+    def frames() -> Iterator[EncodedFrame]:
+        for i in range(count):
+            start, stop = i * rows_per_frame, min(n, (i + 1) * rows_per_frame)
+            sl = slice(start, stop)
+            data = encode_frame(
+                run_id=run_id,
+                checkpoint_id=checkpoint_id,
+                rank=rank,
+                table=table,
+                col_offset=col_offset,
+                dim=dim,
+                encoding=encoding,
+                row_ids=ids[sl],
+                payload=payload[sl],
+                optim=[OptimState(o.name, o.encoding, o.rows[sl]) for o in optim],
+                chunk_index=i,
+                chunk_count=count,
+                epoch=epoch,
+            )
+            yield EncodedFrame(data=data, row_count=stop - start, first_row=int(ids[start]), last_row=int(ids[stop - 1]))
+
+    return frames()
+
+
+# --- decoding -------------------------------------------------------------------------
+
+
+def _u8(mv: memoryview, offset: int, nbytes: int) -> torch.Tensor:
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(mv, dtype=torch.uint8, count=nbytes, offset=offset)
+
+
+def decode_frame(buf: bytes | bytearray | memoryview, *, where: str | None = None) -> Frame:
+    """Verify and decode one frame. Tensors are read-only views into ``buf`` where
+    alignment allows (keep ``buf`` alive; ``clone()`` before writing to them)."""
+    try:
+        return _decode(memoryview(buf).cast("B"))
+    except FrameError as e:
+        raise (e.located(where) if where else e) from None
+
+
+def _decode(mv: memoryview) -> Frame:
+    size = mv.nbytes
+    if size >= 4 and bytes(mv[:4]) != MAGIC:
+        raise FrameError(f"bad magic {bytes(mv[:4])!r}, expected {MAGIC!r}")
+    if size < _PREFIX.size + _CRC.size:
+        raise FrameError(f"truncated: {size} bytes, shorter than any frame")
+    magic, version, flags, header_len, total = _PREFIX.unpack_from(mv, 0)
+    if version != VERSION:
+        raise FrameError(f"unsupported frame version {version} (this reader knows {VERSION})")
+    if total != size:
+        what = "truncated" if size < total else "trailing bytes"
+        raise FrameError(f"{what}: frame says {total} bytes, buffer has {size}")
+    (stored,) = _CRC.unpack_from(mv, size - _CRC.size)
+    computed = zlib.crc32(mv[: size - _CRC.size])
+    if stored != computed:
+        raise FrameError(f"CRC mismatch: stored {stored:#010x}, computed {computed:#010x}")
+    # The bytes are what the writer wrote; what follows catches writer bugs and forgeries.
+    if flags & ~(FLAG_ROW_RUN | FLAG_EPOCH | FLAG_ROW_BITMAP) or flags & FLAG_ROW_RUN and flags & FLAG_ROW_BITMAP:
+        raise FrameError(f"unknown flags {flags:#x}")
+    run = bool(flags & FLAG_ROW_RUN)
+    if not _PREFIX.size + _META.size <= header_len <= size - _CRC.size or header_len % _ALIGN:
+        raise FrameError(f"bad header length {header_len}")
+    (ckpt, rank, col, n, dim, row_bytes, idx, cnt, enc, n_opt) = _META.unpack_from(mv, _PREFIX.size)
+    pos = _PREFIX.size + _META.size
+
+    def string(what: str) -> str:
+        nonlocal pos
+        if pos + _STR_LEN.size > header_len:
+            raise FrameError(f"header too short for {what}")
+        (ln,) = _STR_LEN.unpack_from(mv, pos)
+        pos += _STR_LEN.size
+        if pos + ln > header_len:
+            raise FrameError(f"{what} runs past the header")
+        try:
+            s = bytes(mv[pos : pos + ln]).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise FrameError(f"{what} is not utf-8: {e}") from None
+        pos += ln
+        return s
+
+    run_id = string("run id")
+    table = string("table name")
+    layout = []
+    for i in range(n_opt):
+        name = string(f"optimizer state {i} name")
+        if pos + _OPT.size > header_len:
+            raise FrameError(f"header too short for optimizer state {name!r}")
+        o_enc, o_rb = _OPT.unpack_from(mv, pos)
+        pos += _OPT.size
+        layout.append((name, o_enc, o_rb))
+    epoch = 0
+    if flags & FLAG_EPOCH:
+        if pos + _EPOCH.size > header_len:
+            raise FrameError("header too short for the epoch")
+        (epoch,) = _EPOCH.unpack_from(mv, pos)
+        pos += _EPOCH.size
+        if not epoch:
+            raise FrameError("epoch flag set with epoch 0")
+    if _header_len(pos - _PREFIX.size - _META.size) != header_len:
+        raise FrameError(f"header length {header_len} does not match its fields ({pos} bytes)")
+    span = None
+    if flags & FLAG_ROW_BITMAP:
+        if header_len + _BITMAP_HEAD.size > size - _CRC.size:
+            raise FrameError("frame too short for its row bitmap")
+        first, span = _BITMAP_HEAD.unpack_from(mv, header_len)
+        size = _bitmap_len(span)
+        # written only when smaller than 8 bytes a row
+        if span < n or size + _pad(size) >= 8 * n or not 0 <= first <= 2**63 - 1 - span:
+            raise FrameError(f"row bitmap of {span} rows from row {first} for {n} rows")
+    expect = _frame_len(header_len, n, row_bytes, [rb for _, _, rb in layout], run, span)
+    if expect != total:
+        raise FrameError(
+            f"body length mismatch: {n} rows x {row_bytes} bytes (+ optimizer) need a {expect}-byte frame, got {total}"
+        )
+    if not idx < cnt:
+        raise FrameError(f"chunk index {idx} not below chunk count {cnt}")
+
+    off = header_len
+    id_bytes = 8 if run else _bitmap_len(span) if span is not None else 8 * n
+    first = None
+    if span is not None:
+        row_ids = _bitmap_rows(mv, off, n, span)
+    else:
+        ids = _u8(mv, off, id_bytes)
+        if ids.data_ptr() % 8:
+            ids = ids.clone()  # buffer base not 8-aligned (a slice of a larger buffer)
+        row_ids = ids.view(torch.int64)
+    if run:
+        first = int(row_ids[0])
+        row_ids = torch.arange(first, first + n, dtype=torch.int64)
+    off += id_bytes + _pad(id_bytes)
+    payload = _u8(mv, off, n * row_bytes).view(n, row_bytes)
+    off += n * row_bytes + _pad(n * row_bytes)
+    optim = []
+    for name, o_enc, o_rb in layout:
+        optim.append(OptimState(name, o_enc, _u8(mv, off, n * o_rb).view(n, o_rb)))
+        off += n * o_rb + _pad(n * o_rb)
+    return Frame(
+        run_id=run_id,
+        checkpoint_id=ckpt,
+        rank=rank,
+        table=table,
+        col_offset=col,
+        dim=dim,
+        encoding=enc,
+        row_bytes=row_bytes,
+        chunk_index=idx,
+        chunk_count=cnt,
+        row_ids=row_ids,
+        payload=payload,
+        optim=tuple(optim),
+        first_row=first,
+        epoch=epoch,
+    )
+
+
+def _bitmap_rows(mv: memoryview, off: int, n: int, span: int) -> torch.Tensor:
+    """The row ids a FLAG_ROW_BITMAP section at `off` names: exactly `n`, the last at first + span - 1."""
+    first, _ = _BITMAP_HEAD.unpack_from(mv, off)
+    packed = np.frombuffer(mv, dtype=np.uint8, count=(span + 7) // 8, offset=off + _BITMAP_HEAD.size)
+    offsets = np.flatnonzero(np.unpackbits(packed, count=span, bitorder="little"))
+    if offsets.size != n or offsets[-1] != span - 1:
+        raise FrameError(
+            f"row bitmap names {offsets.size} rows (last {first + int(offsets[-1]) if offsets.size else None}), "
+            f"the frame has {n} ending at row {first + span - 1}"
+        )
+    return torch.from_numpy(offsets).add_(first)

@@ -1,0 +1,264 @@
+"""Rank 0's half of a checkpoint: the dense file, then the COMMIT marker.
+
+Called by rank 0's writer thread with every rank's report. A checkpoint commits only if
+every rank's rows are durable, every earlier link of its chain committed, and the dense
+file is durable; otherwise a FAILED marker (informational) records why. Nothing here
+touches an older checkpoint, so a failure never harms one. Once every rank knows of the
+COMMIT (`settle`), the dense store's local history records it (`DenseStore.record_commit`):
+what tells a lost stream from a run that never committed.
+
+When a job arrives (`prepare`), the markers log's reader starts connecting on a thread of its
+own, so the read before the dense file finds it connected instead of paying a new Kafka
+client's rate-limited connects before the COMMIT (docs/design.md §6).
+
+Fencing: before the dense file, rank 0 reads what the markers log gained since its last look;
+when a newer trainer attempt announced itself there, this attempt writes nothing more (no
+dense file, no marker) and every rank learns it from the outcome and stops (ckpt/log/fencing.py).
+The same read, summarised every few records in a catalog record after the COMMIT, lets a
+restore read only the log's tail (ckpt/log/catalog_record.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ckpt.dense.store import CommitRecord, DenseStore, DenseStoreError
+from ckpt.faults import maybe_die
+from ckpt.log.catalog import Catalog, catch_up
+from ckpt.log.catalog_record import summarize
+from ckpt.log.fencing import fenced_by, fenced_message
+from ckpt.log.markers import AttemptRecord, ChainLink, IndexEntry, Marker, OffsetRange, encode_marker
+from ckpt.stream.sink import MarkerLog
+from ckpt.write.writer import Outcome, RankReport, WriteJob
+from common.errors import DeltarecError
+
+logger = logging.getLogger(__name__)
+
+
+class Committer:
+    """Writes dense files and markers; remembers the committed links chains refer to."""
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        markers: MarkerLog,
+        dense: DenseStore,
+        marker_fields: dict[str, Any],
+        committed: list[ChainLink] | None = None,
+        rebase: bool = False,
+        where: str = "",
+        catalog_every: int = 32,
+        connect_timeout_s: float = 10.0,
+    ) -> None:
+        self.run_id = run_id
+        self.where = where  # the stream, as the local history names it
+        self.markers = markers
+        self.dense = dense
+        self.marker_fields = marker_fields  # policy, plan, tables, world_size
+        self.links: dict[int, ChainLink] = {link.checkpoint_id: link for link in committed or []}
+        # Incremental chains grow by one link per checkpoint; with a follower compacting
+        # them, each new marker starts from the newest compacted baseline it can use.
+        self.rebase = rebase
+        self.catalog_every = catalog_every  # records between catalog records (`_summarize`)
+        self.catalog = Catalog(run_id)
+        self.attempt: AttemptRecord | None = None  # set by `start_attempt`; None: no fencing
+        self.epoch = 0
+        self._read_ok = False  # whether the last commit's read of the markers log succeeded
+        self._journal: CommitRecord | None = None  # the last COMMIT, for `settle` to record
+        self.connect_timeout_s = connect_timeout_s
+
+    def prepare(self) -> None:
+        """A job arrived: connect the markers log's reader for `_fenced`, if it will read."""
+        if self.attempt is not None or self.rebase:
+            self.markers.prepare(self.connect_timeout_s)
+
+    def start_attempt(self, attempt: AttemptRecord, epoch: int, catalog: Catalog) -> None:
+        """This trainer attempt's record and epoch, and the log as the manager read it at start
+        (just before the record; the first commit reads the rest)."""
+        self.attempt, self.epoch, self.catalog = attempt, epoch, catalog
+
+    def __call__(self, job: WriteJob, reports: list[RankReport]) -> Outcome:
+        cid = job.checkpoint_id
+        stall = [r.stall_ms for r in reports]
+        fresh = [r.stall_new_bytes for r in reports]
+        errors = [r.error for r in reports if not r.ok]
+        missing = [c for c in job.chain[:-1] if c not in self.links]
+        if missing:
+            errors.append(f"chain link(s) {missing} never committed")
+        rows = sum(r.rows for r in reports)
+        nbytes = sum(r.bytes for r in reports)
+        full = len(job.chain) == 1
+        write_s = max(r.write_s for r in reports)
+        if errors:
+            self._failed(job, "; ".join(errors), stall)
+            return Outcome(
+                checkpoint_id=cid,
+                step=job.step,
+                committed=False,
+                error="; ".join(errors),
+                bytes=nbytes,
+                rows=rows,
+                full=full,
+                stall_ms=stall,
+                stall_new_bytes=fresh,
+                write_s=write_s,
+            )
+        # before the dense file: a replaced attempt writes nothing more (a failed checkpoint's
+        # FAILED record above needs no read of the log; the fold ignores it all the same)
+        fenced = self._fenced()
+        if fenced:
+            return Outcome(
+                checkpoint_id=cid,
+                step=job.step,
+                committed=False,
+                error=fenced,
+                bytes=nbytes,
+                rows=rows,
+                full=full,
+                stall_ms=stall,
+                stall_new_bytes=fresh,
+                write_s=write_s,
+                fenced=True,
+            )
+        assert job.dense_state is not None, "rank 0 snapshots the dense state"
+        dense_state = dict(job.dense_state)
+        # every rank's loop state, each with its reader's position: what a restore resumes from
+        dense_state["trainers"] = [r.trainer_state for r in reports]
+        try:
+            ref = self.dense.write(cid, dense_state)
+        except DenseStoreError as exc:
+            self._failed(job, str(exc), stall)
+            return Outcome(
+                checkpoint_id=cid,
+                step=job.step,
+                committed=False,
+                error=str(exc),
+                bytes=nbytes,
+                rows=rows,
+                full=full,
+                stall_ms=stall,
+                stall_new_bytes=fresh,
+                write_s=write_s,
+            )
+        ranges: dict[int, list[OffsetRange]] = {}
+        index: list[IndexEntry] = []
+        for r in reports:
+            assert all(e.partition == r.rank for e in r.index), "a rank indexes only its own partition"
+            ranges.update(r.ranges)
+            index.extend(r.index)
+        link = ChainLink(
+            checkpoint_id=cid,
+            full=full,
+            generation=job.generation,
+            ranges=ranges,
+            rows=rows,
+            bytes=nbytes,
+            index=index,
+            epoch=job.epoch,
+        )
+        marker = Marker(
+            kind="commit",
+            run_id=self.run_id,
+            checkpoint_id=cid,
+            step=job.step,
+            chain=[self.links[c] for c in job.chain[:-1]] + [link],
+            dense=ref.as_json(),
+            stall_ms=stall,
+            created_unix=time.time(),
+            attempt=self.attempt.attempt if self.attempt else "",
+            **{**self.marker_fields, "encodings": {k: v for r in reports for k, v in r.encodings.items()}},
+        )
+        marker = self._rebased(marker)
+        maybe_die("marker", cid, 0)
+        self.markers.append_marker(encode_marker(marker))
+        durable_unix = time.time()
+        self.links[cid] = link
+        self._journal = CommitRecord(cid, job.step, self.where, marker.created_unix)
+        self._summarize()
+        return Outcome(
+            checkpoint_id=cid,
+            step=job.step,
+            committed=True,
+            bytes=nbytes,
+            rows=rows,
+            full=full,
+            stall_ms=stall,
+            stall_new_bytes=fresh,
+            write_s=write_s,
+            commit_unix=durable_unix,
+        )
+
+    def settle(self, outcome: Outcome) -> None:
+        """Every rank knows `outcome`: record a COMMIT in the run's local history. A crash
+        before this loses only that entry, as a failed write does (the lost-stream check then
+        knows one commit fewer)."""
+        journal, self._journal = self._journal, None
+        if journal is None or not outcome.committed or journal.checkpoint_id != outcome.checkpoint_id:
+            return
+        try:
+            self.dense.record_commit(journal)
+        except OSError as exc:  # committed all the same; only the lost-stream check loses this entry
+            logger.warning("checkpoint %d: committed, but not recorded in %s: %s", outcome.checkpoint_id, self.dense.root, exc)
+
+    def _fenced(self) -> str:
+        """Read what the markers log gained; the one-line reason to stop when a newer attempt
+        holds the run, else "". Reading is best effort: a log that cannot be read now fences
+        nothing here, and a marker this attempt writes after a newer ATTEMPT record is ignored
+        by every reader all the same."""
+        self._read_ok = False
+        if self.attempt is None and not self.rebase:
+            return ""
+        try:
+            catch_up(self.catalog, self.markers)
+        except DeltarecError as exc:
+            logger.debug("markers log not read before a commit: %s", exc)
+            return ""
+        self._read_ok = True
+        attempt = self.attempt
+        if attempt is None:
+            return ""
+        newer = fenced_by(self.catalog, attempt)
+        return fenced_message(self.run_id, attempt, newer) if newer is not None else ""
+
+    def _summarize(self) -> None:
+        """Every `catalog_every` records, a catalog record of the log as `_fenced` read it (just
+        before this commit's marker, which a reader folds after it): what lets a restore read
+        only the log's tail (ckpt/log/catalog_record.py). Best effort: without it reads are slower."""
+        if not self._read_ok or self.catalog.since_summary < self.catalog_every or not self.catalog.exact:
+            return
+        try:
+            self.markers.append_marker(encode_marker(summarize(self.catalog)))
+        except DeltarecError as exc:
+            logger.warning(
+                "run %s: no catalog record appended (restores read more of the markers log until the next one): %s",
+                self.run_id,
+                exc,
+            )
+
+    def _rebased(self, marker: Marker) -> Marker:
+        """`marker` with its cheapest complete chain, which starts at a follower's compacted
+        baseline when one of its links has one (docs/design.md §10), as of the log `_fenced`
+        just read. Without that read the marker keeps its full chain, which is always valid."""
+        if not self.rebase or not self._read_ok or len(marker.chain) < 2:
+            return marker
+        return self.catalog.cheapest(marker) or marker
+
+    def _failed(self, job: WriteJob, error: str, stall: list[float]) -> None:
+        """Best effort: a FAILED record for `deltarec-ckpt list`; its own failure is only logged."""
+        marker = Marker(
+            kind="failed",
+            run_id=self.run_id,
+            checkpoint_id=job.checkpoint_id,
+            step=job.step,
+            error=error,
+            stall_ms=stall,
+            created_unix=time.time(),
+            **self.marker_fields,
+        )
+        try:
+            self.markers.append_marker(encode_marker(marker))
+        except Exception as exc:  # noqa: BLE001 - the broker may be the reason it failed
+            logger.warning("checkpoint %d: could not record its failure either: %s", job.checkpoint_id, exc)

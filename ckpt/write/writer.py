@@ -1,0 +1,347 @@
+"""The per-rank writer thread: quantize, frame and ship a snapshot; rank 0 commits it.
+
+Each rank's writer takes snapshots in checkpoint order. For each it encodes every shard's
+rows (weights and optimizer state, each with its codec) into frames, writes them to its
+partition (= rank) of the generation's rows topic, and flushes. Then all writers meet:
+
+Coordination (why a side process group): the writers report to rank 0 with a
+`gather_object` on a dedicated gloo group that only writer threads use, in checkpoint
+order. The training thread never takes part, so it never waits on Kafka; the writers
+need no polling, no extra topic and no shared filesystem to find each other, and a
+rank's report (offset ranges, frame index, loop state with the reader's position and
+RNG, stall) travels with the same call. Rank 0 then writes the dense file and, only if
+every rank's rows and the dense file are durable and every earlier link of the chain
+committed, the COMMIT marker; it broadcasts the outcome back so every rank learns it in
+the same order.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch.distributed as dist
+
+from ckpt.capture.snapshot import ShardRows, Snapshot
+from ckpt.capture.threads import lower_thread_priority
+from ckpt.faults import maybe_die, maybe_slow
+from ckpt.log.markers import FrameMeta, IndexEntry, OffsetRange, index_frames
+from ckpt.quant import codec_for_width, get_codec
+from ckpt.quant.device import check_flags
+from ckpt.stream.frames import EncodedFrame, OptimState, chunk_rows
+from ckpt.stream.sink import FrameSink
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class WriteJob:
+    """What the training thread hands to its writer at a checkpoint step."""
+
+    checkpoint_id: int
+    step: int
+    generation: int
+    chain: list[int]  # checkpoint ids a restore replays, this one last
+    snapshot: Snapshot
+    trainer_state: dict[str, Any]  # step, samples_seen, reader position, RNG: this rank's loop state
+    dense_state: dict[str, Any] | None = None  # rank 0 only: host copies of dense params and optimizer
+    weight_codec: str = "fp32"
+    optimizer_codec: str = "fp32"
+    epoch: int = 0  # the trainer attempt's epoch, written into every frame (ckpt/log/fencing.py)
+
+
+@dataclass(kw_only=True)
+class RankReport:
+    """One rank's result for one checkpoint, gathered to rank 0."""
+
+    rank: int
+    ok: bool
+    error: str
+    ranges: dict[int, list[OffsetRange]]  # partition (= this rank) -> its acknowledged ranges
+    index: list[IndexEntry]  # this rank's frames, one entry per run of one shard's frames
+    rows: int
+    bytes: int
+    stall_ms: float
+    write_s: float
+    trainer_state: dict[str, Any]
+    stall_new_bytes: int = 0  # host memory its stall allocated fresh (`Snapshot.new_bytes`)
+    encodings: dict[str, str] = field(default_factory=dict)  # "weights" / "optimizer.<state>" -> codec used
+
+
+@dataclass(kw_only=True)
+class Outcome:
+    """What every rank learns about a checkpoint once rank 0 decided."""
+
+    checkpoint_id: int
+    step: int
+    committed: bool
+    error: str = ""
+    bytes: int = 0
+    rows: int = 0
+    full: bool = False
+    stall_ms: list[float] = field(default_factory=list)
+    stall_new_bytes: list[int] = field(default_factory=list)  # per rank: host memory its stall allocated fresh
+    write_s: float = 0.0
+    commit_unix: float = 0.0  # time.time() once the COMMIT marker was durable; 0 when none was
+    fenced: bool = False  # a newer attempt holds the run: this one must stop (`error` says which)
+
+
+class Committer(Protocol):
+    """Rank 0's half of a checkpoint (ckpt/write/committer.py), as rank 0's writer thread calls it."""
+
+    def prepare(self) -> None:
+        """A job arrived: start what the commit will wait on (connecting the markers log's
+        reader) while the rows are encoded and written."""
+
+    def __call__(self, job: WriteJob, reports: list[RankReport]) -> Outcome:
+        """Every rank's report in: the dense file and the COMMIT (or FAILED) marker."""
+
+    def settle(self, outcome: Outcome) -> None:
+        """Every rank knows `outcome`: bookkeeping that need not delay them."""
+
+
+class RankWriter:
+    """The writer thread of one rank. `submit` never blocks; `poll` returns outcomes."""
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        rank: int,
+        sink: FrameSink,
+        group: dist.ProcessGroup,
+        max_frame_bytes: int,
+        flush_timeout_s: float,
+        committer: Committer | None,
+        nice: int = 0,
+    ) -> None:
+        assert (committer is not None) == (rank == 0), "rank 0, and only rank 0, commits"
+        self.run_id = run_id
+        self.rank = rank
+        self.sink = sink
+        self.group = group
+        self.max_frame_bytes = max_frame_bytes
+        self.flush_timeout_s = flush_timeout_s
+        self.committer = committer
+        self.nice = nice
+        self._jobs: queue.Queue[WriteJob | None] = queue.Queue()
+        self._outcomes: queue.Queue[Outcome] = queue.Queue()
+        self._pending_bytes = 0
+        self._lock = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=f"deltarec-writer-{rank}", daemon=True)
+        self._thread.start()
+
+    # -- training-thread side ---------------------------------------------------------
+    @property
+    def pending_bytes(self) -> int:
+        """Host bytes held by snapshots not yet written (the bounded quantity)."""
+        with self._lock:
+            return self._pending_bytes
+
+    def submit(self, job: WriteJob) -> None:
+        with self._lock:
+            self._pending_bytes += job.snapshot.nbytes
+        self._jobs.put(job)
+
+    def poll(self) -> list[Outcome]:
+        """Outcomes decided since the last poll, oldest first; never blocks."""
+        out = []
+        while True:
+            try:
+                out.append(self._outcomes.get_nowait())
+            except queue.Empty:
+                return out
+
+    def wait_for_room(self, needed: int, budget: int, timeout_s: float | None = None) -> bool:
+        """Block until `needed` more bytes fit in `budget` (the `wait` back-pressure)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            while self._pending_bytes and self._pending_bytes + needed > budget:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._lock.wait(left)
+            return True
+
+    def close(self, timeout_s: float | None = None) -> list[Outcome]:
+        """Finish every submitted job, stop the thread, return the last outcomes."""
+        self._jobs.put(None)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise RuntimeError(f"checkpoint writer of rank {self.rank} did not finish within {timeout_s}s")
+        return self.poll()
+
+    # -- writer thread ----------------------------------------------------------------
+    def _lower_priority(self) -> None:
+        """Add `nice` to this thread's niceness (Linux: per thread), so that encoding and
+        producing yield the cores to the training thread when both want them."""
+        try:
+            lower_thread_priority(self.nice)
+        except OSError as exc:  # a sandbox may forbid it; the writer still works at normal priority
+            logger.warning("checkpoint writer of rank %d: cannot lower its priority: %s", self.rank, exc)
+
+    def _run(self) -> None:
+        self._lower_priority()
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                if self.committer is not None:
+                    self.committer.prepare()
+                report = self._write(job)
+                outcome = self._coordinate(job, report)
+            except Exception as exc:  # noqa: BLE001 - a writer bug must reach the trainer, not kill the thread silently
+                logger.error("checkpoint %d: writer failed: %s", job.checkpoint_id, traceback.format_exc())
+                outcome = Outcome(
+                    checkpoint_id=job.checkpoint_id,
+                    step=job.step,
+                    committed=False,
+                    error=f"writer error on rank {self.rank}: {exc}",
+                )
+            finally:
+                with self._lock:
+                    self._pending_bytes -= job.snapshot.nbytes
+                    self._lock.notify_all()
+                job.snapshot.release()  # its memory may now hold a later snapshot
+            self._outcomes.put(outcome)
+
+    def _write(self, job: WriteJob) -> RankReport:
+        return write_rows(
+            job,
+            run_id=self.run_id,
+            rank=self.rank,
+            sink=self.sink,
+            max_frame_bytes=self.max_frame_bytes,
+            flush_timeout_s=self.flush_timeout_s,
+        )
+
+    def _coordinate(self, job: WriteJob, report: RankReport) -> Outcome:
+        reports: list[RankReport] | None = [None] * dist.get_world_size(self.group) if self.rank == 0 else None  # type: ignore[list-item]
+        dist.gather_object(report, reports, dst=0, group=self.group)
+        decided: list[Outcome | None] = [None]
+        if self.rank == 0:
+            assert self.committer is not None and reports is not None
+            try:
+                decided[0] = self.committer(job, reports)
+            except Exception as exc:  # noqa: BLE001 - the outcome must still reach every rank
+                logger.error("checkpoint %d: commit failed: %s", job.checkpoint_id, traceback.format_exc())
+                decided[0] = Outcome(
+                    checkpoint_id=job.checkpoint_id, step=job.step, committed=False, error=f"commit failed on rank 0: {exc}"
+                )
+        dist.broadcast_object_list(decided, src=0, group=self.group)
+        assert decided[0] is not None
+        if self.committer is not None:
+            self.committer.settle(decided[0])
+        return decided[0]
+
+
+def write_rows(
+    job: WriteJob, *, run_id: str, rank: int, sink: FrameSink, max_frame_bytes: int, flush_timeout_s: float
+) -> RankReport:
+    """Encode the job's rows into frames, write them to partition `rank` of the job's
+    generation and flush: this rank's report (acknowledged ranges and frame index, or why not).
+    The writer thread's work for each checkpoint, and a surviving rank's (ckpt/recovery/survivor.py)."""
+    t0 = time.perf_counter()
+    job.snapshot.wait()  # on CUDA the device-to-host copies finish after take() returned
+    meta: list[FrameMeta] = []  # per frame written, in write order
+    used: dict[str, str] = {}  # "weights" / "optimizer.<state>" -> codec this job's frames use
+    rows = nbytes = 0
+    error = ""
+    try:
+        for i, shard in enumerate(job.snapshot.shards):
+            if i == len(job.snapshot.shards) // 2:
+                maybe_die("rows", job.checkpoint_id, rank)
+            if shard.global_rows.numel() == 0:
+                continue
+            for frame in encode_frames(job, shard, used, run_id, rank, max_frame_bytes):
+                sink.write(frame.data, generation=job.generation, partition=rank)
+                meta.append(
+                    FrameMeta(
+                        table=shard.table,
+                        col_offset=shard.col_offset,
+                        first_row=frame.first_row,
+                        last_row=frame.last_row,
+                        cols=shard.num_cols,
+                    )
+                )
+                nbytes += len(frame.data)
+            rows += shard.global_rows.numel()
+        maybe_slow(job.checkpoint_id)
+        result = sink.flush(flush_timeout_s)
+        if result.error is not None:
+            error = f"rank {rank}: {result.error}"
+    except Exception as exc:  # noqa: BLE001 - encoding/sink errors fail this checkpoint only
+        error = f"rank {rank}: {type(exc).__name__}: {exc}"
+        result = None
+    ranges: dict[int, list[OffsetRange]] = {}
+    index: list[IndexEntry] = []
+    if not error and result is not None:
+        key = (job.generation, rank)
+        positions = result.positions.get(key, [])
+        if len(positions) != len(meta):
+            error = f"rank {rank}: {len(meta)} frames written but {len(positions)} acknowledged"
+        else:
+            ranges = {rank: [OffsetRange(*r) for r in result.ranges.get(key, [])]} if positions else {}
+            index = index_frames(rank, positions, meta)
+    return RankReport(
+        rank=rank,
+        ok=not error,
+        error=error,
+        ranges=ranges,
+        index=index,
+        rows=rows,
+        bytes=nbytes,
+        stall_ms=job.snapshot.stall_s * 1e3,
+        write_s=time.perf_counter() - t0,
+        trainer_state=job.trainer_state,
+        encodings=used,
+        stall_new_bytes=job.snapshot.new_bytes,
+    )
+
+
+def encode_frames(
+    job: WriteJob, shard: ShardRows, used: dict[str, str], run_id: str, rank: int, max_frame_bytes: int
+) -> Iterator[EncodedFrame]:
+    """Encode one shard's rows and split them into frames (lazily, in row order).
+    Records the codecs it encodes with in `used`."""
+    ids = shard.global_rows
+    weight_codec = get_codec(job.weight_codec)
+    if shard.encoded is not None:  # encoded on the device by the snapshot (ckpt.encode_on)
+        if shard.encoded.codec != weight_codec.name:
+            raise RuntimeError(
+                f"table {shard.table}: the snapshot encoded its rows as {shard.encoded.codec}, "
+                f"the checkpoint writes {weight_codec.name}"
+            )
+        check_flags(weight_codec.name, shard.encoded.flags, shard.table, ids)
+        payload = shard.encoded.payload
+    else:
+        assert shard.weights is not None, "a snapshot holds its weights, encoded or not"
+        payload = weight_codec.encode(shard.weights, table=shard.table, row_ids=ids)
+    used["weights"] = weight_codec.name
+    optim = []
+    for name, state in sorted(shard.optimizer.items()):
+        rows = state.reshape(state.shape[0], -1).float()
+        codec = get_codec(codec_for_width(job.optimizer_codec, rows.shape[1]))
+        used[f"optimizer.{name}"] = codec.name
+        optim.append(OptimState(name, codec.code, codec.encode(rows, table=shard.table, row_ids=ids)))
+    return chunk_rows(
+        run_id=run_id,
+        checkpoint_id=job.checkpoint_id,
+        rank=rank,
+        table=shard.table,
+        col_offset=shard.col_offset,
+        dim=shard.num_cols,
+        encoding=weight_codec.code,
+        row_ids=ids,
+        payload=payload,
+        optim=optim,
+        max_frame_bytes=max_frame_bytes,
+        epoch=job.epoch,
+    )
