@@ -70,8 +70,8 @@ from bench.cpu import checkpoint_cpu
 from bench.peers import DEFAULT_POLICY, DEFAULT_QUANT, SIZES, broker_cpu_s, full_config
 from launch.broker import EmbeddedBroker
 
-# per size: steps of every job and the checkpoint interval in seconds (full: ~0.16 s a step
-# here, so 1,500 steps are about 4 minutes: 4 checkpoints a minute apart)
+# per size: steps of every job and the checkpoint interval in seconds (full: a checkpoint
+# a minute)
 COST_SIZES: dict[str, dict[str, Any]] = {
     "quick": {"steps": 1200, "interval_s": 5.0, "log_every": 50},
     "full": {"steps": 1500, "interval_s": 60.0, "log_every": 20},
@@ -190,7 +190,7 @@ def ckpt_job(sink: str, s: dict[str, Any], work: Path, n: int, tmpfs: Path, time
 
 def round_order(sinks: list[str], n: int) -> list[str]:
     """The sinks of round `n`: odd rounds reversed, so that a drift of the machine over the run
-    (one job of the same config ran 21% faster than the next here) reaches every sink alike."""
+    (identical jobs drift apart by more than the goal: docs/BENCHMARKS.md) reaches every sink alike."""
     return list(reversed(sinks)) if n % 2 else list(sinks)
 
 

@@ -105,7 +105,7 @@ CRITEO_KAGGLE = [
 ]
 
 SIZES: dict[str, dict[str, Any]] = {
-    # the quickstart model (8 tables, 457k rows, 2 ranks); ~2.5-4.5 minutes here with the follower jobs
+    # the quickstart model (8 tables, 457k rows, 2 ranks)
     # follower_intervals: checkpoints of the deltarec + follower jobs, enough for the follower's
     # default thresholds (deltas >= half the baseline's bytes, or 8 deltas) to compact at least once
     "quick": {
@@ -118,7 +118,7 @@ SIZES: dict[str, dict[str, Any]] = {
     },
     # 26 tables with Criteo Kaggle's cardinalities capped at 1M rows, dim 64: 5.6M rows,
     # 1.43 GB of fp32 embeddings (+ row-wise momentum); not run within CI
-    # steps: ~0.35 s each here, so an interval of 170 steps is about one minute
+    # an interval of 170 steps (its seconds: docs/peers.md, "What runs")
     "full": {
         "config": None,
         "steps": 510,

@@ -49,7 +49,7 @@ def _time(fn, nbytes: int, repeats: int, min_time: float) -> tuple[float, float,
 
     Calls are timed one by one for at least ``repeats * min_time`` seconds (and 5 calls); the
     median is robust to the stalls a shared VM throws in (OpenMP barriers waiting on a descheduled
-    vCPU can make single multi-threaded calls 10-50x slower).
+    vCPU can make single multi-threaded calls many times slower: docs/quant.md).
     """
     fn()  # warm-up: allocator, lazy init
     walls, cpus = [], []

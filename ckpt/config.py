@@ -70,7 +70,7 @@ class CkptConfig:
     # > 0: pick bit widths from the expected number of restores (`restore_bit_widths`; 8-bit
     # once restored more often than expected), overriding `encoding` and `optimizer_encoding`.
     expected_restores: int = 0
-    # that table: a preset ("deltarec": 4-bit up to 3 restores, else 8-bit; "check_n_run": 2-bit
+    # that table: a preset ("deltarec": 4-bit for 1 restore, else 8-bit; "check_n_run": 2-bit
     # for 1, 3-bit <= 3, 4-bit <= 20, else 8-bit) or [most expected restores, bits] pairs
     restore_bit_widths: str | list[list[int]] = "deltarec"
     max_pending_bytes: int = 1 << 30  # host memory all unwritten snapshots of a rank may hold

@@ -3,9 +3,8 @@
 Every training step allocates and frees tensors of the same sizes (batches, activations,
 gradients, the writer's frames). With glibc's defaults a freed block above the mmap
 threshold is handed back to the kernel (``munmap``), and the heap's free top is trimmed
-beyond 128 KiB, so the next step faults the same pages in again: millions of page faults a
-minute, and a throughput that moved by tens of percent between identical jobs, with the
-fault count (docs/BENCHMARKS.md, "The C allocator"). `keep_freed_memory` raises glibc's
+beyond 128 KiB, so the next step faults the same pages in again, and identical jobs' throughput moved with their fault count
+(docs/history/BENCHMARKS-2026-11.md, "The C allocator"). `keep_freed_memory` raises glibc's
 thresholds with ``mallopt``, glibc's own interface for this (another allocator, such as
 jemalloc, would need a preload in every launcher: torchrun, srun, the test spawner).
 

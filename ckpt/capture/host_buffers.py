@@ -2,7 +2,8 @@
 
 A fresh host tensor of tens or hundreds of MB comes from ``mmap`` and is handed back with
 ``munmap`` when freed, so every checkpoint's copy would fault in every page of its buffers
-again, on the training thread (most of a large snapshot's copy time: docs/BENCHMARKS.md).
+again, on the training thread (docs/history/BENCHMARKS-2026-11.md, "The stall against a copy into
+reused memory").
 `HostBufferPool` keeps the memory of snapshots the writer has finished with and carves the next
 snapshot's tensors out of it.
 
@@ -21,7 +22,8 @@ pool drops is unregistered and unmapped, so the pool's bound holds for pinned me
 
 A slab made inside the stall still faults in its pages there: the first snapshot larger than
 every kept slab (a full checkpoint as the trained rows grow, a one-shot diff as it grows
-since its base) paid 100-500 ms for it on the full-size model (docs/BENCHMARKS.md). So half
+since its base) paid for it inside the stall (docs/history/BENCHMARKS-2026-11.md, "The restore's first fetch
+sooner, snapshot memory faulted in ahead"). So half
 an interval before each snapshot the checkpoint manager asks for its likely size
 (`reserve_ahead`), and a helper thread of low priority makes and faults in a slab that large,
 unless a free slab holds it already or the bound has no room for it.
@@ -105,7 +107,8 @@ class Slab(Carver):
     """One contiguous host buffer, carved front to back into tensors of one snapshot.
 
     `huge` only for a slab mapped ahead (`fault_in`), where huge pages cost less CPU; a stall's
-    copy into fresh huge pages was slower than into fresh 4 KiB ones (docs/BENCHMARKS.md).
+    copy into fresh huge pages was slower than into fresh 4 KiB ones (docs/history/BENCHMARKS-2026-11.md, "Where a checkpoint's
+    direct CPU goes; host buffer slabs in huge pages").
     `pin` page-locks it for asynchronous device-to-host copies (GPU snapshots); registering
     maps every page, at the cost a fresh slab's faults have (it stays `fresh`: the stall that
     made it paid for them)."""

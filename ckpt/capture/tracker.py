@@ -2,7 +2,7 @@
 
 Where the ids come from
 -----------------------
-A rank's own batch names only part of the rows its shards update (~70% in our runs):
+A rank's own batch names only part of the rows its shards update:
 the rest arrive from other ranks in the input all-to-all. So the tracker listens *after*
 input distribution, on ``ShardedEmbeddingBagCollection.register_post_lookup_tracker_fn``.
 ``compute_and_output_dist`` calls it once per lookup group (one group per sharding
@@ -51,10 +51,8 @@ values by ``length_per_key()`` (a list the input all-to-all has already computed
 host sync) and runs one ``index_fill_`` per key position into that view: the ids need no
 offset because they are shard-local, and an id outside its shard raises (``index_fill_``
 is bounds-checked) instead of marking a neighbour shard's row. No Python loop over ids;
-the loop over keys is two ops per key. Measured (bench/tracker_overhead.py, quickstart
-model, 2 CPU ranks on 2 cores): ~0.25 ms per step inside the hook for 7-9.5k ids per
-rank, 0.6-0.9% of a 29-37 ms step (cold caches: one random byte write per id); 0.075 ms
-for one 64k-id lookup batch in isolation.
+the loop over keys is two ops per key. Its cost per step: `python -m bench.run --suite tracker`
+(docs/BENCHMARKS.md).
 
 ``since_last`` is filled by the hook; ``since_base`` is kept as the rows folded in at
 earlier ``mark_checkpoint`` calls, and reported OR-ed with ``since_last``; ``trained``
@@ -67,7 +65,8 @@ taken but not yet known committed, the rows it captured since the one before
 changed since the newest committed checkpoint (`since_committed_rows`). Besides the
 per-shard masks, `touched_rows(i, since_base)` (sorted local indices) and
 `counts(since_base)` (rows per shard) serve `ckpt.capture.snapshot.SnapshotTaker` without copying
-bitmaps. Not tested on CUDA (no GPU here); nothing in the hook syncs the host.
+bitmaps. On CUDA the hook ran in tests/integration/test_gpu_resume.py on an H100; nothing in
+the hook syncs the host.
 """
 
 from __future__ import annotations
@@ -89,8 +88,8 @@ logger = logging.getLogger(__name__)
 
 def rows_of(mask: torch.Tensor, count: int | None = None) -> torch.Tensor:
     """Sorted int64 indices of the set bits of a 1-D bool bitmap. On CPU numpy's `flatnonzero`,
-    several times faster than torch's `nonzero` on one thread: it is part of the checkpoint stall
-    (docs/BENCHMARKS.md, "The stall against a copy into reused memory"). On a GPU, `count` (the
+    faster than torch's `nonzero` on one thread, and it is part of the checkpoint stall
+    (docs/history/BENCHMARKS-2026-11.md, "The stall against a copy into reused memory"). On a GPU, `count` (the
     set bits, known from `RowTracker.counts`) lets `nonzero_static` size its output without
     waiting for the device, as `nonzero` must."""
     if mask.device.type == "cpu":

@@ -36,8 +36,8 @@ def _copy(tree: Any) -> Any:
 
 class DenseCapture:
     """Host copies of dense parameters, buffers and the dense optimizer's state, for rank 0's
-    stall. The parameters and buffers are found once, not at every capture (finding them was
-    more than half of the capture's time: docs/BENCHMARKS.md); their tensors stay
+    stall. The parameters and buffers are found once, not at every capture
+    (docs/history/BENCHMARKS-2026-11.md, "The first snapshot's slab, rank 0's dense capture"); their tensors stay
     the same for the model's life, as `load` copies into them. The optimizer's state is read
     at each capture (it may add tensors as training goes)."""
 

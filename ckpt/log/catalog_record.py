@@ -1,16 +1,16 @@
 """Catalog records: the markers log's fold, summarised in the log, so that a restore reads
 the log's tail instead of all of it (docs/design.md §4, "Catalog records").
 
-A run that checkpoints every minute for a week has 10,000 COMMIT markers; folding them all
-takes seconds (each names every shard's frames), more than restoring the model. So rank 0's
-committer appends a catalog record every `ckpt.catalog_every` records (`Committer`), and a restore
-(`read_recent_catalog`) reads the tail of the log, folds from the newest catalog record in it
-and feeds the records after it. The result answers for the newest checkpoints exactly as the
-whole fold would: the record keeps the newest `KEEP` restorable commits and every newer one,
-and the compacted baselines their chains can start at. Anything it cannot answer for (an
-older checkpoint asked for, every kept one failing to restore, a later chain through a link
-it left out) is answered by reading the whole log, as before.
-"""
+A run that checkpoints every minute for a week has 10,000 COMMIT markers; each names every
+shard's frames, and folding them all costs more than restoring the model (`python -m bench.run
+--suite markers` measures it). So rank 0's committer appends a catalog record every
+`ckpt.catalog_every` records (`Committer`), and a restore (`read_recent_catalog`) reads the
+tail of the log, folds from the newest catalog record in it and feeds the records after it. The
+result answers for the newest checkpoints exactly as the whole fold would: the record keeps the
+newest `KEEP` restorable commits and every newer one, and the compacted baselines their chains
+can start at. Anything it cannot answer for (an older checkpoint asked for, every kept one
+failing to restore, a later chain through a link it left out) is answered by reading the whole
+log, as before. """
 
 from __future__ import annotations
 

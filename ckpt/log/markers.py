@@ -92,7 +92,7 @@ class ChainLink:
 
 def _index_entry(e: list[Any]) -> IndexEntry:
     partition, first, last, table, col_offset, min_row, max_row, cols = e
-    # positional: a third faster than keywords, and the log's fold decodes thousands of these
+    # positional: faster than keywords, and the log's fold decodes thousands of these
     return IndexEntry(int(partition), int(first), int(last), str(table), int(col_offset), int(min_row), int(max_row), int(cols))
 
 

@@ -1,5 +1,5 @@
 """The numba code of the fused adaptive kernel; imported on first use by :mod:`ckpt.quant.adaptive_kernel`
-(importing numba takes about 2 s, which no process should pay unless it encodes adaptive rows on CPU).
+(importing numba is slow, and no process should pay for it unless it encodes adaptive rows on CPU).
 
 Every float operation is the one :func:`ckpt.quant.adaptive.fast_encode_torch` (the reference)
 performs, in the same order: fp32 IEEE arithmetic (no fast-math: no reassociation, no contraction

@@ -4,12 +4,10 @@ Each restore from a quantized checkpoint adds quantization noise to the model, s
 restores a job expects, the fewer bits a checkpoint needs. The table of (most expected restores,
 bits) is a parameter (``widths``, config ``ckpt.restore_bit_widths``: a table or a preset name):
 
-- ``deltarec`` (the default): 4-bit up to 3 expected restores, 8-bit beyond. It is the table that
-  kept the lifetime log loss within 0.01% of the uninterrupted job on the two jobs of
-  docs/quant.md, 3 seeds each;
+- ``deltarec`` (the default): 4-bit for a job expecting one restore, 8-bit beyond (``((1, 4),)``); how it and
+  ``check_n_run`` compare in log loss: docs/BENCHMARKS.md and docs/quant.md;
 - ``check_n_run``: Check-N-Run's table from its production jobs (billions of samples): 2-bit for
-  at most one restore, 3-bit up to 3, 4-bit up to 20, 8-bit beyond. It costs 0.04-0.11%
-  lifetime log loss on those jobs.
+  at most one restore, 3-bit up to 3, 4-bit up to 20, 8-bit beyond.
 
 Once a job has restored more often than it expected, later checkpoints fall back to 8-bit.
 Optimizer-state rows are never quantized below ``optimizer_floor_bits`` (default 8): their

@@ -1,7 +1,7 @@
 """Which codecs encode rows on the GPU, before the copy to host (`ckpt.encode_on`, docs/design.md §1).
 
 A GPU job's snapshot gathers the rows it copies on the device; for a codec with a device kernel
-it encodes them there too, so only the encoded bytes cross to the host (8x fewer for 4-bit rows)
+it encodes them there too, so only the encoded bytes cross to the host (docs/BENCHMARKS.md, "On an H100")
 and the host's cores never encode them. Today that is the fast adaptive search
 (``adaptive2/3/4``), whose Triton kernel (ckpt/quant/adaptive_triton.py) writes the same bytes as
 the host's kernels. The encoder never waits for the device: it returns each row's refusal flags

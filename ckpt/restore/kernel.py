@@ -46,7 +46,7 @@ _CPU = torch.device("cpu")
 @functools.cache
 def load() -> ModuleType | None:
     """The compiled kernel, or None without numba. The first call in a process imports numba and
-    loads the kernel's cached machine code (compiling it when there is none), about 0.5 s here."""
+    loads the kernel's cached machine code (compiling it when there is none)."""
     if not AVAILABLE:
         return None
     from ckpt.restore import kernel_numba as k  # noqa: PLC0415 - numba's import is paid on first use only

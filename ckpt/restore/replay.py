@@ -560,8 +560,9 @@ def _put(dst: torch.Tensor, rows: Rows, src: torch.Tensor, dst_col: int, src_col
 
 def scatter_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
     """dst[rows] = src, whole rows (`rows`: int64 indices). On the host, with both sides' rows
-    contiguous, numpy copies each row as one element of the row's bytes, 3-4x faster than
-    `index_copy_`, which loops over the columns of every row (docs/BENCHMARKS.md, restore)."""
+    contiguous, numpy copies each row as one element of the row's bytes, faster than `index_copy_`,
+    which loops over the columns of every row
+    (docs/history/BENCHMARKS-2026-11.md, "The restore's scattered rows, its readers connected before the model")."""
     row_bytes = dst.shape[1] * dst.element_size() if dst.dim() == 2 else 0
     if (
         row_bytes
