@@ -65,6 +65,7 @@ from bench.common import (
     unit_of,
 )
 from bench.cpu import checkpoint_cpu, process_cpu_s
+from ckpt.events import Event
 from launch.broker import EmbeddedBroker
 
 POLICIES = ("full", "one_shot_diff", "incremental", "intermittent_diff")
@@ -232,7 +233,8 @@ class _JsonLines:
         self._file: Any = None
         self._lock = threading.Lock()
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, event: Event | dict[str, Any]) -> None:
+        record = event.to_record() if isinstance(event, Event) else event  # the follower writes events (ckpt/events.py)
         with self._lock:
             if self._file is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from ckpt.events import CheckpointOutcome, CheckpointSkipped
+
 EXIT_PEER_LOST = 3
 """The exit status of a rank that stopped because another rank of the job died; the launcher
 tells such a rank apart from the one that failed first."""
@@ -239,7 +241,8 @@ def _is_deltarec(name: str) -> bool:
 
 @dataclass(frozen=True)
 class CheckpointNote:
-    """One checkpoint's outcome as the manager logs it (`extra={"ckpt": {...}}`)."""
+    """What the digest keeps of one checkpoint's event (ckpt/events.py), which the manager
+    attaches to its log line (`extra={"ckpt": event}`)."""
 
     step: int
     committed: bool = False
@@ -251,8 +254,25 @@ class CheckpointNote:
 
     @classmethod
     def of(cls, record: logging.LogRecord) -> CheckpointNote | None:
-        fields = getattr(record, "ckpt", None)
-        return cls(**fields) if isinstance(fields, dict) else None
+        """The note of a log line that carries a checkpoint event; None for any other line."""
+        event = getattr(record, "ckpt", None)
+        if isinstance(event, CheckpointOutcome):
+            return cls(
+                step=event.step,
+                committed=event.ckpt_committed,
+                checkpoint_id=event.ckpt_id,
+                full=event.ckpt_full,
+                bytes=event.ckpt_bytes,
+                stall_ms=event.ckpt_stall_ms,
+            )
+        if isinstance(event, CheckpointSkipped):
+            return cls(step=event.step, skipped=True)
+        if isinstance(event, dict):
+            # Transitional: the manager (ckpt/outcomes.py) still attaches a dict of these very fields
+            # (`{"checkpoint_id", "step", "committed", "full", "bytes", "stall_ms"}` or
+            # `{"step", "skipped"}`); this branch goes once the manager attaches its events.
+            return cls(**event)
+        return None
 
 
 class CheckpointDigest:

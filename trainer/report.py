@@ -32,6 +32,16 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import EngFormatter, MaxNLocator
 
+from ckpt.events import (
+    CheckpointOutcome,
+    CheckpointSkipped,
+    Evaluation,
+    Event,
+    EventError,
+    Restored,
+    TrainWindow,
+    read_event,
+)
 from common.errors import DeltarecError
 from trainer.config import load_config
 
@@ -40,65 +50,15 @@ class ReportError(DeltarecError):
     """The run's metrics cannot be read: no file, or a line that is not a metrics record."""
 
 
-@dataclass(frozen=True)
-class TrainWindow:
-    """Mean training loss over the `train.log_every` steps ending at `step`."""
-
-    step: int
-    loss: float
-    samples_per_s: float
-
-
-@dataclass(frozen=True)
-class Evaluation:
-    """Held-out AUC and log loss at `step`."""
-
-    step: int
-    auc: float
-    logloss: float
-    samples: int
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """The outcome of one checkpoint taken at `step`.
-
-    `encoding` and `durable_s` are None in runs written before they were recorded;
-    `durable_s` (checkpoint's stall start to its COMMIT marker) is None for a failed one."""
-
-    step: int
-    ckpt_id: int
-    committed: bool
-    full: bool
-    rows: int
-    bytes: int
-    stall_ms: float
-    write_s: float
-    error: str
-    encoding: str | None
-    durable_s: float | None
-
-
-@dataclass(frozen=True)
-class Restore:
-    """A job that started from checkpoint `ckpt_id` (at `step`), read through `chain`."""
-
-    step: int
-    ckpt_id: int
-    seconds: float
-    bytes: int
-    chain: tuple[int, ...]
-
-
 @dataclass
 class Attempt:
     """What one process lifetime of the job logged, in file order. Every attempt but the
     first starts with its restore, when it had one."""
 
-    restore: Restore | None = None
+    restore: Restored | None = None
     windows: list[TrainWindow] = field(default_factory=list)
     evals: list[Evaluation] = field(default_factory=list)
-    checkpoints: list[Checkpoint] = field(default_factory=list)
+    checkpoints: list[CheckpointOutcome] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)  # steps of checkpoints dropped under back-pressure
 
 
@@ -121,7 +81,7 @@ class RunMetrics:
         return self._all(lambda a: a.evals)
 
     @property
-    def checkpoints(self) -> list[Checkpoint]:
+    def checkpoints(self) -> list[CheckpointOutcome]:
         return self._all(lambda a: a.checkpoints)
 
     @property
@@ -129,96 +89,41 @@ class RunMetrics:
         return self._all(lambda a: a.skipped)
 
     @property
-    def restores(self) -> list[Restore]:
+    def restores(self) -> list[Restored]:
         return [a.restore for a in self.attempts if a.restore is not None]
 
 
 # ---------------------------------------------------------------------------- reading
 
 
-@dataclass(frozen=True)
-class _Line:
-    """One parsed record and where it came from (`file:line`), for errors that name both."""
-
-    where: str
-    record: dict[str, Any]
-
-    def _get(self, key: str, ok: Callable[[Any], bool], what: str, optional: bool) -> Any:
-        if key not in self.record:
-            if optional:
-                return None
-            raise ReportError(f"{self.where}: metrics record has no {key!r} field")
-        value = self.record[key]
-        if optional and value is None:
-            return None
-        if not ok(value):
-            raise ReportError(f"{self.where}: {key!r} must be {what}, got {value!r}")
-        return value
-
-    def number(self, key: str, optional: bool = False) -> Any:
-        return self._get(key, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number", optional)
-
-    def integer(self, key: str) -> int:
-        return self._get(key, lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer", False)
-
-    def flag(self, key: str) -> bool:
-        return self._get(key, lambda v: isinstance(v, bool), "true or false", False)
-
-    def text(self, key: str, optional: bool = False) -> str | None:
-        return self._get(key, lambda v: isinstance(v, str), "a string", optional)
-
-    def ids(self, key: str) -> tuple[int, ...]:
-        def ok(v: Any) -> bool:
-            return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
-
-        return tuple(self._get(key, ok, "a list of checkpoint ids", False))
-
-
 def read_metrics(path: Path) -> RunMetrics:
-    """Parse a metrics.jsonl into attempts.
+    """Parse a metrics.jsonl into attempts; each line is read as its event (ckpt/events.py).
 
-    A new attempt starts at a restore record, or (runs written before restores were
-    recorded, or restarted without resuming) when a training window's step does not move
-    past the previous window's. Records of kinds this report does not know are ignored, so
-    newer runs still get a report."""
+    A new attempt starts at a restore, or (runs written before restores were recorded, or
+    restarted without resuming) when a training window's step does not move past the previous
+    window's. Events this report does not draw (partial restores, kinds a newer deltarec
+    writes) are passed over, so newer runs still get a report; a line that is not an event
+    (no integer `step`, a field missing or of the wrong type) is an error naming the line."""
     if not path.is_file():
         raise ReportError(f"{path}: no metrics file; has the run started? (check run.dir / run.name)")
     attempts = [Attempt()]
     last_window_step: int | None = None
     for lineno, text in enumerate(path.read_text().splitlines(), start=1):
-        line = _parse_line(path, lineno, text)
-        rec = line.record
-        if "restored_ckpt" in rec:
-            restore = Restore(
-                line.integer("step"),
-                line.integer("restored_ckpt"),
-                float(line.number("restore_s")),
-                line.integer("restore_bytes"),
-                line.ids("restore_chain"),
-            )
-            attempts.append(Attempt(restore=restore))
+        event = _read_line(path, lineno, text)
+        if isinstance(event, Restored):
+            attempts.append(Attempt(restore=event))
             last_window_step = None
-        elif rec.get("ckpt_skipped") is True:
-            attempts[-1].skipped.append(line.integer("step"))
-        elif "ckpt_id" in rec:
-            attempts[-1].checkpoints.append(_checkpoint(line))
-        elif "eval_auc" in rec:
-            attempts[-1].evals.append(
-                Evaluation(
-                    line.integer("step"),
-                    float(line.number("eval_auc")),
-                    float(line.number("eval_logloss")),
-                    line.integer("eval_samples"),
-                )
-            )
-        elif "loss" in rec:
-            window = TrainWindow(line.integer("step"), float(line.number("loss")), float(line.number("samples_per_s")))
-            if last_window_step is not None and window.step <= last_window_step:
+        elif isinstance(event, CheckpointSkipped):
+            attempts[-1].skipped.append(event.step)
+        elif isinstance(event, CheckpointOutcome):
+            attempts[-1].checkpoints.append(event)
+        elif isinstance(event, Evaluation):
+            attempts[-1].evals.append(event)
+        elif isinstance(event, TrainWindow):
+            if last_window_step is not None and event.step <= last_window_step:
                 attempts.append(Attempt())
-            attempts[-1].windows.append(window)
-            last_window_step = window.step
-        else:
-            line.integer("step")  # an unknown kind must still be a metrics record
+            attempts[-1].windows.append(event)
+            last_window_step = event.step
     first = attempts[0]
     if len(attempts) == 1 and not (first.windows or first.evals or first.checkpoints or first.skipped):
         raise ReportError(f"{path}: no metrics records yet (the run logs every train.log_every steps)")
@@ -227,7 +132,7 @@ def read_metrics(path: Path) -> RunMetrics:
     return RunMetrics(path, attempts)
 
 
-def _parse_line(path: Path, lineno: int, text: str) -> _Line:
+def _read_line(path: Path, lineno: int, text: str) -> Event:
     if not text.strip():
         raise ReportError(f"{path}:{lineno}: empty line; every line must be one JSON record")
     try:
@@ -236,24 +141,10 @@ def _parse_line(path: Path, lineno: int, text: str) -> _Line:
         raise ReportError(f"{path}:{lineno}: not a JSON record ({exc.msg} at column {exc.colno})") from exc
     if not isinstance(record, dict):
         raise ReportError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-    return _Line(f"{path}:{lineno}", record)
-
-
-def _checkpoint(line: _Line) -> Checkpoint:
-    durable = line.number("ckpt_durable_s", optional=True)
-    return Checkpoint(
-        step=line.integer("step"),
-        ckpt_id=line.integer("ckpt_id"),
-        committed=line.flag("ckpt_committed"),
-        full=line.flag("ckpt_full"),
-        rows=line.integer("ckpt_rows"),
-        bytes=line.integer("ckpt_bytes"),
-        stall_ms=float(line.number("ckpt_stall_ms")),
-        write_s=float(line.number("ckpt_write_s")),
-        error=line.text("ckpt_error") or "",
-        encoding=line.text("ckpt_encoding", optional=True),
-        durable_s=None if durable is None else float(durable),
-    )
+    try:
+        return read_event(record)
+    except EventError as exc:
+        raise ReportError(f"{path}:{lineno}: {exc}") from exc
 
 
 # ---------------------------------------------------------------------------- summary
@@ -275,7 +166,7 @@ class Summary:
     bytes_by_encoding: dict[str, int]  # only checkpoints that recorded their encoding
     stall_ms: tuple[float, float] | None  # (median, max)
     durable_s: tuple[float, float] | None  # (median, max); None when no checkpoint recorded it
-    restores: tuple[Restore, ...]
+    restores: tuple[Restored, ...]
 
     @property
     def total_bytes(self) -> int:
@@ -285,11 +176,11 @@ class Summary:
 def summarize(metrics: RunMetrics) -> Summary:
     """Reduce a run's records to the numbers the report prints."""
     ckpts = metrics.checkpoints
-    done = [c for c in ckpts if c.committed]
+    done = [c for c in ckpts if c.ckpt_committed]
     by_encoding: dict[str, int] = {}
     for c in done:
-        if c.encoding is not None:
-            by_encoding[c.encoding] = by_encoding.get(c.encoding, 0) + c.bytes
+        if c.ckpt_encoding is not None:
+            by_encoding[c.ckpt_encoding] = by_encoding.get(c.ckpt_encoding, 0) + c.ckpt_bytes
     windows, evals = metrics.windows, metrics.evals
     return Summary(
         final_step=windows[-1].step if windows else None,
@@ -298,11 +189,11 @@ def summarize(metrics: RunMetrics) -> Summary:
         committed=len(done),
         failed=len(ckpts) - len(done),
         skipped=len(metrics.skipped),
-        full_bytes=sum(c.bytes for c in done if c.full),
-        delta_bytes=sum(c.bytes for c in done if not c.full),
+        full_bytes=sum(c.ckpt_bytes for c in done if c.ckpt_full),
+        delta_bytes=sum(c.ckpt_bytes for c in done if not c.ckpt_full),
         bytes_by_encoding=by_encoding,
-        stall_ms=_median_max(c.stall_ms for c in ckpts),
-        durable_s=_median_max(c.durable_s for c in done if c.durable_s is not None),
+        stall_ms=_median_max(c.ckpt_stall_ms for c in ckpts),
+        durable_s=_median_max(c.ckpt_durable_s for c in done if c.ckpt_durable_s is not None),
         restores=tuple(metrics.restores),
     )
 
@@ -325,7 +216,7 @@ def format_summary(s: Summary) -> str:
     attempts = f" over {s.attempts} attempts" if s.attempts > 1 else ""
     lines = [f"trained to step {s.final_step}{attempts}" if s.final_step is not None else "no training windows logged"]
     e = s.final_eval
-    lines.append(f"final eval (step {e.step}): AUC {e.auc:.4f}, log loss {e.logloss:.4f}" if e else "no evaluation")
+    lines.append(f"final eval (step {e.step}): AUC {e.eval_auc:.4f}, log loss {e.eval_logloss:.4f}" if e else "no evaluation")
     if s.committed + s.failed + s.skipped == 0:
         lines.append("checkpoints: no checkpoints")
     else:
@@ -340,7 +231,8 @@ def format_summary(s: Summary) -> str:
             lines.append(f"time to COMMIT: median {s.durable_s[0]:.2f} s, max {s.durable_s[1]:.2f} s")
     if s.restores:
         each = "; ".join(
-            f"checkpoint {r.ckpt_id} at step {r.step} (chain {list(r.chain)}, {_size(r.bytes)} in {r.seconds:.2f} s)"
+            f"checkpoint {r.restored_ckpt} at step {r.step} (chain {list(r.restore_chain)}, {_size(r.restore_bytes)} in "
+            f"{r.restore_s:.2f} s)"
             for r in s.restores
         )
         lines.append(f"restores: {len(s.restores)}: {each}")
@@ -383,7 +275,7 @@ def figure(metrics: RunMetrics, title: str) -> Figure:
             ax.axvline(r.step, color=_RESTORE, linestyle="--", linewidth=1.5)
     for r in metrics.restores:
         axes[0].annotate(
-            f"restore of ckpt {r.ckpt_id}",
+            f"restore of ckpt {r.restored_ckpt}",
             xy=(r.step, 1.0),
             xycoords=("data", "axes fraction"),
             xytext=(3, -3),
@@ -426,7 +318,7 @@ def _loss_auc_panel(ax: Axes, m: RunMetrics, has_ckpts: bool) -> None:
         cut = after.restore.step if after is not None and after.restore is not None else None
         for points, axis, value, color, marker in (
             (a.windows, ax, lambda w: w.loss, _LOSS, "."),
-            (a.evals, auc_ax, lambda e: e.auc, _AUC, "o"),
+            (a.evals, auc_ax, lambda e: e.eval_auc, _AUC, "o"),
         ):
             kept = [p for p in points if cut is None or p.step <= cut]
             lost = [p for p in points if cut is not None and p.step >= cut]  # joined to `kept` at the cut
@@ -460,21 +352,21 @@ def _loss_auc_panel(ax: Axes, m: RunMetrics, has_ckpts: bool) -> None:
 
 def _bytes_panel(ax: Axes, m: RunMetrics) -> None:
     ckpts = m.checkpoints
-    encodings = sorted({c.encoding for c in ckpts if c.encoding is not None})
+    encodings = sorted({c.ckpt_encoding for c in ckpts if c.ckpt_encoding is not None})
     hatched = "; hatch: weight encoding" if encodings else ""
     ax.set_title(f"Bytes written per checkpoint (colour: full or delta{hatched})", loc="left")
     hatch = {e: _HATCHES[i % len(_HATCHES)] for i, e in enumerate(encodings)}
     width = _bar_width([c.step for c in ckpts] + m.skipped, [w.step for w in m.windows])
     for c in ckpts:
-        color = _FULL if c.full else _DELTA
+        color = _FULL if c.ckpt_full else _DELTA
         ax.bar(
             c.step,
-            c.bytes,
+            c.ckpt_bytes,
             width=width,
-            color=color if c.committed else "none",
-            edgecolor=color if c.committed else _FAILED,
-            linewidth=0.8 if c.committed else 2,
-            hatch=hatch.get(c.encoding, "") if c.encoding is not None else "",
+            color=color if c.ckpt_committed else "none",
+            edgecolor=color if c.ckpt_committed else _FAILED,
+            linewidth=0.8 if c.ckpt_committed else 2,
+            hatch=hatch.get(c.ckpt_encoding, "") if c.ckpt_encoding is not None else "",
             hatchcolor="black",
         )
     if m.skipped:
@@ -492,13 +384,13 @@ def _bytes_panel(ax: Axes, m: RunMetrics) -> None:
     ax.set_ylabel("bytes")
     handles: list[Any] = [Patch(color=_FULL, label="full"), Patch(color=_DELTA, label="delta")]
     handles += [Patch(facecolor="white", edgecolor="black", hatch=hatch[e], label=f"encoding {e}") for e in encodings]
-    if any(not c.committed for c in ckpts):
+    if any(not c.ckpt_committed for c in ckpts):
         handles.append(Patch(facecolor="none", edgecolor=_FAILED, linewidth=2, label="failed (never committed)"))
     if m.skipped:
         handles.append(Line2D([], [], linestyle="none", marker="x", color=_SKIP, label="skipped (writers behind)"))
     if m.restores:
         handles += _restore_handle()
-    _zero_based(ax, [c.bytes for c in ckpts])
+    _zero_based(ax, [c.ckpt_bytes for c in ckpts])
     _legend(ax, handles)
 
 
@@ -511,16 +403,16 @@ def _bar_width(ckpt_steps: list[int], window_steps: list[int]) -> float:
     return max(1.0, 0.02 * span)
 
 
-def _per_checkpoint(ax: Axes, m: RunMetrics, value: Callable[[Checkpoint], float | None]) -> None:
+def _per_checkpoint(ax: Axes, m: RunMetrics, value: Callable[[CheckpointOutcome], float | None]) -> None:
     """Committed checkpoints' markers, coloured full/delta, joined in file order within each attempt."""
     for a in m.attempts:
-        pts = [(c, v) for c in a.checkpoints if c.committed for v in [value(c)] if v is not None]
+        pts = [(c, v) for c in a.checkpoints if c.ckpt_committed for v in [value(c)] if v is not None]
         if pts:
             ax.plot([c.step for c, _ in pts], [v for _, v in pts], color="lightgray", linewidth=1, zorder=1)
             ax.scatter(
                 [c.step for c, _ in pts],
                 [v for _, v in pts],
-                c=[_FULL if c.full else _DELTA for c, _ in pts],
+                c=[_FULL if c.ckpt_full else _DELTA for c, _ in pts],
                 edgecolors="black",
                 linewidths=0.5,
                 zorder=2,
@@ -532,39 +424,41 @@ def _kind_handles(m: RunMetrics, failed_label: str) -> list[Any]:
         Line2D([], [], linestyle="none", marker="o", markerfacecolor=_FULL, markeredgecolor="black", label="full"),
         Line2D([], [], linestyle="none", marker="o", markerfacecolor=_DELTA, markeredgecolor="black", label="delta"),
     ]
-    if any(not c.committed for c in m.checkpoints):
+    if any(not c.ckpt_committed for c in m.checkpoints):
         handles.append(Line2D([], [], linestyle="none", marker="x", color=_FAILED, label=failed_label))
     return handles + (_restore_handle() if m.restores else [])
 
 
 def _stall_panel(ax: Axes, m: RunMetrics) -> None:
     ax.set_title("Stall per checkpoint: time training paused to copy the rows (max over ranks)", loc="left")
-    _per_checkpoint(ax, m, lambda c: c.stall_ms)
-    failed = [c for c in m.checkpoints if not c.committed]
+    _per_checkpoint(ax, m, lambda c: c.ckpt_stall_ms)
+    failed = [c for c in m.checkpoints if not c.ckpt_committed]
     if failed:
-        ax.plot([c.step for c in failed], [c.stall_ms for c in failed], linestyle="none", marker="x", color=_FAILED, markersize=9)
+        ax.plot(
+            [c.step for c in failed], [c.ckpt_stall_ms for c in failed], linestyle="none", marker="x", color=_FAILED, markersize=9
+        )
     ax.set_ylabel("stall (ms)")
-    _zero_based(ax, [c.stall_ms for c in m.checkpoints])
+    _zero_based(ax, [c.ckpt_stall_ms for c in m.checkpoints])
     _legend(ax, _kind_handles(m, "failed checkpoint"))
 
 
 def _durable_panel(ax: Axes, m: RunMetrics) -> None:
     ax.set_title("Time to COMMIT: from the checkpoint's stall to its COMMIT marker (restorable from then)", loc="left")
     ax.set_ylabel("time to COMMIT (s)")
-    if not any(c.durable_s is not None for c in m.checkpoints):
+    if not any(c.ckpt_durable_s is not None for c in m.checkpoints):
         msg = (
             "no checkpoint committed"
-            if not any(c.committed for c in m.checkpoints)
+            if not any(c.ckpt_committed for c in m.checkpoints)
             else ("not recorded in this run's metrics (written by an older deltarec)")
         )
         ax.text(0.5, 0.5, msg, transform=ax.transAxes, ha="center", va="center", color="dimgray")
-    _per_checkpoint(ax, m, lambda c: c.durable_s)
-    failed = [c for c in m.checkpoints if not c.committed]
+    _per_checkpoint(ax, m, lambda c: c.ckpt_durable_s)
+    failed = [c for c in m.checkpoints if not c.ckpt_committed]
     if failed:
         ax.plot(
             [c.step for c in failed], [0] * len(failed), linestyle="none", marker="x", color=_FAILED, markersize=9, clip_on=False
         )
-    durable = [c.durable_s for c in m.checkpoints if c.durable_s is not None]
+    durable = [c.ckpt_durable_s for c in m.checkpoints if c.ckpt_durable_s is not None]
     _zero_based(ax, durable)
     handles = _kind_handles(m, "failed (no COMMIT)")
     _legend(ax, handles if durable else handles[2:])

@@ -19,6 +19,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import BinaryAUROC
 from torchrec.datasets.utils import Batch
 
+from ckpt.events import Evaluation, TrainWindow
 from sharding.dmp import ShardedModel
 from sharding.process_group import DistEnv
 from trainer.config import JobConfig
@@ -141,7 +142,7 @@ class Trainer(Stateful):
                 if self.step % tc.log_every == 0 or self.step == tc.steps:
                     rate = window_steps * self.cfg.data.batch_size * self.env.world_size / (time.perf_counter() - window_t0)
                     loss = self._global_mean(window_loss / window_steps)
-                    self.metrics.write({"step": self.step, "loss": loss, "samples_per_s": rate})
+                    self.metrics.write(TrainWindow(step=self.step, loss=loss, samples_per_s=rate))
                     progress.update(self.step, {"loss": loss, "samples/s": rate})
                     window_loss.zero_()
                     window_steps, window_t0 = 0, time.perf_counter()
@@ -160,7 +161,7 @@ class Trainer(Stateful):
         result = self.evaluate()
         if result is not None:
             self.metrics.write(
-                {"step": self.step, "eval_auc": result.auc, "eval_logloss": result.logloss, "eval_samples": result.samples}
+                Evaluation(step=self.step, eval_auc=result.auc, eval_logloss=result.logloss, eval_samples=result.samples)
             )
             if self.env.rank == 0:
                 logger.info("eval at step %d: AUC %.4f, log loss %.4f", self.step, result.auc, result.logloss)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ckpt.config import CkptConfig
 from ckpt.dense.store import DenseStore
-from ckpt.events import MetricsSink
+from ckpt.events import FollowApplied, FollowCompacted, FollowExported, MetricsSink
 from ckpt.follow.compact import write_compacted
 from ckpt.follow.lease import LeaseKeeper
 from ckpt.follow.serving import Publisher
@@ -189,17 +189,17 @@ class Follower:
             lag_s,
         )
         self.metrics.write(
-            {
-                "step": marker.step,
-                "follow_ckpt": marker.checkpoint_id,
-                "follow_read_bytes": read,
-                "follow_apply_s": time.perf_counter() - t0,
-                "follow_lag_ckpts": behind,
-                "follow_lag_s": lag_s,
-                "follow_chain": [link.checkpoint_id for link in self.chain],
-                "follow_store_bytes": self.store.nbytes,
-                "follow_rebuilt": how != "delta",
-            }
+            FollowApplied(
+                step=marker.step,
+                follow_ckpt=marker.checkpoint_id,
+                follow_read_bytes=read,
+                follow_apply_s=time.perf_counter() - t0,
+                follow_lag_ckpts=behind,
+                follow_lag_s=lag_s,
+                follow_chain=tuple(link.checkpoint_id for link in self.chain),
+                follow_store_bytes=self.store.nbytes,
+                follow_rebuilt=how != "delta",
+            )
         )
 
     def _apply(self, link: ChainLink, marker: Marker) -> int:
@@ -275,15 +275,15 @@ class Follower:
             seconds,
         )
         self.metrics.write(
-            {
-                "step": marker.step,
-                "compacted_ckpt": marker.checkpoint_id,
-                "compact_bytes": link.bytes,
-                "compact_replaced_bytes": sum(x.bytes for x in replaced),
-                "compact_replaced_links": len(replaced),
-                "compact_s": seconds,
-                "compact_generation": generation_label(generation),
-            }
+            FollowCompacted(
+                step=marker.step,
+                compacted_ckpt=marker.checkpoint_id,
+                compact_bytes=link.bytes,
+                compact_replaced_bytes=sum(x.bytes for x in replaced),
+                compact_replaced_links=len(replaced),
+                compact_s=seconds,
+                compact_generation=generation_label(generation),
+            )
         )
 
     # -- serving snapshots ----------------------------------------------------------------
@@ -304,5 +304,5 @@ class Follower:
             "serving snapshot of checkpoint %d (step %d): %s in %.2f s", snap.checkpoint_id, snap.step, snap.path, snap.seconds
         )
         self.metrics.write(
-            {"step": snap.step, "export_ckpt": snap.checkpoint_id, "export_path": str(snap.path), "export_s": snap.seconds}
+            FollowExported(step=snap.step, export_ckpt=snap.checkpoint_id, export_path=str(snap.path), export_s=snap.seconds)
         )

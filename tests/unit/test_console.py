@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 
+from ckpt.events import CheckpointCommitted, CheckpointFailed, CheckpointSkipped
 from launch.ranks import REPO
 from trainer import console
 from trainer.console import CheckpointDigest, CheckpointNote, ConsoleFormatter, ConsoleHandler
@@ -93,7 +94,22 @@ def test_skipped_checkpoints_are_counted_in_the_folded_line() -> None:
     assert digest.flush() == ["t 3 checkpoint(s) skipped at steps 2-4: the writers are behind (ckpt.max_pending_bytes)"]
 
 
-def test_another_line_prints_the_held_checkpoints_first(capsys: pytest.CaptureFixture[str]) -> None:
+def committed_event(cid: int) -> CheckpointCommitted:
+    """What the manager attaches to its line for `committed(cid)` (ckpt/events.py)."""
+    return CheckpointCommitted(
+        step=cid * 10,
+        ckpt_id=cid,
+        ckpt_full=False,
+        ckpt_rows=100,
+        ckpt_bytes=1_000_000,
+        ckpt_stall_ms=float(cid),
+        ckpt_write_s=0.01,
+        ckpt_error="",
+    )
+
+
+@pytest.mark.parametrize("form", ["event", "dict"])  # dict: transitional, until ckpt/manager.py attaches events
+def test_another_line_prints_the_held_checkpoints_first(form: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Order on the console is the order of events: held checkpoints come out before the next line."""
     clock = FakeClock()
     logger = logging.getLogger("ckpt.test_console_order")
@@ -103,7 +119,8 @@ def test_another_line_prints_the_held_checkpoints_first(capsys: pytest.CaptureFi
     logger.addHandler(handler)
     try:
         for cid in (1, 2, 3):
-            logger.info("checkpoint %d committed", cid, extra={"ckpt": committed(cid).__dict__})
+            note = committed_event(cid) if form == "event" else committed(cid).__dict__
+            logger.info("checkpoint %d committed", cid, extra={"ckpt": note})
             clock.now += 0.5
         logger.info("step 30/30: loss 0.5")
     finally:
@@ -114,6 +131,21 @@ def test_another_line_prints_the_held_checkpoints_first(capsys: pytest.CaptureFi
         "checkpoints 2-3 committed (steps 20-30; 0 full, 2 delta): 2.00 MB, stall max 3.0 ms",
         "step 30/30: loss 0.5",
     ]
+
+
+def test_the_note_of_each_checkpoint_event() -> None:
+    def note(event: object) -> CheckpointNote | None:
+        record = logging.LogRecord("ckpt.manager", logging.INFO, "manager.py", 1, "line", None, None)
+        record.ckpt = event
+        return CheckpointNote.of(record)
+
+    assert note(committed_event(3)) == committed(3)
+    failed = CheckpointFailed(
+        step=30, ckpt_id=3, ckpt_full=True, ckpt_rows=0, ckpt_bytes=0, ckpt_stall_ms=2.0, ckpt_write_s=0.0, ckpt_error="x"
+    )
+    assert note(failed) == CheckpointNote(step=30, checkpoint_id=3, full=True, stall_ms=2.0)
+    assert note(CheckpointSkipped(step=40)) == note({"step": 40, "skipped": True}) == CheckpointNote(step=40, skipped=True)
+    assert note(None) is None
 
 
 def _probe(verbose: bool) -> str:

@@ -2,7 +2,9 @@
 
 The report reads a metrics.jsonl written here (a resumed run with full, delta, failed and
 skipped checkpoints and a restore), so every number it prints is known in advance; bad input
-must end in one `deltarec-report: error:` line naming the file and line."""
+must end in one `deltarec-report: error:` line naming the file and line. Files written before
+records carried their event's name (`"event"`, ckpt/events.py) must give the same report as
+before; the records below are in that old form unless a test writes them through `MetricsLog`."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from matplotlib.image import imread
 from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
 
+from ckpt.events import CheckpointCommitted, Event, read_event
 from common.errors import ConfigError
 from trainer.metrics import MetricsLog
 from trainer.report import figure, main, read_metrics, summarize
@@ -72,6 +75,78 @@ RESUMED = [
 ]
 
 
+# The same kind of run with exactly the key sets the code wrote before records named their event
+# (ckpt/manager.py's checkpoint, skip, restore and partial-restore records, trainer/trainer.py's
+# windows and evaluations): a file of that age must load and give the report it gave then.
+def full_ckpt(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    return {**ckpt(*args, **kwargs), "ckpt_stall_new_bytes": 4096}
+
+
+def full_restore(step: int, cid: int, chain: list[int], nbytes: int, seconds: float) -> dict[str, Any]:
+    return {
+        "step": step,
+        "restored_ckpt": cid,
+        "restore_s": seconds,
+        "restore_bytes": nbytes,
+        "restore_chain": chain,
+        "restore_rows_written": 120,
+        "restore_markers_s": 0.01,
+        "restore_markers_records": 7,
+        "restore_markers_ahead_s": 0.0,
+        "restore_fetch_s": 0.05,
+        "restore_decode_s": 0.02,
+        "restore_apply_s": 0.03,
+        "restore_dense_s": 0.04,
+        "restore_regenerated_rows": 0,
+        "restore_regenerate_s": 0.0,
+        "run_pls": 0.0,
+    }
+
+
+PARTIAL = {
+    "step": 55,
+    "partial_restore": True,
+    "partial_kept_ranks": [0],
+    "partial_rolled_back_ranks": [1],
+    "partial_rolled_back_fraction": 0.5,
+    "partial_rolled_back_tables": {"t0": 0.5},
+    "partial_samples_since_ckpt": 640,
+    "partial_lost_samples": 320.0,
+    "partial_waiting_lost": 0.0,
+    "run_pls": 0.01,
+}
+OLD_FORMAT = [
+    window(10, 0.69),
+    full_ckpt(10, 1, True, 1000, 5.0, "fp32", 0.5),
+    window(20, 0.60),
+    evaluation(20, 0.70, 0.60),
+    full_ckpt(20, 2, False, 300, 1.0, "adaptive4", 0.2),
+    {"step": 30, "ckpt_skipped": True},
+    window(30, 0.55),
+    full_ckpt(40, 3, False, 200, 2.0, "adaptive4", None, committed=False),
+    window(40, 0.50),
+    full_ckpt(50, 4, True, 1200, 6.0, "fp32", 0.9),
+    window(50, 0.48),
+    window(60, 0.47),
+    full_restore(50, 4, [4], 1200, 0.25),
+    PARTIAL,
+    window(60, 0.46),
+    window(70, 0.44),
+    full_ckpt(60, 5, False, 400, 1.5, "adaptive4", 0.3),
+    full_ckpt(70, 6, True, 1500, 7.0, "fp32", 1.1),
+    evaluation(70, 0.75, 0.52),
+]
+OLD_FORMAT_SUMMARY = [  # what deltarec-report printed for OLD_FORMAT before records were typed events
+    "trained to step 70 over 2 attempts",
+    "final eval (step 70): AUC 0.7500, log loss 0.5200",
+    "checkpoints: 5 committed, 1 failed, 1 skipped",
+    "bytes committed: 4.40 kB (full 3.70 kB, delta 700 B; adaptive4 700 B, fp32 3.70 kB)",
+    "stall per checkpoint: median 3.5 ms, max 7.0 ms",
+    "time to COMMIT: median 0.50 s, max 1.10 s",
+    "restores: 1: checkpoint 4 at step 50 (chain [4], 1.20 kB in 0.25 s)",
+]
+
+
 def write_run(run_dir: Path, records: list[dict[str, Any]]) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "metrics.jsonl"
@@ -94,16 +169,16 @@ def png_size(path: Path) -> tuple[int, int]:
 def test_summary_numbers_of_a_resumed_run(tmp_path: Path) -> None:
     m = read_metrics(write_run(tmp_path, RESUMED))
     assert [[w.step for w in a.windows] for a in m.attempts] == [[10, 20, 30, 40, 50, 60], [60, 70]]
-    assert m.attempts[1].restore is not None and m.attempts[1].restore.chain == (4,)
+    assert m.attempts[1].restore is not None and m.attempts[1].restore.restore_chain == (4,)
     s = summarize(m)
     assert (s.final_step, s.attempts) == (70, 2)
-    assert s.final_eval is not None and (s.final_eval.step, s.final_eval.auc, s.final_eval.logloss) == (70, 0.75, 0.52)
+    assert s.final_eval is not None and (s.final_eval.step, s.final_eval.eval_auc, s.final_eval.eval_logloss) == (70, 0.75, 0.52)
     assert (s.committed, s.failed, s.skipped) == (4, 1, 1)
     assert (s.full_bytes, s.delta_bytes, s.total_bytes) == (2200, 700, 2900)  # the failed checkpoint's 200 left out
     assert s.bytes_by_encoding == {"fp32": 2200, "adaptive4": 700}
     assert s.stall_ms == (2.0, 6.0)  # over 5, 1, 2, 6, 1.5: the failed checkpoint stalled training too
     assert s.durable_s == pytest.approx((0.4, 0.9))  # committed ones: 0.5, 0.2, 0.9, 0.3
-    assert [(r.ckpt_id, r.step) for r in s.restores] == [(4, 50)]
+    assert [(r.restored_ckpt, r.step) for r in s.restores] == [(4, 50)]
 
 
 def test_cli_writes_the_png_and_prints_the_summary(tmp_path: Path, debug_config, capsys) -> None:
@@ -175,6 +250,45 @@ def test_older_run_without_encoding_or_time_to_commit(tmp_path: Path, debug_conf
     assert summarize(read_metrics(run_dir / "metrics.jsonl")).durable_s is None
 
 
+def test_a_file_written_before_events_gives_the_same_report(tmp_path: Path, debug_config, capsys) -> None:
+    run_dir = tmp_path / "run"
+    write_run(run_dir, OLD_FORMAT)
+    assert run_report(debug_config, run_dir) == 0
+    assert capsys.readouterr().out.splitlines() == [*OLD_FORMAT_SUMMARY, f"report: {run_dir / 'report.png'}"]
+
+
+def test_a_file_written_as_events_gives_the_same_report(tmp_path: Path, debug_config, capsys) -> None:
+    """The old file's records read as events and written by the metrics log (with `"event"`):
+    every old key is still there with its value, the events read back equal, the report is the same."""
+    events = [read_event(r) for r in OLD_FORMAT]
+    run_dir = tmp_path / "run"
+    log = MetricsLog(run_dir / "metrics.jsonl", enabled=True)
+    for e in events:
+        log.write(e)
+    log.close()
+    written = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r.items() <= w.items() and w["event"] == e.kind for r, w, e in zip(OLD_FORMAT, written, events, strict=True))
+    assert [read_event(w) for w in written] == events
+    assert run_report(debug_config, run_dir) == 0
+    assert capsys.readouterr().out.splitlines() == [*OLD_FORMAT_SUMMARY, f"report: {run_dir / 'report.png'}"]
+
+
+def test_kinds_the_report_does_not_know_are_passed_over(tmp_path: Path) -> None:
+    """Today's rule, kept: a record of another kind (a newer deltarec's, old or new form) is
+    skipped as long as it has an integer step; partial restores and the follower's records too."""
+    follower = {"step": 20, "export_ckpt": 2, "export_path": "/x/model.pt", "export_s": 0.1}
+    records = [
+        window(10, 0.7),
+        {"step": 5, "a_future_kind": 1},
+        {"event": "a_future_kind", "step": 6, "x": [1]},
+        PARTIAL,
+        follower,
+    ]
+    m = read_metrics(write_run(tmp_path, [*records, window(20, 0.6)]))
+    assert [[w.step for w in a.windows] for a in m.attempts] == [[10, 20]]
+    assert (m.checkpoints, m.evals, m.restores, m.skipped) == ([], [], [], [])
+
+
 def test_steps_going_back_without_a_restore_record_start_a_new_attempt(tmp_path: Path) -> None:
     records = [window(10, 0.7), window(20, 0.6), {"step": 5, "a_future_kind": 1}, window(10, 0.7), window(20, 0.6)]
     m = read_metrics(write_run(tmp_path, records))
@@ -203,6 +317,16 @@ BAD_INPUT = {
     ),
     "wrong type": (json.dumps({**window(10, 0.7), "loss": "low"}) + "\n", ":1: 'loss' must be a number"),
     "no records": ("", ": no metrics records yet"),
+    "unknown kind without a step": (json.dumps({"a_future_kind": 1}) + "\n", ":1: metrics record has no 'step' field"),
+    "event name not a string": (json.dumps({**window(10, 0.7), "event": 3}) + "\n", ":1: 'event' must be a string"),
+    "new form, missing field": (
+        json.dumps({"event": "checkpoint_committed", **RESUMED[1], "ckpt_rows": None}) + "\n",
+        ":1: 'ckpt_rows' must be an integer, got None",
+    ),
+    "old form, committed not a flag": (
+        json.dumps({**RESUMED[1], "ckpt_committed": "yes"}) + "\n",
+        ":1: 'ckpt_committed' must be true or false",
+    ),
 }
 
 
@@ -253,17 +377,20 @@ def test_tensorboard_scalars_equal_the_records(tmp_path: Path) -> None:
 
     tb_dir = tmp_path / "tensorboard"
     log = MetricsLog(tmp_path / "metrics.jsonl", enabled=True, tensorboard_dir=tb_dir)
-    records = [
-        window(10, 0.69),
-        ckpt(10, 1, True, 1000, 5.0, "fp32", 0.5),
-        window(20, 0.60),
-        ckpt(20, 2, False, 300, 1.0, "adaptive4", None, committed=False),
-        evaluation(20, 0.70, 0.60),
-        {"step": 30, "ckpt_skipped": True},
-        {"step": 10, "restored_ckpt": 1, "restore_s": 0.25, "restore_bytes": 1000, "restore_chain": [1]},
+    events = [
+        read_event(r)
+        for r in (
+            window(10, 0.69),
+            ckpt(10, 1, True, 1000, 5.0, "fp32", 0.5),
+            window(20, 0.60),
+            ckpt(20, 2, False, 300, 1.0, "adaptive4", None, committed=False),
+            evaluation(20, 0.70, 0.60),
+            {"step": 30, "ckpt_skipped": True},
+            {"step": 10, "restored_ckpt": 1, "restore_s": 0.25, "restore_bytes": 1000, "restore_chain": [1]},
+        )
     ]
-    for r in records:
-        log.write(r)
+    for e in events:
+        log.write(e)
     log.close()
     # Strings (ckpt_error, ckpt_encoding), nulls (a failed checkpoint's ckpt_durable_s) and
     # lists (restore_chain) stay in the JSON file only; bools are 0/1.
@@ -293,12 +420,30 @@ def test_tensorboard_scalars_equal_the_records(tmp_path: Path) -> None:
         got = [(e.step, e.value) for e in acc.Scalars(tag)]
         assert [s for s, _ in got] == [s for s, _ in points], tag
         assert [v for _, v in got] == pytest.approx([v for _, v in points], rel=1e-6), tag  # stored as float32
-    assert [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == records
+    assert [read_event(json.loads(x)) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == events
+
+
+def test_a_plain_dict_is_still_written_as_before(tmp_path: Path) -> None:
+    """Transitional, until ckpt/manager.py emits events: its dicts go to the file and to
+    TensorBoard as they did, and read as the event they describe."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    record = ckpt(10, 1, True, 1000, 5.0, "fp32", 0.5)
+    log = MetricsLog(tmp_path / "metrics.jsonl", enabled=True, tensorboard_dir=tmp_path / "tensorboard")
+    log.write(record)
+    log.close()
+    [line] = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(line) == record
+    event: Event = read_event(record)
+    assert isinstance(event, CheckpointCommitted) and event.ckpt_bytes == 1000
+    acc = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert set(acc.Tags()["scalars"]) == set(event.scalars())
 
 
 def test_tensorboard_is_written_by_the_writing_rank_only(tmp_path: Path) -> None:
     log = MetricsLog(tmp_path / "metrics.jsonl", enabled=False, tensorboard_dir=tmp_path / "tensorboard")
-    log.write(window(10, 0.7))
+    log.write(read_event(window(10, 0.7)))
     log.close()
     assert not (tmp_path / "tensorboard").exists() and not (tmp_path / "metrics.jsonl").exists()
 
