@@ -143,9 +143,25 @@ def load_config(path: str | Path, overrides: Sequence[str] = (), check_data: boo
 def validate(cfg: JobConfig, check_data: bool = True) -> None:
     """Rules spanning several fields; each failure says what to change."""
     src = cfg.source
-    m = cfg.model
+    features = _validate_model(src, cfg.model)
+    _validate_loop(src, cfg)
+    _validate_optimizer(src, cfg.optimizer)
+    _validate_synthetic(src, cfg.data)
+    cfg.ckpt.validate(src)
+    _validate_criteo(src, cfg.data, cfg.model, features, check_data)
+
+
+def _validate_model(src: str, m: ModelConfig) -> dict[str, str]:
+    """The `model` section: its layer sizes, then its tables; returns feature -> the table
+    that looks it up."""
     if not m.tables:
         raise ConfigError(f"{src}: model.tables is empty; declare at least one table")
+    _validate_layers(src, m)
+    return _validate_tables(src, m.tables, dim=m.dense_arch_layer_sizes[-1])
+
+
+def _validate_layers(src: str, m: ModelConfig) -> None:
+    """The MLP sizes: none empty or below 1, and one logit out."""
     for key, layers in (("dense_arch_layer_sizes", m.dense_arch_layer_sizes), ("over_arch_layer_sizes", m.over_arch_layer_sizes)):
         if not layers:
             raise ConfigError(f"{src}: model.{key} must not be empty")
@@ -159,10 +175,14 @@ def validate(cfg: JobConfig, check_data: bool = True) -> None:
     _check_minimum(src, sizes, 1)
     if m.over_arch_layer_sizes[-1] != 1:
         raise ConfigError(f"{src}: model.over_arch_layer_sizes must end with 1 (one logit), got {m.over_arch_layer_sizes}")
-    dim = m.dense_arch_layer_sizes[-1]
+
+
+def _validate_tables(src: str, tables: list[TableConfig], dim: int) -> dict[str, str]:
+    """`model.tables`: names unique and safe, sizes DLRM and fbgemm accept (`dim`: the dense
+    arch's output width), each feature looked up by one table; returns feature -> its table."""
     seen_tables: set[str] = set()
     seen_features: dict[str, str] = {}
-    for i, t in enumerate(m.tables):
+    for i, t in enumerate(tables):
         where = f"model.tables.{i} ({t.name})"
         if not _TABLE_NAME.fullmatch(t.name):
             raise ConfigError(
@@ -187,6 +207,11 @@ def validate(cfg: JobConfig, check_data: bool = True) -> None:
             if f in seen_features:
                 raise ConfigError(f"{src}: {where}: feature {f!r} is already looked up by table {seen_features[f]!r}")
             seen_features[f] = t.name
+    return seen_features
+
+
+def _validate_loop(src: str, cfg: JobConfig) -> None:
+    """The training loop's counts: `data.batch_size`, the `train` section, `sharding.timeout_s`."""
     d, tr = cfg.data, cfg.train
     if d.batch_size < 1:
         raise ConfigError(f"{src}: data.batch_size must be positive, got {d.batch_size}")
@@ -198,7 +223,10 @@ def validate(cfg: JobConfig, check_data: bool = True) -> None:
         raise ConfigError(f"{src}: train.eval_every and train.eval_batches must not be negative")
     _check_minimum(src, {"sharding.timeout_s": [cfg.sharding.timeout_s]}, 1)
     _check_minimum(src, {"train.threads_per_rank": [tr.threads_per_rank]}, 0)
-    o = cfg.optimizer
+
+
+def _validate_optimizer(src: str, o: OptimizerConfig) -> None:
+    """The `optimizer` section: learning rates and epsilons torch accepts."""
     _check_minimum(
         src,
         {
@@ -209,17 +237,26 @@ def validate(cfg: JobConfig, check_data: bool = True) -> None:
         },
         0,
     )
+
+
+def _validate_synthetic(src: str, d: DataConfig) -> None:
+    """`data.synthetic`, when it is the data: a Zipf exponent that defines a distribution."""
     if d.kind == "synthetic" and d.synthetic.zipf_exponent <= 0:
         raise ConfigError(f"{src}: data.synthetic.zipf_exponent must be > 0, got {d.synthetic.zipf_exponent}")
-    cfg.ckpt.validate(src)
-    if d.kind == "criteo":
-        if len(seen_features) != 26 or m.dense_in_features != 13:
-            raise ConfigError(
-                f"{src}: data.kind=criteo needs 26 categorical features and model.dense_in_features=13; "
-                f"the model declares {len(seen_features)} features and {m.dense_in_features} dense inputs"
-            )
-        if check_data:
-            _check_criteo_files(src, d.criteo)
+
+
+def _validate_criteo(src: str, d: DataConfig, m: ModelConfig, features: dict[str, str], check_data: bool) -> None:
+    """`data.criteo`, when it is the data: the model's inputs match Criteo's columns (`features`:
+    the model's categorical features) and, with `check_data`, its files exist."""
+    if d.kind != "criteo":
+        return
+    if len(features) != 26 or m.dense_in_features != 13:
+        raise ConfigError(
+            f"{src}: data.kind=criteo needs 26 categorical features and model.dense_in_features=13; "
+            f"the model declares {len(features)} features and {m.dense_in_features} dense inputs"
+        )
+    if check_data:
+        _check_criteo_files(src, d.criteo)
 
 
 def _check_minimum(src: str, values: Mapping[str, Sequence[float]], minimum: int) -> None:

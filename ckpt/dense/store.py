@@ -90,13 +90,15 @@ class DenseStore:
 
     def write(self, checkpoint_id: int, state: dict[str, Any]) -> DenseRef:
         """Serialise `state` (tensors, numbers, strings, lists, dicts) durably."""
-        return self._write(self.path_for(checkpoint_id), checkpoint_id, state)
+        return self._write_new_file(self.path_for(checkpoint_id), checkpoint_id, state)
 
     def write_survivor(self, checkpoint_id: int, rank: int, state: dict[str, Any]) -> DenseRef:
         """The dense file of a surviving rank's snapshot (ckpt/recovery/survivor.py), as durably."""
-        return self._write(self.survivor_path(checkpoint_id, rank), checkpoint_id, state)
+        return self._write_new_file(self.survivor_path(checkpoint_id, rank), checkpoint_id, state)
 
-    def _write(self, final: Path, checkpoint_id: int, state: dict[str, Any]) -> DenseRef:
+    def _write_new_file(self, final: Path, checkpoint_id: int, state: dict[str, Any]) -> DenseRef:
+        """Write `state` to `final` durably (temporary file, fsync, link, directory fsync); a
+        file already at `final` is never replaced."""
         buf = io.BytesIO()
         torch.save(state, buf)
         data = buf.getvalue()
@@ -109,7 +111,7 @@ class DenseStore:
                 f.flush()
                 os.fsync(f.fileno())
             os.link(tmp, final)  # atomic and never replaces: an existing file raises
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
         except FileExistsError:
             raise DenseStoreError(
                 f"dense file {final} already exists: checkpoint ids never repeat in a run directory, "
@@ -182,7 +184,8 @@ def _unpickling_reason(exc: pickle.UnpicklingError) -> str:
     return found.group(0) if found else "not a weights-only file"
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync directory `path`, so that a file created or renamed in it survives a crash."""
     dir_fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(dir_fd)

@@ -59,7 +59,7 @@ import torch
 from . import adaptive_kernel, adaptive_triton, uniform
 from .base import FP16_MAX, RowRangeError, as_float_rows, check_encoded, check_finite_meta, check_finite_rows, refuse_non_finite
 from .bitpack import pack_bits, packed_bytes
-from .uniform import _half_ok, decode_nbit, encode_nbit_with_range
+from .uniform import decode_nbit, encode_nbit_with_range, fp16_meta_finite
 
 __all__ = [
     "AdaptiveCodec",
@@ -372,7 +372,7 @@ class AdaptiveCodec:
             if not adaptive_kernel.AVAILABLE:
                 raise RuntimeError("adaptive kernel requested but numba is not importable")
             return True
-        return adaptive_kernel.AVAILABLE and not uniform._FORCE_TORCH  # noqa: SLF001 (the package's switch)
+        return adaptive_kernel.AVAILABLE and not uniform.torch_forced()
 
     def uses_triton(self, x: torch.Tensor) -> bool:
         """Whether :meth:`encode` of ``x`` runs the fused Triton kernel."""
@@ -382,7 +382,7 @@ class AdaptiveCodec:
             if not adaptive_triton.AVAILABLE:
                 raise RuntimeError("adaptive Triton kernel requested but triton is not importable")
             return True
-        return x.device.type == "cuda" and adaptive_triton.AVAILABLE and not uniform._FORCE_TORCH  # noqa: SLF001
+        return x.device.type == "cuda" and adaptive_triton.AVAILABLE and not uniform.torch_forced()
 
     def warm_up(self) -> None:
         """Load the CPU kernel now (numba's import and its cached machine code, a few seconds the
@@ -410,7 +410,7 @@ class AdaptiveCodec:
             out = self._encode_greedy(x)
         else:
             out = fast_encode_torch(x, self.bits, self.nbins, self.ratio, self.refits)
-        check_finite_meta(_half_ok(out[:, -4:]), table, row_ids, self.name)
+        check_finite_meta(fp16_meta_finite(out[:, -4:]), table, row_ids, self.name)
         return out
 
     def encode_device(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,7 +35,9 @@ __all__ = [
     "encode_nbit_with_range",
     "decode_nbit",
     "fbgemm_available",
+    "fp16_meta_finite",
     "set_force_torch",
+    "torch_forced",
 ]
 
 _FORCE_TORCH = False
@@ -67,6 +69,11 @@ def set_force_torch(flag: bool) -> bool:
     return old
 
 
+def torch_forced() -> bool:
+    """Whether `set_force_torch` routes every codec through plain torch (no fbgemm, no kernel)."""
+    return _FORCE_TORCH
+
+
 def _use_fbgemm(t: torch.Tensor) -> bool:
     return not _FORCE_TORCH and t.device.type == "cpu" and _fb() is not None
 
@@ -91,8 +98,9 @@ def _meta_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-def _half_ok(meta: torch.Tensor) -> torch.Tensor:
-    """uint8 [n, 2k] holding k fp16 values per row -> bool [n]: all finite."""
+def fp16_meta_finite(meta: torch.Tensor) -> torch.Tensor:
+    """uint8 [n, 2k] holding k fp16 values per row -> bool [n]: all finite. What
+    `check_finite_meta` is given for the fp16 scale and bias an N-bit asymmetric row ends with."""
     h = view_bytes_as(meta, torch.float16)
     return torch.isfinite(h).all(dim=1)
 
@@ -230,7 +238,7 @@ class AsymCodec:
             check_finite_meta(torch.isfinite(meta).all(dim=1), table, row_ids, self.name)
             return out
         out = encode_nbit_with_range(x, self.bits)
-        check_finite_meta(_half_ok(out[:, -4:]), table, row_ids, self.name)
+        check_finite_meta(fp16_meta_finite(out[:, -4:]), table, row_ids, self.name)
         return out
 
     def decode(self, data, dim):

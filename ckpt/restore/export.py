@@ -60,7 +60,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ckpt.dense.store import DenseRef, DenseStore, _fsync_dir
+from ckpt.dense.store import DenseRef, DenseStore, fsync_dir
 from ckpt.errors import RestoreError
 from ckpt.faults import maybe_die
 from ckpt.log.markers import Marker
@@ -183,7 +183,8 @@ def assemble(
         if init is not None:  # the chain holds only trained rows: the others are at their initial values
             fill_rows(init, name, rows, dim, weight, 0, 0)
         tables[name] = {"weight": weight}
-    seen = {name: torch.zeros(rows, dim, dtype=torch.bool) for name, (rows, dim) in shapes.items()}
+    # which cells the chain's base wrote: a table it leaves uncovered has no value there
+    covered = {name: torch.zeros(rows, dim, dtype=torch.bool) for name, (rows, dim) in shapes.items()}
     for full, frame in frames:
         if frame.table in replicated:
             raise RestoreError(
@@ -197,7 +198,7 @@ def assemble(
         ids, c0, c1 = frame.row_ids, frame.col_offset, frame.col_offset + frame.dim
         t["weight"][ids, c0:c1] = weights
         if full:
-            seen[frame.table][ids, c0:c1] = True
+            covered[frame.table][ids, c0:c1] = True
         rows = t["weight"].shape[0]
         for name, values in optim.items():
             if values.shape[1] == 1:
@@ -205,13 +206,13 @@ def assemble(
                 t.setdefault(key, torch.zeros(rows))[ids] = values[:, 0]
             else:
                 t.setdefault(name, torch.zeros(rows, t["weight"].shape[1]))[ids, c0:c1] = values
-    for name, mask in seen.items():
+    for name, mask in covered.items():
         if init is None and not bool(mask.all()):
             raise RestoreError(f"checkpoint {marker.checkpoint_id}: table {name} is not fully covered by its base checkpoint")
     return tables
 
 
-def _put(group: dict[str, Any], fqn: str, value: Any, what: str) -> None:
+def _add_unique(group: dict[str, Any], fqn: str, value: Any, what: str) -> None:
     """Add one entry; two sources of the same FQN mean the checkpoint is inconsistent."""
     if fqn in group:
         raise ExportError(f"{what} {fqn!r} appears twice in the checkpoint (as rows and in the dense state?)")
@@ -225,7 +226,7 @@ def build_export(marker: Marker, tables: dict[str, dict[str, torch.Tensor]], den
     names: dict[str, str] = {}
     for table, tensors in tables.items():
         fqn = table_fqn(table)
-        _put(model, fqn, tensors["weight"], "parameter")
+        _add_unique(model, fqn, tensors["weight"], "parameter")
         names[table] = fqn
         states = {k: v for k, v in tensors.items() if k != "weight"}
         if states:
@@ -233,14 +234,14 @@ def build_export(marker: Marker, tables: dict[str, dict[str, torch.Tensor]], den
     table_prefix, table_suffix = f"{EBC_PATH}.embedding_bags.", ".weight"
     for name, value in dense_state["params"].items():
         fqn = unsharded_fqn(name)
-        _put(model, fqn, value, "parameter")
+        _add_unique(model, fqn, value, "parameter")
         if fqn.startswith(table_prefix) and fqn.endswith(table_suffix):  # a data-parallel table
             names[fqn[len(table_prefix) : -len(table_suffix)]] = fqn
     for name, states in dense_state["optimizer"].get("state", {}).items():
-        _put(optim, unsharded_fqn(name), dict(states), "optimizer state of")
+        _add_unique(optim, unsharded_fqn(name), dict(states), "optimizer state of")
     buffers: dict[str, torch.Tensor] = {}
     for name, value in dense_state["buffers"].items():
-        _put(buffers, unsharded_fqn(name), value, "buffer")
+        _add_unique(buffers, unsharded_fqn(name), value, "buffer")
     return ExportedModel(marker.checkpoint_id, marker.step, model, optim, buffers, names)
 
 
@@ -276,7 +277,7 @@ def write_export(exported: ExportedModel, out: Path, dcp_dir: Path | None = None
             dcp.save(exported.to_dcp(), checkpoint_id=str(tmp_dir), no_dist=True)
             maybe_die("export", 2, 0)
         os.replace(tmp, out)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
         if tmp_dir is not None and dcp_dir is not None:
             _swap_in(tmp_dir, dcp_dir)
     finally:
@@ -296,7 +297,8 @@ def _temporary(path: Path, kind: str) -> Path:
     return path.with_name(f".{path.name}.{kind}-{socket.gethostname()}-{os.getpid()}")
 
 
-def _alive(pid: int) -> bool:
+def _pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -307,6 +309,7 @@ def _alive(pid: int) -> bool:
 
 
 def _remove(path: Path) -> None:
+    """Remove a leftover file or directory (a symlink itself, not what it points to)."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
@@ -322,7 +325,7 @@ def _clear_leftovers(path: Path) -> None:
     host = socket.gethostname()
     for p in sorted(path.parent.iterdir(), key=lambda q: q.name):
         m = _LEFTOVER.fullmatch(p.name)
-        if m is None or m["name"] != path.name or m["host"] != host or _alive(int(m["pid"])):
+        if m is None or m["name"] != path.name or m["host"] != host or _pid_alive(int(m["pid"])):
             continue
         if m["kind"] == "old" and not path.exists():
             os.replace(p, path)
@@ -338,7 +341,7 @@ def _swap_in(new: Path, final: Path) -> None:
         os.replace(final, old)
     maybe_die("export", 3, 0)
     os.replace(new, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     if old is not None:
         _remove(old)
 

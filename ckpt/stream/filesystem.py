@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 REC_MAGIC = b"DRR1"
 _REC = struct.Struct("<4sII")  # magic, payload length, crc32(magic + length + payload)
-_ZERO_CHECK_CHUNK = 1 << 20
+_READ_CHUNK = 1 << 20  # bytes read at a time when checking a tail of zeros or searching for an intact record
 
 
 def _rec_crc(length: int, payload: bytes | memoryview) -> int:
@@ -72,7 +72,7 @@ def _fsync_dir(path: Path) -> None:
 
 def _zeros_to_end(f: BinaryIO, pos: int) -> bool:
     f.seek(pos)
-    while chunk := f.read(_ZERO_CHECK_CHUNK):
+    while chunk := f.read(_READ_CHUNK):
         if chunk.count(0) != len(chunk):
             return False
     return True
@@ -89,9 +89,9 @@ def _valid_record_after(f: BinaryIO, start: int, size: int) -> int | None:
     chunk_start = start
     while chunk_start < size:
         f.seek(chunk_start)
-        chunk = f.read(_ZERO_CHECK_CHUNK + len(REC_MAGIC) - 1)  # a magic across the boundary too
+        chunk = f.read(_READ_CHUNK + len(REC_MAGIC) - 1)  # a magic across the boundary too
         at = chunk.find(REC_MAGIC)
-        while 0 <= at < _ZERO_CHECK_CHUNK:
+        while 0 <= at < _READ_CHUNK:
             f.seek(chunk_start + at)
             head = f.read(_REC.size)
             if len(head) == _REC.size:
@@ -99,7 +99,7 @@ def _valid_record_after(f: BinaryIO, start: int, size: int) -> int | None:
                 if chunk_start + at + _REC.size + length <= size and _rec_crc(length, f.read(length)) == crc:
                     return chunk_start + at
             at = chunk.find(REC_MAGIC, at + 1)
-        chunk_start += _ZERO_CHECK_CHUNK
+        chunk_start += _READ_CHUNK
     return None
 
 
@@ -486,8 +486,8 @@ class FsMarkers:
         except FileNotFoundError:
             return TailRead([], True)
         with f:
-            ends = [pos for pos, _, _ in scan_records(f, self.path, verify=False, skip_damaged=True)]
-            start = ends[-records] if len(ends) > records else 0
+            starts = [pos for pos, _, _ in scan_records(f, self.path, verify=False, skip_damaged=True)]
+            start = starts[-records] if len(starts) > records else 0
             return TailRead(
                 [(pos, payload) for pos, _, payload in scan_records(f, self.path, start, skip_damaged=True)], start == 0
             )

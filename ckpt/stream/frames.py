@@ -389,12 +389,57 @@ def decode_frame(buf: bytes | bytearray | memoryview, *, where: str | None = Non
 
 
 def _decode(mv: memoryview) -> Frame:
+    """`decode_frame` without the location: checks in the order the module docstring gives."""
+    flags, header_len, total = _check_prefix(mv)
+    (ckpt, rank, col, n, dim, row_bytes, idx, cnt, enc, n_opt) = _META.unpack_from(mv, _PREFIX.size)
+    tail = _read_header_tail(mv, header_len, n_opt, flags)
+    run = bool(flags & FLAG_ROW_RUN)
+    span = _bitmap_span_of(mv, header_len, n) if flags & FLAG_ROW_BITMAP else None
+    expect = _frame_len(header_len, n, row_bytes, [rb for _, _, rb in tail.layout], run, span)
+    if expect != total:
+        raise FrameError(
+            f"body length mismatch: {n} rows x {row_bytes} bytes (+ optimizer) need a {expect}-byte frame, got {total}"
+        )
+    if not idx < cnt:
+        raise FrameError(f"chunk index {idx} not below chunk count {cnt}")
+    off = header_len
+    id_bytes = 8 if run else _bitmap_len(span) if span is not None else 8 * n
+    row_ids, first = _row_ids(mv, off, n, run, span, id_bytes)
+    off += id_bytes + _pad(id_bytes)
+    payload = _u8(mv, off, n * row_bytes).view(n, row_bytes)
+    off += n * row_bytes + _pad(n * row_bytes)
+    optim = []
+    for name, o_enc, o_rb in tail.layout:
+        optim.append(OptimState(name, o_enc, _u8(mv, off, n * o_rb).view(n, o_rb)))
+        off += n * o_rb + _pad(n * o_rb)
+    return Frame(
+        run_id=tail.run_id,
+        checkpoint_id=ckpt,
+        rank=rank,
+        table=tail.table,
+        col_offset=col,
+        dim=dim,
+        encoding=enc,
+        row_bytes=row_bytes,
+        chunk_index=idx,
+        chunk_count=cnt,
+        row_ids=row_ids,
+        payload=payload,
+        optim=tuple(optim),
+        first_row=first,
+        epoch=tail.epoch,
+    )
+
+
+def _check_prefix(mv: memoryview) -> tuple[int, int, int]:
+    """(flags, header length, total length) of a frame whose magic, version, length and CRC
+    hold, and whose flags and header length are possible; else ``FrameError``."""
     size = mv.nbytes
     if size >= 4 and bytes(mv[:4]) != MAGIC:
         raise FrameError(f"bad magic {bytes(mv[:4])!r}, expected {MAGIC!r}")
     if size < _PREFIX.size + _CRC.size:
         raise FrameError(f"truncated: {size} bytes, shorter than any frame")
-    magic, version, flags, header_len, total = _PREFIX.unpack_from(mv, 0)
+    _, version, flags, header_len, total = _PREFIX.unpack_from(mv, 0)
     if version != VERSION:
         raise FrameError(f"unsupported frame version {version} (this reader knows {VERSION})")
     if total != size:
@@ -407,101 +452,94 @@ def _decode(mv: memoryview) -> Frame:
     # The bytes are what the writer wrote; what follows catches writer bugs and forgeries.
     if flags & ~(FLAG_ROW_RUN | FLAG_EPOCH | FLAG_ROW_BITMAP) or flags & FLAG_ROW_RUN and flags & FLAG_ROW_BITMAP:
         raise FrameError(f"unknown flags {flags:#x}")
-    run = bool(flags & FLAG_ROW_RUN)
     if not _PREFIX.size + _META.size <= header_len <= size - _CRC.size or header_len % _ALIGN:
         raise FrameError(f"bad header length {header_len}")
-    (ckpt, rank, col, n, dim, row_bytes, idx, cnt, enc, n_opt) = _META.unpack_from(mv, _PREFIX.size)
-    pos = _PREFIX.size + _META.size
+    return flags, header_len, total
 
-    def string(what: str) -> str:
-        nonlocal pos
-        if pos + _STR_LEN.size > header_len:
+
+class _HeaderTail(NamedTuple):
+    """The variable part of a frame's header, after its fixed fields."""
+
+    run_id: str
+    table: str
+    layout: list[tuple[str, int, int]]  # per optimizer state: name, encoding, row bytes
+    epoch: int
+
+
+class _HeaderCursor:
+    """Reads the header's variable fields in order, refusing any that runs past the header."""
+
+    def __init__(self, mv: memoryview, header_len: int) -> None:
+        self.mv = mv
+        self.header_len = header_len
+        self.pos = _PREFIX.size + _META.size
+
+    def unpack(self, field: struct.Struct, what: str) -> tuple:
+        """The next fixed-size field; `what` names it in the error."""
+        if self.pos + field.size > self.header_len:
             raise FrameError(f"header too short for {what}")
-        (ln,) = _STR_LEN.unpack_from(mv, pos)
-        pos += _STR_LEN.size
-        if pos + ln > header_len:
+        values = field.unpack_from(self.mv, self.pos)
+        self.pos += field.size
+        return values
+
+    def string(self, what: str) -> str:
+        """The next string (u16 length + utf-8)."""
+        (ln,) = self.unpack(_STR_LEN, what)
+        if self.pos + ln > self.header_len:
             raise FrameError(f"{what} runs past the header")
         try:
-            s = bytes(mv[pos : pos + ln]).decode("utf-8")
+            s = bytes(self.mv[self.pos : self.pos + ln]).decode("utf-8")
         except UnicodeDecodeError as e:
             raise FrameError(f"{what} is not utf-8: {e}") from None
-        pos += ln
+        self.pos += ln
         return s
 
-    run_id = string("run id")
-    table = string("table name")
+
+def _read_header_tail(mv: memoryview, header_len: int, n_opt: int, flags: int) -> _HeaderTail:
+    """Run id, table name, optimizer layout and epoch; the header must hold exactly these."""
+    cursor = _HeaderCursor(mv, header_len)
+    run_id = cursor.string("run id")
+    table = cursor.string("table name")
     layout = []
     for i in range(n_opt):
-        name = string(f"optimizer state {i} name")
-        if pos + _OPT.size > header_len:
-            raise FrameError(f"header too short for optimizer state {name!r}")
-        o_enc, o_rb = _OPT.unpack_from(mv, pos)
-        pos += _OPT.size
+        name = cursor.string(f"optimizer state {i} name")
+        o_enc, o_rb = cursor.unpack(_OPT, f"optimizer state {name!r}")
         layout.append((name, o_enc, o_rb))
     epoch = 0
     if flags & FLAG_EPOCH:
-        if pos + _EPOCH.size > header_len:
-            raise FrameError("header too short for the epoch")
-        (epoch,) = _EPOCH.unpack_from(mv, pos)
-        pos += _EPOCH.size
+        (epoch,) = cursor.unpack(_EPOCH, "the epoch")
         if not epoch:
             raise FrameError("epoch flag set with epoch 0")
-    if _header_len(pos - _PREFIX.size - _META.size) != header_len:
-        raise FrameError(f"header length {header_len} does not match its fields ({pos} bytes)")
-    span = None
-    if flags & FLAG_ROW_BITMAP:
-        if header_len + _BITMAP_HEAD.size > size - _CRC.size:
-            raise FrameError("frame too short for its row bitmap")
-        first, span = _BITMAP_HEAD.unpack_from(mv, header_len)
-        size = _bitmap_len(span)
-        # written only when smaller than 8 bytes a row
-        if span < n or size + _pad(size) >= 8 * n or not 0 <= first <= 2**63 - 1 - span:
-            raise FrameError(f"row bitmap of {span} rows from row {first} for {n} rows")
-    expect = _frame_len(header_len, n, row_bytes, [rb for _, _, rb in layout], run, span)
-    if expect != total:
-        raise FrameError(
-            f"body length mismatch: {n} rows x {row_bytes} bytes (+ optimizer) need a {expect}-byte frame, got {total}"
-        )
-    if not idx < cnt:
-        raise FrameError(f"chunk index {idx} not below chunk count {cnt}")
+    if _header_len(cursor.pos - _PREFIX.size - _META.size) != header_len:
+        raise FrameError(f"header length {header_len} does not match its fields ({cursor.pos} bytes)")
+    return _HeaderTail(run_id, table, layout, epoch)
 
-    off = header_len
-    id_bytes = 8 if run else _bitmap_len(span) if span is not None else 8 * n
-    first = None
+
+def _bitmap_span_of(mv: memoryview, header_len: int, n: int) -> int:
+    """The span of the row bitmap after the header, checked against the frame's `n` rows: a
+    bitmap is written only when smaller than 8 bytes a row."""
+    if header_len + _BITMAP_HEAD.size > mv.nbytes - _CRC.size:
+        raise FrameError("frame too short for its row bitmap")
+    first, span = _BITMAP_HEAD.unpack_from(mv, header_len)
+    bitmap_bytes = _bitmap_len(span)
+    if span < n or bitmap_bytes + _pad(bitmap_bytes) >= 8 * n or not 0 <= first <= 2**63 - 1 - span:
+        raise FrameError(f"row bitmap of {span} rows from row {first} for {n} rows")
+    return span
+
+
+def _row_ids(mv: memoryview, off: int, n: int, run: bool, span: int | None, id_bytes: int) -> tuple[torch.Tensor, int | None]:
+    """(row ids, first row when they are a run) from the ids section at `off`: a bitmap, a
+    run's first id, or one int64 a row."""
     if span is not None:
-        row_ids = _bitmap_rows(mv, off, n, span)
-    else:
-        ids = _u8(mv, off, id_bytes)
-        if ids.data_ptr() % 8:
-            ids = ids.clone()  # buffer base not 8-aligned (a slice of a larger buffer)
-        row_ids = ids.view(torch.int64)
-    if run:
-        first = int(row_ids[0])
-        row_ids = torch.arange(first, first + n, dtype=torch.int64)
-    off += id_bytes + _pad(id_bytes)
-    payload = _u8(mv, off, n * row_bytes).view(n, row_bytes)
-    off += n * row_bytes + _pad(n * row_bytes)
-    optim = []
-    for name, o_enc, o_rb in layout:
-        optim.append(OptimState(name, o_enc, _u8(mv, off, n * o_rb).view(n, o_rb)))
-        off += n * o_rb + _pad(n * o_rb)
-    return Frame(
-        run_id=run_id,
-        checkpoint_id=ckpt,
-        rank=rank,
-        table=table,
-        col_offset=col,
-        dim=dim,
-        encoding=enc,
-        row_bytes=row_bytes,
-        chunk_index=idx,
-        chunk_count=cnt,
-        row_ids=row_ids,
-        payload=payload,
-        optim=tuple(optim),
-        first_row=first,
-        epoch=epoch,
-    )
+        return _bitmap_rows(mv, off, n, span), None
+    ids = _u8(mv, off, id_bytes)
+    if ids.data_ptr() % 8:
+        ids = ids.clone()  # buffer base not 8-aligned (a slice of a larger buffer)
+    row_ids = ids.view(torch.int64)
+    if not run:
+        return row_ids, None
+    first = int(row_ids[0])
+    return torch.arange(first, first + n, dtype=torch.int64), first
 
 
 def _bitmap_rows(mv: memoryview, off: int, n: int, span: int) -> torch.Tensor:

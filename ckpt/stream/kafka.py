@@ -78,16 +78,17 @@ MARKERS_FETCH_WAIT_MS = 100
 # clients lower it (design §6); they keep sparse connections, so a broker that is down is
 # retried on demand only and a new one on the same address is reached at once.
 ADMIN_DEFAULTS = {"reconnect.backoff.ms": 10}
-# A spare reader (`_connect`) asks for the topic listing right after it starts. librdkafka
-# may have dropped the bootstrap connection by then (the consumer's own first Metadata named
-# the brokers), and with sparse connections the request then waits for the rate-limited
-# connect, 50 ms for a consumer. Connecting to the named brokers at once avoids it; a spare
-# lives until the next read only (design §6).
-SPARE_DEFAULTS = {"enable.sparse.connections": False}
+# A consumer connected ahead of a read (`_connect`) asks for the topic listing right after it
+# starts. librdkafka may have dropped the bootstrap connection by then (the consumer's own first
+# Metadata named the brokers), and with sparse connections the request then waits for the
+# rate-limited connect, 50 ms for a consumer. Connecting to the named brokers at once avoids it;
+# such a consumer lives until the next read only (design §6).
+CONNECT_AHEAD_DEFAULTS = {"enable.sparse.connections": False}
 _TRANSIENT = {KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._TIMED_OUT, KafkaError._RESOLVE}
 
 
-def _common(conf: Mapping[str, Any]) -> dict[str, Any]:
+def _client_conf(conf: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings every client of `conf` gets: `conf` itself, logging through Python's logging."""
     if "bootstrap.servers" not in conf:
         raise ConfigError("ckpt.kafka needs 'bootstrap.servers' (or set ckpt.bootstrap_servers)")
     out = dict(conf)
@@ -98,7 +99,7 @@ def _common(conf: Mapping[str, Any]) -> dict[str, Any]:
 def new_admin(conf: Mapping[str, Any]) -> AdminClient:
     """An AdminClient for `conf` (`ADMIN_DEFAULTS` unless `conf` sets them). A backend opens
     one and hands it to its sink, source and markers log."""
-    return AdminClient({**ADMIN_DEFAULTS, **_common(conf)})
+    return AdminClient({**ADMIN_DEFAULTS, **_client_conf(conf)})
 
 
 def _at(msg: Message) -> tuple[str, int, int]:
@@ -109,7 +110,8 @@ def _at(msg: Message) -> tuple[str, int, int]:
     return topic, partition, offset
 
 
-def _code(e: BaseException) -> Any:
+def _error_code(e: BaseException) -> Any:
+    """The `KafkaError` code a `KafkaException` carries; None for any other exception."""
     err = e.args[0] if e.args else None
     return err.code() if isinstance(err, KafkaError) else None
 
@@ -151,7 +153,7 @@ def ensure_topic(
         fut.result(timeout=timeout_s + 1)
         return partitions
     except KafkaException as e:
-        if _code(e) != KafkaError.TOPIC_ALREADY_EXISTS:
+        if _error_code(e) != KafkaError.TOPIC_ALREADY_EXISTS:
             raise SinkError(f"cannot create topic {topic}: {e.args[0]}") from None
     except Exception as e:  # noqa: BLE001 - concurrent.futures.TimeoutError, or the admin client's own errors
         raise SinkError(f"cannot create topic {topic}: {e!r}") from None
@@ -166,15 +168,16 @@ def ensure_topic(
 
 def drop_generation(conf: Mapping[str, Any], run_id: str, generation: int, *, timeout_s: float = 10.0) -> None:
     """Delete the rows topic of ``generation`` (missing already: fine)."""
-    _delete_topic(new_admin(conf), rows_name(check_run_id(run_id), generation), timeout_s)
+    delete_topic(new_admin(conf), rows_name(check_run_id(run_id), generation), timeout_s)
 
 
-def _delete_topic(admin: AdminClient, topic: str, timeout_s: float) -> None:
+def delete_topic(admin: AdminClient, topic: str, timeout_s: float) -> None:
+    """Delete `topic` (missing already: fine); raises ``SinkError``."""
     fut = admin.delete_topics([topic], operation_timeout=timeout_s, request_timeout=timeout_s)[topic]
     try:
         fut.result(timeout=timeout_s + 1)
     except KafkaException as e:
-        if _code(e) != KafkaError.UNKNOWN_TOPIC_OR_PART:
+        if _error_code(e) != KafkaError.UNKNOWN_TOPIC_OR_PART:
             raise SinkError(f"cannot delete topic {topic}: {e.args[0]}") from None
     except Exception as e:  # noqa: BLE001 - a timeout, or the admin client's own errors: one SinkError either way
         raise SinkError(f"cannot delete topic {topic}: {e!r}") from None
@@ -190,7 +193,7 @@ class _Producer:
         delivery_timeout_s: float | None,
         queue_full_timeout_s: float,
     ) -> None:
-        pconf = {**_common(conf), **(producer_conf or {})}
+        pconf = {**_client_conf(conf), **(producer_conf or {})}
         if str(pconf.get("enable.idempotence", True)).lower() not in ("true", "1"):
             raise ConfigError("ckpt.kafka: the checkpoint producer needs enable.idempotence=true")
         if str(pconf.get("acks", "all")).lower() not in ("all", "-1"):
@@ -313,7 +316,9 @@ class KafkaSink:
     def topic(self, generation: int) -> str:
         return rows_name(self.run_id, generation)
 
-    def _topic_for(self, generation: int, partition: int) -> str:
+    def writable_topic(self, generation: int, partition: int) -> str:
+        """The topic `write` sends frames of `generation` to, created with the sink's settings on
+        first use; raises ``SinkError`` for a dropped generation or a partition the topic lacks."""
         topic = self.topic(generation)
         if generation in self._dropped:
             raise SinkError(f"generation {generation} ({topic}) was dropped; refusing to write it")
@@ -349,7 +354,7 @@ class KafkaSink:
         if self._closed:
             raise SinkError("sink is closed")
         try:
-            topic = self._topic_for(generation, partition)
+            topic = self.writable_topic(generation, partition)
             epoch, key = self._epoch, (generation, partition)
             self._p.produce(topic, frame, partition, lambda err, msg: self._on_delivery(epoch, key, err, msg))
         except SinkError as e:
@@ -382,7 +387,7 @@ class KafkaSink:
     def drop_generation(self, generation: int) -> None:
         self._dropped.add(generation)
         self._topics.pop(generation, None)
-        _delete_topic(self._admin, self.topic(generation), self.admin_timeout_s)
+        delete_topic(self._admin, self.topic(generation), self.admin_timeout_s)
 
     def close(self) -> None:
         if not self._closed:
@@ -403,7 +408,7 @@ def _consumer_conf(
         "fetch.wait.max.ms": 10,
         "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,
         **(defaults or {}),
-        **_common(conf),
+        **_client_conf(conf),
         **(consumer_conf or {}),
     }
     # assign()-only reading: a throwaway group id (confluent-kafka insists on one),
@@ -421,7 +426,7 @@ def _consumer_conf(
     return c
 
 
-class _Connected(NamedTuple):
+class _ConnectedConsumer(NamedTuple):
     """A new consumer whose first request, the all-topics listing, has been answered: it is
     connected, and `topics` says what existed then (partition counts). `watermarks`: the
     (low, high) ListOffsets answer for the partition `_connect` was asked about, if any."""
@@ -431,11 +436,11 @@ class _Connected(NamedTuple):
     watermarks: tuple[int, int] | None = None
 
 
-def _connect(cconf: Mapping[str, Any], timeout_s: float, watermarks_of: TopicPartition | None = None) -> _Connected:
+def _connect(cconf: Mapping[str, Any], timeout_s: float, watermarks_of: TopicPartition | None = None) -> _ConnectedConsumer:
     """A consumer for `cconf`, connected by the all-topics listing (closed again, and the
     `KafkaException` raised, if nothing answers within `timeout_s`); with `watermarks_of`,
     that partition's watermarks too when its topic exists."""
-    consumer = Consumer({**SPARE_DEFAULTS, **cconf})
+    consumer = Consumer({**CONNECT_AHEAD_DEFAULTS, **cconf})
     try:
         md = consumer.list_topics(timeout=timeout_s)
         topics = {name: len(t.partitions) for name, t in md.topics.items() if t.error is None}
@@ -445,32 +450,32 @@ def _connect(cconf: Mapping[str, Any], timeout_s: float, watermarks_of: TopicPar
     except BaseException:
         consumer.close()
         raise
-    return _Connected(consumer, topics, marks)
+    return _ConnectedConsumer(consumer, topics, marks)
 
 
-class _Spare:
-    """At most one connected consumer kept for its owner's next read: `put` a pending or
-    finished connect, `take` it once, `close` closes one nobody took. A reader that takes
-    none connects as before; one that takes one skips a new client's connects (design §6).
+class _ConnectAhead:
+    """The slot for at most one consumer connected ahead of its owner's next read: `put` a
+    pending or finished connect, `take` it once, `close` closes one nobody took. A reader that
+    takes none connects as before; one that takes one skips a new client's connects (design §6).
     Thread-safe: a source is read from several threads, and a prepare connects on its own."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._held: Future[_Connected] | None = None
+        self._held: Future[_ConnectedConsumer] | None = None
 
-    def put(self, pending: Future[_Connected]) -> None:
+    def put(self, pending: Future[_ConnectedConsumer]) -> None:
         with self._lock:
             old, self._held = self._held, pending
         _close_connected(old)
 
-    def take(self) -> _Connected | None:
-        """The spare, once connected, or None if none was put; raises what its connect raised
-        (`KafkaException`: nothing answered)."""
+    def take(self) -> _ConnectedConsumer | None:
+        """The consumer connected ahead, once its connect is done, or None if none was put;
+        raises what its connect raised (`KafkaException`: nothing answered)."""
         with self._lock:
             held, self._held = self._held, None
         return None if held is None else held.result()
 
-    def take_connected(self) -> _Connected | None:
+    def take_connected(self) -> _ConnectedConsumer | None:
         """`take`, but None also when the connect found no broker: one may answer now, so the
         read connects again and meets a failure with its own message."""
         try:
@@ -484,10 +489,10 @@ class _Spare:
         _close_connected(held)
 
 
-def _close_connected(pending: Future[_Connected] | None) -> None:
+def _close_connected(pending: Future[_ConnectedConsumer] | None) -> None:
     """Close the consumer of `pending` once its connect is done (now, if it is)."""
 
-    def close(done: Future[_Connected]) -> None:
+    def close(done: Future[_ConnectedConsumer]) -> None:
         if done.exception() is None:
             done.result().consumer.close()
 
@@ -497,35 +502,35 @@ def _close_connected(pending: Future[_Connected] | None) -> None:
 
 def _connect_on_thread(
     cconf: Mapping[str, Any], timeout_s: float, watermarks_of: TopicPartition | None = None
-) -> Future[_Connected]:
+) -> Future[_ConnectedConsumer]:
     """`_connect` on a thread of its own (librdkafka waits without holding the GIL). A daemon
     thread, not an executor's: a process that exits does not wait out a connect to a broker
     that is down."""
-    pending: Future[_Connected] = Future()
+    pending: Future[_ConnectedConsumer] = Future()
 
     def run() -> None:
         try:
             pending.set_result(_connect(cconf, timeout_s, watermarks_of))
-        except BaseException as exc:  # noqa: BLE001 - raised to whoever takes the spare
+        except BaseException as exc:  # noqa: BLE001 - raised to whoever takes the consumer
             pending.set_exception(exc)
 
     threading.Thread(target=run, name="deltarec-kafka-connect", daemon=True).start()
     return pending
 
 
-def _topics_for(spare: _Connected | None, admin: AdminClient, needed: Sequence[str], timeout_s: float) -> dict[str, int]:
-    """The topics a read checks `needed` against: the admin client's listing without a spare;
-    the spare's while it names them all, else the spare lists again (a topic created since
-    must not look missing; one deleted since fails its read). A spare whose listing fails is
-    closed."""
-    if spare is None:
+def _topics_for(ready: _ConnectedConsumer | None, admin: AdminClient, needed: Sequence[str], timeout_s: float) -> dict[str, int]:
+    """The topics a read checks `needed` against: the admin client's listing without a consumer
+    connected ahead (`ready`); its listing while that names them all, else it lists again (a
+    topic created since must not look missing; one deleted since fails its read). A `ready`
+    consumer whose listing fails is closed."""
+    if ready is None:
         return topics_partitions(admin, timeout_s)
-    if all(t in spare.topics for t in needed):
-        return spare.topics
+    if all(t in ready.topics for t in needed):
+        return ready.topics
     try:
-        return topics_partitions(spare.consumer, timeout_s)
+        return topics_partitions(ready.consumer, timeout_s)
     except BaseException:
-        spare.consumer.close()
+        ready.consumer.close()
         raise
 
 
@@ -560,7 +565,7 @@ def _read_partitions(
     cconf: Mapping[str, Any], reads: Sequence[_Read], timeout_s: float, consumer: Consumer | None = None
 ) -> Iterator[tuple[int, Message]]:
     """``(index into reads, message)`` for every message of every read, with one consumer:
-    `consumer` (a connected spare, closed at the end like a new one) or a new one for `cconf`.
+    `consumer` (one connected ahead, closed at the end like a new one) or a new one for `cconf`.
 
     Every partition is assigned when this is called, not when the first message is asked
     for: the caller can do other work while the first fetch is in flight, and librdkafka
@@ -582,97 +587,142 @@ def _read_partitions(
 
 def _reading(cconf: Mapping[str, Any], reads: Sequence[_Read], timeout_s: float, consumer: Consumer | None) -> Iterator[Any]:
     """`_read_partitions`' messages, after a first None once the partitions are assigned."""
-    by_partition: dict[tuple[str, int], list[int]] = {}
-    for i, r in enumerate(reads):
-        by_partition.setdefault((r.topic, r.partition), []).append(i)
-    if not by_partition:
+    queued = _queued_by_partition(reads)
+    if not queued:
         if consumer is not None:
             consumer.close()
         return
-    pending: dict[tuple[str, int], deque[int]] = {}
+    if consumer is None:
+        consumer = Consumer(dict(cconf))
+    progress = _ReadProgress(reads, queued, consumer)
+    try:
+        consumer.assign(progress.assignment())
+        yield None
+        deadline = time.monotonic() + timeout_s
+        while progress.pending:
+            msg = consumer.poll(max(0.0, deadline - time.monotonic()))
+            if msg is None:
+                if time.monotonic() >= deadline:
+                    raise progress.nothing_arrived(timeout_s)
+                continue
+            err = msg.error()
+            if err is not None:
+                progress.on_error(msg, err)
+                continue
+            placed = progress.place(msg)
+            if placed is None:
+                continue
+            i, key, off = placed
+            yield i, msg
+            deadline = time.monotonic() + timeout_s
+            progress.delivered(i, key, off)
+    finally:
+        _close_behind(consumer)
+
+
+def _queued_by_partition(reads: Sequence[_Read]) -> dict[tuple[str, int], deque[int]]:
+    """Indexes into `reads` per partition, in offset order (the order a partition is read in);
+    the reads of one partition must not overlap."""
+    by_partition: dict[tuple[str, int], list[int]] = {}
+    for i, r in enumerate(reads):
+        by_partition.setdefault((r.topic, r.partition), []).append(i)
+    queued: dict[tuple[str, int], deque[int]] = {}
     for key, ids in by_partition.items():
         ids.sort(key=lambda i: reads[i].first)
         spans = [(reads[i].first, reads[i].last) for i in ids]
         assert all(a[1] is not None and a[1] < b[0] for a, b in zip(spans, spans[1:])), f"overlapping reads {spans}"
-        pending[key] = deque(ids)
-    expect = {key: reads[q[0]].first for key, q in pending.items()}  # next offset wanted
-    # Just after a seek the next message must be exactly the read's first offset (a position
-    # a delivery report gave): anything else was fetched before the seek.
-    exact: set[tuple[str, int]] = set()
-    if consumer is None:
-        consumer = Consumer(dict(cconf))
+        queued[key] = deque(ids)
+    return queued
 
-    def next_read(key: tuple[str, int]) -> None:
+
+class _ReadProgress:
+    """Where `_reading` stands in every partition: the reads still to serve (`pending`, the
+    current one first), the offset each partition wants next, and which message of a
+    partition is stale after a pause or a seek."""
+
+    def __init__(self, reads: Sequence[_Read], pending: dict[tuple[str, int], deque[int]], consumer: Consumer) -> None:
+        self.reads = reads
+        self.pending = pending
+        self.consumer = consumer
+        self.expect = {key: reads[q[0]].first for key, q in pending.items()}  # next offset wanted
+        # Just after a seek the next message must be exactly the read's first offset (a position
+        # a delivery report gave): anything else was fetched before the seek.
+        self.exact: set[tuple[str, int]] = set()
+
+    def assignment(self) -> list[TopicPartition]:
+        """Every partition, at the first offset of its first read."""
+        return [TopicPartition(t, p, self.expect[(t, p)]) for t, p in self.pending]
+
+    def next_read(self, key: tuple[str, int]) -> None:
         """The current read of `key` is complete: seek to its next one, or pause it."""
-        q = pending[key]
+        q = self.pending[key]
         q.popleft()
         if not q:
-            del pending[key]
-            consumer.pause([TopicPartition(*key)])
-        elif reads[q[0]].first != expect[key]:
-            expect[key] = reads[q[0]].first
-            exact.add(key)
-            consumer.seek(TopicPartition(key[0], key[1], expect[key]))
+            del self.pending[key]
+            self.consumer.pause([TopicPartition(*key)])
+        elif self.reads[q[0]].first != self.expect[key]:
+            self.expect[key] = self.reads[q[0]].first
+            self.exact.add(key)
+            self.consumer.seek(TopicPartition(key[0], key[1], self.expect[key]))
 
-    def stale(key: tuple[str, int], off: int) -> bool:
+    def stale(self, key: tuple[str, int], off: int) -> bool:
         """A message fetched before a pause or a seek of its partition."""
-        return key not in pending or off < expect[key] or (key in exact and off != expect[key])
+        return key not in self.pending or off < self.expect[key] or (key in self.exact and off != self.expect[key])
 
-    try:
-        consumer.assign([TopicPartition(t, p, expect[(t, p)]) for t, p in pending])
-        yield None
-        deadline = time.monotonic() + timeout_s
-        while pending:
-            msg = consumer.poll(max(0.0, deadline - time.monotonic()))
-            if msg is None:
-                if time.monotonic() >= deadline:
-                    (t, p), q = next(iter(pending.items()))
-                    last = reads[q[0]].last
-                    raise SourceError(
-                        f"topic {t} partition {p}: nothing at offset {expect[(t, p)]} within "
-                        f"{timeout_s:g}s" + (f" (reading through offset {last})" if last is not None else "")
-                    )
-                continue
-            err = msg.error()
-            if err is not None:
-                about = (msg.topic(), msg.partition())  # (None, None): an error of no partition
-                if about not in pending:
-                    continue  # about a partition whose reads are done
-                key = cast(tuple[str, int], about)
-                if err.code() == KafkaError._PARTITION_EOF:
-                    last = reads[pending[key][0]].last
-                    if last is None:
-                        next_read(key)
-                        continue
-                    raise SourceError(
-                        f"topic {key[0]} partition {key[1]} ends at offset "
-                        f"{msg.offset()}, but the range runs through offset {last}"
-                    )
-                if err.code() in _TRANSIENT and not err.fatal():
-                    log.debug("kafka read %s[%d]: %s", key[0], key[1], err)
-                    continue
-                raise SourceError(f"topic {key[0]} partition {key[1]} at offset {expect[key]}: {err}")
-            topic, partition, off = _at(msg)
-            key = (topic, partition)
-            if stale(key, off):
-                continue
-            exact.discard(key)
-            while key in pending and _past(reads[pending[key][0]], off):
-                next_read(key)  # a gap (compaction/control records) at the end of a read
-            if stale(key, off):  # the read it belonged to ended; the next one starts elsewhere
-                continue
-            exact.discard(key)
-            i = pending[key][0]
-            yield i, msg
-            deadline = time.monotonic() + timeout_s
-            expect[key] = off + 1
-            last = reads[i].last
-            if last is None:  # to the end: the last offset its fetch reported (negative: none yet)
-                last = _fetched_end(consumer, key) - 1
-            if 0 <= last <= off:
-                next_read(key)
-    finally:
-        _close_behind(consumer)
+    def nothing_arrived(self, timeout_s: float) -> SourceError:
+        """The error for a poll that waited `timeout_s` in vain, naming a partition still read."""
+        (t, p), q = next(iter(self.pending.items()))
+        last = self.reads[q[0]].last
+        return SourceError(
+            f"topic {t} partition {p}: nothing at offset {self.expect[(t, p)]} within "
+            f"{timeout_s:g}s" + (f" (reading through offset {last})" if last is not None else "")
+        )
+
+    def on_error(self, msg: Message, err: KafkaError) -> None:
+        """An event instead of a message: the end of a partition read to its end completes that
+        read, a transient error or one about a partition done is ignored, anything else raises
+        `SourceError`."""
+        about = (msg.topic(), msg.partition())  # (None, None): an error of no partition
+        if about not in self.pending:
+            return  # about a partition whose reads are done
+        key = cast(tuple[str, int], about)
+        if err.code() == KafkaError._PARTITION_EOF:
+            last = self.reads[self.pending[key][0]].last
+            if last is None:
+                self.next_read(key)
+                return
+            raise SourceError(
+                f"topic {key[0]} partition {key[1]} ends at offset {msg.offset()}, but the range runs through offset {last}"
+            )
+        if err.code() in _TRANSIENT and not err.fatal():
+            log.debug("kafka read %s[%d]: %s", key[0], key[1], err)
+            return
+        raise SourceError(f"topic {key[0]} partition {key[1]} at offset {self.expect[key]}: {err}")
+
+    def place(self, msg: Message) -> tuple[int, tuple[str, int], int] | None:
+        """(index of the read `msg` belongs to, its partition, its offset), or None for a stale
+        message. Reads it has gone past (a gap at their end) are completed first."""
+        topic, partition, off = _at(msg)
+        key = (topic, partition)
+        if self.stale(key, off):
+            return None
+        self.exact.discard(key)
+        while key in self.pending and _past(self.reads[self.pending[key][0]], off):
+            self.next_read(key)  # a gap (compaction/control records) at the end of a read
+        if self.stale(key, off):  # the read it belonged to ended; the next one starts elsewhere
+            return None
+        self.exact.discard(key)
+        return self.pending[key][0], key, off
+
+    def delivered(self, i: int, key: tuple[str, int], off: int) -> None:
+        """Offset `off` of read `i` was handed out: want the next one, or complete the read at its
+        last offset (a read to the end: the last offset its fetch reported)."""
+        self.expect[key] = off + 1
+        last = self.reads[i].last
+        if last is None:  # to the end: the last offset its fetch reported (negative: none yet)
+            last = _fetched_end(self.consumer, key) - 1
+        if 0 <= last <= off:
+            self.next_read(key)
 
 
 def _fetched_end(consumer: Consumer, key: tuple[str, int]) -> int:
@@ -704,13 +754,13 @@ class KafkaSource:
         self.timeout_s = timeout_s
         self._cconf = _consumer_conf(conf, consumer_conf)
         self._admin = admin or new_admin(conf)
-        self._spare = _Spare()
+        self._connect_ahead = _ConnectAhead()
 
     def prepare(self) -> None:
         """Start connecting the consumer of the next `read_ranges` on a thread of its own. A
         restore calls this on every rank before rank 0 reads the markers log, so the rows
         read finds its client connected (design §6)."""
-        self._spare.put(_connect_on_thread(self._cconf, self.timeout_s))
+        self._connect_ahead.put(_connect_on_thread(self._cconf, self.timeout_s))
 
     def read_range(
         self, generation: int, partition: int, first: int, last: int, *, timeout_s: float | None = None
@@ -728,8 +778,8 @@ class KafkaSource:
             if not 0 <= r.first <= r.last:
                 raise ValueError(f"bad range [{r.first}, {r.last}]")
         topics = [rows_name(self.run_id, r.generation) for r in reads]
-        spare = self._spare.take_connected()
-        listed = _topics_for(spare, self._admin, topics, timeout_s) if reads or spare else {}
+        ready = self._connect_ahead.take_connected()
+        listed = _topics_for(ready, self._admin, topics, timeout_s) if reads or ready else {}
         try:
             plan = []
             for r, topic in zip(reads, topics):
@@ -741,10 +791,10 @@ class KafkaSource:
                     raise SourceError(f"topic {topic} has {listed[topic]} partitions, no partition {r.partition}")
                 plan.append(_Read(topic, r.partition, r.first, r.last))
         except BaseException:
-            if spare is not None:
-                spare.consumer.close()
+            if ready is not None:
+                ready.consumer.close()
             raise
-        return self._decoded(_read_partitions(self._cconf, plan, timeout_s, spare.consumer if spare else None))
+        return self._decoded(_read_partitions(self._cconf, plan, timeout_s, ready.consumer if ready else None))
 
     def _decoded(self, messages: Iterator[tuple[int, Message]]) -> Iterator[tuple[int, int, Frame]]:
         for i, msg in messages:
@@ -756,7 +806,7 @@ class KafkaSource:
             yield i, offset, frame
 
     def close(self) -> None:
-        self._spare.close()
+        self._connect_ahead.close()
         if hasattr(self, "_admin"):  # closed twice: gone already
             del self._admin  # the client goes now (its connections close)
 
@@ -798,7 +848,7 @@ class KafkaMarkers:
         self._topic_ok = False
         self._last: int | None = None  # offset of our own last append
         self._closed = False
-        self._spare = _Spare()  # the consumer `check_reachable` connected, for the next read
+        self._connect_ahead = _ConnectAhead()  # the consumer `check_reachable` connected, for the next read
 
     def append_marker(self, payload: bytes) -> int:
         if self._closed:
@@ -826,7 +876,7 @@ class KafkaMarkers:
         """Start `check_reachable`'s connect on a thread of its own (the checkpoint manager
         does while it is being built, so a restore finds the markers reader connected), and
         ask for the log's watermarks there, which `read_tail` then starts from."""
-        self._spare.put(_connect_on_thread(self._cconf, timeout_s, TopicPartition(self.topic, 0)))
+        self._connect_ahead.put(_connect_on_thread(self._cconf, timeout_s, TopicPartition(self.topic, 0)))
 
     def check_reachable(self, timeout_s: float) -> None:
         """One metadata request, bounded by `timeout_s` from this call (the one `prepare` started,
@@ -837,7 +887,7 @@ class KafkaMarkers:
         deadline = time.monotonic() + timeout_s
         try:
             try:
-                connected = self._spare.take()
+                connected = self._connect_ahead.take()
             except KafkaException:
                 # the connect `prepare` started (maybe long ago) found no broker: ask again
                 # for what is left of `timeout_s` from now, so a broker that came up since answers
@@ -852,18 +902,18 @@ class KafkaMarkers:
                 f"no Kafka broker answered at {self.bootstrap} within {timeout_s:g} s (ckpt.connect_timeout_s): "
                 f"{reason}; start it (deltarec-broker start) or fix ckpt.bootstrap_servers"
             ) from None
-        done: Future[_Connected] = Future()
+        done: Future[_ConnectedConsumer] = Future()
         done.set_result(connected)
-        self._spare.put(done)
+        self._connect_ahead.put(done)
 
     def read_markers(self, start: int = 0, *, timeout_s: float | None = None) -> list[tuple[int, bytes]]:
         """The markers from offset `start` to the end of the topic, as its fetches report it
         (a ListOffsets watermark is not trusted: launch/broker.py). No topic yet: no markers."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        spare = self._spare.take_connected()
-        if not self._topic_exists(spare, timeout_s):
+        ready = self._connect_ahead.take_connected()
+        if not self._topic_exists(ready, timeout_s):
             return []
-        return self._read_from(start, spare.consumer if spare else None, timeout_s)
+        return self._read_from(start, ready.consumer if ready else None, timeout_s)
 
     def read_tail(self, records: int, *, timeout_s: float | None = None) -> TailRead:
         """The markers from `records` before the end to the end. The start comes from a
@@ -871,17 +921,17 @@ class KafkaMarkers:
         (launch/broker.py): that only starts the read earlier. The read itself ends where
         the fetches say, as `read_markers` does."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        spare = self._spare.take_connected()
-        if not self._topic_exists(spare, timeout_s):
+        ready = self._connect_ahead.take_connected()
+        if not self._topic_exists(ready, timeout_s):
             return TailRead([], True)
-        consumer = spare.consumer if spare else None
+        consumer = ready.consumer if ready else None
         try:
             consumer = consumer or _connect(self._cconf, timeout_s).consumer
             # the connect `prepare` started asked already: the log has only grown since
             # (a start too early reads more, never less)
             low, high = (
-                spare.watermarks
-                if spare is not None and spare.watermarks is not None
+                ready.watermarks
+                if ready is not None and ready.watermarks is not None
                 else consumer.get_watermark_offsets(TopicPartition(self.topic, 0), timeout=timeout_s, cached=False)
             )
         except KafkaException as exc:
@@ -891,13 +941,13 @@ class KafkaMarkers:
         start = max(low, high - records, 0)
         return TailRead(self._read_from(start, consumer, timeout_s), start <= low)
 
-    def _topic_exists(self, spare: _Connected | None, timeout_s: float) -> bool:
+    def _topic_exists(self, ready: _ConnectedConsumer | None, timeout_s: float) -> bool:
         """Whether the markers topic exists (no topic: no markers yet); a topic gone after
-        this process appended to it is an error. A spare not used for a read is closed."""
-        if self.topic in _topics_for(spare, self._admin, [self.topic], timeout_s):
+        this process appended to it is an error. A `ready` consumer not used for a read is closed."""
+        if self.topic in _topics_for(ready, self._admin, [self.topic], timeout_s):
             return True
-        if spare is not None:
-            spare.consumer.close()
+        if ready is not None:
+            ready.consumer.close()
         if self._last is not None:
             raise SourceError(f"marker topic {self.topic} is gone (we appended offset {self._last})")
         return False
@@ -913,6 +963,6 @@ class KafkaMarkers:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._spare.close()
+            self._connect_ahead.close()
             self._p.close()
             del self._admin  # the client goes now (its connections close)

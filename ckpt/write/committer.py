@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
-from ckpt.dense.store import CommitRecord, DenseStore, DenseStoreError
+from ckpt.dense.store import CommitRecord, DenseRef, DenseStore, DenseStoreError
 from ckpt.faults import maybe_die
 from ckpt.log.catalog import Catalog, catch_up
 from ckpt.log.catalog_record import summarize
@@ -81,84 +81,42 @@ class Committer:
         self.attempt, self.epoch, self.catalog = attempt, epoch, catalog
 
     def __call__(self, job: WriteJob, reports: list[RankReport]) -> Outcome:
-        cid = job.checkpoint_id
-        stall = [r.stall_ms for r in reports]
-        fresh = [r.stall_new_bytes for r in reports]
+        """Commit `job` if every rank's rows, every earlier link of its chain and the dense file
+        are durable and no newer attempt holds the run; else record why it failed."""
+        totals = _Totals.of(job, reports)
         errors = [r.error for r in reports if not r.ok]
         missing = [c for c in job.chain[:-1] if c not in self.links]
         if missing:
             errors.append(f"chain link(s) {missing} never committed")
-        rows = sum(r.rows for r in reports)
-        nbytes = sum(r.bytes for r in reports)
-        full = len(job.chain) == 1
-        write_s = max(r.write_s for r in reports)
         if errors:
-            self._failed(job, "; ".join(errors), stall)
-            return Outcome(
-                checkpoint_id=cid,
-                step=job.step,
-                committed=False,
-                error="; ".join(errors),
-                bytes=nbytes,
-                rows=rows,
-                full=full,
-                stall_ms=stall,
-                stall_new_bytes=fresh,
-                write_s=write_s,
-            )
+            self._failed(job, "; ".join(errors), totals.stall_ms)
+            return totals.outcome(job, committed=False, error="; ".join(errors))
         # before the dense file: a replaced attempt writes nothing more (a failed checkpoint's
         # FAILED record above needs no read of the log; the fold ignores it all the same)
         fenced = self._fenced()
         if fenced:
-            return Outcome(
-                checkpoint_id=cid,
-                step=job.step,
-                committed=False,
-                error=fenced,
-                bytes=nbytes,
-                rows=rows,
-                full=full,
-                stall_ms=stall,
-                stall_new_bytes=fresh,
-                write_s=write_s,
-                fenced=True,
-            )
+            return totals.outcome(job, committed=False, error=fenced, fenced=True)
+        try:
+            ref = self._write_dense(job, reports)
+        except DenseStoreError as exc:
+            self._failed(job, str(exc), totals.stall_ms)
+            return totals.outcome(job, committed=False, error=str(exc))
+        durable_unix = self._append_commit(job, reports, totals, ref)
+        return totals.outcome(job, committed=True, commit_unix=durable_unix)
+
+    def _write_dense(self, job: WriteJob, reports: list[RankReport]) -> DenseRef:
+        """Write the job's dense file, with every rank's loop state in it; raises `DenseStoreError`."""
         assert job.dense_state is not None, "rank 0 snapshots the dense state"
         dense_state = dict(job.dense_state)
         # every rank's loop state, each with its reader's position: what a restore resumes from
         dense_state["trainers"] = [r.trainer_state for r in reports]
-        try:
-            ref = self.dense.write(cid, dense_state)
-        except DenseStoreError as exc:
-            self._failed(job, str(exc), stall)
-            return Outcome(
-                checkpoint_id=cid,
-                step=job.step,
-                committed=False,
-                error=str(exc),
-                bytes=nbytes,
-                rows=rows,
-                full=full,
-                stall_ms=stall,
-                stall_new_bytes=fresh,
-                write_s=write_s,
-            )
-        ranges: dict[int, list[OffsetRange]] = {}
-        index: list[IndexEntry] = []
-        for r in reports:
-            assert all(e.partition == r.rank for e in r.index), "a rank indexes only its own partition"
-            ranges.update(r.ranges)
-            index.extend(r.index)
-        link = ChainLink(
-            checkpoint_id=cid,
-            full=full,
-            generation=job.generation,
-            ranges=ranges,
-            rows=rows,
-            bytes=nbytes,
-            index=index,
-            epoch=job.epoch,
-        )
+        return self.dense.write(job.checkpoint_id, dense_state)
+
+    def _append_commit(self, job: WriteJob, reports: list[RankReport], totals: _Totals, ref: DenseRef) -> float:
+        """Append the COMMIT marker of `job` (dense file `ref`) and remember its link for later
+        chains; returns the time the marker became durable."""
+        cid = job.checkpoint_id
+        link = _chain_link(job, reports, totals)
         marker = Marker(
             kind="commit",
             run_id=self.run_id,
@@ -166,7 +124,7 @@ class Committer:
             step=job.step,
             chain=[self.links[c] for c in job.chain[:-1]] + [link],
             dense=ref.as_json(),
-            stall_ms=stall,
+            stall_ms=totals.stall_ms,
             created_unix=time.time(),
             attempt=self.attempt.attempt if self.attempt else "",
             **{**self.marker_fields, "encodings": {k: v for r in reports for k, v in r.encodings.items()}},
@@ -178,18 +136,7 @@ class Committer:
         self.links[cid] = link
         self._journal = CommitRecord(cid, job.step, self.where, marker.created_unix)
         self._summarize()
-        return Outcome(
-            checkpoint_id=cid,
-            step=job.step,
-            committed=True,
-            bytes=nbytes,
-            rows=rows,
-            full=full,
-            stall_ms=stall,
-            stall_new_bytes=fresh,
-            write_s=write_s,
-            commit_unix=durable_unix,
-        )
+        return durable_unix
 
     def settle(self, outcome: Outcome) -> None:
         """Every rank knows `outcome`: record a COMMIT in the run's local history. A crash
@@ -262,3 +209,60 @@ class Committer:
             self.markers.append_marker(encode_marker(marker))
         except Exception as exc:  # noqa: BLE001 - the broker may be the reason it failed
             logger.warning("checkpoint %d: could not record its failure either: %s", job.checkpoint_id, exc)
+
+
+class _Totals(NamedTuple):
+    """What every rank's report adds up to for one checkpoint: the figures its outcome carries
+    whether it commits or not."""
+
+    rows: int
+    bytes: int
+    full: bool
+    stall_ms: list[float]
+    stall_new_bytes: list[int]
+    write_s: float
+
+    @classmethod
+    def of(cls, job: WriteJob, reports: list[RankReport]) -> _Totals:
+        return cls(
+            rows=sum(r.rows for r in reports),
+            bytes=sum(r.bytes for r in reports),
+            full=len(job.chain) == 1,
+            stall_ms=[r.stall_ms for r in reports],
+            stall_new_bytes=[r.stall_new_bytes for r in reports],
+            write_s=max(r.write_s for r in reports),
+        )
+
+    def outcome(self, job: WriteJob, **decided: Any) -> Outcome:
+        """The outcome of `job` with these totals and what was `decided` (committed, error, ...)."""
+        return Outcome(
+            checkpoint_id=job.checkpoint_id,
+            step=job.step,
+            bytes=self.bytes,
+            rows=self.rows,
+            full=self.full,
+            stall_ms=self.stall_ms,
+            stall_new_bytes=self.stall_new_bytes,
+            write_s=self.write_s,
+            **decided,
+        )
+
+
+def _chain_link(job: WriteJob, reports: list[RankReport], totals: _Totals) -> ChainLink:
+    """The link `job` adds to its chain: every rank's acknowledged ranges and frame index."""
+    ranges: dict[int, list[OffsetRange]] = {}
+    index: list[IndexEntry] = []
+    for r in reports:
+        assert all(e.partition == r.rank for e in r.index), "a rank indexes only its own partition"
+        ranges.update(r.ranges)
+        index.extend(r.index)
+    return ChainLink(
+        checkpoint_id=job.checkpoint_id,
+        full=totals.full,
+        generation=job.generation,
+        ranges=ranges,
+        rows=totals.rows,
+        bytes=totals.bytes,
+        index=index,
+        epoch=job.epoch,
+    )

@@ -1,4 +1,4 @@
-"""The connected consumer a Kafka reader keeps for its next read (`ckpt.stream.kafka._Spare`)
+"""The connected consumer a Kafka reader keeps for its next read (`ckpt.stream.kafka._ConnectAhead`)
 and the topic listing it carries, with stand-in consumers: no broker needed."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException
 
 from ckpt.stream import kafka as kafka_sink
-from ckpt.stream.kafka import _Connected, _Spare, _topics_for
+from ckpt.stream.kafka import _ConnectAhead, _ConnectedConsumer, _topics_for
 from ckpt.stream.sink import SourceError
 
 
@@ -32,12 +32,12 @@ class FakeConsumer:
 
 def done(consumer: FakeConsumer) -> Future:
     f: Future = Future()
-    f.set_result(_Connected(consumer, {}))
+    f.set_result(_ConnectedConsumer(consumer, {}))
     return f
 
 
 def test_a_spare_is_taken_once_and_a_replaced_or_untaken_one_is_closed() -> None:
-    spare = _Spare()
+    spare = _ConnectAhead()
     assert spare.take() is None
     a, b, c = FakeConsumer(), FakeConsumer(), FakeConsumer()
     spare.put(done(a))
@@ -52,16 +52,16 @@ def test_a_spare_is_taken_once_and_a_replaced_or_untaken_one_is_closed() -> None
 
 
 def test_a_spare_still_connecting_is_closed_when_its_connect_ends() -> None:
-    spare, pending, late = _Spare(), Future(), FakeConsumer()
+    spare, pending, late = _ConnectAhead(), Future(), FakeConsumer()
     spare.put(pending)
     spare.close()  # returns at once, not after the connect's timeout
     assert late.closed == 0
-    pending.set_result(_Connected(late, {}))
+    pending.set_result(_ConnectedConsumer(late, {}))
     assert late.closed == 1
 
 
 def test_a_failed_connect_is_raised_to_the_reader_that_takes_it() -> None:
-    spare, failed = _Spare(), Future()
+    spare, failed = _ConnectAhead(), Future()
     failed.set_exception(KafkaException(KafkaError(KafkaError._TRANSPORT)))
     spare.put(failed)
     with pytest.raises(KafkaException):
@@ -73,7 +73,7 @@ def test_a_failed_connect_is_raised_to_the_reader_that_takes_it() -> None:
 
 def test_a_spare_listing_is_trusted_for_topics_it_names_and_refreshed_for_one_it_lacks() -> None:
     client = FakeConsumer({"run.rows.g0": 2, "run.rows.g1": 2})
-    spare = _Connected(client, {"run.rows.g0": 2})
+    spare = _ConnectedConsumer(client, {"run.rows.g0": 2})
     admin = FakeConsumer({"run.rows.g0": 2})
     assert _topics_for(spare, admin, ["run.rows.g0"], 1.0) == {"run.rows.g0": 2}
     assert client.listings == 0
@@ -90,7 +90,7 @@ def test_a_spare_whose_listing_fails_is_closed() -> None:
 
     client = Failing()
     with pytest.raises(SourceError, match="cannot list topics"):
-        _topics_for(_Connected(client, {}), FakeConsumer(), ["run.markers"], 1.0)
+        _topics_for(_ConnectedConsumer(client, {}), FakeConsumer(), ["run.markers"], 1.0)
     assert client.closed == 1
 
 
