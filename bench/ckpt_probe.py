@@ -23,8 +23,8 @@ size), then:
    reused buffers) of the same rows: max(3 x `--repeats`, 12) rounds after 2 warm-up rounds,
    both ranks at once.
 3. Writer vs raw producer. For (full, fp32), (delta, fp32) and (full, quant): deltarec's
-   writer path on a real snapshot (`RankWriter._write`: encode, frame, produce, flush,
-   delivery reports -> ranges) against a raw confluent-kafka `Producer` (acks=all,
+   writer path on a real snapshot (`write_rows`, what `RankWriter` runs: encode, frame,
+   produce, flush, delivery reports -> ranges) against a raw confluent-kafka `Producer` (acks=all,
    idempotence on, librdkafka defaults like the sink) sending the very same frames to
    the same broker and partition (produce + poll(0) + flush). Both ranks run each side
    at once (barriers), as they do in training; the first round is a warm-up; topics are
@@ -71,11 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     from confluent_kafka.admin import AdminClient
 
     from ckpt.log.markers import commits
-    from ckpt.restore.replay import _overlaps
+    from ckpt.restore.replay import frame_overlaps
     from ckpt.stream import kafka as kafka_sink
-    from ckpt.stream.kafka import KafkaSink, _delete_topic, ensure_topic
+    from ckpt.stream.kafka import KafkaSink, delete_topic, ensure_topic
     from ckpt.stream.sink import rows_name
-    from ckpt.write.writer import RankWriter, WriteJob, encode_frames
+    from ckpt.write.writer import RankWriter, WriteJob, encode_frames, write_rows
     from trainer.config import load_config
     from trainer.main import make_checkpoint_manager
 
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         spans: dict[tuple[str, int], list[list[int]]] = {}
         for link in marker.chain:
             for e in link.index:
-                if any(_overlaps(s, e.col_offset, e.cols, e.min_row, e.max_row) for s in smap.of_table(e.table)):
+                if any(frame_overlaps(s, e.col_offset, e.cols, e.min_row, e.max_row) for s in smap.of_table(e.table)):
                     spans.setdefault((rows_name(mgr.run_id, link.generation), e.partition), []).append([e.first, e.last])
         n = 0
         for (topic, part), ranges in spans.items():
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     newest_is_full = len(latest["chain"]) == 1
     other_id = max((m.checkpoint_id for m in markers.values() if (len(m.chain) > 1) == newest_is_full), default=None)
     if other_id is not None:
-        mgr.c.resume = str(other_id)
+        mgr.cfg.resume = str(other_id)
         chain_times, reps = [], []
         for _ in range(R):
             perturb(smap, sharded)
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             chain_times.append(t)
             reps.append(rp)
         out["restore"]["other_chain"] = {**report(reps[-1]), "restore_s": chain_times, "rows_s": [x.seconds for x in reps]}
-        mgr.c.resume = "latest"
+        mgr.cfg.resume = "latest"
 
     # the quantized run's newest checkpoint
     q_times, q_rows = [], []
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
             raw_topic = f"{bench_run}.raw.g{generation}"
             if rank == 0:
                 ensure_topic(admin, raw_topic, env.world_size)
-            sink._topic_for(generation, rank)  # create the generation's topic outside the timed part
+            sink.writable_topic(generation, rank)  # create the generation's topic outside the timed part
             dist.barrier()
             errors: list[Any] = []
 
@@ -368,7 +368,14 @@ def main(argv: list[str] | None = None) -> int:
             def deltarec() -> float:
                 in_sink[0] = 0.0
                 t0 = time.perf_counter()
-                rr = writer._write(job)
+                rr = write_rows(
+                    job,
+                    run_id=writer.run_id,
+                    rank=rank,
+                    sink=sink,
+                    max_frame_bytes=writer.max_frame_bytes,
+                    flush_timeout_s=writer.flush_timeout_s,
+                )
                 assert rr.ok, rr.error
                 nonlocal nbytes
                 nbytes = rr.bytes
@@ -388,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
             dist.barrier()
             if rank == 0:
                 sink.drop_generation(generation)
-                _delete_topic(admin, raw_topic, 10.0)
+                delete_topic(admin, raw_topic, 10.0)
             dist.barrier()
         writer_rows.append(
             {

@@ -63,7 +63,8 @@ from bench.common import ratio
 if TYPE_CHECKING:
     from bench.job import Job
     from ckpt.capture.tracker import RowTracker
-    from ckpt.manager import CheckpointManager, StallTiming
+    from ckpt.handoff import StallTiming
+    from ckpt.manager import CheckpointManager
     from trainer.config import JobConfig
 
 BARE_REPEATS = 3
@@ -203,7 +204,7 @@ class ObservedCheckpointer:
     ) -> None:
         self.manager = manager
         self.rank = rank
-        self.since_base = manager.c.policy != "incremental"  # what a delta of this policy copies
+        self.since_base = manager.cfg.policy != "incremental"  # what a delta of this policy copies
         self.records: dict[int, RankCheckpoint] = {}
         self.to_copy: list[_ToCopy] = []
         self.copier = copier or BareCopier()  # one copier for several jobs of a process keeps its buffers
@@ -215,7 +216,7 @@ class ObservedCheckpointer:
 
     def save(self, step: int) -> None:
         """The manager's `save(step)`, observed."""
-        interval = self.manager.c.interval_steps
+        interval = self.manager.cfg.interval_steps
         due = interval > 0 and step % interval == 0
         self._observe(step, lambda: self.manager.save(step), scan=due)
 

@@ -233,8 +233,8 @@ class _JsonLines:
         self._file: Any = None
         self._lock = threading.Lock()
 
-    def write(self, event: Event | dict[str, Any]) -> None:
-        record = event.to_record() if isinstance(event, Event) else event  # the follower writes events (ckpt/events.py)
+    def write(self, event: Event) -> None:
+        record = event.to_record()
         with self._lock:
             if self._file is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,11 @@ from typing import Literal
 PolicyName = Literal["full", "one_shot_diff", "incremental", "intermittent_diff"]
 POLICIES: tuple[str, ...] = ("full", "one_shot_diff", "incremental", "intermittent_diff")
 
+# The kinds of checkpoint: every row, the rows changed since the baseline (a one-shot diff),
+# the rows changed since the previous checkpoint (an incremental delta).
+FULL, SINCE_BASE, SINCE_LAST = "full", "since_base", "since_last"
+KINDS = (FULL, SINCE_BASE, SINCE_LAST)
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -33,6 +38,11 @@ class Decision:
     full: bool
     since_base: bool
     reason: str
+
+    @property
+    def kind(self) -> str:
+        """Which of `KINDS` this checkpoint is."""
+        return FULL if self.full else (SINCE_BASE if self.since_base else SINCE_LAST)
 
 
 @dataclass
@@ -68,11 +78,10 @@ class CheckpointPolicy:
         return Decision(False, True, "one-shot diff")
 
     def next_kinds(self, force_full: bool = False) -> tuple[str, ...]:
-        """The kinds `decide` may choose next ("full", "base": rows changed since the baseline,
-        "last": since the previous checkpoint), for sizing memory ahead of it."""
+        """The kinds (`KINDS`) `decide` may choose next, for sizing memory ahead of it."""
         if force_full or not self.have_base or self.name == "full":
-            return ("full",)
-        return {"incremental": ("last",), "one_shot_diff": ("base",)}.get(self.name, ("full", "base"))
+            return (FULL,)
+        return {"incremental": (SINCE_LAST,), "one_shot_diff": (SINCE_BASE,)}.get(self.name, (FULL, SINCE_BASE))
 
     def record(self, decision: Decision, fraction: float) -> None:
         """Record a checkpoint as taken. Optimistic: the writer commits it later; after a
@@ -84,6 +93,11 @@ class CheckpointPolicy:
             self.have_base = True
         else:
             self.diff_sizes.append(fraction)
+
+    def adopt_base(self) -> None:
+        """A restored chain is the baseline the next delta builds on (`ckpt.policy: incremental`,
+        whose chain goes on after a restore)."""
+        self.have_base = True
 
     def chain_after(self, chain: list[int], checkpoint_id: int, decision: Decision) -> list[int]:
         """Checkpoint ids a restore of `checkpoint_id` must replay, given the chain of the

@@ -382,6 +382,4 @@ class MetricsSink(Protocol):
     """Where ckpt/ reports events: checkpoint outcomes, skips and restores (the manager), the
     follower's progress; the trainer's metrics log is one."""
 
-    # Transitional: a plain dict is accepted until the manager (ckpt/outcomes.py, ckpt/restore/restorer.py)
-    # emits events; then `event: Event`.
-    def write(self, event: Event | dict[str, Any]) -> None: ...
+    def write(self, event: Event) -> None: ...

@@ -267,11 +267,6 @@ class CheckpointNote:
             )
         if isinstance(event, CheckpointSkipped):
             return cls(step=event.step, skipped=True)
-        if isinstance(event, dict):
-            # Transitional: the manager (ckpt/outcomes.py) still attaches a dict of these very fields
-            # (`{"checkpoint_id", "step", "committed", "full", "bytes", "stall_ms"}` or
-            # `{"step", "skipped"}`); this branch goes once the manager attaches its events.
-            return cls(**event)
         return None
 
 

@@ -19,8 +19,10 @@ from dataclasses import replace
 import torch
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
+from ckpt.handoff import JobIdentity
 from ckpt.log.backend import Backend, open_for_restore
-from ckpt.manager import CheckpointManager, JobIdentity, RestoreReport
+from ckpt.manager import CheckpointManager
+from ckpt.restore.restorer import RestoreReport
 from common.errors import DeltarecError
 from sharding.dmp import ShardedModel, plan_model, shard_model
 from sharding.plan import format_plan, summarize

@@ -10,7 +10,6 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any
 
 from tqdm import tqdm
 
@@ -48,28 +47,12 @@ class MetricsLog:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = path.open("a", buffering=1)
 
-    def write(self, event: Event | dict[str, Any]) -> None:
-        if isinstance(event, dict):
-            # Transitional: the manager (ckpt/outcomes.py, ckpt/restore/restorer.py) still passes plain dicts
-            # (today's keys); this branch goes once it emits events.
-            self._write_dict(event)
-            return
+    def write(self, event: Event) -> None:
         if self._file is not None:
             self._file.write(json.dumps(event.to_record(), sort_keys=True) + "\n")
         if self._tb is not None:
             for name, value in event.scalars().items():
                 self._tb.add_scalar(name, value, global_step=event.step)
-
-    def _write_dict(self, record: dict[str, Any]) -> None:
-        """A record that is not an event yet, written as the events are (transitional, see `write`)."""
-        if self._file is not None:
-            self._file.write(json.dumps(record, sort_keys=True) + "\n")
-        if self._tb is not None:
-            step = record.get("step")
-            for name, value in record.items():
-                if name == "step" or not isinstance(value, (bool, int, float)):
-                    continue
-                self._tb.add_scalar(name, float(value), global_step=step)
 
     def close(self) -> None:
         if self._file is not None:

@@ -186,6 +186,11 @@ class SnapshotTaker:
         self._stream = torch.cuda.Stream(device=self.device) if self._cuda else None
         self._row_bytes = [_row_bytes(v) for v in shard_map.shards]
 
+    def adopt(self, *, trained_only: bool) -> None:
+        """A restored chain's choice: with `trained_only` its full snapshots leave out the rows
+        never trained, which its row initialisation regenerates (sharding/row_init.py)."""
+        self.trained_only = trained_only
+
     def _counts(self, full: bool, since_base: bool) -> list[int]:
         if full and self.trained_only:
             return self.tracker.counts(since_base, trained=True)

@@ -57,7 +57,7 @@ class Follower:
     def __init__(
         self, cfg: CkptConfig, metrics: MetricsSink, *, export_every: int | None = None, export_every_s: float | None = None
     ) -> None:
-        self.c = cfg
+        self.cfg = cfg
         self.f = cfg.follow
         self.run_id = cfg.run_id
         self.metrics = metrics
@@ -230,7 +230,7 @@ class Follower:
         assert marker is not None
         t0 = time.perf_counter()
         generation = compacted_generation(self.lease.epoch, marker.checkpoint_id)
-        sink = open_sink(self.c, marker.world_size)
+        sink = open_sink(self.cfg, marker.world_size)
         try:
             link = write_compacted(
                 self.store,
@@ -238,8 +238,8 @@ class Follower:
                 run_id=self.run_id,
                 checkpoint_id=marker.checkpoint_id,
                 generation=generation,
-                max_frame_bytes=self.c.max_frame_bytes,
-                flush_timeout_s=self.c.flush_timeout_s,
+                max_frame_bytes=self.cfg.max_frame_bytes,
+                flush_timeout_s=self.cfg.flush_timeout_s,
             )
         except DeltarecError as exc:
             logger.warning("compaction of checkpoint %d failed (training is not affected): %s", marker.checkpoint_id, exc)

@@ -10,7 +10,7 @@ result answers for the newest checkpoints exactly as the whole fold would: the r
 newest `KEEP` restorable commits and every newer one, and the compacted baselines their chains
 can start at. Anything it cannot answer for (an older checkpoint asked for, every kept one
 failing to restore, a later chain through a link it left out) is answered by reading the whole
-log, as before. """
+log, as before."""
 
 from __future__ import annotations
 

@@ -80,7 +80,7 @@ class ResumeChoice:
 
     def __init__(self, cfg: CkptConfig, backend: Backend, dense: DenseStore) -> None:
         assert cfg.run_id, "CkptConfig.resolved() fills the run id"
-        self.c = cfg
+        self.cfg = cfg
         self.run_id = cfg.run_id
         self.backend = backend
         self.dense = dense
@@ -127,12 +127,12 @@ class ResumeChoice:
         """Rank 0's part of `newest`: the broker answers (bounded), the markers log and the run
         directory are read and the checkpoint chosen, or the start refused before anything is
         written."""
-        self.backend.markers.check_reachable(self.c.connect_timeout_s)
+        self.backend.markers.check_reachable(self.cfg.connect_timeout_s)
         history = self.dense.history()
         catalog = self._recent_catalog()
         ordered = self._choose(catalog, history)
         on_chosen(catalog)
-        survivors = usable_survivors(catalog, ordered[0]) if ordered and self.c.recovery == "partial" else []
+        survivors = usable_survivors(catalog, ordered[0]) if ordered and self.cfg.recovery == "partial" else []
         mtbf = estimate_mtbf([a.created_unix for a in catalog.trainer_attempts], time.time())
         self._older = ordered[1:]
         self._history = history
@@ -152,10 +152,10 @@ class ResumeChoice:
             catalog = catch_up_recent(ahead.catalog, markers, where)
         else:
             catalog = read_recent_catalog(markers, self.run_id, where)
-        if catalog.summary is None or self.c.resume == "none":
+        if catalog.summary is None or self.cfg.resume == "none":
             return catalog
         found = {m.checkpoint_id for m in catalog.restorable()}
-        if found if self.c.resume == "latest" else int(self.c.resume) in found:
+        if found if self.cfg.resume == "latest" else int(self.cfg.resume) in found:
             return catalog
         return read_catalog(markers, self.run_id, where)
 
@@ -168,13 +168,13 @@ class ResumeChoice:
         """The checkpoints `ckpt.resume` asks for, newest first, each with its cheapest complete
         chain: [] to start fresh; a `RestoreError` when the start must be refused."""
         found = catalog.restorable()
-        if self.c.resume == "none":
+        if self.cfg.resume == "none":
             return []
-        if self.c.resume == "latest":
+        if self.cfg.resume == "latest":
             if not found and history.commits:
                 raise RestoreError(self._lost_stream(history))
             return sorted(found, key=lambda m: m.checkpoint_id, reverse=True)
-        chosen = int(self.c.resume)
+        chosen = int(self.cfg.resume)
         ordered = [m for m in found if m.checkpoint_id == chosen]
         older = sorted((m for m in found if m.checkpoint_id < chosen), key=lambda m: m.checkpoint_id, reverse=True)
         if not ordered:
@@ -184,7 +184,7 @@ class ResumeChoice:
                 if chosen in catalog.commits
                 else f"checkpoint {chosen} of run {self.run_id} has no COMMIT marker in {self.backend.where}"
             )
-            if self.c.on_corrupt == "fail" or not older:
+            if self.cfg.on_corrupt == "fail" or not older:
                 raise RestoreError(
                     why + (" (or set ckpt.on_corrupt=previous to fall back to an older checkpoint)" if older else "")
                 )

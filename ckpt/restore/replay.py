@@ -92,7 +92,7 @@ def _in_ranges(pos: int, ranges: list[OffsetRange]) -> bool:
     return any(r.first <= pos <= r.last for r in ranges)
 
 
-def _overlaps(s: ShardView, col_offset: int, cols: int, min_row: int, max_row: int) -> bool:
+def frame_overlaps(s: ShardView, col_offset: int, cols: int, min_row: int, max_row: int) -> bool:
     """Whether rows min_row..max_row, columns col_offset..col_offset+cols-1 meet shard `s`."""
     rows_ok = min_row < s.row_offset + s.num_rows and max_row >= s.row_offset
     cols_ok = col_offset < s.col_offset + s.num_cols and col_offset + cols > s.col_offset
@@ -499,7 +499,7 @@ def restore_rows(
     replay = _Replay(marker, shard_map, out, direct, staging)
 
     def want(e: IndexEntry) -> bool:
-        return any(_overlaps(s, e.col_offset, e.cols, e.min_row, e.max_row) for s in shard_map.of_table(e.table))
+        return any(frame_overlaps(s, e.col_offset, e.cols, e.min_row, e.max_row) for s in shard_map.of_table(e.table))
 
     frames = iter_chain_frames_fetched_together(marker, source, run_id, locate, want)
     if while_fetching is not None:

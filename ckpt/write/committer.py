@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from ckpt.dense.store import CommitRecord, DenseRef, DenseStore, DenseStoreError
@@ -33,6 +34,7 @@ from ckpt.log.markers import AttemptRecord, ChainLink, IndexEntry, Marker, Offse
 from ckpt.stream.sink import MarkerLog
 from ckpt.write.writer import Outcome, RankReport, WriteJob
 from common.errors import DeltarecError
+from sharding.row_init import RowInit
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,14 @@ class Committer:
         self._read_ok = False  # whether the last commit's read of the markers log succeeded
         self._journal: CommitRecord | None = None  # the last COMMIT, for `settle` to record
         self.connect_timeout_s = connect_timeout_s
+
+    def adopt(self, links: Sequence[ChainLink], row_init: RowInit | None) -> None:
+        """Take over a restored chain: the committed links the next checkpoints refer to, and,
+        when the restore made the chain's row initialisation the job's, the one the next markers
+        name."""
+        self.links = {link.checkpoint_id: link for link in links}
+        if row_init is not None:
+            self.marker_fields["init"] = row_init.to_json()
 
     def prepare(self) -> None:
         """A job arrived: connect the markers log's reader for `_fenced`, if it will read."""

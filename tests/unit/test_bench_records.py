@@ -14,7 +14,8 @@ import torch
 
 from bench.ckpt_rank import ObservedCheckpointer, read_side
 from bench.common import Measurement, Provenance, read_records, scalars, unit_of, write_records
-from ckpt.manager import CheckpointStats, StallTiming
+from ckpt.handoff import StallTiming
+from ckpt.outcomes import CheckpointStats
 from ckpt.write.writer import Outcome
 
 
@@ -89,7 +90,7 @@ class _Manager:
     the step end after the next."""
 
     def __init__(self, overlap: bool = False) -> None:
-        self.c = SimpleNamespace(interval_steps=2, policy="one_shot_diff")
+        self.cfg = SimpleNamespace(interval_steps=2, policy="one_shot_diff")
         # with the copy beside the next step, a stall is recorded during that step (`lookup`)
         self.overlap = overlap
         self.copier = SimpleNamespace(busy=False)

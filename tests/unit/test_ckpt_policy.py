@@ -88,7 +88,7 @@ def test_next_kinds_are_what_decide_may_choose_after_the_baseline() -> None:
         assert p.next_kinds(force_full=True) == ("full",)
     assert kinds == {
         "full": ("full",),
-        "incremental": ("last",),
-        "one_shot_diff": ("base",),
-        "intermittent_diff": ("full", "base"),
+        "incremental": ("since_last",),
+        "one_shot_diff": ("since_base",),
+        "intermittent_diff": ("full", "since_base"),
     }

@@ -127,14 +127,14 @@ def test_restore_bit_widths_reach_the_checkpoint_manager_and_bad_tables_are_refu
     base = ["ckpt.enabled=true", "ckpt.sink=filesystem", "ckpt.expected_restores=3"]
     default = load_config(debug_config.path, base)
     assert default.ckpt.restore_bit_widths == "deltarec" and default.ckpt.bit_widths() == ((1, 4),)
-    assert CheckpointManager.codecs(SimpleNamespace(c=default.ckpt, restores=0)) == ("asym8", "asym8")  # 3 > 1
+    assert CheckpointManager.codecs(SimpleNamespace(cfg=default.ckpt, restores=0)) == ("asym8", "asym8")  # 3 > 1
     once = load_config(debug_config.path, [*base, "ckpt.expected_restores=1"])
-    assert CheckpointManager.codecs(SimpleNamespace(c=once.ckpt, restores=0)) == ("adaptive4", "asym8")
-    assert CheckpointManager.codecs(SimpleNamespace(c=once.ckpt, restores=2)) == ("asym8", "asym8")
+    assert CheckpointManager.codecs(SimpleNamespace(cfg=once.ckpt, restores=0)) == ("adaptive4", "asym8")
+    assert CheckpointManager.codecs(SimpleNamespace(cfg=once.ckpt, restores=2)) == ("asym8", "asym8")
     cnr = load_config(debug_config.path, [*base, "ckpt.restore_bit_widths=check_n_run"])
-    assert CheckpointManager.codecs(SimpleNamespace(c=cnr.ckpt, restores=0)) == ("adaptive3", "asym8")
+    assert CheckpointManager.codecs(SimpleNamespace(cfg=cnr.ckpt, restores=0)) == ("adaptive3", "asym8")
     table = load_config(debug_config.path, [*base, "ckpt.restore_bit_widths=[[1,2],[10,3]]"])
-    assert CheckpointManager.codecs(SimpleNamespace(c=table.ckpt, restores=0)) == ("adaptive3", "asym8")
+    assert CheckpointManager.codecs(SimpleNamespace(cfg=table.ckpt, restores=0)) == ("adaptive3", "asym8")
     with pytest.raises(
         ConfigError,
         match=r"ckpt.restore_bit_widths cnr: 'cnr' is not a preset; choose one of "

@@ -19,7 +19,7 @@ from matplotlib.image import imread
 from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
 
-from ckpt.events import CheckpointCommitted, Event, read_event
+from ckpt.events import read_event
 from common.errors import ConfigError
 from trainer.metrics import MetricsLog
 from trainer.report import figure, main, read_metrics, summarize
@@ -421,24 +421,6 @@ def test_tensorboard_scalars_equal_the_records(tmp_path: Path) -> None:
         assert [s for s, _ in got] == [s for s, _ in points], tag
         assert [v for _, v in got] == pytest.approx([v for _, v in points], rel=1e-6), tag  # stored as float32
     assert [read_event(json.loads(x)) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == events
-
-
-def test_a_plain_dict_is_still_written_as_before(tmp_path: Path) -> None:
-    """Transitional, until ckpt/manager.py emits events: its dicts go to the file and to
-    TensorBoard as they did, and read as the event they describe."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    record = ckpt(10, 1, True, 1000, 5.0, "fp32", 0.5)
-    log = MetricsLog(tmp_path / "metrics.jsonl", enabled=True, tensorboard_dir=tmp_path / "tensorboard")
-    log.write(record)
-    log.close()
-    [line] = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert json.loads(line) == record
-    event: Event = read_event(record)
-    assert isinstance(event, CheckpointCommitted) and event.ckpt_bytes == 1000
-    acc = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
-    acc.Reload()
-    assert set(acc.Tags()["scalars"]) == set(event.scalars())
 
 
 def test_tensorboard_is_written_by_the_writing_rank_only(tmp_path: Path) -> None:

@@ -1,0 +1,107 @@
+"""Checkpoint outcomes as the writer reports them (ckpt/write/writer.py): counted on every rank,
+logged and written to metrics on rank 0 (docs/design.md §1, step 4)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from ckpt.events import CheckpointCommitted, CheckpointFailed, CheckpointSkipped, MetricsSink
+from ckpt.handoff import StallTiming
+from ckpt.log.fencing import Fenced
+from ckpt.write.writer import Outcome
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CheckpointStats:
+    """This rank's checkpoints so far: counts, outcomes (as the writer reported them) and stalls."""
+
+    committed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    last: Outcome | None = None
+    outcomes: list[Outcome] = field(default_factory=list)
+    stalls: list[StallTiming] = field(default_factory=list)  # this rank's, one per checkpoint taken
+
+
+class Pending(NamedTuple):
+    """What is remembered of a checkpoint between its stall and its outcome."""
+
+    started_unix: float
+    weight_codec: str
+
+
+class Outcomes:
+    """Every checkpoint from its stall to its outcome, and what became of it (`stats`)."""
+
+    def __init__(self, metrics: MetricsSink) -> None:
+        self.metrics = metrics
+        self.stats = CheckpointStats()
+        self._pending: dict[int, Pending] = {}
+
+    def started(self, checkpoint_id: int, started_unix: float, weight_codec: str) -> None:
+        """Checkpoint `checkpoint_id`'s stall began at `started_unix` (its time to durable counts from there)."""
+        self._pending[checkpoint_id] = Pending(started_unix=started_unix, weight_codec=weight_codec)
+
+    def skipped(self, step: int, rank: int) -> None:
+        """The checkpoint of `step` dropped under back-pressure (`ckpt.on_backpressure: skip`)."""
+        self.stats.skipped += 1
+        if rank == 0:
+            event = CheckpointSkipped(step=step)
+            logger.warning(
+                "checkpoint at step %d skipped: the writers are behind (ckpt.max_pending_bytes)",
+                step,
+                extra={"ckpt": event},
+            )
+            self.metrics.write(event)
+
+    def count(self, o: Outcome) -> Pending:
+        """Count outcome `o`: what was remembered of its checkpoint (for `report`). A fenced one
+        stops this attempt (every rank learns it from the same outcome)."""
+        self.stats.outcomes.append(o)
+        self.stats.last = o
+        pending = self._pending.pop(o.checkpoint_id)
+        if o.fenced:
+            raise Fenced(o.error)
+        if o.committed:
+            self.stats.committed += 1
+        else:
+            self.stats.failed += 1
+        return pending
+
+    def report(self, o: Outcome, pending: Pending) -> None:
+        """Rank 0: outcome `o` of the checkpoint `pending` remembers, in the log and in metrics."""
+        durable_s = o.commit_unix - pending.started_unix if o.committed else None
+        kind = "full" if o.full else "delta"
+        outcome = CheckpointCommitted if o.committed else CheckpointFailed
+        event = outcome(  # also for the console, which folds frequent checkpoints into one line
+            step=o.step,
+            ckpt_id=o.checkpoint_id,
+            ckpt_full=o.full,
+            ckpt_rows=o.rows,
+            ckpt_bytes=o.bytes,
+            ckpt_stall_ms=float(max(o.stall_ms or [0])),
+            ckpt_write_s=o.write_s,
+            ckpt_error=o.error,
+            ckpt_stall_new_bytes=sum(o.stall_new_bytes),
+            ckpt_encoding=pending.weight_codec,
+            ckpt_durable_s=durable_s,
+        )
+        if o.committed:
+            logger.info(
+                "checkpoint %d (step %d, %s) committed: %s rows, %.2f MB, stall %.1f ms (max over ranks), written in %.2f s",
+                o.checkpoint_id,
+                o.step,
+                kind,
+                f"{o.rows:,}",
+                o.bytes / 1e6,
+                max(o.stall_ms or [0]),
+                o.write_s,
+                extra={"ckpt": event},
+            )
+        else:
+            logger.warning("checkpoint %d (step %d) FAILED: %s", o.checkpoint_id, o.step, o.error, extra={"ckpt": event})
+        self.metrics.write(event)

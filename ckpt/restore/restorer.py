@@ -1,0 +1,439 @@
+"""A restore on start (docs/design.md §1, §7): the checkpoint `ckpt.resume` names, under
+`ckpt.recovery: partial` with the survivor snapshots a failed attempt left (ckpt/recovery/partial.py).
+
+`Restorer.restore` replays the chosen chain into the shards, loads the dense and loop state and
+marks the restored rows in the tracker, then returns what the rest of the job takes over: a
+`Resumed` record (or `Fresh` when there is nothing to resume). The manager adopts it; nothing
+here sets another component's fields.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
+
+from ckpt.capture.tracker import RowTracker
+from ckpt.config import CkptConfig
+from ckpt.dense import state as dense_state
+from ckpt.dense.store import DenseRef, DenseStore, DenseStoreError
+from ckpt.errors import RestoreError
+from ckpt.events import MetricsSink, PartialRestore, Restored
+from ckpt.log.backend import Backend
+from ckpt.log.catalog import Catalog
+from ckpt.log.markers import ChainLink, Marker, SurvivorRecord
+from ckpt.recovery.lost_samples import run_pls
+from ckpt.recovery.partial import PartialOutcome, SkipsBatches, compose, shared_reader, with_survivors
+from ckpt.restore.choice import ResumeChoice
+from ckpt.restore.replay import RowsRestored, restore_rows, row_init_of
+from ckpt.stream.frames import FrameError
+from ckpt.stream.sink import SourceError
+from sharding.dmp import ShardedModel
+from sharding.process_group import DistEnv
+from sharding.row_init import RowInit
+from sharding.shard_views import ShardMap
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RestoreReport:
+    """A restore, summed over ranks (frames, rows, bytes) and timed on the slowest rank:
+    `seconds` from the start of `restore()` to training-ready, and its parts."""
+
+    checkpoint_id: int
+    step: int
+    chain: list[int]
+    frames: int
+    rows: int
+    bytes: int
+    seconds: float
+    written: int = 0  # rows written; the rest were replaced by a later link and skipped
+    markers_s: float = 0.0  # reading the markers log (rank 0) and agreeing on the checkpoint
+    fetch_s: float = 0.0  # waiting for frames
+    decode_s: float = 0.0
+    apply_s: float = 0.0
+    dense_s: float = 0.0  # dense state and loop state, after the rows (its read overlaps them)
+    regenerated: int = 0  # rows no link held, regenerated from the row initialisation
+    init_s: float = 0.0  # regenerating them (slowest rank)
+    partial: PartialOutcome | None = None  # a partial recovery: what it kept, rolled back and lost
+    run_pls: float = 0.0  # the run's portion of lost samples so far (ckpt/recovery/lost_samples.py)
+    markers_read: int = 0  # records of the markers log decoded to choose the checkpoint
+    # rank 0: reading most of them while the model was built, before `restore()` (not in `seconds`)
+    markers_ahead_s: float = 0.0
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
+
+    def parts(self) -> str:
+        """Where the time went, for the resume line."""
+        regen = f", regenerate {self.init_s:.2f} s" if self.regenerated else ""
+        ahead = f" (+{self.markers_ahead_s:.2f} s read ahead)" if self.markers_ahead_s else ""
+        return (
+            f"markers {self.markers_s:.2f} s{ahead}, fetch {self.fetch_s:.2f} s, decode {self.decode_s:.2f} s, "
+            f"apply {self.apply_s:.2f} s{regen}, dense {self.dense_s:.2f} s"
+        )
+
+
+class _ReadStats(NamedTuple):
+    """Every rank's chain replay, gathered in the one collective that also agrees on its
+    outcome: counts summed over ranks, times of the slowest rank."""
+
+    failed: bool
+    frames: int
+    rows: int
+    bytes: int
+    written: int
+    regenerated: int
+    markers_s: float
+    fetch_s: float
+    decode_s: float
+    apply_s: float
+    init_s: float
+
+    @classmethod
+    def gather(cls, error: str, rows: RowsRestored | None, markers_s: float) -> _ReadStats:
+        """All ranks at once (one all-gather): whether any failed (`error`), and their stats."""
+        r = rows or RowsRestored()
+        mine = torch.tensor(
+            [
+                float(bool(error)),
+                r.frames,
+                r.rows,
+                r.bytes,
+                r.written,
+                r.regenerated,
+                markers_s,
+                r.fetch_s,
+                r.decode_s,
+                r.apply_s,
+                r.init_s,
+            ],
+            dtype=torch.float64,
+        )
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        t = torch.stack(every)
+        sums, maxes = t.sum(0).tolist(), t.max(0).values.tolist()
+        return cls(maxes[0] > 0, *(int(v) for v in sums[1:6]), *maxes[6:])
+
+
+class _Read(NamedTuple):
+    """One checkpoint read on this rank (`Restorer._read`)."""
+
+    rows: RowsRestored
+    state: dict[str, Any]  # the dense state to load
+    partial: PartialOutcome | None  # a partial recovery's outcome
+    skips: list[int]  # per rank: the batches its reader skips (a partial recovery)
+
+
+@dataclass(frozen=True)
+class Fresh:
+    """Nothing to resume: the job trains from step 0."""
+
+    next_id: int  # checkpoint ids continue after every id the stream or the run directory has seen
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What a restore brought back that the manager and its collaborators take over."""
+
+    report: RestoreReport
+    links: list[ChainLink]  # the restored chain: the committed links the next checkpoints build on
+    next_id: int
+    generation: int  # the generation the next delta goes on in; 0: the next checkpoint opens one
+    force_full: bool  # the next checkpoint is full
+    have_base: bool  # the restored chain is the baseline the next delta builds on (`ckpt.policy: incremental`)
+    row_init: RowInit | None  # the chain's row initialisation, now the job's (untrained rows regenerated); None: unchanged
+    restores: int  # the job's restores so far, this one included
+    lost_samples: float  # samples whose updates partial recoveries lost, over the run
+    last_committed: int  # the restored checkpoint
+    step: int  # the restored checkpoint's step
+
+    @property
+    def chain(self) -> list[int]:
+        """The restored chain's checkpoint ids."""
+        return self.report.chain
+
+
+class Restorer:
+    """Brings back one rank's shards, dense state and loop position, agreed by every rank."""
+
+    def __init__(
+        self,
+        cfg: CkptConfig,
+        *,
+        env: DistEnv,
+        backend: Backend,
+        dense: DenseStore,
+        choice: ResumeChoice,
+        sharded: ShardedModel,
+        shard_map: ShardMap,
+        tracker: RowTracker,
+        trainer: Stateful,
+        metrics: MetricsSink,
+        model_sha256: str,
+    ) -> None:
+        assert cfg.run_id
+        self.cfg = cfg
+        self.env = env
+        self.run_id = cfg.run_id
+        self.backend, self.dense, self.choice = backend, dense, choice
+        self.sharded, self.shard_map, self.tracker = sharded, shard_map, tracker
+        self.trainer = trainer
+        self.metrics = metrics
+        self.model_sha256 = model_sha256
+
+    def restore(self, announce: Callable[[Catalog], None], shards_hold: RowInit | None) -> Resumed | Fresh:
+        """Bring back the checkpoint `ckpt.resume` names, or start fresh when there is none.
+
+        Rank 0 calls `announce` once the checkpoint is chosen. `shards_hold`: the row
+        initialisation the shards hold untouched (none written since the model was built).
+        A damaged checkpoint (bad CRC, a frame that does not match its marker, missing data,
+        a dense file with the wrong sha256) stops the job naming where, or with
+        `ckpt.on_corrupt: previous` falls back to the newest older one. Every rank agrees
+        on the outcome before anyone falls back, so all restore the same checkpoint.
+        """
+        t0 = time.perf_counter()
+        candidates = self.choice.newest(announce)
+        markers_s = time.perf_counter() - t0
+        if self.cfg.resume == "none":
+            return self._fresh()
+        if not candidates:  # `resume=latest` of a run without history (`ResumeChoice` refused the rest)
+            if self.env.rank == 0:
+                logger.info("no checkpoint of run %s in %s: starting from scratch", self.run_id, self.backend.where)
+            return self._fresh()
+        pristine = shards_hold  # the shards hold exactly these initial values until a restore writes
+        for marker, survivors in self.choice.tries(candidates[0]):
+            error = ""
+            try:
+                read = self._read(marker, survivors, pristine)
+            except (FrameError, SourceError, RestoreError, DenseStoreError) as exc:
+                error = f"checkpoint {marker.checkpoint_id}{' with survivor snapshots' if survivors else ''}: {exc}"
+            pristine = None
+            stats = _ReadStats.gather(error, None if error else read.rows, markers_s)
+            if not stats.failed:
+                return self._resume(marker, read, t0, stats)
+            reason = self._first_error(error)
+            if survivors:
+                logger.warning("%s; every rank rolls back to the checkpoint instead (full recovery)", reason)
+                continue
+            if self.cfg.on_corrupt == "fail":
+                raise RestoreError(reason + " (set ckpt.on_corrupt=previous to fall back to an older checkpoint)")
+            logger.warning("%s; falling back to the previous checkpoint", reason)
+        raise RestoreError(f"no restorable checkpoint of run {self.run_id} in {self.backend.where}")
+
+    def _fresh(self) -> Fresh:
+        """Train from step 0 with checkpoint ids after every id the stream or the run directory
+        has seen, so nothing earlier is overwritten."""
+        next_id = self.choice.newest_id + 1
+        if self.env.rank == 0 and next_id > 1:
+            logger.info("run %s starts over; its checkpoint ids continue from %d (earlier files are kept)", self.run_id, next_id)
+        return Fresh(next_id)
+
+    def _read(self, marker: Marker, survivors: list[SurvivorRecord], pristine: RowInit | None) -> _Read:
+        """Replay `marker`'s chain (and the survivors' links after it) into the shards and read
+        the dense state beside the rows: the state to load, and for a partial recovery its
+        outcome and the batches each rank's reader skips."""
+        refs = {None: DenseRef.from_json(marker.dense)} | {r.rank: DenseRef.from_json(r.dense) for r in survivors}
+        with ThreadPoolExecutor(2, thread_name_prefix="deltarec-dense-read") as pool:
+            dense: dict[int | None, Future[dict[str, Any]]] = {}
+
+            def read_dense() -> None:  # beside the rows, once their first fetch is under way
+                dense.update({rank: pool.submit(self.dense.read, ref) for rank, ref in refs.items()})
+
+            chain = with_survivors(marker, survivors) if survivors else marker
+            rows = restore_rows(
+                chain,
+                self.backend.source,
+                self.shard_map,
+                self.run_id,
+                self.backend.locate,
+                shards_hold_init=pristine,
+                while_fetching=read_dense,
+            )
+            state = dense.pop(None).result()
+            if not survivors:
+                return _Read(rows, state, None, [])
+            state, skips, partial = compose(
+                marker,
+                survivors,
+                state,
+                {r: f.result() for r, f in dense.items() if r is not None},
+                world_now=self.env.world_size,
+            )
+            return _Read(rows, state, partial, skips)
+
+    def _first_error(self, error: str) -> str:
+        """Why a restore failed, on every rank: its own reason, or the first other rank's, so
+        the line each rank stops with names the file and offset whichever rank read the damage
+        (only on failure: the happy path pays one all-reduce, not this gather)."""
+        errors: list[str] = [""] * self.env.world_size
+        dist.all_gather_object(errors, error)
+        if error:
+            return error
+        rank, first = next((r, e) for r, e in enumerate(errors) if e)
+        return f"{first} (read by rank {rank})"
+
+    def _resume(self, marker: Marker, read: _Read, t0: float, stats: _ReadStats) -> Resumed:
+        """Load what every rank read, and say what the job takes over from it."""
+        t_dense = time.perf_counter()
+        row_init = self._load(marker, read)
+        incremental = self.cfg.policy == "incremental"
+        restores = int(read.state.get("restores", 0)) + 1
+        lost_samples = float(read.state.get("lost_samples", 0.0))
+        now = time.perf_counter()
+        slowest = torch.tensor([now - t0, now - t_dense], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        seconds, dense_s = slowest.tolist()
+        report = RestoreReport(
+            checkpoint_id=marker.checkpoint_id,
+            step=marker.step,
+            chain=[link.checkpoint_id for link in marker.chain],
+            frames=stats.frames,
+            rows=stats.rows,
+            bytes=stats.bytes,
+            seconds=seconds,
+            written=stats.written,
+            markers_s=stats.markers_s,
+            fetch_s=stats.fetch_s,
+            decode_s=stats.decode_s,
+            apply_s=stats.apply_s,
+            dense_s=dense_s,
+            regenerated=stats.regenerated,
+            init_s=stats.init_s,
+            partial=read.partial,
+            run_pls=run_pls(lost_samples, float(read.state["trainers"][0]["samples_seen"])),
+            markers_read=self.choice.markers_read,
+            markers_ahead_s=self.choice.markers_ahead_s,
+        )
+        if self.env.rank == 0:
+            self._announce_report(report)
+        return Resumed(
+            report=report,
+            links=list(marker.chain),
+            next_id=max(marker.checkpoint_id, self.choice.newest_id) + 1,
+            # The live rows are exactly what the chain restores, so under `incremental` the rows
+            # changed from here on are a delta of it: the chain goes on, in a generation the next
+            # checkpoint opens (this job may have another world size, so other partitions). Else
+            # the tracker's history since the base died with the old process: the next is full,
+            # and after a partial recovery too (no committed checkpoint holds the survivors' rows).
+            generation=0 if incremental else marker.chain[0].generation,
+            force_full=not incremental or read.partial is not None,
+            have_base=incremental,
+            row_init=row_init,
+            restores=restores,
+            lost_samples=lost_samples,
+            last_committed=marker.checkpoint_id,
+            step=marker.step,
+        )
+
+    def _load(self, marker: Marker, read: _Read) -> RowInit | None:
+        """The dense state and this rank's loop state into the model and the loop, the restored
+        rows into the tracker; the chain's row initialisation when the job adopts it."""
+        state = read.state
+        if self.env.rank == 0 and state.get("model_sha256") not in (None, self.model_sha256):
+            logger.warning(
+                "checkpoint %d was written with another model config (sha256 %s…, now %s…); restoring what matches",
+                marker.checkpoint_id,
+                str(state["model_sha256"])[:12],
+                self.model_sha256[:12],
+            )
+        dense_state.load(self.sharded, state)
+        self.trainer.load_state_dict(self._trainer_state(state, marker))
+        row_init = self._mark_rows(marker, read.rows)
+        if read.partial is not None:
+            self._mark_partial(marker, read.rows, read.skips)
+        return row_init
+
+    def _mark_rows(self, marker: Marker, rows: RowsRestored) -> RowInit | None:
+        """The restored rows become the rows trained so far, and the untrained ones follow the
+        chain's row initialisation from here on (returned; the next markers name it, unless
+        `ckpt.untrained_rows=store`): a chain without one stored every row, so every row
+        counts as trained."""
+        assert rows.held is not None
+        self.tracker.load_trained(rows.held)
+        chain_init = row_init_of(marker)
+        if chain_init is not None and self.cfg.untrained_rows == "regenerate":
+            return chain_init
+        return None
+
+    def _mark_partial(self, marker: Marker, rows: RowsRestored, skips: Sequence[int]) -> None:
+        """After a partial restore: rows the survivors' links wrote are changes no committed
+        checkpoint holds (a survivor of this attempt saves them again), and this rank's reader
+        moves past the batches its dead predecessor would have trained."""
+        assert rows.link_of is not None
+        self.tracker.touch([link >= len(marker.chain) for link in rows.link_of])
+        skip = skips[self.env.rank] if len(skips) == self.env.world_size else 0
+        if skip > 0:
+            if not isinstance(self.trainer, SkipsBatches):
+                raise RestoreError(
+                    f"partial recovery: this rank's reader must skip {skip} batches, but the loop "
+                    f"({type(self.trainer).__name__}) cannot"
+                )
+            self.trainer.skip_batches(skip)
+
+    def _trainer_state(self, state: dict[str, Any], marker: Marker) -> dict[str, Any]:
+        """This rank's loop state; reader state carries over to another world size only
+        when every rank's was the same (the synthetic stream's global position)."""
+        trainers = state["trainers"]
+        if len(trainers) == self.env.world_size:
+            return trainers[self.env.rank]
+        return shared_reader(trainers, marker, f" (e.g. Criteo line ranges); resume it with {len(trainers)} ranks")
+
+    def _announce_report(self, report: RestoreReport) -> None:
+        """Rank 0: the restore in the log and in metrics (the trainer prints the resume line)."""
+        logger.debug(
+            "restored checkpoint %d (step %d, chain %s): %d frames, %d rows, %.1f MB in %.2f s (%s)",
+            report.checkpoint_id,
+            report.step,
+            report.chain,
+            report.frames,
+            report.rows,
+            report.bytes / 1e6,
+            report.seconds,
+            report.parts(),
+        )
+        self.metrics.write(
+            Restored(
+                step=report.step,
+                restored_ckpt=report.checkpoint_id,
+                restore_s=report.seconds,
+                restore_bytes=report.bytes,
+                restore_chain=tuple(report.chain),
+                restore_rows_written=report.written,
+                restore_markers_s=report.markers_s,
+                restore_markers_records=report.markers_read,
+                restore_markers_ahead_s=report.markers_ahead_s,
+                restore_fetch_s=report.fetch_s,
+                restore_decode_s=report.decode_s,
+                restore_apply_s=report.apply_s,
+                restore_dense_s=report.dense_s,
+                restore_regenerated_rows=report.regenerated,
+                restore_regenerate_s=report.init_s,
+                run_pls=report.run_pls,
+            )
+        )
+        partial = report.partial
+        if partial is not None:
+            self.metrics.write(
+                PartialRestore(
+                    step=partial.step,
+                    partial_kept_ranks=tuple(partial.kept),
+                    partial_rolled_back_ranks=tuple(partial.rolled_back),
+                    partial_rolled_back_fraction=partial.rolled_back_fraction,
+                    partial_rolled_back_tables=dict(partial.rolled_back_tables),
+                    partial_samples_since_ckpt=partial.samples_since,
+                    partial_lost_samples=partial.lost_samples,
+                    partial_waiting_lost=partial.waiting_lost,
+                    run_pls=report.run_pls,
+                )
+            )

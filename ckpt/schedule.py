@@ -1,0 +1,244 @@
+"""When a checkpoint is due, and which kind every rank agrees it is (docs/design.md §1, steps 1-2).
+
+A checkpoint is due every `ckpt.interval_steps` steps and/or after `ckpt.interval_s` (rank 0's
+clock decides, broadcast every few steps). Whether the next step is due is decided at the end
+of the step before (`look_ahead`), which also starts that checkpoint's agreement: two small
+async all-reduces of every rank's row counts and flags, so they run under the step's training
+and the stall only collects them (`agree`). Half an interval before a checkpoint the next
+snapshot's slab is reserved (`reserve_next`, ckpt/capture/host_buffers.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ckpt.capture.snapshot import SnapshotTaker
+from ckpt.capture.tracker import RowTracker
+from ckpt.checkpoint_policy import FULL, KINDS, SINCE_BASE, SINCE_LAST, CheckpointPolicy, Decision
+from ckpt.config import CkptConfig
+from ckpt.recovery.lost_samples import interval_for_pls
+from ckpt.write.writer import RankWriter
+from common.errors import ConfigError
+from sharding.shard_views import ShardMap
+
+logger = logging.getLogger(__name__)
+
+_TIME_CHECK_EVERY = 10  # steps between agreements on a time-based interval
+
+
+class Agreed(NamedTuple):
+    """One checkpoint as every rank agreed it (`Schedule.agree`)."""
+
+    decision: Decision
+    fraction: float  # of all rows, what it writes
+    fractions: tuple[float, float]  # rows changed since the baseline, since the last checkpoint (all ranks)
+    overflow: dict[str, bool]  # per kind (`KINDS`): some rank's writer has no room for it
+    forced: bool  # this rank's request for a full checkpoint was part of it
+
+
+class _InFlight(NamedTuple):
+    """One checkpoint's agreement in flight: this rank's inputs, reduced in place by `works`."""
+
+    step: int  # the checkpoint step it is for
+    counts: torch.Tensor  # rows since the base, since the last checkpoint, in all, of a full one
+    flags: torch.Tensor  # force a full checkpoint; the writers too far behind for each of `KINDS`
+    works: list[Any]  # the two async all-reduces
+    forced: bool  # this rank asked for a full checkpoint
+
+
+def grown_estimate(previous: Mapping[str, int], now: Mapping[str, int], kinds: Sequence[str], cap: int) -> int:
+    """The largest of `kinds`' snapshot bytes at the next checkpoint, guessed from two counts
+    (`previous` at the last checkpoint, `now` half an interval later): each kind grows by as
+    much again as it grew since `previous` (trained rows and one-shot diffs grow checkpoint
+    after checkpoint); a kind `previous` lacks (none counted yet, or counted afresh since) is
+    taken to double. Never past `cap` (every row)."""
+
+    def grown(k: str) -> int:
+        return now[k] + (max(0, now[k] - previous[k]) if k in previous else now[k])
+
+    return min(cap, max(grown(k) for k in kinds))
+
+
+def interval_for_target_pls(cfg: CkptConfig, shard_map: ShardMap, mtbf_s: float | None, rank: int) -> float:
+    """CPR's interval for `ckpt.target_pls` (ckpt/recovery/lost_samples.py): the rank holding the largest share
+    of the embedding parameters is the one whose failure loses the most. `mtbf_s`: the run's own
+    estimate, when `ckpt.mtbf_s` is not set."""
+    local = float(sum(s.num_rows * s.num_cols for s in shard_map.shards))
+    total, largest = torch.tensor([local], dtype=torch.float64), torch.tensor([local], dtype=torch.float64)
+    dist.all_reduce(total)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    share = largest.item() / max(total.item(), 1.0)
+    mtbf = cfg.mtbf_s or mtbf_s
+    if not mtbf:
+        raise ConfigError(
+            "ckpt.target_pls needs ckpt.mtbf_s (seconds) until the run has restarted at least once "
+            "(then its own attempts give the mean time between failures)"
+        )
+    interval = interval_for_pls(cfg.target_pls, mtbf, share)
+    if rank == 0:
+        logger.info(
+            "checkpoint interval %.1f s for PLS %.4g: mean time between failures %.0f s (%s), a rank "
+            "holds up to %.1f%% of the embedding parameters",
+            interval,
+            cfg.target_pls,
+            mtbf,
+            "ckpt.mtbf_s" if cfg.mtbf_s else "this run's attempts",
+            share * 100,
+        )
+    return interval
+
+
+class Schedule:
+    """Which steps checkpoint, and the kind each one is, agreed by every rank.
+
+    `wants_full()` says, when an agreement starts, whether this rank asks for a full checkpoint
+    (the manager's: a failed outcome, a restore, the priority rule).
+    """
+
+    def __init__(
+        self,
+        cfg: CkptConfig,
+        *,
+        tracker: RowTracker,
+        taker: SnapshotTaker,
+        policy: CheckpointPolicy,
+        writer: RankWriter,
+        total_rows: int,
+        full_bytes: int,
+        wants_full: Callable[[], bool],
+        prioritized: bool,
+    ) -> None:
+        self.cfg = cfg
+        self.tracker, self.taker, self.policy, self.writer = tracker, taker, policy, writer
+        self.total_rows = total_rows
+        self.full_bytes = full_bytes  # this rank's snapshot of every row
+        self.wants_full = wants_full
+        self.prioritized = prioritized  # prioritized checkpoints reserve no slab ahead
+        self.interval_s = cfg.interval_s  # or what `ckpt.target_pls` sets at start (`use_interval`)
+        self.last_step = -1  # the last checkpoint's step (taken, or restored)
+        self.last_time = time.monotonic()
+        self._ahead_step, self._ahead_due = -1, False  # a step whose checkpoint was decided a step early
+        self._in_flight: _InFlight | None = None  # its agreement, started then
+        self._agreed_bytes: dict[str, int] = {}  # this rank's snapshot bytes per kind at the last agreement
+        self._reserved = False  # the next snapshot's slab was asked for (`reserve_next`)
+
+    def use_interval(self, seconds: float) -> None:
+        """Checkpoint every `seconds` from now on (`ckpt.target_pls`)."""
+        self.interval_s = seconds
+
+    def resumed_at(self, step: int) -> None:
+        """A restore brought back the checkpoint of `step`: it counts as the last one taken."""
+        self.last_step = step
+
+    def due(self, step: int) -> bool:
+        """Whether `step` takes a checkpoint: decided at the end of the step before (`look_ahead`),
+        or now for the first step of this process."""
+        return self._ahead_due if self._ahead_step == step else self._due_at(step)
+
+    def _due_at(self, step: int) -> bool:
+        cfg = self.cfg
+        due = cfg.interval_steps > 0 and step % cfg.interval_steps == 0
+        if self.interval_s > 0 and step % _TIME_CHECK_EVERY == 0:
+            flag = torch.tensor([float(time.monotonic() - self.last_time >= self.interval_s)])
+            dist.broadcast(flag, src=0)  # rank 0's clock decides, so every rank agrees
+            due = due or bool(flag.item())
+        return due
+
+    def took(self, step: int) -> None:
+        """A checkpoint of `step` is being taken: the intervals count from now, and the next
+        snapshot's slab is reserved half an interval from now (`reserve_next`)."""
+        self.last_step, self.last_time = step, time.monotonic()
+        self._reserved = False
+
+    def look_ahead(self, step: int) -> None:
+        """Decide now whether the next step, `step`, checkpoints, and if so start its agreement:
+        its all-reduces then run during that step's training, and the stall only collects them
+        (the kind is chosen from the row counts of the step before it). Not after a checkpoint
+        at this very step: its counts were just reset and would say nothing about `step`."""
+        self._ahead_step, self._ahead_due = step, self._due_at(step)
+        if self._ahead_due and self.last_step != step - 1:
+            self._in_flight = self._start_agreement(step)
+
+    def _start_agreement(self, step: int) -> _InFlight:
+        """This rank's view, in one pair of small async all-reduces: the counts that choose the
+        checkpoint's kind and the fraction of rows it writes, whether any rank asks for a full
+        one, and whether any rank's writer is too far behind for each kind. Numbers only, so
+        the training thread never waits on Kafka here."""
+        forced = self.wants_full()
+        base, last = self.tracker.counts(since_base=True), self.tracker.counts(since_base=False)  # one pass each
+        full = self.tracker.counts(since_base=True, trained=True) if self.taker.trained_only else None
+        est = {
+            FULL: self.taker.bytes_for(full) if full is not None else self.full_bytes,
+            SINCE_BASE: self.taker.bytes_for(base),
+            SINCE_LAST: self.taker.bytes_for(last),
+        }
+        self._agreed_bytes = est
+        pending = self.writer.pending_bytes
+        counts = torch.tensor(
+            [sum(base), sum(last), self.total_rows, sum(full) if full is not None else self.total_rows], dtype=torch.float64
+        )
+        flags = torch.tensor([float(forced)] + [float(pending + est[k] > self.cfg.max_pending_bytes) for k in KINDS])
+        works = [dist.all_reduce(counts, async_op=True), dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)]
+        return _InFlight(step, counts, flags, works, forced)
+
+    def agree(self, step: int) -> Agreed:
+        """The checkpoint of `step` as every rank agrees it: collected from the agreement started
+        a step ahead, or started now (the first step, the final checkpoint)."""
+        a = self._in_flight
+        if a is not None and a.step == step:
+            self._in_flight = None
+        else:
+            a = self._start_agreement(step)
+        for work in a.works:
+            work.wait()
+        counts, flags = a.counts, a.flags
+        total = max(counts[2].item(), 1.0)
+        fractions = (counts[0].item() / total, counts[1].item() / total)  # since base, since last
+        full_fraction = counts[3].item() / total  # what a full checkpoint would write
+        decision = self.policy.decide(fractions[0], force_full=bool(flags[0]), full_fraction=full_fraction)
+        fraction = full_fraction if decision.full else (counts[0] if decision.since_base else counts[1]).item() / total
+        overflow = {k: bool(f) for k, f in zip(KINDS, flags[1:], strict=True)}
+        return Agreed(decision, fraction, fractions, overflow, a.forced)
+
+    def close(self) -> None:
+        """Wait for an agreement started for a step that never came (the job ends)."""
+        if self._in_flight is not None:
+            for work in self._in_flight.works:
+                work.wait()
+            self._in_flight = None
+
+    def time_to_reserve(self, step: int) -> bool:
+        """Whether `step` ends half of the interval after the last checkpoint (or the start),
+        once per interval: the next snapshot's slab is reserved then. With a checkpoint every
+        step there is no step between two, and nothing is reserved: the slabs given back serve
+        (counting the rows for an estimate would cost the training thread a pass every step)."""
+        if self._reserved or self.taker.pool is None or self.prioritized:
+            return False
+        every = self.cfg.interval_steps
+        if every >= 2 and step % every == every // 2:
+            return True
+        return self.interval_s > 0 and time.monotonic() - self.last_time >= self.interval_s / 2
+
+    def reserve_next(self, force_full: bool, last_was_full: bool) -> None:
+        """Fault in, on the pool's helper thread, a slab for the next snapshot, half an interval
+        before it: the largest kind the policy may take next, its bytes now grown by as much
+        again as since the last checkpoint's agreement (`grown_estimate`; a kind counted afresh
+        since then, or before any agreement, is taken to double). Without it the first snapshot
+        (a full one) and every one larger than the slabs kept fault their pages in inside the
+        stall. Half an interval ahead, not at the checkpoint: the last snapshot's slab is then
+        usually back in the pool to be reused, and the estimate looks half as far ahead."""
+        self._reserved = True
+        kinds = self.policy.next_kinds(force_full)
+        now = {k: self.taker.estimate_bytes(full=k == FULL, since_base=k != SINCE_LAST) for k in kinds}
+        previous = dict(self._agreed_bytes)
+        previous.pop(SINCE_LAST, None)  # the rows changed since the last checkpoint start from none at each
+        if last_was_full:
+            previous.pop(SINCE_BASE, None)  # and those since the baseline, at a full one
+        assert self.taker.pool is not None
+        self.taker.pool.reserve_ahead(grown_estimate(previous, now, kinds, self.full_bytes))
