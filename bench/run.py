@@ -95,8 +95,9 @@ SUITES = (
         "tracker",
         "bench.tracker_overhead",
         (),
-        "the row tracker's hook per training step (against no hook and a no-op hook) and the snapshot "
-        "stall against a bare copy (~2 min)",
+        "the row tracker's hook per training step (against no hook, a no-op hook and TorchRec's "
+        "ModelDeltaTracker in ID_ONLY mode), what each lists for a checkpoint, and the snapshot stall "
+        "against a bare copy (~3 min)",
     ),
     Suite(
         "throughput", "bench.train_throughput", (), "training samples/s of a config on N ranks against 1 rank (two torchrun jobs)"

@@ -6,10 +6,16 @@
 Spawns `--ranks` gloo ranks of the real DMP model and `Trainer.train_step` (synthetic data).
 
 1. Tracker: in the same run, blocks of steps rotate between the RowTracker hook attached,
-   detached, and a do-nothing hook (the A/A control: how much two identical setups differ
-   on this machine); the order rotates every round so drift cancels. Reports median and
-   mean step time per mode and their ratios, plus the time measured inside the hook
-   itself (per step and per 64k ids, and a micro-benchmark of one 64k-id lookup batch).
+   detached, a do-nothing hook (the A/A control: how much two identical setups differ
+   on this machine) and TorchRec's own `ModelDeltaTrackerTrec` in ID_ONLY mode (the peer,
+   torchrec/distributed/model_tracker: a list of each batch's ids per table, read and
+   deduplicated with `get_unique_ids`, here at the end of each of its blocks); the order
+   rotates every round so drift cancels. Reports median and mean step time per mode and
+   their ratios, the time measured inside each hook (per step and per 64k ids, and a
+   micro-benchmark of one 64k-id lookup batch), and the peer's read per block.
+   Then both listen to the same `--interval` steps at once: what each lists for a
+   checkpoint (deltarec's bitmap scan, the peer's `get_unique_ids`), timed, and whether
+   they name the same rows of every table this rank holds.
 2. Snapshot: after `--interval` steps, the stall of `SnapshotTaker.take` (incremental
    delta, and full) against a bare `index_select` / `clone` of the same rows of the same
    tensors (weights and optimizer state), medians of `--repeats`.
@@ -98,6 +104,14 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite tracker") -> d
             "hook_fraction_of_step": worst("hook_fraction_of_step", "tracker"),
             "hook_ms_per_64k_ids": worst("hook_ms_per_64k_ids", "tracker"),
             "micro_hook_ms_64k_ids": worst("micro_hook_ms_64k_ids", "tracker"),
+            "torchrec_tracker_step_time_ratio_over_without": worst("ratio_mdt_over_off", "tracker"),
+            "torchrec_tracker_mean_step_time_ratio_over_without": worst("mean_ratio_mdt_over_off", "tracker"),
+            "torchrec_tracker_hook_ms_per_step": worst("mdt_hook_ms_per_step", "tracker"),
+            "torchrec_tracker_read_ms_per_block": worst("mdt_read_ms_per_block", "tracker"),
+            "listing_interval_steps": args.interval,
+            "deltarec_listing_ms": worst("deltarec_listing_ms", "listing"),
+            "torchrec_tracker_listing_ms": worst("torchrec_listing_ms", "listing"),
+            "trackers_name_the_same_rows": all(r["listing"]["same_rows"] for r in ranks),
             "delta_stall_ms": worst("stall_ms", "delta"),
             "delta_bare_index_select_ms": worst("bare_ms", "delta"),
             "delta_stall_over_bare": worst("ratio", "delta"),
@@ -123,6 +137,8 @@ def measurements(result: dict[str, Any]) -> list[Measurement]:
 def worker(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
     import torch.distributed as dist
+    from torchrec.distributed.model_tracker.model_delta_tracker import ModelDeltaTrackerTrec
+    from torchrec.distributed.model_tracker.types import TrackingMode
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     from bench.ckpt_rank import BareCopier, find_rows
@@ -154,7 +170,17 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> int:
     def noop(features, embs, module, raw):
         return None
 
-    hooks = {"on": timed, "off": None, "noop": noop}  # noop: a registered hook doing nothing (the A/A control)
+    # TorchRec's tracker registers its hook in the same slot as RowTracker's: built here (which
+    # takes the slot), its callback is kept, timed like ours, and the slot handed back by `attach`.
+    mdt = ModelDeltaTrackerTrec(sharded.model, consumers=["bench"], delete_on_read=True, mode=TrackingMode.ID_ONLY)
+    mdt_s = [0.0]
+
+    def timed_mdt(features, embs, module, raw):
+        t = time.perf_counter()
+        mdt.record_lookup(features, embs, module, raw)
+        mdt_s[0] += time.perf_counter() - t
+
+    hooks = {"on": timed, "off": None, "noop": noop, "mdt": timed_mdt}  # noop: a hook doing nothing (the A/A control)
 
     def attach(mode: str) -> None:
         sebc.post_lookup_tracker_fn = hooks[mode]
@@ -163,16 +189,23 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> int:
     for _ in range(args.warmup):
         trainer.train_step()
     times: dict[str, list[float]] = {m: [] for m in hooks}
-    hook_s[0], hook_ids[0] = 0.0, 0
-    orders = [("on", "off", "noop"), ("off", "noop", "on"), ("noop", "on", "off")]
+    hook_s[0], hook_ids[0], mdt_s[0] = 0.0, 0, 0.0
+    mdt_reads: list[float] = []
+    modes = ("on", "off", "noop", "mdt")
     for r in range(args.rounds):
-        for mode in orders[r % 3]:
+        for mode in modes[r % 4 :] + modes[: r % 4]:  # each mode in each position once per 4 rounds
             attach(mode)
             dist.barrier()
             for _ in range(args.block):
                 t = time.perf_counter()
+                if mode == "mdt":
+                    mdt.step()  # its batch index, before the forward pass (as DistributedModelParallel.forward does)
                 trainer.train_step()
                 times[mode].append(time.perf_counter() - t)
+            if mode == "mdt":
+                t = time.perf_counter()
+                mdt.get_unique_ids("bench")  # what a consumer reads (and the store then drops)
+                mdt_reads.append(time.perf_counter() - t)
     attach("on")
     steps_on = len(times["on"])
     med = {m: median(v) * 1e3 for m, v in times.items()}
@@ -194,7 +227,14 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> int:
         "ids_per_step": hook_ids[0] / steps_on,
         "hook_fraction_of_step": hook_ms_per_step / med["off"],
         "hook_ms_per_64k_ids": hook_s[0] * 1e3 / max(hook_ids[0], 1) * 65536,
+        "step_ms_mdt": med["mdt"],
+        "ratio_mdt_over_off": med["mdt"] / med["off"],
+        "mean_step_ms_mdt": mean["mdt"],
+        "mean_ratio_mdt_over_off": mean["mdt"] / mean["off"],
+        "mdt_hook_ms_per_step": mdt_s[0] * 1e3 / len(times["mdt"]),
+        "mdt_read_ms_per_block": median(mdt_reads) * 1e3,
     }
+    listing = compare_listings(trainer, tracker, mdt, smap, sebc, args.interval)
     # Micro: one lookup batch of 64k ids into the largest tracked lookup group.
     m = max(tracker.lookup_groups.values(), key=lambda lm: sum(i is not None for i in lm.shards))
     rows = torch.tensor([1 if i is None else smap.shards[i].num_rows for i in m.shards])
@@ -266,12 +306,62 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> int:
         "GB_per_s": full_nbytes / fstall / 1e9,
     }
     print(
-        json.dumps({"rank": env.rank, "threads": torch.get_num_threads(), "tracker": tr, "delta": delta, "full": full}),
+        json.dumps(
+            {
+                "rank": env.rank,
+                "threads": torch.get_num_threads(),
+                "tracker": tr,
+                "listing": listing,
+                "delta": delta,
+                "full": full,
+            }
+        ),
         flush=True,
     )
-    trainer = tracker = taker = smap = sharded = None  # released before the process group goes
+    trainer = tracker = taker = smap = sharded = mdt = None  # released before the process group goes
     stop_job()
     return 0
+
+
+def compare_listings(trainer: Any, tracker: Any, mdt: Any, smap: Any, sebc: Any, steps: int) -> dict[str, Any]:
+    """Both trackers listen to the same `steps` steps (one hook calling both); then each lists
+    the rows a delta checkpoint would copy: deltarec's bitmap scan per shard, TorchRec's
+    deduplicated ids per table (shard-local ids: post-lookup, after input distribution).
+    Whether they agree, table by table, on the tables this rank holds shards of."""
+    from bench.ckpt_rank import touched
+
+    def both(features, embs, module, raw):
+        tracker.record_lookup(features, embs, module, raw)
+        mdt.record_lookup(features, embs, module, raw)
+
+    tracker.mark_base()
+    # nothing to drop from `mdt`: the rotation read it after its last block (and a read with no
+    # new batch raises in torchrec 1.8: `torch.cat` of no ids)
+    sebc.post_lookup_tracker_fn = both
+    for _ in range(steps):
+        mdt.step()
+        trainer.train_step()
+    sebc.post_lookup_tracker_fn = tracker.record_lookup
+    rows, deltarec_s = touched(tracker, len(smap.shards), False)
+    t = time.perf_counter()
+    ids = mdt.get_unique_ids("bench")
+    torchrec_s = time.perf_counter() - t
+    theirs = {fqn.rsplit(".", 1)[-1]: set(v.tolist()) for fqn, v in ids.items()}
+    ours: dict[str, set[int]] = {}
+    for shard, local in zip(smap.shards, rows):
+        ours.setdefault(shard.table, set()).update(local.tolist())
+    # data-parallel tables are in no shard of ours (the dense optimizer trains them; they travel in
+    # the dense file) but their lookups pass the same hook, so torchrec lists them too
+    differ = sorted(t for t in ours if ours[t] != theirs.get(t, set()))
+    return {
+        "steps": steps,
+        "deltarec_listing_ms": deltarec_s * 1e3,
+        "torchrec_listing_ms": torchrec_s * 1e3,
+        "rows": sum(len(v) for v in ours.values()),
+        "same_rows": not differ,
+        "tables_differing": differ,
+        "tables_only_torchrec_lists": sorted(set(theirs) - set(ours)),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

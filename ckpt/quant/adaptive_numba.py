@@ -266,7 +266,11 @@ def encode(x, out, bits, nbins, steps, refits, keep, rows, checks):
     """Encode float32 rows ``x`` [n, d] into ``out`` [n, packed + 4], ``rows`` rows per block
     (see :func:`ckpt.quant.adaptive_kernel.encode_rows`). ``checks`` (int64 [3], zeroed): rows
     whose element sum is not finite (a non-finite element, or an overflowing sum), rows whose
-    fp16 scale or bias is not finite, the first of those."""
+    fp16 scale or bias is not finite, the first of those.
+
+    One function of 127 lines, an exception to the project's ~80-line limit: numba compiles it
+    into one loop nest whose per-row arrays stay in registers and the block's transpose in
+    cache; split into calls, each would pass the block's scratch arrays again."""
     n, d = x.shape
     p = (d * bits + 7) // 8
     qmax = np.float32((1 << bits) - 1)

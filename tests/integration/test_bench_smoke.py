@@ -206,6 +206,31 @@ def test_checkpoint_suite_runs_its_probes_to_the_end(tmp_path: Path, run_cli: Cl
     assert all(got[m] > 0 for m in wanted), {m: got[m] for m in wanted}
 
 
+def test_tracker_suite_sets_torchrecs_tracker_beside_ours_and_both_list_the_same_rows(tmp_path: Path, run_cli: CliRunner) -> None:
+    """A tiny `tracker` run over a row-wise, a column-wise and a table-wise table: every hook mode
+    is timed (TorchRec's `ModelDeltaTrackerTrec` included), and after the same steps its
+    deduplicated ids name exactly the rows deltarec's bitmaps hold, table by table, on each rank."""
+    out = tmp_path / "tracker.json"
+    run_cli(
+        "bench.run",
+        "--suite",
+        "tracker",
+        "--config",
+        "configs/debug_cpu.yaml",
+        *("--rounds", "4", "--block", "3", "--warmup", "2", "--interval", "5", "--repeats", "1", "--out", out),
+        "model.tables.0.sharding=row_wise",
+        "model.tables.1.sharding=column_wise",
+        timeout_s=300,
+    )
+    doc = json.loads(out.read_text())
+    for r in doc["ranks"]:
+        assert r["listing"]["rows"] > 0 and r["listing"]["tables_differing"] == [], r["listing"]
+    summary = doc["summary"]
+    assert summary["trackers_name_the_same_rows"] is True
+    timed = ("torchrec_tracker_step_time_ratio_over_without", "torchrec_tracker_hook_ms_per_step", "deltarec_listing_ms")
+    assert all(summary[k] > 0 for k in timed), {k: summary[k] for k in timed}
+
+
 def test_markers_suite_reads_a_long_log_from_its_newest_catalog_record(tmp_path: Path, run_cli: CliRunner) -> None:
     out, records = tmp_path / "results.json", tmp_path / "records.jsonl"
     run_cli(
