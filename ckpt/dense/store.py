@@ -29,6 +29,7 @@ import torch
 
 from ckpt.faults import maybe_fail_dense_write
 from common.errors import DeltarecError
+from common.files import fsync_dir
 
 
 class DenseStoreError(DeltarecError, RuntimeError):
@@ -182,12 +183,3 @@ def _unpickling_reason(exc: pickle.UnpicklingError) -> str:
     `weights_only=False` is exactly what must not be done with such a file."""
     found = re.search(r"GLOBAL [\w.]+|Unsupported operand \S+", str(exc))
     return found.group(0) if found else "not a weights-only file"
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync directory `path`, so that a file created or renamed in it survives a crash."""
-    dir_fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)

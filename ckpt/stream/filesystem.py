@@ -44,6 +44,7 @@ from ckpt.stream.sink import (
     read_one_by_one,
     rows_name,
 )
+from common.files import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -60,14 +61,6 @@ def encode_record(payload: bytes | memoryview) -> tuple[bytes, int]:
     """(record header, total record size) for ``payload``."""
     n = len(payload)
     return _REC.pack(REC_MAGIC, n, _rec_crc(n, payload)), _REC.size + n
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _zeros_to_end(f: BinaryIO, pos: int) -> bool:
@@ -264,7 +257,7 @@ class _Appender:
             os.fsync(self._f.fileno())
             self.dirty = False
         for d in sorted(self._sync_dirs, key=lambda p: len(p.parts), reverse=True):
-            _fsync_dir(d)
+            fsync_dir(d)
         self._sync_dirs = set()
 
     def close(self) -> None:
@@ -352,7 +345,7 @@ class FsSink:
         if d.exists():
             raise SinkError(f"cannot delete {d}")
         if self.root.exists():
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
 
     def close(self) -> None:
         self._closed = True
