@@ -245,7 +245,7 @@ class CheckpointManager:
     def _adopt(self, resumed: Resumed) -> None:
         """The manager and its collaborators take over what a restore brought back."""
         self.restores, self.lost_samples = resumed.restores, resumed.lost_samples
-        self.last_committed = resumed.last_committed
+        self.last_committed = resumed.checkpoint_id
         self.next_id = resumed.next_id
         self.chain = resumed.chain
         self.generation = resumed.generation

@@ -155,13 +155,21 @@ class Resumed:
     row_init: RowInit | None  # the chain's row initialisation, now the job's (untrained rows regenerated); None: unchanged
     restores: int  # the job's restores so far, this one included
     lost_samples: float  # samples whose updates partial recoveries lost, over the run
-    last_committed: int  # the restored checkpoint
-    step: int  # the restored checkpoint's step
 
     @property
     def chain(self) -> list[int]:
         """The restored chain's checkpoint ids."""
         return self.report.chain
+
+    @property
+    def checkpoint_id(self) -> int:
+        """The restored checkpoint: the newest one this job knows committed."""
+        return self.report.checkpoint_id
+
+    @property
+    def step(self) -> int:
+        """The restored checkpoint's step."""
+        return self.report.step
 
 
 class Restorer:
@@ -332,8 +340,6 @@ class Restorer:
             row_init=row_init,
             restores=restores,
             lost_samples=lost_samples,
-            last_committed=marker.checkpoint_id,
-            step=marker.step,
         )
 
     def _load(self, marker: Marker, read: _Read) -> RowInit | None:
