@@ -77,15 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     from ckpt.stream.sink import rows_name
     from ckpt.write.writer import RankWriter, WriteJob, encode_frames, write_rows
     from trainer.config import load_config
-    from trainer.main import make_checkpoint_manager
+    from trainer.main import make_checkpointer
 
     base = ["ckpt.enabled=true", "ckpt.resume=latest", "ckpt.final=false", "train.eval_batches=0", *overrides]
     cfg = load_config(args.config, [*base, f"ckpt.run_id={args.fp32_run}"])
     cfg_q = load_config(args.config, [*base, f"ckpt.run_id={args.quant_run}", *args.quant_override])
     env, device, sharded, trainer, no_metrics = start_job(cfg)
     rank, R = env.rank, args.repeats
-    mgr = make_checkpoint_manager(cfg, env, device, sharded, trainer, no_metrics)
-    mgr_q = make_checkpoint_manager(cfg_q, env, device, sharded, trainer, no_metrics)
+    mgr = make_checkpointer(cfg, env, device, sharded, trainer, no_metrics).manager
+    mgr_q = make_checkpointer(cfg_q, env, device, sharded, trainer, no_metrics).manager
     mgr_q.tracker.detach()  # one tracker hook is enough
     quant = mgr_q.codecs()[0]  # the quantized run's weight codec (before any restore changes the count)
     smap = mgr.shard_map

@@ -4,7 +4,7 @@ trainer's job with checkpoints, and per checkpoint what this rank's stall was ma
     python -m bench.ckpt_rank --config C --side DIR [key=value ...]
 
 The job is built and trained as `trainer.main` does (`bench.job.start_job`, the manager from
-`trainer.main.make_checkpoint_manager`, `restore`, `Trainer.fit`, `finish`). What it records
+`trainer.main.make_checkpointer`, `restore`, `Trainer.fit`, `finish`). What it records
 in ``DIR/rank<r>.jsonl`` (one `RankCheckpoint` per line) comes from the manager's public
 stats, read after each step end, never from inside the stall:
 
@@ -342,12 +342,12 @@ def train(job: Job, cfg: JobConfig, side: Path, copier: BareCopier | None = None
     finished and its tracker detached from the model when this returns or raises, so another
     job can train the same model after it."""
     from bench.cpu import CpuLedger
-    from trainer.main import make_checkpoint_manager
+    from trainer.main import make_checkpointer
 
     manager = observed = None
     try:
         if cfg.ckpt.enabled:
-            manager = make_checkpoint_manager(cfg, job.env, job.device, job.sharded, job.trainer, job.metrics)
+            manager = make_checkpointer(cfg, job.env, job.device, job.sharded, job.trainer, job.metrics).manager
             observed = ObservedCheckpointer(manager, job.env.rank, copier, bare_repeats)
             job.trainer.checkpointer = observed
             manager.restore()

@@ -373,12 +373,12 @@ def deltarec_restore(
     finished. Returns (seconds, what it restored)."""
     from ckpt.log.backend import open_for_restore
     from trainer.config import load_config
-    from trainer.main import make_checkpoint_manager
+    from trainer.main import make_checkpointer
     from trainer.metrics import MetricsLog
 
     c = load_config(config, [*overrides, "ckpt.enabled=true", "ckpt.resume=latest", "ckpt.final=false"])
     backend = open_for_restore(c.ckpt, env.world_size, env.rank)
-    mgr = make_checkpoint_manager(c, env, device, sharded, trainer, MetricsLog(Path("unused"), enabled=False), backend)
+    mgr = make_checkpointer(c, env, device, sharded, trainer, MetricsLog(Path("unused"), enabled=False), backend).manager
     if backend.ahead is not None:  # a restarted job reads the markers log while it builds its model
         backend.ahead.wait()  # (trainer/main.py); its time is the report's `markers_ahead_s`
     try:

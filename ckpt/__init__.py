@@ -1,0 +1,30 @@
+"""deltarec's continuous checkpoints. The public API, for a user's own TorchRec loop:
+
+    from ckpt import Checkpointer, CkptConfig, initialise_rows, load_ckpt_config
+
+(ckpt/checkpointer.py; the stages it drives, in order: docs/design.md §2). Imported on first
+use, so `import ckpt.events` and the command-line tools do not pay for the whole engine.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Checkpointer": "ckpt.checkpointer",
+    "initialise_rows": "ckpt.checkpointer",
+    "CkptConfig": "ckpt.config",
+    "FollowConfig": "ckpt.config",
+    "load_ckpt_config": "ckpt.config",
+    "RestoreReport": "ckpt.restore.restorer",
+    "RestoreError": "ckpt.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'ckpt' has no attribute {name!r}")

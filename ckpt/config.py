@@ -7,13 +7,17 @@ the job config.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
+
 from ckpt.quant import codec_names, get_codec, resolve_widths
 from ckpt.quant.bit_widths import Widths
 from ckpt.stream.sink import check_run_id
+from common.config_loader import apply_override, build, load_yaml, to_dict
 from common.errors import ConfigError
 
 REDACTED = "<redacted>"
@@ -234,6 +238,23 @@ class CkptConfig:
                 f"{self.priority_full_every}"
             )
 
+    def override(self, overrides: Sequence[str], source: str = "overrides") -> CkptConfig:
+        """A copy with dotted `key=value` overrides applied (``ckpt.`` in front is optional),
+        as strictly as a YAML file's: an unknown key or a wrong type is one line naming it."""
+        if not overrides:
+            return self
+        data = to_dict(self)
+        for override in overrides:
+            apply_override(data, override.removeprefix("ckpt."))
+        return build(CkptConfig, data, source=source, path="ckpt")
+
+    def to_yaml(self) -> str:
+        """This section as a YAML file with one `ckpt:` mapping, librdkafka secrets redacted:
+        what `deltarec-ckpt --config` reads for a job run by a user's own loop."""
+        data = to_dict(self)
+        data["kafka"] = self.redacted_kafka()
+        return yaml.safe_dump({"ckpt": data}, sort_keys=False)
+
     def redacted_kafka(self) -> dict[str, Any]:
         """`kafka` with every secret replaced by REDACTED: what may be written to a file or a log
         (the resolved config in the run directory). The clients get `kafka` itself."""
@@ -249,3 +270,19 @@ class CkptConfig:
                     f"{src}: ckpt.kafka.{key} must be a string, number or boolean (a librdkafka setting), got "
                     f"{type(value).__name__}; on the command line write ckpt.kafka={{name.with.dots: value, ...}}"
                 )
+
+
+def load_ckpt_config(path: str | Path, overrides: Sequence[str] = (), section: str = "ckpt") -> CkptConfig:
+    """The `section` of a YAML file (the whole file with `section=""`) as a `CkptConfig`, with
+    dotted `overrides` (`"interval_steps=50"`) applied, strictly: an unknown key or a value of
+    the wrong type is one line naming it. Not yet resolved (`Checkpointer` fills the run id and
+    directories from its `run_dir`) nor validated."""
+    data = load_yaml(path)
+    if section:
+        data = data.get(section, {})
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: {section} must be a mapping")
+    for override in overrides:
+        apply_override(data, override)
+    source = f"{path}{' with overrides' if overrides else ''}"
+    return build(CkptConfig, data, source=source, path=section)

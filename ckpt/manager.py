@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import time
 import zlib
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +51,7 @@ from ckpt.schedule import Schedule, interval_for_target_pls
 from ckpt.write.committer import Committer
 from ckpt.write.writer import Outcome, RankWriter, WriteJob
 from common.errors import ConfigError
-from sharding.config import TableConfig
 from sharding.dmp import ShardedModel
-from sharding.plan import EBC_PATH
 from sharding.process_group import DistEnv
 from sharding.shard_views import ShardMap
 
@@ -65,7 +62,7 @@ class CheckpointManager:
     """Continuous checkpoints for one rank of a running job.
 
     It reads only its own config section (`cfg`, resolved: run id and directories filled)
-    and the table declarations; the loop it checkpoints is any `Stateful` whose state
+    and the model (its tables are found in it: sharding/shard_views.py); the loop it checkpoints is any `Stateful` whose state
     dict holds this rank's loop position (`step`, and `reader`, the data reader's state).
     """
 
@@ -73,7 +70,6 @@ class CheckpointManager:
         self,
         cfg: CkptConfig,
         *,
-        tables: Sequence[TableConfig],
         identity: JobIdentity,
         env: DistEnv,
         device: torch.device,
@@ -81,10 +77,10 @@ class CheckpointManager:
         trainer: Stateful,
         metrics: MetricsSink,
         backend: Backend | None = None,
+        shard_map: ShardMap | None = None,
     ) -> None:
         assert cfg.run_id and cfg.dense_dir, "CkptConfig.resolved() fills the run id and directories"
         self.cfg = cfg
-        self.tables = list(tables)
         self.identity = identity
         self.env = env
         self.sharded = sharded
@@ -94,7 +90,7 @@ class CheckpointManager:
         # Writers coordinate on their own gloo group so the training thread's collectives
         # and theirs never interleave (see ckpt/write/writer.py).
         self.group = dist.new_group(backend="gloo")
-        self.shard_map = ShardMap.from_model(sharded.model)
+        self.shard_map = shard_map if shard_map is not None else ShardMap.from_model(sharded.model)
         self.tracker = RowTracker(sharded.model, self.shard_map)
         # With a row initialisation the untrained rows need not be stored (sharding/row_init.py):
         # full checkpoints hold the rows trained since, and markers say how to regenerate the rest.
@@ -204,12 +200,13 @@ class CheckpointManager:
         )
 
     def _marker_fields(self) -> dict[str, Any]:
-        plan = self.sharded.plan.plan[EBC_PATH]
+        """What every marker of this job says of it: tables by key (docs/design.md §4), their plan."""
+        tables = self.shard_map.table_info.values()
         return {
             "policy": self.cfg.policy,
             "world_size": self.env.world_size,
-            "plan": {t: ps.sharding_type for t, ps in plan.items()},
-            "tables": {t.name: [t.num_embeddings, t.embedding_dim] for t in self.tables},
+            "plan": {t.key: t.sharding_type for t in tables},
+            "tables": {t.key: [t.num_embeddings, t.embedding_dim] for t in tables},
             "init": self.row_init.to_json() if self.row_init is not None and self.taker.trained_only else {},
         }
 

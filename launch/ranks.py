@@ -115,6 +115,19 @@ def start_ranks(
         "train.progress=log",
         *overrides,
     ]
+    return start_command(base, tmp_path, world_size, timeout_s, env_extra)
+
+
+def start_command(
+    argv: Sequence[str],
+    tmp_path: Path,
+    world_size: int = 2,
+    timeout_s: float = 240,
+    env_extra: dict[str, str] | None = None,
+) -> RankGroup:
+    """Start `world_size` copies of `argv` (from the repository root) as the ranks of one job,
+    with torchrun's variables; the command brings its own rendezvous (`start_ranks` gives
+    deltarec's jobs a file rendezvous; an example script takes `--init-method file://...`)."""
     procs, logs = [], []
     tag = time.monotonic_ns()
     for rank in range(world_size):
@@ -131,7 +144,7 @@ def start_ranks(
         out = open(tmp_path / f"rank{rank}-{tag}.out", "w+")
         err = open(tmp_path / f"rank{rank}-{tag}.err", "w+")
         logs.append((out, err))
-        procs.append(subprocess.Popen(base, cwd=REPO, env=env, stdout=out, stderr=err))
+        procs.append(subprocess.Popen(list(argv), cwd=REPO, env=env, stdout=out, stderr=err))
     return RankGroup(procs, logs, timeout_s)
 
 

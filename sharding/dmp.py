@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,12 +40,21 @@ def _optimizer_kwargs(name: str, lr: float, eps: float) -> dict:
 
 @dataclass
 class ShardedModel:
-    """The DMP-wrapped model, its combined (fused sparse + dense) optimizer and its plan."""
+    """The DMP-wrapped model, its optimizers and its plan: what checkpoints read and restore.
+
+    deltarec's own loop steps `optimizer` (fused sparse and dense combined); a user's loop
+    (`ckpt.Checkpointer`) steps its own, and gives only its `dense_optimizer` (the fused
+    sparse optimizer's state lives in the kernels, beside the rows)."""
 
     model: DistributedModelParallel
-    optimizer: CombinedOptimizer
+    optimizer: CombinedOptimizer | None
     plan: ShardingPlan
     row_init: RowInit | None = None  # how the model-parallel rows were initialised; None: torchrec's own
+    dense_optimizer: Any = None  # state_dict()/load_state_dict(); default: `optimizer`'s last (the dense one)
+
+    def __post_init__(self) -> None:
+        if self.dense_optimizer is None and self.optimizer is not None:
+            self.dense_optimizer = self.optimizer.optimizers[-1][1]
 
 
 def plan_model(
@@ -91,6 +101,6 @@ def shard_model(
         lambda params: dense_cls(params, **_optimizer_kwargs(dp.name, dp.lr, dp.eps)),
     )
     if row_init is not None:
-        shapes = {t.name: (t.num_embeddings, t.embedding_dim) for t in tables}
-        initialise_shards(row_init, ShardMap.from_model(dmp).shards, shapes)
+        shard_map = ShardMap.from_model(dmp)
+        initialise_shards(row_init, shard_map.shards, shard_map.shapes())
     return ShardedModel(dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), plan, row_init)

@@ -34,6 +34,13 @@ logger = logging.getLogger(__name__)
 
 #: Where the EmbeddingBagCollection sits inside DLRMTrain (the module the plan shards).
 EBC_PATH = "model.sparse_arch.embedding_bag_collection"
+
+
+def table_key(name: str) -> str:
+    """The key (sharding/shard_views.py) of DLRMTrain's table `name`: its weight's FQN without ``.weight``."""
+    return f"{EBC_PATH}.embedding_bags.{name}"
+
+
 #: Sharding types the stock planner proposes on CPU; the rest need a manual plan there.
 PLANNER_CPU_TYPES = ("table_wise", "column_wise", "table_column_wise", "data_parallel")
 

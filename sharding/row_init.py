@@ -10,7 +10,7 @@ touched: restore regenerates them bit-exactly on any number of ranks (docs/desig
 Scheme ``pcg64-chunk-v1``: a table's rows are cut into chunks of `CHUNK_ROWS`; chunk c is
 ``[rows, dim]`` float32 values ``lo + (hi - lo) * u`` with ``u = (x >> 40) * 2**-24`` for
 successive 64-bit outputs ``x`` of numpy's PCG64 seeded with
-``SeedSequence([seed, blake2b(table name), c])``. numpy keeps bit generators' streams and
+``SeedSequence([seed, blake2b(table key), c])`` (the key: sharding/shard_views.py). numpy keeps bit generators' streams and
 SeedSequence stable across releases, and the float arithmetic is two IEEE float32 ops, so
 the values do not depend on the torch or numpy version, the thread count or the device.
 Column shards take their columns of the full rows. Optimizer state starts at zero, as

@@ -1,7 +1,15 @@
 """The map between (table, global row, column) and this rank's local shards.
 
+Which modules: every `ShardedEmbeddingBagCollection` (pooled) and `ShardedEmbeddingCollection`
+(sequence, unpooled) anywhere in a DMP-wrapped model (`embedding_modules`); any other sharded
+module is refused, since its rows would go unsaved. A table is addressed by its **key**, the
+FQN of its weight in the user's unsharded model without ``.weight``
+(``<module FQN>.embedding_bags.<table>`` or ``<module FQN>.embeddings.<table>``, docs/design.md
+§4): two modules with a table of the same name stay apart, and `model.load_state_dict` on the
+unsharded model takes an export keyed by ``<key>.weight``.
+
 Each model-parallel shard of a fused embedding kernel is exposed as a `ShardView`: its
-table, the global row and column where it starts, and zero-copy views of the live weights
+table key, the global row and column where it starts, and zero-copy views of the live weights
 and optimizer state (`split_embedding_weights()` / `split_optimizer_states()`). Writing
 into a view changes the model, which is what restore needs; reading a view is what
 snapshot needs. Data-parallel tables are plain replicated parameters trained by the
@@ -15,16 +23,87 @@ from typing import Any
 
 import torch
 from torch import nn
+from torchrec.distributed.embedding import ShardedEmbeddingCollection
+from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from torchrec.distributed.types import ShardedModule
 
-from sharding.plan import EBC_PATH
+from common.errors import DeltarecError
+
+
+class UnsupportedModelError(DeltarecError, ValueError):
+    """The model holds a sharded module whose rows deltarec cannot checkpoint."""
+
+
+@dataclass(frozen=True)
+class TableInfo:
+    """One embedding table of the model, whichever rank holds it."""
+
+    key: str  # the table's address: FQN of its weight in the unsharded model, without ".weight"
+    module: str  # FQN of the embedding module that holds it
+    name: str  # its name inside that module
+    num_embeddings: int
+    embedding_dim: int
+    pooled: bool  # an EmbeddingBagCollection's (True) or an EmbeddingCollection's
+    sharding_type: str  # as the plan placed it ("" when no plan is known)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.num_embeddings, self.embedding_dim
+
+
+@dataclass(frozen=True)
+class EmbeddingModule:
+    """One sharded embedding module of the model and where it sits."""
+
+    fqn: str  # relative to the DMP's wrapped module ("" for the root)
+    sharded: Any  # ShardedEmbeddingBagCollection | ShardedEmbeddingCollection (hook API untyped)
+    pooled: bool
+
+    def key(self, table: str) -> str:
+        """The key of the module's table `table`."""
+        attr = "embedding_bags" if self.pooled else "embeddings"
+        return f"{self.fqn}.{attr}.{table}" if self.fqn else f"{attr}.{table}"
+
+    def configs(self) -> list[Any]:
+        """The module's table configs (EmbeddingBagConfig / EmbeddingConfig), in its order."""
+        return list(self.sharded._embedding_bag_configs if self.pooled else self.sharded._embedding_configs)
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The module a DMP wraps (`DistributedModelParallel.module`), or `model` itself."""
+    return getattr(model, "module", model)
+
+
+def embedding_modules(model: nn.Module) -> list[EmbeddingModule]:
+    """Every sharded embedding collection in the model, in module order. Refuses (one line
+    naming it) a sharded module of another kind, whose rows no checkpoint would hold."""
+    found: list[EmbeddingModule] = []
+    skip: tuple[str, ...] = ()
+    for fqn, m in unwrapped(model).named_modules():
+        if skip and any(fqn.startswith(p) for p in skip):
+            continue
+        if isinstance(m, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)):
+            found.append(EmbeddingModule(fqn, m, isinstance(m, ShardedEmbeddingBagCollection)))
+            skip = (*skip, f"{fqn}." if fqn else "")
+        elif isinstance(m, ShardedModule):
+            raise UnsupportedModelError(
+                f"module {fqn or '<root>'} is a {type(m).__name__}: deltarec checkpoints the rows of sharded "
+                "EmbeddingBagCollection and EmbeddingCollection modules only"
+            )
+    if not found:
+        raise UnsupportedModelError(
+            "the model has no sharded EmbeddingBagCollection or EmbeddingCollection: wrap it in "
+            "DistributedModelParallel with embedding modules to checkpoint"
+        )
+    return found
 
 
 @dataclass(frozen=True)
 class ShardView:
     """One local shard: rows [row_offset, row_offset + num_rows) and columns
-    [col_offset, col_offset + num_cols) of `table`, as live views."""
+    [col_offset, col_offset + num_cols) of the table keyed `table`, as live views."""
 
-    table: str
+    table: str  # the table's key (`TableInfo.key`)
     row_offset: int
     col_offset: int
     weight: torch.Tensor  # [num_rows, num_cols], aliases the kernel's weights
@@ -47,11 +126,20 @@ class ShardView:
 
 
 class ShardMap:
-    """All model-parallel shards held by this rank, by table."""
+    """All model-parallel shards held by this rank, by table key; with `tables`, every table
+    of the model (also those other ranks hold, and data-parallel ones) by key."""
 
-    def __init__(self, shards: list[ShardView], replicated_tables: list[str]) -> None:
+    def __init__(
+        self,
+        shards: list[ShardView],
+        replicated_tables: list[str],
+        tables: dict[str, TableInfo] | None = None,
+        modules: list[EmbeddingModule] | None = None,
+    ) -> None:
         self.shards = shards
         self.replicated_tables = replicated_tables
+        self.table_info: dict[str, TableInfo] = dict(tables or {})
+        self.modules: list[EmbeddingModule] = list(modules or [])
         self._by_table: dict[str, list[ShardView]] = {}
         for s in shards:
             self._by_table.setdefault(s.table, []).append(s)
@@ -64,37 +152,44 @@ class ShardMap:
     def tables(self) -> list[str]:
         return list(self._by_table)
 
+    def shapes(self) -> dict[str, tuple[int, int]]:
+        """(rows, width) of every table of the model, by key."""
+        return {k: t.shape for k, t in self.table_info.items()}
+
     @classmethod
     def from_model(cls, model: nn.Module) -> ShardMap:
-        """Walk the sharded EmbeddingBagCollection inside a DMP-wrapped DLRMTrain."""
-        sebc = find_sharded_ebc(model)
+        """Walk every sharded embedding collection of a DMP-wrapped model (`embedding_modules`)."""
+        modules = embedding_modules(model)
         shards: list[ShardView] = []
         replicated: list[str] = []
-        for lookup in sebc._lookups:
-            inner = getattr(lookup, "module", lookup)  # data_parallel lookups are DDP-wrapped
-            for emb in inner._emb_modules:
-                kernel = emb.emb_module
-                tables = emb.config.embedding_tables
-                if not hasattr(kernel, "split_optimizer_states"):
-                    replicated.extend(t.name for t in tables)
-                    continue
-                weights = kernel.split_embedding_weights()
-                states = kernel.split_optimizer_states()
-                names = _state_names(kernel, len(states[0]) if states else 0)
-                for t, w, st in zip(tables, weights, states):
-                    row_off, col_off = t.local_metadata.shard_offsets
-                    assert tuple(w.shape) == (t.local_rows, t.local_cols), (t.name, w.shape)
-                    shards.append(ShardView(t.name, int(row_off), int(col_off), w, dict(zip(names, st)), kernel))
-        return cls(shards, replicated)
+        tables: dict[str, TableInfo] = {}
+        for em in modules:
+            plan = getattr(em.sharded, "module_sharding_plan", {}) or {}
+            for c in em.configs():
+                key = em.key(c.name)
+                kind = str(plan[c.name].sharding_type) if c.name in plan else ""
+                tables[key] = TableInfo(key, em.fqn, c.name, int(c.num_embeddings), int(c.embedding_dim), em.pooled, kind)
+            _add_shards(em, shards, replicated)
+        return cls(shards, replicated, tables, modules)
 
 
-def find_sharded_ebc(model: nn.Module) -> Any:
-    """torchrec's ShardedEmbeddingBagCollection inside a DMP-wrapped DLRMTrain (typed Any: its
-    lookups and hook API are not in nn.Module's type)."""
-    module = getattr(model, "module", model)  # DMP wraps the DLRMTrain as .module
-    ebc = module.get_submodule(EBC_PATH)
-    assert hasattr(ebc, "_lookups"), f"{EBC_PATH} is not sharded: {type(ebc).__name__}"
-    return ebc
+def _add_shards(em: EmbeddingModule, shards: list[ShardView], replicated: list[str]) -> None:
+    """The local shards of one module's fused kernels, and its tables no fused kernel holds."""
+    for lookup in em.sharded._lookups:
+        inner = getattr(lookup, "module", lookup)  # data_parallel lookups are DDP-wrapped
+        for emb in inner._emb_modules:
+            kernel = emb.emb_module
+            tables = emb.config.embedding_tables
+            if not hasattr(kernel, "split_optimizer_states"):
+                replicated.extend(em.key(t.name) for t in tables)
+                continue
+            weights = kernel.split_embedding_weights()
+            states = kernel.split_optimizer_states()
+            names = _state_names(kernel, len(states[0]) if states else 0)
+            for t, w, st in zip(tables, weights, states or [[] for _ in tables]):
+                row_off, col_off = t.local_metadata.shard_offsets
+                assert tuple(w.shape) == (t.local_rows, t.local_cols), (t.name, w.shape)
+                shards.append(ShardView(em.key(t.name), int(row_off), int(col_off), w, dict(zip(names, st)), kernel))
 
 
 def _state_names(kernel: Any, count: int) -> list[str]:

@@ -14,19 +14,24 @@ import sys
 from collections.abc import Sequence
 
 from ckpt import cli as ckpt_cli
-from ckpt.config import CkptConfig
+from ckpt.config import CkptConfig, load_ckpt_config
+from common.config_loader import load_yaml
 from trainer import console
 from trainer.config import load_config
 
 
-def load_ckpt_config(path: str, overrides: list[str]) -> CkptConfig:
-    """The job's `ckpt` section, with run id and directories resolved (no data files checked)."""
+def load_job_ckpt_config(path: str, overrides: list[str]) -> CkptConfig:
+    """The job's `ckpt` section, with run id and directories resolved (no data files checked).
+    A file with only a `ckpt` section is the one a user's own loop left in its run directory
+    (`ckpt.Checkpointer` writes `<run_dir>/ckpt.yaml`, resolved already)."""
+    if set(load_yaml(path)) == {"ckpt"}:
+        return load_ckpt_config(path, overrides)
     return load_config(path, overrides, check_data=False).ckpt
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     console.install_noise_filters(console.EXPORT_NOISE)
-    return ckpt_cli.main(sys.argv[1:] if argv is None else argv, load_ckpt_config)
+    return ckpt_cli.main(sys.argv[1:] if argv is None else argv, load_job_ckpt_config)
 
 
 def cli() -> None:

@@ -18,9 +18,9 @@ from typing import Literal
 import yaml
 
 from ckpt.config import CkptConfig
+from common.config_loader import apply_override, build, load_yaml, to_dict
 from common.errors import ConfigError
 from sharding.config import OptimizerConfig, ShardingConfig, TableConfig
-from trainer.config_loader import apply_override, build, load_yaml, to_dict
 
 # A table name is a key of torchrec's module dicts (no dots), a parameter name and the table
 # field of every checkpoint frame and marker: plain ASCII, like a run id, so it can never be

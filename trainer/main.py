@@ -19,9 +19,9 @@ from dataclasses import replace
 import torch
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
+from ckpt.checkpointer import Checkpointer
 from ckpt.handoff import JobIdentity
 from ckpt.log.backend import Backend, open_for_restore
-from ckpt.manager import CheckpointManager
 from ckpt.restore.restorer import RestoreReport
 from common.errors import DeltarecError
 from sharding.dmp import ShardedModel, plan_model, shard_model
@@ -141,7 +141,7 @@ def run_job(cfg: JobConfig, env: DistEnv, device: torch.device) -> None:
     manager = None
     stopper = SigtermStopsLoop(trainer) if cfg.ckpt.enabled and cfg.ckpt.recovery == "partial" else None
     try:
-        manager = make_checkpoint_manager(cfg, env, device, sharded, trainer, metrics, backend) if backend is not None else None
+        manager = make_checkpointer(cfg, env, device, sharded, trainer, metrics, backend) if backend is not None else None
         if manager is not None:
             trainer.checkpointer = manager
             restored = manager.restore()
@@ -155,7 +155,7 @@ def run_job(cfg: JobConfig, env: DistEnv, device: torch.device) -> None:
                     console.say(partial_line(restored))
         result = trainer.fit()
         if manager is not None:
-            manager.finish(trainer.step)
+            manager.close(trainer.step)
             if env.rank == 0:
                 console.say(checkpoint_summary(manager, resumed=restored is not None))
     except BaseException as exc:
@@ -168,14 +168,14 @@ def run_job(cfg: JobConfig, env: DistEnv, device: torch.device) -> None:
             backend.close()
         if stopper is not None:
             stopper.release()
-    if cfg.train.save_params:
+    if cfg.train.save_params and sharded.optimizer is not None:
         param_dump.dump(sharded.model, sharded.optimizer, run_dir / "params" / f"rank{env.rank}.pt")
     if env.rank == 0:
         final = f"eval AUC {result.auc:.4f}, log loss {result.logloss:.4f}" if result else "no evaluation"
         console.say(f"deltarec: trained {trainer.step} steps; {final}; metrics in {metrics.path}")
 
 
-def make_checkpoint_manager(
+def make_checkpointer(
     cfg: JobConfig,
     env: DistEnv,
     device: torch.device,
@@ -183,19 +183,20 @@ def make_checkpoint_manager(
     trainer: Trainer,
     metrics: MetricsLog,
     backend: Backend | None = None,
-) -> CheckpointManager:
-    """The checkpoint manager of this rank, given only what it reads of the job (`backend`:
-    one `open_for_restore` opened earlier, else the manager opens its own)."""
-    return CheckpointManager(
+) -> Checkpointer:
+    """This rank's checkpointer, through the public API a user's own loop uses (ckpt/checkpointer.py),
+    given only what it reads of the job (`backend`: one `open_for_restore` opened earlier, else
+    it opens its own)."""
+    return Checkpointer(
         cfg.ckpt,
-        tables=cfg.model.tables,
-        identity=JobIdentity(cfg.digest(), cfg.model_digest()),
-        env=env,
-        device=device,
-        sharded=sharded,
-        trainer=trainer,
+        sharded.model,
+        dense_optimizer=sharded.dense_optimizer,
+        loop=trainer,
         metrics=metrics,
+        row_init=sharded.row_init,
+        identity=JobIdentity(cfg.digest(), cfg.model_digest()),
         backend=backend,
+        env=env,
     )
 
 
@@ -209,7 +210,7 @@ def partial_line(restored: RestoreReport) -> str:
     )
 
 
-def checkpoint_summary(manager: CheckpointManager, resumed: bool = False) -> str:
+def checkpoint_summary(manager: Checkpointer, resumed: bool = False) -> str:
     """One line: how many checkpoints this process committed, their bytes and stall. A
     `resumed` job counts from its restore (deltarec-report counts every attempt's)."""
     st = manager.stats

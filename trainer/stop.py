@@ -14,7 +14,7 @@ import signal
 from types import FrameType
 from typing import Any
 
-from ckpt.manager import CheckpointManager
+from ckpt.checkpointer import Checkpointer
 from trainer import console
 from trainer.trainer import StopRequested, Trainer
 
@@ -45,7 +45,7 @@ def keeps_work(exc: BaseException) -> bool:
     return isinstance(exc, StopRequested) or console.is_peer_lost(exc)
 
 
-def save_survivor(manager: CheckpointManager, trainer: Trainer, rank: int) -> None:
+def save_survivor(manager: Checkpointer, trainer: Trainer, rank: int) -> None:
     """Save this surviving rank's snapshot; a failure is one line, never a second traceback
     (the restore then rolls this rank's shards back too)."""
     try:

@@ -64,6 +64,7 @@ class Trainer(Stateful):
         self.env = env
         self.device = device
         self.model = sharded.model
+        assert sharded.optimizer is not None, "deltarec's loop steps the combined optimizer shard_model builds"
         self.optimizer = sharded.optimizer
         self.train_reader = train_reader
         self.eval_reader = eval_reader

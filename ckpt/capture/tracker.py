@@ -8,6 +8,11 @@ input distribution, on ``ShardedEmbeddingBagCollection.register_post_lookup_trac
 ``compute_and_output_dist`` calls it once per lookup group (one group per sharding
 type) as ``fn(features, embs, sebc, None)``, where ``features`` is the KeyedJaggedTensor
 that group's lookup has just consumed.
+``ShardedEmbeddingCollection`` (unpooled, sequence features) calls the same hook the same
+way, and so do both in any number of modules: the tracker registers on every sharded
+embedding module of the model (``sharding.shard_views.embedding_modules``) and keeps each
+module's lookup groups apart (by the module the hook names), since two modules may take
+features of the same name.
 
 How that KJT maps to this rank's shards
 ---------------------------------------
@@ -81,7 +86,7 @@ import torch
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from sharding.shard_views import ShardMap, find_sharded_ebc
+from sharding.shard_views import EmbeddingModule, ShardMap, embedding_modules
 
 logger = logging.getLogger(__name__)
 
@@ -136,21 +141,34 @@ class RowTracker:
         # also told every lookup's ids (the group and its shard-local ids per key position):
         # prioritized checkpoints count updates there (ckpt/recovery/priority.py)
         self.listener: Callable[[LookupGroup, list[torch.Tensor]], None] | None = None
-        self.sharded_ebc = find_sharded_ebc(model)  # the module whose post-lookup hook this is
-        # feature keys of each lookup group -> where its ids go (benchmarks time one group's hook)
-        self.lookup_groups = self._build_lookup_maps(self.sharded_ebc)
-        self._previous_fn = self.sharded_ebc.post_lookup_tracker_fn
+        # the modules whose post-lookup hooks these are: every sharded embedding collection
+        self.modules = shard_map.modules or embedding_modules(model)
+        # per module (by id): feature keys of each lookup group -> where its ids go (benchmarks
+        # time one group's hook)
+        self._groups = {id(em.sharded): self._build_lookup_maps(em) for em in self.modules}
+        self._check_every_shard_tracked()
+        self._previous_fns = [em.sharded.post_lookup_tracker_fn for em in self.modules]
         self._attached = True
         self._hold: Callable[[], None] | None = None  # called once, first thing, by the next lookup
         self._before_update: Callable[[], None] | None = None  # called once, before the next row update
-        self.sharded_ebc.register_post_lookup_tracker_fn(self.record_lookup)
+        for em in self.modules:
+            em.sharded.register_post_lookup_tracker_fn(self.record_lookup)
+
+    @property
+    def sharded_ebc(self) -> Any:
+        """The first sharded embedding module (what a benchmark of one module's hook drives)."""
+        return self.modules[0].sharded
+
+    @property
+    def lookup_groups(self) -> dict[tuple[str, ...], LookupGroup]:
+        """The lookup groups of the first module, by feature keys."""
+        return self._groups[id(self.modules[0].sharded)]
 
     # -- mapping ------------------------------------------------------------------------
-    def _build_lookup_maps(self, sebc: Any) -> dict[tuple[str, ...], LookupGroup]:
+    def _build_lookup_maps(self, em: EmbeddingModule) -> dict[tuple[str, ...], LookupGroup]:
         index = {(id(s.kernel), s.table, s.row_offset, s.col_offset): i for i, s in enumerate(self.shard_map.shards)}
         maps: dict[tuple[str, ...], LookupGroup] = {}
-        used: set[int] = set()
-        for lookup in sebc._lookups:
+        for lookup in em.sharded._lookups:
             inner = getattr(lookup, "module", lookup)  # data_parallel lookups are DDP-wrapped
             keys: list[str] = []
             owners: list[int | None] = []
@@ -160,9 +178,7 @@ class RowTracker:
                     i = None
                     if t.local_metadata is not None:
                         row_off, col_off = t.local_metadata.shard_offsets
-                        i = index.get((id(kernel), t.name, int(row_off), int(col_off)))
-                    if i is not None:
-                        used.add(i)
+                        i = index.get((id(kernel), em.key(t.name), int(row_off), int(col_off)))
                     for f in t.feature_names:
                         keys.append(f)
                         owners.append(i)
@@ -170,13 +186,17 @@ class RowTracker:
             bitmaps = [None if i is None else self._slice(self._last, i) for i in owners]
             m = LookupGroup(key, owners, bitmaps, any(i is not None for i in owners))
             if key in maps and (maps[key].any_tracked or m.any_tracked):
-                raise RuntimeError(f"two lookup groups receive the same features {key}: cannot tell them apart")
+                raise RuntimeError(f"two lookup groups of {em.fqn} receive the same features {key}: cannot tell them apart")
             if key not in maps or m.any_tracked:
                 maps[key] = m
-        missing = [self.shard_map.shards[i].table for i in range(len(self.shard_map.shards)) if i not in used]
-        if missing:
-            raise RuntimeError(f"shards of {missing} belong to no lookup group of the sharded EBC: cannot track them")
         return maps
+
+    def _check_every_shard_tracked(self) -> None:
+        """Every local shard is looked up by some lookup group (else its rows would go unsaved)."""
+        used = {i for groups in self._groups.values() for m in groups.values() for i in m.shards if i is not None}
+        missing = [s.table for i, s in enumerate(self.shard_map.shards) if i not in used]
+        if missing:
+            raise RuntimeError(f"shards of {missing} belong to no lookup group of a sharded module: cannot track them")
 
     # -- the hook -----------------------------------------------------------------------
     def record_lookup(
@@ -187,10 +207,12 @@ class RowTracker:
         if self._hold is not None:  # before any mark, in every forward (eval too)
             hold, self._hold = self._hold, None
             hold()
-        if self._previous_fn is not None:
-            self._previous_fn(features, embs, module, raw_ids)
+        previous = self._previous_fn_of(module)
+        if previous is not None:
+            previous(features, embs, module, raw_ids)
         owner = module if module is not None else self.sharded_ebc
         training = owner.training and torch.is_grad_enabled()
+        groups = self._groups.get(id(owner))
         # every group's output: each has its own kernels. A forward without backward (eval,
         # no_grad) changes no row: the wait stays pending for the next one that has one.
         if self._before_update is not None and training and isinstance(embs, torch.Tensor) and embs.requires_grad:
@@ -198,11 +220,11 @@ class RowTracker:
         if not training:
             return
         keys = tuple(features.keys())
-        m = self.lookup_groups.get(keys)
+        m = groups.get(keys) if groups is not None else None
         if m is None:
             raise RuntimeError(
-                f"RowTracker: a lookup received features {keys}, which match no lookup group "
-                f"{list(self.lookup_groups)}; rows would go untracked"
+                f"RowTracker: a lookup of {type(owner).__name__} received features {keys}, which match no "
+                f"lookup group {list(groups or {})}; rows would go untracked"
             )
         if not m.any_tracked:
             return
@@ -214,6 +236,13 @@ class RowTracker:
                 bits.index_fill_(0, ids, True)
         if self.listener is not None:
             self.listener(m, list(parts))
+
+    def _previous_fn_of(self, module: nn.Module | None) -> Callable[..., None] | None:
+        """The hook `module` had before this tracker's (called first, so hooks chain)."""
+        for em, previous in zip(self.modules, self._previous_fns):
+            if em.sharded is module:
+                return previous
+        return self._previous_fns[0] if module is None and self._previous_fns else None
 
     def hold_next_lookup(self, fn: Callable[[], None], before_update: Callable[[], None]) -> None:
         """Have the next lookup call `fn()` before it marks anything, and the next backward
@@ -241,14 +270,16 @@ class RowTracker:
     def detach(self) -> None:
         """Stop recording (restores whatever hook was registered before this tracker)."""
         if self._attached:
-            self.sharded_ebc.post_lookup_tracker_fn = self._previous_fn
+            for em, previous in zip(self.modules, self._previous_fns):
+                em.sharded.post_lookup_tracker_fn = previous
             self._attached = False
 
     def attach(self) -> None:
         """Record again after `detach()`."""
         if not self._attached:
-            self._previous_fn = self.sharded_ebc.post_lookup_tracker_fn
-            self.sharded_ebc.post_lookup_tracker_fn = self.record_lookup
+            self._previous_fns = [em.sharded.post_lookup_tracker_fn for em in self.modules]
+            for em in self.modules:
+                em.sharded.post_lookup_tracker_fn = self.record_lookup
             self._attached = True
 
     # -- queries ------------------------------------------------------------------------

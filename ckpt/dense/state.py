@@ -13,6 +13,7 @@ import torch
 
 from ckpt.errors import RestoreError
 from sharding.dmp import ShardedModel
+from sharding.shard_views import unwrapped
 
 
 def _dense_params(sharded: ShardedModel) -> dict[str, torch.Tensor]:
@@ -20,8 +21,8 @@ def _dense_params(sharded: ShardedModel) -> dict[str, torch.Tensor]:
     return {n: p for n, p in sharded.model.named_parameters() if not hasattr(p, "_in_backward_optimizers")}
 
 
-def _dense_optimizer(sharded: ShardedModel):
-    return sharded.optimizer.optimizers[-1][1]
+def _dense_optimizer(sharded: ShardedModel) -> Any:
+    return sharded.dense_optimizer
 
 
 def _copy(tree: Any) -> Any:
@@ -45,13 +46,28 @@ class DenseCapture:
         self.sharded = sharded
         self._params = _dense_params(sharded)
         self._buffers = dict(sharded.model.named_buffers())
+        self._root = type(unwrapped(sharded.model)).__name__
+        self._param_names = _optimizer_param_names(_dense_optimizer(sharded), sharded.model)
 
     def __call__(self) -> dict[str, Any]:
         return {
             "params": _copy(self._params),
             "buffers": _copy(self._buffers),
             "optimizer": _copy(_dense_optimizer(self.sharded).state_dict()),
+            "root": self._root,  # the class every name is relative to (an export's `fqn_root`)
+            "optimizer_param_names": self._param_names,
         }
+
+
+def _optimizer_param_names(optimizer: Any, model: torch.nn.Module) -> list[str]:
+    """A plain `torch.optim` optimizer keys its state by position (over its param groups, in
+    order): the parameter FQN of each position, so an export can name them. Empty for an
+    optimizer keyed by name already (torchrec's KeyedOptimizer) or without param groups."""
+    groups = getattr(optimizer, "param_groups", None)
+    if not groups or any(isinstance(p, str) for g in groups for p in g.get("params", [])):
+        return []
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names.get(id(p), f"param{i}") for i, p in enumerate(p for g in groups for p in g["params"])]
 
 
 @torch.no_grad()

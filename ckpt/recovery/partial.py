@@ -179,8 +179,11 @@ _OTHER_WORLD = ", and its survivors by another number of ranks"
 def shared_reader(trainers: list[dict[str, Any]], marker: Marker, why: str) -> dict[str, Any]:
     """The loop state every rank of another world size resumes from: only when the ranks that
     wrote `trainers` held one reader position (the synthetic stream's global position);
-    else a `RestoreError` ending in `why`."""
-    readers = [t["reader"] for t in trainers]
+    else a `RestoreError` ending in `why`. A loop state without a `reader` (a user's loop,
+    ckpt/checkpointer.py) resumes every rank from rank 0's: its data position is the loop's to derive."""
+    if not any("reader" in t for t in trainers):
+        return trainers[0]
+    readers = [t.get("reader") for t in trainers]
     if any(r != readers[0] for r in readers):
         raise RestoreError(
             f"checkpoint {marker.checkpoint_id} was written by {len(trainers)} ranks whose readers hold different positions{why}"

@@ -52,7 +52,7 @@ import os
 import re
 import shutil
 import socket
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,7 +69,6 @@ from ckpt.stream.frames import Frame
 from ckpt.stream.sink import FrameSource
 from common.errors import DeltarecError
 from common.files import fsync_dir
-from sharding.plan import EBC_PATH
 from sharding.row_init import fill_rows
 
 #: The module every exported FQN is relative to (what `trainer.model.build_model` returns).
@@ -90,14 +89,19 @@ class ExportError(DeltarecError, ValueError):
 
 
 def table_fqn(table: str) -> str:
-    """FQN of `table`'s weight in the unsharded DLRMTrain's state_dict."""
-    return f"{EBC_PATH}.embedding_bags.{table}.weight"
+    """FQN of the weight of the table keyed `table` in the unsharded model's state_dict (a
+    table's key is that FQN without ``.weight``: sharding/shard_views.py)."""
+    return f"{table}.weight"
 
 
-def unsharded_fqn(name: str) -> str:
-    """The unsharded DLRMTrain FQN of a parameter or buffer name recorded through the
-    DMP/DDP wrappers (DMP already strips them from `named_parameters`; a name captured
-    from a wrapper directly still carries them)."""
+def unsharded_fqn(name: str | int, positions: Sequence[str] = ()) -> str:
+    """The unsharded model's FQN of a parameter or buffer name recorded through the DMP/DDP
+    wrappers (DMP already strips them from `named_parameters`; a name captured from a wrapper
+    directly still carries them). An int is a plain optimizer's position: `positions` names it."""
+    if isinstance(name, int):
+        if not 0 <= name < len(positions):
+            raise ExportError(f"dense optimizer state of parameter #{name}, which the dense file does not name")
+        name = positions[name]
     fqn = name
     stripped = True
     while stripped:
@@ -105,11 +109,6 @@ def unsharded_fqn(name: str) -> str:
         for prefix in _WRAPPER_PREFIXES:
             if fqn.startswith(prefix):
                 fqn, stripped = fqn[len(prefix) :], True
-    if not fqn.startswith(_ROOT_CHILD):
-        raise ExportError(
-            f"dense state name {name!r} is not inside a {FQN_ROOT} (expected it to start with {_ROOT_CHILD!r}); "
-            "was the checkpoint written by another model?"
-        )
     return fqn
 
 
@@ -127,7 +126,10 @@ class ExportedModel:
 
     def for_serving(self) -> ExportedModel:
         """The same model keyed relative to the inner `DLRM` (``model.`` stripped), the module
-        a server runs: `DLRM.load_state_dict(f["model"])` on a freshly built one."""
+        a server runs: `DLRM.load_state_dict(f["model"])` on a freshly built one. Another model
+        (a user's own, through `ckpt.Checkpointer`) is served as it is."""
+        if self.fqn_root != FQN_ROOT:
+            return self
 
         def strip(d: dict[str, Any]) -> dict[str, Any]:
             assert all(k.startswith(_ROOT_CHILD) for k in d), "every DLRMTrain FQN starts with model."
@@ -232,18 +234,19 @@ def build_export(marker: Marker, tables: dict[str, dict[str, torch.Tensor]], den
         states = {k: v for k, v in tensors.items() if k != "weight"}
         if states:
             optim[fqn] = states
-    table_prefix, table_suffix = f"{EBC_PATH}.embedding_bags.", ".weight"
     for name, value in dense_state["params"].items():
         fqn = unsharded_fqn(name)
         _add_unique(model, fqn, value, "parameter")
-        if fqn.startswith(table_prefix) and fqn.endswith(table_suffix):  # a data-parallel table
-            names[fqn[len(table_prefix) : -len(table_suffix)]] = fqn
+        if fqn.removesuffix(".weight") in marker.tables:  # a data-parallel table
+            names[fqn.removesuffix(".weight")] = fqn
+    positions = dense_state.get("optimizer_param_names", [])
     for name, states in dense_state["optimizer"].get("state", {}).items():
-        _add_unique(optim, unsharded_fqn(name), dict(states), "optimizer state of")
+        _add_unique(optim, unsharded_fqn(name, positions), dict(states), "optimizer state of")
     buffers: dict[str, torch.Tensor] = {}
     for name, value in dense_state["buffers"].items():
         _add_unique(buffers, unsharded_fqn(name), value, "buffer")
-    return ExportedModel(marker.checkpoint_id, marker.step, model, optim, buffers, names)
+    root = str(dense_state.get("root", FQN_ROOT))
+    return ExportedModel(marker.checkpoint_id, marker.step, model, optim, buffers, names, root)
 
 
 def replicated_tables(marker: Marker, dense_state: dict[str, Any]) -> set[str]:

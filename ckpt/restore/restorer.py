@@ -172,6 +172,24 @@ class Resumed:
         return self.report.step
 
 
+def check_tables(marker: Marker, model: dict[str, tuple[int, int]]) -> None:
+    """Refuse, naming the first table that differs, a checkpoint whose tables (by key:
+    sharding/shard_views.py) are not the model's: one missing on either side, or another row
+    count or width. Not damage: an older checkpoint of the run would not match either."""
+    if not marker.tables:  # written before markers carried table shapes
+        return
+    saved = {k: (int(rows), int(dim)) for k, (rows, dim) in marker.tables.items()}
+    where = f"checkpoint {marker.checkpoint_id} of run {marker.run_id}"
+    for key in sorted(model.keys() | saved.keys()):
+        if key not in saved:
+            raise RestoreError(f"{where} has no table {key}, which the model has (its tables: {', '.join(sorted(saved))})")
+        if key not in model:
+            raise RestoreError(f"{where} holds table {key}, which the model does not have (was it renamed or moved?)")
+        if saved[key] != model[key]:
+            (r0, d0), (r1, d1) = saved[key], model[key]
+            raise RestoreError(f"table {key}: {where} has {r0} rows x {d0} columns, the model {r1} x {d1}")
+
+
 class Restorer:
     """Brings back one rank's shards, dense state and loop position, agreed by every rank."""
 
@@ -219,6 +237,7 @@ class Restorer:
             if self.env.rank == 0:
                 logger.info("no checkpoint of run %s in %s: starting from scratch", self.run_id, self.backend.where)
             return self._fresh()
+        check_tables(candidates[0], self.shard_map.shapes())  # before any row is written
         pristine = shards_hold  # the shards hold exactly these initial values until a restore writes
         for marker, survivors in self.choice.tries(candidates[0]):
             error = ""

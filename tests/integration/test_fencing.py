@@ -23,7 +23,7 @@ from ckpt.log.catalog import read_catalog
 from ckpt.stream.filesystem import FsSink, scan_records
 from launch.ranks import REPO, spawn_ranks, start_ranks
 from tests.conftest import LAUNCHER_VARS
-from trainer.ckpt_cli import load_ckpt_config
+from trainer.ckpt_cli import load_job_ckpt_config
 
 if TYPE_CHECKING:
     from tests.conftest import DebugConfig, MetricsReader
@@ -151,7 +151,7 @@ def test_of_two_gcs_at_once_exactly_one_deletes(tmp_path, unique_name, debug_con
     job = _job(unique_name("gc2"), "filesystem", policy="full")
     spawn_ranks(debug_config.path, [*job, "train.steps=40"], tmp_path, world_size=1, timeout_s=120)
     tool = ["--config", str(debug_config.path), f"run.dir={tmp_path / 'run'}", *job]
-    cfg = load_ckpt_config(str(debug_config.path), tool[2:])
+    cfg = load_job_ckpt_config(str(debug_config.path), tool[2:])
     stream = Path(cfg.fs_root)
     generations = lambda: sorted(p.name for p in stream.iterdir() if ".rows." in p.name)  # noqa: E731
     assert generations() == [f"{cfg.run_id}.rows.g{i}" for i in (1, 2, 3, 4)]

@@ -32,7 +32,7 @@ from ckpt.restore.export import assemble, replicated_tables
 from ckpt.restore.replay import iter_chain_frames
 from ckpt.stream.sink import generation_label, is_compacted
 from launch.ranks import REPO, RankGroup, read_jsonl, spawn_ranks, start_ranks
-from sharding.plan import EBC_PATH
+from sharding.plan import EBC_PATH, table_key
 from sharding.process_group import DistEnv
 from trainer.data.factory import make_reader
 from trainer.model import build_model
@@ -483,10 +483,10 @@ def test_adaptive4_compaction_is_identical_to_its_chain(tmp_path, unique_name, d
     # the 4-bit rows really are quantized: weights differ from the trained fp32 ones
     dumps = _dumps(run_dir)
     tables = _tables(newest, cheapest.chain, cfg)
-    dumped = {k: v for d in dumps for k, v in d.items() if k.startswith("emb/t_user/") and k.endswith("/weight")}
+    dumped = {k: v for d in dumps for k, v in d.items() if k.startswith(f"emb/{table_key('t_user')}/") and k.endswith("/weight")}
     ((name, value),) = dumped.items()  # table_wise: one shard of t_user
-    assert not torch.equal(tables["t_user"]["weight"], value), "adaptive4 rows came back as fp32"
-    assert torch.allclose(tables["t_user"]["weight"], value, atol=0.1), name
+    assert not torch.equal(tables[table_key("t_user")]["weight"], value), "adaptive4 rows came back as fp32"
+    assert torch.allclose(tables[table_key("t_user")]["weight"], value, atol=0.1), name
 
 
 # --- 3. serving snapshots ------------------------------------------------------------------------

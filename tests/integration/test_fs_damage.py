@@ -33,7 +33,8 @@ from ckpt.log.markers import Marker, decode_record
 from ckpt.stream.filesystem import REC_MAGIC, FsMarkers
 from ckpt.stream.frames import decode_frame
 from launch.ranks import RankResult, spawn_ranks
-from trainer.ckpt_cli import load_ckpt_config
+from sharding.plan import table_key
+from trainer.ckpt_cli import load_job_ckpt_config
 
 if TYPE_CHECKING:
     from tests.conftest import DebugConfig
@@ -84,7 +85,11 @@ def trained(tmp_path_factory: pytest.TempPathFactory, debug_config: DebugConfig)
         [(1, True, 1), (2, False, 1), (3, False, 3)]  # fmt: skip
     assert [link.generation for link in previous.chain] == [1, 1]
     # table-wise: t_user is rank 0's (partition 0), t_item and t_ctx rank 1's (partition 1)
-    assert {(e.table, e.partition) for e in newest.chain[-1].index} == {("t_user", 0), ("t_item", 1), ("t_ctx", 1)}
+    assert {(e.table, e.partition) for e in newest.chain[-1].index} == {
+        (table_key("t_user"), 0),
+        (table_key("t_item"), 1),
+        (table_key("t_ctx"), 1),
+    }
     return Trained(debug_config.path, run, run_id, job, newest, previous)
 
 
@@ -124,7 +129,7 @@ def _verify(trained: Trained, run: Path, *checkpoint: str) -> tuple[int, str]:
     out = io.StringIO()
     argv = ["--config", str(trained.config), f"run.dir={run}", *trained.job, "verify", *checkpoint]
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        rc = ckpt_cli.main(argv, load_ckpt_config)
+        rc = ckpt_cli.main(argv, load_job_ckpt_config)
     return rc, out.getvalue()
 
 
@@ -150,7 +155,7 @@ def damaged(trained: Trained, tmp_path_factory: pytest.TempPathFactory) -> Damag
     link = trained.newest.chain[-1]
 
     # partition 0: one whole record of checkpoint 3's t_user frames inserted right after itself
-    (user,) = [e for e in link.index if e.table == "t_user"]
+    (user,) = [e for e in link.index if e.table == table_key("t_user")]
     dup_seg = _segment(run, trained.run_id, link.generation, user.partition)
     pristine = dup_seg.read_bytes()
     first = _record(pristine, user.first)
@@ -160,10 +165,10 @@ def damaged(trained: Trained, tmp_path_factory: pytest.TempPathFactory) -> Damag
     _record(damaged_bytes, user.last)  # the range still ends on a record start: only the frames' contents tell
     dup_seg.write_bytes(damaged_bytes)
     frame = decode_frame(first[_HEAD.size :])
-    assert (frame.checkpoint_id, frame.table, frame.chunk_index) == (3, "t_user", 0)
+    assert (frame.checkpoint_id, frame.table, frame.chunk_index) == (3, table_key("t_user"), 0)
     n = frame.chunk_count
     duplicate = (
-        f"{dup_seg} at byte {dup_at}: frame is chunk 0 of {n} of shard t_user@0, expected chunk 1 of {n}: "
+        f"{dup_seg} at byte {dup_at}: frame is chunk 0 of {n} of shard {table_key('t_user')}@0, expected chunk 1 of {n}: "
         "a frame duplicated, missing or out of order in the range its COMMIT marker names"
     )
 

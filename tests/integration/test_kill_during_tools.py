@@ -23,7 +23,7 @@ from ckpt.log.backend import open_backend
 from ckpt.log.catalog import read_catalog
 from launch.ranks import REPO, spawn_ranks, start_ranks
 from tests.conftest import LAUNCHER_VARS
-from trainer.ckpt_cli import load_ckpt_config
+from trainer.ckpt_cli import load_job_ckpt_config
 
 if TYPE_CHECKING:
     from tests.conftest import CliRunner, DebugConfig, ReplaySeed
@@ -56,7 +56,7 @@ def _tool(debug_config: DebugConfig, tmp_path: Path, job: list[str]) -> list[str
 
 def _in_process(argv: list[str]) -> int:
     """`deltarec-ckpt argv` in this process: the runs no test kills, without an interpreter's start."""
-    return ckpt_cli.main(argv, load_ckpt_config)
+    return ckpt_cli.main(argv, load_job_ckpt_config)
 
 
 def _state(debug_config: DebugConfig, tmp_path: Path, job: list[str]) -> tuple[Any, list[int], list[int]]:

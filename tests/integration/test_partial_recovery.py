@@ -22,7 +22,7 @@ from ckpt.log.markers import SurvivorRecord
 from ckpt.restore.replay import decode_rows, iter_link_frames
 from ckpt.stream.filesystem import FsMarkers
 from launch.ranks import REPO, rank_pids, read_jsonl, spawn_ranks, start_ranks
-from trainer.ckpt_cli import load_ckpt_config
+from trainer.ckpt_cli import load_job_ckpt_config
 
 if TYPE_CHECKING:
     from tests.conftest import DebugConfig
@@ -82,7 +82,7 @@ def test_a_rank_killed_under_torchrun_rolls_back_alone_and_the_survivor_keeps_it
     if sink == "kafka":
         where.append(f"ckpt.bootstrap_servers={request.getfixturevalue('broker').bootstrap}")
     job = lambda *extra: _job(run_id, *where, *extra)  # noqa: E731
-    backend = open_backend(load_ckpt_config(debug_config.path, [f"run.dir={run_dir}", *job()]), 2)
+    backend = open_backend(load_job_ckpt_config(debug_config.path, [f"run.dir={run_dir}", *job()]), 2)
     launcher = subprocess.Popen(
         [sys.executable, "-m", "launch.torchrun", "--nproc-per-node", "2", "--config", debug_config.path,
          f"run.dir={run_dir}", *job("train.steps=100000", "train.log_every=1000")],

@@ -17,7 +17,8 @@ from ckpt.stream.filesystem import FsMarkers
 from ckpt.stream.kafka import KafkaMarkers
 from launch.broker import EmbeddedBroker, free_port
 from launch.ranks import read_metrics, spawn_ranks, start_ranks
-from trainer.ckpt_cli import load_ckpt_config
+from sharding.plan import table_key
+from trainer.ckpt_cli import load_job_ckpt_config
 
 if TYPE_CHECKING:
     from tests.conftest import CliRunner, DebugConfig, MetricsReader
@@ -35,7 +36,7 @@ def _ckpt(run_id: str, sink: str = "filesystem", bootstrap: str = "", **extra: o
 def _assemble(run_dir: Path, ranks: int) -> dict[str, torch.Tensor]:
     """Full tables and dense params from every rank's parameter dump."""
     full: dict[str, torch.Tensor] = {}
-    shapes = {"t_user": (2000, 16), "t_item": (1000, 16), "t_ctx": (64, 16)}
+    shapes = {table_key("t_user"): (2000, 16), table_key("t_item"): (1000, 16), table_key("t_ctx"): (64, 16)}
     for r in range(ranks):
         for key, value in torch.load(run_dir / "params" / f"rank{r}.pt").items():
             parts = key.split("/")
@@ -76,7 +77,7 @@ def test_checkpoint_restores_into_other_world_sizes_and_plans(
         assert "resumed from checkpoint 3 at step 30" in results[0].stdout
         got = _assemble(tmp_path / "run", world)
         # export keys the model by the unsharded DLRMTrain's FQNs; "tables" names each table's weight
-        assert sorted(exported["tables"]) == ["t_ctx", "t_item", "t_user"]
+        assert sorted(exported["tables"]) == sorted(map(table_key, ["t_ctx", "t_item", "t_user"]))
         for table, fqn in exported["tables"].items():
             assert torch.equal(got[table], exported["model"][fqn]), f"{table} differs after restoring into {world} x {sharding}"
         dense = {fqn: v for fqn, v in exported["model"].items() if fqn not in exported["tables"].values()}
@@ -165,7 +166,7 @@ def test_marker_that_does_not_match_its_frames_is_refused(tmp_path, broker, uniq
 def _cli(capsys, *argv: object) -> tuple[int, str]:
     """`deltarec-ckpt argv` in this process (no interpreter start per command): (status, stdout + stderr)."""
     capsys.readouterr()
-    rc = ckpt_cli.main([str(a) for a in argv], load_ckpt_config)
+    rc = ckpt_cli.main([str(a) for a in argv], load_job_ckpt_config)
     out = capsys.readouterr()
     return rc, out.out + out.err
 

@@ -33,7 +33,8 @@ def main() -> int:
     torch.manual_seed(0)
     sharded = shard_model(build_model(cfg.model, device), cfg.model.tables, cfg.sharding, cfg.optimizer, env, device)
     smap = ShardMap.from_model(sharded.model)
-    tables = {t.name: t for t in cfg.model.tables}
+    key_of = {info.name: key for key, info in smap.table_info.items()}  # config name -> table key
+    tables = {key_of[t.name]: t for t in cfg.model.tables}
 
     meta = [(s.table, s.row_offset, s.col_offset, s.num_rows, s.num_cols, env.rank) for s in smap.shards]
     gathered: list = [None] * env.world_size
@@ -56,9 +57,9 @@ def main() -> int:
 
     features, rows_per_feature = [], []
     for t in cfg.model.tables:
-        rows = sorted({r0 for table, r0, *_ in all_shards if table == t.name}) or [0]
+        rows = sorted({r0 for table, r0, *_ in all_shards if table == key_of[t.name]}) or [0]
         for f in t.features:
-            features.append((f, t.name))
+            features.append((f, key_of[t.name]))
             rows_per_feature.append(rows)
     batch = max(len(r) for r in rows_per_feature)
     padded = [r + [r[-1]] * (batch - len(r)) for r in rows_per_feature]

@@ -64,7 +64,7 @@ def _trained_state(run_dir: Path, ranks: int, shapes: dict[str, tuple[int, ...]]
             parts = key.split("/")
             if parts[0] == "emb":
                 table, row, col, name = parts[1], int(parts[2][1:]), int(parts[3][1:]), parts[4]
-                fqn = f"{TABLE_PREFIX}{table}.weight"
+                fqn = f"{table}.weight"  # the dump names shards by table key
                 rows, dim = shapes[fqn]
                 if name == "weight":
                     full = model.setdefault(fqn, torch.full((rows, dim), float("nan")))
@@ -103,7 +103,7 @@ def test_export_loads_into_a_fresh_unsharded_model(tmp_path: Path, debug_config:
     assert exported["fqn_root"] == "DLRMTrain" and exported["step"] == STEPS
     assert exported["checkpoint_id"] == 3
     assert set(exported["model"]) == keys
-    assert exported["tables"] == {t: f"{TABLE_PREFIX}{t}.weight" for t in ("t_user", "t_item", "t_ctx")}
+    assert exported["tables"] == {f"{TABLE_PREFIX}{t}": f"{TABLE_PREFIX}{t}.weight" for t in ("t_user", "t_item", "t_ctx")}
     from_file = _fresh_model(debug_config, JOB)
     from_file.load_state_dict(exported["model"])
 
@@ -147,12 +147,15 @@ def test_export_loads_into_a_fresh_unsharded_model(tmp_path: Path, debug_config:
     assert torch.equal(logits["file"], logits["reference"])
 
 
-def test_unsharded_fqn_strips_wrappers_and_refuses_foreign_names() -> None:
+def test_unsharded_fqn_strips_wrappers_and_names_positions() -> None:
     """Names recorded through DMP (`_dmp_wrapped_module.`) and DDP (`module.`) map to the
-    DLRMTrain FQN; a name outside DLRMTrain is an ExportError, not a silent key."""
+    unsharded model's FQN, whatever the model; a plain optimizer's position is named by the
+    dense file's list, and a position it does not name is an ExportError, not a silent key."""
     fqn = "model.dense_arch.model._mlp.0._linear.weight"
     assert unsharded_fqn(fqn) == fqn
     assert unsharded_fqn(f"module.{fqn}") == fqn
     assert unsharded_fqn(f"_dmp_wrapped_module.module.{fqn}") == fqn
-    with pytest.raises(ExportError, match="dense_arch.weight"):
-        unsharded_fqn("dense_arch.weight")
+    assert unsharded_fqn("towers.user_mlp.weight") == "towers.user_mlp.weight"
+    assert unsharded_fqn(1, ["a.weight", "module.b.bias"]) == "b.bias"
+    with pytest.raises(ExportError, match="#2"):
+        unsharded_fqn(2, ["a.weight", "b.bias"])

@@ -79,13 +79,13 @@ def check_exact(trainer: Trainer, smap: ShardMap, tracker: RowTracker, cfg, step
         own = torch.zeros(s.num_rows, dtype=torch.bool)
         for b in own_batches:
             d = b.sparse_features.to_dict()
-            for f in feats_of[s.table]:
+            for f in feats_of[smap.table_info[s.table].name]:
                 mask, local = s.local_rows(d[f].values())
                 own[local] = True
         ch = changed[i]
         shards.append(
             {
-                "table": s.table,
+                "table": smap.table_info[s.table].name,
                 "row_offset": s.row_offset,
                 "col_offset": s.col_offset,
                 "rows": s.num_rows,
@@ -98,7 +98,7 @@ def check_exact(trainer: Trainer, smap: ShardMap, tracker: RowTracker, cfg, step
                 "own_not_changed": int((own & ~ch).sum()),
             }
         )
-    return {"shards": shards, "replicated": list(smap.replicated_tables)}
+    return {"shards": shards, "replicated": [smap.table_info[t].name for t in smap.replicated_tables]}
 
 
 def _training_forward(trainer: Trainer, grad: bool) -> None:

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 import pytest
 import yaml
 
+from common.config_loader import build
 from trainer.config import ConfigError, JobConfig, load_config
-from trainer.config_loader import build
 
 if TYPE_CHECKING:
     from tests.conftest import DebugConfig

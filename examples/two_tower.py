@@ -1,0 +1,172 @@
+"""Two-tower retrieval on TorchRec, checkpointed continuously by deltarec.
+
+A plain TorchRec training loop: a user tower and an item tower, each over its own
+EmbeddingBagCollection (both have a table named "id": deltarec tells them apart by module),
+trained with an in-batch softmax loss; the embedding optimizer is fused into the kernels and
+Adagrad trains the MLPs. The lines that add deltarec are marked `# deltarec`.
+
+    torchrun --nproc-per-node 2 examples/two_tower.py --run-dir runs/two_tower --steps 300
+    # kill it at any point and run the same command again: it resumes where its newest
+    # checkpoint left it, bit for bit. Checkpoint settings are the `ckpt` config keys:
+    torchrun --nproc-per-node 2 examples/two_tower.py --run-dir runs/two_tower ckpt.interval_steps=25
+
+Without torchrun, on one process: `python examples/two_tower.py --run-dir runs/two_tower`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.optim import RowWiseAdagrad
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from ckpt import Checkpointer, CkptConfig, load_ckpt_config  # deltarec
+
+USERS, ITEMS, CATEGORIES, DIM = 5_000, 2_000, 50, 16
+
+
+class TwoTower(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.user_tower = EmbeddingBagCollection(
+            tables=[
+                EmbeddingBagConfig(name="id", num_embeddings=USERS, embedding_dim=DIM, feature_names=["user_id"]),
+                EmbeddingBagConfig(name="history", num_embeddings=ITEMS, embedding_dim=DIM, feature_names=["user_history"]),
+            ],
+            device=torch.device("meta"),
+        )
+        self.item_tower = EmbeddingBagCollection(
+            tables=[
+                EmbeddingBagConfig(name="id", num_embeddings=ITEMS, embedding_dim=DIM, feature_names=["item_id"]),
+                EmbeddingBagConfig(name="category", num_embeddings=CATEGORIES, embedding_dim=DIM, feature_names=["item_cat"]),
+            ],
+            device=torch.device("meta"),
+        )
+        self.user_mlp = nn.Sequential(nn.Linear(2 * DIM, 32), nn.ReLU(), nn.Linear(32, DIM))
+        self.item_mlp = nn.Sequential(nn.Linear(2 * DIM, 32), nn.ReLU(), nn.Linear(32, DIM))
+
+    def forward(self, users: KeyedJaggedTensor, items: KeyedJaggedTensor) -> torch.Tensor:
+        u = self.user_mlp(self.user_tower(users).values())
+        i = self.item_mlp(self.item_tower(items).values())
+        logits = u @ i.T  # in-batch softmax: each user's own item is the positive
+        return nn.functional.cross_entropy(logits, torch.arange(len(u)))
+
+
+def batch(step: int, rank: int, size: int, seed: int) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor]:
+    """This rank's batch of `step`: a function of (seed, step, rank), so the data position is the step."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + rank)
+    user = (torch.rand(size, generator=g) ** 3 * USERS).long()  # a few heavy users
+    item = (user * 7 + torch.randint(0, 40, (size,), generator=g)) % ITEMS
+    hist_len = torch.randint(1, 6, (size,), generator=g)
+    history = (item.repeat_interleave(hist_len) + torch.randint(0, 30, (int(hist_len.sum()),), generator=g)) % ITEMS
+    ones = torch.ones(size, dtype=torch.int64)
+    users = KeyedJaggedTensor.from_lengths_sync(
+        ["user_id", "user_history"], torch.cat([user, history]), torch.cat([ones, hist_len])
+    )
+    items = KeyedJaggedTensor.from_lengths_sync(
+        ["item_id", "item_cat"], torch.cat([item, item % CATEGORIES]), torch.cat([ones, ones])
+    )
+    return users, items
+
+
+class Loop(Stateful):  # deltarec: the loop's own state (step, data position, RNG) rides with every checkpoint
+    def __init__(self) -> None:
+        self.step, self.samples_seen = 0, 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "samples_seen": self.samples_seen, "rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.samples_seen = state["step"], state["samples_seen"]
+        torch.set_rng_state(state["rng"])
+
+
+def plan_for(model: TwoTower, kind: str, world: int) -> ShardingPlan:
+    """torchrec's planner (`auto`), or every table row_wise / table_wise."""
+    if kind == "auto":
+        return EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu")).collective_plan(model)
+
+    def gen(i: int):  # noqa: ANN202 (torchrec's ParameterShardingGenerator)
+        return row_wise() if kind == "row_wise" else table_wise(rank=i % world)
+
+    return ShardingPlan(
+        {
+            name: construct_module_sharding_plan(
+                getattr(model, name),
+                {t: gen(i) for i, t in enumerate(getattr(model, name).embedding_bags)},
+                local_size=world,
+                world_size=world,
+                device_type="cpu",
+            )
+            for name in ("user_tower", "item_tower")
+        }
+    )
+
+
+def build(plan: str, world: int) -> tuple[DistributedModelParallel, torch.optim.Optimizer]:
+    """The sharded model (its embedding optimizer fused into the kernels) and the MLPs' optimizer."""
+    model = TwoTower()
+    embeddings = [*model.user_tower.parameters(), *model.item_tower.parameters()]
+    apply_optimizer_in_backward(RowWiseAdagrad, embeddings, {"lr": 0.05})
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan_for(model, plan, world), env=env)
+    dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
+    return dmp, torch.optim.Adagrad(dense, lr=0.05)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plan", choices=["auto", "row_wise", "table_wise"], default="auto")
+    p.add_argument("--config", help="a YAML file whose `ckpt:` section configures deltarec")
+    p.add_argument("--init-method", default="env://" if "MASTER_ADDR" in os.environ else None)
+    p.add_argument("overrides", nargs="*", help="ckpt.<key>=<value> settings")
+    args = p.parse_args()
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    init = args.init_method or f"file://{tempfile.mkdtemp()}/rdzv"  # one process without torchrun
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    torch.manual_seed(args.seed)  # the MLPs start the same on every rank
+
+    dmp, dense_optimizer = build(args.plan, world)
+
+    # deltarec: its config (a `ckpt:` YAML section, or built in code), then restore and save
+    cfg = load_ckpt_config(args.config) if args.config else CkptConfig(sink="filesystem", interval_steps=50, resume="latest")
+    cfg = cfg.override(args.overrides)
+    loop = Loop()
+    ckpt = Checkpointer(cfg, dmp, dense_optimizer=dense_optimizer, loop=loop, run_dir=args.run_dir)  # deltarec
+    ckpt.restore()  # deltarec: the newest checkpoint, if any (ckpt.resume)
+
+    dmp.train()
+    for step in range(loop.step + 1, args.steps + 1):
+        users, items = batch(step, rank, args.batch_size, args.seed)
+        loss = dmp(users, items)
+        dense_optimizer.zero_grad()
+        loss.backward()  # the fused optimizer updates the embedding rows here
+        dense_optimizer.step()
+        loop.step, loop.samples_seen = step, loop.samples_seen + args.batch_size * world
+        ckpt.save(step)  # deltarec: a checkpoint when one is due
+        if rank == 0 and step % 50 == 0:
+            print(f"step {step}: loss {loss.item():.4f}", flush=True)
+    ckpt.close(loop.step)  # deltarec: the last step checkpointed, every write finished
+    if rank == 0:
+        print(f"two_tower: trained to step {loop.step}; {ckpt.stats.committed} checkpoints committed", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""What the public API (`ckpt.Checkpointer`) refuses before training starts, each with one
+line naming the culprit: a checkpoint whose tables are not the model's, a loop whose state
+has no step, a fused optimizer with state outside the rows; and the config it takes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from ckpt import CkptConfig, load_ckpt_config
+from ckpt.checkpointer import SUPPORTED_OPTIMIZERS, UnsupportedOptimizerError, check_loop, check_optimizers
+from ckpt.errors import RestoreError
+from ckpt.log.markers import Marker
+from ckpt.restore.restorer import check_tables
+from common.errors import ConfigError, DeltarecError
+from sharding.shard_views import ShardMap, ShardView
+
+USER = "towers.user.embedding_bags.id"
+ITEM = "towers.item.embedding_bags.id"
+
+
+def _marker(tables: dict[str, list[int]]) -> Marker:
+    return Marker(kind="commit", run_id="r", checkpoint_id=7, step=70, world_size=2, tables=tables)
+
+
+def test_matching_tables_pass_and_old_markers_are_not_checked() -> None:
+    check_tables(_marker({USER: [100, 8], ITEM: [50, 8]}), {USER: (100, 8), ITEM: (50, 8)})
+    check_tables(_marker({}), {USER: (100, 8)})  # written before markers carried shapes
+
+
+@pytest.mark.parametrize(
+    ("saved", "model", "line"),
+    [
+        ({USER: [100, 8]}, {USER: (100, 8), ITEM: (50, 8)}, f"checkpoint 7 of run r has no table {ITEM}, which the model has"),
+        ({USER: [100, 8], ITEM: [50, 8]}, {USER: (100, 8)}, f"holds table {ITEM}, which the model does not have"),
+        (
+            {USER: [100, 8]},
+            {USER: (100, 16)},
+            f"table {USER}: checkpoint 7 of run r has 100 rows x 8 columns, the model 100 x 16",
+        ),
+        ({USER: [100, 8]}, {USER: (120, 8)}, f"table {USER}: checkpoint 7 of run r has 100 rows x 8 columns, the model 120 x 8"),
+    ],
+)
+def test_a_checkpoint_that_does_not_match_the_model_is_refused_naming_the_table(
+    saved: dict[str, list[int]], model: dict[str, tuple[int, int]], line: str
+) -> None:
+    with pytest.raises(RestoreError, match=line) as info:
+        check_tables(_marker(saved), model)
+    assert isinstance(info.value, DeltarecError) and "\n" not in str(info.value)
+
+
+class _Loop:
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+    def state_dict(self) -> Any:
+        return self.state
+
+    def load_state_dict(self, state: Any) -> None:
+        self.state = state
+
+
+def test_the_loop_state_must_hold_an_int_step() -> None:
+    check_loop(_Loop({"step": 0, "data": [1, 2]}))
+    for bad in ({"epoch": 3}, {"step": "3"}, {"step": True}, [("step", 3)]):
+        with pytest.raises(ConfigError, match="state_dict\\(\\) must be a dict with an int 'step'"):
+            check_loop(_Loop(bad))
+
+
+def _shard(kind: str, counter: bool = False) -> ShardView:
+    kernel = SimpleNamespace(optimizer=SimpleNamespace(value=kind), _used_rowwise_adagrad_with_counter=counter)
+    return ShardView(USER, 0, 0, torch.zeros(4, 2), {}, kernel)  # type: ignore[arg-type]
+
+
+def test_fused_optimizers_with_state_outside_the_rows_are_refused() -> None:
+    for kind in SUPPORTED_OPTIMIZERS:
+        check_optimizers(ShardMap([_shard(kind)], []))
+    for kind, counter in (("adam", False), ("partial_row_wise_lamb", False), ("exact_row_wise_adagrad", True)):
+        with pytest.raises(UnsupportedOptimizerError, match=f"table {USER}: its fused optimizer {kind} keeps a step counter"):
+            check_optimizers(ShardMap([_shard(kind, counter)], []))
+
+
+def test_ckpt_config_from_a_yaml_section_and_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("model: {anything: 1}\nckpt:\n  sink: filesystem\n  interval_steps: 25\n")
+    cfg = load_ckpt_config(path, ["encoding=fp16"])
+    assert (cfg.sink, cfg.interval_steps, cfg.encoding) == ("filesystem", 25, "fp16")
+    assert cfg.override(["ckpt.interval_steps=5"]).interval_steps == 5
+    with pytest.raises(ConfigError, match="unknown key 'ckpt.intervall_steps'"):
+        CkptConfig().override(["intervall_steps=5"])
+    with pytest.raises(ConfigError, match="ckpt.interval_steps must be int"):
+        load_ckpt_config(path, ["interval_steps=often"])
