@@ -1,7 +1,8 @@
 """Two-tower retrieval on TorchRec, checkpointed continuously by deltarec.
 
 A plain TorchRec training loop: a user tower and an item tower, each over its own
-EmbeddingBagCollection (both have a table named "id": deltarec tells them apart by module),
+EmbeddingBagCollection (both have a table named "id": deltarec tells them apart by module;
+the user's history is a weighted feature, pooled with recency weights),
 trained with an in-batch softmax loss; the embedding optimizer is fused into the kernels and
 Adagrad trains the MLPs. The lines that add deltarec are marked `# deltarec`.
 
@@ -45,6 +46,7 @@ class TwoTower(nn.Module):
                 EmbeddingBagConfig(name="id", num_embeddings=USERS, embedding_dim=DIM, feature_names=["user_id"]),
                 EmbeddingBagConfig(name="history", num_embeddings=ITEMS, embedding_dim=DIM, feature_names=["user_history"]),
             ],
+            is_weighted=True,  # the history is pooled with recency weights (weighted features)
             device=torch.device("meta"),
         )
         self.item_tower = EmbeddingBagCollection(
@@ -72,8 +74,12 @@ def batch(step: int, rank: int, size: int, seed: int) -> tuple[KeyedJaggedTensor
     hist_len = torch.randint(1, 6, (size,), generator=g)
     history = (item.repeat_interleave(hist_len) + torch.randint(0, 30, (int(hist_len.sum()),), generator=g)) % ITEMS
     ones = torch.ones(size, dtype=torch.int64)
+    recency = torch.cat([0.5 ** torch.arange(int(n), dtype=torch.float32) for n in hist_len])  # newest first
     users = KeyedJaggedTensor.from_lengths_sync(
-        ["user_id", "user_history"], torch.cat([user, history]), torch.cat([ones, hist_len])
+        ["user_id", "user_history"],
+        torch.cat([user, history]),
+        torch.cat([ones, hist_len]),
+        weights=torch.cat([ones.float(), recency]),
     )
     items = KeyedJaggedTensor.from_lengths_sync(
         ["item_id", "item_cat"], torch.cat([item, item % CATEGORIES]), torch.cat([ones, ones])

@@ -3,7 +3,8 @@
     deltarec-follow --config CONFIG [key=value ...] [--export-every N] [--export-every-s T]
     python -m trainer.follow_cli ...   (the same)
 
-This entry point loads the job's config (the trainer layer owns the whole config), sets up
+This entry point loads the job's config (the trainer layer owns the whole config; a user's own
+loop leaves `<run_dir>/ckpt.yaml`, which serves as well), sets up
 the console and opens the follower's metrics log (`ckpt.follow.metrics`, default
 `<run_dir>/follower.jsonl`).
 """
@@ -17,12 +18,14 @@ from pathlib import Path
 from ckpt.config import CkptConfig
 from ckpt.follow import cli as follow_cli
 from trainer import console
-from trainer.config import load_config
+from trainer.ckpt_cli import load_job_ckpt_config
 from trainer.metrics import MetricsLog
 
 
 def load(path: str, overrides: list[str]) -> tuple[CkptConfig, MetricsLog]:
-    cfg = load_config(path, overrides, check_data=False).ckpt
+    """The job's resolved `ckpt` section (a job config, or the `<run_dir>/ckpt.yaml` a user's
+    own loop left: `load_job_ckpt_config`) and the follower's metrics log."""
+    cfg = load_job_ckpt_config(path, overrides)
     return cfg, MetricsLog(Path(cfg.follow.metrics), enabled=True)
 
 

@@ -3,13 +3,15 @@ sequence_ranking over an EmbeddingCollection and an EmbeddingBagCollection), run
 `ckpt.Checkpointer`: killed from outside with SIGKILL at a random point and resumed, their
 final model (exported by FQN with `deltarec-ckpt export`) is bit-identical to an uninterrupted
 run's; a checkpoint restores into 1 rank and another plan with every row, optimizer state and
-dense parameter as the checkpoint holds them.
+dense parameter as the checkpoint holds them (with 4-bit rows: within the codec's bound); a
+checkpoint of the other example's model is refused, naming a table.
 
 The kill point is random: its seed is printed (`DELTAREC_TEST_SEED` replays it).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import random
 import re
@@ -22,18 +24,21 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckpt.follow.serving import list_snapshots
+from ckpt.quant.adaptive import DEFAULT_RATIO
 from launch.ranks import RankGroup, start_command
 
 STEPS = 60
 #: each example's plan on 2 ranks, and the other plan its checkpoint is restored into on 1 rank
 PLANS = {"two_tower": ("table_wise", "row_wise"), "sequence_ranking": ("row_wise", "table_wise")}
+MODELS = {"two_tower": "TwoTower", "sequence_ranking": "Ranker"}  # each example's model class
 JOB = ["ckpt.sink=filesystem", "ckpt.interval_steps=10", "ckpt.encoding=fp32", "ckpt.optimizer_encoding=fp32"]
 
 
-def _start(example: str, run_dir: Path, tmp: Path, world: int = 2) -> RankGroup:
+def _start(example: str, run_dir: Path, tmp: Path, world: int = 2, extra: tuple[str, ...] = ()) -> RankGroup:
     rdzv = tmp / f"rdzv-{time.monotonic_ns()}"
     argv = [sys.executable, f"examples/{example}.py", "--run-dir", str(run_dir), "--steps", str(STEPS)]
-    argv += ["--init-method", f"file://{rdzv}", "--plan", PLANS[example][0], *JOB]
+    argv += ["--init-method", f"file://{rdzv}", "--plan", PLANS[example][0], *JOB, *extra]
     return start_command(argv, tmp, world_size=world, timeout_s=300)
 
 
@@ -100,18 +105,24 @@ def test_example_killed_from_outside_resumes_bit_identical(tmp_path: Path, unint
     assert (run_dir / "metrics.jsonl").read_text().count('"event": "restore"') == 1
 
 
+def _restore_on_one_rank(example: str, run_dir: Path, tmp: Path, checkpoint: int) -> dict:
+    """Checkpoint `checkpoint` of `run_dir` restored on 1 rank with the example's other plan:
+    what the model then holds (tests/multirank/example_restore_worker.py)."""
+    out = tmp / "restored.pt"
+    argv = [
+        sys.executable, "-m", "tests.multirank.example_restore_worker", "--example", example,
+        "--ckpt-config", str(run_dir / "ckpt.yaml"), "--checkpoint", str(checkpoint), "--plan", PLANS[example][1],
+        "--run-dir", str(tmp / "one_rank"), "--init-method", f"file://{tmp}/rdzv-{time.monotonic_ns()}", "--out", str(out),
+    ]  # fmt: skip
+    start_command(argv, tmp, world_size=1, timeout_s=240).wait()
+    return torch.load(out, weights_only=False)
+
+
 def test_example_restores_into_one_rank_and_another_plan(tmp_path: Path, uninterrupted: tuple[str, Path, dict]) -> None:
     example, ref_dir, _ = uninterrupted
     checkpoint = 3  # a delta of the chain (every 10 steps: step 30)
     want = _export(ref_dir, tmp_path / "k.pt", checkpoint)
-    out = tmp_path / "restored.pt"
-    argv = [
-        sys.executable, "-m", "tests.multirank.example_restore_worker", "--example", example,
-        "--ckpt-config", str(ref_dir / "ckpt.yaml"), "--checkpoint", str(checkpoint), "--plan", PLANS[example][1],
-        "--run-dir", str(tmp_path / "one_rank"), "--init-method", f"file://{tmp_path}/rdzv", "--out", str(out),
-    ]  # fmt: skip
-    start_command(argv, tmp_path, world_size=1, timeout_s=240).wait()
-    got = torch.load(out, weights_only=False)
+    got = _restore_on_one_rank(example, ref_dir, tmp_path, checkpoint)
     assert got["step"] == want["step"] == 30
     for key, value in got["tables"].items():
         fqn, _, state = key.partition("/")
@@ -124,6 +135,34 @@ def test_example_restores_into_one_rank_and_another_plan(tmp_path: Path, uninter
         "sequence_ranking": {"history.embeddings.item.weight", "context.embedding_bags.item.weight"},
     }
     assert {k.partition("/")[0] for k in got["tables"]} >= same_name[example]
+
+
+def test_a_4bit_run_restores_within_the_codecs_bound(tmp_path: Path, uninterrupted: tuple[str, Path, dict]) -> None:
+    """The same job with adaptive 4-bit rows trains exactly as the fp32 one (checkpoints do not
+    touch training), so its checkpoint 3, restored on 1 rank, is the fp32 run's within the
+    codec's per-row bound (tests/unit/test_quant_codecs.py): the clipped ends, half a step,
+    fp16 scale and bias; optimizer state (fp32) and dense parameters exactly."""
+    example, ref_dir, _ = uninterrupted
+    run_dir = tmp_path / "run4"
+    _start(example, run_dir, tmp_path, extra=("ckpt.encoding=adaptive4",)).wait()
+    want = _export(ref_dir, tmp_path / "k.pt", 3)
+    got = _restore_on_one_rank(example, run_dir, tmp_path, 3)
+    quantized = 0
+    for key, value in got["tables"].items():
+        fqn, _, state = key.partition("/")
+        if state:
+            assert torch.equal(value, want["optim"][fqn][state]), f"{example} {key}: fp32 optimizer state differs"
+            continue
+        exact = want["model"][fqn]
+        lo, hi = exact.min(1).values, exact.max(1).values
+        rng, amax = hi - lo, torch.maximum(hi.abs(), lo.abs())
+        bound = (1 - DEFAULT_RATIO[4]) * rng + rng / 15 / 2 + 2**-10 * (rng + amax) + 2**-18
+        err = (value - exact).abs().max(1).values
+        assert bool((err <= bound).all()), f"{example} {key}: row {int((err - bound).argmax())} outside the 4-bit bound"
+        quantized += int((err > 0).sum())
+    assert quantized > 0, "no row differs from fp32: were the rows really stored in 4 bits?"
+    for name, value in got["dense"].items():
+        assert torch.equal(value, want["model"][name]), f"dense {name} differs"
 
 
 def test_a_checkpoint_of_another_model_is_refused_naming_a_table(tmp_path: Path, uninterrupted: tuple[str, Path, dict]) -> None:
@@ -141,3 +180,35 @@ def test_a_checkpoint_of_another_model_is_refused_naming_a_table(tmp_path: Path,
     refusal = r"(\[rank0\]: )?ckpt\.errors\.RestoreError: checkpoint 3 of run run (has no|holds) table \S+, which the model.*"
     assert re.fullmatch(refusal, last), last
     assert not (tmp_path / "x.pt").exists()
+
+
+def test_the_follower_serves_a_user_model_under_its_own_fqns(tmp_path: Path, uninterrupted: tuple[str, Path, dict]) -> None:
+    """`deltarec-follow --config <run_dir>/ckpt.yaml` on a user's run: its serving snapshot of the
+    newest checkpoint is the export, bit for bit, and loads (strict) into the unsharded model."""
+    example, ref_dir, final = uninterrupted
+    serving = tmp_path / "serving"
+    argv = [
+        sys.executable, "-m", "trainer.follow_cli", "--config", str(ref_dir / "ckpt.yaml"), "--export-every", "1",
+        f"follow.export_dir={serving}", f"follow.metrics={tmp_path / 'follower.jsonl'}",
+    ]  # fmt: skip
+    log = tmp_path / "follower.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[2], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(cid == final["checkpoint_id"] for cid, _ in list_snapshots(serving)):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    (path,) = [p for cid, p in list_snapshots(serving) if cid == final["checkpoint_id"]]
+    snap = torch.load(path, weights_only=False)
+    assert sorted(snap["model"]) == sorted(final["model"])
+    for key, value in final["model"].items():
+        assert torch.equal(snap["model"][key], value), f"{example}: serving {key} != the export"
+    model = getattr(importlib.import_module(f"examples.{example}"), MODELS[example])().to_empty(device="cpu")
+    model.load_state_dict(snap["model"], strict=True)
+    state = model.state_dict()
+    assert all(torch.equal(state[key], value) for key, value in snap["model"].items())
+    assert snap["fqn_root"] == MODELS[example]
