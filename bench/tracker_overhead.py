@@ -349,7 +349,7 @@ def compare_listings(trainer: Any, tracker: Any, mdt: Any, smap: Any, sebc: Any,
     theirs = {fqn.rsplit(".", 1)[-1]: set(v.tolist()) for fqn, v in ids.items()}
     ours: dict[str, set[int]] = {}
     for shard, local in zip(smap.shards, rows):
-        ours.setdefault(shard.table, set()).update(local.tolist())
+        ours.setdefault(smap.table_info[shard.table].name, set()).update(local.tolist())  # by name, as theirs
     # data-parallel tables are in no shard of ours (the dense optimizer trains them; they travel in
     # the dense file) but their lookups pass the same hook, so torchrec lists them too
     differ = sorted(t for t in ours if ours[t] != theirs.get(t, set()))

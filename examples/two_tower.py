@@ -121,11 +121,20 @@ def plan_for(model: TwoTower, kind: str, world: int) -> ShardingPlan:
     )
 
 
-def build(plan: str, world: int) -> tuple[DistributedModelParallel, torch.optim.Optimizer]:
+#: the embedding optimizers fbgemm's CPU kernels run fused, with their arguments
+OPTIMIZERS = {
+    "row_wise_adagrad": (RowWiseAdagrad, {"lr": 0.05}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 0.05}),
+    "sgd": (torch.optim.SGD, {"lr": 0.1}),
+}
+
+
+def build(plan: str, world: int, optimizer: str = "row_wise_adagrad") -> tuple[DistributedModelParallel, torch.optim.Optimizer]:
     """The sharded model (its embedding optimizer fused into the kernels) and the MLPs' optimizer."""
     model = TwoTower()
     embeddings = [*model.user_tower.parameters(), *model.item_tower.parameters()]
-    apply_optimizer_in_backward(RowWiseAdagrad, embeddings, {"lr": 0.05})
+    optimizer_class, optimizer_kwargs = OPTIMIZERS[optimizer]
+    apply_optimizer_in_backward(optimizer_class, embeddings, optimizer_kwargs)
     env = ShardingEnv.from_process_group(dist.group.WORLD)
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan_for(model, plan, world), env=env)
     dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
@@ -139,6 +148,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plan", choices=["auto", "row_wise", "table_wise"], default="auto")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="row_wise_adagrad", help="fused into the embedding kernels")
     p.add_argument("--config", help="a YAML file whose `ckpt:` section configures deltarec")
     p.add_argument("--init-method", default="env://" if "MASTER_ADDR" in os.environ else None)
     p.add_argument("overrides", nargs="*", help="ckpt.<key>=<value> settings")
@@ -148,7 +158,7 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     torch.manual_seed(args.seed)  # the MLPs start the same on every rank
 
-    dmp, dense_optimizer = build(args.plan, world)
+    dmp, dense_optimizer = build(args.plan, world, args.optimizer)
 
     # deltarec: its config (a `ckpt:` YAML section, or built in code), then restore and save
     cfg = load_ckpt_config(args.config) if args.config else CkptConfig(sink="filesystem", interval_steps=50, resume="latest")

@@ -15,7 +15,7 @@ def _sharded(seed: int) -> SimpleNamespace:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
     opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
-    return SimpleNamespace(model=model, optimizer=SimpleNamespace(optimizers=[("dense", opt)]))
+    return SimpleNamespace(model=model, optimizer=SimpleNamespace(optimizers=[("dense", opt)]), dense_optimizer=opt)
 
 
 def _step(sharded: SimpleNamespace) -> None:
