@@ -62,8 +62,9 @@ class CheckpointManager:
     """Continuous checkpoints for one rank of a running job.
 
     It reads only its own config section (`cfg`, resolved: run id and directories filled)
-    and the model (its tables are found in it: sharding/shard_views.py); the loop it checkpoints is any `Stateful` whose state
-    dict holds this rank's loop position (`step`, and `reader`, the data reader's state).
+    and the model (its tables are found in it: sharding/shard_views.py); the loop it
+    checkpoints is any `Stateful` whose state dict holds this rank's loop position (`step`,
+    and for deltarec's loop `reader`, the data reader's state). Built by `ckpt.Checkpointer`.
     """
 
     def __init__(
