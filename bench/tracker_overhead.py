@@ -153,7 +153,7 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> int:
     env, device, sharded, trainer, _ = start_job(cfg)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     smap = ShardMap.from_model(sharded.model)
-    tracker = RowTracker(sharded.model, smap)
+    tracker = RowTracker(smap)
 
     # Time the hook from inside: wrap the registered callback.
     sebc = tracker.sharded_ebc

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -57,7 +56,7 @@ from ckpt.outcomes import CheckpointStats
 from ckpt.restore.restorer import RestoreReport
 from common.errors import ConfigError, DeltarecError
 from sharding.dmp import ShardedModel
-from sharding.process_group import DistEnv
+from sharding.process_group import DistEnv, detect_env
 from sharding.row_init import RowInit, initialise_shards
 from sharding.shard_views import ShardMap, unwrapped
 
@@ -113,13 +112,12 @@ def model_digest(shard_map: ShardMap, model: nn.Module) -> str:
 
 
 def dist_env() -> DistEnv:
-    """This process's place in the initialised default process group."""
+    """This process's place in the initialised default process group: rank and world size
+    from the group, the rest from the launcher's variables (`detect_env`)."""
     if not dist.is_initialized():
         raise ConfigError("Checkpointer needs torch.distributed initialised first (the process group DMP shards over)")
-    world = dist.get_world_size()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    rank = dist.get_rank()
-    return DistEnv(rank=rank, world_size=world, local_rank=rank % local, local_world_size=local, launcher="user")
+    launched = detect_env()
+    return replace(launched, rank=dist.get_rank(), world_size=dist.get_world_size())
 
 
 def _device_of(shard_map: ShardMap, model: nn.Module) -> torch.device:

@@ -92,7 +92,7 @@ class CheckpointManager:
         # and theirs never interleave (see ckpt/write/writer.py).
         self.group = dist.new_group(backend="gloo")
         self.shard_map = shard_map if shard_map is not None else ShardMap.from_model(sharded.model)
-        self.tracker = RowTracker(sharded.model, self.shard_map)
+        self.tracker = RowTracker(self.shard_map)
         # With a row initialisation the untrained rows need not be stored (sharding/row_init.py):
         # full checkpoints hold the rows trained since, and markers say how to regenerate the rest.
         self.row_init = sharded.row_init

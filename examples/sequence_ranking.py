@@ -92,7 +92,7 @@ class Loop(Stateful):  # deltarec: the loop's own state (step, data position, RN
 def plan_for(model: Ranker, kind: str, world: int) -> ShardingPlan:
     """Every table row_wise, or table_wise spread over the ranks."""
 
-    def gen(i: int):  # noqa: ANN202 (torchrec's ParameterShardingGenerator)
+    def gen(i: int):
         return row_wise() if kind == "row_wise" else table_wise(rank=i % world)
 
     plans = {}

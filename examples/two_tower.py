@@ -104,7 +104,7 @@ def plan_for(model: TwoTower, kind: str, world: int) -> ShardingPlan:
     if kind == "auto":
         return EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu")).collective_plan(model)
 
-    def gen(i: int):  # noqa: ANN202 (torchrec's ParameterShardingGenerator)
+    def gen(i: int):
         return row_wise() if kind == "row_wise" else table_wise(rank=i % world)
 
     return ShardingPlan(

@@ -86,7 +86,7 @@ import torch
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from sharding.shard_views import EmbeddingModule, ShardMap, embedding_modules
+from sharding.shard_views import EmbeddingModule, ShardMap
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class LookupGroup:
 class RowTracker:
     """Per-shard bitmaps of the rows touched by training since the last checkpoint/base."""
 
-    def __init__(self, model: nn.Module, shard_map: ShardMap) -> None:
+    def __init__(self, shard_map: ShardMap) -> None:
         self.shard_map = shard_map
         shards = shard_map.shards
         self._starts: list[int] = []
@@ -142,12 +142,12 @@ class RowTracker:
         # prioritized checkpoints count updates there (ckpt/recovery/priority.py)
         self.listener: Callable[[LookupGroup, list[torch.Tensor]], None] | None = None
         # the modules whose post-lookup hooks these are: every sharded embedding collection
-        self.modules = shard_map.modules or embedding_modules(model)
+        self.modules = shard_map.modules
         # per module (by id): feature keys of each lookup group -> where its ids go (benchmarks
         # time one group's hook)
         self._groups = {id(em.sharded): self._build_lookup_maps(em) for em in self.modules}
         self._check_every_shard_tracked()
-        self._previous_fns = [em.sharded.post_lookup_tracker_fn for em in self.modules]
+        self._previous = self._hooks_now()  # per module (by id): the hook it had before this tracker's
         self._attached = True
         self._hold: Callable[[], None] | None = None  # called once, first thing, by the next lookup
         self._before_update: Callable[[], None] | None = None  # called once, before the next row update
@@ -207,10 +207,10 @@ class RowTracker:
         if self._hold is not None:  # before any mark, in every forward (eval too)
             hold, self._hold = self._hold, None
             hold()
-        previous = self._previous_fn_of(module)
+        owner = module if module is not None else self.sharded_ebc
+        previous = self._previous.get(id(owner))  # called first, so hooks chain
         if previous is not None:
             previous(features, embs, module, raw_ids)
-        owner = module if module is not None else self.sharded_ebc
         training = owner.training and torch.is_grad_enabled()
         groups = self._groups.get(id(owner))
         # every group's output: each has its own kernels. A forward without backward (eval,
@@ -237,12 +237,9 @@ class RowTracker:
         if self.listener is not None:
             self.listener(m, list(parts))
 
-    def _previous_fn_of(self, module: nn.Module | None) -> Callable[..., None] | None:
-        """The hook `module` had before this tracker's (called first, so hooks chain)."""
-        for em, previous in zip(self.modules, self._previous_fns):
-            if em.sharded is module:
-                return previous
-        return self._previous_fns[0] if module is None and self._previous_fns else None
+    def _hooks_now(self) -> dict[int, Callable[..., None] | None]:
+        """Each module's registered post-lookup hook, by module id."""
+        return {id(em.sharded): em.sharded.post_lookup_tracker_fn for em in self.modules}
 
     def hold_next_lookup(self, fn: Callable[[], None], before_update: Callable[[], None]) -> None:
         """Have the next lookup call `fn()` before it marks anything, and the next backward
@@ -270,14 +267,14 @@ class RowTracker:
     def detach(self) -> None:
         """Stop recording (restores whatever hook was registered before this tracker)."""
         if self._attached:
-            for em, previous in zip(self.modules, self._previous_fns):
-                em.sharded.post_lookup_tracker_fn = previous
+            for em in self.modules:
+                em.sharded.post_lookup_tracker_fn = self._previous[id(em.sharded)]
             self._attached = False
 
     def attach(self) -> None:
         """Record again after `detach()`."""
         if not self._attached:
-            self._previous_fns = [em.sharded.post_lookup_tracker_fn for em in self.modules]
+            self._previous = self._hooks_now()
             for em in self.modules:
                 em.sharded.post_lookup_tracker_fn = self.record_lookup
             self._attached = True

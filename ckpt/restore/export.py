@@ -5,7 +5,9 @@ supplies the MLPs (and data-parallel tables). Both go out under the FQNs of the 
 `DLRMTrain` that `trainer.model.build_model` returns, so every key starts with ``model.``
 (e.g. ``model.sparse_arch.embedding_bag_collection.embedding_bags.t_user.weight``,
 ``model.dense_arch.model._mlp.0._linear.weight``). That root is the module deltarec trains
-and shards; a consumer holding the inner `DLRM` adds the ``model.`` prefix itself. Names
+and shards; a consumer holding the inner `DLRM` adds the ``model.`` prefix itself. A user's
+own model (checkpointed through `ckpt.Checkpointer`) goes out under its own FQNs, with
+``fqn_root`` its class name (the dense file records it), and is served as it is. Names
 the dense file recorded through the DMP/DDP wrappers lose their wrapper prefixes
 (``_dmp_wrapped_module.``, ``module.``) on the way out.
 

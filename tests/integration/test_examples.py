@@ -42,7 +42,7 @@ def _start(example: str, run_dir: Path, tmp: Path, world: int = 2, extra: tuple[
     return start_command(argv, tmp, world_size=world, timeout_s=300)
 
 
-def _export(run_dir: Path, out: Path, checkpoint: int | None = None) -> dict:
+def export_run(run_dir: Path, out: Path, checkpoint: int | None = None) -> dict:
     """`deltarec-ckpt --config <run_dir>/ckpt.yaml export`, as a user runs it; the loaded file."""
     argv = [sys.executable, "-m", "trainer.ckpt_cli", "--config", str(run_dir / "ckpt.yaml"), "export", "--out", str(out)]
     if checkpoint is not None:
@@ -77,7 +77,7 @@ def uninterrupted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     tmp = tmp_path_factory.mktemp(f"{example}_ref")
     run_dir = tmp / "run"
     _start(example, run_dir, tmp).wait()
-    return example, run_dir, _export(run_dir, tmp / "final.pt")
+    return example, run_dir, export_run(run_dir, tmp / "final.pt")
 
 
 def test_example_killed_from_outside_resumes_bit_identical(tmp_path: Path, uninterrupted: tuple[str, Path, dict]) -> None:
@@ -99,7 +99,7 @@ def test_example_killed_from_outside_resumes_bit_identical(tmp_path: Path, unint
     results = group.wait(expect_ok=False)
     assert all(r.returncode == -signal.SIGKILL for r in results), [r.returncode for r in results]
     _start(example, run_dir, tmp_path).wait()
-    resumed = _export(run_dir, tmp_path / "final.pt")
+    resumed = export_run(run_dir, tmp_path / "final.pt")
     assert resumed["step"] == STEPS
     _assert_same(reference, resumed, f"{example}, seed {seed}")
     assert (run_dir / "metrics.jsonl").read_text().count('"event": "restore"') == 1
@@ -121,7 +121,7 @@ def _restore_on_one_rank(example: str, run_dir: Path, tmp: Path, checkpoint: int
 def test_example_restores_into_one_rank_and_another_plan(tmp_path: Path, uninterrupted: tuple[str, Path, dict]) -> None:
     example, ref_dir, _ = uninterrupted
     checkpoint = 3  # a delta of the chain (every 10 steps: step 30)
-    want = _export(ref_dir, tmp_path / "k.pt", checkpoint)
+    want = export_run(ref_dir, tmp_path / "k.pt", checkpoint)
     got = _restore_on_one_rank(example, ref_dir, tmp_path, checkpoint)
     assert got["step"] == want["step"] == 30
     for key, value in got["tables"].items():
@@ -145,7 +145,7 @@ def test_a_4bit_run_restores_within_the_codecs_bound(tmp_path: Path, uninterrupt
     example, ref_dir, _ = uninterrupted
     run_dir = tmp_path / "run4"
     _start(example, run_dir, tmp_path, extra=("ckpt.encoding=adaptive4",)).wait()
-    want = _export(ref_dir, tmp_path / "k.pt", 3)
+    want = export_run(ref_dir, tmp_path / "k.pt", 3)
     got = _restore_on_one_rank(example, run_dir, tmp_path, 3)
     quantized = 0
     for key, value in got["tables"].items():

@@ -11,7 +11,6 @@ outside in tests/integration/test_examples.py.) A fused optimizer with state out
 from __future__ import annotations
 
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,10 +19,10 @@ import pytest
 import torch
 
 from launch.ranks import start_command
+from tests.integration.test_examples import export_run
 
 STEPS = 50
 JOB = ["ckpt.sink=filesystem", "ckpt.interval_steps=10", "ckpt.encoding=fp32", "ckpt.optimizer_encoding=fp32"]
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(run_dir: Path, tmp: Path, optimizer: str, kill_at: str = "") -> list:
@@ -34,21 +33,14 @@ def _run(run_dir: Path, tmp: Path, optimizer: str, kill_at: str = "") -> list:
     return start_command(argv, tmp, world_size=2, timeout_s=240, env_extra=env).wait(expect_ok=not kill_at)
 
 
-def _export(run_dir: Path, out: Path) -> dict:
-    argv = [sys.executable, "-m", "trainer.ckpt_cli", "--config", str(run_dir / "ckpt.yaml"), "export", "--out", str(out)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return torch.load(out, weights_only=False)
-
-
 @pytest.mark.parametrize("optimizer", ["adagrad", "sgd"])
 def test_fused_optimizer_state_resumes_bit_identical(tmp_path: Path, optimizer: str) -> None:
     _run(tmp_path / "ref", tmp_path, optimizer)
-    want = _export(tmp_path / "ref", tmp_path / "ref.pt")
+    want = export_run(tmp_path / "ref", tmp_path / "ref.pt")
     killed = _run(tmp_path / "run", tmp_path, optimizer, kill_at="step:35")
     assert all(r.returncode == -signal.SIGKILL for r in killed), [r.returncode for r in killed]
     _run(tmp_path / "run", tmp_path, optimizer)
-    got = _export(tmp_path / "run", tmp_path / "run.pt")
+    got = export_run(tmp_path / "run", tmp_path / "run.pt")
     assert got["step"] == want["step"] == STEPS
     assert sorted(got["model"]) == sorted(want["model"])
     for key, value in want["model"].items():

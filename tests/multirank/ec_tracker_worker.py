@@ -139,7 +139,7 @@ def main() -> int:
         sharders=[EmbeddingCollectionSharder(), EmbeddingBagCollectionSharder()],  # type: ignore[list-item]
     )
     smap = ShardMap.from_model(dmp)
-    tracker = RowTracker(dmp, smap)
+    tracker = RowTracker(smap)
     before = _state(smap)
     for step in range(args.steps):
         dmp(*_batch(step, rank)).backward()

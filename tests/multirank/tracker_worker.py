@@ -295,7 +295,7 @@ def main() -> int:
     torch.manual_seed(cfg.run.seed)
     sharded = shard_model(build_model(cfg.model, device), cfg.model.tables, cfg.sharding, cfg.optimizer, env, device)
     smap = ShardMap.from_model(sharded.model)
-    tracker = RowTracker(sharded.model, smap)
+    tracker = RowTracker(smap)
     metrics = MetricsLog(Path(cfg.run.run_dir) / "metrics.jsonl", enabled=False)
     trainer = Trainer(cfg, env, device, sharded, make_reader(cfg, env, "train"), make_reader(cfg, env, "eval"), metrics)
     result = {
