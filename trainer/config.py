@@ -72,11 +72,25 @@ class CriteoDataConfig:
 
 
 @dataclass
+class CriteoNpyDataConfig:
+    """Criteo days in TorchRec's preprocessed format: each a prefix `<dir>/day_0` of
+    `_dense.npy`, `_sparse.npy` and `_labels.npy` (trainer/data/criteo_npy.py)."""
+
+    train_days: list[str] = field(default_factory=list)
+    eval_days: list[str] = field(default_factory=list)
+
+
+@dataclass
 class DataConfig:
-    kind: Literal["synthetic", "criteo"] = "synthetic"
+    kind: Literal["synthetic", "criteo", "criteo_npy"] = "synthetic"
     batch_size: int = 512  # per rank
+    # processes per rank that read batches ahead of the loop (trainer/data/loader.py); 0 reads
+    # in the training process. More than 1 needs a reader that skips batches without reading them.
+    workers: int = 1
+    prefetch_batches: int = 2  # per worker: batches a worker keeps ready
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
     criteo: CriteoDataConfig = field(default_factory=CriteoDataConfig)
+    criteo_npy: CriteoNpyDataConfig = field(default_factory=CriteoNpyDataConfig)
 
 
 @dataclass
@@ -84,6 +98,9 @@ class TrainConfig:
     """The loop: how long, how often to log and evaluate."""
 
     steps: int = 1000
+    # sparse_dist: TorchRec's TrainPipelineSparseDist (next batch's copy and input all-to-all
+    # overlap this step); plain: one batch at a time (trainer/step.py)
+    pipeline: Literal["sparse_dist", "plain"] = "sparse_dist"
     log_every: int = 50
     eval_every: int = 0  # 0: evaluate only at the end
     eval_batches: int = 20
@@ -222,7 +239,13 @@ def _validate_loop(src: str, cfg: JobConfig) -> None:
     if tr.eval_every < 0 or tr.eval_batches < 0:
         raise ConfigError(f"{src}: train.eval_every and train.eval_batches must not be negative")
     _check_minimum(src, {"sharding.timeout_s": [cfg.sharding.timeout_s]}, 1)
-    _check_minimum(src, {"train.threads_per_rank": [tr.threads_per_rank]}, 0)
+    _check_minimum(src, {"train.threads_per_rank": [tr.threads_per_rank], "data.workers": [d.workers]}, 0)
+    _check_minimum(src, {"data.prefetch_batches": [d.prefetch_batches]}, 1)
+    if d.workers > 1 and d.kind == "criteo":
+        raise ConfigError(
+            f"{src}: data.workers={d.workers}: the {d.kind} reader reads its lines in order, so only one "
+            f"worker per rank can read ahead; set data.workers to 0 or 1"
+        )
 
 
 def _validate_optimizer(src: str, o: OptimizerConfig) -> None:
@@ -248,15 +271,17 @@ def _validate_synthetic(src: str, d: DataConfig) -> None:
 def _validate_criteo(src: str, d: DataConfig, m: ModelConfig, features: dict[str, str], check_data: bool) -> None:
     """`data.criteo`, when it is the data: the model's inputs match Criteo's columns (`features`:
     the model's categorical features) and, with `check_data`, its files exist."""
-    if d.kind != "criteo":
+    if d.kind == "synthetic":
         return
     if len(features) != 26 or m.dense_in_features != 13:
         raise ConfigError(
-            f"{src}: data.kind=criteo needs 26 categorical features and model.dense_in_features=13; "
+            f"{src}: data.kind={d.kind} needs 26 categorical features and model.dense_in_features=13; "
             f"the model declares {len(features)} features and {m.dense_in_features} dense inputs"
         )
-    if check_data:
+    if check_data and d.kind == "criteo":
         _check_criteo_files(src, d.criteo)
+    if check_data and d.kind == "criteo_npy":
+        _check_criteo_days(src, d.criteo_npy)
 
 
 def _check_minimum(src: str, values: Mapping[str, Sequence[float]], minimum: int) -> None:
@@ -275,6 +300,15 @@ def _check_criteo_files(src: str, c: CriteoDataConfig) -> None:
     for p in c.train_paths + c.eval_paths:
         if not Path(p).is_file():
             raise ConfigError(f"{src}: data file not found: {p}")
+
+
+def _check_criteo_days(src: str, c: CriteoNpyDataConfig) -> None:
+    if not c.train_days:
+        raise ConfigError(f"{src}: data.kind=criteo_npy needs data.criteo_npy.train_days (prefixes such as /data/day_0)")
+    for prefix in c.train_days + c.eval_days:
+        for part in ("dense", "sparse", "labels"):
+            if not Path(f"{prefix}_{part}.npy").is_file():
+                raise ConfigError(f"{src}: data file not found: {prefix}_{part}.npy (day {prefix})")
 
 
 __all__ = ["CkptConfig", "ConfigError", "JobConfig", "ShardingConfig", "TableConfig", "load_config", "validate"]

@@ -137,6 +137,7 @@ def run_job(cfg: JobConfig, env: DistEnv, device: torch.device) -> None:
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":  # torchrun's restarts have the same plan
             plan = format_plan(summarize(sharded.plan, cfg.model.tables, cfg.optimizer, env.world_size), env.world_size)
             console.say(f"sharding plan for {env.world_size} rank(s) on {device.type}:\n{plan}", err=True)
+            console.say(loop_line(cfg), err=True)
     restored = None
     manager = None
     stopper = SigtermStopsLoop(trainer) if cfg.ckpt.enabled and cfg.ckpt.recovery == "partial" else None
@@ -173,6 +174,14 @@ def run_job(cfg: JobConfig, env: DistEnv, device: torch.device) -> None:
     if env.rank == 0:
         final = f"eval AUC {result.auc:.4f}, log loss {result.logloss:.4f}" if result else "no evaluation"
         console.say(f"deltarec: trained {trainer.step} steps; {final}; metrics in {metrics.path}")
+
+
+def loop_line(cfg: JobConfig) -> str:
+    """One line: how steps run and how the data is read (trainer/step.py, trainer/data/loader.py)."""
+    loop = "TorchRec's TrainPipelineSparseDist" if cfg.train.pipeline == "sparse_dist" else "plain (one batch at a time)"
+    w = cfg.data.workers
+    reading = f"{w} loader worker{'s' if w > 1 else ''} per rank" if w else "read in the training process"
+    return f"deltarec: loop: {loop}; {cfg.data.kind} data, {reading}"
 
 
 def make_checkpointer(

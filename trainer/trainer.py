@@ -23,8 +23,10 @@ from ckpt.events import Evaluation, TrainWindow
 from sharding.dmp import ShardedModel
 from sharding.process_group import DistEnv
 from trainer.config import JobConfig
+from trainer.data.loader import PositionedBatches, positioned_batches
 from trainer.data.reader import Reader
 from trainer.metrics import MetricsLog, Progress
+from trainer.step import StepRunner, make_step
 
 logger = logging.getLogger(__name__)
 
@@ -76,54 +78,86 @@ class Trainer(Stateful):
         self.last_eval: EvalResult | None = None
         self.checkpointer: Checkpointer | None = None
         self.stop_requested = False  # set by a signal handler (trainer/stop.py); checked between steps
-        self.keep_step_start = False  # partial recovery: remember reader and RNG before each step
-        self._step_start: tuple[dict, torch.Tensor] | None = None  # reader and RNG before the step in progress
+        self.keep_step_start = False  # partial recovery: remember the RNG before each step
+        self._rng_at_step_start: torch.Tensor | None = None  # RNG before the step in progress
+        self._batches: PositionedBatches | None = None  # started by the first step
+        self._step: StepRunner | None = None
 
     # -- Stateful -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Loop position: step, samples, this rank's reader state and RNG state."""
+        """Loop position: step, samples, this rank's reader state after the last trained batch
+        (batches read ahead are not counted) and RNG state."""
         return {
             "step": self.step,
             "samples_seen": self.samples_seen,
-            "reader": self.train_reader.state_dict(),
+            "reader": self._trained_position(),
             "rng_torch": torch.get_rng_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.samples_seen = int(state["samples_seen"])
+        self._drop_batches()
         self.train_reader.load_state_dict(state["reader"])
         torch.set_rng_state(state["rng_torch"])
 
     def completed_state(self) -> dict[str, Any]:
         """`state_dict()` as of the last completed step, also while a step is in progress (a
-        collective failed inside it): what a surviving rank saves (ckpt/recovery/survivor.py)."""
+        collective failed inside it): what a surviving rank saves (ckpt/recovery/survivor.py).
+        The reader position counts trained batches only, so only the RNG needs remembering."""
         state = self.state_dict()
-        if self._step_start is not None:
-            state["reader"], state["rng_torch"] = self._step_start
+        if self._rng_at_step_start is not None:
+            state["rng_torch"] = self._rng_at_step_start
         return state
 
     def skip_batches(self, n: int) -> None:
         """Move the reader past `n` batches without training on them (partial recovery: the
         batches a rank that died would have trained since the checkpoint)."""
+        self._drop_batches()
         for _ in range(n):
             self.train_reader.next_batch()
 
+    # -- batches --------------------------------------------------------------------
+    def _trained_position(self) -> dict:
+        return self._batches.trained if self._batches is not None else self.train_reader.state_dict()
+
+    def _drop_batches(self) -> None:
+        """Forget the batches read ahead: the reader goes back to the last trained batch, and the
+        next step starts a new loader (and pipeline) from there."""
+        if self._batches is None:
+            return
+        position = self._batches.trained
+        self._batches.close()
+        self._batches = None
+        if self._step is not None:
+            self._step.release_model()
+            self._step = None
+        self.train_reader.load_state_dict(position)
+
+    def _started(self) -> tuple[PositionedBatches, StepRunner]:
+        if self._batches is None or self._step is None:
+            d = self.cfg.data
+            self._batches = positioned_batches(self.train_reader, d.workers, d.prefetch_batches, self.device)
+            self._step = make_step(self.cfg.train.pipeline, self.model, self.optimizer, self.device)
+        return self._batches, self._step
+
+    def close(self) -> None:
+        """Stop the loader's workers and hand the model back in its plain form."""
+        self._drop_batches()
+
     # -- loop -----------------------------------------------------------------------
     def train_step(self) -> torch.Tensor:
-        """One step: forward, backward (the fused kernels update embedding rows in place), dense update."""
+        """One step through `train.pipeline`'s step runner (trainer/step.py)."""
         self.model.train()
         if self.keep_step_start:  # only `completed_state` needs it; other jobs pay nothing per step
-            self._step_start = (self.train_reader.state_dict(), torch.get_rng_state())
-        batch = self.train_reader.next_batch().to(self.device)
-        loss, _ = self.model(batch)
-        self.optimizer.zero_grad()
-        loss.backward()
-        self.optimizer.step()
+            self._rng_at_step_start = torch.get_rng_state()
+        batches, runner = self._started()
+        result = runner.run(batches)
+        batches.trained_one()
         self.step += 1
-        self.samples_seen += batch.labels.numel() * self.env.world_size
-        self._step_start = None
-        return loss.detach()
+        self.samples_seen += result.samples * self.env.world_size
+        self._rng_at_step_start = None
+        return result.loss
 
     def fit(self) -> EvalResult | None:
         """Train to `train.steps`, evaluating every `train.eval_every` steps and at the end."""
@@ -151,6 +185,7 @@ class Trainer(Stateful):
                     self._evaluate_and_log()
         finally:
             progress.close()
+        self.close()
         return self._evaluate_and_log()
 
     def _global_mean(self, value: torch.Tensor) -> float:
@@ -175,6 +210,8 @@ class Trainer(Stateful):
         if self.eval_reader is None or self.cfg.train.eval_batches == 0:
             return None
         assert self._eval_start is not None
+        if self._step is not None:
+            self._step.release_model()
         self.eval_reader.load_state_dict(self._eval_start)
         auroc = BinaryAUROC().to(self.device)
         logloss = MeanMetric().to(self.device)

@@ -279,7 +279,9 @@ def main() -> int:
     p.add_argument("--column-shards-per-rank", type=int, default=1, help="put k column shards of a table on each rank")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
-    cfg = load_config(args.config, args.overrides)
+    # The plain loop, reading in this process: the checks call the model directly between steps
+    # and spy on the reader. The pipeline's attribution is test_pipeline's.
+    cfg = load_config(args.config, ["train.pipeline=plain", "data.workers=0", *args.overrides])
     if args.column_shards_per_rank > 1:
         # Several column shards of one table on one rank: the lookup's KJT then names the
         # same feature at several key positions, one per shard.

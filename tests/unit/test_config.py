@@ -89,12 +89,23 @@ def test_overrides_are_applied_and_type_checked(debug_config: DebugConfig) -> No
         ("train.threads_per_rank=-2", "train.threads_per_rank must be at least 0"),
         ("sharding.timeout_s=0", "sharding.timeout_s must be at least 1"),
         ("optimizer.dense.lr=-0.1", "optimizer.dense.lr must be at least 0"),
+        ("data.workers=-1", "data.workers must be at least 0"),
+        ("data.prefetch_batches=0", "data.prefetch_batches must be at least 1"),
+        ("train.pipeline=fused", "train.pipeline must be one of"),
     ],
 )
 def test_cross_field_rules_say_what_to_change(override: str, fragment: str, debug_config: DebugConfig) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(debug_config.path, [override])
     assert fragment in str(err.value)
+
+
+def test_criteo_reads_ahead_with_one_worker_at_most(tmp_path: Path, debug_config: DebugConfig) -> None:
+    """The Criteo reader cannot skip lines without parsing them: several workers are refused."""
+    kaggle = debug_config.path.with_name("criteo_kaggle_8gpu.yaml")
+    with pytest.raises(ConfigError, match="data.workers=2: the criteo reader reads its lines in order"):
+        load_config(kaggle, ["data.workers=2"], check_data=False)
+    assert load_config(kaggle, ["data.workers=1"], check_data=False).data.workers == 1
 
 
 def test_criteo_paths_must_exist(tmp_path: Path, debug_config: DebugConfig) -> None:

@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "Batch",
     "DataError",
+    "GlobalBatches",
     "Reader",
     "make_batch",
     "validate_features",
@@ -59,6 +60,46 @@ class Reader(Protocol):
         that would have come next when ``state`` was taken. Raises ``ValueError`` when
         ``state`` has wrong keys, wrong types or an impossible position."""
         ...
+
+
+class GlobalBatches:
+    """The position of a reader whose batches are numbered globally (the synthetic stream,
+    TorchRec's .npy days): rank r of W reads global batches n + r, n + r + W, ...; the state,
+    ``{"next_global_batch": n}``, is the first global batch no rank has been handed at this
+    step, the same on every rank, so it restores into any world size. A subclass sets `rank`,
+    `world_size` and `owner` (its name in errors) and implements `batch_at`."""
+
+    rank: int
+    world_size: int
+    owner: str
+    _next_global_batch: int = 0
+
+    def batch_at(self, global_batch: int) -> Batch:
+        """Global batch `global_batch` (no state change)."""
+        raise NotImplementedError
+
+    def next_batch(self) -> Batch:
+        """Return global batch ``next_global_batch + rank``; advance by ``world_size``."""
+        batch = self.batch_at(self._next_global_batch + self.rank)
+        self._next_global_batch += self.world_size
+        return batch
+
+    def skip_batch(self) -> None:
+        """Move past the next batch without producing it: a loader worker skips the batches its
+        siblings read (trainer/data/loader.py)."""
+        self._next_global_batch += self.world_size
+
+    def state_dict(self) -> dict:
+        """Return ``{"next_global_batch": n}``."""
+        return {"next_global_batch": self._next_global_batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Seek to ``state`` (possibly saved with another world size). Raises ``DataError`` on
+        wrong keys, a non-int or a negative position."""
+        position = validate_state(state, {"next_global_batch": int}, self.owner)["next_global_batch"]
+        if position < 0:
+            raise DataError(f"{self.owner} state key 'next_global_batch' must be >= 0, got {position}")
+        self._next_global_batch = position
 
 
 def validate_state(state: object, schema: Mapping[str, type], owner: str) -> dict:

@@ -24,18 +24,17 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
 
 import numpy as np
 
 from trainer.data.reader import (
     Batch,
     DataError,
+    GlobalBatches,
     make_batch,
     validate_features,
     validate_positive_int,
     validate_rank,
-    validate_state,
 )
 
 logger = logging.getLogger(__name__)
@@ -56,7 +55,6 @@ _TARGET_LOGIT_STD = 2.2  # teacher AUC ~0.88 with the component mix below
 _TARGET_CLICK_RATE = 0.3
 # Shares of the logit variance: per-id scalar effects, pairwise interactions, dense.
 _COMPONENT_SHARES = (0.5, 0.3, 0.2)
-_STATE_SCHEMA = MappingProxyType({"next_global_batch": int})
 _U64 = np.uint64
 
 
@@ -99,7 +97,7 @@ class _Draw:
     labels: np.ndarray  # float32 [B]
 
 
-class SyntheticClickStream:
+class SyntheticClickStream(GlobalBatches):
     """Endless, seekable click stream for one rank (implements ``Reader``).
 
     Position and world size: the state is ``{"next_global_batch": n}``, the same on every
@@ -152,28 +150,7 @@ class SyntheticClickStream:
         self._ids = _make_id_space(seed, sizes, self.zipf_exponent)
         self._teacher = _make_teacher(seed, self._ids, num_dense, self.ids_per_feature)
         self._next_global_batch = 0
-
-    # -- Reader protocol ---------------------------------------------------------------
-
-    def next_batch(self) -> Batch:
-        """Return global batch ``next_global_batch + rank``; advance by ``world_size``."""
-        batch = self.batch_at(self._next_global_batch + self.rank)
-        self._next_global_batch += self.world_size
-        return batch
-
-    def state_dict(self) -> dict:
-        """Return ``{"next_global_batch": n}``: the first global batch not yet handed out
-        by any rank at this step (identical on all ranks)."""
-        return {"next_global_batch": self._next_global_batch}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Seek to ``state`` (possibly saved with another world size). Raises
-        ``ValueError`` on wrong keys, a non-int or a negative position."""
-        checked = validate_state(state, _STATE_SCHEMA, _OWNER)
-        position = checked["next_global_batch"]
-        if position < 0:
-            raise DataError(f"{_OWNER} state key 'next_global_batch' must be >= 0, got {position}")
-        self._next_global_batch = position
+        self.owner = _OWNER
 
     # -- random access and the teacher -------------------------------------------------
 
