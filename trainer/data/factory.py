@@ -34,6 +34,15 @@ def make_reader(cfg: JobConfig, env: DistEnv, split: str) -> Reader | None:
             stream=split,
             **common,
         )
+    if cfg.data.kind == "criteo_npy":
+        from trainer.data.criteo_npy import CriteoNpyReader
+
+        days = cfg.data.criteo_npy.train_days if split == "train" else cfg.data.criteo_npy.eval_days
+        if not days:
+            if env.rank == 0:
+                logger.warning("data.criteo_npy.eval_days is empty: evaluation is skipped")
+            return None
+        return CriteoNpyReader(paths=days, **common)
     from trainer.data.criteo import CriteoTsvReader  # only Criteo jobs pay for its import
 
     c = cfg.data.criteo
