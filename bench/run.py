@@ -100,7 +100,11 @@ SUITES = (
         "against a bare copy (~3 min)",
     ),
     Suite(
-        "throughput", "bench.train_throughput", (), "training samples/s of a config on N ranks against 1 rank (two torchrun jobs)"
+        "throughput",
+        "bench.train_throughput",
+        (),
+        "training samples/s against TorchRec's pipelined loop (DataLoader workers) on the same model and ranks: "
+        "deltarec plain, pipelined, with checkpoints every --interval-s; a profile of the step's stages (~15 min)",
     ),
     Suite(
         "codecs",

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.profiler import record_function
 
 from ckpt.config import CkptConfig
 from ckpt.events import MetricsSink
@@ -185,8 +186,9 @@ class Checkpointer:
     def save(self, step: int) -> None:
         """After training step `step` (the loop's state already says `step`): a checkpoint when
         one is due (`ckpt.interval_steps` / `ckpt.interval_s`), else only the outcomes of
-        earlier ones are collected."""
-        self.manager.save(step)
+        earlier ones are collected. A profile shows it as `## deltarec checkpoint ##`."""
+        with record_function("## deltarec checkpoint ##"):
+            self.manager.save(step)
 
     def close(self, step: int) -> None:
         """Checkpoint the last step (`ckpt.final`), wait for every outcome, stop the writer."""

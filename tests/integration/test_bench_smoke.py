@@ -21,7 +21,7 @@ from bench.run import SUITES
 from tests.devices import DEVICES
 
 if TYPE_CHECKING:
-    from tests.conftest import CliRunner
+    from tests.conftest import CliRunner, DebugConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.multirank]
 
@@ -323,3 +323,30 @@ def test_gpu_peers_suite_runs_every_job_in_one_process(tmp_path: Path, run_cli: 
     common = read_records(records)
     assert len(common) == len(flat)
     assert all(RECORD_FIELDS <= set(r) and r["suite"] == "gpu-peers" and r["labels"]["size"] == "tiny" for r in common)
+
+
+def test_throughput_suite_compares_with_torchrec_and_profiles_the_step(
+    tmp_path: Path, run_cli: CliRunner, debug_config: DebugConfig
+) -> None:
+    """A tiny `throughput` run on the debug model: every job's samples/s (TorchRec's pipelined
+    loop, deltarec plain, pipelined, with checkpoints), the profile of both loops with the
+    tracker inside the forward and the checkpoint as a stage, both readers' rates, the records."""
+    out, records = tmp_path / "results.json", tmp_path / "records.jsonl"
+    run_cli(
+        "bench.run", "--suite", "throughput", "--records", records, "--out", out,
+        "--config", debug_config.path, "--steps", "40", "--log-every", "10", "--interval-s", "1",
+        "--profile-steps", "8", "--profile-interval", "4", "--reader-lines", "3000", "--reader-batch", "512",
+        timeout_s=600,
+    )  # fmt: skip
+    doc = json.loads(out.read_text())
+    assert set(doc["samples_per_s"]) == {"torchrec", "deltarec_plain", "deltarec", "deltarec_ckpt"}
+    assert all(rate > 0 for rate in doc["samples_per_s"].values())
+    assert doc["vs_torchrec"]["torchrec"] == 1.0
+    assert [p["pipeline"] for p in doc["profiles"]] == ["sparse_dist", "plain"]
+    for p in doc["profiles"]:
+        assert {"forward", "backward", "optimizer", "deltarec checkpoint"} <= set(p["stage_ms"]), p["stage_ms"]
+        assert "deltarec tracker" in p["inside_ms"] and "deltarec tracker" not in p["stage_ms"]
+    assert "start_sparse_data_dist" in doc["profiles"][0]["stage_ms"]  # the pipeline's input dist, outside the forward
+    assert doc["readers"]["criteo_tsv_samples_per_s"] > 0 and doc["readers"]["criteo_npy_samples_per_s"] > 0
+    metrics = {r["metric"] for r in read_records(records)}
+    assert {"samples_per_s", "vs_torchrec", "stage_ms", "criteo_npy_samples_per_s", "pipeline_speedup"} <= metrics
