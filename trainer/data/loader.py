@@ -19,9 +19,6 @@ Criteo line) comes back as a `ReaderFailure` and is raised in the loop as the sa
 
 from __future__ import annotations
 
-import atexit
-import signal
-import weakref
 from collections import deque
 from collections.abc import Iterator
 from typing import NamedTuple, Protocol, runtime_checkable
@@ -113,23 +110,6 @@ class PositionedBatches(Iterator[Batch]):
         self._items = iter(())
 
 
-def _leave_sigterm_to_the_rank(worker_id: int) -> None:
-    """A worker's `worker_init_fn`: ignore SIGTERM. torchrun stops a rank by signalling its whole
-    process group, workers included; a worker that died of it would make the DataLoader raise in
-    the rank at any point (its SIGCHLD handler), before the rank's own SIGTERM handling (a
-    survivor's snapshot, trainer/stop.py) could run. The worker ends when the rank closes the
-    loader, or exits: the DataLoader's watchdog sees its parent gone."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-def _close_at_exit(ref: weakref.ref[PositionedBatches]) -> None:
-    """Stop a loader's workers gently before multiprocessing's exit hook (which only sends
-    SIGTERM, ignored by them) joins them."""
-    batches = ref()
-    if batches is not None:
-        batches.close()
-
-
 def positioned_batches(reader: Reader, workers: int, prefetch: int, device: torch.device) -> PositionedBatches:
     """Batches of `reader` from its current position, read by `workers` processes (0: by
     `reader` itself, in this process, on demand; workers read forked copies). Either way the
@@ -147,8 +127,5 @@ def positioned_batches(reader: Reader, workers: int, prefetch: int, device: torc
         prefetch_factor=prefetch,
         pin_memory=device.type == "cuda",
         generator=torch.Generator(),  # the loader's seed draw leaves the global RNG (saved with the loop) alone
-        worker_init_fn=_leave_sigterm_to_the_rank,
     )
-    batches = PositionedBatches(iter(loader), start)
-    atexit.register(_close_at_exit, weakref.ref(batches))
-    return batches
+    return PositionedBatches(iter(loader), start)
