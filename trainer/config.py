@@ -86,7 +86,7 @@ class DataConfig:
     batch_size: int = 512  # per rank
     # processes per rank that read batches ahead of the loop (trainer/data/loader.py); 0 reads
     # in the training process. More than 1 needs a reader that skips batches without reading them.
-    workers: int = 1
+    workers: int = 0
     prefetch_batches: int = 2  # per worker: batches a worker keeps ready
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
     criteo: CriteoDataConfig = field(default_factory=CriteoDataConfig)
