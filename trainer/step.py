@@ -72,7 +72,7 @@ class PipelinedStep:
     """TorchRec's `TrainPipelineSparseDist` over the loop's batches."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-        self.pipeline: TrainPipelineSparseDist = TrainPipelineSparseDist(model, optimizer, device, execute_all_batches=False)
+        self.pipeline: TrainPipelineSparseDist = TrainPipelineSparseDist(model, optimizer, device)
 
     def run(self, batches: Iterator[Batch]) -> StepResult:
         loss, _logits, labels = self.pipeline.progress(batches)
