@@ -3,11 +3,18 @@ each with the position after it; the loop's position counts trained batches only
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from launch.ranks import REPO
 from tests.unit.test_criteo_reader import assert_batches_equal, marked, reader, write
 from trainer.data.loader import positioned_batches
 from trainer.data.reader import DataError
@@ -82,3 +89,92 @@ def test_criteo_positions_resume_exactly(tmp_path: Path) -> None:
         assert_batches_equal(fresh.next_batch(), got[2])
     finally:
         batches.close()
+
+
+# A rank (this script) reading through one worker; `term`: it stops on SIGTERM as a survivor
+# under partial recovery does, reading on first; `kill`: its reader blocks inside batch 2 (a
+# stalled file system), where the DataLoader's own check of its parent never runs.
+RANK = """
+import signal, sys, time
+import torch
+from trainer.data.loader import positioned_batches
+from trainer.data.synthetic import SyntheticClickStream
+
+class Stalls(SyntheticClickStream):
+    def next_batch(self):
+        if sys.argv[1] == "kill" and self.state_dict()["next_global_batch"] >= 2:
+            time.sleep(600)
+        return super().next_batch()
+
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+reader = Stalls(feature_names=["a"], num_embeddings=[10], num_dense=1, batch_size=4, rank=0, world_size=1, seed=0)
+batches = positioned_batches(reader, 1, prefetch=2, device=torch.device("cpu"))
+next(batches); next(batches)
+print("ready", flush=True)
+if sys.argv[1] == "kill":
+    time.sleep(600)
+while not stop:
+    next(batches)
+    time.sleep(0.01)
+for _ in range(3):
+    next(batches)
+print("read 3 batches after SIGTERM", flush=True)
+batches.close()
+"""
+
+
+def _start_rank(mode: str) -> tuple[subprocess.Popen, int]:
+    """The rank script in its own process group (as torchrun starts a rank), once it has read
+    two batches; and its worker's pid."""
+    p = subprocess.Popen(
+        [sys.executable, "-c", RANK, mode],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    ready = threading.Event()
+    threading.Thread(target=lambda: p.stdout.readline() == "ready\n" and ready.set(), daemon=True).start()  # type: ignore[union-attr]
+    if not ready.wait(120):
+        p.kill()
+        pytest.fail(f"the rank script did not start: {p.communicate()[1][-2000:]}")
+    children = Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()
+    assert len(children) == 1, children
+    return p, int(children[0])
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] in "ZX"  # exited, maybe not reaped
+    except FileNotFoundError:
+        return True
+
+
+def test_sigterm_to_the_ranks_process_group_leaves_its_worker_reading() -> None:
+    """torchrun signals a rank's whole process group: the worker ignores it, so a rank that
+    finishes its step and saves (partial recovery) still gets batches, and exits cleanly."""
+    p, worker = _start_rank("term")
+    os.killpg(p.pid, signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err[-3000:]
+    assert "read 3 batches after SIGTERM" in out
+    deadline = time.monotonic() + 10
+    while not _gone(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling another process's state
+    assert _gone(worker), "the worker outlived its rank's clean exit"
+
+
+def test_a_worker_whose_rank_is_killed_exits_even_inside_a_read() -> None:
+    p, worker = _start_rank("kill")
+    try:
+        os.kill(p.pid, signal.SIGKILL)
+        p.communicate(timeout=30)
+        deadline = time.monotonic() + 10
+        while not _gone(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling another process's state
+        assert _gone(worker), "the worker outlived its SIGKILLed rank by 10 s"
+    finally:
+        if not _gone(worker):
+            os.kill(worker, signal.SIGKILL)

@@ -15,10 +15,19 @@ DataLoader hands them out in that order), which needs a reader that skips a batc
 reading it (`SkipsBatches`: the synthetic stream). A reader error in a worker (a malformed
 Criteo line) comes back as a `ReaderFailure` and is raised in the loop as the same one-line
 `DataError`, not as the DataLoader's wrapped traceback.
+
+Workers leave stop signals to their rank and die with it (`_worker_init`): torchrun and Slurm
+signal a rank's whole process group, and a worker killed by that SIGTERM makes the DataLoader
+raise in the rank before a survivor under partial recovery has saved (docs/design.md §3,
+invariant 6).
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from typing import NamedTuple, Protocol, runtime_checkable
@@ -77,6 +86,22 @@ class ReaderDataset(IterableDataset):
             k += 1
 
 
+def _worker_init(worker_id: int) -> None:
+    """In each worker: ignore SIGTERM (the rank gets it too, finishes its step and stops its
+    workers), and exit the moment the rank is gone. The DataLoader's own check of its parent
+    runs only between batches and then exits through Python, which waits to flush the
+    worker's queue to a rank that no longer reads it; a rank killed outright (SIGKILL) would
+    leave its workers behind, holding its pipes open."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="deltarec-worker-watch", daemon=True).start()
+
+
+def _exit_with_parent(parent: int, every_s: float = 0.2) -> None:
+    while os.getppid() == parent:
+        time.sleep(every_s)  # polling: Linux's parent-death signal follows the forking thread, not the process
+    os._exit(0)
+
+
 class PositionedBatches(Iterator[Batch]):
     """The loop's batch iterator: yields batches, remembers each one's `after` state until
     the loop has trained it, and knows the position of the last trained batch."""
@@ -127,5 +152,6 @@ def positioned_batches(reader: Reader, workers: int, prefetch: int, device: torc
         prefetch_factor=prefetch,
         pin_memory=device.type == "cuda",
         generator=torch.Generator(),  # the loader's seed draw leaves the global RNG (saved with the loop) alone
+        worker_init_fn=_worker_init,
     )
     return PositionedBatches(iter(loader), start)
