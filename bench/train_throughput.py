@@ -5,7 +5,7 @@
 
 In one invocation, on the same model, data and ranks (`--ranks` spawned like trainer ranks):
 - `torchrec`: TorchRec's loop as its DLRM example runs it, `TrainPipelineSparseDist` over a
-  DataLoader with workers (`bench.throughput_rank --mode peer`);
+  DataLoader with `--peer-workers` (1) worker per rank (`bench.throughput_rank --mode peer`);
 - `deltarec_plain`: `deltarec-train` with `train.pipeline=plain`, no checkpoints;
 - `deltarec`: `deltarec-train` as configured (pipelined), no checkpoints;
 - `deltarec_ckpt`: the same with checkpoints (the config's policy and encoding) every
@@ -15,9 +15,11 @@ In one invocation, on the same model, data and ranks (`--ranks` spawned like tra
 - the readers: samples/s one loader worker reads from Criteo TSV lines and from the same
   lines in TorchRec's `.npy` format, against the loop's samples/s per rank.
 
-A job's samples/s is the median of its logged windows after the first (start-up); `--rounds`
-repeats the four jobs in rotated order. Ratios are against `torchrec` and against `deltarec`
-in the same run (the machine is noisy).
+A job's samples/s is its samples over its seconds after the first logged window (start-up;
+the peer: after its 20 warm-up steps), checkpoint stalls included (`--steps` a multiple of
+`--log-every`); `--rounds` repeats the four jobs in rotated order and reports each job's
+median round. Ratios are against `torchrec` and against `deltarec` in the same run (the
+machine is noisy).
 """
 
 from __future__ import annotations
@@ -30,7 +32,18 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.common import Measurement, config_path, document_head, loadavg, log, machine_info, median_of, ratio, scalars
+from bench.common import (
+    Measurement,
+    config_path,
+    document_head,
+    harmonic_of,
+    loadavg,
+    log,
+    machine_info,
+    median_of,
+    ratio,
+    scalars,
+)
 
 JOBS = ("torchrec", "deltarec_plain", "deltarec", "deltarec_ckpt")
 
@@ -50,6 +63,9 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--profile-interval", type=int, default=25, help="profile: steps between checkpoints")
     p.add_argument("--reader-lines", type=int, default=200_000, help="Criteo lines one worker reads (0: skip)")
     p.add_argument("--reader-batch", type=int, default=8192)
+    p.add_argument(
+        "--peer-workers", type=int, default=1, choices=[0, 1], help="torchrec: DataLoader workers per rank (its DLRM example: 1+)"
+    )
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--timeout-s", type=float, default=1800)
     p.add_argument("--out", type=Path)
@@ -58,6 +74,7 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def _rates(run_dir: Path) -> list[float]:
+    """A job's logged windows' samples/s after the first (start-up)."""
     from launch.ranks import read_metrics
 
     return [r["samples_per_s"] for r in read_metrics(run_dir) if "samples_per_s" in r][1:]
@@ -84,7 +101,8 @@ def train_job(name: str, args: argparse.Namespace, config: str, work: Path, boot
         ]
     spawn_ranks(config, [*overrides, *args.overrides], tmp, world_size=args.ranks, timeout_s=args.timeout_s)
     rates = _rates(tmp / "run")
-    return {"job": name, "samples_per_s": median_of(rates), "windows": len(rates)}
+    # the windows' samples over their seconds: a checkpoint's stall counts in full (a median would drop it)
+    return {"job": name, "samples_per_s": harmonic_of(rates), "windows": len(rates)}
 
 
 def rank_job(mode: str, args: argparse.Namespace, config: str, work: Path, extra: list[str]) -> dict[str, Any]:
@@ -97,7 +115,7 @@ def rank_job(mode: str, args: argparse.Namespace, config: str, work: Path, extra
     steps = args.steps if mode == "peer" else args.profile_steps
     spawn_ranks(
         config,
-        [*extra, *args.overrides],
+        [*args.overrides, *extra],
         tmp,
         world_size=args.ranks,
         timeout_s=args.timeout_s,
@@ -178,7 +196,7 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite throughput") -
             for name in JOBS[r % len(JOBS) :] + JOBS[: r % len(JOBS)]:
                 log(f"throughput: {name}, round {r + 1} of {args.rounds}, {args.steps} steps")
                 if name == "torchrec":
-                    rate = rank_job("peer", args, config, work, [])["samples_per_s"]
+                    rate = rank_job("peer", args, config, work, [f"data.workers={args.peer_workers}"])["samples_per_s"]
                 else:
                     rate = train_job(name, args, config, work, broker.bootstrap)["samples_per_s"]
                 runs[name].append(rate)
