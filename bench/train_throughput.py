@@ -59,6 +59,9 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--interval-s", type=float, default=60.0, help="deltarec_ckpt: seconds between checkpoints")
     p.add_argument("--rounds", type=int, default=1, help="times each job runs (rotated order)")
+    p.add_argument(
+        "--jobs", type=lambda v: v.split(","), default=list(JOBS), help=f"comma-separated, of {','.join(JOBS)} (default: all)"
+    )
     p.add_argument("--profile-steps", type=int, default=100, help="profiled steps (0: no profile)")
     p.add_argument("--profile-interval", type=int, default=25, help="profile: steps between checkpoints")
     p.add_argument("--reader-lines", type=int, default=200_000, help="Criteo lines one worker reads (0: skip)")
@@ -180,6 +183,9 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite throughput") -
 
     args = parser(prog).parse_args(argv)
     machine = machine_info()
+    if unknown := set(args.jobs) - set(JOBS):
+        raise SystemExit(f"--jobs: no job {sorted(unknown)[0]!r}; the jobs are {', '.join(JOBS)}")
+    jobs = [j for j in JOBS if j in args.jobs]
     runs: dict[str, list[float | None]] = {j: [] for j in JOBS}
     profiles: list[dict[str, Any]] = []
     readers: dict[str, Any] = {}
@@ -193,7 +199,7 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite throughput") -
         else:
             config = config_path(args.config)
         for r in range(args.rounds):
-            for name in JOBS[r % len(JOBS) :] + JOBS[: r % len(JOBS)]:
+            for name in jobs[r % len(jobs) :] + jobs[: r % len(jobs)]:
                 log(f"throughput: {name}, round {r + 1} of {args.rounds}, {args.steps} steps")
                 if name == "torchrec":
                     rate = rank_job("peer", args, config, work, [f"data.workers={args.peer_workers}"])["samples_per_s"]
