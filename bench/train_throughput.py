@@ -17,7 +17,7 @@ In one invocation, on the same model, data and ranks (`--ranks` spawned like tra
 
 A job's samples/s is its samples over its seconds after the first logged window (start-up;
 the peer: after its 20 warm-up steps), checkpoint stalls included (`--steps` a multiple of
-`--log-every`); `--rounds` repeats the four jobs in rotated order and reports each job's
+`--log-every`); `--rounds` repeats the `--jobs` in rotated order and reports each job's
 median round. Ratios are against `torchrec` and against `deltarec` in the same run (the
 machine is noisy).
 """
