@@ -107,6 +107,14 @@ SUITES = (
         "deltarec plain, pipelined, with checkpoints every --interval-s; a profile of the step's stages (~15 min)",
     ),
     Suite(
+        "serve",
+        "bench.serve",
+        (),
+        "deltarec-serve beside the quickstart job (checkpoints every 10 s, incremental 4-bit) under a bounded "
+        "request load from a second process: freshness against time to COMMIT, request latency for 1 and 512 "
+        "samples, the server's memory per row (~4 min)",
+    ),
+    Suite(
         "codecs",
         "bench.quant_bench",
         (),

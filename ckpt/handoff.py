@@ -128,6 +128,7 @@ class Handoff:
         `handoff_s`, the stall before the copy started."""
         cid, step = c.checkpoint_id, c.step
         maybe_slow_copy(cid, "start")
+        step_unix = time.time()  # the step is done and nothing of the next has changed a row yet
         t_take = time.perf_counter()
         taken, t_planned = self._mark(c)
         release()  # bitmaps, priority counters and dense state are free again; no row has changed yet
@@ -168,6 +169,7 @@ class Handoff:
                 weight_codec=weight_codec,
                 optimizer_codec=optimizer_codec,
                 epoch=c.epoch,
+                step_unix=step_unix,
             )
         )
         return timing

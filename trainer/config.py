@@ -21,6 +21,7 @@ from ckpt.config import CkptConfig
 from common.config_loader import apply_override, build, load_yaml, to_dict
 from common.errors import ConfigError
 from sharding.config import OptimizerConfig, ShardingConfig, TableConfig
+from trainer.serve.config import ServeConfig
 
 # A table name is a key of torchrec's module dicts (no dots), a parameter name and the table
 # field of every checkpoint frame and marker: plain ASCII, like a run id, so it can never be
@@ -123,6 +124,7 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)  # deltarec-serve (trainer/serve/)
     source: str = field(default="<defaults>", init=False, compare=False)
 
     def to_yaml(self) -> str:
@@ -165,6 +167,7 @@ def validate(cfg: JobConfig, check_data: bool = True) -> None:
     _validate_optimizer(src, cfg.optimizer)
     _validate_synthetic(src, cfg.data)
     cfg.ckpt.validate(src)
+    cfg.serve.validate(src)
     _validate_criteo(src, cfg.data, cfg.model, features, check_data)
 
 

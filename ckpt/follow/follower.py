@@ -11,6 +11,10 @@ follower that lags or dies costs the trainer nothing but longer chains.
 On start it rebuilds the store from the newest COMMIT's cheapest chain, which begins at
 the newest compacted baseline, then follows from there. SIGINT/SIGTERM stop it after the
 step in progress; it releases the lease on the way out (docs/design.md §10).
+
+Given another `ApplyTarget` (the prediction server's model, trainer/serve/), it feeds that
+instead of a `RowStore` and neither compacts nor exports: one stream, one way of following
+it, several consumers (docs/design.md §12).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol
 
 from ckpt.config import CkptConfig
 from ckpt.dense.store import DenseStore
@@ -35,10 +40,32 @@ from ckpt.log.catalog import Catalog, catch_up
 from ckpt.log.fencing import new_writer_id
 from ckpt.log.markers import ChainLink, Marker, MarkerError, encode_marker
 from ckpt.restore.replay import iter_link_frames
+from ckpt.stream.frames import Frame
 from ckpt.stream.sink import compacted_generation, generation_label
 from common.errors import DeltarecError
 
 logger = logging.getLogger(__name__)
+
+
+class ApplyTarget(Protocol):
+    """What the follower applies checkpoints to: `begin`, then the frames of its chain (a full
+    link starts with `reset`; `check_complete` after the chain's base), then `finish`; or
+    `abandon` when one failed part way. `RowStore` is one; the server's model is another."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def begin(self, marker: Marker, rebuild: bool) -> None: ...
+
+    def reset(self) -> None: ...
+
+    def apply(self, frame: Frame, partition: int, table_rows: int) -> None: ...
+
+    def check_complete(self, checkpoint_id: int, untrained_ok: bool = False) -> None: ...
+
+    def finish(self, marker: Marker) -> None: ...
+
+    def abandon(self) -> None: ...
 
 
 @dataclass
@@ -47,15 +74,23 @@ class FollowStats:
     rebuilt: int = 0
     compacted: int = 0
     exported: int = 0
+    failed: int = 0  # checkpoints not applied (the store was rebuilt from a base after each)
     bytes_read: int = 0
     bytes_compacted: int = 0
 
 
 class Follower:
-    """The follower of one run (`cfg` is the job's resolved `ckpt` section)."""
+    """The follower of one run (`cfg` is the job's resolved `ckpt` section). With a `target`,
+    it applies checkpoints to that only: no lease, no compaction, no serving snapshots."""
 
     def __init__(
-        self, cfg: CkptConfig, metrics: MetricsSink, *, export_every: int | None = None, export_every_s: float | None = None
+        self,
+        cfg: CkptConfig,
+        metrics: MetricsSink,
+        *,
+        export_every: int | None = None,
+        export_every_s: float | None = None,
+        target: ApplyTarget | None = None,
     ) -> None:
         self.cfg = cfg
         self.f = cfg.follow
@@ -65,7 +100,13 @@ class Follower:
         self.catalog = Catalog(self.run_id)
         self.follower_id = new_writer_id()  # a restarted follower is a new follower
         self.lease = LeaseKeeper(self.catalog, self.backend.markers, follower_id=self.follower_id, lease_s=self.f.lease_s)
-        self.store = RowStore()
+        store = RowStore() if target is None else None
+        self.store = store  # what compaction and serving snapshots read; None with a target
+        if store is not None:
+            self.target: ApplyTarget = store
+        else:
+            assert target is not None
+            self.target = target
         self.applied: Marker | None = None  # the checkpoint the store holds
         self.chain: list[ChainLink] = []  # how the store got there: a baseline, then deltas
         self.publisher = Publisher(
@@ -76,6 +117,7 @@ class Follower:
         self._last_export = time.monotonic()
         self._since_export = 0
         self.stats = FollowStats()
+        self.last_error = ""  # why the last checkpoint failed to apply; "" once one applies
         self.stop = threading.Event()
 
     # -- the loop -----------------------------------------------------------------------
@@ -104,8 +146,12 @@ class Follower:
             self.close()
 
     def poll(self) -> None:
-        """One round: the lease, then every new COMMIT in order (the newest at once on start)."""
-        self.lease.tend()
+        """One round: the lease (or, without compaction, the log's new records), then every new
+        COMMIT in order (the newest at once on start)."""
+        if self.store is not None:
+            self.lease.tend()  # reads the log's new records first
+        else:
+            catch_up(self.catalog, self.backend.markers)
         pending = [
             m for cid, m in sorted(self.catalog.commits.items()) if self.applied is None or cid > self.applied.checkpoint_id
         ]
@@ -117,7 +163,12 @@ class Follower:
             try:
                 self._follow(marker)
             except DeltarecError as exc:  # the store is half-updated: rebuild on the next round
-                logger.warning("checkpoint %d not applied, retrying in %.0f s: %s", marker.checkpoint_id, self.f.poll_s, exc)
+                error = f"checkpoint {marker.checkpoint_id} not applied: {exc}"
+                if error != self.last_error:  # said once, not every round
+                    logger.warning("%s; retrying every %.1f s", error, self.f.poll_s)
+                self.stats.failed += 1
+                self.last_error = error
+                self.target.abandon()
                 self.applied, self.chain = None, []
                 return
             self._maybe_compact()
@@ -131,6 +182,9 @@ class Follower:
         except DeltarecError as exc:
             logger.warning("could not release the compaction lease: %s", exc)
         self.backend.close()
+        if self.store is None:
+            logger.info("stopped following: %d checkpoints applied (%d rebuilds)", self.stats.applied, self.stats.rebuilt)
+            return
         logger.info(
             "stopped: %d checkpoints applied (%d rebuilds), %d compacted, %d serving snapshots",
             self.stats.applied,
@@ -156,24 +210,27 @@ class Follower:
     def _follow(self, marker: Marker) -> None:
         t0 = time.perf_counter()
         extended = self._extended(marker)
+        best = self.catalog.cheapest(marker) if extended is None else marker
+        if best is None:
+            logger.warning("checkpoint %d: no complete chain (a generation was dropped); skipped", marker.checkpoint_id)
+            return
+        self.target.begin(marker, rebuild=extended is None)
         if extended is not None:
             read = self._apply(marker.chain[-1], marker)
             self.chain = extended
             how = "delta"
         else:
-            best = self.catalog.cheapest(marker)
-            if best is None:
-                logger.warning("checkpoint %d: no complete chain (a generation was dropped); skipped", marker.checkpoint_id)
-                return
             read = 0
             for i, link in enumerate(best.chain):
                 read += self._apply(link, marker)
                 if i == 0:
-                    self.store.check_complete(link.checkpoint_id, untrained_ok=bool(marker.init))
+                    self.target.check_complete(link.checkpoint_id, untrained_ok=bool(marker.init))
             self.chain = list(best.chain)
             self.stats.rebuilt += 1
             how = "rebuilt from " + "+".join(str(link.checkpoint_id) for link in self.chain)
+        self.target.finish(marker)
         self.applied = marker
+        self.last_error = ""
         self.stats.applied += 1
         self.stats.bytes_read += read
         behind = sum(1 for cid in self.catalog.commits if cid > marker.checkpoint_id)
@@ -197,7 +254,7 @@ class Follower:
                 follow_lag_ckpts=behind,
                 follow_lag_s=lag_s,
                 follow_chain=tuple(link.checkpoint_id for link in self.chain),
-                follow_store_bytes=self.store.nbytes,
+                follow_store_bytes=self.target.nbytes,
                 follow_rebuilt=how != "delta",
             )
         )
@@ -205,11 +262,11 @@ class Follower:
     def _apply(self, link: ChainLink, marker: Marker) -> int:
         """Keep one link's rows in the store; returns the bytes read."""
         if link.full:
-            self.store.reset()
+            self.target.reset()
         read = 0
         shapes = marker.tables
         for frame in iter_link_frames(link, self.backend.source, self.run_id, self.backend.locate):
-            self.store.apply(frame, frame.rank, int(shapes[frame.table][0]))
+            self.target.apply(frame, frame.rank, int(shapes[frame.table][0]))
             read += frame.payload.numel() + frame.row_ids.numel() * 8 + sum(o.rows.numel() for o in frame.optim)
         return read
 
@@ -224,7 +281,7 @@ class Follower:
         )
 
     def _maybe_compact(self) -> None:
-        if not self._due() or not self.lease.tend():
+        if self.store is None or not self._due() or not self.lease.tend():
             return
         marker = self.applied
         assert marker is not None
@@ -291,7 +348,7 @@ class Follower:
         self._since_export += 1
         by_count = self.export_every > 0 and self._since_export >= self.export_every
         by_time = self.export_every_s > 0 and time.monotonic() - self._last_export >= self.export_every_s
-        if not (by_count or by_time) or self.applied is None:
+        if not (by_count or by_time) or self.applied is None or self.store is None:
             return
         try:
             snap = self.publisher.publish(self.store, self.applied, self.run_id)

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 
 from ckpt.errors import RestoreError
+from ckpt.log.markers import Marker
 from ckpt.quant import get_codec
 from ckpt.stream.frames import Frame, OptimState
 
@@ -88,6 +89,18 @@ class RowStore:
     def reset(self) -> None:
         """Forget everything: the next frames are a new full baseline."""
         self.shards = {}
+
+    # The follower's other hooks (ckpt/follow/follower.py `ApplyTarget`): the store keeps
+    # every row as it lands, so a checkpoint needs no start or end, and a failed one is
+    # rebuilt from its base by the follower.
+    def begin(self, marker: Marker, rebuild: bool) -> None:
+        """Nothing to prepare."""
+
+    def finish(self, marker: Marker) -> None:
+        """Nothing to publish: the rows are in place."""
+
+    def abandon(self) -> None:
+        """Nothing to undo: the follower rebuilds from a base next."""
 
     @property
     def nbytes(self) -> int:

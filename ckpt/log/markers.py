@@ -115,6 +115,9 @@ class Marker:
     error: str = ""  # why a checkpoint failed
     created_unix: float = 0.0
     format: int = FORMAT_VERSION
+    # commit records: when rank 0 snapshot the checkpoint's step (wall clock), the start of a
+    # served model's freshness (docs/design.md §12); 0.0 in logs of older deltarec versions
+    step_unix: float = 0.0
     follower: str = ""  # "compacted" records: the follower that wrote it (checked against the lease)
     attempt: str = ""  # commit and failed records: the trainer attempt that wrote it (ckpt/log/catalog.py)
     # How rows were initialised (sharding/row_init.py `RowInit.to_json`): the chain then holds
@@ -260,7 +263,7 @@ def _fields(record: LogRecord) -> dict[str, Any]:
     if isinstance(record, SurvivorRecord) and not fields["link"]["epoch"]:
         del fields["link"]["epoch"]
     if isinstance(record, Marker):
-        for name in ("follower", "attempt", "init"):
+        for name in ("follower", "attempt", "init", "step_unix"):
             if not fields[name]:
                 del fields[name]
         for link in fields["chain"]:

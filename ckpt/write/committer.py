@@ -136,6 +136,7 @@ class Committer:
             dense=ref.as_json(),
             stall_ms=totals.stall_ms,
             created_unix=time.time(),
+            step_unix=job.step_unix,
             attempt=self.attempt.attempt if self.attempt else "",
             **{**self.marker_fields, "encodings": {k: v for r in reports for k, v in r.encodings.items()}},
         )

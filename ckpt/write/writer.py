@@ -54,6 +54,7 @@ class WriteJob:
     weight_codec: str = "fp32"
     optimizer_codec: str = "fp32"
     epoch: int = 0  # the trainer attempt's epoch, written into every frame (ckpt/log/fencing.py)
+    step_unix: float = 0.0  # wall clock when the step's rows were snapshot (rank 0's is in the COMMIT)
 
 
 @dataclass(kw_only=True)

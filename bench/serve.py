@@ -1,0 +1,298 @@
+"""Serving while training: freshness, request latency and memory of `deltarec-serve` on this machine.
+
+    python -m bench.run --suite serve [--steps 3000] [--interval-s 10] [--rate 20] [--big 512]
+                                      [--big-rate 2] [--set key=value ...] [--out serve.json]
+
+The quickstart model trains on 2 gloo ranks with checkpoints every ``--interval-s`` seconds
+(incremental deltas at 4 bits by default: the setup the README recommends) to a fresh
+embedded broker, with a server beside it (no follower) and, from a second process over
+loopback, a bounded load (bench/serve_load.py): one-sample requests at ``--rate`` per second
+and ``--big``-sample ones at ``--big-rate``. All on the same cores as training.
+
+Reported:
+
+* time to COMMIT of each checkpoint: its COMMIT's time minus its step's (rank 0's clock);
+* freshness: from a checkpoint's step to the first response computed with it, as the server
+  records it (`/metrics`, p50/p99) and as the client sees it (the first answer naming it);
+  goal: p99 <= time to COMMIT + 1 s (per checkpoint: freshness minus its own time to COMMIT);
+* request latency p50/p99 per class as the client measures it; goals: one sample <= 20 ms,
+  512 samples <= 50 ms (p99);
+* the server's memory: resident bytes grown from listening (tables allocated, untouched) to
+  the end, per row of the model's tables, against the stated 2 x 4 x dim bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.common import Measurement, config_path, document_head, loadavg, log, machine_info, scalars
+from ckpt.log.backend import open_backend
+from ckpt.log.catalog import read_catalog
+from launch.broker import EmbeddedBroker
+from launch.ranks import REPO, start_ranks
+from trainer.config import JobConfig, load_config
+from trainer.serve.requests import FeatureLayout
+
+DEFAULT_CONFIG = REPO / "configs" / "quickstart.yaml"
+DEFAULT_SET = ["ckpt.policy=incremental", "ckpt.encoding=adaptive4"]
+
+
+def parser(prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=str(DEFAULT_CONFIG))
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--interval-s", type=float, default=10.0, help="a checkpoint every T seconds")
+    p.add_argument("--rate", type=float, default=20.0, help="one-sample requests per second")
+    p.add_argument("--big", type=int, default=512, help="samples in a big request")
+    p.add_argument("--big-rate", type=float, default=2.0, help="big requests per second")
+    p.add_argument("--set", dest="overrides", action="append", default=list(DEFAULT_SET), help="config overrides (repeatable)")
+    p.add_argument("--seed", type=int, default=0, help="the requests' samples")
+    p.add_argument("--timeout-s", type=float, default=1200)
+    p.add_argument("--out", default="serve.json")
+    p.add_argument("--work-dir", type=Path, help="keep the run here (default: a temporary directory, removed)")
+    return p
+
+
+def _samples(job: JobConfig, n: int, seed: int) -> dict[str, Any]:
+    """`n` samples in the job's layout: one id per feature, Zipf-like toward low ids as training's."""
+    rng = random.Random(seed)
+    layout = FeatureLayout.of(job.model)
+    return {
+        "samples": [
+            {
+                "dense": [rng.uniform(0, 2) for _ in range(layout.dense_in_features)],
+                "sparse": {
+                    f: [min(int(rng.paretovariate(1.05)) - 1, rows - 1)] for f, rows in zip(layout.features, layout.cardinalities)
+                },
+            }
+            for _ in range(n)
+        ]
+    }
+
+
+def _rss(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM of `pid`, in bytes."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = int(value.split()[0]) * 1024
+    return fields
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return float("nan")
+
+
+def _wait(predicate: Any, timeout_s: float, what: str, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if proc is not None and proc.poll() is not None:
+            raise SystemExit(f"bench serve: the server exited ({proc.returncode}) while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"bench serve: timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(0.2)  # polling other processes
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(xs, q)) if xs else None
+
+
+def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    with EmbeddedBroker() as broker:
+        job = [
+            f"run.dir={work / 'run'}",
+            "ckpt.enabled=true",
+            "ckpt.sink=kafka",
+            f"ckpt.bootstrap_servers={broker.bootstrap}",
+            f"ckpt.run_id=serve-bench-{os.getpid()}",
+            "ckpt.interval_steps=0",
+            f"ckpt.interval_s={args.interval_s}",
+            f"train.steps={args.steps}",
+            "train.eval_every=0",
+            "serve.port=0",
+            "serve.poll_s=0.2",
+            *args.overrides,
+        ]
+        cfg = load_config(args.config, job, check_data=False)
+        samples = work / "samples.json"
+        samples.write_text(json.dumps(_samples(cfg, max(args.big, 1), args.seed)))
+        address = work / "server.json"
+        server_log = open(work / "server.log", "w")
+        server = subprocess.Popen(
+            [sys.executable, "-m", "trainer.serve_cli", "--config", str(args.config), *job, "--address-file", str(address)],
+            cwd=REPO, env=env, stdout=server_log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        load: subprocess.Popen | None = None
+        try:
+            _wait(address.exists, 120, "the server to listen", server)
+            url = json.loads(address.read_text())["url"]
+            rss_listening = _rss(server.pid)
+            load = subprocess.Popen(
+                [sys.executable, "-m", "bench.serve_load", "--url", url, "--samples-file", str(samples),
+                 "--out", str(work / "answers.json"), "--rate", str(args.rate), "--big", str(args.big),
+                 "--big-rate", str(args.big_rate)],
+                cwd=REPO, env=env,
+            )  # fmt: skip
+            log(f"server on {url}; training {args.steps} steps with a checkpoint every {args.interval_s:g} s")
+            t0 = time.perf_counter()
+            start_ranks(args.config, job, work, timeout_s=args.timeout_s).wait()
+            train_s = time.perf_counter() - t0
+            backend = open_backend(cfg.ckpt, world_size=1)
+            try:
+                commits = read_catalog(backend.markers, cfg.ckpt.run_id).commits
+            finally:
+                backend.close()
+            last = max(commits)
+            _wait(
+                lambda: json.loads(_get(url + "/readyz")[1]).get("checkpoint_id") == last,
+                120,
+                f"checkpoint {last} served",
+                server,
+            )
+            time.sleep(2)  # answers from the last checkpoint too
+            metrics = _get(url + "/metrics")[1]
+            rss_end = _rss(server.pid)
+        finally:
+            if load is not None:
+                load.send_signal(signal.SIGTERM)
+                load.wait(timeout=120)
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                server.kill()
+            server_log.close()
+    answers = json.loads((work / "answers.json").read_text())
+    return {
+        "cfg": cfg,
+        "commits": commits,
+        "answers": answers,
+        "metrics": metrics,
+        "rss_listening": rss_listening,
+        "rss_end": rss_end,
+        "train_s": train_s,
+    }
+
+
+def summarize(m: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    cfg: JobConfig = m["cfg"]
+    commits = m["commits"]
+    first_answer: dict[int, float] = {}
+    for a in sorted(m["answers"], key=lambda a: a["sent_unix"] + a["latency_s"]):
+        if a["status"] == 200:
+            first_answer.setdefault(a["checkpoint_id"], a["sent_unix"] + a["latency_s"])
+    first_id = min(first_answer) if first_answer else None
+    ttc, client_fresh, margin = [], [], []
+    for cid, marker in sorted(commits.items()):
+        ttc.append(marker.created_unix - marker.step_unix)
+        if cid in first_answer and cid != first_id:  # the first checkpoint served is the start's
+            fresh = first_answer[cid] - marker.step_unix
+            client_fresh.append(fresh)
+            margin.append(fresh - ttc[-1])
+    latency = {
+        cls: [a["latency_s"] * 1e3 for a in m["answers"] if a["status"] == 200 and a["samples"] == n]
+        for cls, n in (("1", 1), (str(args.big), args.big))
+    }
+    rows = sum(t.num_embeddings for t in cfg.model.tables)
+    stated = sum(2 * 4 * t.num_embeddings * t.embedding_dim for t in cfg.model.tables)
+    grown = m["rss_end"]["VmRSS"] - m["rss_listening"]["VmRSS"]
+    summary = {
+        "checkpoints": len(commits),
+        "served_checkpoints": len(first_answer),
+        "train_s": round(m["train_s"], 1),
+        "time_to_commit_p50_s": _pct(ttc, 50),
+        "time_to_commit_p99_s": _pct(ttc, 99),
+        "freshness_server_p50_s": _metric(m["metrics"], "deltarec_serve_freshness_p50_seconds"),
+        "freshness_server_p99_s": _metric(m["metrics"], "deltarec_serve_freshness_p99_seconds"),
+        "freshness_client_p50_s": _pct(client_fresh, 50),
+        "freshness_client_p99_s": _pct(client_fresh, 99),
+        "freshness_minus_commit_p99_s": _pct(margin, 99),
+        "latency_1_p50_ms": _pct(latency["1"], 50),
+        "latency_1_p99_ms": _pct(latency["1"], 99),
+        f"latency_{args.big}_p50_ms": _pct(latency[str(args.big)], 50),
+        f"latency_{args.big}_p99_ms": _pct(latency[str(args.big)], 99),
+        "requests_ok": sum(1 for a in m["answers"] if a["status"] == 200),
+        "requests_refused": sum(1 for a in m["answers"] if a["status"] not in (200, 0)),
+        "rows": rows,
+        "memory_grown_bytes": grown,
+        "memory_per_row_bytes": grown / rows,
+        "memory_stated_per_row_bytes": stated / rows,
+        "memory_peak_bytes": m["rss_end"]["VmHWM"],
+    }
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()}
+
+
+def run(argv: list[str], prog: str = "python -m bench.run --suite serve") -> dict[str, Any]:
+    args = parser(prog).parse_args(argv)
+    args.config = Path(config_path(args.config))
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="deltarec-serve-"))
+    work.mkdir(parents=True, exist_ok=True)
+    machine = machine_info()
+    t0 = time.perf_counter()
+    try:
+        summary = summarize(measure(args, work), args)
+    finally:
+        if args.work_dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    machine["loadavg_end"] = loadavg()
+    res = {
+        **document_head("serve", prog, argv, machine),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "settings": {
+            "config": str(args.config),
+            "steps": args.steps,
+            "interval_s": args.interval_s,
+            "rate": args.rate,
+            "big": args.big,
+            "big_rate": args.big_rate,
+            "overrides": args.overrides,
+        },
+        "summary": summary,
+    }
+    for key, value in summary.items():
+        log(f"{key}: {value}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    return res
+
+
+def measurements(result: dict[str, Any]) -> list[Measurement]:
+    return scalars(result["summary"], {"interval_s": result["settings"]["interval_s"]})
+
+
+def main(argv: list[str] | None = None) -> int:
+    run(sys.argv[1:] if argv is None else argv, "python -m bench.serve")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""The HTTP endpoints, on aiohttp (asyncio server with a request-body limit built in, and a
+well-kept client for the tests and the benchmark).
+
+- ``POST /predict``: a JSON request (trainer/serve/requests.py) -> ``{"scores": [...],
+  "checkpoint_id": k, "step": s}``, every score computed on checkpoint k.
+- ``GET /healthz``: 200 while the process runs, with what it follows.
+- ``GET /readyz``: 200 once a checkpoint is served and its step is no older than
+  `serve.max_staleness_s` (when set); 503 otherwise. Both say the checkpoint and staleness.
+- ``GET /metrics``: Prometheus text (trainer/serve/freshness.py).
+
+Errors are ``{"error": "<one line>"}`` with a 4xx (the request) or 503 (busy, not ready).
+At most `serve.max_concurrency` requests compute at once, on a thread pool; up to
+`serve.max_queue` more wait; past that a request gets 503 at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from trainer.serve.config import ServeConfig
+from trainer.serve.freshness import ServeMetrics, size_class
+from trainer.serve.requests import FeatureLayout, RequestError, parse_request, scores
+from trainer.serve.versions import NotReady, ServedModel
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One prediction: its scores and the checkpoint that computed all of them."""
+
+    scores: list[float]
+    checkpoint_id: int
+    step: int
+    samples: int
+
+
+class Predictor:
+    """Parses a body and scores it on the live copy (runs on the pool's threads)."""
+
+    def __init__(self, model: ServedModel, layout: FeatureLayout, cfg: ServeConfig, metrics: ServeMetrics) -> None:
+        self.model, self.layout, self.cfg, self.metrics = model, layout, cfg, metrics
+
+    def __call__(self, body: bytes) -> Answer:
+        batch = parse_request(body, self.layout, self.cfg.max_samples)
+        with self.model.acquire() as version:
+            out = scores(version.module, batch)
+            if not version.first_served_unix:  # racing requests may both see 0: the first to set it wins
+                with self.model.first_lock:
+                    first = not version.first_served_unix
+                    if first:
+                        version.first_served_unix = time.time()
+                if first and version.at_start:
+                    logger.info(
+                        "first response from checkpoint %d (step %d), the one this server started from "
+                        "(%.1f s old; not counted as freshness)",
+                        version.checkpoint_id,
+                        version.step,
+                        version.first_served_unix - version.step_unix,
+                    )
+                elif first:
+                    fresh = self.metrics.served_first(version.step_unix, version.first_served_unix)
+                    logger.info(
+                        "checkpoint %d (step %d) first served %.2f s after its step (freshness p50 %.2f s, p99 %.2f s of %d)",
+                        version.checkpoint_id,
+                        version.step,
+                        fresh,
+                        self.metrics.freshness_quantile(50),
+                        self.metrics.freshness_quantile(99),
+                        self.metrics.freshness_count,
+                    )
+            return Answer(out.tolist(), version.checkpoint_id, version.step, batch.size)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+class PredictionApp:
+    """The aiohttp application of one server. `status()` says what is served (health, readiness)."""
+
+    def __init__(
+        self, predictor: Predictor, cfg: ServeConfig, metrics: ServeMetrics, status: Callable[[], dict[str, Any]]
+    ) -> None:
+        self.predictor, self.cfg, self.metrics, self.status = predictor, cfg, metrics, status
+        self.pool = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="deltarec-serve")
+        self.waiting = 0  # requests admitted and not answered (the event loop's thread only)
+        self.app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[self._errors])
+        self.app.add_routes(
+            [
+                web.post("/predict", self.predict),
+                web.get("/healthz", self.healthz),
+                web.get("/readyz", self.readyz),
+                web.get("/metrics", self.prometheus),
+            ]
+        )
+
+    @web.middleware
+    async def _errors(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Every answer counted by status; aiohttp's own errors (404, 405, 413) as one JSON line."""
+        try:
+            response = await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            response = _error(413, f"body over serve.max_body_bytes = {self.cfg.max_body_bytes}")
+        except web.HTTPException as exc:
+            response = _error(exc.status, f"{request.method} {request.path}: {exc.reason}")
+        self.metrics.requests.labels(str(response.status)).inc()
+        return response
+
+    async def predict(self, request: web.Request) -> web.Response:
+        if self.waiting >= self.cfg.max_concurrency + self.cfg.max_queue:
+            return _error(503, f"busy: {self.waiting} requests in progress (serve.max_concurrency + serve.max_queue)")
+        t0 = time.perf_counter()
+        self.waiting += 1
+        try:
+            body = await request.read()
+            answer = await asyncio.get_running_loop().run_in_executor(self.pool, self.predictor, body)
+        except RequestError as exc:
+            return _error(exc.status, str(exc))
+        except NotReady as exc:
+            return _error(503, f"not ready: {exc}")
+        finally:
+            self.waiting -= 1
+        self.metrics.latency.labels(size_class(answer.samples)).observe(time.perf_counter() - t0)
+        return web.json_response({"scores": answer.scores, "checkpoint_id": answer.checkpoint_id, "step": answer.step})
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"alive": True, **self.status()})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        status = self.status()
+        return web.json_response(status, status=200 if status["ready"] else 503)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -1,0 +1,135 @@
+"""A prediction request: JSON in the job's feature layout, checked, as the model's input batch.
+
+    {"samples": [{"dense": [13 numbers], "sparse": {"user_id": [17], "item_id": [4, 9]}}, ...]}
+
+`dense` holds `model.dense_in_features` finite numbers; `sparse` maps feature names (the
+job's tables' `features`) to lists of ids in ``0..num_embeddings - 1`` of the feature's
+table. A feature left out is an empty bag (its pooled embedding is zero), as in training
+data with a missing value. Anything else is refused with one line naming the sample, the
+field and what is wrong. Only JSON is read: nothing a client sends is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torchrec.models.dlrm import DLRM
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from common.errors import DeltarecError
+from trainer.config import ModelConfig
+from trainer.model import feature_cardinalities, feature_names
+
+
+class RequestError(DeltarecError):
+    """A request the server refuses; `status` is its HTTP status (400, 413)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The model's input for a request's samples."""
+
+    dense: torch.Tensor  # float32 [n, dense_in_features]
+    sparse: KeyedJaggedTensor  # every feature of the model, in its order
+
+    @property
+    def size(self) -> int:
+        return int(self.dense.shape[0])
+
+
+@dataclass(frozen=True)
+class FeatureLayout:
+    """What a sample must look like: the job's dense width, features and their tables' rows."""
+
+    dense_in_features: int
+    features: tuple[str, ...]
+    cardinalities: tuple[int, ...]
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> FeatureLayout:
+        return cls(cfg.dense_in_features, tuple(feature_names(cfg)), tuple(feature_cardinalities(cfg)))
+
+
+def parse_request(body: bytes, layout: FeatureLayout, max_samples: int) -> Batch:
+    """The batch a request body asks for; `RequestError` naming the first thing wrong."""
+    try:
+        doc = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RequestError(f"body is not JSON: {exc}") from None
+    if not isinstance(doc, dict) or set(doc) != {"samples"}:
+        raise RequestError('body must be a JSON object with one key, "samples"')
+    samples = doc["samples"]
+    if not isinstance(samples, list) or not samples:
+        raise RequestError('"samples" must be a non-empty list')
+    if len(samples) > max_samples:
+        raise RequestError(f"{len(samples)} samples, more than serve.max_samples = {max_samples}", status=413)
+    dense = [_dense(i, s, layout) for i, s in enumerate(samples)]
+    ids: list[list[int]] = [[] for _ in layout.features]
+    lengths: list[list[int]] = [[] for _ in layout.features]
+    index = {f: j for j, f in enumerate(layout.features)}
+    for i, sample in enumerate(samples):
+        sparse = sample.get("sparse", {})
+        if not isinstance(sparse, dict):
+            raise RequestError(f"samples[{i}].sparse must be an object of feature: [ids]")
+        for name, values in sparse.items():
+            j = index.get(name)
+            if j is None:
+                raise RequestError(f"samples[{i}].sparse: unknown feature {name!r} (the model's: {', '.join(layout.features)})")
+            _check_ids(i, name, values, layout.cardinalities[j])
+            ids[j].extend(values)
+        for j, name in enumerate(layout.features):
+            values = sparse.get(name, [])
+            lengths[j].append(len(values))
+    kjt = KeyedJaggedTensor(
+        keys=list(layout.features),
+        values=torch.tensor([v for per in ids for v in per], dtype=torch.int64),
+        lengths=torch.tensor([n for per in lengths for n in per], dtype=torch.int32),
+    )
+    return Batch(torch.tensor(dense, dtype=torch.float32), kjt)
+
+
+def _dense(i: int, sample: Any, layout: FeatureLayout) -> list[float]:
+    if not isinstance(sample, dict):
+        raise RequestError(f"samples[{i}] must be an object with dense and sparse")
+    unknown = set(sample) - {"dense", "sparse"}
+    if unknown:
+        raise RequestError(f"samples[{i}]: unknown field {sorted(unknown)[0]!r} (expected dense, sparse)")
+    values = sample.get("dense")
+    n = layout.dense_in_features
+    if not isinstance(values, list) or len(values) != n:
+        got = f"a list of {len(values)}" if isinstance(values, list) else json_type(values)
+        raise RequestError(f"samples[{i}].dense: expected a list of {n} numbers, got {got}")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise RequestError(f"samples[{i}].dense: {v!r} is not a finite number")
+    return values
+
+
+def _check_ids(i: int, name: str, values: Any, rows: int) -> None:
+    if not isinstance(values, list):
+        raise RequestError(f"samples[{i}].sparse.{name}: expected a list of ids, got {json_type(values)}")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise RequestError(f"samples[{i}].sparse.{name}: {v!r} is not an integer id")
+        if not 0 <= v < rows:
+            raise RequestError(f"samples[{i}].sparse.{name}: id {v} out of range 0..{rows - 1}")
+
+
+def json_type(value: Any) -> str:
+    """What a JSON value is, in JSON's words (for messages)."""
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def scores(module: DLRM, batch: Batch) -> torch.Tensor:
+    """Click probabilities [n]: the sigmoid of the model's logits, as the trainer evaluates them."""
+    with torch.inference_mode():
+        return torch.sigmoid(module(batch.dense, batch.sparse)).reshape(-1)

@@ -1,0 +1,278 @@
+"""The served model, two copies of it, and the swap that keeps every response on one checkpoint.
+
+The follower (ckpt/follow/follower.py) applies each COMMIT to a `ServedModel` as it would to
+its row store: `begin`, the frames of the checkpoint's link (or of its whole chain, on a
+rebuild), `finish`. Everything is written into the *standby* copy, which no request reads;
+`finish` loads the checkpoint's dense state into it and swaps it in under a lock. A request
+takes the live copy and holds it (a reader count) until it has its scores, so a copy is never
+written while a request reads it: `begin` waits for the standby's last reader to leave.
+
+The standby is one checkpoint behind when the next one begins: it gets the rows the previous
+checkpoint changed (kept, decoded, from its apply), then the new checkpoint's. After a rebuild
+(the first checkpoint, a restore of an older one, a failed apply) the other copy is behind by
+everything and copies every table from the live one once. Rows go in decoded, as
+`deltarec-ckpt export` writes them (ckpt/restore/replay.py `decode_rows`), so a response on
+checkpoint k equals that export's model bit for bit on fp32 rows.
+
+Memory per row of the embedding tables (docs/design.md §12): two fp32 copies (2 x 4 x dim
+bytes), plus the decoded rows of one checkpoint's delta, plus during a rebuild one byte per
+row and column shard (the check that the base covers every row).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torchrec.models.dlrm import DLRM
+
+from ckpt.dense.store import DenseRef, DenseStore
+from ckpt.errors import RestoreError
+from ckpt.log.markers import Marker
+from ckpt.restore.export import SERVING_ROOT, build_export, replicated_tables, table_fqn
+from ckpt.restore.replay import decode_rows, row_init_of
+from ckpt.stream.frames import Frame
+from common.errors import DeltarecError
+from sharding.row_init import fill_rows
+from trainer.config import ModelConfig
+from trainer.model import build_model
+
+logger = logging.getLogger(__name__)
+
+#: Where torchrec's DLRM keeps its embedding collection.
+EBC_PATH = "sparse_arch.embedding_bag_collection"
+#: Every FQN a checkpoint records is relative to DLRMTrain, whose only child is the DLRM.
+_ROOT_CHILD = "model."
+
+
+class NotReady(DeltarecError):
+    """No checkpoint has been applied yet: nothing to predict with."""
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Decoded rows of one column shard of one table: what the other copy still lacks."""
+
+    table: str
+    ids: torch.Tensor  # int64 [n]
+    col_offset: int
+    values: torch.Tensor  # fp32 [n, dim]
+
+
+@dataclass
+class Version:
+    """One copy of the model and the checkpoint it holds."""
+
+    module: DLRM
+    weights: dict[str, torch.Tensor]  # table key (marker.tables) -> its weight in `module`
+    checkpoint_id: int = -1  # -1: holds no checkpoint
+    step: int = -1
+    step_unix: float = 0.0  # when rank 0 snapshot that step (the COMMIT's time for older logs)
+    live_unix: float = 0.0  # when it was swapped in
+    first_served_unix: float = 0.0  # its first response; 0.0: none yet
+    at_start: bool = False  # the checkpoint the server started from: its age is not the stream's lag
+    readers: int = 0  # requests computing on it now
+    behind: list[Rows] | None = field(default_factory=list)  # rows it lacks against the live copy; None: all
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.numel() * w.element_size() for w in self.weights.values())
+
+
+def serving_module(cfg: ModelConfig) -> DLRM:
+    """The inner DLRM of `build_model` on the CPU, its tables materialised (uninitialised: a
+    checkpoint fills them), in eval mode."""
+    dlrm = build_model(cfg, torch.device("cpu")).model
+    dlrm.get_submodule(EBC_PATH).to_empty(device="cpu")
+    return dlrm.eval()
+
+
+def _table_weights(module: DLRM, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    params = dict(module.named_parameters())
+    prefix = f"{_ROOT_CHILD}{EBC_PATH}.embedding_bags."
+    return {f"{prefix}{t.name}": params[f"{EBC_PATH}.embedding_bags.{t.name}.weight"].data for t in cfg.tables}
+
+
+class ServedModel:
+    """The follower's apply target for a server: two copies, one live (see the module doc).
+    `on_live(version, marker, apply_s)` is called after each swap, off the lock."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dense: DenseStore,
+        on_live: Callable[[Version, Marker, float], None] = lambda *_: None,
+    ) -> None:
+        self.cfg = cfg
+        self.dense = dense
+        self.on_live = on_live
+        self.live: Version | None = None
+        self.standby = self._copy()
+        self._spare: Version | None = self._copy()  # the second copy, until the first swap
+        self._cond = threading.Condition()
+        self.first_lock = threading.Lock()  # who records a version's first response
+        self._marker: Marker | None = None
+        self._dense_state: dict[str, Any] = {}
+        self._streamed: set[str] = set()  # tables with rows in the stream (not data-parallel)
+        self._rebuild = False
+        self._t0 = 0.0
+        self._delta: list[Rows] = []  # this checkpoint's rows, for the other copy
+        self._covered: dict[tuple[str, int, int], torch.Tensor] = {}  # a rebuild's base, per column shard
+
+    def _copy(self) -> Version:
+        module = serving_module(self.cfg)
+        return Version(module, _table_weights(module, self.cfg), behind=None)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of both copies' tables and of the rows kept for the copy behind."""
+        copies = [v for v in (self.live, self.standby, self._spare) if v is not None]
+        kept = sum(r.values.numel() * 4 + r.ids.numel() * 8 for v in copies for r in v.behind or [])
+        return sum(v.nbytes for v in copies) + kept
+
+    # -- requests -----------------------------------------------------------------------
+    @contextmanager
+    def acquire(self) -> Iterator[Version]:
+        """The live copy, held (never written) until the block ends; `NotReady` before the first."""
+        with self._cond:
+            version = self.live
+            if version is None:
+                raise NotReady("no checkpoint applied yet")
+            version.readers += 1
+        try:
+            yield version
+        finally:
+            with self._cond:
+                version.readers -= 1
+                if not version.readers:
+                    self._cond.notify_all()
+
+    # -- the follower's hooks (ckpt/follow/follower.py `ApplyTarget`) ---------------------
+    def begin(self, marker: Marker, rebuild: bool) -> None:
+        """Make the standby copy writable and, for a delta, as new as the live one."""
+        self._t0 = time.perf_counter()
+        with self._cond:
+            while self.standby.readers:  # requests that took it before the last swap
+                self._cond.wait()
+        self._marker, self._rebuild, self._delta, self._covered = marker, rebuild, [], {}
+        self._dense_state = self.dense.read(DenseRef.from_json(marker.dense))  # a bad file fails here, early
+        self._streamed = set(marker.tables) - replicated_tables(marker, self._dense_state)
+        standby = self.standby
+        if rebuild:
+            standby.behind = None  # the chain writes every row
+            return
+        if self.live is None:
+            raise RestoreError(f"checkpoint {marker.checkpoint_id}: a delta with no model to apply it to")
+        if standby.behind is None:
+            for key, weight in standby.weights.items():
+                weight.copy_(self.live.weights[key])
+        else:
+            for rows in standby.behind:
+                self._write(standby, rows)
+        standby.behind = []
+
+    def reset(self) -> None:
+        """A full link starts: every row at its initial value (a chain with a row
+        initialisation stores only trained rows) or zero."""
+        assert self._marker is not None, "begin() comes first"
+        init = row_init_of(self._marker)
+        for key, weight in self._standby_weights().items():
+            if init is None:
+                weight.zero_()
+            else:
+                fill_rows(init, key, weight.shape[0], weight.shape[1], weight, 0, 0)
+        self._covered = {}
+
+    def apply(self, frame: Frame, partition: int, table_rows: int) -> None:
+        """Decode one frame's weights into the standby copy (optimizer state is not served)."""
+        weight = self._standby_weights().get(frame.table)
+        if weight is None:
+            raise RestoreError(f"frame of checkpoint {frame.checkpoint_id} names table {frame.table!r}, which the model lacks")
+        ids = frame.row_ids
+        c0, c1 = frame.col_offset, frame.col_offset + frame.dim
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= weight.shape[0]) or c1 > weight.shape[1]:
+            raise RestoreError(
+                f"table {frame.table}: frame of checkpoint {frame.checkpoint_id} has rows outside "
+                f"0..{weight.shape[0] - 1} or columns outside 0..{weight.shape[1] - 1}"
+            )
+        values, _ = decode_rows(replace(frame, optim=()))
+        rows = Rows(frame.table, ids, c0, values)
+        self._write(self.standby, rows)
+        if self._rebuild:
+            key = (frame.table, c0, frame.dim)
+            self._covered.setdefault(key, torch.zeros(weight.shape[0], dtype=torch.bool))[ids] = True
+        else:
+            self._delta.append(rows)
+
+    def check_complete(self, checkpoint_id: int, untrained_ok: bool = False) -> None:
+        """The chain's base wrote every row and column of every table (unless its rows were
+        initialised, when untrained rows are absent)."""
+        covered, self._covered = self._covered, {}
+        if untrained_ok:
+            return
+        for key, weight in self._standby_weights().items():
+            shards = {k: mask for k, mask in covered.items() if k[0] == key}
+            cols = sum(dim for _, _, dim in shards)
+            if cols != weight.shape[1] or not all(bool(mask.all()) for mask in shards.values()):
+                raise RestoreError(f"checkpoint {checkpoint_id}: table {key} is not fully covered by its base checkpoint")
+
+    def finish(self, marker: Marker) -> None:
+        """Load the checkpoint's dense state into the standby copy and swap it in."""
+        standby = self.standby
+        self._load_dense(standby, marker, self._dense_state)
+        standby.checkpoint_id, standby.step = marker.checkpoint_id, marker.step
+        standby.step_unix = marker.step_unix or marker.created_unix
+        standby.first_served_unix, standby.at_start = 0.0, self.live is None
+        with self._cond:
+            previous = self.live if self.live is not None else self._spare
+            assert previous is not None
+            self.live, self._spare = standby, None
+            standby.live_unix = time.time()
+            previous.behind = None if self._rebuild else self._delta
+            self.standby = previous
+        self._delta, self._marker, self._dense_state = [], None, {}
+        self.on_live(standby, marker, time.perf_counter() - self._t0)
+
+    def abandon(self) -> None:
+        """The checkpoint failed part way: the standby copy holds nothing usable."""
+        self.standby.behind = None
+        self._delta, self._covered, self._marker, self._dense_state = [], {}, None, {}
+
+    # -- helpers --------------------------------------------------------------------------
+    def _standby_weights(self) -> dict[str, torch.Tensor]:
+        """Tables the stream carries rows of (data-parallel ones come with the dense state)."""
+        return {k: w for k, w in self.standby.weights.items() if k in self._streamed}
+
+    @staticmethod
+    def _write(version: Version, rows: Rows) -> None:
+        weight = version.weights[rows.table]
+        weight[rows.ids, rows.col_offset : rows.col_offset + rows.values.shape[1]] = rows.values
+
+    @staticmethod
+    def _load_dense(version: Version, marker: Marker, state: dict[str, Any]) -> None:
+        """The MLPs (and data-parallel tables) of `marker`, from its dense file, as export maps them."""
+        exported = build_export(marker, {}, state).for_serving()
+        if exported.fqn_root != SERVING_ROOT:
+            raise RestoreError(
+                f"checkpoint {marker.checkpoint_id} is of a {exported.fqn_root} model; deltarec-serve serves "
+                "DLRM jobs trained by deltarec-train"
+            )
+        params = dict(version.module.named_parameters())
+        streamed = {
+            table_fqn(k)[len(_ROOT_CHILD) :] for k in marker.tables if table_fqn(k)[len(_ROOT_CHILD) :] not in exported.model
+        }
+        missing = sorted(set(params) - set(exported.model) - streamed)
+        if missing or set(exported.model) - set(params):
+            raise RestoreError(
+                f"checkpoint {marker.checkpoint_id} does not fit the job's model: missing {missing[:3]}, "
+                f"unknown {sorted(set(exported.model) - set(params))[:3]} (was the config changed?)"
+            )
+        with torch.no_grad():
+            for fqn, value in exported.model.items():
+                params[fqn].copy_(value)
