@@ -33,8 +33,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +44,7 @@ from ckpt.log.catalog import read_catalog
 from launch.broker import EmbeddedBroker
 from launch.ranks import REPO, start_ranks
 from trainer.config import JobConfig, load_config
+from trainer.serve.client import ServeClient
 from trainer.serve.requests import FeatureLayout
 
 DEFAULT_CONFIG = REPO / "configs" / "quickstart.yaml"
@@ -95,21 +94,6 @@ def _rss(pid: int) -> dict[str, int]:
     return fields
 
 
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
-def _metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return float("nan")
-
-
 def _wait(predicate: Any, timeout_s: float, what: str, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -154,7 +138,8 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         load: subprocess.Popen | None = None
         try:
             _wait(address.exists, 120, "the server to listen", server)
-            url = json.loads(address.read_text())["url"]
+            client = ServeClient(json.loads(address.read_text())["url"], timeout_s=10)
+            url = client.url
             rss_listening = _rss(server.pid)
             load = subprocess.Popen(
                 [sys.executable, "-m", "bench.serve_load", "--url", url, "--samples-file", str(samples),
@@ -172,14 +157,9 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             finally:
                 backend.close()
             last = max(commits)
-            _wait(
-                lambda: json.loads(_get(url + "/readyz")[1]).get("checkpoint_id") == last,
-                120,
-                f"checkpoint {last} served",
-                server,
-            )
+            _wait(lambda: client.ready()[1].get("checkpoint_id") == last, 120, f"checkpoint {last} served", server)
             time.sleep(2)  # answers from the last checkpoint too
-            metrics = _get(url + "/metrics")[1]
+            freshness = {q: client.metric(f"deltarec_serve_freshness_{q}_seconds") for q in ("p50", "p99")}
             rss_end = _rss(server.pid)
         finally:
             if load is not None:
@@ -196,7 +176,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "cfg": cfg,
         "commits": commits,
         "answers": answers,
-        "metrics": metrics,
+        "freshness": freshness,
         "rss_listening": rss_listening,
         "rss_end": rss_end,
         "train_s": train_s,
@@ -231,8 +211,8 @@ def summarize(m: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "train_s": round(m["train_s"], 1),
         "time_to_commit_p50_s": _pct(ttc, 50),
         "time_to_commit_p99_s": _pct(ttc, 99),
-        "freshness_server_p50_s": _metric(m["metrics"], "deltarec_serve_freshness_p50_seconds"),
-        "freshness_server_p99_s": _metric(m["metrics"], "deltarec_serve_freshness_p99_seconds"),
+        "freshness_server_p50_s": m["freshness"]["p50"],
+        "freshness_server_p99_s": m["freshness"]["p99"],
         "freshness_client_p50_s": _pct(client_fresh, 50),
         "freshness_client_p99_s": _pct(client_fresh, 99),
         "freshness_minus_commit_p99_s": _pct(margin, 99),

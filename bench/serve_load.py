@@ -17,10 +17,10 @@ import json
 import signal
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
+
+from trainer.serve.client import ServeClient
 
 
 class Answer(NamedTuple):
@@ -31,16 +31,7 @@ class Answer(NamedTuple):
     checkpoint_id: int  # -1: not a 200
 
 
-def post(url: str, body: bytes) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, {}
-
-
-def client(url: str, body: bytes, samples: int, rate: float, stop: threading.Event, out: list[Answer]) -> None:
+def client(server: ServeClient, body: bytes, samples: int, rate: float, stop: threading.Event, out: list[Answer]) -> None:
     """Requests of one class on a fixed schedule of `rate` per second."""
     period, due = 1.0 / rate, time.monotonic()
     while not stop.is_set():
@@ -50,10 +41,11 @@ def client(url: str, body: bytes, samples: int, rate: float, stop: threading.Eve
         due = max(due + period, time.monotonic() - period)  # behind schedule: no burst to catch up
         sent, t0 = time.time(), time.perf_counter()
         try:
-            status, doc = post(url, body)
+            status, doc = server.predict(body)
         except OSError:  # the server is gone: the suite is stopping it
             status, doc = 0, {}
-        out.append(Answer(samples, sent, time.perf_counter() - t0, status, int(doc.get("checkpoint_id", -1))))
+        checkpoint_id = doc.get("checkpoint_id", -1) if status == 200 else -1
+        out.append(Answer(samples, sent, time.perf_counter() - t0, status, int(checkpoint_id)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,10 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     answers: list[Answer] = []
-    url = args.url.rstrip("/") + "/predict"
+    server = ServeClient(args.url)
     threads = [
-        threading.Thread(target=client, args=(url, one, 1, args.rate, stop, answers)),
-        threading.Thread(target=client, args=(url, big, args.big, args.big_rate, stop, answers)),
+        threading.Thread(target=client, args=(server, one, 1, args.rate, stop, answers)),
+        threading.Thread(target=client, args=(server, big, args.big, args.big_rate, stop, answers)),
     ]
     for t in threads:
         t.start()

@@ -15,13 +15,12 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from launch.ranks import REPO
 from trainer.config import JobConfig
+from trainer.serve.client import ServeClient
 from trainer.serve.requests import FeatureLayout
 
 
@@ -46,22 +45,6 @@ def one_sample(job: JobConfig) -> bytes:
     return json.dumps({"samples": [sample]}).encode()
 
 
-def _call(url: str, body: bytes | None = None) -> tuple[int, str]:
-    request = urllib.request.Request(url, data=body, method="POST" if body is not None else "GET")
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
-def _metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return float("nan")
-
-
 class Beside:
     """The follower and the server of one job (`argv`: its config and overrides), started now."""
 
@@ -73,7 +56,7 @@ class Beside:
             "follower": self._start("follower", "trainer.follow_cli", argv),
             "server": self._start("server", "trainer.serve_cli", [*argv, "serve.port=0", "--address-file", str(self.address)]),
         }
-        self.url = ""
+        self.client: ServeClient | None = None
         self.stop = threading.Event()
         self.probe = threading.Thread(target=self._probe, name="quickstart-probe", daemon=True)
 
@@ -88,40 +71,41 @@ class Beside:
             if self.procs["server"].poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the prediction server did not start; see {self.run_dir / 'server.log'}")
             time.sleep(0.2)  # polling the server's address file
-        self.url = json.loads(self.address.read_text())["url"]
+        self.client = ServeClient(json.loads(self.address.read_text())["url"], timeout_s=10)
         self.probe.start()
-        return self.url
+        return self.client.url
 
     def _probe(self) -> None:
+        assert self.client is not None
         while not self.stop.wait(self.probe_s):
             try:
-                _call(self.url + "/predict", self.body)
+                self.client.predict(self.body)
             except OSError:  # the server is restarting or gone; the next probe tries again
                 continue
 
     def ask(self, checkpoint_id: int, timeout_s: float = 60) -> Answer:
         """Wait until the server serves `checkpoint_id`, then one prediction and its freshness."""
+        assert self.client is not None, "wait_listening() first"
         deadline = time.monotonic() + timeout_s
         while True:
-            status, text = _call(self.url + "/readyz")
-            if status == 200 and json.loads(text)["checkpoint_id"] >= checkpoint_id:
+            ready, status = self.client.ready()
+            if ready and status["checkpoint_id"] >= checkpoint_id:
                 break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the server did not serve checkpoint {checkpoint_id} within {timeout_s:.0f} s")
             time.sleep(0.2)  # polling the server
         self.stop.set()
-        status, text = _call(self.url + "/predict", self.body)
-        if status != 200:
-            raise RuntimeError(f"the server answered {status}: {text}")
-        doc: dict[str, Any] = json.loads(text)
-        metrics = _call(self.url + "/metrics")[1]
+        code, doc = self.client.predict(self.body)
+        if code != 200:
+            raise RuntimeError(f"the server answered {code}: {doc}")
+        answer: dict[str, Any] = doc
         return Answer(
-            doc["scores"][0],
-            doc["checkpoint_id"],
-            doc["step"],
-            _metric(metrics, "deltarec_serve_freshness_p50_seconds"),
-            _metric(metrics, "deltarec_serve_freshness_p99_seconds"),
-            int(_metric(metrics, "deltarec_serve_freshness_seconds_count")),
+            answer["scores"][0],
+            answer["checkpoint_id"],
+            answer["step"],
+            self.client.metric("deltarec_serve_freshness_p50_seconds"),
+            self.client.metric("deltarec_serve_freshness_p99_seconds"),
+            int(self.client.metric("deltarec_serve_freshness_seconds_count")),
         )
 
     def close(self) -> None:

@@ -350,3 +350,20 @@ def test_throughput_suite_compares_with_torchrec_and_profiles_the_step(
     assert doc["readers"]["criteo_tsv_samples_per_s"] > 0 and doc["readers"]["criteo_npy_samples_per_s"] > 0
     metrics = {r["metric"] for r in read_records(records)}
     assert {"samples_per_s", "vs_torchrec", "stage_ms", "criteo_npy_samples_per_s", "pipeline_speedup"} <= metrics
+
+
+def test_serve_suite_times_freshness_latency_and_memory(tmp_path: Path, run_cli: CliRunner, debug_config: DebugConfig) -> None:
+    """A tiny `serve` run on the debug model (a checkpoint every second, a light load): every
+    checkpoint served and timed, both request classes answered, memory per row, the records."""
+    out, records = tmp_path / "serve.json", tmp_path / "records.jsonl"
+    run_cli(
+        "bench.run", "--suite", "serve", "--records", records, "--out", out, "--config", debug_config.path,
+        "--steps", "300", "--interval-s", "1", "--rate", "10", "--big", "32", "--big-rate", "2",
+        timeout_s=300,
+    )  # fmt: skip
+    s = json.loads(out.read_text())["summary"]
+    assert s["checkpoints"] >= 2 and s["served_checkpoints"] == s["checkpoints"], s
+    assert s["freshness_server_p99_s"] > 0 and s["time_to_commit_p99_s"] > 0, s
+    assert s["latency_1_p99_ms"] > 0 and s["latency_32_p99_ms"] > 0 and s["requests_ok"] > 0, s
+    assert s["memory_stated_per_row_bytes"] == 2 * 4 * 16 and s["rows"] == 2000 + 1000 + 64, s
+    assert {"freshness_server_p99_s", "latency_1_p99_ms", "memory_per_row_bytes"} <= {r["metric"] for r in read_records(records)}

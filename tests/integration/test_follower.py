@@ -9,10 +9,6 @@ the command that replays them (`DELTAREC_TEST_SEED=<seed> ...`).
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -31,9 +27,10 @@ from ckpt.log.markers import ChainLink, LeaseRecord, Marker, decode_record, enco
 from ckpt.restore.export import assemble, replicated_tables
 from ckpt.restore.replay import iter_chain_frames
 from ckpt.stream.sink import generation_label, is_compacted
-from launch.ranks import REPO, RankGroup, read_jsonl, spawn_ranks, start_ranks
+from launch.ranks import RankGroup, read_jsonl, spawn_ranks, start_ranks
 from sharding.plan import EBC_PATH, table_key
 from sharding.process_group import DistEnv
+from tests.background import BackgroundProc
 from trainer.data.factory import make_reader
 from trainer.model import build_model
 
@@ -45,16 +42,6 @@ pytestmark = pytest.mark.integration
 STEPS = 60  # the crash test's job: 12 checkpoints, one full then deltas
 LEASE_S = 1.5
 FOLLOW = ["ckpt.follow.poll_s=0.2", f"ckpt.follow.lease_s={LEASE_S}"]
-LAUNCHER_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RESTART_COUNT",
-    "DELTAREC_KILL_AT",
-)
 
 
 def _job(run_id: str, sink: str = "filesystem", bootstrap: str = "", encoding: str = "fp32") -> list[str]:
@@ -76,48 +63,12 @@ def _job(run_id: str, sink: str = "filesystem", bootstrap: str = "", encoding: s
 # --- the follower as a process ----------------------------------------------------------------
 
 
-class FollowerProc:
+class FollowerProc(BackgroundProc):
     """One `python -m trainer.follow_cli` of the job, its output in `<tmp>/<name>.log`."""
 
     def __init__(self, config: Path, job: list[str], tmp_path: Path, name: str, *args: str) -> None:
-        self.name = name
-        self.log = tmp_path / f"{name}.log"
-        env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-        env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "trainer.follow_cli", "--config", str(config), f"run.dir={tmp_path / 'run'}",
-                 *job, *args],
-                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def tail(self, n: int = 2500) -> str:
-        return f"--- {self.name} (pid {self.pid}, rc {self.proc.poll()}) ---\n{self.text()[-n:]}"
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL: no lease release, nothing flushed."""
-        if self.alive():
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-    def stop(self, timeout_s: float = 30) -> int:
-        """SIGTERM and the exit status (a follower that does not exit fails the test)."""
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            pytest.fail(f"{self.name} did not exit within {timeout_s:.0f} s of SIGTERM\n{self.tail()}", pytrace=False)
+        argv = ["--config", str(config), f"run.dir={tmp_path / 'run'}", *job, *args]
+        super().__init__("trainer.follow_cli", argv, tmp_path, name)
 
 
 def _owner_pid(follower_id: str) -> int:

@@ -1,8 +1,9 @@
 """Exact recovery: a run SIGKILLed anywhere and resumed ends bit-identical to one never
 interrupted (fp32 rows), for every policy, on the real embedded broker and on files.
 
-The crash point (rank, and the step or checkpoint id) is drawn from the test's seed: a
-failure names it with the command that replays it (`DELTAREC_TEST_SEED=<seed> ...`)."""
+Per policy, one job is killed at every crash point in turn, each attempt resuming the last;
+the order, the ranks and the steps or checkpoints are drawn from the test's seed: a failure
+names them with the command that replays it (`DELTAREC_TEST_SEED=<seed> ...`)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
+from ckpt.log.backend import open_backend
+from ckpt.log.catalog import read_catalog
 from ckpt.log.markers import decode_record
 from ckpt.stream.filesystem import FsMarkers
-from launch.ranks import spawn_ranks
+from launch.ranks import RankResult, spawn_ranks
 
 if TYPE_CHECKING:
     from tests.conftest import DebugConfig, MetricsReader, ReplaySeed
@@ -60,38 +63,70 @@ def _assert_identical(got: list[dict[str, torch.Tensor]], want: list[dict[str, t
 
 
 POLICIES = ["full", "one_shot_diff", "incremental", "intermittent_diff"]
-POINTS = {  # crash point -> range of its key: a step for "step", else a checkpoint id
-    "step": (23, 47),  # during training
-    "snapshot": (2, 5),  # inside the stall
-    "rows": (2, 5),  # while the writer ships rows
-    "marker": (2, 5),  # rows and dense file durable, COMMIT marker not yet written
-}
-CASES = [(policy, point, span) for policy in POLICIES for point, span in POINTS.items()]
+POINTS = ("step", "snapshot", "rows", "marker")  # training, inside the stall, the writer shipping rows,
+# rows and dense file durable with no COMMIT marker yet
 
 
-@pytest.mark.parametrize("policy, point, span", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def _newest_commit(debug_config: DebugConfig, job: list[str], run_dir: Path) -> tuple[int, int]:
+    """(newest committed checkpoint id, its step)."""
+    cfg = debug_config.load([*job, f"run.dir={run_dir}"], check_data=False).ckpt
+    backend = open_backend(cfg, world_size=1)
+    try:
+        catalog = read_catalog(backend.markers, cfg.run_id)
+    finally:
+        backend.close()
+    newest = max(catalog.commits, default=0)
+    return newest, catalog.commits[newest].step if newest else 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
 def test_sigkill_anywhere_then_resume_is_bit_exact(
-    tmp_path, broker, unique_name, reference, policy, point, span, debug_config: DebugConfig, replay_seed: ReplaySeed
+    tmp_path, broker, unique_name, reference, policy, debug_config: DebugConfig, replay_seed: ReplaySeed
 ):
+    """One job crashed at every point in turn (in an order and at places drawn from the seed),
+    each attempt resuming the previous one's newest checkpoint, ends bit-identical. The first
+    attempt dies at checkpoint 2 or 3 (one is committed before), a resumed one at its first
+    checkpoint (ids after a crash are the trainer's to choose) or during a step."""
     rng = replay_seed.rng()
-    key = rng.randint(*span)
-    rank = 0 if point == "marker" else rng.randint(0, 1)
-    why = f"killed rank {rank} at {point}:{key}, {replay_seed}"
-    print(why)
     job = _job(unique_name("resume"), "kafka", broker.bootstrap, policy)
-    crashed = spawn_ranks(
-        debug_config.path, job, tmp_path, expect_ok=False, timeout_s=180, env_extra={"DELTAREC_KILL_AT": f"{point}:{key}@{rank}"}
-    )
-    assert crashed[rank].returncode == -9, f"{why}: rank did not die by SIGKILL ({crashed[rank].returncode})"
-    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest"], tmp_path, timeout_s=180)
-    lines = [x for x in resumed[0].stdout.splitlines() if x.startswith("deltarec: resumed from checkpoint")]
-    if lines:
-        restored_id = int(lines[0].split()[4])
+    run_dir = tmp_path / "run"
+    crashes = []
+    resume: list[str] = []
+    for point in rng.sample(POINTS, len(POINTS)):
+        committed, restored_step = _newest_commit(debug_config, job, run_dir)
+        if point == "step":
+            key: int | str = rng.randint(restored_step + 3, restored_step + 9)
+        else:
+            key = rng.randint(2, 3) if not crashes else "*"
+        rank = 0 if point == "marker" else rng.randint(0, 1)
+        crashes.append(f"{point}:{key}@{rank}")
+        why = f"crashes {crashes}, {replay_seed}"
+        print(why)
+        crashed = spawn_ranks(
+            debug_config.path, [*job, *resume], tmp_path, expect_ok=False, timeout_s=180,
+            env_extra={"DELTAREC_KILL_AT": crashes[-1]},
+        )  # fmt: skip
+        assert crashed[rank].returncode == -9, f"{why}: rank did not die by SIGKILL ({crashed[rank].returncode})"
+        _check_resumed_from(crashed[0], committed, why)
         if point != "step":
-            assert restored_id < key, f"{why}: restored checkpoint {restored_id}, which had no COMMIT marker"
-    else:  # killed before any COMMIT marker was durable: a fresh start is the right answer
-        assert "starting from scratch" in resumed[0].stderr, f"{why}: neither resumed nor started fresh"
-    _assert_identical(_dumps(tmp_path / "run"), reference, why)
+            newest = _newest_commit(debug_config, job, run_dir)[0]
+            ok = newest < key if isinstance(key, int) else newest == committed  # the killed checkpoint never commits
+            assert ok, f"{why}: checkpoint {newest} committed"
+        resume = ["ckpt.resume=latest"]
+    newest, _ = _newest_commit(debug_config, job, run_dir)
+    resumed = spawn_ranks(debug_config.path, [*job, *resume], tmp_path, timeout_s=180)
+    _check_resumed_from(resumed[0], newest, f"crashes {crashes}, {replay_seed}")
+    _assert_identical(_dumps(run_dir), reference, f"crashes {crashes}, {replay_seed}")
+
+
+def _check_resumed_from(rank0: RankResult, newest: int, why: str) -> None:
+    """Rank 0 resumed from `newest`, the newest checkpoint committed before it started (or
+    started from scratch when there was none)."""
+    lines = [x for x in rank0.stdout.splitlines() if x.startswith("deltarec: resumed from checkpoint")]
+    if newest:
+        assert lines and int(lines[0].split()[4]) == newest, f"{why}: resumed {lines[:1]}, not from checkpoint {newest}"
+    else:
+        assert not lines, f"{why}: resumed {lines[:1]} with no checkpoint committed"
 
 
 def test_filesystem_sink_resumes_bit_exact(tmp_path, unique_name, reference, debug_config: DebugConfig, metrics: MetricsReader):

@@ -11,15 +11,10 @@ from the test's seed; a failure names the command that replays it.
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,8 +29,10 @@ from ckpt.log.catalog import Catalog, read_catalog
 from ckpt.log.markers import ChainLink
 from ckpt.restore.export import export
 from launch.broker import EmbeddedBroker
-from launch.ranks import REPO, RankGroup, spawn_ranks, start_ranks
+from launch.ranks import RankGroup, spawn_ranks, start_ranks
+from tests.background import BackgroundProc
 from trainer.config import JobConfig
+from trainer.serve.client import ServeClient
 from trainer.serve.requests import FeatureLayout, parse_request, scores
 from trainer.serve.versions import serving_module
 
@@ -43,8 +40,6 @@ if TYPE_CHECKING:
     from tests.conftest import CliRunner, DebugConfig, ReplaySeed
 
 pytestmark = pytest.mark.integration
-
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DELTAREC_KILL_AT")
 
 
 def _job(run_id: str, sink: str = "filesystem", bootstrap: str = "", encoding: str = "fp32") -> list[str]:
@@ -66,70 +61,30 @@ def _job(run_id: str, sink: str = "filesystem", bootstrap: str = "", encoding: s
 # --- the server as a process ------------------------------------------------------------------
 
 
-class ServerProc:
-    """One `python -m trainer.serve_cli` of the job, its output in `<tmp>/<name>.log`."""
+class ServerProc(BackgroundProc):
+    """One `python -m trainer.serve_cli` of the job, its output in `<tmp>/<name>.log`, and a
+    client of it (`ServeClient`: the real HTTP client of urllib)."""
 
     def __init__(self, config: Path, job: list[str], tmp_path: Path, name: str = "server") -> None:
-        self.name = name
-        self.log = tmp_path / f"{name}.log"
         self.address = tmp_path / f"{name}.address.json"
         self.address.unlink(missing_ok=True)
-        env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-        env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "trainer.serve_cli", "--config", str(config), f"run.dir={tmp_path / 'run'}",
-                 *job, "--address-file", str(self.address)],
-                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+        argv = ["--config", str(config), f"run.dir={tmp_path / 'run'}", *job, "--address-file", str(self.address)]
+        super().__init__("trainer.serve_cli", argv, tmp_path, name)
         _wait_for(self.address.exists, 90, f"{name} to listen", self)
         self.where = json.loads(self.address.read_text())
-        self.url = self.where["url"]
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def tail(self, n: int = 3000) -> str:
-        return f"--- {self.name} (pid {self.proc.pid}, rc {self.proc.poll()}) ---\n{self.text()[-n:]}"
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill(self) -> None:
-        if self.alive():
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-    def stop(self, timeout_s: float = 30) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            pytest.fail(f"{self.name} did not exit within {timeout_s:.0f} s of SIGTERM\n{self.tail()}", pytrace=False)
+        self.client = ServeClient(self.where["url"])
 
     def call(self, path: str, body: bytes | None = None, method: str | None = None) -> tuple[int, Any]:
         """(status, decoded JSON or text) of one request."""
-        request = urllib.request.Request(self.url + path, data=body, method=method or ("POST" if body is not None else "GET"))
-        try:
-            with urllib.request.urlopen(request, timeout=30) as response:
-                status, raw = response.status, response.read()
-        except urllib.error.HTTPError as exc:
-            status, raw = exc.code, exc.read()
-        try:
-            return status, json.loads(raw)
-        except ValueError:
-            return status, raw.decode(errors="replace")
+        return self.client.json(path, body, method)
 
     def predict(self, body: bytes) -> tuple[int, Any]:
-        return self.call("/predict", body)
+        return self.client.predict(body)
 
     def metric(self, name: str) -> float:
-        _, text = self.call("/metrics")
-        for line in text.splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-        raise AssertionError(f"{name} not in /metrics")
+        value = self.client.metric(name)
+        assert value == value, f"{name} not in /metrics"  # NaN: absent
+        return value
 
 
 def _wait_for(predicate: Callable[[], object], timeout_s: float, what: str, server: ServerProc | None = None) -> None:
@@ -404,11 +359,14 @@ def _refuses_bad_requests(server: ServerProc, cfg: JobConfig) -> None:
 # --- 3. the broker away: the last version stays served, its staleness reported --------------------
 
 
+STALE_S = 20  # more than the job takes from its last checkpoint to its exit, so readiness is seen to pass first
+
+
 def test_broker_away_keeps_serving_and_reports_staleness(
     tmp_path: Path, debug_config: DebugConfig, replay_seed: ReplaySeed
 ) -> None:
     own = EmbeddedBroker().start()
-    job = [*_job("serveaway", "kafka", own.bootstrap), "serve.max_staleness_s=4"]
+    job = [*_job("serveaway", "kafka", own.bootstrap), f"serve.max_staleness_s={STALE_S}"]
     cfg = debug_config.load([*job, f"run.dir={tmp_path / 'run'}"], check_data=False)
     body = _samples(cfg, 4, replay_seed.value)
     server = None
@@ -419,8 +377,8 @@ def test_broker_away_keeps_serving_and_reports_staleness(
         own.kill()
         _wait_for(lambda: server.call("/readyz")[0] == 503, 60, "readiness to fail on staleness", server)
         status, ready = server.call("/readyz")
-        assert "serve.max_staleness_s" in ready["reason"] and ready["staleness_s"] > 4, ready
-        assert server.metric("deltarec_serve_staleness_seconds") > 4
+        assert "serve.max_staleness_s" in ready["reason"] and ready["staleness_s"] > STALE_S, ready
+        assert server.metric("deltarec_serve_staleness_seconds") > STALE_S
         status, doc = server.predict(body)
         assert status == 200 and doc["checkpoint_id"] == 2, doc
         assert server.call("/healthz")[0] == 200
