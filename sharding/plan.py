@@ -198,17 +198,18 @@ def summarize(
         per_rank: dict[int, int] = {}
         if ps.sharding_spec is None:  # data_parallel: a full replica on every rank
             for r in range(world_size):
-                per_rank[r] = _shard_bytes(t.num_embeddings, t.embedding_dim, optimizer.sparse.name)
+                per_rank[r] = shard_bytes(t.num_embeddings, t.embedding_dim, optimizer.sparse.name)
         else:
             for shard in ps.sharding_spec.shards:
                 rows, cols = shard.shard_sizes
                 r = shard.placement.rank()
-                per_rank[r] = per_rank.get(r, 0) + _shard_bytes(rows, cols, optimizer.sparse.name)
+                per_rank[r] = per_rank.get(r, 0) + shard_bytes(rows, cols, optimizer.sparse.name)
         out.append(TablePlacement(name, ps.sharding_type, tuple(sorted(per_rank)), per_rank))
     return out
 
 
-def _shard_bytes(rows: int, cols: int, sparse_optimizer: str) -> int:
+def shard_bytes(rows: int, cols: int, sparse_optimizer: str) -> int:
+    """fp32 bytes of `rows` x `cols` of a table and of its sparse optimizer's state."""
     state = {"row_wise_adagrad": rows, "adagrad": rows * cols, "sgd": 0, "adam": 2 * rows * cols}[sparse_optimizer]
     return 4 * (rows * cols + state)
 

@@ -15,6 +15,7 @@ from ckpt.log.markers import Marker
 from ckpt.quant import get_codec
 from ckpt.stream.frames import Frame
 from sharding.config import TableConfig
+from sharding.plan import table_key
 from trainer.config import ModelConfig
 from trainer.model import build_model
 from trainer.serve.versions import NotReady, ServedModel
@@ -28,7 +29,7 @@ def _cfg() -> ModelConfig:
 
 
 def _key(table: str) -> str:
-    return f"model.sparse_arch.embedding_bag_collection.embedding_bags.{table}"
+    return table_key(table)
 
 
 class FakeDense:

@@ -39,16 +39,18 @@ from ckpt.restore.export import SERVING_ROOT, build_export, replicated_tables, t
 from ckpt.restore.replay import decode_rows, row_init_of
 from ckpt.stream.frames import Frame
 from common.errors import DeltarecError
+from sharding.plan import EBC_PATH as TRAIN_EBC_PATH
+from sharding.plan import table_key
 from sharding.row_init import fill_rows
 from trainer.config import ModelConfig
 from trainer.model import build_model
 
 logger = logging.getLogger(__name__)
 
-#: Where torchrec's DLRM keeps its embedding collection.
-EBC_PATH = "sparse_arch.embedding_bag_collection"
 #: Every FQN a checkpoint records is relative to DLRMTrain, whose only child is the DLRM.
 _ROOT_CHILD = "model."
+#: Where the DLRM keeps its embedding collection (DLRMTrain's path without that child).
+EBC_PATH = TRAIN_EBC_PATH.removeprefix(_ROOT_CHILD)
 
 
 class NotReady(DeltarecError):
@@ -94,9 +96,9 @@ def serving_module(cfg: ModelConfig) -> DLRM:
 
 
 def _table_weights(module: DLRM, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Each table's weight in `module`, by its key in the stream (`table_key`: DLRMTrain's FQN)."""
     params = dict(module.named_parameters())
-    prefix = f"{_ROOT_CHILD}{EBC_PATH}.embedding_bags."
-    return {f"{prefix}{t.name}": params[f"{EBC_PATH}.embedding_bags.{t.name}.weight"].data for t in cfg.tables}
+    return {table_key(t.name): params[table_fqn(table_key(t.name)).removeprefix(_ROOT_CHILD)].data for t in cfg.tables}
 
 
 class ServedModel:
