@@ -4,7 +4,7 @@
     python -m trainer.serve_cli ...   (the same)
 
 The job's own config and overrides find its checkpoints and say how to serve
-(`serve.host`, `serve.port`, limits: trainer/serve/config.py). Runs until SIGINT/SIGTERM.
+(`serve.host`, `serve.port`, limits: `ServeConfig` in trainer/config.py). Runs until SIGINT/SIGTERM.
 """
 
 from __future__ import annotations

@@ -2,7 +2,6 @@
 
 The stages of a served checkpoint, each in its own file:
 
-- `config.py`     the job's `serve` section;
 - `versions.py`   two copies of the model; the follower (ckpt/follow/follower.py) writes a
                   checkpoint into the one nobody reads, then swaps it in;
 - `requests.py`   a JSON request, checked, as the model's input batch;

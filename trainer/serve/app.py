@@ -26,7 +26,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from trainer.serve.config import ServeConfig
+from trainer.config import ServeConfig
 from trainer.serve.freshness import ServeMetrics, size_class
 from trainer.serve.requests import FeatureLayout, RequestError, parse_request, scores
 from trainer.serve.versions import NotReady, ServedModel
