@@ -51,7 +51,7 @@ def train_run(label: str, extra: list[str], args: argparse.Namespace, work: Path
     from launch.ranks import read_metrics, spawn_ranks
 
     tmp = work / label
-    tmp.mkdir(parents=True)
+    tmp.mkdir(parents=True, exist_ok=True)  # a follower process beside the job may have made its run dir
     run_id = f"{prefix}-{label}"
     overrides = [
         "ckpt.enabled=true",

@@ -35,8 +35,10 @@ stats, read after each step end, never from inside the stall:
 And in ``DIR/cpu_rank<r>.json`` (`RankCpu`), the CPU seconds of this rank's threads by class
 (`bench.cpu`: training thread, checkpoint threads, librdkafka's threads, the rest, and the rest
 by thread name) from the first step until its writer is idle, and the training thread's share
-inside the stalls. A job run with ``ckpt.enabled=false`` writes only this file: the baseline
-the checkpoint's cost is measured against.
+inside the stalls. A job run with ``ckpt.enabled=false`` writes only this file and the next: the baseline
+the checkpoint's cost is measured against. In ``DIR/mem_rank<r>.json`` (`RankMemory`): the
+rank's resident set before the first step and its peak while training (sampled), its shards'
+bytes, and the host buffers' bound and peak (suite `scale`).
 
 Why one hook remains: the rows a delta copies are known only before its checkpoint marks the
 tracker, so `ObservedCheckpointer` stands in for the manager as the loop's `Checkpointer`
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections import deque
@@ -314,6 +317,38 @@ class RankCpu:
     faults: dict[str, int] = field(default_factory=dict)  # class -> minor page faults
 
 
+@dataclass
+class RankMemory:
+    """This rank's resident memory while it trained (`bench.memory`), beside the bytes its
+    checkpointing may hold by design: what suite `scale` compares."""
+
+    rank: int
+    model_bytes: int  # this rank's embedding shards: weights and sparse optimizer state
+    rss_before_bytes: int  # built and restored, before the first step
+    rss_peak_bytes: int  # the largest resident set from the first step until the writer was idle
+    rss_peak_late_bytes: int  # ... over the second half of that time: the steady state after a first full checkpoint
+    rss_end_bytes: int  # once the writer was idle
+    hwm_bytes: int  # VmHWM at the end: the peak since the process started (construction included)
+    pool_keep_bytes: int = 0  # `ckpt.max_pending_bytes`: the host buffers' bound (0: checkpoints off)
+    pool_peak_bytes: int = 0  # the host buffers' largest capacity held at once, lent and free
+    pinned: bool = False  # the host buffers are page-locked (a CUDA job)
+
+
+def model_bytes(sharded: Any) -> int:
+    """Bytes of this rank's embedding shards, weights and every sparse optimizer state."""
+    from sharding.shard_views import ShardMap
+
+    return sum(
+        v.weight.numel() * v.weight.element_size() + sum(t.numel() * t.element_size() for t in v.optimizer_states.values())
+        for v in ShardMap.from_model(sharded.model).shards
+    )
+
+
+def read_memory(path: Path) -> RankMemory:
+    """The record `run` wrote to `side/mem_rank<r>.json`."""
+    return RankMemory(**json.loads(path.read_text()))
+
+
 def read_cpu(path: Path) -> RankCpu:
     """The record `run` wrote to `side/cpu_rank<r>.json`."""
     return RankCpu(**json.loads(path.read_text()))
@@ -342,6 +377,7 @@ def train(job: Job, cfg: JobConfig, side: Path, copier: BareCopier | None = None
     finished and its tracker detached from the model when this returns or raises, so another
     job can train the same model after it."""
     from bench.cpu import CpuLedger
+    from bench.memory import RssSampler, proc_status
     from trainer.main import make_checkpointer
 
     manager = observed = None
@@ -352,10 +388,24 @@ def train(job: Job, cfg: JobConfig, side: Path, copier: BareCopier | None = None
             job.trainer.checkpointer = observed
             manager.restore()
         ledger, t0 = CpuLedger().start(), time.perf_counter()
+        rss = RssSampler().start()
         job.trainer.fit()
         if manager is not None:
             wait_idle(manager)
         ledger.sample()
+        pool = manager.taker.pool if manager is not None else None
+        memory = RankMemory(
+            rank=job.env.rank,
+            model_bytes=model_bytes(job.sharded),
+            rss_before_bytes=rss.start_bytes,
+            rss_peak_bytes=rss.stop(),
+            rss_peak_late_bytes=rss.peak_after(0.5),
+            rss_end_bytes=rss.samples[-1][1],
+            hwm_bytes=proc_status(os.getpid())["VmHWM"],
+            pool_keep_bytes=pool.keep_bytes if pool is not None else 0,
+            pool_peak_bytes=pool.held_peak if pool is not None else 0,
+            pinned=bool(pool is not None and pool.pinned),
+        )
         cpu = RankCpu(
             rank=job.env.rank,
             steps=job.trainer.step,
@@ -376,6 +426,7 @@ def train(job: Job, cfg: JobConfig, side: Path, copier: BareCopier | None = None
             observed.dump(side / f"rank{job.env.rank}.jsonl")
         side.mkdir(parents=True, exist_ok=True)
         (side / f"cpu_rank{job.env.rank}.json").write_text(json.dumps(asdict(cpu), sort_keys=True) + "\n")
+        (side / f"mem_rank{job.env.rank}.json").write_text(json.dumps(asdict(memory), sort_keys=True) + "\n")
     finally:
         job.metrics.close()
         job.trainer.checkpointer = None

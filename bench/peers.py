@@ -365,12 +365,18 @@ def follower_job(
     timeout_s: float,
     intervals: int,
     grace_s: float,
+    process: bool = False,
+    follower_overrides: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """deltarec + follower: the `incremental` policy over `intervals` checkpoints with a
     follower compacting its chain (started before the ranks, stopped once it has applied the
     newest COMMIT); then its lag and compactions, and the cheapest chain per checkpoint.
-    `broker`: a fresh one for this job (its CPU counts the follower's reads too)."""
+    `broker`: a fresh one for this job (its CPU counts the follower's reads too). `process`:
+    the follower is `deltarec-follow` in its own process (`bench.follower_proc`), its memory
+    measured, rather than a thread of this one; `follower_overrides`: the follower's only
+    (`ckpt.follow.*`)."""
     from bench.ckpt_bench import train_run
+    from bench.follower_proc import FollowerProcess
     from launch.ranks import read_jsonl, read_metrics
     from trainer.config import load_config
 
@@ -398,16 +404,28 @@ def follower_job(
         f"ckpt.encoding={encoding}",
         *ns.overrides,
     ]
+    job += follower_overrides
     cfg = load_config(s["config"], job, check_data=False).ckpt  # what `deltarec-follow --config C job...` resolves
     log(
         f"follower for run {run_id} (compact at deltas >= {cfg.follow.compact_ratio} x the baseline or "
-        f"{cfg.follow.compact_links} links; poll every {cfg.follow.poll_s} s)"
+        f"{cfg.follow.compact_links} links; poll every {cfg.follow.poll_s} s; "
+        f"{'its own process' if process else 'a thread of this process'})"
     )
-    follower = FollowerThread(cfg, grace_s).start()
-    try:
-        run = train_run(label, [f"ckpt.encoding={encoding}"], ns, work, bootstrap, prefix)
-    finally:
-        follower.finish()
+    follower: FollowerThread | FollowerProcess
+    if process:
+        proc = FollowerProcess(s["config"], job, Path(cfg.follow.metrics), work / f"{label}-follower.log", grace_s)
+        follower = proc.start()
+        run = None
+        try:
+            run = train_run(label, [f"ckpt.encoding={encoding}"], ns, work, bootstrap, prefix)
+        finally:
+            proc.finish(max((c["ckpt_id"] for c in run["checkpoints"] if c["committed"]), default=None) if run else None)
+    else:
+        follower = FollowerThread(cfg, grace_s).start()
+        try:
+            run = train_run(label, [f"ckpt.encoding={encoding}"], ns, work, bootstrap, prefix)
+        finally:
+            follower.finish()
     run["broker_cpu_s"], run["bootstrap"] = broker_cpu_s(broker) - cpu0, bootstrap
     assert run["run_id"] == run_id, (run["run_id"], run_id)
     metrics = read_metrics(run_dir)
@@ -421,6 +439,8 @@ def follower_job(
     run["follower"] = {
         "applied": [r for r in fol if "follow_ckpt" in r],
         "compactions": [r for r in fol if "compacted_ckpt" in r],
+        "exports": [r for r in fol if "export_ckpt" in r],
+        "memory": {k: getattr(follower, k) for k in ("rss_ready_bytes", "rss_peak_bytes", "hwm_bytes")} if process else None,
         "stats": follower.stats,
         "error": follower.error,
         "caught_up": follower.caught_up,
@@ -454,13 +474,17 @@ def baseline_job(s: dict[str, Any], work: Path, timeout_s: float) -> dict[str, A
     return run
 
 
-def peers_job(s: dict[str, Any], work: Path, jobs: dict[tuple[str, str], dict], timeout_s: float) -> list[dict]:
-    """The peers' phases, then every restore (each deltarec job's from its own broker)."""
+def peers_job(
+    s: dict[str, Any], work: Path, jobs: dict[tuple[str, str], dict], timeout_s: float, names: tuple[str, ...] = PEERS
+) -> list[dict]:
+    """The peers' phases (`names`, in order), then every restore (each deltarec job's from its
+    own broker)."""
     from launch.ranks import spawn_ranks
 
     tmp = work / "peers"
     tmp.mkdir(parents=True)
     extra = ["--out-dir", str(tmp), "--steps", str(s["steps"]), "--interval", str(s["interval"]), "--repeats", str(s["repeats"])]
+    extra += ["--peers", *names]
     for (policy, enc), run in jobs.items():
         label = f"{policy}-{enc}"
         extra += [
@@ -471,7 +495,7 @@ def peers_job(s: dict[str, Any], work: Path, jobs: dict[tuple[str, str], dict], 
             "--restore-override",
             f"{label}=ckpt.bootstrap_servers={run['bootstrap']}",
         ]
-    log(f"peers: no checkpoint / {' / '.join(PEERS)}, then restores")
+    log(f"peers: no checkpoint / {' / '.join(names)}, then restores")
     spawn_ranks(
         s["config"],
         ["train.eval_every=0", "train.eval_batches=0", *s["overrides"]],

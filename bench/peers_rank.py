@@ -8,9 +8,11 @@ deltarec's `CheckpointManager.restore`.
 Spawned like a trainer rank (`launch.ranks.spawn_ranks`), it builds the job exactly as
 `trainer.main` does (`bench.job.start_job`: same config, seed, data, world size).
 
-**Phases** (suites `quick` and `full`, 2 ranks): warm-up, then phases of `--steps` steps each, in
-this order: no checkpointing, `dcp.save`, `dcp.async_save`, `torch.save`, no checkpointing
-again. In a checkpointing phase the peer checkpoints every `--interval` steps (`DcpPeers`):
+**Phases** (suites `quick`, `full` and `scale`, 2 ranks): warm-up, then phases of `--steps`
+steps each, in this order: no checkpointing, `dcp.save`, `dcp.async_save`, `torch.save`
+(`--peers`: those named), no checkpointing again. Each phase and each restore records this
+rank's resident set at its start and its sampled peak (`bench.memory.RssSampler`).
+In a checkpointing phase the peer checkpoints every `--interval` steps (`DcpPeers`):
 
 - `dcp.save`: `{"model": DMP.state_dict(), "optim": optimizer.state_dict()}` (sharded
   weights, row-wise momentum, dense params and dense optimizer) to a local directory;
@@ -59,6 +61,7 @@ import torch.distributed as dist
 
 from bench.common import RESTORE_PARTS
 from bench.job import fingerprint, perturb, start_job, stop_job, sync, timed
+from bench.memory import RssSampler
 
 if TYPE_CHECKING:
     from sharding.dmp import ShardedModel
@@ -414,6 +417,7 @@ def run_phases(args: argparse.Namespace, overrides: list[str]) -> int:
     def run_phase(name: str) -> tuple[dict[str, Any], PeerCheckpointer | None]:
         dist.barrier()
         pc = PeerCheckpointer(peers, name, args.interval, args.steps // args.interval, smap) if name != "none" else None
+        rss = RssSampler().start()
         t0 = time.perf_counter()
         for s in range(1, args.steps + 1):
             trainer.train_step()
@@ -426,6 +430,8 @@ def run_phases(args: argparse.Namespace, overrides: list[str]) -> int:
         return (
             {
                 "peer": name,
+                "rss_start_bytes": rss.start_bytes,
+                "rss_peak_bytes": rss.stop(),
                 "steps": args.steps,
                 "wall_s": wall,
                 "samples_per_s": args.steps * samples_per_step / wall,
@@ -434,7 +440,7 @@ def run_phases(args: argparse.Namespace, overrides: list[str]) -> int:
             pc,
         )
 
-    done = [run_phase(name) for name in ("none", "dcp.save", "dcp.async_save", "torch.save", "none")]
+    done = [run_phase(name) for name in ("none", *args.peers, "none")]
     phases = [ph for ph, _ in done]
     references = {LOADS[pc.name]: (pc.last, pc.reference) for _, pc in done if pc is not None and pc.name != "dcp.async_save"}
     end_step = trainer.step
@@ -463,18 +469,22 @@ def run_phases(args: argparse.Namespace, overrides: list[str]) -> int:
                 ),
             )
         )
-    restore: dict[str, dict[str, Any]] = {k: {"restore_s": [], "same_state": []} for k, _ in kinds}
+    restore: dict[str, dict[str, Any]] = {k: {"restore_s": [], "same_state": [], "rss_peak_bytes": []} for k, _ in kinds}
     for r in range(args.repeats):
         order = kinds[r % len(kinds) :] + kinds[: r % len(kinds)]
         for name, fn in order:
             if name.startswith("deltarec:"):
-                t, info = fn()  # restores that run's state: not comparable to a reference
+                with RssSampler() as rss:
+                    t, info = fn()  # restores that run's state: not comparable to a reference
+                restore[name]["rss_peak_bytes"].append(rss.peak_bytes)
                 restore[name]["restore_s"].append(t)
                 restore[name]["checkpoint"] = info
                 restore[name].setdefault("parts", []).append(info["parts"])
                 continue
             perturb(smap, sharded)
-            t, _ = timed(fn, device)
+            with RssSampler() as rss:
+                t, _ = timed(fn, device)
+            restore[name]["rss_peak_bytes"].append(rss.peak_bytes)
             restore[name]["restore_s"].append(t)
             restore[name]["same_state"].append(fingerprint(smap, sharded) == references[name][1])
     out["restore"] = restore
@@ -497,6 +507,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, required=True, help="steps per phase")
     p.add_argument("--interval", type=int, required=True, help="checkpoint interval in steps")
     p.add_argument("--repeats", type=int, default=2, help="rounds of restores")
+    p.add_argument(
+        "--peers",
+        nargs="+",
+        choices=("dcp.save", "dcp.async_save", "torch.save"),
+        default=["dcp.save", "dcp.async_save", "torch.save"],
+        help="the checkpointing phases, in order, between the two without checkpoints",
+    )
     p.add_argument("--stager", choices=("clone", "pinned"), default="clone", help="dcp.async_save's stager")
     p.add_argument("--restore", action="append", default=[], help="LABEL=RUN_ID=RUN_DIR of a deltarec run")
     p.add_argument("--restore-override", action="append", default=[], help="LABEL=key=value")

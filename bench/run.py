@@ -76,6 +76,15 @@ SUITES = (
         "throughput (~4-5 min on an H100, estimate printed at the start)",
     ),
     Suite(
+        "scale",
+        "bench.scale",
+        (),
+        "how the cost grows with the model: the same job at 0.06, 0.2, 1.4 and 4.3 GB (--sizes) against dcp.save, "
+        "dcp.async_save and dcp.load: stall, bytes, time to COMMIT, restore, the tracker, memory per rank with and "
+        "without checkpoints, the follower's memory, compaction and export, per GB and per changed row, with "
+        "their log-log slopes (~1 h for every size)",
+    ),
+    Suite(
         "cost",
         "bench.cost",
         (),

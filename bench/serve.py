@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import Measurement, config_path, document_head, loadavg, log, machine_info, scalars
+from bench.memory import proc_status
 from ckpt.log.backend import open_backend
 from ckpt.log.catalog import read_catalog
 from launch.broker import EmbeddedBroker
@@ -82,16 +83,6 @@ def _samples(job: JobConfig, n: int, seed: int) -> dict[str, Any]:
             for _ in range(n)
         ]
     }
-
-
-def _rss(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM of `pid`, in bytes."""
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            fields[key] = int(value.split()[0]) * 1024
-    return fields
 
 
 def _wait(predicate: Any, timeout_s: float, what: str, proc: subprocess.Popen | None = None) -> None:
@@ -140,7 +131,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             _wait(address.exists, 120, "the server to listen", server)
             client = ServeClient(json.loads(address.read_text())["url"], timeout_s=10)
             url = client.url
-            rss_listening = _rss(server.pid)
+            rss_listening = proc_status(server.pid)
             load = subprocess.Popen(
                 [sys.executable, "-m", "bench.serve_load", "--url", url, "--samples-file", str(samples),
                  "--out", str(work / "answers.json"), "--rate", str(args.rate), "--big", str(args.big),
@@ -160,7 +151,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             _wait(lambda: client.ready()[1].get("checkpoint_id") == last, 120, f"checkpoint {last} served", server)
             time.sleep(2)  # answers from the last checkpoint too
             freshness = {q: client.metric(f"deltarec_serve_freshness_{q}_seconds") for q in ("p50", "p99")}
-            rss_end = _rss(server.pid)
+            rss_end = proc_status(server.pid)
         finally:
             if load is not None:
                 load.send_signal(signal.SIGTERM)

@@ -169,6 +169,7 @@ class HostBufferPool:
         self._lock = threading.Lock()
         self._ahead: ThreadPoolExecutor | None = None
         self.allocated = 0  # slabs made (a figure for tests and benchmarks)
+        self.held_peak = 0  # the most slab capacity held at once, lent and free (a figure for benchmarks)
 
     def lend(self, nbytes: int) -> Slab:
         """The smallest free slab that holds `nbytes`, or a new one."""
@@ -185,6 +186,7 @@ class HostBufferPool:
                 if self.pinned:
                     self._pin(slab)
             self._lent += slab.capacity
+            self._note_held()
             return slab
 
     @property
@@ -203,6 +205,9 @@ class HostBufferPool:
         with self._lock:
             self._lent -= slab.capacity
             self._keep(slab)
+
+    def _note_held(self) -> None:
+        self.held_peak = max(self.held_peak, self._lent + sum(s.capacity for s in self._free))
 
     def _keep(self, slab: Slab) -> None:
         room, kept = self.keep_bytes - self._lent, []
@@ -227,6 +232,7 @@ class HostBufferPool:
         with self._lock:
             self.allocated += 1
             self._keep(slab)
+            self._note_held()
         return True
 
     def reserve_ahead(self, nbytes: int) -> None:
