@@ -72,7 +72,9 @@ SIZES: dict[str, dict[str, Any]] = {
     "quick": {"config": "configs/quickstart.yaml", "steps": 48, "interval": 12, "follower_intervals": 12, "overrides": []},
     "mid": {"cap": 100_000, "dim": 64},  # 0.84M rows, 0.22 GB of fp32 weights
     "full": {"cap": 1_000_000, "dim": 64},  # 5.57M rows, 1.43 GB: suite `full`'s model
-    "kaggle": {"cap": UNCAPPED, "dim": 32},  # Criteo Kaggle's own cardinalities: 33.8M rows, 4.32 GB
+    # Criteo Kaggle's own cardinalities: 33.8M rows, 4.32 GB; a rank's full snapshot (~2.2 GB) is
+    # over the default ckpt.max_pending_bytes (1 GiB), which must hold one (the manager refuses less)
+    "kaggle": {"cap": UNCAPPED, "dim": 32, "overrides": ["data.batch_size=2048", "ckpt.max_pending_bytes=4294967296"]},
 }
 CRITEO_JOB = {"config": None, "steps": 340, "interval": 170, "follower_intervals": 8, "overrides": ["data.batch_size=2048"]}
 
@@ -472,6 +474,9 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite scale") -> dic
             work = (args.keep / prefix / n) if args.keep else Path(tmp)
             fig, recs, raw[n] = measure_size(n, args, work, prefix)
         raw[n]["wall_s"] = time.perf_counter() - t0
+        if args.out:  # each size as it ends: a later size's failure loses none of it
+            part = args.out.with_suffix(f".{n}.json")
+            part.write_text(json.dumps({"size": asdict(fig), "raw": raw[n]}, indent=1, default=str) + "\n")
         figs.append(fig)
         records += recs
         log(f"size {n}: {fig.model_rows:,} rows, {fig.model_bytes / GB:.2f} GB, {raw[n]['wall_s']:.0f} s")
