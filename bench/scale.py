@@ -159,8 +159,8 @@ class SizeFigures:
     rss_incremental_late_bytes: int | None  # peak over the second half, incremental + follower
     rss_incremental_bytes: int | None  # peak over the whole run (its first, full checkpoint included)
     rss_full_bytes: int | None  # peak, deltarec `full`
-    rss_dcp_save_bytes: int | None  # a peer phase's peak over the phase without checkpoints' peak...
-    rss_dcp_async_bytes: int | None
+    rss_dcp_save_bytes: int | None  # a peer phase's peak, to compare with the first phase without checkpoints...
+    rss_dcp_async_bytes: int | None  # (after dcp.save's: what that phase left resident counts here too)
     rss_phase_none_bytes: int | None  # ... of the same process
     pool_keep_bytes: int | None  # `ckpt.max_pending_bytes`
     pool_peak_incremental_bytes: int | None
@@ -190,7 +190,9 @@ def gather(name: str, s: dict[str, Any], jobs: dict, peers: list[dict], base: di
     run = jobs[(FOLLOWER, ENCODING)]
     deltas = [c for c in run["checkpoints"] if c["committed"] and c["kind"] == "delta"]
     mem_none, mem_inc, mem_full = extra["memory"]["none"], extra["memory"]["incremental"], extra["memory"]["full"]
-    phases = {r: {ph["peer"]: ph for ph in p["phases"]} for r, p in enumerate(peers)}
+    # each rank's phases by peer; of the two without checkpoints, the first (the one before the peers':
+    # the allocator keeps what a phase freed, ckpt.keep_freed_memory, so later phases start higher)
+    phases = {r: {ph["peer"]: ph for ph in reversed(p["phases"])} for r, p in enumerate(peers)}
     restores = [p["restore"] for p in peers]
     fol = run["follower"]
     fm = fol.get("memory") or {}
@@ -270,7 +272,8 @@ def measure_size(name: str, args: argparse.Namespace, work: Path, prefix: str) -
     records, summary = build_records(s, jobs, peers, base, common={"size": name})
     extra = {"memory": memory, "export": export, "tracker": tracker}
     fig = gather(name, s, jobs, peers, base, summary, extra)
-    raw = {"settings": {k: v for k, v in s.items() if k != "repeats"}, "summary": summary, **extra}
+    phases = [{k: v for k, v in ph.items() if k != "checkpoints"} for p in peers for ph in p["phases"]]
+    raw = {"settings": {k: v for k, v in s.items() if k != "repeats"}, "summary": summary, "peer_phases": phases, **extra}
     return fig, list(records.items), raw
 
 

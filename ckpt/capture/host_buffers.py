@@ -26,7 +26,11 @@ since its base) paid for it inside the stall (docs/history/BENCHMARKS-2026-11.md
 sooner, snapshot memory faulted in ahead"). So half
 an interval before each snapshot the checkpoint manager asks for its likely size
 (`reserve_ahead`), and a helper thread of low priority makes and faults in a slab that large,
-unless a free slab holds it already or the bound has no room for it.
+unless a free slab holds it already or the bound has no room for it. That size is the largest
+snapshot the policy may take next, so the same call unmaps a free slab more than twice as
+large (and 64 MiB larger): after the first, full checkpoint of an `incremental` run the
+rank's host buffers shrink to what its deltas need instead of keeping a copy of every row
+(docs/design.md §1, "Host memory").
 """
 
 from __future__ import annotations
@@ -145,6 +149,14 @@ class Slab(Carver):
         self.fresh = False
 
 
+SHED_OVER = 2  # a free slab over this many times the capacity the next snapshot needs ...
+SHED_MIN = 32 * PAGE  # ... and larger by at least this much is unmapped by `reserve` (no churn of small slabs)
+
+
+def _oversized(slab_capacity: int, needed_capacity: int) -> bool:
+    return slab_capacity > SHED_OVER * needed_capacity and slab_capacity - needed_capacity >= SHED_MIN
+
+
 def _capacity_for(nbytes: int) -> int:
     """A new slab's capacity for a request of `nbytes`: the growth margin, whole pages."""
     return _round_up(max(int(nbytes * GROWTH), 1), PAGE)
@@ -170,6 +182,7 @@ class HostBufferPool:
         self._ahead: ThreadPoolExecutor | None = None
         self.allocated = 0  # slabs made (a figure for tests and benchmarks)
         self.held_peak = 0  # the most slab capacity held at once, lent and free (a figure for benchmarks)
+        self.shed = 0  # free slabs a reserve found oversized and unmapped (a figure for tests)
 
     def lend(self, nbytes: int) -> Slab:
         """The smallest free slab that holds `nbytes`, or a new one."""
@@ -220,9 +233,17 @@ class HostBufferPool:
     def reserve(self, nbytes: int) -> bool:
         """Make sure a later `lend(nbytes)` finds a free slab whose pages are mapped: make one
         as `lend` would size it and fault it in, unless a free slab holds `nbytes` already or
-        the slabs lent leave no room for it within ``keep_bytes``. Whether it made one."""
+        the slabs lent leave no room for it within ``keep_bytes``. Whether it made one.
+        `nbytes` is the largest snapshot the policy may take next, so a free slab far larger
+        (`_oversized`: a full checkpoint's, when only deltas follow) is unmapped first: a
+        rank's steady state holds the memory its deltas need, not a whole copy of its rows."""
         capacity = _capacity_for(nbytes)
         with self._lock:
+            oversized = [s for s in self._free if _oversized(s.capacity, capacity)]
+            if oversized:  # kept for a snapshot larger than any the policy may take next: unmapped now
+                self._free = [s for s in self._free if not _oversized(s.capacity, capacity)]
+                self.shed += len(oversized)
+            del oversized
             if self._fitting(nbytes) or capacity > self.keep_bytes - self._lent:
                 return False
         slab = Slab(capacity, huge=True)  # made and faulted in outside the lock: `lend` never waits for it

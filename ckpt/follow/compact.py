@@ -4,7 +4,10 @@ The rows go, still encoded as the trainer wrote them, into a generation of the f
 own (`compacted_generation(epoch, checkpoint id)`), one partition per rank of the writing
 job, each row into the partition that wrote it. The link is returned only when the sink
 acknowledged every frame; the caller publishes the COMPACTED marker after that, so a
-half-written compaction is never referenced (docs/design.md §10).
+half-written compaction is never referenced (docs/design.md §10). The sink is flushed every
+`max_unflushed_bytes`, so the frames queued in the producer stay that small instead of a
+second copy of the whole store (each flush's ranges are kept as they come: one range per
+flush and partition).
 """
 
 from __future__ import annotations
@@ -12,7 +15,24 @@ from __future__ import annotations
 from ckpt.follow.store import RowStore
 from ckpt.log.markers import ChainLink, FrameMeta, IndexEntry, OffsetRange, index_frames
 from ckpt.stream.frames import chunk_rows
-from ckpt.stream.sink import FrameSink, SinkError
+from ckpt.stream.sink import FrameSink, Key, Range, SinkError
+
+MAX_UNFLUSHED_BYTES = 64 << 20  # frames queued in the sink before the compaction waits for them
+
+
+class _Acknowledged:
+    """What every flush of one compaction acknowledged, in write order."""
+
+    def __init__(self) -> None:
+        self.ranges: dict[Key, list[Range]] = {}
+        self.positions: dict[Key, list[int]] = {}
+
+    def add(self, sink: FrameSink, timeout_s: float) -> None:
+        result = sink.flush(timeout_s).raise_for_error()
+        for key, ranges in result.ranges.items():
+            self.ranges.setdefault(key, []).extend(ranges)
+        for key, positions in result.positions.items():
+            self.positions.setdefault(key, []).extend(positions)
 
 
 def write_compacted(
@@ -24,11 +44,13 @@ def write_compacted(
     generation: int,
     max_frame_bytes: int,
     flush_timeout_s: float,
+    max_unflushed_bytes: int = MAX_UNFLUSHED_BYTES,
 ) -> ChainLink:
     """Write every row of `store` as checkpoint `checkpoint_id` into `generation`; raises
     `SinkError` when any frame is not durable."""
     meta: dict[int, list[FrameMeta]] = {}  # partition -> frames in write order
-    rows = nbytes = 0
+    acked = _Acknowledged()
+    rows = nbytes = unflushed = 0
     for frame in store.frames(run_id, checkpoint_id):
         partition = frame.rank
         for encoded in chunk_rows(
@@ -55,18 +77,22 @@ def write_compacted(
                 )
             )
             nbytes += len(encoded.data)
+            unflushed += len(encoded.data)
+            if unflushed >= max_unflushed_bytes:
+                acked.add(sink, flush_timeout_s)
+                unflushed = 0
         rows += frame.row_count
-    result = sink.flush(flush_timeout_s).raise_for_error()
+    acked.add(sink, flush_timeout_s)
     ranges: dict[int, list[OffsetRange]] = {}
     index: list[IndexEntry] = []
     for partition, frames in sorted(meta.items()):
-        positions = result.positions.get((generation, partition), [])
+        positions = acked.positions.get((generation, partition), [])
         if len(positions) != len(frames):
             raise SinkError(
                 f"compaction of checkpoint {checkpoint_id}: partition {partition}: {len(frames)} frames "
                 f"written but {len(positions)} acknowledged"
             )
-        ranges[partition] = [OffsetRange(*r) for r in result.ranges[(generation, partition)]]
+        ranges[partition] = [OffsetRange(*r) for r in acked.ranges[(generation, partition)]]
         index.extend(index_frames(partition, positions, frames))
     return ChainLink(
         checkpoint_id=checkpoint_id, full=True, generation=generation, ranges=ranges, rows=rows, bytes=nbytes, index=index

@@ -7,6 +7,7 @@ size on the CPU here and, under the `gpu` marker, on CUDA."""
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,7 @@ from bench.peers_gpu import ENCODINGS as GPU_ENCODINGS
 from bench.peers_gpu import PEERS as GPU_PEERS
 from bench.peers_gpu import POLICIES as GPU_POLICIES
 from bench.run import SUITES
+from bench.scale import DERIVED, SizeFigures
 from tests.devices import DEVICES
 
 if TYPE_CHECKING:
@@ -367,3 +369,26 @@ def test_serve_suite_times_freshness_latency_and_memory(tmp_path: Path, run_cli:
     assert s["latency_1_p99_ms"] > 0 and s["latency_32_p99_ms"] > 0 and s["requests_ok"] > 0, s
     assert s["memory_stated_per_row_bytes"] == 2 * 4 * 16 and s["rows"] == 2000 + 1000 + 64, s
     assert {"freshness_server_p99_s", "latency_1_p99_ms", "memory_per_row_bytes"} <= {r["metric"] for r in read_records(records)}
+
+
+def test_scale_suite_measures_memory_the_follower_and_the_peers_at_a_size(tmp_path: Path, run_cli: CliRunner) -> None:
+    out, records = tmp_path / "scale.json", tmp_path / "records.jsonl"
+    # one size, shortened: what is checked is that every figure is measured, not its value
+    run_cli("bench.run", "--suite", "scale", "--records", records, "--out", out, "--sizes", "quick",
+            "--steps", "24", "--follower-intervals", "4", timeout_s=900)  # fmt: skip
+    result = json.loads(out.read_text())
+    (size,) = result["sizes"]
+    assert size["size"] == "quick" and size["follower_error"] is None, size
+    optional = {"compact_s", "follower_error"}  # 4 intervals may end before the follower compacts
+    missing = [f.name for f in fields(SizeFigures) if size[f.name] is None and f.name not in optional]
+    assert not missing, missing
+    # the checkpointing job holds more than the job without checkpoints; the follower's rows are resident
+    assert size["rss_incremental_bytes"] > 0 and size["rss_none_bytes"] > 0
+    assert size["follower_rss_grown_bytes"] > 0 and size["follower_store_bytes"] > 0
+    assert size["pool_keep_bytes"] == 1 << 30 and 0 < size["pool_peak_full_bytes"] <= size["pool_keep_bytes"]
+    assert size["export_file_bytes"] > size["model_bytes"] // 2  # weights of every table, fp32
+    assert set(result["derived"]) == {d.name for d in DERIVED}
+    assert {t["goal"] for t in result["targets"]} and (tmp_path / "scale.quick.json").is_file()
+    lines = read_records(records)
+    assert {r["suite"] for r in lines} == {"scale"}
+    assert {r["labels"].get("size") for r in lines if r["metric"] == "stall_us_per_row"} == {"quick"}

@@ -113,3 +113,38 @@ def test_untrained_rows_stay_out_of_compacted_frames_but_a_half_written_row_is_r
     shard.optim["momentum"].code[9] = 0
     with pytest.raises(RestoreError, match="1 rows have no momentum"):
         store.check_complete(1, untrained_ok=True)
+
+
+def test_a_compaction_flushed_in_slices_reads_back_every_row_from_its_ranges(tmp_path) -> None:  # noqa: ANN001
+    from ckpt.follow.compact import write_compacted
+    from ckpt.stream.filesystem import FsSink, FsSource
+
+    rows = 2000  # 72 KB of fp32 rows: several 16 KB frames per partition
+    base = _frame(list(range(rows)), "fp32", seed=0)
+    delta = _frame([3, 4, 17, 1999], "adaptive4", seed=1)
+    store = RowStore()
+    for f in (base, delta):
+        store.apply(f, f.rank, rows)
+    store.check_complete(2)
+    links = {}
+    for label, bound in (("one flush", 1 << 30), ("a flush per frame", 1)):
+        sink = FsSink(tmp_path / label, "r")
+        try:
+            links[label] = write_compacted(
+                store, sink=sink, run_id="r", checkpoint_id=2, generation=7, max_frame_bytes=16384, flush_timeout_s=10,
+                max_unflushed_bytes=bound,
+            )  # fmt: skip
+        finally:
+            sink.close()
+    one, sliced = links["one flush"], links["a flush per frame"]
+    assert sum(map(len, sliced.ranges.values())) > sum(map(len, one.ranges.values()))  # a range per flush
+    assert (sliced.rows, sliced.bytes, len(sliced.index)) == (one.rows, one.bytes, len(one.index))
+    source = FsSource(tmp_path / "a flush per frame", "r")
+    frames = [f for p, rs in sliced.ranges.items() for r in rs for _, f in source.read_range(7, p, r.first, r.last)]
+    assert sorted(int(i) for f in frames for i in f.row_ids) == list(range(rows))
+    want = torch.zeros(rows, DIM)
+    got = torch.zeros(rows, DIM)
+    for frames_, out in (([base, delta], want), (frames, got)):
+        for f in frames_:
+            out[f.row_ids] = decode_rows(f)[0]
+    assert torch.equal(want, got)

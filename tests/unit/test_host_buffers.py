@@ -147,3 +147,40 @@ def test_only_a_slab_mapped_ahead_asks_for_huge_pages() -> None:
     made = pool.lend(4 * PAGE)  # the reserved one is lent: a new one
     assert made is not reserved and made.fresh and not reserved.fresh
     assert "hg" in _vm_flags(reserved.buffer) and "hg" not in _vm_flags(made.buffer)
+
+
+def test_held_peak_is_the_most_capacity_held_at_once_lent_and_free() -> None:
+    pool = HostBufferPool(1 << 30)
+    a, b = pool.lend(3 * PAGE), pool.lend(5 * PAGE)
+    both = a.capacity + b.capacity
+    assert pool.held_peak == both
+    pool.give_back(a)
+    pool.give_back(b)
+    assert pool.lend(2 * PAGE) is a and pool.held_peak == both  # reused: nothing more held
+    pool.give_back(a)
+    c = pool.lend(40 * PAGE)  # none fits: a third slab beside the two kept
+    assert pool.held_peak == both + c.capacity
+
+
+def test_a_reserve_for_a_much_smaller_snapshot_unmaps_the_full_checkpoints_slab() -> None:
+    from ckpt.capture.host_buffers import SHED_MIN
+
+    pool = HostBufferPool(1 << 32)
+    full = pool.lend(4 * SHED_MIN)  # a full checkpoint's rows
+    pool.give_back(full)
+    assert pool.free_bytes == full.capacity  # kept: the next snapshot may be full again
+    assert pool.reserve(SHED_MIN // 2) is True  # the policy's next snapshots are deltas: a small slab
+    assert pool.shed == 1 and pool.free_bytes < full.capacity // 2
+    delta = pool.lend(SHED_MIN // 2)
+    assert delta is not full and not delta.fresh  # the reserved slab, faulted in ahead
+    pool.give_back(delta)
+    assert pool.reserve(4 * SHED_MIN) is True and pool.shed == 1  # a full one ahead: made, the small one stays
+    assert pool.reserve(SHED_MIN // 2) is False and pool.shed == 2  # fits the small one; the big one goes again
+
+
+def test_a_reserve_keeps_slabs_a_little_larger_than_asked() -> None:
+    pool = HostBufferPool(1 << 30)
+    a = pool.lend(10 * PAGE)
+    pool.give_back(a)
+    assert pool.reserve(4 * PAGE) is False and pool.shed == 0  # over twice as large, but not by 64 MiB
+    assert pool.lend(4 * PAGE) is a

@@ -1,0 +1,92 @@
+"""Suite `scale`'s arithmetic and its memory probe, without running a job: the trend of a cost
+against model size (a log-log slope), the goals it judges, and the resident-set sampler
+(`bench.memory.RssSampler`) that the suite's memory figures come from."""
+
+from __future__ import annotations
+
+import gc
+import math
+import mmap
+import time
+from dataclasses import fields, replace
+
+from bench.memory import RssSampler, rss_bytes
+from bench.scale import DERIVED, FLAT, SizeFigures, derived_table, goals, slope
+
+MB = 1 << 20
+
+
+def test_slope_is_zero_for_a_flat_cost_one_for_one_that_grows_with_the_table() -> None:
+    xs = [1e8, 1e9, 4e9]
+    assert slope(xs, [2.0, 2.0, 2.0]) == 0.0
+    assert math.isclose(slope(xs, [x / 1e6 for x in xs]) or 0, 1.0)
+    assert math.isclose(slope(xs, [1e9 / x for x in xs]) or 0, -1.0)  # falling
+    assert slope(xs, [None, 3.0, 0.0]) is None  # fewer than two usable sizes
+    assert math.isclose(slope(xs, [None, 3.0, 12.0]) or 0, math.log(4) / math.log(4))
+
+
+def _figures(size: str, model_bytes: int, **kw: float) -> SizeFigures:
+    base = {f.name: None for f in fields(SizeFigures)}
+    base.update(size=size, model_rows=model_bytes // 256, model_bytes=model_bytes, rank_model_bytes=model_bytes // 2)
+    base.update(compactions=1, follower_error=None, rows_per_interval=100_000.0)
+    base.update(kw)
+    return SizeFigures(**base)
+
+
+def test_goals_flag_a_per_row_cost_that_grows_with_the_table_and_memory_over_its_bound() -> None:
+    sizes = [_figures("a", 10**8), _figures("b", 10**9), _figures("c", 4 * 10**9)]
+    flat = [
+        replace(
+            f,
+            stall_ms=10.0,
+            bytes_per_interval=2.4e6,
+            time_to_commit_s=0.3,
+            restore_s=f.model_bytes / 1e9 * 0.4,
+            dcp_load_s=f.model_bytes / 1e9,
+            compact_s=f.model_bytes / 1e9,
+            export_s=f.model_bytes / 1e9 * 3,
+            rss_none_bytes=10**9,
+            rss_incremental_late_bytes=10**9 + f.rank_model_bytes // 10,
+            rss_full_bytes=10**9 + f.rank_model_bytes,
+            follower_store_bytes=10**8,
+            follower_rss_grown_bytes=105 * 10**6,
+        )
+        for f in sizes
+    ]
+    met = {g.goal: g.met for g in goals(flat, derived_table(flat))}
+    assert all(met.values()), met
+    assert len([g for g in met if "slope" in g]) == len(FLAT)
+
+    # the stall grows with the table (a scan of every row), memory over its bound, the follower 30% over
+    grown = [
+        replace(f, stall_ms=10.0 * f.model_bytes / 1e8, rss_incremental_late_bytes=10**9 + f.rank_model_bytes // 2) for f in flat
+    ]
+    grown[-1] = replace(grown[-1], follower_rss_grown_bytes=130 * 10**6, restore_s=grown[-1].dcp_load_s)
+    judged = {g.goal.split(":")[0].split(",")[0]: g for g in goals(grown, derived_table(grown))}
+    assert judged["stall_us_per_row"].met is False and math.isclose(judged["stall_us_per_row"].value or 0, 1.0)
+    assert judged["bytes_per_row"].met is True
+    assert judged["steady extra host memory / rank's model"].met is False
+    assert judged["restore / dcp.load"].met is False
+    assert judged["follower memory / documented store bytes"].met is False
+
+
+def test_a_figure_missing_at_a_size_is_not_measured_rather_than_met() -> None:
+    sizes = [_figures("a", 10**8), _figures("b", 10**9)]
+    table = derived_table(sizes)
+    assert set(table) == {d.name for d in DERIVED}
+    assert all(g.met is None for g in goals(sizes, table))
+
+
+def test_the_sampler_sees_a_peak_between_samples_taken_and_leaves_it_out_of_a_later_window() -> None:
+    gc.collect()
+    sampler = RssSampler(every_s=0.01).start()
+    area = mmap.mmap(-1, 256 * MB)
+    area.write(b"\1" * (256 * MB))  # touched: resident
+    held = rss_bytes()
+    time.sleep(0.2)
+    area.close()  # unmapped: given back to the OS at once
+    time.sleep(0.6)
+    peak = sampler.stop()
+    assert peak >= held >= sampler.start_bytes + 200 * MB
+    assert sampler.peak_after(0.6) < sampler.start_bytes + 100 * MB  # the spike was in the first 0.2 s
+    assert sampler.samples[0][1] == sampler.start_bytes and len(sampler.samples) > 5
