@@ -79,9 +79,10 @@ SIZES: dict[str, dict[str, Any]] = {
 CRITEO_JOB = {"config": None, "steps": 340, "interval": 170, "follower_intervals": 8, "overrides": ["data.batch_size=2048"]}
 
 
-def size_job(name: str, work: Path) -> dict[str, Any]:
-    """The suite's settings for size `name`, its config written into `work` when generated."""
-    s = {"repeats": 2, **CRITEO_JOB, **SIZES[name]}
+def size_job(name: str, work: Path, given: dict[str, int]) -> dict[str, Any]:
+    """The suite's settings for size `name` with the options `given` (steps, interval,
+    follower_intervals), its config written into `work` when generated."""
+    s = {"repeats": 2, **CRITEO_JOB, **SIZES[name], **given}
     if s["config"] is None:
         s["config"] = str(full_config(work / f"{name}.yaml", s["cap"], s["dim"]))
     else:
@@ -246,7 +247,8 @@ def gather(name: str, s: dict[str, Any], jobs: dict, peers: list[dict], base: di
 def measure_size(name: str, args: argparse.Namespace, work: Path, prefix: str) -> tuple[SizeFigures, list[Measurement], dict]:
     """Every job of size `name` (module docstring, steps 1-6), each deltarec job on a fresh broker."""
     work.mkdir(parents=True, exist_ok=True)
-    s = size_job(name, work)
+    given = (("steps", args.steps), ("interval", args.interval), ("follower_intervals", args.follower_intervals))
+    s = size_job(name, work, {k: v for k, v in given if v})
     log(f"size {name}: {s['config']}, checkpoint every {s['interval']} steps")
     with contextlib.ExitStack() as brokers:
 
@@ -461,10 +463,6 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite scale") -> dic
     unknown = [n for n in names if n not in SIZES]
     if unknown:
         raise SystemExit(f"{prog}: unknown size {unknown[0]!r} (sizes: {', '.join(SIZES)})")
-    given = (("steps", args.steps), ("interval", args.interval), ("follower_intervals", args.follower_intervals))
-    overrides = {k: v for k, v in given if v}
-    for n in names:
-        SIZES[n] = {**SIZES[n], **overrides}
     started = time.perf_counter()
     machine = machine_info()
     prefix = f"bench-scale-{uuid.uuid4().hex[:8]}"
