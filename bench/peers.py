@@ -366,15 +366,13 @@ def follower_job(
     intervals: int,
     grace_s: float,
     process: bool = False,
-    follower_overrides: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """deltarec + follower: the `incremental` policy over `intervals` checkpoints with a
     follower compacting its chain (started before the ranks, stopped once it has applied the
     newest COMMIT); then its lag and compactions, and the cheapest chain per checkpoint.
     `broker`: a fresh one for this job (its CPU counts the follower's reads too). `process`:
     the follower is `deltarec-follow` in its own process (`bench.follower_proc`), its memory
-    measured, rather than a thread of this one; `follower_overrides`: the follower's only
-    (`ckpt.follow.*`)."""
+    measured, rather than a thread of this one."""
     from bench.ckpt_bench import train_run
     from bench.follower_proc import FollowerProcess
     from launch.ranks import read_jsonl, read_metrics
@@ -404,7 +402,6 @@ def follower_job(
         f"ckpt.encoding={encoding}",
         *ns.overrides,
     ]
-    job += follower_overrides
     cfg = load_config(s["config"], job, check_data=False).ckpt  # what `deltarec-follow --config C job...` resolves
     log(
         f"follower for run {run_id} (compact at deltas >= {cfg.follow.compact_ratio} x the baseline or "
@@ -439,7 +436,6 @@ def follower_job(
     run["follower"] = {
         "applied": [r for r in fol if "follow_ckpt" in r],
         "compactions": [r for r in fol if "compacted_ckpt" in r],
-        "exports": [r for r in fol if "export_ckpt" in r],
         "memory": {k: getattr(follower, k) for k in ("rss_ready_bytes", "rss_peak_bytes", "hwm_bytes")} if process else None,
         "stats": follower.stats,
         "error": follower.error,

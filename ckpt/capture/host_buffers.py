@@ -28,9 +28,10 @@ an interval before each snapshot the checkpoint manager asks for its likely size
 (`reserve_ahead`), and a helper thread of low priority makes and faults in a slab that large,
 unless a free slab holds it already or the bound has no room for it. That size is the largest
 snapshot the policy may take next, so the same call unmaps a free slab more than twice as
-large (and 64 MiB larger): after the first, full checkpoint of an `incremental` run the
-rank's host buffers shrink to what its deltas need instead of keeping a copy of every row
-(docs/design.md §1, "Host memory").
+large (and 64 MiB larger): when an `incremental` run's full checkpoint (the first after a
+resume copies every trained row) is followed only by much smaller deltas, the rank's host
+buffers shrink to what the deltas need instead of keeping a copy of every row (docs/design.md
+§1, "Host memory").
 """
 
 from __future__ import annotations
