@@ -225,6 +225,8 @@ def summarize(m: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     summary = {
         "checkpoints": len(commits),
         "served_checkpoints": len(first_answer),
+        # the newest checkpoint answered; one superseded before any request reached it never is
+        "newest_served": bool(first_answer) and max(first_answer) == max(commits),
         "train_s": round(m["train_s"], 1),
         "time_to_commit_p50_s": _pct(ttc, 50),
         "time_to_commit_p99_s": _pct(ttc, 99),

@@ -355,8 +355,9 @@ def test_throughput_suite_compares_with_torchrec_and_profiles_the_step(
 
 
 def test_serve_suite_times_freshness_latency_and_memory(tmp_path: Path, run_cli: CliRunner, debug_config: DebugConfig) -> None:
-    """A tiny `serve` run on the debug model (a checkpoint every second, a light load): every
-    checkpoint served and timed, both request classes answered, memory per row, the records."""
+    """A tiny `serve` run on the debug model (a checkpoint every second, a light load): the
+    newest checkpoint served and the freshness timed, both request classes answered, memory per
+    row, the records."""
     out, records = tmp_path / "serve.json", tmp_path / "records.jsonl"
     run_cli(
         "bench.run", "--suite", "serve", "--records", records, "--out", out, "--config", debug_config.path,
@@ -364,7 +365,10 @@ def test_serve_suite_times_freshness_latency_and_memory(tmp_path: Path, run_cli:
         timeout_s=300,
     )  # fmt: skip
     s = json.loads(out.read_text())["summary"]
-    assert s["checkpoints"] >= 2 and s["served_checkpoints"] == s["checkpoints"], s
+    # every checkpoint the load saw was committed and the newest answered; under a loaded machine
+    # (requests refused busy, two checkpoints applied in one poll) an intermediate one may
+    # never meet a request, so not every checkpoint need be answered
+    assert s["checkpoints"] >= 2 and 2 <= s["served_checkpoints"] <= s["checkpoints"] and s["newest_served"], s
     assert s["freshness_server_p99_s"] > 0 and s["time_to_commit_p99_s"] > 0, s
     assert s["latency_1_p99_ms"] > 0 and s["latency_32_p99_ms"] > 0 and s["requests_ok"] > 0, s
     assert s["memory_stated_per_row_bytes"] == 2 * 4 * 16 and s["rows"] == 2000 + 1000 + 64, s
