@@ -45,9 +45,10 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from bench.common import Measurement, config_path, document_head, loadavg, log, machine_info, median_of, unit_of
 from bench.memory import RssSampler
@@ -183,7 +184,7 @@ def _max(xs: list[Any]) -> Any:
     return max(xs) if xs else None
 
 
-def gather(name: str, s: dict[str, Any], jobs: dict, peers: list[dict], base: dict, summary: dict, extra: dict) -> SizeFigures:
+def gather(name: str, jobs: dict, peers: list[dict], base: dict, summary: dict, extra: dict) -> SizeFigures:
     """One size's `SizeFigures` from its jobs' outputs and `build_records`' summary."""
     inc = summary["deltarec"].get(f"{FOLLOWER}/{ENCODING}", {})
     full = summary["deltarec"].get(f"full/{ENCODING}", {})
@@ -273,18 +274,20 @@ def measure_size(name: str, args: argparse.Namespace, work: Path, prefix: str) -
     }
     records, summary = build_records(s, jobs, peers, base, common={"size": name})
     extra = {"memory": memory, "export": export, "tracker": tracker}
-    fig = gather(name, s, jobs, peers, base, summary, extra)
+    fig = gather(name, jobs, peers, base, summary, extra)
     phases = [{k: v for k, v in ph.items() if k != "checkpoints"} for p in peers for ph in p["phases"]]
     raw = {"settings": {k: v for k, v in s.items() if k != "repeats"}, "summary": summary, "peer_phases": phases, **extra}
     return fig, list(records.items), raw
 
 
 # -- per GB, per row, trends -----------------------------------------------------------------------
-class Derived:
+class Derived(NamedTuple):
     """A figure normalized: `value(f)` of one size, its unit, and what it is divided by."""
 
-    def __init__(self, name: str, unit: str, value: Any, per: str) -> None:
-        self.name, self.unit, self.value, self.per = name, unit, value, per
+    name: str
+    unit: str
+    value: Callable[[SizeFigures], float | None]
+    per: str
 
 
 def _div(a: Any, b: Any, scale: float = 1.0) -> float | None:
