@@ -332,6 +332,8 @@ class RankMemory:
     pool_keep_bytes: int = 0  # `ckpt.max_pending_bytes`: the host buffers' bound (0: checkpoints off)
     pool_peak_bytes: int = 0  # the host buffers' largest capacity held at once, lent and free
     pinned: bool = False  # the host buffers are page-locked (a CUDA job)
+    rss_anon_end_bytes: int = 0  # the end's resident set, its private part (RssAnon) ...
+    rss_file_end_bytes: int = 0  # ... and its mapped files (RssFile: libraries' code, shared by every process mapping them)
 
 
 def model_bytes(sharded: Any) -> int:
@@ -394,6 +396,7 @@ def train(job: Job, cfg: JobConfig, side: Path, copier: BareCopier | None = None
             wait_idle(manager)
         ledger.sample()
         pool = manager.taker.pool if manager is not None else None
+        status = proc_status(os.getpid())
         memory = RankMemory(
             rank=job.env.rank,
             model_bytes=model_bytes(job.sharded),
@@ -401,7 +404,9 @@ def train(job: Job, cfg: JobConfig, side: Path, copier: BareCopier | None = None
             rss_peak_bytes=rss.stop(),
             rss_peak_late_bytes=rss.peak_after(0.5),
             rss_end_bytes=rss.samples[-1][1],
-            hwm_bytes=proc_status(os.getpid())["VmHWM"],
+            hwm_bytes=status["VmHWM"],
+            rss_anon_end_bytes=status["RssAnon"],
+            rss_file_end_bytes=status["RssFile"],
             pool_keep_bytes=pool.keep_bytes if pool is not None else 0,
             pool_peak_bytes=pool.held_peak if pool is not None else 0,
             pinned=bool(pool is not None and pool.pinned),

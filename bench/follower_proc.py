@@ -41,6 +41,8 @@ class FollowerProcess:
         self.rss_ready_bytes = 0  # resident once ready, before any row
         self.rss_peak_bytes = 0  # sampled peak while following
         self.hwm_bytes = 0  # VmHWM when stopped
+        self.status_ready: dict[str, int] = {}  # `proc_status` once ready...
+        self.status_end: dict[str, int] = {}  # ... and when stopped: which part grew (private, mapped files)
         self._proc: subprocess.Popen | None = None
         self._rss: RssSampler | None = None
 
@@ -58,6 +60,7 @@ class FollowerProcess:
             time.sleep(0.1)
         self._rss = RssSampler(self._proc.pid).start()
         self.rss_ready_bytes = self._rss.start_bytes
+        self.status_ready = proc_status(self._proc.pid)
         return self
 
     def tail(self, n: int = 1500) -> str:
@@ -83,7 +86,8 @@ class FollowerProcess:
             time.sleep(0.1)
         self.rss_peak_bytes = self._rss.stop()
         if self._proc.poll() is None:
-            self.hwm_bytes = proc_status(self._proc.pid)["VmHWM"]
+            self.status_end = proc_status(self._proc.pid)
+            self.hwm_bytes = self.status_end["VmHWM"]
             self._proc.send_signal(signal.SIGTERM)
             try:
                 self._proc.wait(60)

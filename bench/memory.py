@@ -1,6 +1,6 @@
 """Resident memory of processes, for the suites that report it (`serve`, `scale`).
 
-`proc_status(pid)` reads VmRSS and VmHWM once; `RssSampler` samples one process's resident
+`proc_status(pid)` reads VmRSS, VmHWM and the resident set's parts once; `RssSampler` samples one process's resident
 set on a thread while a phase runs, for the peak inside that phase (VmHWM is the process's
 peak since it started: a model's construction would hide the phase's own peak behind it).
 Linux only (/proc), like the machines the suites run on.
@@ -17,12 +17,17 @@ from types import TracebackType
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
+STATUS_KEYS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
+
+
 def proc_status(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM of `pid`, in bytes."""
+    """VmRSS, VmHWM and the resident set's parts (RssAnon: private memory; RssFile: mapped
+    files, shared libraries' code included, shared with every process that maps them) of
+    `pid`, in bytes."""
     fields = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
+        if key in STATUS_KEYS:
             fields[key] = int(value.split()[0]) * 1024
     return fields
 

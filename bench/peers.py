@@ -209,7 +209,7 @@ def deltarec_job(
         steps=s["steps"],
         overrides=["ckpt.final=false", *s["overrides"]],
         config=s["config"],
-        ranks=2,
+        ranks=s.get("ranks", 2),
         timeout_s=timeout_s,
     )
     bootstrap, cpu0 = broker.bootstrap, broker_cpu_s(broker)
@@ -219,7 +219,7 @@ def deltarec_job(
     rates = [m["samples_per_s"] for m in metrics if "samples_per_s" in m]
     run["skipped"] = sum(1 for m in metrics if m.get("ckpt_skipped"))  # writers still busy: back-pressure
     run["samples_per_s"] = harmonic_of(rates[1:] or rates)  # every window but the first (start-up)
-    run["capacity"] = capacity(s["config"], [*ns.overrides, f"ckpt.encoding={encoding}"], bootstrap, run["run_id"], 2)
+    run["capacity"] = capacity(s["config"], [*ns.overrides, f"ckpt.encoding={encoding}"], bootstrap, run["run_id"], ns.ranks)
     run["run_dir"] = str(work / label / "run")
     return run
 
@@ -356,6 +356,9 @@ def chain_capacity(config: str, overrides: list[str], bootstrap: str, run_id: st
     return out
 
 
+FOLLOWER_MEMORY = ("rss_ready_bytes", "rss_peak_bytes", "hwm_bytes", "status_ready", "status_end")  # a FollowerProcess's
+
+
 def follower_job(
     encoding: str,
     s: dict[str, Any],
@@ -388,7 +391,7 @@ def follower_job(
         interval=s["interval"],
         steps=steps,
         config=s["config"],
-        ranks=2,
+        ranks=s.get("ranks", 2),
         overrides=["ckpt.final=false", *s["overrides"]],
         timeout_s=timeout_s,
     )
@@ -429,14 +432,14 @@ def follower_job(
     rates = [m["samples_per_s"] for m in metrics if "samples_per_s" in m]
     run["skipped"] = sum(1 for m in metrics if m.get("ckpt_skipped"))
     run["samples_per_s"] = harmonic_of(rates[1:] or rates)
-    run["capacity"] = chain_capacity(s["config"], [*ns.overrides, f"ckpt.encoding={encoding}"], bootstrap, run_id, 2)
+    run["capacity"] = chain_capacity(s["config"], [*ns.overrides, f"ckpt.encoding={encoding}"], bootstrap, run_id, ns.ranks)
     run["run_dir"] = str(run_dir)
     run["steps"] = steps
     fol = read_jsonl(Path(cfg.follow.metrics)) if Path(cfg.follow.metrics).is_file() else []
     run["follower"] = {
         "applied": [r for r in fol if "follow_ckpt" in r],
         "compactions": [r for r in fol if "compacted_ckpt" in r],
-        "memory": {k: getattr(follower, k) for k in ("rss_ready_bytes", "rss_peak_bytes", "hwm_bytes")} if process else None,
+        "memory": {k: getattr(follower, k) for k in FOLLOWER_MEMORY} if process else None,
         "stats": follower.stats,
         "error": follower.error,
         "caught_up": follower.caught_up,
@@ -462,7 +465,12 @@ def baseline_job(s: dict[str, Any], work: Path, timeout_s: float) -> dict[str, A
     from launch.ranks import read_metrics
 
     ns = Namespace(
-        interval=s["interval"], steps=s["steps"], overrides=s["overrides"], config=s["config"], ranks=2, timeout_s=timeout_s
+        interval=s["interval"],
+        steps=s["steps"],
+        overrides=s["overrides"],
+        config=s["config"],
+        ranks=s.get("ranks", 2),
+        timeout_s=timeout_s,
     )
     run = baseline_run(ns, work)
     rates = [m["samples_per_s"] for m in read_metrics(work / "no-ckpt" / "run") if "samples_per_s" in m]
@@ -471,16 +479,26 @@ def baseline_job(s: dict[str, Any], work: Path, timeout_s: float) -> dict[str, A
 
 
 def peers_job(
-    s: dict[str, Any], work: Path, jobs: dict[tuple[str, str], dict], timeout_s: float, names: tuple[str, ...] = PEERS
+    s: dict[str, Any],
+    work: Path,
+    jobs: dict[tuple[str, str], dict],
+    timeout_s: float,
+    names: tuple[str, ...] = PEERS,
+    world_size: int | None = None,
 ) -> list[dict]:
     """The peers' phases (`names`, in order), then every restore (each deltarec job's from its
-    own broker)."""
+    own broker), on `world_size` ranks (default: the job's own, `s["ranks"]`). On another world
+    size than the jobs trained on, only deltarec's restores run (`bench.peers_rank
+    --restore-only`): restoring into another world size, in `<work>/restore-<n>ranks`."""
     from launch.ranks import spawn_ranks
 
-    tmp = work / "peers"
+    ranks = s.get("ranks", 2)
+    world = world_size or ranks
+    restore_only = world != ranks
+    tmp = work / (f"restore-{world}ranks" if restore_only else "peers")
     tmp.mkdir(parents=True)
     extra = ["--out-dir", str(tmp), "--steps", str(s["steps"]), "--interval", str(s["interval"]), "--repeats", str(s["repeats"])]
-    extra += ["--peers", *names]
+    extra += ["--restore-only"] if restore_only else ["--peers", *names]
     for (policy, enc), run in jobs.items():
         label = f"{policy}-{enc}"
         extra += [
@@ -491,17 +509,20 @@ def peers_job(
             "--restore-override",
             f"{label}=ckpt.bootstrap_servers={run['bootstrap']}",
         ]
-    log(f"peers: no checkpoint / {' / '.join(names)}, then restores")
+    if restore_only:
+        log(f"deltarec's restores of {ranks} ranks' checkpoints into {world} ranks")
+    else:
+        log(f"peers on {world} ranks: no checkpoint / {' / '.join(names)}, then restores")
     spawn_ranks(
         s["config"],
         ["train.eval_every=0", "train.eval_batches=0", *s["overrides"]],
         tmp,
-        world_size=2,
+        world_size=world,
         timeout_s=timeout_s,
         module="bench.peers_rank",
         extra_args=extra,
     )
-    return [json.loads((tmp / f"peers_rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((tmp / f"peers_rank{r}.json").read_text()) for r in range(world)]
 
 
 # -- records ----------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ Spawned like a trainer rank (`launch.ranks.spawn_ranks`), it builds the job exac
 
 **Phases** (suites `quick`, `full` and `scale`, 2 ranks): warm-up, then phases of `--steps`
 steps each, in this order: no checkpointing, `dcp.save`, `dcp.async_save`, `torch.save`
-(`--peers`: those named), no checkpointing again. Each phase and each restore records this
+(`--peers`: those named), no checkpointing again (`--restore-only`: no phase; suite `scale`
+restores runs of 4 ranks into 2 this way). Each phase and each restore records this
 rank's resident set at its start and its sampled peak (`bench.memory.RssSampler`).
 In a checkpointing phase the peer checkpoints every `--interval` steps (`DcpPeers`):
 
@@ -440,7 +441,7 @@ def run_phases(args: argparse.Namespace, overrides: list[str]) -> int:
             pc,
         )
 
-    done = [run_phase(name) for name in ("none", *args.peers, "none")]
+    done = [] if args.restore_only else [run_phase(name) for name in ("none", *args.peers, "none")]
     phases = [ph for ph, _ in done]
     references = {LOADS[pc.name]: (pc.last, pc.reference) for _, pc in done if pc is not None and pc.name != "dcp.async_save"}
     end_step = trainer.step
@@ -513,6 +514,11 @@ def main(argv: list[str] | None = None) -> int:
         choices=("dcp.save", "dcp.async_save", "torch.save"),
         default=["dcp.save", "dcp.async_save", "torch.save"],
         help="the checkpointing phases, in order, between the two without checkpoints",
+    )
+    p.add_argument(
+        "--restore-only",
+        action="store_true",
+        help="no phases: only deltarec's restores (of runs trained on another world size, suite scale)",
     )
     p.add_argument("--stager", choices=("clone", "pinned"), default="clone", help="dcp.async_save's stager")
     p.add_argument("--restore", action="append", default=[], help="LABEL=RUN_ID=RUN_DIR of a deltarec run")

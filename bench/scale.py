@@ -1,6 +1,6 @@
 """How checkpointing's cost grows with the model (issue 45): suite `scale`.
 
-    python -m bench.run --suite scale [--sizes quick,mid,full,kaggle] [--out F] [--plots docs/img] [--keep DIR]
+    python -m bench.run --suite scale [--sizes quick,mid,full,kaggle,full4] [--out F] [--plots docs/img] [--keep DIR]
 
 The same job at each size, smallest first: 2 gloo ranks of the quickstart's DLRM, then
 Criteo Kaggle's 26 categorical tables (`bench.peers.CRITEO_KAGGLE`) capped at a size's row
@@ -26,6 +26,12 @@ At each size, in this order, each deltarec job on its own fresh embedded broker:
 6. `bench.peers_rank` with `dcp.save` and `dcp.async_save` (cloning stager), then restores:
    `dcp.load` and deltarec's restore of jobs 2 and 3, each with its memory sampled.
 
+Size `full4` (`--sizes full,full4`, not in the default list) is `full`'s model on 4 ranks,
+oversubscribed on a 2-core machine: the same jobs on 4 ranks, then (7.) deltarec's restore
+of its follower job's checkpoint into 2 ranks (`bench.peers_rank --restore-only`). It is no
+point of the trend against model size; its per-rank figures are set beside `full`'s, each
+with the ratio (`RankComparison`).
+
 Then per size the figures per GB of model and per changed row, their trend from the smallest
 size to the largest as the slope of log(cost) against log(model bytes) (0: flat; 1: grows
 with the table; a per-row cost that grows with the table has a positive slope), the goals of
@@ -40,6 +46,7 @@ import contextlib
 import io
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -76,14 +83,25 @@ SIZES: dict[str, dict[str, Any]] = {
     # Criteo Kaggle's own cardinalities: 33.8M rows, 4.32 GB; a rank's full snapshot (~2.2 GB) is
     # over the default ckpt.max_pending_bytes (1 GiB), which must hold one (the manager refuses less)
     "kaggle": {"cap": UNCAPPED, "dim": 32, "overrides": ["data.batch_size=2048", "ckpt.max_pending_bytes=4294967296"]},
+    # size `full` on 4 ranks (oversubscribed on a 2-core machine), compared with `full`, and its
+    # checkpoints restored into 2 ranks as well: not a point of the trend against model size
+    "full4": {"cap": 1_000_000, "dim": 64, "ranks": 4, "compare": "full"},
 }
-CRITEO_JOB = {"config": None, "steps": 340, "interval": 170, "follower_intervals": 8, "overrides": ["data.batch_size=2048"]}
+BASE_RANKS = 2  # the trend's sizes run on 2 ranks
+CRITEO_JOB = {
+    "config": None,
+    "steps": 340,
+    "interval": 170,
+    "follower_intervals": 8,
+    "overrides": ["data.batch_size=2048"],
+    "ranks": BASE_RANKS,
+}
 
 
 def size_job(name: str, work: Path, given: dict[str, int]) -> dict[str, Any]:
     """The suite's settings for size `name` with the options `given` (steps, interval,
     follower_intervals), its config written into `work` when generated."""
-    s = {"repeats": 2, **CRITEO_JOB, **SIZES[name], **given}
+    s = {"repeats": 2, "ranks": BASE_RANKS, **CRITEO_JOB, **SIZES[name], **given}
     if s["config"] is None:
         s["config"] = str(full_config(work / f"{name}.yaml", s["cap"], s["dim"]))
     else:
@@ -92,7 +110,7 @@ def size_job(name: str, work: Path, given: dict[str, int]) -> dict[str, Any]:
 
 
 # -- one size's jobs -------------------------------------------------------------------------------
-def read_memories(side: Path, ranks: int = 2) -> list[dict[str, Any]]:
+def read_memories(side: Path, ranks: int) -> list[dict[str, Any]]:
     """Every rank's `RankMemory` of a job, as dicts, in rank order."""
     from bench.ckpt_rank import read_memory
 
@@ -126,7 +144,7 @@ def tracker_job(s: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     from bench import tracker_overhead
 
     argv = ["--config", s["config"], "--rounds", "3", "--block", "10", "--warmup", "10", "--interval", "20"]
-    argv += ["--repeats", "3", "--timeout-s", str(timeout_s), *s["overrides"]]
+    argv += ["--ranks", str(s["ranks"]), "--repeats", "3", "--timeout-s", str(timeout_s), *s["overrides"]]
     with contextlib.redirect_stdout(io.StringIO()):  # its whole document: kept in ours instead
         result = tracker_overhead.run(argv)
     return dict(result["summary"])
@@ -134,14 +152,17 @@ def tracker_job(s: dict[str, Any], timeout_s: float) -> dict[str, Any]:
 
 @dataclass
 class SizeFigures:
-    """One size's figures (both ranks; memory: the larger rank's), as measured."""
+    """One size's figures (every rank's; memory: the largest rank's), as measured."""
 
     size: str
+    ranks: int
     model_rows: int
     model_bytes: int  # every rank's shards: fp32 weights and sparse optimizer state
     rank_model_bytes: int  # the larger rank's
     rows_per_interval: float | None  # rows a delta checkpoint wrote (median)
     stall_ms: float | None  # a delta's stall (median)
+    take_ms: float | None  # ... its copy of the rows, the slowest rank's (median)
+    agree_ms: float | None  # ... the ranks agreeing to take it, the slowest rank's (median): waits for every rank
     stall_full_ms: float | None  # deltarec `full`, 4-bit
     dcp_save_stall_ms: float | None
     dcp_async_stall_ms: float | None
@@ -161,6 +182,8 @@ class SizeFigures:
     rss_incremental_late_bytes: int | None  # peak over the second half, incremental + follower
     rss_incremental_bytes: int | None  # peak over the whole run (its first, full checkpoint included)
     rss_full_bytes: int | None  # peak, deltarec `full`
+    anon_extra_end_bytes: int | None  # private memory at the end, incremental + follower less no checkpoints (largest rank)
+    file_extra_end_bytes: int | None  # mapped files' resident pages at the end, the same difference
     rss_dcp_save_bytes: int | None  # a peer phase's peak, to compare with the first phase without checkpoints...
     rss_dcp_async_bytes: int | None  # (after dcp.save's: what that phase left resident counts here too)
     rss_phase_none_bytes: int | None  # ... of the same process
@@ -171,12 +194,22 @@ class SizeFigures:
     dcp_load_rss_bytes: int | None
     follower_store_bytes: int | None  # `follow_store_bytes` at the end: the documented bytes per row x rows
     follower_rss_grown_bytes: int | None  # peak less the resident set once ready, before any row
+    follower_anon_grown_bytes: int | None  # its private memory when stopped less once ready...
+    follower_file_grown_bytes: int | None  # ... and its mapped files' (libraries loaded on first use)
     compact_s: float | None  # median
     compactions: int
     export_s: float | None
     export_rss_bytes: int | None
     export_file_bytes: int | None
     follower_error: str | None
+    restore_other_ranks: int | None = None  # a world size the follower job's checkpoints were also restored into...
+    restore_other_s: float | None = None  # ... and how long that took (median over repeats)
+
+
+def _status_grown(memory: dict[str, Any], key: str) -> int | None:
+    """How much `key` of a follower's `proc_status` grew from ready to stopped."""
+    ready, end = (memory.get(k) or {} for k in ("status_ready", "status_end"))
+    return _extra(end.get(key), ready.get(key))
 
 
 def _max(xs: list[Any]) -> Any:
@@ -184,8 +217,11 @@ def _max(xs: list[Any]) -> Any:
     return max(xs) if xs else None
 
 
-def gather(name: str, jobs: dict, peers: list[dict], base: dict, summary: dict, extra: dict) -> SizeFigures:
-    """One size's `SizeFigures` from its jobs' outputs and `build_records`' summary."""
+def gather(
+    name: str, jobs: dict, peers: list[dict], base: dict, summary: dict, extra: dict, other: list[dict] | None = None
+) -> SizeFigures:
+    """One size's `SizeFigures` from its jobs' outputs and `build_records`' summary; `other`:
+    every rank's output of the restores into another world size, if there were any."""
     inc = summary["deltarec"].get(f"{FOLLOWER}/{ENCODING}", {})
     full = summary["deltarec"].get(f"full/{ENCODING}", {})
     dcp, dasync = summary["peers"].get("dcp.save", {}), summary["peers"].get("dcp.async_save", {})
@@ -200,13 +236,17 @@ def gather(name: str, jobs: dict, peers: list[dict], base: dict, summary: dict, 
     fm = fol.get("memory") or {}
     applied = fol["applied"]
     exp = extra["export"]
+    other_s = other[0]["restore"].get(f"deltarec:{FOLLOWER}-{ENCODING}", {}).get("restore_s", []) if other else []
     return SizeFigures(
         size=name,
+        ranks=len(peers),
         model_rows=run["model_rows"],
         model_bytes=sum(m["model_bytes"] for m in mem_none),
         rank_model_bytes=max(m["model_bytes"] for m in mem_none),
         rows_per_interval=median_of([c["rows"] for c in deltas]),
         stall_ms=median_of([c["stall_ms"] for c in deltas]),
+        take_ms=median_of([c["take_ms"] for c in deltas if c.get("take_ms") is not None]),
+        agree_ms=median_of([c["agree_ms"] for c in deltas if c.get("agree_ms") is not None]),
         stall_full_ms=full.get("stall_ms"),
         dcp_save_stall_ms=dcp.get("stall_ms"),
         dcp_async_stall_ms=dasync.get("stall_ms"),
@@ -226,6 +266,8 @@ def gather(name: str, jobs: dict, peers: list[dict], base: dict, summary: dict, 
         rss_incremental_late_bytes=_max([m["rss_peak_late_bytes"] for m in mem_inc]),
         rss_incremental_bytes=_max([m["rss_peak_bytes"] for m in mem_inc]),
         rss_full_bytes=_max([m["rss_peak_bytes"] for m in mem_full]),
+        anon_extra_end_bytes=_max([_extra(i["rss_anon_end_bytes"], n["rss_anon_end_bytes"]) for i, n in zip(mem_inc, mem_none)]),
+        file_extra_end_bytes=_max([_extra(i["rss_file_end_bytes"], n["rss_file_end_bytes"]) for i, n in zip(mem_inc, mem_none)]),
         rss_dcp_save_bytes=_max([ph.get("dcp.save", {}).get("rss_peak_bytes") for ph in phases.values()]),
         rss_dcp_async_bytes=_max([ph.get("dcp.async_save", {}).get("rss_peak_bytes") for ph in phases.values()]),
         rss_phase_none_bytes=_max([ph.get("none", {}).get("rss_peak_bytes") for ph in phases.values()]),
@@ -236,12 +278,16 @@ def gather(name: str, jobs: dict, peers: list[dict], base: dict, summary: dict, 
         dcp_load_rss_bytes=_max([x for r in restores for x in r.get("dcp.load", {}).get(RSS, [])]),
         follower_store_bytes=applied[-1]["follow_store_bytes"] if applied else None,
         follower_rss_grown_bytes=_extra(fm.get(RSS), fm.get("rss_ready_bytes")),
+        follower_anon_grown_bytes=_status_grown(fm, "RssAnon"),
+        follower_file_grown_bytes=_status_grown(fm, "RssFile"),
         compact_s=median_of([c["compact_s"] for c in fol["compactions"]]),
         compactions=len(fol["compactions"]),
         export_s=exp.get("export_s"),
         export_rss_bytes=exp.get("rss_peak_bytes"),
         export_file_bytes=exp.get("file_bytes"),
         follower_error=fol.get("error") or exp.get("error"),
+        restore_other_ranks=len(other) if other else None,
+        restore_other_s=median_of(other_s),
     )
 
 
@@ -267,16 +313,23 @@ def measure_size(name: str, args: argparse.Namespace, work: Path, prefix: str) -
         log(f"size {name}: the tracker's hook and scan")
         tracker = tracker_job(s, args.timeout_s)
         peers = peers_job(s, work, jobs, args.timeout_s, SCALE_PEERS)
+        # restore into another world size: the 2-rank trend's sizes into 4 would oversubscribe
+        # the small ones for nothing; a size of more ranks is restored into the trend's 2
+        other = peers_job(s, work, jobs, args.timeout_s, world_size=BASE_RANKS) if s["ranks"] != BASE_RANKS else None
+    ranks = s["ranks"]
     memory = {
-        "none": read_memories(work / "no-ckpt" / "side"),
-        "full": read_memories(work / f"full-{ENCODING}" / "side"),
-        "incremental": read_memories(work / f"incremental-follower-{ENCODING}" / "side"),
+        "none": read_memories(work / "no-ckpt" / "side", ranks),
+        "full": read_memories(work / f"full-{ENCODING}" / "side", ranks),
+        "incremental": read_memories(work / f"incremental-follower-{ENCODING}" / "side", ranks),
     }
     records, summary = build_records(s, jobs, peers, base, common={"size": name})
     extra = {"memory": memory, "export": export, "tracker": tracker}
-    fig = gather(name, jobs, peers, base, summary, extra)
+    fig = gather(name, jobs, peers, base, summary, extra, other)
     phases = [{k: v for k, v in ph.items() if k != "checkpoints"} for p in peers for ph in p["phases"]]
     raw = {"settings": {k: v for k, v in s.items() if k != "repeats"}, "summary": summary, "peer_phases": phases, **extra}
+    if other:
+        raw["restore_other"] = [p["restore"] for p in other]
+    raw["follower_job_checkpoints"] = jobs[(FOLLOWER, ENCODING)]["checkpoints"]  # each with every rank's stall parts
     return fig, list(records.items), raw
 
 
@@ -340,6 +393,56 @@ DERIVED = (
 )
 
 
+# per rank: the same model on 2 and on 4 ranks (`full`, `full4`), each figure per row or GB a rank holds
+def _rank(total: Any, f: SizeFigures) -> float | None:
+    """A rank's share of `total` (rows, bytes) of size `f`."""
+    return _div(total, f.ranks)
+
+
+RANK_DERIVED = (
+    Derived("stall_us_per_rank_row", "us/row", lambda f: _div(f.stall_ms, _rank(f.rows_per_interval, f), 1e3), "rank's row"),
+    Derived("take_us_per_rank_row", "us/row", lambda f: _div(f.take_ms, _rank(f.rows_per_interval, f), 1e3), "rank's row"),
+    Derived("agree_ms", "ms", lambda f: f.agree_ms, "-"),
+    Derived("commit_us_per_rank_row", "us/row", lambda f: _div(f.time_to_commit_s, _rank(f.rows_per_interval, f), 1e6), "row"),
+    Derived("bytes_per_row", "B/row", lambda f: _div(f.bytes_per_interval, f.rows_per_interval), "changed row"),
+    Derived("tracker_hook_ms_per_step", "ms/step", lambda f: f.tracker_hook_ms_per_step, "step (same batch)"),
+    Derived("scan_ms_per_m_rank_rows", "ms/M rows", lambda f: _div(f.find_rows_ms, _rank(f.model_rows, f), 1e6), "table row"),
+    Derived("full_stall_ms_per_rank_gb", "ms/GB", lambda f: _div(f.stall_full_ms, _rank(f.model_bytes, f), GB), "rank's GB"),
+    Derived("restore_s_per_rank_gb", "s/GB", lambda f: _div(f.restore_s, _rank(f.model_bytes, f), GB), "rank's GB"),
+    Derived("dcp_load_s_per_rank_gb", "s/GB", lambda f: _div(f.dcp_load_s, _rank(f.model_bytes, f), GB), "rank's GB"),
+    Derived("restore_over_dcp_load", "ratio", lambda f: _div(f.restore_s, f.dcp_load_s), "-"),
+    Derived("restore_other_ranks_over_own", "ratio", lambda f: _div(f.restore_other_s, f.restore_s), "own world's restore"),
+    Derived("samples_per_s_per_rank", "samples/s", lambda f: _div(f.samples_per_s_none, f.ranks), "rank"),
+    *(d for d in DERIVED if d.name.endswith("_over_rank_model") or d.name == "follower_rss_over_store"),
+)
+
+
+@dataclass
+class RankComparison:
+    """One model on the trend's 2 ranks and on more: each per-rank figure on both, and their ratio."""
+
+    model: str  # the 2-rank size
+    size: str  # the same model on `ranks` ranks
+    ranks: int
+    figures: dict[str, tuple[float | None, float | None, float | None]]  # name -> (2 ranks, more, ratio)
+    oversubscription: float  # how many times fewer cores per rank than at 2 ranks (a wall time's expected ratio)
+
+
+def rank_comparisons(figs: list[SizeFigures], cores: int) -> list[RankComparison]:
+    """Every size of more ranks than the trend's beside its 2-rank model, when both ran, on a
+    machine of `cores` cores."""
+    by_name = {f.size: f for f in figs}
+    out = []
+    for f in figs:
+        base = by_name.get(SIZES[f.size].get("compare", ""))
+        if f.ranks == BASE_RANKS or base is None:
+            continue
+        pairs = {d.name: (d.value(base), d.value(f)) for d in RANK_DERIVED}
+        share = max(1.0, f.ranks / cores) / max(1.0, base.ranks / cores)
+        out.append(RankComparison(base.size, f.size, f.ranks, {k: (a, b, _div(b, a)) for k, (a, b) in pairs.items()}, share))
+    return out
+
+
 def slope(xs: list[float], ys: list[float | None]) -> float | None:
     """Least-squares slope of log(y) against log(x) over the sizes that have a positive y."""
     pts = [(math.log(x), math.log(y)) for x, y in zip(xs, ys) if y is not None and y > 0 and x > 0]
@@ -349,6 +452,27 @@ def slope(xs: list[float], ys: list[float | None]) -> float | None:
     my = sum(p[1] for p in pts) / len(pts)
     den = sum((p[0] - mx) ** 2 for p in pts)
     return sum((p[0] - mx) * (p[1] - my) for p in pts) / den if den else None
+
+
+def linear_fit(xs: list[float | None], ys: list[float | None]) -> tuple[float, float] | None:
+    """Least-squares (slope, intercept) of y against x over the points that have both."""
+    pts = [(x, y) for x, y in zip(xs, ys) if x is not None and y is not None]
+    if len(pts) < 2:
+        return None
+    mx = sum(p[0] for p in pts) / len(pts)
+    my = sum(p[1] for p in pts) / len(pts)
+    den = sum((p[0] - mx) ** 2 for p in pts)
+    if not den:
+        return None
+    b = sum((p[0] - mx) * (p[1] - my) for p in pts) / den
+    return b, my - b * mx
+
+
+def follower_fit(figs: list[SizeFigures]) -> tuple[float, float] | None:
+    """The follower's growth against its documented store bytes across sizes: (bytes per store
+    byte, fixed bytes). The first is what the documented bytes per row must predict; the
+    second does not grow with the model (libraries, buffers of a fixed size)."""
+    return linear_fit([f.follower_store_bytes for f in figs], [f.follower_rss_grown_bytes for f in figs])
 
 
 def derived_table(figs: list[SizeFigures]) -> dict[str, list[float | None]]:
@@ -375,13 +499,20 @@ FLAT = ("stall_us_per_row", "bytes_per_row", "commit_us_per_row", "restore_s_per
 FLAT_SLOPE = 0.1  # a log-log slope at most this: flat within what noise explains (1.0: grows with the table)
 
 
+def trend(figs: list[SizeFigures], table: dict[str, list[float | None]]) -> tuple[list[float], dict[str, list[float | None]]]:
+    """The trend against model size: the model bytes of the sizes on the trend's 2 ranks, and
+    each derived figure at those sizes."""
+    keep = [i for i, f in enumerate(figs) if f.ranks == BASE_RANKS]
+    return [float(figs[i].model_bytes) for i in keep], {k: [v[i] for i in keep] for k, v in table.items()}
+
+
 def goals(figs: list[SizeFigures], table: dict[str, list[float | None]]) -> list[Goal]:
     """Issue 45's goals: flat or falling per-row and per-GB costs from the smallest to the
-    largest model, restore <= 0.5x dcp.load at each size, the steady state's extra memory <=
-    25% of a rank's model, a full checkpoint's <= one copy of its rows, the follower within 10%
-    of its documented bytes."""
-    xs = [float(f.model_bytes) for f in figs]
-    out = [Goal(f"{name}: flat or falling (log-log slope)", slope(xs, table[name]), "<=", FLAT_SLOPE) for name in FLAT]
+    largest model (the 2-rank sizes), restore <= 0.5x dcp.load at each size, the steady
+    state's extra memory <= 25% of a rank's model, a full checkpoint's <= one copy of its rows,
+    the follower within 10% of its documented bytes (these at every size and rank count)."""
+    xs, along = trend(figs, table)
+    out = [Goal(f"{name}: flat or falling (log-log slope)", slope(xs, along[name]), "<=", FLAT_SLOPE) for name in FLAT]
     out += [
         Goal("restore / dcp.load, worst size", _max(table["restore_over_dcp_load"]), "<=", 0.5),
         Goal("steady extra host memory / rank's model, worst size", _max(table["steady_extra_over_rank_model"]), "<=", 0.25),
@@ -390,6 +521,8 @@ def goals(figs: list[SizeFigures], table: dict[str, list[float | None]]) -> list
     ratios = [r for r in table["follower_rss_over_store"] if r is not None]
     worst = max(ratios, key=lambda r: abs(r - 1)) if ratios else None
     out.append(Goal("follower memory / documented store bytes, worst size", worst, "~", 1.0))
+    fit = follower_fit(figs)
+    out.append(Goal("follower memory per documented store byte, beyond a fixed part (fit over sizes)", fit and fit[0], "~", 1.0))
     return out
 
 
@@ -402,29 +535,38 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def print_tables(figs: list[SizeFigures], table: dict[str, list[float | None]], tg: list[Goal]) -> None:
-    head = "| figure | " + " | ".join(f.size for f in figs) + " | slope |"
+def print_tables(
+    figs: list[SizeFigures], table: dict[str, list[float | None]], tg: list[Goal], ranks: list[RankComparison]
+) -> None:
+    head = "| figure | " + " | ".join(f.size for f in figs) + " | slope (2-rank sizes) |"
     print(head)
     print("|" + " --- |" * (len(figs) + 2))
     for fld in fields(SizeFigures)[1:]:
         print(f"| {fld.name} | " + " | ".join(_fmt(getattr(f, fld.name)) for f in figs) + " | |")
-    xs = [float(f.model_bytes) for f in figs]
+    xs, along = trend(figs, table)
     for d in DERIVED:
-        print(f"| {d.name} ({d.unit}) | " + " | ".join(_fmt(v) for v in table[d.name]) + f" | {_fmt(slope(xs, table[d.name]))} |")
+        print(f"| {d.name} ({d.unit}) | " + " | ".join(_fmt(v) for v in table[d.name]) + f" | {_fmt(slope(xs, along[d.name]))} |")
+    for c in ranks:
+        print(f"\n{c.size}: {c.ranks} ranks have {c.oversubscription:g}x fewer cores each than {c.model}'s 2 (wall times)")
+        print(f"| per rank | {c.model} (2 ranks) | {c.size} ({c.ranks} ranks) | ratio |\n| --- | --- | --- | --- |")
+        for name, (a, b, r) in c.figures.items():
+            print(f"| {name} | {_fmt(a)} | {_fmt(b)} | {_fmt(r)} |")
     for g in tg:
         state = "met" if g.met else "NOT met" if g.met is not None else "not measured"
         print(f"target: {g.goal} {g.op} {g.target}: {_fmt(g.value)} ({state})")
 
 
 def plot(figs: list[SizeFigures], table: dict[str, list[float | None]], img: Path) -> list[str]:
-    """docs/img/scale_costs.png: each derived figure against model size, log-log."""
+    """docs/img/scale_costs.png: each derived figure against model size, log-log (the sizes
+    on the trend's 2 ranks)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     img.mkdir(parents=True, exist_ok=True)
-    xs = [f.model_bytes / GB for f in figs]
+    model_bytes, table = trend(figs, table)
+    xs = [x / GB for x in model_bytes]
     names = [d for d in DERIVED if any(v is not None and v > 0 for v in table[d.name])]
     cols = 4
     rows = math.ceil(len(names) / cols)
@@ -487,7 +629,12 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite scale") -> dic
     machine["loadavg_end"] = loadavg()
     table = derived_table(figs)
     tg = goals(figs, table)
-    xs = [float(f.model_bytes) for f in figs]
+    ranks = rank_comparisons(figs, os.cpu_count() or 1)
+    fit = follower_fit(figs)
+    if fit:
+        records.append(Measurement("follower_grown_per_store_byte", fit[0], "ratio"))
+        records.append(Measurement("follower_fixed_bytes", fit[1], "B"))
+    xs, along = trend(figs, table)
     for f in figs:
         for fld in fields(SizeFigures)[1:]:
             v = getattr(f, fld.name)
@@ -496,20 +643,27 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite scale") -> dic
     for d in DERIVED:
         for f, v in zip(figs, table[d.name]):
             records.append(Measurement(d.name, v, d.unit, labels={"size": f.size}))
-        records.append(Measurement(f"{d.name}_slope", slope(xs, table[d.name]), "log-log slope"))
+        records.append(Measurement(f"{d.name}_slope", slope(xs, along[d.name]), "log-log slope"))
+    for c in ranks:
+        for name, (_, _, r) in c.figures.items():
+            records.append(Measurement(f"{name}_ranks_ratio", r, "ratio", labels={"size": c.size, "over": c.model}))
     result: dict[str, Any] = {
         **document_head("scale", prog, argv, machine),
         "sizes": [asdict(f) for f in figs],
         "derived": table,
-        "slopes": {d.name: slope(xs, table[d.name]) for d in DERIVED},
+        "slopes": {d.name: slope(xs, along[d.name]) for d in DERIVED},
+        "ranks": [asdict(c) for c in ranks],
         "targets": [{**asdict(g), "met": g.met} for g in tg],
+        "follower_fit": dict(zip(("per_store_byte", "fixed_bytes"), fit)) if fit else None,
         "raw": raw,
         "records": records,
     }
     if args.plots:
         result["plots"] = plot(figs, table, args.plots)
     result["wall_s"] = time.perf_counter() - started
-    print_tables(figs, table, tg)
+    print_tables(figs, table, tg, ranks)
+    if fit:
+        print(f"follower: {fit[0]:.3g} bytes per documented store byte + {fit[1] / 1e6:.0f} MB fixed (fit over the sizes)")
     print(f"wall {result['wall_s']:.0f} s")
     if args.out:
         args.out.write_text(json.dumps({**result, "records": [m.flat() for m in records]}, indent=1, default=str) + "\n")

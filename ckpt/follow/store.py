@@ -29,6 +29,8 @@ from ckpt.log.markers import Marker
 from ckpt.quant import get_codec
 from ckpt.stream.frames import Frame, OptimState
 
+SLICE_ROWS = 1 << 18  # rows of one shard a compaction or a serving snapshot cuts into frames at a time
+
 
 class ShardKey(NamedTuple):
     """Columns `col_offset`..`col_offset + dim - 1` of one table (one column shard)."""
@@ -143,39 +145,55 @@ class RowStore:
                         f"{key.col_offset + key.dim - 1}: {missing} rows have no {name} in the chain"
                     )
 
-    def frames(self, run_id: str, checkpoint_id: int) -> Iterator[Frame]:
+    def frames(self, run_id: str, checkpoint_id: int, slice_rows: int = SLICE_ROWS) -> Iterator[Frame]:
         """The whole store as frames of checkpoint `checkpoint_id`, unsized (the caller
-        chunks them): one per (shard, writing partition, codecs) group, rows ascending.
-        Each carries the rows' encoded bytes untouched."""
+        chunks them): per shard, per window of `slice_rows` rows, one per (writing partition,
+        codecs) group, rows ascending. Each carries the rows' encoded bytes untouched. The
+        window bounds what a compaction or a serving snapshot holds beside the store: a
+        group's signature, sort and gathered rows, about 100 bytes per row of the window
+        rather than of the largest table (docs/design.md §10)."""
         for key, shard in sorted(self.shards.items()):
             states = sorted(shard.optim.items())
             assert len(states) <= 4, "a signature holds the weights, 4 optimizer states and the partition"
-            signature = shard.weights.code.long() | (shard.partition.long() << 48)
-            for i, (_, rows) in enumerate(states):
-                signature |= rows.code.long() << (8 * (i + 1))
-            values, inverse, counts = torch.unique(signature, return_inverse=True, return_counts=True)
-            order = torch.argsort(inverse, stable=True)  # stable: rows ascend within a group
-            for value, ids in zip(values.tolist(), torch.split(order, counts.tolist())):
-                code = value & 0xFF
-                if code == 0:  # rows no frame held: never trained (a chain with a row initialisation)
-                    continue
-                nbytes = shard.weights.row_bytes(code)
-                optim = []
-                for i, (name, rows) in enumerate(states):
-                    ocode = (value >> (8 * (i + 1))) & 0xFF
-                    optim.append(OptimState(name, ocode, rows.data[ids, : rows.row_bytes(ocode)]))
-                yield Frame(
-                    run_id=run_id,
-                    checkpoint_id=checkpoint_id,
-                    rank=value >> 48,
-                    table=key.table,
-                    col_offset=key.col_offset,
-                    dim=key.dim,
-                    encoding=code,
-                    row_bytes=nbytes,
-                    chunk_index=0,
-                    chunk_count=1,
-                    row_ids=ids,
-                    payload=shard.weights.data[ids, :nbytes],
-                    optim=tuple(optim),
-                )
+            for start in range(0, shard.partition.shape[0], slice_rows):
+                yield from self._window(run_id, checkpoint_id, key, shard, states, slice(start, start + slice_rows))
+
+    @staticmethod
+    def _window(
+        run_id: str, checkpoint_id: int, key: ShardKey, shard: ShardRows, states: list[tuple[str, EncodedRows]], rows: slice
+    ) -> Iterator[Frame]:
+        """The frames of rows `rows` of one shard (`frames`)."""
+        signature = shard.partition[rows].long()
+        signature <<= 48
+        signature |= shard.weights.code[rows]
+        for i, (_, state) in enumerate(states):
+            signature |= state.code[rows].long() << (8 * (i + 1))
+        values, inverse, counts = torch.unique(signature, return_inverse=True, return_counts=True)
+        del signature
+        order = torch.argsort(inverse, stable=True)  # stable: rows ascend within a group
+        del inverse
+        order += rows.start
+        for value, ids in zip(values.tolist(), torch.split(order, counts.tolist())):
+            code = value & 0xFF
+            if code == 0:  # rows no frame held: never trained (a chain with a row initialisation)
+                continue
+            nbytes = shard.weights.row_bytes(code)
+            optim = []
+            for i, (name, state) in enumerate(states):
+                ocode = (value >> (8 * (i + 1))) & 0xFF
+                optim.append(OptimState(name, ocode, state.data[ids, : state.row_bytes(ocode)]))
+            yield Frame(
+                run_id=run_id,
+                checkpoint_id=checkpoint_id,
+                rank=value >> 48,
+                table=key.table,
+                col_offset=key.col_offset,
+                dim=key.dim,
+                encoding=code,
+                row_bytes=nbytes,
+                chunk_index=0,
+                chunk_count=1,
+                row_ids=ids,
+                payload=shard.weights.data[ids, :nbytes],
+                optim=tuple(optim),
+            )

@@ -65,6 +65,33 @@ def test_store_frames_restore_exactly_what_the_chain_restores(codecs: tuple[str,
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
 
 
+def test_frames_cut_in_windows_hold_the_same_rows_each_inside_its_window() -> None:
+    """A compaction cuts each shard into windows of rows (what it holds beside the store stays
+    that size): the frames of small windows carry exactly the rows, bytes and partitions of one
+    window over the whole table, and no frame reaches past its window."""
+    store = RowStore()
+    for f in (
+        _frame(list(range(ROWS)), "adaptive4", seed=0),
+        _frame([3, 4, 17, 49], "fp32", seed=1),
+        _frame([20], "fp32", seed=2),
+    ):
+        store.apply(f, f.rank, ROWS)
+    whole, windowed = list(store.frames("r", 3)), list(store.frames("r", 3, slice_rows=16))
+    assert len(windowed) > len(whole)
+    for f in windowed:
+        assert int(f.row_ids.min()) // 16 == int(f.row_ids.max()) // 16
+        assert bool((f.row_ids[1:] > f.row_ids[:-1]).all())
+
+    def rows(frames: list[Frame]) -> dict[int, tuple[int, int, bytes, bytes]]:
+        out = {}
+        for f in frames:
+            for j, i in enumerate(f.row_ids.tolist()):
+                out[i] = (f.rank, f.encoding, f.payload[j].numpy().tobytes(), f.optim[0].rows[j].numpy().tobytes())
+        return out
+
+    assert rows(windowed) == rows(whole) and len(rows(whole)) == ROWS
+
+
 def test_rows_keep_the_partition_that_wrote_them_last() -> None:
     store = RowStore()
     base = _frame(list(range(ROWS)), "fp32", seed=0)  # rank 0
