@@ -1,8 +1,9 @@
 """Resident memory of processes, for the suites that report it (`serve`, `scale`).
 
-`proc_status(pid)` reads VmRSS, VmHWM and the resident set's parts once; `RssSampler` samples one process's resident
-set on a thread while a phase runs, for the peak inside that phase (VmHWM is the process's
-peak since it started: a model's construction would hide the phase's own peak behind it).
+`proc_status(pid)` reads VmRSS, VmHWM and the resident set's parts once; `RssSampler`
+samples one process's resident set on a thread while a phase runs, for the peak inside that
+phase (VmHWM is the process's peak since it started: a model's construction would hide the
+phase's own peak behind it).
 Linux only (/proc), like the machines the suites run on.
 """
 

@@ -443,17 +443,6 @@ def rank_comparisons(figs: list[SizeFigures], cores: int) -> list[RankComparison
     return out
 
 
-def slope(xs: list[float], ys: list[float | None]) -> float | None:
-    """Least-squares slope of log(y) against log(x) over the sizes that have a positive y."""
-    pts = [(math.log(x), math.log(y)) for x, y in zip(xs, ys) if y is not None and y > 0 and x > 0]
-    if len(pts) < 2:
-        return None
-    mx = sum(p[0] for p in pts) / len(pts)
-    my = sum(p[1] for p in pts) / len(pts)
-    den = sum((p[0] - mx) ** 2 for p in pts)
-    return sum((p[0] - mx) * (p[1] - my) for p in pts) / den if den else None
-
-
 def linear_fit(xs: list[float | None], ys: list[float | None]) -> tuple[float, float] | None:
     """Least-squares (slope, intercept) of y against x over the points that have both."""
     pts = [(x, y) for x, y in zip(xs, ys) if x is not None and y is not None]
@@ -468,11 +457,19 @@ def linear_fit(xs: list[float | None], ys: list[float | None]) -> tuple[float, f
     return b, my - b * mx
 
 
+def slope(xs: list[float], ys: list[float | None]) -> float | None:
+    """Least-squares slope of log(y) against log(x) over the sizes that have a positive y."""
+    pts = [(math.log(x), math.log(y)) for x, y in zip(xs, ys) if y is not None and y > 0 and x > 0]
+    fit = linear_fit([p[0] for p in pts], [p[1] for p in pts])
+    return fit[0] if fit else None
+
+
 def follower_fit(figs: list[SizeFigures]) -> tuple[float, float] | None:
-    """The follower's growth against its documented store bytes across sizes: (bytes per store
-    byte, fixed bytes). The first is what the documented bytes per row must predict; the
-    second does not grow with the model (libraries, buffers of a fixed size)."""
-    return linear_fit([f.follower_store_bytes for f in figs], [f.follower_rss_grown_bytes for f in figs])
+    """The follower's growth against its documented store bytes across the trend's sizes:
+    (bytes per store byte, fixed bytes). The first is what the documented bytes per row must
+    predict; the second does not grow with the model (libraries, buffers of a fixed size)."""
+    trend_sizes = [f for f in figs if f.ranks == BASE_RANKS]
+    return linear_fit([f.follower_store_bytes for f in trend_sizes], [f.follower_rss_grown_bytes for f in trend_sizes])
 
 
 def derived_table(figs: list[SizeFigures]) -> dict[str, list[float | None]]:

@@ -74,8 +74,8 @@ def unwrapped(model: nn.Module) -> nn.Module:
 def embedding_modules(model: nn.Module) -> list[EmbeddingModule]:
     """Every sharded embedding collection in the model, in module order. Refuses (one line
     naming it) a sharded module of another kind, whose rows no checkpoint would hold."""
-    # torchrec on first use: what reads the stream without a model (the follower, the server's
-    # front, the tools) imports this module but never pays for torchrec's import
+    # torchrec on first use: what reads the stream without a model (the follower, the tools)
+    # imports this module but never pays for torchrec's import
     from torchrec.distributed.embedding import ShardedEmbeddingCollection  # noqa: PLC0415
     from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection  # noqa: PLC0415
     from torchrec.distributed.types import ShardedModule  # noqa: PLC0415
