@@ -399,21 +399,20 @@ def _rank(total: Any, f: SizeFigures) -> float | None:
     return _div(total, f.ranks)
 
 
+_SAME_PER_RANK = {"bytes_per_row", "tracker_hook_ms_per_step", "restore_over_dcp_load", "follower_rss_over_store"}
 RANK_DERIVED = (
     Derived("stall_us_per_rank_row", "us/row", lambda f: _div(f.stall_ms, _rank(f.rows_per_interval, f), 1e3), "rank's row"),
     Derived("take_us_per_rank_row", "us/row", lambda f: _div(f.take_ms, _rank(f.rows_per_interval, f), 1e3), "rank's row"),
     Derived("agree_ms", "ms", lambda f: f.agree_ms, "-"),
     Derived("commit_us_per_rank_row", "us/row", lambda f: _div(f.time_to_commit_s, _rank(f.rows_per_interval, f), 1e6), "row"),
-    Derived("bytes_per_row", "B/row", lambda f: _div(f.bytes_per_interval, f.rows_per_interval), "changed row"),
-    Derived("tracker_hook_ms_per_step", "ms/step", lambda f: f.tracker_hook_ms_per_step, "step (same batch)"),
     Derived("scan_ms_per_m_rank_rows", "ms/M rows", lambda f: _div(f.find_rows_ms, _rank(f.model_rows, f), 1e6), "table row"),
     Derived("full_stall_ms_per_rank_gb", "ms/GB", lambda f: _div(f.stall_full_ms, _rank(f.model_bytes, f), GB), "rank's GB"),
     Derived("restore_s_per_rank_gb", "s/GB", lambda f: _div(f.restore_s, _rank(f.model_bytes, f), GB), "rank's GB"),
     Derived("dcp_load_s_per_rank_gb", "s/GB", lambda f: _div(f.dcp_load_s, _rank(f.model_bytes, f), GB), "rank's GB"),
-    Derived("restore_over_dcp_load", "ratio", lambda f: _div(f.restore_s, f.dcp_load_s), "-"),
     Derived("restore_other_ranks_over_own", "ratio", lambda f: _div(f.restore_other_s, f.restore_s), "own world's restore"),
     Derived("samples_per_s_per_rank", "samples/s", lambda f: _div(f.samples_per_s_none, f.ranks), "rank"),
-    *(d for d in DERIVED if d.name.endswith("_over_rank_model") or d.name == "follower_rss_over_store"),
+    # already per rank, or the same on any number of ranks: the trend's own
+    *(d for d in DERIVED if d.name.endswith("_over_rank_model") or d.name in _SAME_PER_RANK),
 )
 
 
