@@ -71,3 +71,20 @@ def keep_freed_memory() -> list[str]:
             continue
         done.append(s.env)
     return done
+
+
+def give_back_freed_memory() -> bool:
+    """Return the free pages of every malloc arena to the kernel (glibc's ``malloc_trim(0)``);
+    False outside glibc.
+
+    For a long-running process whose work comes in bursts (the server applying a checkpoint
+    every few seconds): what a burst freed stays mapped in the arena of the thread that freed
+    it, so the resident set is the sum of every thread's peak, not what is live. Calling it
+    after each burst keeps the resident set at what the process holds (docs/design.md §12).
+    ctypes releases the GIL for the call, so other threads run meanwhile.
+    """
+    libc = _glibc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return False
+    libc.malloc_trim(ctypes.c_size_t(0))
+    return True

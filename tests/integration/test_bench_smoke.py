@@ -372,6 +372,8 @@ def test_serve_suite_times_freshness_latency_and_memory(tmp_path: Path, run_cli:
     assert s["freshness_server_p99_s"] > 0 and s["time_to_commit_p99_s"] > 0, s
     assert s["latency_1_p99_ms"] > 0 and s["latency_32_p99_ms"] > 0 and s["requests_ok"] > 0, s
     assert s["memory_stated_per_row_bytes"] == 2 * 4 * 16 and s["rows"] == 2000 + 1000 + 64, s
+    # the server holds both copies, and at least their bytes are reported held
+    assert s["memory_held_per_row_bytes"] >= s["memory_stated_per_row_bytes"], s
     assert {"freshness_server_p99_s", "latency_1_p99_ms", "memory_per_row_bytes"} <= {r["metric"] for r in read_records(records)}
 
 

@@ -11,8 +11,10 @@ from the test's seed; a failure names the command that replays it.
 from __future__ import annotations
 
 import json
+import math
 import random
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -272,7 +274,7 @@ def _damage_first_frame(cfg: CkptConfig, link: ChainLink) -> Path:
 
 def test_restart_damaged_frame_and_bad_requests(tmp_path: Path, debug_config: DebugConfig, replay_seed: ReplaySeed) -> None:
     seed = replay_seed.value
-    job = [*_job("servefs"), "serve.max_body_bytes=65536", "serve.max_samples=64"]
+    job = [*_job("servefs"), "serve.max_body_bytes=65536", "serve.max_samples=64", "serve.max_concurrency=1", "serve.max_queue=1"]
     cfg = debug_config.load([*job, f"run.dir={tmp_path / 'run'}"], check_data=False)
     body = _samples(cfg, 16, seed)
     reference = Reference(cfg, body, tmp_path)
@@ -293,6 +295,7 @@ def test_restart_damaged_frame_and_bad_requests(tmp_path: Path, debug_config: De
         assert "rebuilt from 1+2+3+4" in server.text()
 
         _refuses_bad_requests(server, cfg)
+        _refuses_when_busy(server, body)
 
         # a damaged frame in the next checkpoint: refused naming where; checkpoint 4 stays served
         server.proc.send_signal(signal.SIGSTOP)
@@ -354,6 +357,38 @@ def _refuses_bad_requests(server: ServerProc, cfg: JobConfig) -> None:
     status, doc = server.predict(body())
     assert status == 200 and len(doc["scores"]) == 1
     assert server.metric('deltarec_serve_requests_total{status="400"}') == 6
+
+
+def _refuses_when_busy(server: ServerProc, body: bytes) -> None:
+    """With serve.max_concurrency + serve.max_queue = 2 requests in progress (held open: each
+    body sent but for its last byte), a third gets 503 at once naming the limit; the two held
+    are answered once their bodies end, and the server goes on."""
+    head = (
+        f"POST /predict HTTP/1.1\r\nHost: {server.where['host']}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    refused = server.metric('deltarec_serve_requests_total{status="503"}')  # readiness before ready
+    refused = 0.0 if math.isnan(refused) else refused
+    held = [socket.create_connection((server.where["host"], server.where["port"]), timeout=30) for _ in range(2)]
+    try:
+        for conn in held:
+            conn.sendall(head + body[:-1])
+        _wait_for(lambda: server.metric("deltarec_serve_requests_in_progress") == 2, 30, "two requests in progress", server)
+        status, doc = server.predict(body)
+        assert status == 503 and "busy: 2 requests in progress" in doc["error"] and "serve.max_queue" in doc["error"], doc
+        for conn in held:
+            conn.sendall(body[-1:])
+            answer = b""
+            while chunk := conn.recv(65536):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    finally:
+        for conn in held:
+            conn.close()
+    status, doc = server.predict(body)
+    assert status == 200 and len(doc["scores"]) == 16, doc
+    assert server.metric("deltarec_serve_requests_in_progress") == 0
+    assert server.metric('deltarec_serve_requests_total{status="503"}') == refused + 1
 
 
 # --- 3. the broker away: the last version stays served, its staleness reported --------------------

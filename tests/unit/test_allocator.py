@@ -95,3 +95,40 @@ def test_a_rank_keeps_freed_memory_unless_its_config_says_not(keep: str, tmp_pat
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"calls": 1 if keep == "true" else 0}
+
+
+# A burst in another thread (its own malloc arena) frees 125 MiB of 64 KiB blocks but keeps
+# one in 50, so no arena's top is free and nothing goes back by itself; then the trim.
+_BURST = """
+import json, sys, threading
+from trainer.allocator import give_back_freed_memory
+def anon():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+kept = []
+def burst():
+    blocks = [bytearray(64 << 10) for _ in range(2000)]
+    kept.extend(blocks[::50])
+t = threading.Thread(target=burst)
+t.start()
+t.join()
+before = anon()
+done = give_back_freed_memory() if sys.argv[1] == "trim" else False
+print(json.dumps({"done": done, "freed": before - anon()}))
+"""
+
+
+def _burst(mode: str) -> dict:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    out = subprocess.run([sys.executable, "-c", _BURST, mode], cwd=REPO, env=clean, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+@glibc
+def test_memory_a_burst_freed_goes_back_to_the_kernel_when_given_back() -> None:
+    idle, trimmed = _burst("none"), _burst("trim")
+    assert not idle["done"] and trimmed["done"], (idle, trimmed)
+    assert idle["freed"] < 8 << 20, idle  # freed blocks stay resident on their own
+    assert trimmed["freed"] > 64 << 20, trimmed  # most of the 122 MiB freed is returned

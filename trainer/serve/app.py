@@ -123,6 +123,7 @@ class PredictionApp:
             return _error(503, f"busy: {self.waiting} requests in progress (serve.max_concurrency + serve.max_queue)")
         t0 = time.perf_counter()
         self.waiting += 1
+        self.metrics.in_progress.set(self.waiting)
         try:
             body = await request.read()
             answer = await asyncio.get_running_loop().run_in_executor(self.pool, self.predictor, body)
@@ -132,6 +133,7 @@ class PredictionApp:
             return _error(503, f"not ready: {exc}")
         finally:
             self.waiting -= 1
+            self.metrics.in_progress.set(self.waiting)
         self.metrics.latency.labels(size_class(answer.samples)).observe(time.perf_counter() - t0)
         return web.json_response({"scores": answer.scores, "checkpoint_id": answer.checkpoint_id, "step": answer.step})
 

@@ -55,6 +55,11 @@ class ServeMetrics:
         self.apply = Histogram(
             "deltarec_serve_apply_seconds", "Time to apply one checkpoint and swap it in", buckets=_FRESHNESS_BUCKETS, registry=r
         )
+        self.in_progress = Gauge(
+            "deltarec_serve_requests_in_progress",
+            "Prediction requests admitted and not yet answered (computing, or waiting for a thread)",
+            registry=r,
+        )
         self.follow_errors = Counter("deltarec_serve_follow_errors", "Rounds of following that failed", registry=r)
         self.checkpoint = Gauge("deltarec_serve_checkpoint_id", "The checkpoint served (-1: none yet)", registry=r)
         self.step = Gauge("deltarec_serve_step", "The training step of the checkpoint served", registry=r)

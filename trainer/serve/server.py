@@ -10,6 +10,7 @@ served, and the next round tries again. SIGINT/SIGTERM stop both; a summary clos
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import math
@@ -29,6 +30,7 @@ from ckpt.events import MetricsSink
 from ckpt.follow.follower import Follower
 from ckpt.log.markers import Marker
 from common.errors import DeltarecError
+from trainer.allocator import give_back_freed_memory
 from trainer.config import JobConfig
 from trainer.serve.app import PredictionApp, Predictor
 from trainer.serve.freshness import ServeMetrics
@@ -87,6 +89,7 @@ class Server:
         self.metrics.checkpoint.set(version.checkpoint_id)
         self.metrics.step.set(version.step)
         self.metrics.model_bytes.set(self.model.nbytes)
+        give_back_freed_memory()  # the apply's temporaries, freed in this thread's arena
         logger.debug(  # the follower's line says it was applied; the first response's line, its freshness
             "serving checkpoint %d (step %d): swapped in %.2f s after its step, applied in %.2f s",
             version.checkpoint_id,
@@ -159,11 +162,25 @@ class Server:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stopped.set)
+            freeze_startup_objects()
             follower.start()
             await stopped.wait()
             logger.info("stopping")
         finally:
             await runner.cleanup()
+
+
+def freeze_startup_objects() -> int:
+    """Move every object alive into the collector's permanent generation; how many.
+
+    A full collection walks every object the collector tracks, and importing torch, torchrec
+    and aiohttp leaves hundreds of thousands of them, so each full collection paused every
+    request for as long as the walk took (docs/design.md §12, "Pauses"). Frozen after
+    start-up, they are never walked again; garbage made later is collected as before.
+    """
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def _write_atomically(path: Path, doc: dict[str, Any]) -> None:
