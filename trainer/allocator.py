@@ -21,6 +21,8 @@ import logging
 import os
 from typing import NamedTuple
 
+from common.allocator import glibc
+
 logger = logging.getLogger(__name__)
 
 
@@ -43,22 +45,10 @@ SETTINGS = (
 )
 
 
-def _glibc() -> ctypes.CDLL | None:
-    """This process's C library if it is glibc (which has `mallopt`), else None."""
-    try:
-        version = os.confstr("CS_GNU_LIBC_VERSION")
-    except (AttributeError, ValueError, OSError):
-        return None
-    if not version:
-        return None
-    libc = ctypes.CDLL(None)  # the symbols already loaded: glibc's
-    return libc if hasattr(libc, "mallopt") else None
-
-
 def keep_freed_memory() -> list[str]:
     """Set every `SETTINGS` entry the environment does not set; the variables it set (empty
     outside glibc)."""
-    libc = _glibc()
+    libc = glibc()
     if libc is None:
         logger.debug("not glibc: the C allocator keeps its defaults")
         return []
@@ -71,20 +61,3 @@ def keep_freed_memory() -> list[str]:
             continue
         done.append(s.env)
     return done
-
-
-def give_back_freed_memory() -> bool:
-    """Return the free pages of every malloc arena to the kernel (glibc's ``malloc_trim(0)``);
-    False outside glibc.
-
-    For a long-running process whose work comes in bursts (the server applying a checkpoint
-    every few seconds): what a burst freed stays mapped in the arena of the thread that freed
-    it, so the resident set is the sum of every thread's peak, not what is live. Calling it
-    after each burst keeps the resident set at what the process holds (docs/design.md §12).
-    ctypes releases the GIL for the call, so other threads run meanwhile.
-    """
-    libc = _glibc()
-    if libc is None or not hasattr(libc, "malloc_trim"):
-        return False
-    libc.malloc_trim(ctypes.c_size_t(0))
-    return True

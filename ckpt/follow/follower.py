@@ -42,6 +42,7 @@ from ckpt.log.markers import ChainLink, Marker, MarkerError, encode_marker
 from ckpt.restore.replay import iter_link_frames
 from ckpt.stream.frames import Frame
 from ckpt.stream.sink import compacted_generation, generation_label
+from common.allocator import give_back_freed_memory
 from common.errors import DeltarecError
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,11 @@ class FollowStats:
     failed: int = 0  # checkpoints not applied (the store was rebuilt from a base after each)
     bytes_read: int = 0
     bytes_compacted: int = 0
+
+    @property
+    def work_done(self) -> int:
+        """Checkpoints applied, failed, compacted and exported so far: it moves when a round did work."""
+        return self.applied + self.failed + self.compacted + self.exported
 
 
 class Follower:
@@ -157,6 +163,16 @@ class Follower:
         ]
         if self.applied is None and pending:
             pending = pending[-1:]  # start from the newest checkpoint's cheapest chain
+        work = self.stats.work_done
+        try:
+            self._follow_pending(pending)
+        finally:
+            if self.stats.work_done != work:
+                # the round's temporaries (frames, decoded rows, a compaction's windows) were
+                # freed into each thread's malloc arena: give them back (docs/design.md §10)
+                give_back_freed_memory()
+
+    def _follow_pending(self, pending: list[Marker]) -> None:
         for marker in pending:
             if self.stop.is_set():
                 return

@@ -101,7 +101,7 @@ def test_a_rank_keeps_freed_memory_unless_its_config_says_not(keep: str, tmp_pat
 # one in 50, so no arena's top is free and nothing goes back by itself; then the trim.
 _BURST = """
 import json, sys, threading
-from trainer.allocator import give_back_freed_memory
+from common.allocator import give_back_freed_memory
 def anon():
     for line in open("/proc/self/status"):
         if line.startswith("RssAnon:"):

@@ -30,7 +30,6 @@ from ckpt.events import MetricsSink
 from ckpt.follow.follower import Follower
 from ckpt.log.markers import Marker
 from common.errors import DeltarecError
-from trainer.allocator import give_back_freed_memory
 from trainer.config import JobConfig
 from trainer.serve.app import PredictionApp, Predictor
 from trainer.serve.freshness import ServeMetrics
@@ -89,7 +88,6 @@ class Server:
         self.metrics.checkpoint.set(version.checkpoint_id)
         self.metrics.step.set(version.step)
         self.metrics.model_bytes.set(self.model.nbytes)
-        give_back_freed_memory()  # the apply's temporaries, freed in this thread's arena
         logger.debug(  # the follower's line says it was applied; the first response's line, its freshness
             "serving checkpoint %d (step %d): swapped in %.2f s after its step, applied in %.2f s",
             version.checkpoint_id,

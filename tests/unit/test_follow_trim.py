@@ -1,0 +1,53 @@
+"""The follower gives its malloc arenas' free pages back after a round that did work
+(ckpt/follow/follower.py `poll`, docs/design.md §10), and not after an idle round: the
+rounds' control flow, with the stream and the apply stubbed out."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+import ckpt.follow.follower as follower_mod
+from ckpt.follow.follower import Follower, FollowStats
+
+
+def _follower(commits: dict[int, SimpleNamespace], fail: bool = False) -> Follower:
+    f = Follower.__new__(Follower)  # no backend: poll's reads are stubbed below
+    f.store, f.applied, f.stats = None, None, FollowStats()
+    f.catalog, f.backend = SimpleNamespace(commits=commits), SimpleNamespace(markers=None)
+
+    def follow_pending(pending: list) -> None:
+        for marker in pending:
+            if fail:
+                f.stats.failed += 1
+                raise RuntimeError("the round broke off")
+            f.stats.applied += 1
+            f.applied = marker
+
+    f._follow_pending = follow_pending  # type: ignore[method-assign]
+    return f
+
+
+def test_a_round_that_applied_gives_memory_back_and_an_idle_one_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    trims: list[int] = []
+    monkeypatch.setattr(follower_mod, "catch_up", lambda *_: None)
+    monkeypatch.setattr(follower_mod, "give_back_freed_memory", lambda: trims.append(1) or True)
+    f = _follower({1: SimpleNamespace(checkpoint_id=1), 2: SimpleNamespace(checkpoint_id=2)})
+    f.poll()
+    assert f.applied.checkpoint_id == 2 and len(trims) == 1  # the newest at once, then one trim
+    f.poll()
+    assert len(trims) == 1  # nothing new: no trim
+    f.catalog.commits[3] = SimpleNamespace(checkpoint_id=3)
+    f.poll()
+    assert f.applied.checkpoint_id == 3 and len(trims) == 2
+
+
+def test_a_round_that_broke_off_after_work_still_gives_memory_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    trims: list[int] = []
+    monkeypatch.setattr(follower_mod, "catch_up", lambda *_: None)
+    monkeypatch.setattr(follower_mod, "give_back_freed_memory", lambda: trims.append(1) or True)
+    f = _follower({1: SimpleNamespace(checkpoint_id=1)}, fail=True)
+    with pytest.raises(RuntimeError):
+        f.poll()
+    assert trims == [1]
