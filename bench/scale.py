@@ -463,12 +463,17 @@ def slope(xs: list[float], ys: list[float | None]) -> float | None:
     return fit[0] if fit else None
 
 
+def trend_sizes(figs: list[SizeFigures]) -> list[int]:
+    """Indexes of the sizes on the trend's 2 ranks (a 4-rank size is set beside them, not on it)."""
+    return [i for i, f in enumerate(figs) if f.ranks == BASE_RANKS]
+
+
 def follower_fit(figs: list[SizeFigures]) -> tuple[float, float] | None:
     """The follower's growth against its documented store bytes across the trend's sizes:
     (bytes per store byte, fixed bytes). The first is what the documented bytes per row must
     predict; the second does not grow with the model (libraries, buffers of a fixed size)."""
-    trend_sizes = [f for f in figs if f.ranks == BASE_RANKS]
-    return linear_fit([f.follower_store_bytes for f in trend_sizes], [f.follower_rss_grown_bytes for f in trend_sizes])
+    sizes = [figs[i] for i in trend_sizes(figs)]
+    return linear_fit([f.follower_store_bytes for f in sizes], [f.follower_rss_grown_bytes for f in sizes])
 
 
 def derived_table(figs: list[SizeFigures]) -> dict[str, list[float | None]]:
@@ -498,7 +503,7 @@ FLAT_SLOPE = 0.1  # a log-log slope at most this: flat within what noise explain
 def trend(figs: list[SizeFigures], table: dict[str, list[float | None]]) -> tuple[list[float], dict[str, list[float | None]]]:
     """The trend against model size: the model bytes of the sizes on the trend's 2 ranks, and
     each derived figure at those sizes."""
-    keep = [i for i, f in enumerate(figs) if f.ranks == BASE_RANKS]
+    keep = trend_sizes(figs)
     return [float(figs[i].model_bytes) for i in keep], {k: [v[i] for i in keep] for k, v in table.items()}
 
 

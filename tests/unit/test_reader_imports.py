@@ -1,6 +1,6 @@
-"""What reads the stream without a model (the follower, `deltarec-ckpt`) never imports torchrec:
-its import costs seconds of CPU and ~120 MB resident in every such process
-(`sharding/shard_views.py` imports it on first use, by the ranks)."""
+"""What reads the stream without a model (the follower, `deltarec-ckpt`) never imports torchrec,
+whose import costs CPU and resident memory in every such process (docs/design.md §10;
+`sharding/shard_views.py` imports it on first use, by the ranks)."""
 
 from __future__ import annotations
 
