@@ -68,8 +68,9 @@ class RssSampler:
                 return
 
     def _sample(self) -> None:
+        at = time.monotonic()  # stamped before it is read: a sample stamped after an event was read after it
         now = rss_bytes(self.pid)
-        self.samples.append((time.monotonic(), now))
+        self.samples.append((at, now))
         self.peak_bytes = max(self.peak_bytes, now)
 
     def stop(self) -> int:

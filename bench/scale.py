@@ -390,6 +390,8 @@ DERIVED = (
         lambda f: _div(f.follower_rss_grown_bytes, f.follower_store_bytes),
         "its documented store bytes",
     ),
+    # what the follower holds beside its store: bounded by its buffers (docs/design.md §10), not the model
+    Derived("follower_beyond_store", "B", lambda f: _extra(f.follower_rss_grown_bytes, f.follower_store_bytes), "-"),
 )
 
 

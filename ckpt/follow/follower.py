@@ -123,6 +123,7 @@ class Follower:
         self._last_export = time.monotonic()
         self._since_export = 0
         self.stats = FollowStats()
+        self._trim_next_round = False  # a round did work: the next one trims too (`poll`)
         self.last_error = ""  # why the last checkpoint failed to apply; "" once one applies
         self.stop = threading.Event()
 
@@ -167,10 +168,15 @@ class Follower:
         try:
             self._follow_pending(pending)
         finally:
-            if self.stats.work_done != work:
+            did_work = self.stats.work_done != work
+            if did_work or self._trim_next_round:
                 # the round's temporaries (frames, decoded rows, a compaction's windows) were
                 # freed into each thread's malloc arena: give them back (docs/design.md §10)
                 give_back_freed_memory()
+            # and once more a round later: each read's consumer closes on a thread of its own
+            # after the read, freeing its fetch buffers into the Kafka client's threads' arenas
+            # after this round's trim
+            self._trim_next_round = did_work
 
     def _follow_pending(self, pending: list[Marker]) -> None:
         for marker in pending:

@@ -111,10 +111,14 @@ def test_the_sampler_sees_a_peak_between_samples_taken_and_leaves_it_out_of_a_la
     held = rss_bytes()
     time.sleep(0.2)
     area.close()  # unmapped: given back to the OS at once
+    closed = time.monotonic()
     time.sleep(0.6)
     peak = sampler.stop()
     assert peak >= held >= sampler.start_bytes + 200 * MB
-    assert sampler.peak_after(0.6) < sampler.start_bytes + 100 * MB  # the spike was in the first 0.2 s
+    # the window from the unmap on leaves the spike out, however long the write took on a busy machine
+    t0, t1 = sampler.samples[0][0], sampler.samples[-1][0]
+    assert sampler.peak_after((closed - t0) / (t1 - t0)) < sampler.start_bytes + 100 * MB
+    assert sampler.peak_after(0.0) == peak  # the whole time sampled holds it
     assert sampler.samples[0][1] == sampler.start_bytes and len(sampler.samples) > 5
 
 
@@ -126,6 +130,7 @@ def test_the_followers_growth_splits_into_bytes_per_store_byte_and_a_fixed_part(
     ]
     b, a = follower_fit(figs) or (0.0, 0.0)
     assert math.isclose(b, 1.5) and math.isclose(a, 1e8, rel_tol=1e-6)
+    assert derived_table(figs)["follower_beyond_store"] == [int(1e8 + 0.5 * s) for s in (10**7, 10**8, 10**9)]
     judged = {g.goal: g.met for g in goals(figs, derived_table(figs))}
     assert judged["follower memory per documented store byte, beyond a fixed part (fit over sizes)"] is False
     exact = [replace(f, follower_rss_grown_bytes=int(1e8 + 1.02 * (f.follower_store_bytes or 0))) for f in figs]

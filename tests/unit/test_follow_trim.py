@@ -1,6 +1,7 @@
-"""The follower gives its malloc arenas' free pages back after a round that did work
-(ckpt/follow/follower.py `poll`, docs/design.md §10), and not after an idle round: the
-rounds' control flow, with the stream and the apply stubbed out."""
+"""The follower gives its malloc arenas' free pages back after a round that did work and once
+more after the round that follows it (a read's consumer closes after the round, on a thread
+of its own), and not after further idle rounds (ckpt/follow/follower.py `poll`,
+docs/design.md §10): the rounds' control flow, with the stream and the apply stubbed out."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from ckpt.follow.follower import Follower, FollowStats
 
 def _follower(commits: dict[int, SimpleNamespace], fail: bool = False) -> Follower:
     f = Follower.__new__(Follower)  # no backend: poll's reads are stubbed below
-    f.store, f.applied, f.stats = None, None, FollowStats()
+    f.store, f.applied, f.stats, f._trim_next_round = None, None, FollowStats(), False
     f.catalog, f.backend = SimpleNamespace(commits=commits), SimpleNamespace(markers=None)
 
     def follow_pending(pending: list) -> None:
@@ -29,7 +30,7 @@ def _follower(commits: dict[int, SimpleNamespace], fail: bool = False) -> Follow
     return f
 
 
-def test_a_round_that_applied_gives_memory_back_and_an_idle_one_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_round_that_applied_gives_memory_back_then_once_more_and_idle_rounds_do_not(monkeypatch: pytest.MonkeyPatch) -> None:
     trims: list[int] = []
     monkeypatch.setattr(follower_mod, "catch_up", lambda *_: None)
     monkeypatch.setattr(follower_mod, "give_back_freed_memory", lambda: trims.append(1) or True)
@@ -37,10 +38,12 @@ def test_a_round_that_applied_gives_memory_back_and_an_idle_one_does_not(monkeyp
     f.poll()
     assert f.applied.checkpoint_id == 2 and len(trims) == 1  # the newest at once, then one trim
     f.poll()
-    assert len(trims) == 1  # nothing new: no trim
+    assert len(trims) == 2  # nothing new, but the round after work trims again (the consumers' close)
+    f.poll()
+    assert len(trims) == 2  # idle after idle: no trim
     f.catalog.commits[3] = SimpleNamespace(checkpoint_id=3)
     f.poll()
-    assert f.applied.checkpoint_id == 3 and len(trims) == 2
+    assert f.applied.checkpoint_id == 3 and len(trims) == 3
 
 
 def test_a_round_that_broke_off_after_work_still_gives_memory_back(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -51,3 +54,6 @@ def test_a_round_that_broke_off_after_work_still_gives_memory_back(monkeypatch: 
     with pytest.raises(RuntimeError):
         f.poll()
     assert trims == [1]
+    f._follow_pending = lambda pending: None  # type: ignore[method-assign]
+    f.poll()
+    assert trims == [1, 1]  # the round after it trims once more
