@@ -72,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from ckpt.log.markers import commits
     from ckpt.restore.replay import frame_overlaps
-    from ckpt.stream import kafka as kafka_sink
     from ckpt.stream.kafka import KafkaSink, delete_topic, ensure_topic
+    from ckpt.stream.kafka import consumer as kafka_consumer
+    from ckpt.stream.kafka import partitions as kafka_partitions
     from ckpt.stream.sink import rows_name
     from ckpt.write.writer import RankWriter, WriteJob, encode_frames, write_rows
     from trainer.config import load_config
@@ -176,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 poll_s[0] += time.perf_counter() - t
 
-    kafka_sink.Consumer = _TimedConsumer
+    kafka_consumer.Consumer = _TimedConsumer  # a consumer connected ahead of a read
+    kafka_partitions.Consumer = _TimedConsumer  # one a read makes
 
     save_s = [timed(lambda: dcp.save(dcp_state(), checkpoint_id=str(args.dcp_dir)))[0] for _ in range(2)]
     dcp_bytes = sum(f.stat().st_size for f in args.dcp_dir.rglob("*") if f.is_file())

@@ -47,7 +47,7 @@ CHECKPOINT_WINDOW_S = 2.0
 CHECKPOINT_HOLD_S = 10.0
 """...printed at least this often (or before deltarec's next other line)."""
 
-LIBRDKAFKA_LOGGER = "deltarec.librdkafka"  # where ckpt/stream/kafka.py sends librdkafka's log
+LIBRDKAFKA_LOGGER = "deltarec.librdkafka"  # where ckpt/stream/kafka/admin.py sends librdkafka's log
 REPEAT_WINDOW_S = 60.0
 
 AGENT_GRACE_S = 30.0

@@ -19,10 +19,11 @@ from ckpt.log.catalog import Catalog
 from ckpt.log.catalog_ahead import CatalogAhead, catch_up_recent
 from ckpt.log.catalog_record import read_recent_catalog, summarize
 from ckpt.log.markers import ChainLink, Marker, OffsetRange, encode_marker
-from ckpt.stream import kafka as kafka_sink
 from ckpt.stream.filesystem import REC_MAGIC, FsMarkers, FsSink, FsSource, encode_record
 from ckpt.stream.frames import FrameError, OptimState, chunk_rows, decode_frame
 from ckpt.stream.kafka import BrokerUnreachable, KafkaMarkers, KafkaSink, KafkaSource
+from ckpt.stream.kafka import consumer as kafka_consumer
+from ckpt.stream.kafka import markers as kafka_markers
 from ckpt.stream.sink import RangeRead, SinkError, SourceError
 from launch.broker import EmbeddedBroker, free_port
 
@@ -480,15 +481,16 @@ class CountedMarkers(NamedTuple):
     run: str
     reader: KafkaMarkers
     writer: KafkaMarkers
-    connects: list  # one entry per consumer connect (`kafka_sink._connect` call)
+    connects: list  # one entry per consumer connect (`_connect` call)
 
 
 @pytest.fixture
 def counted_markers(broker, unique_name, monkeypatch):
     """A reader and a writer of one run's markers log on the broker, the connects counted."""
     connects: list = []
-    real = kafka_sink._connect
-    monkeypatch.setattr(kafka_sink, "_connect", lambda *a: connects.append(a) or real(*a))
+    real = kafka_consumer._connect
+    for module in (kafka_consumer, kafka_markers):  # where `_connect` is called: connects ahead, the markers log's own
+        monkeypatch.setattr(module, "_connect", lambda *a: connects.append(a) or real(*a))
     run = unique_name("run")
     conf = {"bootstrap.servers": broker.bootstrap}
     pair = CountedMarkers(run, KafkaMarkers(run, conf, timeout_s=10), KafkaMarkers(run, conf, timeout_s=10), connects)

@@ -1,4 +1,4 @@
-"""How one consumer serves several reads (`ckpt.stream.kafka._read_partitions`), with a
+"""How one consumer serves several reads (`ckpt.stream.kafka.partitions._read_partitions`), with a
 stand-in consumer that hands out scripted fetches: no broker needed."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from confluent_kafka import KafkaError
 
-from ckpt.stream.kafka import _Read, _read_partitions
+from ckpt.stream.kafka.partitions import _Read, _read_partitions
 from ckpt.stream.sink import SourceError
 
 

@@ -1,4 +1,4 @@
-"""The connected consumer a Kafka reader keeps for its next read (`ckpt.stream.kafka._ConnectAhead`)
+"""The connected consumer a Kafka reader keeps for its next read (`ckpt.stream.kafka.consumer._ConnectAhead`)
 and the topic listing it carries, with stand-in consumers: no broker needed."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-from ckpt.stream import kafka as kafka_sink
-from ckpt.stream.kafka import _ConnectAhead, _ConnectedConsumer, _topics_for
+from ckpt.stream.kafka import consumer as kafka_consumer
+from ckpt.stream.kafka.consumer import _ConnectAhead, _ConnectedConsumer, _topics_for
 from ckpt.stream.sink import SourceError
 
 
@@ -105,8 +105,8 @@ def test_a_spare_connects_to_the_named_brokers_at_once_unless_the_user_says_othe
             super().__init__({"run.markers": 1})
             made.append(conf)
 
-    monkeypatch.setattr(kafka_sink, "Consumer", Recording)
-    connected = kafka_sink._connect({"bootstrap.servers": "127.0.0.1:9", **user}, 1.0)
+    monkeypatch.setattr(kafka_consumer, "Consumer", Recording)
+    connected = kafka_consumer._connect({"bootstrap.servers": "127.0.0.1:9", **user}, 1.0)
     assert connected.topics == {"run.markers": 1}
     assert made[0]["enable.sparse.connections"] is user.get("enable.sparse.connections", False)
     assert made[0]["bootstrap.servers"] == "127.0.0.1:9"

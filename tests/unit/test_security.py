@@ -16,7 +16,10 @@ import pytest
 import torch
 import yaml
 
-import ckpt.stream.kafka as kafka_sink
+import ckpt.stream.kafka.admin as kafka_admin
+import ckpt.stream.kafka.consumer as kafka_consumer
+import ckpt.stream.kafka.partitions as kafka_partitions
+import ckpt.stream.kafka.producer as kafka_producer
 from ckpt.config import REDACTED
 from ckpt.dense.store import DenseRef, DenseStore, DenseStoreError
 from ckpt.log.backend import open_backend
@@ -198,9 +201,10 @@ def test_sasl_ssl_settings_reach_every_producer_and_consumer_unchanged(
     assert cfg.ckpt.kafka_conf() == {**SECURITY, "bootstrap.servers": "broker-1:9093,broker-2:9093"}
 
     _Recorder.made = []
-    monkeypatch.setattr(kafka_sink, "Producer", _Producer)
-    monkeypatch.setattr(kafka_sink, "Consumer", _Consumer)
-    monkeypatch.setattr(kafka_sink, "AdminClient", _Admin)
+    monkeypatch.setattr(kafka_producer, "Producer", _Producer)
+    for module in (kafka_consumer, kafka_partitions):  # a consumer connected ahead, or one a read makes
+        monkeypatch.setattr(module, "Consumer", _Consumer)
+    monkeypatch.setattr(kafka_admin, "AdminClient", _Admin)
     backend = open_backend(cfg.ckpt, world_size=2)  # the sink, the source and the markers log (one shared admin)
     with pytest.raises(_Stop):
         list(backend.source.read_range(1, 0, 0, 3))
@@ -214,7 +218,7 @@ def test_sasl_ssl_settings_reach_every_producer_and_consumer_unchanged(
     admin = next(conf for kind, conf in _Recorder.made if kind == "admin")
     assert admin["reconnect.backoff.ms"] == 10  # design §6: the second Metadata request waits 11 ms, not 50
     for conf in (conf for kind, conf in _Recorder.made if kind == "consumer"):  # design §6: no 1 s fetch pause
-        assert conf["fetch.queue.backoff.ms"] == kafka_sink.FETCH_QUEUE_BACKOFF_MS
+        assert conf["fetch.queue.backoff.ms"] == kafka_consumer.FETCH_QUEUE_BACKOFF_MS
     producer = next(conf for kind, conf in _Recorder.made if kind == "producer")
     assert producer["acks"] == "all" and producer["enable.idempotence"] is True  # what deltarec adds, beside them
     backend.close()
@@ -222,9 +226,9 @@ def test_sasl_ssl_settings_reach_every_producer_and_consumer_unchanged(
 
 def test_a_users_reconnect_backoff_wins_over_the_admin_default(monkeypatch: pytest.MonkeyPatch) -> None:
     _Recorder.made = []
-    monkeypatch.setattr(kafka_sink, "AdminClient", _Admin)
-    kafka_sink.new_admin({"bootstrap.servers": "b:9092", "reconnect.backoff.ms": 250})
-    kafka_sink.new_admin({"bootstrap.servers": "b:9092"})
+    monkeypatch.setattr(kafka_admin, "AdminClient", _Admin)
+    kafka_admin.new_admin({"bootstrap.servers": "b:9092", "reconnect.backoff.ms": 250})
+    kafka_admin.new_admin({"bootstrap.servers": "b:9092"})
     assert [conf["reconnect.backoff.ms"] for _, conf in _Recorder.made] == [250, 10]
 
 
