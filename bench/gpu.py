@@ -234,6 +234,8 @@ def codec_case(name: str, n: int, dim: int, repeats: int) -> dict[str, Any]:
 class _MemorySource:
     """Frames held in memory, one partition; a FrameSource for `restore_rows`."""
 
+    reads_ahead_used = 0
+
     def __init__(self, frames: list[bytes]) -> None:
         self.frames = frames
 
@@ -245,6 +247,9 @@ class _MemorySource:
         return read_one_by_one(self, reads)
 
     def prepare(self) -> None:
+        pass
+
+    def read_ahead(self, reads: Sequence[RangeRead]) -> None:
         pass
 
     def close(self) -> None:

@@ -509,6 +509,10 @@ def peers_job(
             "--restore-override",
             f"{label}=ckpt.bootstrap_servers={run['bootstrap']}",
         ]
+        if policy == FOLLOWER:  # the same restore with no frames fetched ahead (`ckpt.read_ahead`)
+            extra += ["--restore", f"{label}-cold={run['run_id']}={run['run_dir']}"]
+            for kv in (f"ckpt.encoding={enc}", f"ckpt.bootstrap_servers={run['bootstrap']}", "ckpt.read_ahead=false"):
+                extra += ["--restore-override", f"{label}-cold={kv}"]
     if restore_only:
         log(f"deltarec's restores of {ranks} ranks' checkpoints into {world} ranks")
     else:

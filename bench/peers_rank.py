@@ -367,24 +367,34 @@ class PeerCheckpointer:
 
 
 def deltarec_restore(
-    config: str, overrides: list[str], env: DistEnv, device: torch.device, sharded: ShardedModel, trainer: Trainer
+    config: str,
+    overrides: list[str],
+    env: DistEnv,
+    device: torch.device,
+    sharded: ShardedModel,
+    trainer: Trainer,
+    build_s: float = 0.0,
 ) -> tuple[float, dict[str, Any]]:
     """`CheckpointManager.restore()` of the newest checkpoint of the run `overrides` name, into
     the live model (`trainer`: the loop whose state it restores): the manager built first (not
-    timed: a restarted job builds it anyway, its broker connections made and the markers log
-    read while its model is built), then `restore()` alone (marker lookup, chain replay, dense,
-    reader and RNG state), timed with barriers on both sides and, on a GPU, the device's work
-    finished. Returns (seconds, what it restored)."""
+    timed: a restarted job builds it anyway, its broker connections made, the markers log read
+    and, with `ckpt.read_ahead`, its frames' fetch started while its model is built), and
+    `restore()` called `build_s` after the backend was opened (this job's own model build: what
+    a restarted job spends between the two), then `restore()` alone (marker lookup, chain
+    replay, dense, reader and RNG state), timed with barriers on both sides and, on a GPU, the
+    device's work finished. Returns (seconds, what it restored)."""
     from ckpt.log.backend import open_for_restore
     from trainer.config import load_config
     from trainer.main import make_checkpointer
     from trainer.metrics import MetricsLog
 
     c = load_config(config, [*overrides, "ckpt.enabled=true", "ckpt.resume=latest", "ckpt.final=false"])
+    opened = time.perf_counter()
     backend = open_for_restore(c.ckpt, env.world_size, env.rank)
     mgr = make_checkpointer(c, env, device, sharded, trainer, MetricsLog(Path("unused"), enabled=False), backend).manager
     if backend.ahead is not None:  # a restarted job reads the markers log while it builds its model
         backend.ahead.wait()  # (trainer/main.py); its time is the report's `markers_ahead_s`
+    time.sleep(max(0.0, build_s - (time.perf_counter() - opened)))  # the rest of the model's build
     try:
         t, rep = timed(mgr.restore, device)
         assert rep is not None, f"no checkpoint of run {c.ckpt.run_id}"
@@ -407,7 +417,9 @@ def run_phases(args: argparse.Namespace, overrides: list[str]) -> int:
     from trainer.config import load_config
 
     cfg = load_config(args.config, overrides)
+    t0 = time.perf_counter()
     env, device, sharded, trainer, _ = start_job(cfg)
+    build_s = max_over_ranks(time.perf_counter() - t0)  # what a restarted job spends building its model
     rank = env.rank
     smap = ShardMap.from_model(sharded.model)
     samples_per_step = cfg.data.batch_size * env.world_size
@@ -445,7 +457,7 @@ def run_phases(args: argparse.Namespace, overrides: list[str]) -> int:
     phases = [ph for ph, _ in done]
     references = {LOADS[pc.name]: (pc.last, pc.reference) for _, pc in done if pc is not None and pc.name != "dcp.async_save"}
     end_step = trainer.step
-    out: dict[str, Any] = {"rank": rank, "phases": phases, "threads": torch.get_num_threads()}
+    out: dict[str, Any] = {"rank": rank, "phases": phases, "threads": torch.get_num_threads(), "build_s": build_s}
 
     # -- restore to training-ready ----------------------------------------------------------
     restore_overrides: dict[str, list[str]] = {}
@@ -467,6 +479,7 @@ def run_phases(args: argparse.Namespace, overrides: list[str]) -> int:
                     device,
                     sharded,
                     trainer,
+                    build_s,
                 ),
             )
         )

@@ -172,6 +172,9 @@ class SizeFigures:
     time_to_commit_s: float | None  # a delta's checkpoint step to its COMMIT (median)
     restore_s: float | None  # deltarec's restore of the follower job's newest chain
     restore_full_s: float | None  # of the `full` job's newest
+    # the follower job's restore again with `ckpt.read_ahead=false`: every frame fetched inside `restore()`
+    restore_cold_s: float | None
+    build_s: float | None  # the job's model build (the restores start that long after opening their backend)
     dcp_load_s: float | None
     samples_per_s_none: float | None
     samples_per_s_incremental: float | None
@@ -256,6 +259,8 @@ def gather(
         time_to_commit_s=median_of([c["durable_s"] for c in deltas if c.get("durable_s") is not None]),
         restore_s=inc.get("restore_s"),
         restore_full_s=full.get("restore_s"),
+        restore_cold_s=median_of(peers[0]["restore"].get(f"deltarec:{FOLLOWER}-{ENCODING}-cold", {}).get("restore_s", [])),
+        build_s=peers[0].get("build_s"),
         dcp_load_s=median_of(peers[0]["restore"].get("dcp.load", {}).get("restore_s", [])),
         samples_per_s_none=base.get("samples_per_s"),
         samples_per_s_incremental=inc.get("samples_per_s"),
@@ -363,6 +368,7 @@ DERIVED = (
     Derived("restore_s_per_gb", "s/GB", lambda f: _div(f.restore_s, f.model_bytes, GB), "GB"),
     Derived("dcp_load_s_per_gb", "s/GB", lambda f: _div(f.dcp_load_s, f.model_bytes, GB), "GB"),
     Derived("restore_over_dcp_load", "ratio", lambda f: _div(f.restore_s, f.dcp_load_s), "-"),
+    Derived("restore_cold_over_dcp_load", "ratio", lambda f: _div(f.restore_cold_s, f.dcp_load_s), "-"),
     Derived("capacity_per_gb", "B/GB", lambda f: _div(f.capacity_bytes, f.model_bytes, GB), "GB"),
     Derived("compact_s_per_gb", "s/GB", lambda f: _div(f.compact_s, f.model_bytes, GB), "GB"),
     Derived("export_s_per_gb", "s/GB", lambda f: _div(f.export_s, f.model_bytes, GB), "GB"),

@@ -168,6 +168,7 @@ class Restored(Event):
     restore_markers_s: float | None = None
     restore_markers_records: int | None = None
     restore_markers_ahead_s: float | None = None
+    restore_read_ahead_ranks: int | None = None  # ranks whose frames were fetched while the model was built
     restore_fetch_s: float | None = None
     restore_decode_s: float | None = None
     restore_apply_s: float | None = None

@@ -15,6 +15,7 @@ from confluent_kafka.admin import AdminClient
 
 from ckpt.config import CkptConfig
 from ckpt.log.catalog_ahead import CatalogAhead
+from ckpt.log.frames_ahead import read_frames_ahead
 from ckpt.stream.filesystem import FsMarkers, FsSink, FsSource
 from ckpt.stream.frames import file_where, kafka_where
 from ckpt.stream.kafka import KafkaMarkers, KafkaSink, KafkaSource, new_admin
@@ -28,7 +29,8 @@ class Backend:
     markers: MarkerLog
     where: str  # for messages: the broker or the directory
     locate: Callable[[int, int, int], str]  # (generation, partition, position) -> topic/file, partition, offset
-    ahead: CatalogAhead | None = None  # rank 0 of a restore: the markers log read while the model is built
+    # a restore: the markers log read while the model is built (rank 0; every rank with `ckpt.read_ahead`)
+    ahead: CatalogAhead | None = None
 
     def close(self) -> None:
         if self.ahead is not None:
@@ -72,13 +74,26 @@ def open_backend(cfg: CkptConfig, world_size: int) -> Backend:
 def open_for_restore(cfg: CkptConfig, world_size: int, rank: int) -> Backend:
     """`open_backend`, and when `cfg.resume` asks for a restore, the connects of the readers
     it uses started, each on a thread of its own: the rows source on every rank, the markers
-    log on rank 0, which then reads the log (`CatalogAhead`). A job opens it before it builds
-    its model, so the restore finds its readers connected and the log read up to then (design
+    log on rank 0, which then reads the log (`CatalogAhead`). With `ckpt.read_ahead` on a
+    broker, every rank reads the log too and starts fetching the frames it will restore
+    (frames_ahead.py). A job opens it before it builds its model, so the restore finds its
+    readers connected, the log read up to then and its frames fetched or on the way (design
     §6); a connect that found no broker, or a read that failed, is tried again by the restore."""
     backend = open_backend(cfg, world_size)
-    if cfg.resume != "none":
-        backend.source.prepare()
-        if rank == 0:
-            backend.markers.prepare(cfg.connect_timeout_s)
-            backend.ahead = CatalogAhead(backend.markers, cfg.run_id, backend.where, cfg.connect_timeout_s)
+    if cfg.resume == "none":
+        return backend
+    backend.source.prepare()
+    if rank == 0:
+        backend.markers.prepare(cfg.connect_timeout_s)
+    frames_ahead = cfg.read_ahead and cfg.sink == "kafka"
+    if rank == 0 or frames_ahead:
+        source = backend.source
+        backend.ahead = CatalogAhead(
+            backend.markers,
+            cfg.run_id,
+            backend.where,
+            cfg.connect_timeout_s,
+            catch_up=rank == 0,  # the rank that chooses the checkpoint
+            then=(lambda catalog: read_frames_ahead(catalog, cfg.resume, source, rank)) if frames_ahead else None,
+        )
     return backend

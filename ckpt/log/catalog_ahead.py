@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_for
 from typing import NamedTuple
@@ -34,10 +35,22 @@ class ReadAhead(NamedTuple):
 
 
 class CatalogAhead:
-    """`read_recent_catalog` of one run on a daemon thread, started now; `take` it once."""
+    """`read_recent_catalog` of one run on a daemon thread, started now; `take` it once.
+    `then` is called with the fold on that thread (the frames read ahead: frames_ahead.py);
+    `catch_up`: connect a reader for the restore's catch-up read (rank 0, which chooses)."""
 
-    def __init__(self, markers: MarkerLog, run_id: str, where: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        markers: MarkerLog,
+        run_id: str,
+        where: str,
+        timeout_s: float,
+        *,
+        catch_up: bool = True,
+        then: Callable[[Catalog], object] | None = None,
+    ) -> None:
         self._markers, self._run_id, self._where, self._timeout_s = markers, run_id, where, timeout_s
+        self._catch_up, self._then = catch_up, then
         self._done: Future[ReadAhead] = Future()
         self._lock = threading.Lock()
         self._closed = False
@@ -49,12 +62,26 @@ class CatalogAhead:
         try:
             self._markers.check_reachable(self._timeout_s)
             catalog = read_recent_catalog(self._markers, self._run_id, self._where)
+            seconds = time.perf_counter() - t0
+            if self._then is not None:
+                self._call_then(catalog)
             with self._lock:
-                if not self._closed:  # a reader connected for the catch-up, as for the read itself
+                if self._catch_up and not self._closed:  # a reader connected for the catch-up, as for the read itself
                     self._markers.prepare(self._timeout_s)
-            self._done.set_result(ReadAhead(catalog, time.perf_counter() - t0))
+            self._done.set_result(ReadAhead(catalog, seconds))
         except BaseException as exc:  # noqa: BLE001 - handed to `take`, which reads again without it
             self._done.set_exception(exc)
+
+    def _call_then(self, catalog: Catalog) -> None:
+        """`then`, whose failure costs only what it would have saved (the fold stays usable)."""
+        try:
+            with self._lock:
+                if self._closed:
+                    return
+            assert self._then is not None
+            self._then(catalog)
+        except Exception as exc:  # noqa: BLE001 - the restore does the same work itself
+            logger.debug("work ahead of the restore failed (%s); the restore does it", exc)
 
     def wait(self) -> None:
         """Until the read is done or failed."""

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from ckpt.errors import RestoreError
 from ckpt.faults import maybe_die, maybe_hold_restore
+from ckpt.log.chain_reads import chain_runs, wanted_runs
 from ckpt.log.markers import ChainLink, IndexEntry, Marker, OffsetRange
 from ckpt.quant import get_codec
 from ckpt.quant.base import check_encoded, view_bytes_as
@@ -50,7 +51,7 @@ from ckpt.restore import kernel as restore_kernel
 from ckpt.restore.kernel import FusedReplay
 from ckpt.restore.staging import StagedReplay, staged_for, to_device
 from ckpt.stream.frames import Frame, FrameError
-from ckpt.stream.sink import FrameSource, RangeRead
+from ckpt.stream.sink import FrameSource
 from sharding.row_init import RowInit, initialise_shards
 from sharding.shard_views import ShardMap, ShardView
 
@@ -74,6 +75,7 @@ class RowsRestored:
     copy_wait_s: float = 0.0  # of apply_s, the host waiting for those copies: a staging buffer's, the last ones
     regenerated: int = 0  # rows no link holds, set to their initial values (sharding/row_init.py)
     init_s: float = 0.0  # regenerating them
+    read_ahead: int = 0  # 1: the frames' read was started ahead, while the model was built (frames_ahead.py)
     held: list[torch.Tensor] | None = None  # per shard (shard order): bool mask of the rows the chain holds
     link_of: list[torch.Tensor] | None = (
         None  # per shard: int32, the newest chain link that wrote any column of each row (-1: none)
@@ -124,7 +126,7 @@ def iter_link_frames(
     entries) `want` accepts, and only positions inside the link's ranges. Consecutive
     wanted segments of a partition are read with one `read_range`, so a rank that needs a
     whole partition opens it once."""
-    for partition, run in _wanted_runs(link, want):
+    for partition, run in wanted_runs(link, want):
         firsts = [entry.first for entry in run]
         chunks = _Chunks()
         for pos, frame in source.read_range(link.generation, partition, run[0].first, run[-1].last):
@@ -146,13 +148,9 @@ def iter_chain_frames_fetched_together(
     Kafka serves a partition's runs in offset order (consecutive links are one sequential
     read there)."""
     _check_base(marker)
-    reads: list[RangeRead] = []
-    runs: list[tuple[int, ChainLink, int, list[IndexEntry], list[int], _Chunks]] = []
-    for i, link in reversed(list(enumerate(marker.chain))):
-        for partition, run in _wanted_runs(link, want):
-            reads.append(RangeRead(link.generation, partition, run[0].first, run[-1].last))
-            runs.append((i, link, partition, run, [entry.first for entry in run], _Chunks()))
-    return _verified(source.read_ranges(reads), runs, run_id, locate)
+    chain = chain_runs(marker, want)
+    runs = [(r.link_index, r.link, r.partition, r.entries, [e.first for e in r.entries], _Chunks()) for r in chain]
+    return _verified(source.read_ranges([r.read() for r in chain]), runs, run_id, locate)
 
 
 def _verified(
@@ -231,20 +229,6 @@ def _checked(
     verify_frame(frame, link, partition, entry.table, entry.col_offset, run_id, where)
     _check_chunk(entry, pos, frame, chunks, where)
     return True
-
-
-def _wanted_runs(link: ChainLink, want: Callable[[IndexEntry], bool]) -> list[tuple[int, list[IndexEntry]]]:
-    """Per partition, maximal runs of consecutive index entries that `want` accepts."""
-    runs: list[tuple[int, list[IndexEntry]]] = []
-    previous: dict[int, bool] = {}
-    for entry in link.index:
-        wanted = want(entry)
-        if wanted and previous.get(entry.partition) and runs and runs[-1][0] == entry.partition:
-            runs[-1][1].append(entry)
-        elif wanted:
-            runs.append((entry.partition, [entry]))
-        previous[entry.partition] = wanted
-    return runs
 
 
 Rows = slice | torch.Tensor  # rows of a frame or of a shard: a contiguous slice, or indices
@@ -501,7 +485,9 @@ def restore_rows(
     def want(e: IndexEntry) -> bool:
         return any(frame_overlaps(s, e.col_offset, e.cols, e.min_row, e.max_row) for s in shard_map.of_table(e.table))
 
+    taken_over = source.reads_ahead_used
     frames = iter_chain_frames_fetched_together(marker, source, run_id, locate, want)
+    out.read_ahead = int(source.reads_ahead_used > taken_over)
     if while_fetching is not None:
         while_fetching()
     try:

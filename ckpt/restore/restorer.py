@@ -68,6 +68,7 @@ class RestoreReport:
     markers_read: int = 0  # records of the markers log decoded to choose the checkpoint
     # rank 0: reading most of them while the model was built, before `restore()` (not in `seconds`)
     markers_ahead_s: float = 0.0
+    read_ahead: int = 0  # ranks whose frames were being fetched before `restore()` (frames_ahead.py)
 
     @property
     def mb_per_s(self) -> float:
@@ -77,8 +78,9 @@ class RestoreReport:
         """Where the time went, for the resume line."""
         regen = f", regenerate {self.init_s:.2f} s" if self.regenerated else ""
         ahead = f" (+{self.markers_ahead_s:.2f} s read ahead)" if self.markers_ahead_s else ""
+        early = f" (started ahead on {self.read_ahead} ranks)" if self.read_ahead else ""
         return (
-            f"markers {self.markers_s:.2f} s{ahead}, fetch {self.fetch_s:.2f} s, decode {self.decode_s:.2f} s, "
+            f"markers {self.markers_s:.2f} s{ahead}, fetch {self.fetch_s:.2f} s{early}, decode {self.decode_s:.2f} s, "
             f"apply {self.apply_s:.2f} s{regen}, dense {self.dense_s:.2f} s"
         )
 
@@ -98,6 +100,7 @@ class _ReadStats(NamedTuple):
     decode_s: float
     apply_s: float
     init_s: float
+    read_ahead: int
 
     @classmethod
     def gather(cls, error: str, rows: RowsRestored | None, markers_s: float) -> _ReadStats:
@@ -116,6 +119,7 @@ class _ReadStats(NamedTuple):
                 r.decode_s,
                 r.apply_s,
                 r.init_s,
+                r.read_ahead,
             ],
             dtype=torch.float64,
         )
@@ -123,7 +127,11 @@ class _ReadStats(NamedTuple):
         dist.all_gather(every, mine)
         t = torch.stack(every)
         sums, maxes = t.sum(0).tolist(), t.max(0).values.tolist()
-        return cls(maxes[0] > 0, *(int(v) for v in sums[1:6]), *maxes[6:])
+        frames, n_rows, nbytes, written, regenerated, read_ahead = (int(sums[i]) for i in (1, 2, 3, 4, 5, 11))
+        markers_s, fetch_s, decode_s, apply_s, init_s = maxes[6:11]
+        return cls(
+            maxes[0] > 0, frames, n_rows, nbytes, written, regenerated, markers_s, fetch_s, decode_s, apply_s, init_s, read_ahead
+        )
 
 
 class _Read(NamedTuple):
@@ -341,6 +349,7 @@ class Restorer:
             run_pls=run_pls(lost_samples, float(read.state["trainers"][0]["samples_seen"])),
             markers_read=self.choice.markers_read,
             markers_ahead_s=self.choice.markers_ahead_s,
+            read_ahead=stats.read_ahead,
         )
         if self.env.rank == 0:
             self._announce_report(report)
@@ -438,6 +447,7 @@ class Restorer:
                 restore_markers_s=report.markers_s,
                 restore_markers_records=report.markers_read,
                 restore_markers_ahead_s=report.markers_ahead_s,
+                restore_read_ahead_ranks=report.read_ahead,
                 restore_fetch_s=report.fetch_s,
                 restore_decode_s=report.decode_s,
                 restore_apply_s=report.apply_s,

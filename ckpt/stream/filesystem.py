@@ -377,8 +377,13 @@ class FsSource:
             raise SourceError(f"segment {path} does not exist (reading bytes {first}..{last})") from None
         return self._frames(f, path, first, last)
 
+    reads_ahead_used = 0  # files are never read ahead
+
     def prepare(self) -> None:
         """Files need no connecting."""
+
+    def read_ahead(self, reads: Sequence[RangeRead]) -> None:
+        """Files are read on demand (the page cache makes a read a copy)."""
 
     def read_ranges(self, reads: Sequence[RangeRead]) -> Iterator[tuple[int, int, Frame]]:
         """Local files: one after another (the page cache makes a read a copy)."""

@@ -195,6 +195,8 @@ class RangeRead(NamedTuple):
 
 
 class FrameSource(Protocol):
+    reads_ahead_used: int  # `read_ranges` calls that took over the reads `read_ahead` started
+
     def read_range(self, generation: int, partition: int, first: int, last: int) -> Iterator[tuple[int, Frame]]:
         """Yield ``(position, frame)`` for exactly the frames in ``[first, last]``,
         verified, streaming. Raises ``SourceError`` if data is missing and
@@ -208,6 +210,11 @@ class FrameSource(Protocol):
     def prepare(self) -> None:
         """A hint that a restore's `read_ranges` comes soon: start connecting (a broker),
         or nothing (files)."""
+
+    def read_ahead(self, reads: Sequence[RangeRead]) -> None:
+        """A hint that a restore's next `read_ranges` is probably `reads`: start fetching them
+        (a broker, within its read buffer), or nothing (files). A `read_ranges` of other
+        reads drops what was fetched."""
 
     def close(self) -> None: ...
 

@@ -81,12 +81,20 @@ def _newest_commit(debug_config: DebugConfig, job: list[str], run_dir: Path) -> 
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_sigkill_anywhere_then_resume_is_bit_exact(
-    tmp_path, broker, unique_name, reference, policy, debug_config: DebugConfig, replay_seed: ReplaySeed
+    tmp_path,
+    broker,
+    unique_name,
+    reference,
+    policy,
+    debug_config: DebugConfig,
+    replay_seed: ReplaySeed,
 ):
     """One job crashed at every point in turn (in an order and at places drawn from the seed),
     each attempt resuming the previous one's newest checkpoint, ends bit-identical. The first
     attempt dies at checkpoint 2 or 3 (one is committed before), a resumed one at its first
-    checkpoint (ids after a crash are the trainer's to choose) or during a step."""
+    checkpoint (ids after a crash are the trainer's to choose) or during a step. Every resume
+    read its frames through the reads each rank started while it built its model (the same
+    world size and plan: the guess of frames_ahead.py is right)."""
     rng = replay_seed.rng()
     job = _job(unique_name("resume"), "kafka", broker.bootstrap, policy)
     run_dir = tmp_path / "run"
@@ -117,6 +125,8 @@ def test_sigkill_anywhere_then_resume_is_bit_exact(
     resumed = spawn_ranks(debug_config.path, [*job, *resume], tmp_path, timeout_s=180)
     _check_resumed_from(resumed[0], newest, f"crashes {crashes}, {replay_seed}")
     _assert_identical(_dumps(run_dir), reference, f"crashes {crashes}, {replay_seed}")
+    lines = [x for x in resumed[0].stdout.splitlines() if x.startswith("deltarec: resumed from checkpoint")]
+    assert not newest or "(started ahead on 2 ranks)" in lines[0], (crashes, lines)
 
 
 def _check_resumed_from(rank0: RankResult, newest: int, why: str) -> None:

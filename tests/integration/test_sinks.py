@@ -430,6 +430,50 @@ def test_kafka_prepared_read_serves_a_partitions_reads_in_offset_order(broker, u
         source.close()
 
 
+def test_kafka_read_ahead_is_taken_over_by_the_same_reads_and_fetched_before_they_are_asked(tmp_path, unique_name):
+    """`read_ahead` (a restarted job, while it builds its model) starts the reads the restore
+    will make: the restore's `read_ranges` of exactly those reads takes them over and gets
+    what a plain read gets, even once the broker is gone (they were fetched ahead). Other
+    reads drop it and are served as usual; a read ahead after the read, or of a topic that
+    does not exist, changes nothing, and the read then says what is missing."""
+    run = unique_name("run")
+    with EmbeddedBroker(state_dir=tmp_path / "broker") as broker:
+        conf = {"bootstrap.servers": broker.bootstrap}
+        sink = KafkaSink(run, conf, num_partitions=2)
+        source = KafkaSource(run, conf, timeout_s=5)
+        try:
+            for part in (0, 1):
+                for fr in make_frames(run, 1, part, 60, seed=part, max_frame_bytes=900):
+                    sink.write(fr, generation=0, partition=part)
+            res = sink.flush(30).raise_for_error()
+            reads = [RangeRead(0, p, *res.ranges[(0, p)][0]) for p in (0, 1)]
+            plain = sorted((i, p, f.payload.sum().item()) for i, p, f in source.read_ranges(reads))
+            assert len(plain) == sum(r.last - r.first + 1 for r in reads)
+
+            source.prepare()
+            source.read_ahead([reads[1]])  # another read than the restore's: dropped
+            got = sorted((i, p, f.payload.sum().item()) for i, p, f in source.read_ranges(reads))
+            assert got == plain and source.reads_ahead_used == 0
+            source.read_ahead(reads)  # after the read: nothing is started
+            assert source.reads_ahead_used == 0 and source._ahead is None
+
+            source.prepare()
+            source.read_ahead([RangeRead(7, 0, 0, 3)])  # no such topic: the read ahead is not started
+            assert source._ahead is None
+            with pytest.raises(SourceError, match="does not exist"):
+                list(source.read_ranges([RangeRead(7, 0, 0, 3)]))
+
+            source.prepare()
+            source.read_ahead(reads)
+            time.sleep(2)  # a few KB: fetched in milliseconds, however loaded the machine
+            broker.kill()
+            got = sorted((i, p, f.payload.sum().item()) for i, p, f in source.read_ranges(reads))
+            assert got == plain and source.reads_ahead_used == 1
+        finally:
+            sink.close()
+            source.close()
+
+
 def test_kafka_prepared_read_of_an_unreachable_broker_is_a_bounded_error(unique_name):
     source = KafkaSource(unique_name("run"), {"bootstrap.servers": "127.0.0.1:1"}, timeout_s=1)
     source.prepare()

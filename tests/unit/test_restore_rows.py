@@ -33,6 +33,8 @@ class ListSource:
     random interleaving of the reads, each still in position order) drawn from `rng`.
     """
 
+    reads_ahead_used = 0
+
     def __init__(
         self, frames: dict[tuple[int, int], list[bytes]], order: str = "forward", rng: random.Random | None = None
     ) -> None:

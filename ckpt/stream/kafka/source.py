@@ -1,10 +1,12 @@
 """`KafkaSource`: frames read back by exact offset range, with a consumer connected ahead when
-`prepare` started one."""
+`prepare` started one, and fetching ahead when `read_ahead` guessed the next read (design §6)."""
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from confluent_kafka import Message
 from confluent_kafka.admin import AdminClient
@@ -15,7 +17,16 @@ from ckpt.stream.kafka.consumer import _connect_on_thread, _ConnectAhead, _consu
 from ckpt.stream.kafka.partitions import _Read, _read_partitions
 from ckpt.stream.sink import RangeRead, SourceError, check_run_id, rows_name
 
+log = logging.getLogger(__name__)
+
 DEFAULT_READ_TIMEOUT_S = 30.0
+
+
+class _ReadAhead(NamedTuple):
+    """Reads started by `read_ahead`: their messages, the partitions assigned and fetching."""
+
+    reads: tuple[RangeRead, ...]
+    messages: Iterator[tuple[int, Message]]
 
 
 class KafkaSource:
@@ -35,11 +46,17 @@ class KafkaSource:
         self._cconf = _consumer_conf(conf, consumer_conf)
         self._admin = admin or new_admin(conf)
         self._connect_ahead = _ConnectAhead()
+        self._ahead_lock = threading.Lock()  # `read_ahead` runs on a thread of its own
+        self._ahead: _ReadAhead | None = None
+        self._read_started = False  # since `prepare`: a read ahead after it would fetch for nobody
+        self.reads_ahead_used = 0  # `read_ranges` calls that took over a read ahead
 
     def prepare(self) -> None:
         """Start connecting the consumer of the next `read_ranges` on a thread of its own. A
         restore calls this on every rank before rank 0 reads the markers log, so the rows
-        read finds its client connected (design §6)."""
+        read finds its client connected (design §6); a `read_ahead` may follow until that read."""
+        with self._ahead_lock:
+            self._read_started = False
         self._connect_ahead.put(_connect_on_thread(self._cconf, self.timeout_s))
 
     def read_range(
@@ -48,15 +65,45 @@ class KafkaSource:
         frames = self.read_ranges([RangeRead(generation, partition, first, last)], timeout_s=timeout_s)
         return ((pos, frame) for _, pos, frame in frames)
 
+    def read_ahead(self, reads: Sequence[RangeRead], *, timeout_s: float | None = None) -> None:
+        """Start `reads` now with the consumer `prepare` connected: librdkafka fetches them in
+        the background, up to its read buffer per partition, and a `read_ranges` of exactly
+        these reads then takes their messages from there. A restarted job calls this while it
+        builds its model (ckpt/log/frames_ahead.py). Anything that stops the start (a topic
+        missing, no broker) only drops the read ahead: the restore's own read meets it and
+        says so."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        with self._ahead_lock:
+            if self._read_started:
+                return
+            self._drop_ahead()
+            try:
+                self._ahead = _ReadAhead(tuple(reads), self._start(reads, timeout_s))
+            except Exception as exc:  # noqa: BLE001 - the restore's read raises it with its context
+                log.debug("read ahead of %d ranges not started: %s", len(reads), exc)
+
     def read_ranges(self, reads: Sequence[RangeRead], *, timeout_s: float | None = None) -> Iterator[tuple[int, int, Frame]]:
-        """All reads with one consumer (see `_read_partitions`): the one `prepare` connected,
-        or a new one; every partition fetched at once, frames decoded while librdkafka
-        fetches the next ones. Missing topics and partitions raise here, before the first
-        frame is asked for."""
+        """All reads with one consumer (see `_read_partitions`): the one `read_ahead` started
+        when it was given the same reads, else the one `prepare` connected, or a new one;
+        every partition fetched at once, frames decoded while librdkafka fetches the next
+        ones. Missing topics and partitions raise here, before the first frame is asked for."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         for r in reads:
             if not 0 <= r.first <= r.last:
                 raise ValueError(f"bad range [{r.first}, {r.last}]")
+        with self._ahead_lock:
+            self._read_started = True
+            ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            if ahead.reads == tuple(reads):
+                self.reads_ahead_used += 1
+                return self._decoded(ahead.messages)
+            log.debug("read ahead of %d ranges not used: the restore reads %d others", len(ahead.reads), len(reads))
+            _close_messages(ahead.messages)
+        return self._decoded(self._start(reads, timeout_s))
+
+    def _start(self, reads: Sequence[RangeRead], timeout_s: float) -> Iterator[tuple[int, Message]]:
+        """`_read_partitions` of `reads`, their topics and partitions checked first."""
         topics = [rows_name(self.run_id, r.generation) for r in reads]
         ready = self._connect_ahead.take_connected()
         listed = _topics_for(ready, self._admin, topics, timeout_s) if reads or ready else {}
@@ -74,7 +121,12 @@ class KafkaSource:
             if ready is not None:
                 ready.consumer.close()
             raise
-        return self._decoded(_read_partitions(self._cconf, plan, timeout_s, ready.consumer if ready else None))
+        return _read_partitions(self._cconf, plan, timeout_s, ready.consumer if ready else None)
+
+    def _drop_ahead(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            _close_messages(ahead.messages)
 
     def _decoded(self, messages: Iterator[tuple[int, Message]]) -> Iterator[tuple[int, int, Frame]]:
         for i, msg in messages:
@@ -87,5 +139,15 @@ class KafkaSource:
 
     def close(self) -> None:
         self._connect_ahead.close()
+        with self._ahead_lock:
+            self._read_started = True
+            self._drop_ahead()
         if hasattr(self, "_admin"):  # closed twice: gone already
             del self._admin  # the client goes now (its connections close)
+
+
+def _close_messages(messages: Iterator[tuple[int, Message]]) -> None:
+    """Stop a read nobody will finish: its generator's close closes its consumer."""
+    close = getattr(messages, "close", None)
+    if close is not None:
+        close()
