@@ -378,11 +378,11 @@ def deltarec_restore(
     """`CheckpointManager.restore()` of the newest checkpoint of the run `overrides` name, into
     the live model (`trainer`: the loop whose state it restores): the manager built first (not
     timed: a restarted job builds it anyway, its broker connections made, the markers log read
-    and, with `ckpt.read_ahead`, its frames' fetch started while its model is built), and
-    `restore()` called `build_s` after the backend was opened (this job's own model build: what
-    a restarted job spends between the two), then `restore()` alone (marker lookup, chain
-    replay, dense, reader and RNG state), timed with barriers on both sides and, on a GPU, the
-    device's work finished. Returns (seconds, what it restored)."""
+    and, with `ckpt.read_ahead`, its frames' fetch started while its model is built) `build_s`
+    after the backend was opened (this job's own model build: what a restarted job spends
+    between the two, trainer/main.py), then `restore()` alone (marker lookup, chain replay,
+    dense, reader and RNG state), timed with barriers on both sides and, on a GPU, the device's
+    work finished. Returns (seconds, what it restored)."""
     from ckpt.log.backend import open_for_restore
     from trainer.config import load_config
     from trainer.main import make_checkpointer
@@ -391,10 +391,10 @@ def deltarec_restore(
     c = load_config(config, [*overrides, "ckpt.enabled=true", "ckpt.resume=latest", "ckpt.final=false"])
     opened = time.perf_counter()
     backend = open_for_restore(c.ckpt, env.world_size, env.rank)
+    time.sleep(max(0.0, build_s - (time.perf_counter() - opened)))  # the model's build (trainer/main.py)
     mgr = make_checkpointer(c, env, device, sharded, trainer, MetricsLog(Path("unused"), enabled=False), backend).manager
     if backend.ahead is not None:  # a restarted job reads the markers log while it builds its model
         backend.ahead.wait()  # (trainer/main.py); its time is the report's `markers_ahead_s`
-    time.sleep(max(0.0, build_s - (time.perf_counter() - opened)))  # the rest of the model's build
     try:
         t, rep = timed(mgr.restore, device)
         assert rep is not None, f"no checkpoint of run {c.ckpt.run_id}"
