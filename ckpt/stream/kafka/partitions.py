@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, cast
 
 from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
@@ -49,7 +49,7 @@ def _read_partition(
 
 def _read_partitions(
     cconf: Mapping[str, Any], reads: Sequence[_Read], timeout_s: float, consumer: Consumer | None = None
-) -> Iterator[tuple[int, Message]]:
+) -> Generator[tuple[int, Message], None, None]:
     """``(index into reads, message)`` for every message of every read, with one consumer:
     `consumer` (one connected ahead, closed at the end like a new one) or a new one for `cconf`.
 
@@ -71,7 +71,9 @@ def _read_partitions(
     return messages
 
 
-def _reading(cconf: Mapping[str, Any], reads: Sequence[_Read], timeout_s: float, consumer: Consumer | None) -> Iterator[Any]:
+def _reading(
+    cconf: Mapping[str, Any], reads: Sequence[_Read], timeout_s: float, consumer: Consumer | None
+) -> Generator[Any, None, None]:
     """`_read_partitions`' messages, after a first None once the partitions are assigned."""
     queued = _queued_by_partition(reads)
     if not queued:

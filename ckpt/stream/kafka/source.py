@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from confluent_kafka import Message
@@ -26,7 +26,7 @@ class _ReadAhead(NamedTuple):
     """Reads started by `read_ahead`: their messages, the partitions assigned and fetching."""
 
     reads: tuple[RangeRead, ...]
-    messages: Iterator[tuple[int, Message]]
+    messages: Generator[tuple[int, Message], None, None]  # its close closes the consumer
 
 
 class KafkaSource:
@@ -99,10 +99,10 @@ class KafkaSource:
                 self.reads_ahead_used += 1
                 return self._decoded(ahead.messages)
             log.debug("read ahead of %d ranges not used: the restore reads %d others", len(ahead.reads), len(reads))
-            _close_messages(ahead.messages)
+            ahead.messages.close()
         return self._decoded(self._start(reads, timeout_s))
 
-    def _start(self, reads: Sequence[RangeRead], timeout_s: float) -> Iterator[tuple[int, Message]]:
+    def _start(self, reads: Sequence[RangeRead], timeout_s: float) -> Generator[tuple[int, Message], None, None]:
         """`_read_partitions` of `reads`, their topics and partitions checked first."""
         topics = [rows_name(self.run_id, r.generation) for r in reads]
         ready = self._connect_ahead.take_connected()
@@ -126,7 +126,7 @@ class KafkaSource:
     def _drop_ahead(self) -> None:
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
-            _close_messages(ahead.messages)
+            ahead.messages.close()
 
     def _decoded(self, messages: Iterator[tuple[int, Message]]) -> Iterator[tuple[int, int, Frame]]:
         for i, msg in messages:
@@ -144,10 +144,3 @@ class KafkaSource:
             self._drop_ahead()
         if hasattr(self, "_admin"):  # closed twice: gone already
             del self._admin  # the client goes now (its connections close)
-
-
-def _close_messages(messages: Iterator[tuple[int, Message]]) -> None:
-    """Stop a read nobody will finish: its generator's close closes its consumer."""
-    close = getattr(messages, "close", None)
-    if close is not None:
-        close()
