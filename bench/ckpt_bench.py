@@ -41,6 +41,7 @@ from statistics import median
 from typing import Any
 
 from bench.common import Measurement, config_path, document_head, loadavg, log, machine_info, median_of, ratio, rounded, scalars
+from common.process import run_main
 
 
 # -- 1. training runs ----------------------------------------------------------------------
@@ -470,4 +471,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from bench.ckpt_rank import BareCopier, find_rows
 from bench.job import fingerprint, perturb, start_job, stop_job, timed
+from common.process import run_main
 
 WARMUP_ROUNDS = 2
 
@@ -426,4 +427,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bench.common import ratio
+from common.process import run_main
 
 if TYPE_CHECKING:
     from bench.job import Job
@@ -521,4 +522,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -68,6 +68,7 @@ from bench.common import (
 )
 from bench.cpu import checkpoint_cpu
 from bench.peers import DEFAULT_POLICY, DEFAULT_QUANT, SIZES, broker_cpu_s, full_config
+from common.process import run_main
 from launch.broker import EmbeddedBroker
 
 # per size: steps of every job and the checkpoint interval in seconds (full: a checkpoint
@@ -395,4 +396,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -47,6 +47,7 @@ from statistics import fmean
 from typing import Any
 
 from bench.common import Measurement, config_path, document_head, figure, loadavg, log, machine_info, scalars
+from common.process import run_main
 from launch.ranks import REPO, kill_tree, rank_pids, read_jsonl, spawn_ranks
 
 DEFAULT_CONFIG = REPO / "configs" / "debug_cpu.yaml"
@@ -386,4 +387,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -66,6 +66,7 @@ from bench.common import (
 )
 from bench.cpu import checkpoint_cpu, process_cpu_s
 from ckpt.events import Event
+from common.process import run_main
 from launch.broker import EmbeddedBroker
 
 POLICIES = ("full", "one_shot_diff", "incremental", "intermittent_diff")
@@ -1181,4 +1182,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -56,6 +56,7 @@ from typing import Any
 
 from bench.common import Measurement, document_head, loadavg, log, machine_info, ratio
 from bench.peers import CRITEO_KAGGLE, build_records, full_config, table
+from common.process import run_main
 
 POLICIES = ("intermittent_diff", "incremental")
 ENCODINGS = ("fp32", "adaptive4")
@@ -411,4 +412,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

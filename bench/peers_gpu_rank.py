@@ -40,6 +40,7 @@ from typing import Any
 from bench.common import harmonic_of, median_of
 from bench.job import Pristine, fingerprint, fresh_loop, perturb, start_job, stop_job, sync, timed
 from bench.peers_rank import LOADS, WARMUP_STEPS, DcpPeers, PeerCheckpointer, deltarec_restore, max_over_ranks
+from common.process import run_main
 
 PROBE_STEPS = 20
 Restore = Callable[[], "tuple[float, dict[str, Any], bool | None]"]  # seconds, what it restored, same state?
@@ -438,4 +439,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

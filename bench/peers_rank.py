@@ -63,6 +63,7 @@ import torch.distributed as dist
 from bench.common import RESTORE_PARTS
 from bench.job import fingerprint, perturb, start_job, stop_job, sync, timed
 from bench.memory import RssSampler
+from common.process import run_main
 
 if TYPE_CHECKING:
     from sharding.dmp import ShardedModel
@@ -541,4 +542,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -52,6 +52,7 @@ from statistics import fmean, stdev
 from typing import Any
 
 from bench.common import Measurement, config_path, document_head, figure, loadavg, machine_info, scalars
+from common.process import run_main
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "configs" / "debug_cpu.yaml"
@@ -601,4 +602,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

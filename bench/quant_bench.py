@@ -34,6 +34,7 @@ from bench.common import Measurement, document_head, figure, loadavg, machine_in
 from ckpt.quant import codec_names, get_codec
 from ckpt.quant.adaptive import AdaptiveCodec, greedy_range_search
 from ckpt.quant.uniform import fbgemm_available
+from common.process import run_main
 
 METHODS = {  # method -> bit widths it has
     "sym": (2, 3, 4, 8),
@@ -282,4 +283,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 from bench.common import REPO, Measurement, Provenance, log, write_records
+from common.process import run_main
 
 DEFAULT_RECORDS = REPO / "bench" / "results" / "records.jsonl"  # bench/results/ is ignored by git
 
@@ -243,4 +244,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

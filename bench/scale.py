@@ -68,6 +68,7 @@ from bench.peers import (
     full_config,
     peers_job,
 )
+from common.process import run_main
 from launch.broker import EmbeddedBroker
 
 ENCODING = "adaptive4"
@@ -691,4 +692,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

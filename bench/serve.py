@@ -44,6 +44,7 @@ from bench.common import Measurement, config_path, document_head, loadavg, log, 
 from bench.memory import proc_status
 from ckpt.log.backend import open_backend
 from ckpt.log.catalog import read_catalog
+from common.process import run_main
 from launch.broker import EmbeddedBroker
 from launch.ranks import REPO, read_jsonl, start_ranks
 from trainer.config import JobConfig, load_config
@@ -305,4 +306,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from common.process import run_main
 from launch.broker import EmbeddedBroker
 from launch.ranks import REPO, kill_tree, rank_pids, spawn_ranks
 from trainer.report import read_metrics
@@ -228,4 +229,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from common.process import run_main
+
 STAGE = re.compile(r"^## (.+?)(?: \d+)? ##$")  # "## forward 12 ##" -> "forward"
 
 
@@ -175,4 +177,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

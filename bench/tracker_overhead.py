@@ -38,6 +38,7 @@ from statistics import fmean, median
 from typing import Any
 
 from bench.common import Measurement, config_path, document_head, loadavg, machine_info, scalars
+from common.process import run_main
 
 
 # -- launcher ----------------------------------------------------------------------------
@@ -374,4 +375,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -44,6 +44,7 @@ from bench.common import (
     ratio,
     scalars,
 )
+from common.process import run_main
 
 JOBS = ("torchrec", "deltarec_plain", "deltarec", "deltarec_ckpt")
 
@@ -269,4 +270,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -26,6 +26,7 @@ import torch
 
 from bench.common import Measurement, config_path, document_head, machine_info, scalars
 from bench.quant_accuracy import DEFAULT_CONFIG, REPO, spawn
+from common.process import run_main
 
 CKPT = ["ckpt.enabled=true", "ckpt.sink=filesystem", "ckpt.encoding=fp32", "ckpt.optimizer_encoding=fp32"]
 
@@ -121,4 +122,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -32,6 +32,7 @@ from types import FrameType
 from ckpt.faults import ENV as KILL_AT
 from ckpt.faults import FaultSpecError, parse_kill_at
 from common.errors import DeltarecError
+from common.process import run_main
 from launch.beside import Beside, one_sample
 from launch.broker import EmbeddedBroker
 from launch.savings import full_checkpoint_bytes
@@ -175,4 +176,4 @@ def _shown(path: Path) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

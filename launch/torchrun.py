@@ -32,6 +32,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
+from common.process import run_main
 from trainer import console
 
 if TYPE_CHECKING:
@@ -172,7 +173,7 @@ def cli() -> None:
     if parse(argv)[0].verbose:
         cmd = build_command(argv)
         os.execv(cmd[0], cmd)
-    sys.exit(launch(argv))
+    run_main(lambda: launch(argv))
 
 
 if __name__ == "__main__":

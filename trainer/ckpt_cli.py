@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from ckpt import cli as ckpt_cli
 from ckpt.config import CkptConfig, load_ckpt_config
 from common.config_loader import load_yaml
+from common.process import run_main
 from trainer import console
 from trainer.config import load_config
 
@@ -36,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def cli() -> None:
     """Console-script entry point."""
-    sys.exit(main())
+    run_main(main)
 
 
 if __name__ == "__main__":

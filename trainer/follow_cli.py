@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ckpt.config import CkptConfig
 from ckpt.follow import cli as follow_cli
+from common.process import run_main
 from trainer import console
 from trainer.ckpt_cli import load_job_ckpt_config
 from trainer.metrics import MetricsLog
@@ -37,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def cli() -> None:
     """Console-script entry point."""
-    sys.exit(main())
+    run_main(main)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from ckpt.handoff import JobIdentity
 from ckpt.log.backend import Backend, open_for_restore
 from ckpt.restore.restorer import RestoreReport
 from common.errors import DeltarecError
+from common.process import run_main
 from sharding.dmp import ShardedModel, plan_model, shard_model
 from sharding.plan import format_plan, summarize
 from sharding.process_group import DistEnv, destroy_process_group, detect_env, init_process_group, pick_device
@@ -281,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def cli() -> None:
     """Console-script entry point."""
-    sys.exit(main())
+    run_main(main)
 
 
 if __name__ == "__main__":

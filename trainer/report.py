@@ -43,6 +43,7 @@ from ckpt.events import (
     read_event,
 )
 from common.errors import DeltarecError
+from common.process import run_main
 from trainer.config import load_config
 
 
@@ -497,7 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def cli() -> None:
     """Console-script entry point."""
-    sys.exit(main())
+    run_main(main)
 
 
 if __name__ == "__main__":

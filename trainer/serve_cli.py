@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from common.errors import DeltarecError
+from common.process import run_main
 from trainer import console
 from trainer.config import load_config
 from trainer.metrics import MetricsLog
@@ -51,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def cli() -> None:
     """Console-script entry point."""
-    sys.exit(main())
+    run_main(main)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torchrec import KeyedJaggedTensor
 from torchrec.datasets.utils import Batch
 
+from common.process import run_main
 from sharding.dmp import shard_model
 from sharding.process_group import destroy_process_group, detect_env, init_process_group
 from sharding.shard_views import ShardMap
@@ -115,4 +116,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

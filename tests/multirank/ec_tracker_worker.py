@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -39,6 +38,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 
 from ckpt.capture.snapshot import SnapshotTaker
 from ckpt.capture.tracker import RowTracker
+from common.process import run_main
 from sharding.shard_views import ShardMap
 
 ROWS, DIM = 97, 8
@@ -171,4 +171,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
 from ckpt.capture.snapshot import SnapshotTaker
 from ckpt.capture.tracker import RowTracker
+from common.process import run_main
 from sharding.dmp import shard_model
 from sharding.process_group import destroy_process_group, detect_env, init_process_group
 from sharding.shard_views import ShardMap
@@ -318,4 +318,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -1,0 +1,71 @@
+"""`common.process.run_main`: a command's exit code, its imports kept out of the collector's
+walks during the run, cyclic garbage made during the run still collected, errors unchanged.
+Each case runs in a process of its own (the freeze would otherwise stay in pytest's)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from tests.conftest import REPO
+
+
+def _run(body: str) -> subprocess.CompletedProcess[str]:
+    code = textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_the_exit_code_is_mains_and_what_was_imported_is_frozen_before_it_runs() -> None:
+    done = _run(
+        """
+        import gc, json
+        from common.process import run_main
+
+        def main():
+            print(gc.get_freeze_count())
+            return 3
+
+        run_main(main)
+        """
+    )
+    assert done.returncode == 3, done.stderr
+    assert int(done.stdout.split()[0]) > 1000  # json, gc, the interpreter's own modules at least
+
+
+def test_cycles_made_during_the_run_are_still_collected() -> None:
+    done = _run(
+        """
+        import gc, weakref
+        from common.process import run_main
+
+        class Node:
+            pass
+
+        def main():
+            a, b = Node(), Node()
+            a.other, b.other = b, a  # a cycle only the collector frees
+            alive = weakref.ref(a)
+            del a, b
+            gc.collect()
+            return 0 if alive() is None else 5
+
+        run_main(main)
+        """
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr)
+
+
+def test_an_exception_leaves_as_it_would_without_it() -> None:
+    done = _run(
+        """
+        from common.process import run_main
+
+        def main():
+            raise RuntimeError("the job's own failure")
+
+        run_main(main)
+        """
+    )
+    assert done.returncode == 1
+    assert "RuntimeError: the job's own failure" in done.stderr and "Traceback" in done.stderr
