@@ -1066,6 +1066,13 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="row encodings of the deltarec jobs (default: all)",
     )
     p.add_argument(
+        "--policies",
+        nargs="+",
+        choices=POLICIES,
+        default=list(POLICIES),
+        help="checkpoint policies of the deltarec jobs (default: all; the targets are the default policy's)",
+    )
+    p.add_argument(
         "--follower-intervals",
         type=int,
         help="checkpoints of the deltarec + follower jobs (default: the suite's; 0: leave them out)",
@@ -1107,7 +1114,7 @@ def run(argv: list[str], prog: str = "python -m bench.run") -> dict[str, Any]:
         base = baseline_job(s, work, args.timeout_s)
         jobs: dict[tuple[str, str], dict] = {}
         encodings = tuple(args.encodings)
-        for policy in POLICIES:
+        for policy in args.policies:
             for enc in encodings:
                 jobs[(policy, enc)] = deltarec_job(policy, enc, s, work, broker(), prefix, args.timeout_s)
         intervals = s["follower_intervals"] if args.follower_intervals is None else args.follower_intervals
@@ -1131,6 +1138,7 @@ def run(argv: list[str], prog: str = "python -m bench.run") -> dict[str, Any]:
             "interval_steps": s["interval"],
             "ranks": 2,
             "encodings": list(encodings),
+            "policies": list(args.policies),
             "overrides": s["overrides"],
             "model_rows": model_rows,
             "follower_intervals": next((r["steps"] // s["interval"] for (pol, _), r in jobs.items() if pol == FOLLOWER), 0),

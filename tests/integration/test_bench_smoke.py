@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from bench.common import read_records
-from bench.peers import PEERS, POLICIES
+from bench.peers import DEFAULT_POLICY, FOLLOWER, PEERS
 from bench.peers_gpu import ENCODINGS as GPU_ENCODINGS
 from bench.peers_gpu import PEERS as GPU_PEERS
 from bench.peers_gpu import POLICIES as GPU_POLICIES
@@ -40,8 +40,10 @@ def test_the_entry_point_lists_every_suite(run_cli: CliRunner) -> None:
 
 def test_quick_suite_writes_every_peer_and_policy(tmp_path: Path, run_cli: CliRunner) -> None:
     out, img, records = tmp_path / "results.json", tmp_path / "img", tmp_path / "records.jsonl"
-    # shortened (2 checkpoints per job, a short follower job, one encoding: the jobs of the other
-    # differ only in `ckpt.encoding`): what is checked is that every record is there
+    # shortened (2 checkpoints per job, a short follower job, one encoding and the default policy
+    # beside the follower's incremental one: the other jobs differ only in `ckpt.encoding` and
+    # `ckpt.policy`, each policy's checkpoints are tested in tests/integration/test_resume.py):
+    # what is checked is that every record is there
     run_cli(
         "bench.run",
         "--suite",
@@ -60,6 +62,8 @@ def test_quick_suite_writes_every_peer_and_policy(tmp_path: Path, run_cli: CliRu
         "3",
         "--encodings",
         SMOKE_ENCODING,
+        "--policies",
+        DEFAULT_POLICY,
         timeout_s=900,
     )
     result = json.loads(out.read_text())
@@ -73,10 +77,12 @@ def test_quick_suite_writes_every_peer_and_policy(tmp_path: Path, run_cli: CliRu
     assert {"none", "none_inproc"} <= {r["peer"] for r in flat if r["metric"] == "samples_per_s"}
     assert all(r["value"] for r in flat if r["metric"] == "restore_same_state")
 
-    # every deltarec policy x encoding, per checkpoint and aggregated
+    # the deltarec policy x encoding asked for, per checkpoint and aggregated
     assert result["settings"]["encodings"] == [SMOKE_ENCODING]
+    assert result["settings"]["policies"] == [DEFAULT_POLICY]
     assert {r["encoding"] for r in flat if r["peer"] == "deltarec"} == {SMOKE_ENCODING}
-    for policy in POLICIES:
+    assert {r["policy"] for r in flat if r["peer"] == "deltarec"} == {DEFAULT_POLICY, FOLLOWER}  # only what was asked
+    for policy in [DEFAULT_POLICY]:
         for enc in [SMOKE_ENCODING]:
             mine = [r for r in flat if r["peer"] == "deltarec" and r["policy"] == policy and r["encoding"] == enc]
             metrics = {r["metric"] for r in mine}
