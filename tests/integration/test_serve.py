@@ -367,7 +367,8 @@ def _refuses_when_busy(server: ServerProc, body: bytes) -> None:
         f"POST /predict HTTP/1.1\r\nHost: {server.where['host']}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     ).encode()
-    refused = server.metric('deltarec_serve_requests_total{status="503"}')  # readiness before ready
+    # readiness probes answered 503 before the server was ready; none when it was ready at the first
+    refused = server.client.metric('deltarec_serve_requests_total{status="503"}')
     refused = 0.0 if math.isnan(refused) else refused
     held = [socket.create_connection((server.where["host"], server.where["port"]), timeout=30) for _ in range(2)]
     try:
