@@ -466,12 +466,60 @@ def test_kafka_read_ahead_is_taken_over_by_the_same_reads_and_fetched_before_the
             source.prepare()
             source.read_ahead(reads)
             time.sleep(2)  # a few KB: fetched in milliseconds, however loaded the machine
+            assert source._ahead is not None and source._ahead.frames.decoded == len(plain)  # decoded ahead too
             broker.kill()
             got = sorted((i, p, f.payload.sum().item()) for i, p, f in source.read_ranges(reads))
             assert got == plain and source.reads_ahead_used == 1
         finally:
             sink.close()
             source.close()
+
+
+def test_kafka_read_ahead_meets_a_damaged_frame_or_a_short_partition_as_a_plain_read_does(broker, unique_name):
+    """Frames decoded ahead (ckpt/stream/kafka/decoded_ahead.py) change nothing a restore sees
+    when the stream is damaged: a corrupt frame raises its `FrameError` with its offset after
+    the frames before it, and a read past a partition's end fails with the plain read's
+    `SourceError` (the failed read ahead is dropped and the read made afresh)."""
+    run = unique_name("run")
+    conf = {"bootstrap.servers": broker.bootstrap}
+    sink, source = KafkaSink(run, conf, num_partitions=1), KafkaSource(run, conf, timeout_s=3)
+    try:
+        frames = make_frames(run, 1, 0, 40, max_frame_bytes=700)
+        bad = bytearray(frames[5])
+        bad[len(bad) // 2] ^= 1
+        for fr in frames[:5] + [bytes(bad)] + frames[6:]:
+            sink.write(fr, generation=0, partition=0)
+        ((first, last),) = sink.flush(30).raise_for_error().ranges[(0, 0)]
+        reads = [RangeRead(0, 0, first, last)]
+
+        def read(ahead: bool) -> tuple[list[int], str]:
+            source.prepare()
+            if ahead:
+                source.read_ahead(reads)
+                time.sleep(1)
+            seen = []
+            with pytest.raises(FrameError, match="CRC mismatch") as e:
+                for _, pos, _ in source.read_ranges(reads):
+                    seen.append(pos)
+            return seen, str(e.value)
+
+        plain, ahead = read(False), read(True)
+        assert ahead == plain and plain[0] == list(range(first, first + 5)) and f"offset {first + 5}" in plain[1]
+        assert source.reads_ahead_used == 1
+
+        past_end = [RangeRead(0, 0, first + 6, last + 3)]  # behind the damaged frame
+        source.prepare()
+        source.read_ahead(past_end)
+        time.sleep(1)
+        with pytest.raises(SourceError) as e:
+            list(source.read_ranges(past_end))
+        assert source.reads_ahead_used == 1  # the failed read ahead was not taken over
+        with pytest.raises(SourceError) as plain_e:
+            list(source.read_ranges(past_end))
+        assert str(e.value) == str(plain_e.value)
+    finally:
+        sink.close()
+        source.close()
 
 
 def test_kafka_prepared_read_of_an_unreachable_broker_is_a_bounded_error(unique_name):

@@ -31,6 +31,7 @@ One module per job, each importing only modules listed above it:
 - ``sink``: ``KafkaSink``, frames to a generation's rows topic;
 - ``consumer``: reader settings, consumers connected ahead of a read (``_ConnectAhead``);
 - ``partitions``: one consumer reading exact offset ranges of several partitions;
+- ``decoded_ahead``: a read ahead's frames decoded on a thread while the model is built;
 - ``source``: ``KafkaSource``, frames read back by offset range;
 - ``markers``: ``KafkaMarkers``, the marker log, and ``BrokerUnreachable``.
 """

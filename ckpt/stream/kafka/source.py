@@ -1,5 +1,6 @@
 """`KafkaSource`: frames read back by exact offset range, with a consumer connected ahead when
-`prepare` started one, and fetching ahead when `read_ahead` guessed the next read (design §6)."""
+`prepare` started one, and fetching and decoding ahead when `read_ahead` guessed the next read
+(design §6)."""
 
 from __future__ import annotations
 
@@ -13,20 +14,31 @@ from confluent_kafka.admin import AdminClient
 
 from ckpt.stream.frames import Frame, FrameError, decode_frame, kafka_where
 from ckpt.stream.kafka.admin import _at, new_admin
-from ckpt.stream.kafka.consumer import _connect_on_thread, _ConnectAhead, _consumer_conf, _topics_for
+from ckpt.stream.kafka.consumer import (
+    DEFAULT_READ_BUFFER_KB,
+    _connect_on_thread,
+    _ConnectAhead,
+    _consumer_conf,
+    _topics_for,
+)
+from ckpt.stream.kafka.decoded_ahead import Decoded, DecodedAhead
 from ckpt.stream.kafka.partitions import _Read, _read_partitions
 from ckpt.stream.sink import RangeRead, SourceError, check_run_id, rows_name
 
 log = logging.getLogger(__name__)
 
 DEFAULT_READ_TIMEOUT_S = 30.0
+# A read ahead decodes up to the consumer's read buffer of frames, so it holds at most twice that:
+# the restore's first frames (a small model's whole chain) are ready, and memory stays bounded.
+DECODE_AHEAD_BYTES = DEFAULT_READ_BUFFER_KB * 1024
 
 
 class _ReadAhead(NamedTuple):
-    """Reads started by `read_ahead`: their messages, the partitions assigned and fetching."""
+    """Reads started by `read_ahead`: the partitions assigned and fetching, their frames
+    decoded on a thread as they arrive."""
 
     reads: tuple[RangeRead, ...]
-    messages: Generator[tuple[int, Message], None, None]  # its close closes the consumer
+    frames: DecodedAhead  # its close closes the consumer
 
 
 class KafkaSource:
@@ -67,8 +79,9 @@ class KafkaSource:
 
     def read_ahead(self, reads: Sequence[RangeRead], *, timeout_s: float | None = None) -> None:
         """Start `reads` now with the consumer `prepare` connected: librdkafka fetches them in
-        the background, up to its read buffer per partition, and a `read_ranges` of exactly
-        these reads then takes their messages from there. A restarted job calls this while it
+        the background, up to its read buffer per partition, a thread decodes the frames as
+        they arrive (up to `DECODE_AHEAD_BYTES`), and a `read_ranges` of exactly these reads
+        then takes the frames from there. A restarted job calls this while it
         builds its model (ckpt/log/frames_ahead.py). Anything that stops the start (a topic
         missing, no broker) only drops the read ahead: the restore's own read meets it and
         says so."""
@@ -78,7 +91,9 @@ class KafkaSource:
                 return
             self._drop_ahead()
             try:
-                self._ahead = _ReadAhead(tuple(reads), self._start(reads, timeout_s))
+                self._ahead = _ReadAhead(
+                    tuple(reads), DecodedAhead(self._start(reads, timeout_s), self._decode, DECODE_AHEAD_BYTES)
+                )
             except Exception as exc:  # noqa: BLE001 - the restore's read raises it with its context
                 log.debug("read ahead of %d ranges not started: %s", len(reads), exc)
 
@@ -96,11 +111,15 @@ class KafkaSource:
             ahead, self._ahead = self._ahead, None
         if ahead is not None:
             if ahead.reads == tuple(reads):
-                self.reads_ahead_used += 1
-                return self._decoded(ahead.messages)
-            log.debug("read ahead of %d ranges not used: the restore reads %d others", len(ahead.reads), len(reads))
-            ahead.messages.close()
-        return self._decoded(self._start(reads, timeout_s))
+                frames = ahead.frames.take()
+                if frames is not None:
+                    self.reads_ahead_used += 1
+                    return frames
+                log.debug("read ahead of %d ranges failed: read again", len(reads))
+            else:
+                log.debug("read ahead of %d ranges not used: the restore reads %d others", len(ahead.reads), len(reads))
+                ahead.frames.close()
+        return (self._decode(i, msg) for i, msg in self._start(reads, timeout_s))
 
     def _start(self, reads: Sequence[RangeRead], timeout_s: float) -> Generator[tuple[int, Message], None, None]:
         """`_read_partitions` of `reads`, their topics and partitions checked first."""
@@ -126,16 +145,16 @@ class KafkaSource:
     def _drop_ahead(self) -> None:
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
-            ahead.messages.close()
+            ahead.frames.close()
 
-    def _decoded(self, messages: Iterator[tuple[int, Message]]) -> Iterator[tuple[int, int, Frame]]:
-        for i, msg in messages:
-            topic, partition, offset = _at(msg)
-            where = kafka_where(topic, partition, offset)
-            frame = decode_frame(msg.value() or b"", where=where)
-            if frame.run_id != self.run_id:
-                raise FrameError(f"frame of run {frame.run_id!r} in run {self.run_id!r}", where)
-            yield i, offset, frame
+    def _decode(self, i: int, msg: Message) -> Decoded:
+        """The frame of read `i`'s message, checked (a `FrameError` names where it lies)."""
+        topic, partition, offset = _at(msg)
+        where = kafka_where(topic, partition, offset)
+        frame = decode_frame(msg.value() or b"", where=where)
+        if frame.run_id != self.run_id:
+            raise FrameError(f"frame of run {frame.run_id!r} in run {self.run_id!r}", where)
+        return i, offset, frame
 
     def close(self) -> None:
         self._connect_ahead.close()
