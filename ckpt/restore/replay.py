@@ -68,7 +68,7 @@ class RowsRestored:
     written: int = 0  # of those, rows written: the others hold values a later link replaces
     bytes: int = 0
     seconds: float = 0.0
-    fetch_s: float = 0.0  # waiting for the next frame: reading, the CRC check
+    fetch_s: float = 0.0  # issuing the reads, then waiting for each next frame: reading, the CRC check
     decode_s: float = 0.0  # dequantizing the rows written (by the kernel: straight into the shards)
     apply_s: float = 0.0  # choosing the rows and copying them into the shards (or queueing the copies)
     staged: int = 0  # frame writes into device shards through staging buffers (ckpt/restore/staging.py)
@@ -486,7 +486,9 @@ def restore_rows(
         return any(frame_overlaps(s, e.col_offset, e.cols, e.min_row, e.max_row) for s in shard_map.of_table(e.table))
 
     taken_over = source.reads_ahead_used
+    t = time.perf_counter()  # issuing the reads, or taking over those read ahead (their thread stops)
     frames = iter_chain_frames_fetched_together(marker, source, run_id, locate, want)
+    out.fetch_s += time.perf_counter() - t
     out.read_ahead = int(source.reads_ahead_used > taken_over)
     if while_fetching is not None:
         while_fetching()
