@@ -465,8 +465,12 @@ def test_kafka_read_ahead_is_taken_over_by_the_same_reads_and_fetched_before_the
 
             source.prepare()
             source.read_ahead(reads)
-            time.sleep(2)  # a few KB: fetched in milliseconds, however loaded the machine
-            assert source._ahead is not None and source._ahead.frames.decoded == len(plain)  # decoded ahead too
+            ahead = source._ahead
+            assert ahead is not None
+            deadline = time.monotonic() + 20  # a few KB: fetched and decoded in milliseconds; bounded on a loaded machine
+            while ahead.frames.decoded < len(plain) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert ahead.frames.decoded == len(plain)  # every frame decoded ahead, before the broker goes
             broker.kill()
             got = sorted((i, p, f.payload.sum().item()) for i, p, f in source.read_ranges(reads))
             assert got == plain and source.reads_ahead_used == 1

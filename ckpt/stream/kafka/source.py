@@ -97,7 +97,7 @@ class KafkaSource:
             except Exception as exc:  # noqa: BLE001 - the restore's read raises it with its context
                 log.debug("read ahead of %d ranges not started: %s", len(reads), exc)
 
-    def read_ranges(self, reads: Sequence[RangeRead], *, timeout_s: float | None = None) -> Iterator[tuple[int, int, Frame]]:
+    def read_ranges(self, reads: Sequence[RangeRead], *, timeout_s: float | None = None) -> Iterator[Decoded]:
         """All reads with one consumer (see `_read_partitions`): the one `read_ahead` started
         when it was given the same reads, else the one `prepare` connected, or a new one;
         every partition fetched at once, frames decoded while librdkafka fetches the next
