@@ -2,10 +2,11 @@
 (issue 12 item 6): `python -m bench.run --suite cost`.
 
     python -m bench.run --suite cost [--size quick|full] [--interval-s S] [--steps N] [--rounds R]
-                                     [--tmpfs DIR] [--out results.json]
+                                     [--encoding CODEC] [--tmpfs DIR] [--out results.json]
 
 On the model of `bench.peers`'s suite of that size, the default policy at 4 bits
-(`intermittent_diff`, `adaptive4`) checkpoints every ``--interval-s`` seconds of wall time
+(`intermittent_diff`, `adaptive4`; ``--encoding fp32`` for the trainer's own default, bit-exact
+rows) checkpoints every ``--interval-s`` seconds of wall time
 (`ckpt.interval_s`: a true time interval, rank 0's clock; the full size's default is one
 minute). Each job is 2 gloo ranks through `bench.ckpt_rank`, in rounds of:
 
@@ -149,8 +150,8 @@ def _common(s: dict[str, Any]) -> list[str]:
 
 
 def ckpt_job(sink: str, s: dict[str, Any], work: Path, n: int, tmpfs: Path, timeout_s: float) -> dict[str, Any]:
-    """The default policy at 4 bits every `interval_s` seconds, to a fresh broker (`kafka`) or
-    the filesystem sink on a tmpfs (`tmpfs`), the `n`th time."""
+    """The default policy in `s["encoding"]` every `interval_s` seconds, to a fresh broker
+    (`kafka`) or the filesystem sink on a tmpfs (`tmpfs`), the `n`th time."""
     from bench.ckpt_bench import train_run
 
     label = f"{sink}-{n}"
@@ -168,7 +169,7 @@ def ckpt_job(sink: str, s: dict[str, Any], work: Path, n: int, tmpfs: Path, time
             *s["overrides"],
         ],
     )
-    extra = [f"ckpt.encoding={DEFAULT_QUANT}"]
+    extra = [f"ckpt.encoding={s['encoding']}"]
     prefix = f"bench-cost-{uuid.uuid4().hex[:8]}"
     if sink == "kafka":
         with EmbeddedBroker() as broker:
@@ -329,6 +330,9 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="steps of every job (default: the size's)")
     p.add_argument("--rounds", type=int, default=1, help="rounds of none, kafka, tmpfs (then a closing none)")
     p.add_argument("--sinks", nargs="+", choices=SINKS, default=list(SINKS))
+    p.add_argument(
+        "--encoding", default=DEFAULT_QUANT, help="the rows' codec (ckpt.encoding; fp32 is the trainer's default)"
+    )
     p.add_argument("--tmpfs", type=Path, default=Path("/dev/shm"), help="a tmpfs for the filesystem sink's reference")
     p.add_argument("--out", type=Path, help="write the JSON result here")
     p.add_argument("--keep", type=Path, help="keep run directories here (default: a temporary directory)")
@@ -342,7 +346,7 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite cost") -> dict
         raise SystemExit(f"bench cost: --tmpfs {args.tmpfs} is not a directory on a tmpfs (see /proc/mounts)")
     started, machine = time.perf_counter(), machine_info()
     peer = SIZES[args.size]
-    s = {**COST_SIZES[args.size], "overrides": list(peer["overrides"])}
+    s = {**COST_SIZES[args.size], "overrides": list(peer["overrides"]), "encoding": args.encoding}
     s.update({k: v for k, v in (("steps", args.steps), ("interval_s", args.interval_s)) if v})
     jobs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-cost-") as tmpdir:
@@ -355,7 +359,7 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite cost") -> dict
         )
         log(
             f"suite cost ({args.size}): {s['config']}, {s['steps']} steps a job, a checkpoint every "
-            f"{s['interval_s']:g} s; sinks {', '.join(args.sinks)}; work dir {work}"
+            f"{s['interval_s']:g} s in {s['encoding']}; sinks {', '.join(args.sinks)}; work dir {work}"
         )
         for n in range(args.rounds):
             jobs.append(counted(lambda: none_job(s, work, n, args.timeout_s)))
@@ -368,7 +372,7 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite cost") -> dict
         **document_head("cost", prog, argv, machine),
         "size": args.size,
         "settings": {k: s[k] for k in ("config", "steps", "interval_s", "overrides")}
-        | {"policy": DEFAULT_POLICY, "encoding": DEFAULT_QUANT, "rounds": args.rounds, "sinks": args.sinks},
+        | {"policy": DEFAULT_POLICY, "encoding": args.encoding, "rounds": args.rounds, "sinks": args.sinks},
         "summary": summary,
         "jobs": jobs,
         "wall_s": time.perf_counter() - started,

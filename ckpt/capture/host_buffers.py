@@ -26,7 +26,9 @@ since its base) paid for it inside the stall (docs/history/BENCHMARKS-2026-11.md
 sooner, snapshot memory faulted in ahead"). So half
 an interval before each snapshot the checkpoint manager asks for its likely size
 (`reserve_ahead`), and a helper thread of low priority makes and faults in a slab that large,
-unless a free slab holds it already or the bound has no room for it. That size is the largest
+unless a free slab holds it already or the bound has no room for it; where no free slab holds
+it, the largest free one grows in place (`Slab.grow`), so only its new pages are mapped (each
+full checkpoint of a job is larger than the last as the trained rows grow). That size is the largest
 snapshot the policy may take next, so the same call unmaps a free slab more than twice as
 large (and 64 MiB larger): when an `incremental` run's full checkpoint (the first after a
 resume copies every trained row) is followed only by much smaller deltas, the rank's host
@@ -44,6 +46,7 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ckpt.capture.threads import lower_thread_priority
 
@@ -122,6 +125,7 @@ class Slab(Carver):
         area, buffer = _anonymous(capacity, huge)
         super().__init__(buffer)
         self._area = area
+        self._huge = huge
         self.fresh = True  # its pages were never written: the first snapshot in it faults them in
         self.pinned = False  # `pin`
 
@@ -139,7 +143,8 @@ class Slab(Carver):
 
     def fault_in(self) -> None:
         """Map every page now (one `madvise` where the kernel has MADV_POPULATE_WRITE, else
-        one write per page), so that the snapshot copied into it later faults nothing."""
+        one write per page), so that the snapshot copied into it later faults nothing. Pages
+        already mapped (all but the new ones after `grow`) cost only the walk over them."""
         if self.pinned:  # registering mapped every page
             self.fresh = False
             return
@@ -148,6 +153,36 @@ class Slab(Carver):
         except OSError:  # a kernel before 5.14
             self.buffer[::OS_PAGE].zero_()
         self.fresh = False
+
+    def grow(self, capacity: int) -> bool:
+        """Extend this free slab to `capacity` bytes where it is (``mremap``, which moves page
+        tables, not pages): the pages a snapshot or `fault_in` mapped stay mapped, so making it
+        ready for a larger snapshot (`fault_in`) maps only the new ones, where a new slab would
+        have the host back all of them again.
+        False, and nothing changed, for a pinned slab (its registration covers the old
+        range) or while a tensor carved from it, or any view of one, is alive (its memory
+        must stay where it is)."""
+        if self.pinned or capacity <= self.capacity:
+            return False
+        # torch.frombuffer holds the mapping without a buffer export, so `resize` would move it
+        # under a live tensor: the tensors' shared storage must be gone once ours is dropped
+        ours = StorageWeakRef(self.buffer.untyped_storage())
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        if not ours.expired():
+            self.buffer = torch.frombuffer(self._area, dtype=torch.uint8)
+            return False
+        try:
+            self._area.resize(capacity)
+        except (BufferError, OSError, SystemError, ValueError):  # an export of the mapping; or no mremap here
+            self.buffer = torch.frombuffer(self._area, dtype=torch.uint8)
+            return False
+        if self._huge:
+            try:
+                self._area.madvise(mmap.MADV_HUGEPAGE)  # the new range as well
+            except (AttributeError, OSError):
+                pass
+        self.buffer = torch.frombuffer(self._area, dtype=torch.uint8)
+        return True
 
 
 SHED_OVER = 2  # a free slab over this many times the capacity the next snapshot needs ...
@@ -184,6 +219,7 @@ class HostBufferPool:
         self.allocated = 0  # slabs made (a figure for tests and benchmarks)
         self.held_peak = 0  # the most slab capacity held at once, lent and free (a figure for benchmarks)
         self.shed = 0  # free slabs a reserve found oversized and unmapped (a figure for tests)
+        self.grown = 0  # free slabs a reserve grew in place instead of making a new one (a figure for tests)
 
     def lend(self, nbytes: int) -> Slab:
         """The smallest free slab that holds `nbytes`, or a new one."""
@@ -247,12 +283,27 @@ class HostBufferPool:
             del oversized
             if self._fitting(nbytes) or capacity > self.keep_bytes - self._lent:
                 return False
-        slab = Slab(capacity, huge=True)  # made and faulted in outside the lock: `lend` never waits for it
+            # the largest free slab, grown in place, if the pool may hold it that large
+            smaller = max(self._free, key=lambda s: s.capacity, default=None)
+            if smaller is not None and not smaller.pinned:
+                self._free.remove(smaller)  # not lent while it grows
+        slab = None
+        if smaller is not None and not smaller.pinned:
+            if smaller.grow(capacity):
+                slab = smaller
+            else:
+                with self._lock:
+                    self._keep(smaller)
+        if slab is None:
+            slab = Slab(capacity, huge=True)  # made and faulted in outside the lock: `lend` never waits for it
         slab.fault_in()
-        if self.pinned:
+        if self.pinned and not slab.pinned:
             self._pin(slab)  # after the faults, which huge pages make cheaper
         with self._lock:
-            self.allocated += 1
+            if slab is smaller:
+                self.grown += 1
+            else:
+                self.allocated += 1
             self._keep(slab)
             self._note_held()
         return True

@@ -174,8 +174,9 @@ def test_a_reserve_for_a_much_smaller_snapshot_unmaps_the_full_checkpoints_slab(
     delta = pool.lend(SHED_MIN // 2)
     assert delta is not full and not delta.fresh  # the reserved slab, faulted in ahead
     pool.give_back(delta)
-    assert pool.reserve(4 * SHED_MIN) is True and pool.shed == 1  # a full one ahead: made, the small one stays
-    assert pool.reserve(SHED_MIN // 2) is False and pool.shed == 2  # fits the small one; the big one goes again
+    assert pool.reserve(4 * SHED_MIN) is True and pool.shed == 1  # a full one ahead: the small one grown to it
+    assert pool.grown == 1 and pool.free_bytes >= 4 * SHED_MIN
+    assert pool.reserve(SHED_MIN // 2) is True and pool.shed == 2  # deltas again: the big one goes, a small one made
 
 
 def test_a_reserve_keeps_slabs_a_little_larger_than_asked() -> None:
@@ -184,3 +185,39 @@ def test_a_reserve_keeps_slabs_a_little_larger_than_asked() -> None:
     pool.give_back(a)
     assert pool.reserve(4 * PAGE) is False and pool.shed == 0  # over twice as large, but not by 64 MiB
     assert pool.lend(4 * PAGE) is a
+
+
+def test_a_reserve_for_a_larger_snapshot_grows_the_free_slab_where_it_is() -> None:
+    """The trained rows grow through a job, so each full checkpoint is larger than the last: the
+    slab grows in place (its mapped pages stay, only the new ones are mapped), not a new one."""
+    pool = HostBufferPool(1 << 30)
+    slab = pool.lend(4 * PAGE)
+    t = slab.carve((4 * PAGE // 8,), torch.int64)
+    t.copy_(torch.arange(t.numel()))
+    old_capacity = slab.capacity
+    del t
+    pool.give_back(slab)
+    assert pool.reserve(20 * PAGE) is True
+    assert (pool.grown, pool.allocated) == (1, 1) and pool.free_bytes >= 20 * PAGE
+    grown = pool.lend(20 * PAGE)
+    assert grown is slab and grown.capacity > old_capacity and not grown.fresh
+    kept = grown.carve((4 * PAGE // 8,), torch.int64)
+    assert torch.equal(kept, torch.arange(kept.numel()))  # the same memory: the rows written before are there
+    rest = grown.carve(((grown.capacity - 4 * PAGE) // 8,), torch.int64)
+    rest.fill_(7)  # every new page is writable
+    assert int(rest[-1]) == 7
+
+
+@pytest.mark.parametrize("holder", ["carved tensor", "view of a slice", "numpy array"])
+def test_a_slab_something_still_points_into_is_not_remapped(holder: str) -> None:
+    pool = HostBufferPool(1 << 30)
+    slab = pool.lend(4 * PAGE)
+    carved = slab.carve((16,), torch.float32)
+    carved.fill_(3.0)
+    alive = {"carved tensor": carved, "view of a slice": carved[4:].view(torch.int32), "numpy array": carved.numpy()}[holder]
+    del carved
+    pool.give_back(slab)
+    assert pool.reserve(20 * PAGE) is True
+    assert (pool.grown, pool.allocated) == (0, 2)  # a new slab beside it
+    expected = torch.tensor(3.0).view(torch.int32).item() if holder == "view of a slice" else 3.0
+    assert slab.capacity < 20 * PAGE and alive[-1].item() == expected  # untouched, where it was
