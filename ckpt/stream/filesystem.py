@@ -25,7 +25,6 @@ import logging
 import os
 import shutil
 import struct
-import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO, Literal, overload
@@ -44,6 +43,7 @@ from ckpt.stream.sink import (
     read_one_by_one,
     rows_name,
 )
+from common.checksum import crc32
 from common.files import fsync_dir
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ _READ_CHUNK = 1 << 20  # bytes read at a time when checking a tail of zeros or s
 
 
 def _rec_crc(length: int, payload: bytes | memoryview) -> int:
-    return zlib.crc32(payload, zlib.crc32(REC_MAGIC + struct.pack("<I", length)))
+    return crc32(payload, crc32(REC_MAGIC + struct.pack("<I", length)))
 
 
 def encode_record(payload: bytes | memoryview) -> tuple[bytes, int]:
