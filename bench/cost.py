@@ -330,9 +330,7 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="steps of every job (default: the size's)")
     p.add_argument("--rounds", type=int, default=1, help="rounds of none, kafka, tmpfs (then a closing none)")
     p.add_argument("--sinks", nargs="+", choices=SINKS, default=list(SINKS))
-    p.add_argument(
-        "--encoding", default=DEFAULT_QUANT, help="the rows' codec (ckpt.encoding; fp32 is the trainer's default)"
-    )
+    p.add_argument("--encoding", default=DEFAULT_QUANT, help="the rows' codec (ckpt.encoding; fp32 is the trainer's default)")
     p.add_argument("--tmpfs", type=Path, default=Path("/dev/shm"), help="a tmpfs for the filesystem sink's reference")
     p.add_argument("--out", type=Path, help="write the JSON result here")
     p.add_argument("--keep", type=Path, help="keep run directories here (default: a temporary directory)")

@@ -20,6 +20,7 @@ from .bit_widths import (
     codec_for_width,
     resolve_widths,
 )
+from .float_codecs import encode_owned
 from .registry import CODE_TABLE, codec_names, get_codec, register_codec, warm_up_codecs
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "NonFiniteRowError",
     "RowRangeError",
     "get_codec",
+    "encode_owned",
     "codec_names",
     "register_codec",
     "warm_up_codecs",

@@ -1,16 +1,17 @@
 """Float codecs: fp32 (lossless), fp16 and bf16 (round to nearest even).
 
 Row layout: ``dim`` little-endian floats of the codec's width, nothing else.
-Encoded rows never alias the caller's tensor (a snapshot buffer may be reused after encode).
+Encoded rows never alias the caller's tensor (a snapshot buffer may be reused after encode),
+except through `encode_owned`, for a caller that is done with them before the rows change.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .base import as_float_rows, check_encoded, check_finite_meta, view_bytes_as
+from .base import RowCodec, as_float_rows, check_encoded, check_finite_meta, view_bytes_as
 
-__all__ = ["FloatCodec"]
+__all__ = ["FloatCodec", "encode_owned"]
 
 
 class FloatCodec:
@@ -51,3 +52,14 @@ class FloatCodec:
         if y.data_ptr() == data.data_ptr():  # never alias the frame buffer
             return y.clone(memory_format=torch.contiguous_format)
         return y
+
+
+def encode_owned(codec: RowCodec, rows: torch.Tensor, *, table: str = "?", row_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """`codec.encode(rows)` for a caller that reads the result only while `rows` stay as they
+    are (the writer, which owns its snapshot's rows until it releases them). fp32 rows are
+    their own encoding: after the same checks, their bytes are returned as a view, without the
+    copy `encode` makes so that its result outlives changes to the rows. For a snapshot of
+    hundreds of MB that copy was freshly mapped memory, faulted in by the writer every checkpoint."""
+    if isinstance(codec, FloatCodec) and codec.dtype == torch.float32:
+        return as_float_rows(rows, table, row_ids).view(torch.uint8)
+    return codec.encode(rows, table=table, row_ids=row_ids)

@@ -32,7 +32,7 @@ from ckpt.capture.snapshot import ShardRows, Snapshot
 from ckpt.capture.threads import lower_thread_priority
 from ckpt.faults import maybe_die, maybe_slow
 from ckpt.log.markers import FrameMeta, IndexEntry, OffsetRange, index_frames
-from ckpt.quant import codec_for_width, get_codec
+from ckpt.quant import codec_for_width, encode_owned, get_codec
 from ckpt.quant.device import check_flags
 from ckpt.stream.frames import EncodedFrame, OptimState, chunk_rows
 from ckpt.stream.sink import FrameSink
@@ -324,14 +324,14 @@ def encode_frames(
         payload = shard.encoded.payload
     else:
         assert shard.weights is not None, "a snapshot holds its weights, encoded or not"
-        payload = weight_codec.encode(shard.weights, table=shard.table, row_ids=ids)
+        payload = encode_owned(weight_codec, shard.weights, table=shard.table, row_ids=ids)  # the job owns the rows
     used["weights"] = weight_codec.name
     optim = []
     for name, state in sorted(shard.optimizer.items()):
         rows = state.reshape(state.shape[0], -1).float()
         codec = get_codec(codec_for_width(job.optimizer_codec, rows.shape[1]))
         used[f"optimizer.{name}"] = codec.name
-        optim.append(OptimState(name, codec.code, codec.encode(rows, table=shard.table, row_ids=ids)))
+        optim.append(OptimState(name, codec.code, encode_owned(codec, rows, table=shard.table, row_ids=ids)))
     return chunk_rows(
         run_id=run_id,
         checkpoint_id=job.checkpoint_id,

@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckpt.quant import codec_names, get_codec
+from ckpt.quant import NonFiniteRowError, codec_names, encode_owned, get_codec
 from ckpt.quant.adaptive import DEFAULT_RATIO
 from ckpt.quant.base import view_bytes_as
 from ckpt.quant.bitpack import packed_bytes, unpack_bits
@@ -196,6 +196,19 @@ def test_encode_does_not_alias_input(name, replay_seed: ReplaySeed):
     before = enc.clone()
     x.fill_(5.0)
     assert torch.equal(enc, before), replay_seed
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_encode_owned_gives_encodes_bytes_and_borrows_only_fp32_rows(name, replay_seed: ReplaySeed):
+    """The writer owns its snapshot's rows until it releases them: fp32 frames are built from
+    the rows themselves (no copy), every other codec's as `encode` makes them."""
+    x = torch.randn(5, 8, generator=replay_seed.torch_generator())
+    owned = encode_owned(get_codec(name), x, table="t")
+    assert torch.equal(owned, get_codec(name).encode(x, table="t")), replay_seed
+    assert (owned.data_ptr() == x.data_ptr()) == (name == "fp32"), replay_seed
+    x[2, 3] = float("nan")
+    with pytest.raises(NonFiniteRowError, match="table 't' row 2"):  # the same refusal as encode's
+        encode_owned(get_codec(name), x, table="t")
 
 
 @pytest.mark.parametrize("name", ["fp32", "asym4", "sym3", "kmeans2"])
