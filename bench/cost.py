@@ -69,6 +69,7 @@ from bench.common import (
 )
 from bench.cpu import checkpoint_cpu
 from bench.peers import DEFAULT_POLICY, DEFAULT_QUANT, SIZES, broker_cpu_s, full_config
+from ckpt.quant import codec_names
 from common.process import run_main
 from launch.broker import EmbeddedBroker
 
@@ -330,7 +331,12 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="steps of every job (default: the size's)")
     p.add_argument("--rounds", type=int, default=1, help="rounds of none, kafka, tmpfs (then a closing none)")
     p.add_argument("--sinks", nargs="+", choices=SINKS, default=list(SINKS))
-    p.add_argument("--encoding", default=DEFAULT_QUANT, help="the rows' codec (ckpt.encoding; fp32 is the trainer's default)")
+    p.add_argument(
+        "--encoding",
+        default=DEFAULT_QUANT,
+        choices=codec_names(),
+        help="the rows' codec (ckpt.encoding; fp32 is the trainer's default)",
+    )
     p.add_argument("--tmpfs", type=Path, default=Path("/dev/shm"), help="a tmpfs for the filesystem sink's reference")
     p.add_argument("--out", type=Path, help="write the JSON result here")
     p.add_argument("--keep", type=Path, help="keep run directories here (default: a temporary directory)")

@@ -283,24 +283,21 @@ class HostBufferPool:
             del oversized
             if self._fitting(nbytes) or capacity > self.keep_bytes - self._lent:
                 return False
-            # the largest free slab, grown in place, if the pool may hold it that large
-            smaller = max(self._free, key=lambda s: s.capacity, default=None)
-            if smaller is not None and not smaller.pinned:
-                self._free.remove(smaller)  # not lent while it grows
-        slab = None
-        if smaller is not None and not smaller.pinned:
-            if smaller.grow(capacity):
-                slab = smaller
-            else:
-                with self._lock:
-                    self._keep(smaller)
-        if slab is None:
-            slab = Slab(capacity, huge=True)  # made and faulted in outside the lock: `lend` never waits for it
+            # the largest free slab grows in place (a pinned pool's stay: their registration is fixed)
+            candidate = None if self.pinned else max(self._free, key=lambda s: s.capacity, default=None)
+            if candidate is not None:
+                self._free.remove(candidate)  # not lent while it grows
+        grown = candidate is not None and candidate.grow(capacity)
+        if candidate is not None and not grown:
+            with self._lock:
+                self._keep(candidate)
+        # made (or grown) and faulted in outside the lock: `lend` never waits for it
+        slab = candidate if grown and candidate is not None else Slab(capacity, huge=True)
         slab.fault_in()
-        if self.pinned and not slab.pinned:
+        if self.pinned:
             self._pin(slab)  # after the faults, which huge pages make cheaper
         with self._lock:
-            if slab is smaller:
+            if grown:
                 self.grown += 1
             else:
                 self.allocated += 1
