@@ -24,6 +24,7 @@ from ckpt.stream.frames import FrameError, OptimState, chunk_rows, decode_frame
 from ckpt.stream.kafka import BrokerUnreachable, KafkaMarkers, KafkaSink, KafkaSource
 from ckpt.stream.kafka import consumer as kafka_consumer
 from ckpt.stream.kafka import markers as kafka_markers
+from ckpt.stream.kafka.producer import MAX_OUTSTANDING, OUTSTANDING_STALL_S
 from ckpt.stream.sink import RangeRead, SinkError, SourceError
 from launch.broker import EmbeddedBroker, free_port
 
@@ -343,10 +344,14 @@ def test_killed_broker_fails_flush_then_sink_recovers_on_new_broker(tmp_path, un
         markers.append_marker(b"m1")
 
         b.kill()
+        frames = make_frames(run, 2, 0, 400, max_frame_bytes=1024)
+        assert len(frames) > 4 * MAX_OUTSTANDING
         t0 = time.monotonic()
-        for fr in make_frames(run, 2, 0, 20):
-            sink.write(fr, generation=0, partition=0)  # queued: write never waits on the broker
-        assert time.monotonic() - t0 < 1.0
+        for fr in frames:
+            # the first frames beyond MAX_OUTSTANDING wait for a report, one stall in all;
+            # then every frame is queued at once: write never waits on a dead broker frame by frame
+            sink.write(fr, generation=0, partition=0)
+        assert time.monotonic() - t0 < OUTSTANDING_STALL_S + 1.0
         t0 = time.monotonic()
         res = sink.flush(30)
         took = time.monotonic() - t0
@@ -367,6 +372,26 @@ def test_killed_broker_fails_flush_then_sink_recovers_on_new_broker(tmp_path, un
         assert markers.read_markers() == [(0, b"m3")]
         sink.close()
         markers.close()
+
+
+def test_kafka_producer_keeps_at_most_the_idempotent_in_flight_limit_outstanding(broker, unique_name):
+    """librdkafka busy-polls while a message waits behind the 5 an idempotent producer may have
+    in flight, so a write waits (serving reports) until fewer are queued or in flight; every
+    frame still arrives, in order, in one range."""
+    run = unique_name("run")
+    sink = KafkaSink(run, {"bootstrap.servers": broker.bootstrap}, num_partitions=1)
+    frames = make_frames(run, 1, 0, 3000, max_frame_bytes=4096)
+    assert len(frames) > 10 * MAX_OUTSTANDING
+    outstanding = []
+    for fr in frames:
+        sink.write(fr, generation=0, partition=0)
+        outstanding.append(len(sink._p.producer))
+    res = sink.flush(30).raise_for_error()
+    assert max(outstanding) <= MAX_OUTSTANDING, outstanding
+    assert res.ranges[(0, 0)] == [(0, len(frames) - 1)]
+    got = read_all(KafkaSource(run, {"bootstrap.servers": broker.bootstrap}, timeout_s=5), 0, 0, (0, len(frames) - 1))
+    assert [f.chunk_index for _, f in got] == list(range(len(frames)))
+    sink.close()
 
 
 def test_kafka_full_local_queue_is_back_pressure_not_an_error(broker, unique_name):

@@ -19,6 +19,16 @@ log = logging.getLogger(__name__)
 
 DEFAULT_DELIVERY_TIMEOUT_S = 30.0
 
+# librdkafka's idempotent producer keeps at most 5 messages of a partition in flight
+# (RD_KAFKA_IDEMP_MAX_INFLIGHT); while one more waits behind them its broker thread polls its
+# sockets with a zero timeout until a reply comes, a busy loop as long as the broker takes
+# (docs/design.md §6, "Producer"). `produce` therefore waits, serving delivery reports, while
+# this many messages are queued or in flight.
+MAX_OUTSTANDING = 5
+# ... but not for a broker that answers nothing: after this long without a delivery report it
+# queues without waiting until the next flush, so a dead broker fails a flush as soon as before.
+OUTSTANDING_STALL_S = 1.0
+
 
 class _Producer:
     """An idempotent, acks=all producer that can be thrown away and recreated."""
@@ -53,6 +63,7 @@ class _Producer:
         # The fatal error goes to a holder, not to self: no reference cycle, so a
         # dropped sink's client (and its connections) goes away at once.
         self._fatal: list[KafkaError] = []
+        self._unbounded = False  # the broker stalled: queue without waiting until the next flush
 
         def on_error(err: KafkaError, fatal: list = self._fatal) -> None:
             if err.fatal():
@@ -64,7 +75,9 @@ class _Producer:
     def produce(
         self, topic: str, value: bytes, partition: int, on_delivery: Callable[[KafkaError | None, Message], None]
     ) -> None:
-        """Queue one message; on a full local queue serve callbacks and retry (bounded)."""
+        """Queue one message, once fewer than `MAX_OUTSTANDING` are queued or in flight; on a
+        full local queue serve callbacks and retry (bounded)."""
+        self._wait_for_room()
         deadline = None
         while True:
             try:
@@ -80,8 +93,26 @@ class _Producer:
                 raise SinkError(f"cannot produce to {topic} partition {partition}: {e.args[0]}") from None
         self.producer.poll(0)
 
+    def _wait_for_room(self) -> None:
+        """Serve delivery reports while `MAX_OUTSTANDING` messages are queued or in flight,
+        for at most `OUTSTANDING_STALL_S` without one arriving (then stop waiting until the
+        next flush: the broker is stalled or gone, and the flush reports it)."""
+        producer = self.producer
+        outstanding = len(producer)
+        stalled_at = time.monotonic() + OUTSTANDING_STALL_S
+        while outstanding >= MAX_OUTSTANDING and not self._unbounded:
+            producer.poll(0.1)
+            now, left = time.monotonic(), len(producer)
+            if left < outstanding:
+                stalled_at = now + OUTSTANDING_STALL_S
+            elif now >= stalled_at:
+                log.debug("kafka producer: no delivery report for %.1fs; queueing without waiting", OUTSTANDING_STALL_S)
+                self._unbounded = True
+            outstanding = left
+
     def flush(self, timeout_s: float) -> SinkError | None:
         """Wait for every queued message's delivery report; an error if not all came."""
+        self._unbounded = False
         try:
             left = self.producer.flush(timeout_s)
         except KafkaException as e:  # fatal producer error
