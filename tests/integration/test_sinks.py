@@ -6,6 +6,8 @@ Kafka-only, torn tails are filesystem-only.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -392,6 +394,38 @@ def test_kafka_producer_keeps_at_most_the_idempotent_in_flight_limit_outstanding
     got = read_all(KafkaSource(run, {"bootstrap.servers": broker.bootstrap}, timeout_s=5), 0, 0, (0, len(frames) - 1))
     assert [f.chunk_index for _, f in got] == list(range(len(frames)))
     sink.close()
+
+
+def test_kafka_producer_stops_waiting_on_a_stalled_broker_and_waits_again_after_the_flush(tmp_path, unique_name):
+    """A broker paused (SIGSTOP) past OUTSTANDING_STALL_S: the writes stop waiting for it and
+    queue the rest; once it resumes the flush delivers every frame, and the next checkpoint's
+    writes keep to MAX_OUTSTANDING again."""
+    run = unique_name("run")
+    with EmbeddedBroker(state_dir=tmp_path / "b") as b:
+        assert b.pid is not None
+        sink = KafkaSink(run, {"bootstrap.servers": b.bootstrap}, num_partitions=1, delivery_timeout_s=30)
+        sink.write(make_frames(run, 1, 0, 1)[0], generation=0, partition=0)
+        sink.flush(30).raise_for_error()  # the topic exists and the producer is connected
+        frames = make_frames(run, 2, 0, 3000, max_frame_bytes=4096)
+        assert len(frames) > 10 * MAX_OUTSTANDING
+        stalled = []
+        os.kill(b.pid, signal.SIGSTOP)
+        try:
+            for fr in frames:
+                sink.write(fr, generation=0, partition=0)
+                stalled.append(len(sink._p.producer))
+        finally:
+            os.kill(b.pid, signal.SIGCONT)
+        assert max(stalled) > MAX_OUTSTANDING, stalled  # stopped waiting on the paused broker
+        res = sink.flush(30).raise_for_error()
+        assert res.frames[(0, 0)] == len(frames)
+        again = []
+        for fr in make_frames(run, 3, 0, 3000, max_frame_bytes=4096):
+            sink.write(fr, generation=0, partition=0)
+            again.append(len(sink._p.producer))
+        sink.flush(30).raise_for_error()
+        assert max(again) <= MAX_OUTSTANDING, again
+        sink.close()
 
 
 def test_kafka_full_local_queue_is_back_pressure_not_an_error(broker, unique_name):
