@@ -3,6 +3,7 @@ end bit-identical to the same job never interrupted.
 
     python -m bench.soak --sink filesystem --steps 20000 --kills 20 --seed 7 --out soak-fs.json
     python -m bench.soak --sink kafka --steps 20000 --kills 20 --seed 7 --out soak-kafka.json
+    python -m bench.soak --sink kafka --set data.workers=1 --set ckpt.policy=incremental ...
 
 The job is configs/debug_cpu.yaml on 2 CPU ranks under `deltarec-launch --max-restarts <kills>`
 with `ckpt.resume=latest` (on the embedded broker for `--sink kafka`). A killer outside the
@@ -11,6 +12,8 @@ from `--seed`), and SIGKILLs one random rank; torchrun restarts the job, which r
 the newest committed checkpoint. Kills land wherever the delay falls: in a training step, a
 checkpoint's stall, its writer or its commit. At
 the end every rank's parameters are compared with an uninterrupted run's (no checkpoints).
+`--set KEY=VALUE` changes the job and its reference alike (a loader worker, another policy, the
+plain loop), after the soak's own settings.
 
 Figures (JSON to `--out`, and a summary line): kills survived, restores, steps re-trained
 (per restore: the newest step the killed attempt logged minus the step restored, a lower
@@ -59,6 +62,7 @@ class SoakResult:
     wall_s: float
     reference_wall_s: float
     kill_delays_s: list[float]
+    overrides: list[str]  # `--set`: config overrides of the job and its reference
 
 
 def _records(metrics: Path) -> int:
@@ -100,14 +104,23 @@ def _retrained(metrics_path: Path) -> tuple[int, int]:
 
 
 def soak(
-    sink: str, steps: int, kills: int, seed: int, interval: int, delay_s: tuple[float, float], work: Path, timeout_s: float
+    sink: str,
+    steps: int,
+    kills: int,
+    seed: int,
+    interval: int,
+    delay_s: tuple[float, float],
+    work: Path,
+    timeout_s: float,
+    overrides: Sequence[str] = (),
 ) -> SoakResult:
-    """One soak run in `work` (reference first); raises RuntimeError when the job fails."""
+    """One soak run in `work` (reference first); raises RuntimeError when the job fails.
+    `overrides` (KEY=VALUE) apply to the reference and to the job alike."""
     rng = random.Random(seed)
     t0 = time.monotonic()
     ref_dir = work / "reference"
     ref_dir.mkdir(parents=True)
-    spawn_ranks(CONFIG, _train_args(steps), ref_dir, timeout_s=timeout_s)
+    spawn_ranks(CONFIG, [*_train_args(steps), *overrides], ref_dir, timeout_s=timeout_s)
     reference = _params(ref_dir / "run")
     reference_wall_s = time.monotonic() - t0
 
@@ -137,6 +150,7 @@ def soak(
         "train.progress=log",
         *_train_args(steps),
         *ckpt,
+        *overrides,  # last, so they win
     ]
     t1 = time.monotonic()
     delays: list[float] = []
@@ -185,6 +199,7 @@ def soak(
         round(wall_s, 1),
         round(reference_wall_s, 1),
         delays,
+        list(overrides),
     )
 
 
@@ -203,6 +218,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         metavar=("MIN", "MAX"),
         help="seconds from an attempt's first training record to the kill (uniform)",
     )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for the job and its reference alike (repeatable), e.g. data.workers=1",
+    )
     p.add_argument("--timeout-s", type=float, default=3600.0)
     p.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
@@ -212,12 +235,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
-    print(f"soak: sink {args.sink}, {args.steps} steps, {args.kills} kills, seed {seed} "
-          f"(replay: python -m bench.soak --sink {args.sink} --steps {args.steps} --kills {args.kills} --seed {seed})",
+    sets = "".join(f" --set {o}" for o in args.overrides)
+    print(f"soak: sink {args.sink}, {args.steps} steps, {args.kills} kills, seed {seed}{sets} (replay: python -m "
+          f"bench.soak --sink {args.sink} --steps {args.steps} --kills {args.kills} --seed {seed}{sets})",
           file=sys.stderr)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="deltarec-soak-") as tmp:
         work = args.keep or Path(tmp)
-        result = soak(args.sink, args.steps, args.kills, seed, args.interval, tuple(args.delay), work, args.timeout_s)
+        result = soak(
+            args.sink, args.steps, args.kills, seed, args.interval, tuple(args.delay), work, args.timeout_s, args.overrides
+        )
     if args.out:
         args.out.write_text(json.dumps(asdict(result), indent=1) + "\n")
     print(
