@@ -203,6 +203,14 @@ def soak(
     )
 
 
+def _override(text: str) -> str:
+    """A `--set` value: KEY=VALUE with a dotted key, as the trainer's command line takes it."""
+    key, eq, _ = text.partition("=")
+    if not eq or not key or "." not in key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE with a dotted key (e.g. data.workers=1)")
+    return text
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--sink", choices=("filesystem", "kafka"), default="filesystem")
@@ -221,6 +229,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument(
         "--set",
         dest="overrides",
+        type=_override,
         action="append",
         default=[],
         metavar="KEY=VALUE",
