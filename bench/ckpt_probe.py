@@ -26,7 +26,8 @@ size), then:
    writer path on a real snapshot (`write_rows`, what `RankWriter` runs: encode, frame,
    produce, flush, delivery reports -> ranges) against a raw confluent-kafka `Producer` (acks=all,
    idempotence on, librdkafka defaults like the sink) sending the very same frames to
-   the same broker and partition (produce + poll(0) + flush). Both ranks run each side
+   the same broker and partition (produce + poll(0) + flush, at most 5 messages outstanding as
+   the sink keeps: more spin librdkafka's thread, docs/design.md §6). Both ranks run each side
    at once (barriers), as they do in training; the first round is a warm-up; topics are
    created before the timed part and deleted after each round. `sink_s` is the part of the
    writer's run spent in the sink (produce + flush); the rest is encoding and framing.
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     from ckpt.stream.kafka import KafkaSink, delete_topic, ensure_topic
     from ckpt.stream.kafka import consumer as kafka_consumer
     from ckpt.stream.kafka import partitions as kafka_partitions
+    from ckpt.stream.kafka.producer import MAX_OUTSTANDING
     from ckpt.stream.sink import rows_name
     from ckpt.write.writer import RankWriter, WriteJob, encode_frames, write_rows
     from trainer.config import load_config
@@ -355,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
             def raw() -> float:
                 t0 = time.perf_counter()
                 for f in frames:
+                    while len(producer) >= MAX_OUTSTANDING:  # librdkafka's idempotent in-flight limit
+                        producer.poll(0.1)  # (more queued behind it: its thread spins; design §6)
                     while True:
                         try:
                             producer.produce(

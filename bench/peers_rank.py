@@ -367,6 +367,18 @@ class PeerCheckpointer:
         return self.checkpoints
 
 
+def _busy_building(sharded: ShardedModel, until: float) -> None:
+    """Stand in for a restarted job's model build until `until` (`time.perf_counter()`): passes
+    over every row and parameter of the model, as the build's initialisation makes, so the
+    machine is as busy as then. A sleep here left the VM idle, and the restore after an idle
+    spell ran about twice as slow as after a busy one (docs/BENCHMARKS.md, run H)."""
+    from sharding.shard_views import ShardMap
+
+    smap = ShardMap.from_model(sharded.model)
+    while time.perf_counter() < until:
+        perturb(smap, sharded)
+
+
 def deltarec_restore(
     config: str,
     overrides: list[str],
@@ -381,7 +393,8 @@ def deltarec_restore(
     timed: a restarted job builds it anyway, its broker connections made, the markers log read
     and, with `ckpt.read_ahead`, its frames' fetch started while its model is built) `build_s`
     after the backend was opened (this job's own model build: what a restarted job spends
-    between the two, trainer/main.py), then `restore()` alone (marker lookup, chain replay,
+    between the two, trainer/main.py; the process kept busy meanwhile, `_busy_building`), then
+    `restore()` alone (marker lookup, chain replay,
     dense, reader and RNG state), timed with barriers on both sides and, on a GPU, the device's
     work finished. Returns (seconds, what it restored)."""
     from ckpt.log.backend import open_for_restore
@@ -392,7 +405,7 @@ def deltarec_restore(
     c = load_config(config, [*overrides, "ckpt.enabled=true", "ckpt.resume=latest", "ckpt.final=false"])
     opened = time.perf_counter()
     backend = open_for_restore(c.ckpt, env.world_size, env.rank)
-    time.sleep(max(0.0, build_s - (time.perf_counter() - opened)))  # the model's build (trainer/main.py)
+    _busy_building(sharded, opened + build_s)  # the model's build (trainer/main.py)
     mgr = make_checkpointer(c, env, device, sharded, trainer, MetricsLog(Path("unused"), enabled=False), backend).manager
     if backend.ahead is not None:  # a restarted job reads the markers log while it builds its model
         backend.ahead.wait()  # (trainer/main.py); its time is the report's `markers_ahead_s`
