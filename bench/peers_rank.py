@@ -368,10 +368,11 @@ class PeerCheckpointer:
 
 
 def _busy_building(sharded: ShardedModel, until: float) -> None:
-    """Stand in for a restarted job's model build until `until` (`time.perf_counter()`): passes
-    over every row and parameter of the model, as the build's initialisation makes, so the
-    machine is as busy as then. A sleep here left the VM idle, and the restore after an idle
-    spell ran about twice as slow as after a busy one (docs/BENCHMARKS.md, run H)."""
+    """Stand in for a restarted job's model build until `until` (`time.perf_counter()`): pass
+    over every row and parameter of the model, as the build's initialisation does, so the
+    machine is as busy as it is then (one pass may run past `until`). A sleep here left the VM
+    idle, and a restore after an idle spell ran about twice as slow as after a busy one
+    (docs/BENCHMARKS.md, run H)."""
     from sharding.shard_views import ShardMap
 
     smap = ShardMap.from_model(sharded.model)
