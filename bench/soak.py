@@ -38,9 +38,11 @@ from pathlib import Path
 
 import torch
 
+from common.errors import ConfigError
 from common.process import run_main
 from launch.broker import EmbeddedBroker
 from launch.ranks import REPO, kill_tree, rank_pids, spawn_ranks
+from trainer.config import load_config
 from trainer.report import read_metrics
 
 CONFIG = REPO / "configs" / "debug_cpu.yaml"
@@ -203,14 +205,6 @@ def soak(
     )
 
 
-def _override(text: str) -> str:
-    """A `--set` value: KEY=VALUE with a dotted key, as the trainer's command line takes it."""
-    key, eq, _ = text.partition("=")
-    if not eq or not key or "." not in key:
-        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE with a dotted key (e.g. data.workers=1)")
-    return text
-
-
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--sink", choices=("filesystem", "kafka"), default="filesystem")
@@ -229,7 +223,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument(
         "--set",
         dest="overrides",
-        type=_override,
         action="append",
         default=[],
         metavar="KEY=VALUE",
@@ -243,6 +236,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:  # a wrong key or value is refused now, in one line, not by the ranks minutes later
+        load_config(CONFIG, [*_train_args(args.steps), *args.overrides])
+    except ConfigError as exc:
+        print(f"python -m bench.soak: --set: {exc}", file=sys.stderr)
+        return 2
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     sets = "".join(f" --set {o}" for o in args.overrides)
     print(f"soak: sink {args.sink}, {args.steps} steps, {args.kills} kills, seed {seed}{sets} (replay: python -m "
