@@ -38,7 +38,7 @@ PACKAGES = ("torch", "torchrec", "fbgemm-gpu-cpu", "fbgemm-gpu", "confluent-kafk
 
 # a RestoreReport's parts (slowest rank; `markers_ahead_s`: rank 0's, before `restore()` was called;
 # `read_ahead`: ranks whose frames were being fetched before it)
-RESTORE_PARTS = ("markers_s", "fetch_s", "decode_s", "apply_s", "dense_s", "markers_ahead_s", "read_ahead")
+RESTORE_PARTS = ("markers_s", "fetch_s", "decode_s", "apply_s", "dense_s", "markers_ahead_s", "read_ahead", "dense_ahead")
 
 Scalar = bool | int | float | str
 

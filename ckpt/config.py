@@ -92,8 +92,9 @@ class CkptConfig:
     max_frame_bytes: int = 998_976  # under Kafka's default message.max.bytes
     flush_timeout_s: float = 60.0
     connect_timeout_s: float = 15.0  # at start: how long a broker may take to answer before the job stops
-    # a restarted job (Kafka) fetches the frames of the checkpoint it will restore while it builds
-    # its model, each rank those it wrote (ckpt/log/frames_ahead.py)
+    # a restarted job loads the dense file of the checkpoint it will restore while it builds its
+    # model (ckpt/dense/ahead.py) and on Kafka fetches its frames, each rank those it wrote
+    # (ckpt/log/frames_ahead.py)
     read_ahead: bool = True
     # markers-log records between catalog records (ckpt/log/catalog_record.py): a restore reads the
     # log from the newest one on, about this many records, instead of the whole log

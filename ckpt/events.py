@@ -169,6 +169,7 @@ class Restored(Event):
     restore_markers_records: int | None = None
     restore_markers_ahead_s: float | None = None
     restore_read_ahead_ranks: int | None = None  # ranks whose frames were fetched while the model was built
+    restore_dense_ahead_ranks: int | None = None  # ranks that took the dense state loaded while the model was built
     restore_fetch_s: float | None = None
     restore_decode_s: float | None = None
     restore_apply_s: float | None = None

@@ -14,8 +14,11 @@ from pathlib import Path
 from confluent_kafka.admin import AdminClient
 
 from ckpt.config import CkptConfig
+from ckpt.dense.ahead import DenseAhead
+from ckpt.dense.store import DenseRef, DenseStore
+from ckpt.log.catalog import Catalog
 from ckpt.log.catalog_ahead import CatalogAhead
-from ckpt.log.frames_ahead import read_frames_ahead
+from ckpt.log.frames_ahead import checkpoint_to_read, read_frames_ahead
 from ckpt.stream.filesystem import FsMarkers, FsSink, FsSource
 from ckpt.stream.frames import file_where, kafka_where
 from ckpt.stream.kafka import KafkaMarkers, KafkaSink, KafkaSource, new_admin
@@ -31,10 +34,13 @@ class Backend:
     locate: Callable[[int, int, int], str]  # (generation, partition, position) -> topic/file, partition, offset
     # a restore: the markers log read while the model is built (rank 0; every rank with `ckpt.read_ahead`)
     ahead: CatalogAhead | None = None
+    # ... and with `ckpt.read_ahead`, the dense file of the checkpoint it will restore, loaded meanwhile
+    dense_ahead: DenseAhead | None = None
 
     def close(self) -> None:
         if self.ahead is not None:
             self.ahead.close()
+        self.dense_ahead = None
         for part in (self.sink, self.source, self.markers):
             part.close()
 
@@ -74,26 +80,38 @@ def open_backend(cfg: CkptConfig, world_size: int) -> Backend:
 def open_for_restore(cfg: CkptConfig, world_size: int, rank: int) -> Backend:
     """`open_backend`, and when `cfg.resume` asks for a restore, the connects of the readers
     it uses started, each on a thread of its own: the rows source on every rank, the markers
-    log on rank 0, which then reads the log (`CatalogAhead`). With `ckpt.read_ahead` on a
-    broker, every rank reads the log too and starts fetching the frames it will restore
+    log on rank 0, which then reads the log (`CatalogAhead`). With `ckpt.read_ahead` every rank
+    reads the log too and loads the dense file of the checkpoint it will restore
+    (ckpt/dense/ahead.py), and on a broker starts fetching the frames it will restore
     (frames_ahead.py). A job opens it before it builds its model, so the restore finds its
-    readers connected, the log read up to then and its frames fetched or on the way (design
-    §6); a connect that found no broker, or a read that failed, is tried again by the restore."""
+    readers connected, the log read up to then, its dense state loaded and its frames fetched or
+    on the way (design §6); a connect that found no broker, or a read that failed, is tried
+    again by the restore."""
     backend = open_backend(cfg, world_size)
     if cfg.resume == "none":
         return backend
     backend.source.prepare()
     if rank == 0:
         backend.markers.prepare(cfg.connect_timeout_s)
+    if rank != 0 and not cfg.read_ahead:
+        return backend
+    source = backend.source
     frames_ahead = cfg.read_ahead and cfg.sink == "kafka"
-    if rank == 0 or frames_ahead:
-        source = backend.source
-        backend.ahead = CatalogAhead(
-            backend.markers,
-            cfg.run_id,
-            backend.where,
-            cfg.connect_timeout_s,
-            catch_up=rank == 0,  # the rank that chooses the checkpoint
-            then=(lambda catalog: read_frames_ahead(catalog, cfg.resume, source, rank)) if frames_ahead else None,
-        )
+    dense = backend.dense_ahead = DenseAhead(DenseStore(Path(cfg.dense_dir))) if cfg.read_ahead else None
+
+    def then(catalog: Catalog) -> None:  # on the read's thread, once the log is folded
+        if frames_ahead:
+            read_frames_ahead(catalog, cfg.resume, source, rank)
+        marker = checkpoint_to_read(catalog, cfg.resume) if dense is not None else None
+        if dense is not None and marker is not None:
+            dense.start(DenseRef.from_json(marker.dense))
+
+    backend.ahead = CatalogAhead(
+        backend.markers,
+        cfg.run_id,
+        backend.where,
+        cfg.connect_timeout_s,
+        catch_up=rank == 0,  # the rank that chooses the checkpoint
+        then=then if cfg.read_ahead else None,
+    )
     return backend

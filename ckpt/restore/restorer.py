@@ -69,6 +69,7 @@ class RestoreReport:
     # rank 0: reading most of them while the model was built, before `restore()` (not in `seconds`)
     markers_ahead_s: float = 0.0
     read_ahead: int = 0  # ranks whose frames were being fetched before `restore()` (frames_ahead.py)
+    dense_ahead: int = 0  # ranks that took the dense state loaded before `restore()` (ckpt/dense/ahead.py)
 
     @property
     def mb_per_s(self) -> float:
@@ -79,9 +80,10 @@ class RestoreReport:
         regen = f", regenerate {self.init_s:.2f} s" if self.regenerated else ""
         ahead = f" (+{self.markers_ahead_s:.2f} s read ahead)" if self.markers_ahead_s else ""
         early = f" (started ahead on {self.read_ahead} ranks)" if self.read_ahead else ""
+        loaded = f" (loaded ahead on {self.dense_ahead} ranks)" if self.dense_ahead else ""
         return (
             f"markers {self.markers_s:.2f} s{ahead}, fetch {self.fetch_s:.2f} s{early}, decode {self.decode_s:.2f} s, "
-            f"apply {self.apply_s:.2f} s{regen}, dense {self.dense_s:.2f} s"
+            f"apply {self.apply_s:.2f} s{regen}, dense {self.dense_s:.2f} s{loaded}"
         )
 
 
@@ -101,11 +103,12 @@ class _ReadStats(NamedTuple):
     apply_s: float
     init_s: float
     read_ahead: int
+    dense_ahead: int
 
     @classmethod
-    def gather(cls, error: str, rows: RowsRestored | None, markers_s: float) -> _ReadStats:
+    def gather(cls, error: str, read: _Read | None, markers_s: float) -> _ReadStats:
         """All ranks at once (one all-gather): whether any failed (`error`), and their stats."""
-        r = rows or RowsRestored()
+        r = read.rows if read is not None else RowsRestored()
         mine = torch.tensor(
             [
                 float(bool(error)),
@@ -120,6 +123,7 @@ class _ReadStats(NamedTuple):
                 r.apply_s,
                 r.init_s,
                 r.read_ahead,
+                float(read is not None and read.dense_ahead),
             ],
             dtype=torch.float64,
         )
@@ -127,10 +131,22 @@ class _ReadStats(NamedTuple):
         dist.all_gather(every, mine)
         t = torch.stack(every)
         sums, maxes = t.sum(0).tolist(), t.max(0).values.tolist()
-        frames, n_rows, nbytes, written, regenerated, read_ahead = (int(sums[i]) for i in (1, 2, 3, 4, 5, 11))
+        frames, n_rows, nbytes, written, regenerated, read_ahead, dense_ahead = (int(sums[i]) for i in (1, 2, 3, 4, 5, 11, 12))
         markers_s, fetch_s, decode_s, apply_s, init_s = maxes[6:11]
         return cls(
-            maxes[0] > 0, frames, n_rows, nbytes, written, regenerated, markers_s, fetch_s, decode_s, apply_s, init_s, read_ahead
+            maxes[0] > 0,
+            frames,
+            n_rows,
+            nbytes,
+            written,
+            regenerated,
+            markers_s,
+            fetch_s,
+            decode_s,
+            apply_s,
+            init_s,
+            read_ahead,
+            dense_ahead,
         )
 
 
@@ -141,6 +157,7 @@ class _Read(NamedTuple):
     state: dict[str, Any]  # the dense state to load
     partial: PartialOutcome | None  # a partial recovery's outcome
     skips: list[int]  # per rank: the batches its reader skips (a partial recovery)
+    dense_ahead: bool  # the dense state was the one loaded while the model was built
 
 
 @dataclass(frozen=True)
@@ -254,7 +271,7 @@ class Restorer:
             except (FrameError, SourceError, RestoreError, DenseStoreError) as exc:
                 error = f"checkpoint {marker.checkpoint_id}{' with survivor snapshots' if survivors else ''}: {exc}"
             pristine = None
-            stats = _ReadStats.gather(error, None if error else read.rows, markers_s)
+            stats = _ReadStats.gather(error, None if error else read, markers_s)
             if not stats.failed:
                 return self._resume(marker, read, t0, stats)
             reason = self._first_error(error)
@@ -279,11 +296,15 @@ class Restorer:
         the dense state beside the rows: the state to load, and for a partial recovery its
         outcome and the batches each rank's reader skips."""
         refs = {None: DenseRef.from_json(marker.dense)} | {r.rank: DenseRef.from_json(r.dense) for r in survivors}
+        loaded = self._dense_loaded_ahead(refs[None])
         with ThreadPoolExecutor(2, thread_name_prefix="deltarec-dense-read") as pool:
             dense: dict[int | None, Future[dict[str, Any]]] = {}
+            if loaded is not None:
+                dense[None] = Future()
+                dense[None].set_result(loaded)
 
             def read_dense() -> None:  # beside the rows, once their first fetch is under way
-                dense.update({rank: pool.submit(self.dense.read, ref) for rank, ref in refs.items()})
+                dense.update({rank: pool.submit(self.dense.read, ref) for rank, ref in refs.items() if rank not in dense})
 
             chain = with_survivors(marker, survivors) if survivors else marker
             rows = restore_rows(
@@ -297,7 +318,7 @@ class Restorer:
             )
             state = dense.pop(None).result()
             if not survivors:
-                return _Read(rows, state, None, [])
+                return _Read(rows, state, None, [], loaded is not None)
             state, skips, partial = compose(
                 marker,
                 survivors,
@@ -305,7 +326,13 @@ class Restorer:
                 {r: f.result() for r, f in dense.items() if r is not None},
                 world_now=self.env.world_size,
             )
-            return _Read(rows, state, partial, skips)
+            return _Read(rows, state, partial, skips, loaded is not None)
+
+    def _dense_loaded_ahead(self, ref: DenseRef) -> dict[str, Any] | None:
+        """The dense state the job loaded while it built its model (ckpt/dense/ahead.py) when it
+        is `ref`'s; taken once: a fallback to an older checkpoint reads its own."""
+        ahead, self.backend.dense_ahead = self.backend.dense_ahead, None
+        return ahead.take(ref) if ahead is not None else None
 
     def _first_error(self, error: str) -> str:
         """Why a restore failed, on every rank: its own reason, or the first other rank's, so
@@ -350,6 +377,7 @@ class Restorer:
             markers_read=self.choice.markers_read,
             markers_ahead_s=self.choice.markers_ahead_s,
             read_ahead=stats.read_ahead,
+            dense_ahead=stats.dense_ahead,
         )
         if self.env.rank == 0:
             self._announce_report(report)
@@ -448,6 +476,7 @@ class Restorer:
                 restore_markers_records=report.markers_read,
                 restore_markers_ahead_s=report.markers_ahead_s,
                 restore_read_ahead_ranks=report.read_ahead,
+                restore_dense_ahead_ranks=report.dense_ahead,
                 restore_fetch_s=report.fetch_s,
                 restore_decode_s=report.decode_s,
                 restore_apply_s=report.apply_s,

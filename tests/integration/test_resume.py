@@ -94,7 +94,8 @@ def test_sigkill_anywhere_then_resume_is_bit_exact(
     attempt dies at checkpoint 2 or 3 (one is committed before), a resumed one at its first
     checkpoint (ids after a crash are the trainer's to choose) or during a step. Every resume
     read its frames through the reads each rank started while it built its model (the same
-    world size and plan: the guess of frames_ahead.py is right)."""
+    world size and plan: the guess of frames_ahead.py is right), and took the dense state each
+    rank loaded meanwhile (ckpt/dense/ahead.py)."""
     rng = replay_seed.rng()
     job = _job(unique_name("resume"), "kafka", broker.bootstrap, policy)
     run_dir = tmp_path / "run"
@@ -127,6 +128,7 @@ def test_sigkill_anywhere_then_resume_is_bit_exact(
     _assert_identical(_dumps(run_dir), reference, f"crashes {crashes}, {replay_seed}")
     lines = [x for x in resumed[0].stdout.splitlines() if x.startswith("deltarec: resumed from checkpoint")]
     assert not newest or "(started ahead on 2 ranks)" in lines[0], (crashes, lines)
+    assert not newest or "(loaded ahead on 2 ranks)" in lines[0], (crashes, lines)  # the dense state (ckpt/dense/ahead.py)
 
 
 def _check_resumed_from(rank0: RankResult, newest: int, why: str) -> None:
@@ -151,6 +153,9 @@ def test_filesystem_sink_resumes_bit_exact(tmp_path, unique_name, reference, deb
     first_attempt_log = FsMarkers(tmp_path / "run" / "stream", job[3].split("=", 1)[1]).read_markers()[:5]
     assert [decode_record(data).kind for _, data in first_attempt_log] == ["attempt", "commit", "commit", "catalog", "commit"]
     assert metrics.values(tmp_path / "run", "restore_markers_records", restored_ckpt=3) == [3]
+    # every rank read the log ahead and loaded checkpoint 3's dense file while it built its model
+    assert metrics.values(tmp_path / "run", "restore_dense_ahead_ranks", restored_ckpt=3) == [2]
+    assert metrics.values(tmp_path / "run", "restore_read_ahead_ranks", restored_ckpt=3) == [0]  # files: no frames ahead
 
 
 # with the overlap: the chain's base (1) copied late from its start, the restored delta (3) its rows

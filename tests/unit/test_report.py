@@ -94,6 +94,7 @@ def full_restore(step: int, cid: int, chain: list[int], nbytes: int, seconds: fl
         "restore_markers_records": 7,
         "restore_markers_ahead_s": 0.0,
         "restore_read_ahead_ranks": 2,
+        "restore_dense_ahead_ranks": 2,
         "restore_fetch_s": 0.05,
         "restore_decode_s": 0.02,
         "restore_apply_s": 0.03,
