@@ -100,11 +100,11 @@ def open_for_restore(cfg: CkptConfig, world_size: int, rank: int) -> Backend:
     dense = backend.dense_ahead = DenseAhead(DenseStore(Path(cfg.dense_dir))) if cfg.read_ahead else None
 
     def then(catalog: Catalog) -> None:  # on the read's thread, once the log is folded
+        marker = checkpoint_to_read(catalog, cfg.resume) if dense is not None else None
+        if dense is not None and marker is not None:  # first: a frames' read that fails does not stop it
+            dense.start(DenseRef.from_json(marker.dense))
         if frames_ahead:
             read_frames_ahead(catalog, cfg.resume, source, rank)
-        marker = checkpoint_to_read(catalog, cfg.resume) if dense is not None else None
-        if dense is not None and marker is not None:
-            dense.start(DenseRef.from_json(marker.dense))
 
     backend.ahead = CatalogAhead(
         backend.markers,
