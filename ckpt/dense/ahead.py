@@ -27,18 +27,17 @@ class DenseAhead:
 
     def __init__(self, store: DenseStore) -> None:
         self._store = store
-        self._ref: DenseRef | None = None
-        self._done: Future[dict[str, Any]] | None = None
+        self._started: tuple[DenseRef, Future[dict[str, Any]]] | None = None  # the file and its load
         self._lock = threading.Lock()
         self._taken = False
 
     def start(self, ref: DenseRef) -> None:
         """Load `ref` on a daemon thread (a process that exits does not wait for it); once."""
         with self._lock:
-            if self._ref is not None or self._taken:
+            if self._started is not None or self._taken:
                 return
-            self._ref, self._done = ref, Future()
-            done = self._done
+            done: Future[dict[str, Any]] = Future()
+            self._started = (ref, done)
         threading.Thread(target=self._load, args=(ref, done), name="deltarec-dense-ahead", daemon=True).start()
 
     def _load(self, ref: DenseRef, done: Future[dict[str, Any]]) -> None:
@@ -52,11 +51,10 @@ class DenseAhead:
         None when none was started (nor will be after this), another file was, or the load failed.
         Later calls: None."""
         with self._lock:  # the state is handed over once, and not kept here
-            started, done, self._ref, self._done, self._taken = self._ref, self._done, None, None, True
-        if started is None or done is None:
+            started, self._started, self._taken = self._started, None, True
+        if started is None or started[0] != ref:
             return None
-        if started != ref:
-            return None
+        done = started[1]
         try:
             return done.result()
         except Exception as exc:  # noqa: BLE001 - the restore's own read meets it with its own message

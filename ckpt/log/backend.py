@@ -95,23 +95,30 @@ def open_for_restore(cfg: CkptConfig, world_size: int, rank: int) -> Backend:
         backend.markers.prepare(cfg.connect_timeout_s)
     if rank != 0 and not cfg.read_ahead:
         return backend
-    source = backend.source
-    frames_ahead = cfg.read_ahead and cfg.sink == "kafka"
-    dense = backend.dense_ahead = DenseAhead(DenseStore(Path(cfg.dense_dir))) if cfg.read_ahead else None
-
-    def then(catalog: Catalog) -> None:  # on the read's thread, once the log is folded
-        marker = checkpoint_to_read(catalog, cfg.resume) if dense is not None else None
-        if dense is not None and marker is not None:  # first: a frames' read that fails does not stop it
-            dense.start(DenseRef.from_json(marker.dense))
-        if frames_ahead:
-            read_frames_ahead(catalog, cfg.resume, source, rank)
-
     backend.ahead = CatalogAhead(
         backend.markers,
         cfg.run_id,
         backend.where,
         cfg.connect_timeout_s,
         catch_up=rank == 0,  # the rank that chooses the checkpoint
-        then=then if cfg.read_ahead else None,
+        then=_read_ahead(cfg, backend, rank) if cfg.read_ahead else None,
     )
     return backend
+
+
+def _read_ahead(cfg: CkptConfig, backend: Backend, rank: int) -> Callable[[Catalog], None]:
+    """What `ckpt.read_ahead` starts once the markers log is folded (on the read's thread): the
+    guessed checkpoint's dense file loaded (`backend.dense_ahead`) and, on a broker, its frames
+    fetched."""
+    dense = backend.dense_ahead = DenseAhead(DenseStore(Path(cfg.dense_dir)))
+    source, frames = backend.source, cfg.sink == "kafka"
+
+    def then(catalog: Catalog) -> None:
+        marker = checkpoint_to_read(catalog, cfg.resume)
+        if marker is None:
+            return
+        dense.start(DenseRef.from_json(marker.dense))  # first: a frames' read that fails does not stop it
+        if frames:
+            read_frames_ahead(marker, source, rank)
+
+    return then

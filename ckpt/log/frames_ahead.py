@@ -28,12 +28,9 @@ def checkpoint_to_read(catalog: Catalog, resume: str) -> Marker | None:
     return None
 
 
-def read_frames_ahead(catalog: Catalog, resume: str, source: FrameSource, rank: int) -> int:
-    """Start fetching the frames of `rank`'s partitions of the chain `resume` will restore;
-    returns how many range reads were started."""
-    marker = checkpoint_to_read(catalog, resume)
-    if marker is None:
-        return 0
+def read_frames_ahead(marker: Marker, source: FrameSource, rank: int) -> int:
+    """Start fetching the frames of `rank`'s partitions of `marker`'s chain (the checkpoint
+    `checkpoint_to_read` guessed); returns how many range reads were started."""
     reads = [run.read() for run in chain_runs(marker, written_by(rank))]
     if reads:
         source.read_ahead(reads)

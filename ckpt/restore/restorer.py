@@ -299,12 +299,10 @@ class Restorer:
         loaded = self._dense_loaded_ahead(refs[None])
         with ThreadPoolExecutor(2, thread_name_prefix="deltarec-dense-read") as pool:
             dense: dict[int | None, Future[dict[str, Any]]] = {}
-            if loaded is not None:
-                dense[None] = Future()
-                dense[None].set_result(loaded)
+            to_read = {rank: ref for rank, ref in refs.items() if rank is not None or loaded is None}
 
             def read_dense() -> None:  # beside the rows, once their first fetch is under way
-                dense.update({rank: pool.submit(self.dense.read, ref) for rank, ref in refs.items() if rank not in dense})
+                dense.update({rank: pool.submit(self.dense.read, ref) for rank, ref in to_read.items()})
 
             chain = with_survivors(marker, survivors) if survivors else marker
             rows = restore_rows(
@@ -316,7 +314,7 @@ class Restorer:
                 shards_hold_init=pristine,
                 while_fetching=read_dense,
             )
-            state = dense.pop(None).result()
+            state = loaded if loaded is not None else dense.pop(None).result()
             if not survivors:
                 return _Read(rows, state, None, [], loaded is not None)
             state, skips, partial = compose(
