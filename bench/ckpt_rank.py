@@ -487,6 +487,7 @@ def checkpoint_rows(metrics: list[dict[str, Any]], side: dict[int, dict[int, Ran
             "write_MBps": m["ckpt_bytes"] / m["ckpt_write_s"] / 1e6 if m["ckpt_write_s"] else None,
             "durable_s": m.get("ckpt_durable_s"),
             "stall_new_bytes": m.get("ckpt_stall_new_bytes"),
+            "aside_bytes": m.get("ckpt_aside_bytes"),  # copy-on-write: the most a rank held aside
             "codec": m.get("ckpt_encoding"),
             "committed_at_step": worst("committed_at_step"),
             "durable_at_step": worst("durable_at_step"),

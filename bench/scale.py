@@ -1,6 +1,7 @@
 """How checkpointing's cost grows with the model (issue 45): suite `scale`.
 
     python -m bench.run --suite scale [--sizes quick,mid,full,kaggle,full4] [--out F] [--plots docs/img] [--keep DIR]
+                                      [--set KEY=VALUE ...]
 
 The same job at each size, smallest first: 2 gloo ranks of the quickstart's DLRM, then
 Criteo Kaggle's 26 categorical tables (`bench.peers.CRITEO_KAGGLE`) capped at a size's row
@@ -302,6 +303,7 @@ def measure_size(name: str, args: argparse.Namespace, work: Path, prefix: str) -
     work.mkdir(parents=True, exist_ok=True)
     given = (("steps", args.steps), ("interval", args.interval), ("follower_intervals", args.follower_intervals))
     s = size_job(name, work, {k: v for k, v in given if v})
+    s["overrides"] = [*s["overrides"], *args.set]  # every job's, checkpointed or not
     log(f"size {name}: {s['config']}, checkpoint every {s['interval']} steps")
     with contextlib.ExitStack() as brokers:
 
@@ -608,6 +610,10 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--follower-intervals", type=int, help="override every size's checkpoints of the follower job")
     p.add_argument("--follower-grace-s", type=float, default=300, help="how long the follower may take to catch up")
     p.add_argument("--timeout-s", type=float, default=1800)
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="a config override for every job of every size (e.g. ckpt.copy_on_write=true); repeatable",
+    )  # fmt: skip
     return p
 
 

@@ -107,6 +107,13 @@ class CkptConfig:
     # pass waits for the rows before the embedding kernels may change one (ckpt/capture/overlapped_copy.py);
     # false: the training thread copies inside the stall. GPU shards gather on a side stream.
     overlap_copy: bool = True
+    # CPU shards: copy-on-write snapshots (ckpt/capture/copy_on_write.py). No rows are copied at
+    # the checkpoint step: the writer reads them from the live tables a window at a time, and
+    # the steps after it copy aside, in their lookups, the rows they are about to update that the
+    # writer has not read yet. The host then holds those rows and one window, not every row of
+    # the snapshot in fp32 (a full checkpoint: every trained row); the training thread pays for
+    # the rows it saves aside. GPU shards: refused (they gather on the device)
+    copy_on_write: bool = False
     # GPU shards: where weight rows are encoded. `device`: on the GPU, before the copy to host,
     # whenever the weight codec has a device kernel (the adaptive codecs: ckpt/quant/device.py),
     # else on the host; `host`: the snapshot copies fp32 rows and the writer encodes them

@@ -100,7 +100,9 @@ class CheckpointOutcome(Event):
     allocated fresh, summed over ranks; `ckpt_error` is empty for a committed one. Runs written
     before they were recorded lack `ckpt_stall_new_bytes`, `ckpt_encoding` (the weight
     encoding) and `ckpt_durable_s` (the checkpoint's stall start to its COMMIT marker; null for
-    a failed one): those read as None."""
+    a failed one): those read as None. Under copy-on-write (`ckpt.copy_on_write`) the stall
+    includes the rows the steps after it saved aside, and `ckpt_aside_bytes` is the most any rank
+    held aside at once (0 otherwise)."""
 
     ckpt_committed: ClassVar[bool]
 
@@ -114,6 +116,7 @@ class CheckpointOutcome(Event):
     ckpt_stall_new_bytes: int | None = None
     ckpt_encoding: str | None = None
     ckpt_durable_s: float | None = None
+    ckpt_aside_bytes: int | None = None
 
     def to_record(self) -> dict[str, Any]:
         return {**super().to_record(), "ckpt_committed": self.ckpt_committed}

@@ -36,9 +36,11 @@ from common.errors import DeltarecError
 
 ENV = "DELTAREC_KILL_AT"
 SLOW_ENV = "DELTAREC_SLOW_FLUSH"  # "checkpoint_id:seconds": that checkpoint's writer sleeps before flushing
-# "checkpoint_id:seconds[:rows]" (* for every checkpoint; several separated by commas): the copy of
-# that checkpoint starts late, or with ":rows" its copy of the rows does, after the tracker's
-# marks (tests that the next step waits for a copy running beside it, ckpt/capture/overlapped_copy.py)
+# "checkpoint_id:seconds[:rows|:read]" (* for every checkpoint; several separated by commas): the copy
+# of that checkpoint starts late, or with ":rows" its copy of the rows does, after the tracker's
+# marks (tests that the next step waits for a copy running beside it, ckpt/capture/overlapped_copy.py);
+# with ":read", under copy-on-write, the writer's read of the rows from the live shards starts late
+# (tests that the steps meanwhile save aside the rows they update, ckpt/capture/copy_on_write.py)
 SLOW_COPY_ENV = "DELTAREC_SLOW_COPY"
 # "checkpoint_id:ERRNO" (e.g. "3:ENOSPC"): writing that checkpoint's dense file fails with that OSError
 DENSE_ERROR_ENV = "DELTAREC_DENSE_ERROR"
@@ -100,7 +102,7 @@ def maybe_slow(checkpoint_id: int) -> None:
 
 
 def maybe_slow_copy(checkpoint_id: int, part: str) -> None:
-    """Delay a part ("start" or "rows") of the copy of checkpoint `checkpoint_id` as
+    """Delay a part ("start", "rows" or "read") of the copy of checkpoint `checkpoint_id` as
     DELTAREC_SLOW_COPY says."""
     for entry in filter(None, os.environ.get(SLOW_COPY_ENV, "").split(",")):
         cid, _, rest = entry.partition(":")

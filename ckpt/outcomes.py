@@ -89,6 +89,7 @@ class Outcomes:
             ckpt_stall_new_bytes=sum(o.stall_new_bytes),
             ckpt_encoding=pending.weight_codec,
             ckpt_durable_s=durable_s,
+            ckpt_aside_bytes=max(o.aside_peak_bytes or [0]),
         )
         if o.committed:
             logger.info(

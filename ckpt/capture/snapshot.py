@@ -42,11 +42,13 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from ckpt.capture.copy_on_write import CowRows
 from ckpt.capture.host_buffers import Carver, HostBufferPool, Slab, slab_bytes
 from ckpt.quant.device import DeviceEncoder, device_encoder
 
@@ -115,14 +117,36 @@ class Snapshot:
     # host memory the take had to allocate and fault in inside the stall: a new slab's
     # capacity (0 when the pool lent one kept or reserved ahead), else every host tensor's bytes
     new_bytes: int = 0
+    # copy-on-write (`ckpt.copy_on_write`): the rows, read from the live shards by `pieces`
+    # (ckpt/capture/copy_on_write.py); `shards` is then empty
+    lazy: CowRows | None = field(default=None, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
+        """The bytes of host copies of the rows (copy-on-write: the most it may hold aside)."""
+        if self.lazy is not None:
+            return self.lazy.nbytes
         return sum(s.nbytes for s in self.shards)
 
     @property
     def rows(self) -> int:
+        if self.lazy is not None:
+            return self.lazy.rows
         return sum(s.global_rows.numel() for s in self.shards)
+
+    @property
+    def shard_count(self) -> int:
+        return len(self.lazy.shards) if self.lazy is not None else len(self.shards)
+
+    def pieces(self) -> Iterator[tuple[int, ShardRows]]:
+        """(shard index, rows) in shard order and row order: each shard whole, or under
+        copy-on-write one window of rows at a time, read as the writer gets to it."""
+        if self.lazy is None:
+            yield from enumerate(self.shards)
+            return
+        for w in self.lazy.windows():
+            v = w.view
+            yield w.shard, ShardRows(v.table, v.row_offset, v.col_offset, w.global_rows, w.weights, w.optimizer)
 
     def wait(self) -> None:
         """Block until the host copies are complete (they already are on CPU)."""
@@ -164,6 +188,7 @@ class SnapshotTaker:
         pool: HostBufferPool | None = None,
         encode_on: EncodeOn = "device",
         staged: bool | None = None,
+        copy_on_write: bool = False,
     ) -> None:
         self.shard_map = shard_map
         self.tracker = tracker
@@ -183,6 +208,11 @@ class SnapshotTaker:
         if self._cuda and pool is not None and not pool.pinned:
             raise ValueError("SnapshotTaker: GPU shards need a pinned HostBufferPool (pin_for=their device)")
         self.encode_on = encode_on
+        if copy_on_write and self.staged:
+            raise ValueError("SnapshotTaker: copy-on-write reads CPU shards; GPU shards stage their rows on the device")
+        # CPU: `plan` registers each snapshot's rows with the tracker and the writer reads them
+        # from the live shards (ckpt/capture/copy_on_write.py) instead of `copy` copying them
+        self.copy_on_write = copy_on_write
         self._stream = torch.cuda.Stream(device=self.device) if self._cuda else None
         self._row_bytes = [_row_bytes(v) for v in shard_map.shards]
 
@@ -253,6 +283,11 @@ class SnapshotTaker:
         copy_all = full and not self.trained_only
         views = self.shard_map.shards
         locals_ = [None if copy_all else self._local_rows(i, full, since_base) for i in range(len(views))]
+        if self.copy_on_write:
+            cow = CowRows.of(views, locals_)
+            cow.unregister = self.tracker.guard(cow.before_update)  # before the next lookup may go on
+            lazy = Snapshot(checkpoint_id, step, full, [], time.perf_counter() - t0, lazy=cow)
+            return PlannedSnapshot.of(lazy)
         slab = None
         if self.pool is not None:
             counts = [v.num_rows if local is None else local.numel() for v, local in zip(views, locals_)]

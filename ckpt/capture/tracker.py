@@ -77,6 +77,7 @@ the hook syncs the host.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -142,6 +143,10 @@ class RowTracker:
         # also told every lookup's ids (the group and its shard-local ids per key position):
         # prioritized checkpoints count updates there (ckpt/recovery/priority.py)
         self.listener: Callable[[LookupGroup, list[torch.Tensor]], None] | None = None
+        # called the same way before the marks, while registered (`guard`): pending copy-on-write
+        # snapshots save the looked-up rows aside there (ckpt/capture/copy_on_write.py)
+        self._guards: tuple[Callable[[LookupGroup, list[torch.Tensor]], None], ...] = ()
+        self._guards_lock = threading.Lock()
         # the modules whose post-lookup hooks these are: every sharded embedding collection
         self.modules = shard_map.modules
         # per module (by id): feature keys of each lookup group -> where its ids go (benchmarks
@@ -239,6 +244,8 @@ class RowTracker:
         # One narrow view per key, one index_fill_ per key into the bitmap of that key's shard.
         # length_per_key() is a list the input all-to-all has already filled in (no sync).
         parts = features.values().split(features.length_per_key())
+        for guard in self._guards:  # a tuple replaced whole by `guard`: safe to iterate as it changes
+            guard(m, list(parts))
         for bits, ids in zip(m.bitmaps, parts):
             if bits is not None:
                 bits.index_fill_(0, ids, True)
@@ -260,6 +267,22 @@ class RowTracker:
         assert self._attached, "a detached tracker's hook never runs: nothing would wait"
         self._hold = fn
         self._before_update = before_update
+
+    def guard(self, fn: Callable[[LookupGroup, list[torch.Tensor]], None]) -> Callable[[], None]:
+        """Call `fn(group, ids)` in every training lookup, with its shard-local ids per key
+        position, before the backward pass may update those rows, until the returned function
+        is called (from any thread). A copy-on-write snapshot saves rows aside there
+        (ckpt/capture/copy_on_write.py); it registers before the next step's first lookup may
+        go on (`hold_next_lookup`)."""
+        assert self._attached, "a detached tracker's hook never runs: nothing would be saved aside"
+        with self._guards_lock:
+            self._guards = (*self._guards, fn)
+
+        def remove() -> None:
+            with self._guards_lock:
+                self._guards = tuple(g for g in self._guards if g is not fn)
+
+        return remove
 
     def _run_before_update(self, grad: torch.Tensor | None) -> None:
         """The gradient hook `hold_next_lookup` places: the first call runs `before_update`."""

@@ -28,9 +28,10 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from ckpt.capture.copy_on_write import AsideStats
 from ckpt.capture.snapshot import ShardRows, Snapshot
 from ckpt.capture.threads import lower_thread_priority
-from ckpt.faults import maybe_die, maybe_slow
+from ckpt.faults import maybe_die, maybe_slow, maybe_slow_copy
 from ckpt.log.markers import FrameMeta, IndexEntry, OffsetRange, index_frames
 from ckpt.quant import codec_for_width, encode_owned, get_codec
 from ckpt.quant.device import check_flags
@@ -68,10 +69,15 @@ class RankReport:
     index: list[IndexEntry]  # this rank's frames, one entry per run of one shard's frames
     rows: int
     bytes: int
-    stall_ms: float
+    stall_ms: float  # the hand-off, the waits for the copy, and (copy-on-write) the rows saved aside
     write_s: float
     trainer_state: dict[str, Any]
     stall_new_bytes: int = 0  # host memory its stall allocated fresh (`Snapshot.new_bytes`)
+    # copy-on-write (ckpt/capture/copy_on_write.py): the training thread's time saving rows aside
+    # in the steps after the checkpoint's, those rows, and the most bytes held aside at once
+    aside_ms: float = 0.0
+    aside_rows: int = 0
+    aside_peak_bytes: int = 0
     encodings: dict[str, str] = field(default_factory=dict)  # "weights" / "optimizer.<state>" -> codec used
 
 
@@ -88,6 +94,8 @@ class Outcome:
     full: bool = False
     stall_ms: list[float] = field(default_factory=list)
     stall_new_bytes: list[int] = field(default_factory=list)  # per rank: host memory its stall allocated fresh
+    aside_ms: list[float] = field(default_factory=list)  # per rank, copy-on-write: of stall_ms, saving rows aside
+    aside_peak_bytes: list[int] = field(default_factory=list)  # per rank, copy-on-write: the most held aside
     write_s: float = 0.0
     commit_unix: float = 0.0  # time.time() once the COMMIT marker was durable; 0 when none was
     fenced: bool = False  # a newer attempt holds the run: this one must stop (`error` says which)
@@ -256,8 +264,12 @@ def write_rows(
     rows = nbytes = 0
     error = ""
     try:
-        for i, shard in enumerate(job.snapshot.shards):
-            if i == len(job.snapshot.shards) // 2:
+        if job.snapshot.lazy is not None:
+            maybe_slow_copy(job.checkpoint_id, "read")
+        half, past_half = job.snapshot.shard_count // 2, False
+        for i, shard in job.snapshot.pieces():  # copy-on-write: one window of a shard at a time
+            if i >= half and not past_half:
+                past_half = True
                 maybe_die("rows", job.checkpoint_id, rank)
             if shard.global_rows.numel() == 0:
                 continue
@@ -281,6 +293,7 @@ def write_rows(
     except Exception as exc:  # noqa: BLE001 - encoding/sink errors fail this checkpoint only
         error = f"rank {rank}: {type(exc).__name__}: {exc}"
         result = None
+    aside = job.snapshot.lazy.stats if job.snapshot.lazy is not None else AsideStats()
     ranges: dict[int, list[OffsetRange]] = {}
     index: list[IndexEntry] = []
     if not error and result is not None:
@@ -299,7 +312,10 @@ def write_rows(
         index=index,
         rows=rows,
         bytes=nbytes,
-        stall_ms=job.snapshot.stall_s * 1e3,
+        stall_ms=job.snapshot.stall_s * 1e3 + aside.seconds * 1e3,
+        aside_ms=aside.seconds * 1e3,
+        aside_rows=aside.rows,
+        aside_peak_bytes=aside.peak_bytes,
         write_s=time.perf_counter() - t0,
         trainer_state=job.trainer_state,
         encodings=used,

@@ -176,3 +176,28 @@ def test_a_late_copy_still_holds_the_rows_of_its_checkpoint_step(
     resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest"], tmp_path)
     assert "deltarec: resumed from checkpoint 3 at step 30" in resumed[0].stdout
     _assert_identical(_dumps(tmp_path / "run"), reference, f"copies late ({late}), ckpt.overlap_copy={overlap}")
+
+
+# full: every checkpoint holds every trained row; one_shot_diff: deltas since the base
+@pytest.mark.parametrize("sink,policy", [("kafka", "full"), ("filesystem", "one_shot_diff")])
+def test_copy_on_write_reads_the_rows_of_the_checkpoint_step_while_training_updates_them(
+    tmp_path, broker, unique_name, reference, debug_config: DebugConfig, metrics: MetricsReader, sink, policy
+):
+    # With ckpt.copy_on_write no row is copied at the checkpoint step: each writer reads its
+    # rows from the live shards, here 0.3 s late (DELTAREC_SLOW_COPY ":read"), while the job
+    # trains on. The steps meanwhile must save aside, in their lookups, the rows they are about
+    # to update, or the restore gets rows of a later step and the resumed run differs from the
+    # uninterrupted one. Rank 1 dies while it writes checkpoint 4's rows.
+    bootstrap = broker.bootstrap if sink == "kafka" else ""
+    job = [*_job(unique_name("cow"), sink, bootstrap, policy), "ckpt.copy_on_write=true"]
+    crashed = spawn_ranks(
+        debug_config.path, job, tmp_path, expect_ok=False,
+        env_extra={"DELTAREC_KILL_AT": "rows:4@1", "DELTAREC_SLOW_COPY": "*:0.3:read"},
+    )  # fmt: skip
+    assert crashed[1].returncode == -9
+    run = tmp_path / "run"
+    aside = metrics.values(run, "ckpt_aside_bytes", ckpt_committed=True)
+    assert len(aside) == 3 and all(b > 0 for b in aside), f"rows saved aside per committed checkpoint: {aside}"
+    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest"], tmp_path)
+    assert "deltarec: resumed from checkpoint 3 at step 30" in resumed[0].stdout
+    _assert_identical(_dumps(run), reference, f"copy-on-write, {sink}, {policy}")

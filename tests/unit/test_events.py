@@ -41,6 +41,7 @@ CKPT_KEYS = {
     "ckpt_error",
     "ckpt_encoding",
     "ckpt_durable_s",
+    "ckpt_aside_bytes",
 }
 CKPT = dict(
     step=20,
