@@ -15,14 +15,19 @@ training step comes after that step's lookup of the row (the fused optimizer upd
 rows the backward pass reaches, which are the rows looked up), and the tracker's hook calls
 `CowRows.before_update` with every training lookup's shard-local ids before any backward
 pass can run; the snapshot is registered with the tracker before the next step's first
-lookup may go on (`RowTracker.hold_next_lookup`). The writer's reads (`_read_live`) and the
-hook's copies take the same lock and mark the rows they take, so each row is taken once,
-and the writer never reads a row an update may be writing: an update's rows were taken by
-its lookup's hook first.
+lookup may go on (`RowTracker.hold_next_lookup`). One byte per shard row says where each
+row is (`PENDING`, `READING`, `READING_ASIDE`, `DONE`), changed only under the snapshot's
+lock. The writer marks a sub-window's pending rows `READING`, reads them without the lock
+and marks them `DONE`; a lookup saves aside the rows it names that are `PENDING` or
+`READING` (the latter may be read while the update writes them: the copy aside, taken
+before the update, replaces that read). So each row's value is the checkpoint step's, and
+the training thread never waits for the writer's reads, only for its marks.
 
-Costs: the training thread pays for the rows it saves aside, in the lookups that run while
-a snapshot is pending (counted into the checkpoint's stall: `aside_s`); the writer holds
-the lock for one sub-window's gather at a time (`SUB_ROWS`), so a lookup waits at most that.
+Costs: the training thread pays in the lookups that run while a snapshot is pending: a
+byte gathered per id, and a copy of the rows the snapshot still needs (counted into the
+checkpoint's stall: `AsideStats.seconds`). The host holds one byte per shard row while the
+snapshot is pending, the rows saved aside until the writer is done with their shard, and
+one window.
 """
 
 from __future__ import annotations
@@ -41,21 +46,13 @@ if TYPE_CHECKING:
     from sharding.shard_views import ShardView
 
 WINDOW_BYTES = 16 << 20  # host rows the writer reads, encodes and frames at a time, per shard
-SUB_ROWS = 4096  # rows the writer gathers per hold of the lock: what a lookup may wait for
+SUB_ROWS = 4096  # rows the writer marks and reads at a time
 
-
-@dataclass
-class _Aside:
-    """Rows of one window saved aside before an update: their positions in the snapshot's row
-    list, ascending, and their weights and optimizer state as of the checkpoint step."""
-
-    positions: torch.Tensor
-    weights: torch.Tensor
-    optimizer: dict[str, torch.Tensor]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.positions, self.weights, *self.optimizer.values()))
+# A shard row's state while a snapshot is pending (one byte per row of the shard)
+DONE = 0  # not in the snapshot, or read or saved aside already
+PENDING = 1  # in the snapshot, untouched: the live row is the checkpoint step's
+READING = 2  # the writer is reading it from the live shard
+READING_ASIDE = 3  # ... and a lookup saved it aside meanwhile: the writer uses that copy
 
 
 class Window(NamedTuple):
@@ -69,6 +66,20 @@ class Window(NamedTuple):
 
 
 @dataclass
+class _Aside:
+    """Rows saved aside by one lookup before its update: shard-local rows, ascending, with
+    their weights and optimizer state as of the checkpoint step."""
+
+    rows: torch.Tensor
+    weights: torch.Tensor
+    optimizer: dict[str, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.rows, self.weights, *self.optimizer.values()))
+
+
+@dataclass
 class AsideStats:
     """What saving rows aside cost the training thread for one snapshot on this rank."""
 
@@ -79,69 +90,48 @@ class AsideStats:
 
 class _CowShard:
     """One local shard's rows of a pending snapshot: its sorted local rows (None: every row
-    of the shard), which of them are taken, and the ones saved aside, by window."""
+    of the shard), each shard row's state, and the rows saved aside."""
 
     def __init__(self, view: ShardView, local: torch.Tensor | None, window: int, row_bytes: int) -> None:
         self.view = view
-        self.row_bytes = row_bytes  # host bytes of one row copied: id, weights, optimizer state
         self.local = local
         self.n = view.num_rows if local is None else int(local.numel())
         self.window = window
-        self.taken = torch.zeros(self.n, dtype=torch.bool)
-        self.aside: dict[int, list[_Aside]] = {}  # window index -> rows saved aside in it
+        self.row_bytes = row_bytes  # host bytes of one row copied: id, weights, optimizer state
+        if local is None:
+            self.state = torch.full((view.num_rows,), PENDING, dtype=torch.uint8)
+        else:
+            self.state = torch.zeros(view.num_rows, dtype=torch.uint8)
+            self.state[local] = PENDING
+        self.aside: list[_Aside] = []
 
     @property
     def windows(self) -> int:
         """Windows of rows the writer reads; an empty shard has one, empty."""
         return max(1, -(-self.n // self.window))
 
-    def _rows(self, positions: torch.Tensor) -> torch.Tensor:
-        return positions if self.local is None else self.local[positions]
-
-    def positions_of(self, ids: torch.Tensor) -> torch.Tensor:
-        """Positions in this snapshot's rows of the shard-local `ids` it holds, unique, ascending."""
-        if self.n == 0 or ids.numel() == 0:
-            return ids.new_empty(0)
-        if self.local is None:
-            pos = ids
-        else:
-            pos = torch.searchsorted(self.local, ids).clamp_(max=self.n - 1)
-            pos = pos[self.local[pos] == ids]
-        return torch.unique(pos)
+    def rows_at(self, start: int, stop: int) -> torch.Tensor:
+        """The shard-local rows at positions [start, stop) of the snapshot's sorted rows."""
+        return torch.arange(start, stop, dtype=torch.int64) if self.local is None else self.local[start:stop]
 
     def save_aside(self, ids: torch.Tensor) -> tuple[int, int]:
-        """Copy the rows of `ids` not yet taken (caller holds the lock): (rows, bytes) saved."""
-        pos = self.positions_of(ids)
-        pos = pos[~self.taken[pos]]
-        if pos.numel() == 0:
+        """Copy the rows of `ids` the snapshot still needs from the live shard (caller holds
+        the lock): (rows, bytes) saved."""
+        if self.n == 0 or ids.numel() == 0:
             return 0, 0
-        self.taken[pos] = True
-        rows = self._rows(pos)
+        ids = ids.to(torch.int64)  # a KJT's values may be int32
+        st = self.state[ids]
+        hit = ids[(st == PENDING) | (st == READING)]
+        if hit.numel() == 0:
+            return 0, 0
+        rows = torch.unique(hit)
+        st = self.state[rows]
+        self.state[rows] = torch.where(st == PENDING, DONE, READING_ASIDE).to(torch.uint8)
         weights = self.view.weight.detach().index_select(0, rows)
         states = {k: s.detach().index_select(0, rows) for k, s in self.view.optimizer_states.items()}
-        wins, counts = torch.unique_consecutive(torch.div(pos, self.window, rounding_mode="floor"), return_counts=True)
-        split = counts.tolist()
-        parts = zip(pos.split(split), weights.split(split), *(s.split(split) for s in states.values()))
-        nbytes = 0
-        for w, (p, wt, *st) in zip(wins.tolist(), parts):
-            block = _Aside(p, wt, dict(zip(states, st)))
-            self.aside.setdefault(w, []).append(block)
-            nbytes += block.nbytes
-        return int(pos.numel()), nbytes
-
-    def read_live(self, start: int, stop: int, base: int, weights: torch.Tensor, states: dict[str, torch.Tensor]) -> None:
-        """Positions [start, stop) not yet taken, from the live shard into a window's tensors
-        (whose first row is position `base`; caller holds the lock), then taken."""
-        free = (~self.taken[start:stop]).nonzero().squeeze(1)
-        if free.numel() == 0:
-            return
-        pos = free + start
-        self.taken[pos] = True
-        rows = self._rows(pos)
-        at = pos - base
-        weights.index_copy_(0, at, self.view.weight.detach().index_select(0, rows))
-        for k, s in self.view.optimizer_states.items():
-            states[k].index_copy_(0, at, s.detach().index_select(0, rows))
+        block = _Aside(rows, weights, states)
+        self.aside.append(block)
+        return int(rows.numel()), block.nbytes
 
 
 @dataclass
@@ -149,14 +139,14 @@ class CowRows:
     """The rows of one copy-on-write snapshot on this rank, taken lazily (module docstring).
 
     The tracker calls `before_update` while the snapshot is registered with it; the writer
-    reads the rows with `windows`, which ends the registration once every row is taken;
+    reads the rows with `windows`, which ends the registration once every row is read;
     `close` ends it early (a writer that failed, or stopped)."""
 
     shards: list[_CowShard]
     unregister: Callable[[], None] = lambda: None  # set by whoever registers `before_update`
     stats: AsideStats = field(default_factory=AsideStats)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _held: int = 0  # bytes saved aside and not yet read by the writer
+    _held: int = 0  # bytes saved aside and not yet dropped
     _open: bool = True
 
     @classmethod
@@ -203,6 +193,9 @@ class CowRows:
             for i, shard in enumerate(self.shards):
                 for w in range(shard.windows):
                     yield Window(i, shard.view, *self._window(shard, w))
+                with self._lock:  # every row of the shard is read: what was saved aside is used
+                    self._held -= sum(b.nbytes for b in shard.aside)
+                    shard.aside = []
         finally:
             self.close()
 
@@ -212,19 +205,47 @@ class CowRows:
         weights = torch.empty(stop - start, v.num_cols, dtype=v.weight.dtype)
         states = {k: torch.empty(stop - start, *s.shape[1:], dtype=s.dtype) for k, s in v.optimizer_states.items()}
         for sub in range(start, stop, SUB_ROWS):
-            with self._lock:
-                shard.read_live(sub, min(stop, sub + SUB_ROWS), start, weights, states)
-        with self._lock:  # every position of the window is taken now: no more rows come aside for it
-            blocks = shard.aside.pop(w, [])
-            self._held -= sum(b.nbytes for b in blocks)
-        for b in blocks:
-            at = b.positions - start
-            weights.index_copy_(0, at, b.weights)
-            for k, s in b.optimizer.items():
-                states[k].index_copy_(0, at, s)
-        positions = torch.arange(start, stop, dtype=torch.int64)
-        local = positions if shard.local is None else shard.local[start:stop]
-        return local + v.row_offset, weights, states
+            self._read_live(shard, sub, min(stop, sub + SUB_ROWS), start, weights, states)
+        rows = shard.rows_at(start, stop)
+        with self._lock:  # every row of the window is DONE now: no lookup saves one aside any more
+            blocks = list(shard.aside)
+        if rows.numel():
+            for b in blocks:  # rows saved aside before the writer read them (or while it did)
+                lo = int(torch.searchsorted(b.rows, rows[0]))
+                hi = int(torch.searchsorted(b.rows, rows[-1], right=True))
+                if lo == hi:
+                    continue
+                at = torch.searchsorted(rows, b.rows[lo:hi])
+                weights.index_copy_(0, at, b.weights[lo:hi])
+                for k, s in b.optimizer.items():
+                    states[k].index_copy_(0, at, s[lo:hi])
+        return rows + v.row_offset, weights, states
+
+    def _read_live(
+        self, shard: _CowShard, start: int, stop: int, base: int, weights: torch.Tensor, states: dict[str, torch.Tensor]
+    ) -> None:
+        """Positions [start, stop) into the window's tensors (whose first row is position
+        `base`): the rows still PENDING are marked READING, read from the live shard without
+        the lock (a lookup that updates one meanwhile saves it aside first: READING_ASIDE, and
+        that copy replaces the read), then marked DONE."""
+        rows = shard.rows_at(start, stop)
+        with self._lock:
+            free = shard.state[rows] == PENDING
+            live = rows[free]
+            shard.state[live] = READING
+        self._copy_live(shard, live, free.nonzero().squeeze(1) + (start - base), weights, states)
+        with self._lock:
+            shard.state[rows] = DONE
+
+    @staticmethod
+    def _copy_live(
+        shard: _CowShard, live: torch.Tensor, at: torch.Tensor, weights: torch.Tensor, states: dict[str, torch.Tensor]
+    ) -> None:
+        """Shard rows `live` into rows `at` of a window's tensors."""
+        if live.numel():
+            weights.index_copy_(0, at, shard.view.weight.detach().index_select(0, live))
+            for k, s in shard.view.optimizer_states.items():
+                states[k].index_copy_(0, at, s.detach().index_select(0, live))
 
     def close(self) -> None:
         """Stop saving rows aside and drop those held (idempotent)."""
@@ -233,6 +254,7 @@ class CowRows:
                 return
             self._open = False
             for s in self.shards:
-                s.aside.clear()
+                s.aside = []
+                s.state = s.state[:0]
             self._held = 0
         self.unregister()

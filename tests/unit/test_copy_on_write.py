@@ -145,6 +145,37 @@ def test_ids_outside_the_snapshot_are_not_saved(small_windows):
     )
     assert cow.stats.rows == 0 and cow._held == 0
     inside = locals_[3][:5]
-    cow.before_update(group, [torch.empty(0, dtype=torch.int64)] * 3 + [torch.cat([inside, inside])])  # duplicates once
+    cow.before_update(group, [torch.empty(0, dtype=torch.int64)] * 3 + [torch.cat([inside, inside]).int()])  # int32, twice: once
     assert cow.stats.rows == 5
     assert cow.nbytes == sum((s.n) * (8 + v.num_cols * 4 + 4) for s, v in zip(cow.shards, views))
+
+
+def test_a_row_updated_while_the_writer_reads_it_comes_from_its_copy_aside(small_windows, monkeypatch):
+    # The writer has marked a sub-window READING and reads it without the lock; a lookup of
+    # one of those rows saves it aside and its update lands before the writer's read: the
+    # window must carry the row as it was at the checkpoint step, from the copy aside.
+    g = torch.Generator().manual_seed(1)
+    views = _views(g)
+    locals_ = _locals(views, g)
+    want = _expected(views, locals_)
+    cow = CowRows.of(views, locals_)
+    group = _group(views)
+    original = CowRows._copy_live
+    hit = locals_[0][:3]  # rows of the first sub-window of shard 0
+    raced = []
+
+    def lookup_then_read(shard, live, at, weights, states):
+        if shard is cow.shards[0] and not raced:
+            raced.append(True)
+            empty = torch.empty(0, dtype=torch.int64)
+            cow.before_update(group, [hit, empty, empty, empty])
+            views[0].weight[hit] += 100.0  # the update, before the writer's read
+            views[0].optimizer_states["momentum1"][hit] += 100.0
+        original(shard, live, at, weights, states)
+
+    monkeypatch.setattr(CowRows, "_copy_live", staticmethod(lookup_then_read))
+    windows = list(cow.windows())
+    assert raced and cow.stats.rows == 3
+    first = [w for w in windows if w.shard == 0]
+    assert torch.equal(torch.cat([w.weights for w in first]), want[0][1])
+    assert torch.equal(torch.cat([w.optimizer["momentum1"] for w in first]), want[0][2])
