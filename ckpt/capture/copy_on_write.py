@@ -92,17 +92,17 @@ class _CowShard:
     """One local shard's rows of a pending snapshot: its sorted local rows (None: every row
     of the shard), each shard row's state, and the rows saved aside."""
 
-    def __init__(self, view: ShardView, local: torch.Tensor | None, window: int, row_bytes: int) -> None:
+    def __init__(self, view: ShardView, local: torch.Tensor | None, window: int, row_bytes: int, state: torch.Tensor) -> None:
         self.view = view
         self.local = local
         self.n = view.num_rows if local is None else int(local.numel())
         self.window = window
         self.row_bytes = row_bytes  # host bytes of one row copied: id, weights, optimizer state
+        self.state = state  # uint8 [num_rows]: this shard's slice of the snapshot's states
         if local is None:
-            self.state = torch.full((view.num_rows,), PENDING, dtype=torch.uint8)
+            state.fill_(PENDING)
         else:
-            self.state = torch.zeros(view.num_rows, dtype=torch.uint8)
-            self.state[local] = PENDING
+            state[local] = PENDING
         self.aside: list[_Aside] = []
 
     @property
@@ -114,24 +114,14 @@ class _CowShard:
         """The shard-local rows at positions [start, stop) of the snapshot's sorted rows."""
         return torch.arange(start, stop, dtype=torch.int64) if self.local is None else self.local[start:stop]
 
-    def save_aside(self, ids: torch.Tensor) -> tuple[int, int]:
-        """Copy the rows of `ids` the snapshot still needs from the live shard (caller holds
-        the lock): (rows, bytes) saved."""
-        if self.n == 0 or ids.numel() == 0:
-            return 0, 0
-        ids = ids.to(torch.int64)  # a KJT's values may be int32
-        st = self.state[ids]
-        hit = ids[(st == PENDING) | (st == READING)]
-        if hit.numel() == 0:
-            return 0, 0
-        rows = torch.unique(hit)
-        st = self.state[rows]
-        self.state[rows] = torch.where(st == PENDING, DONE, READING_ASIDE).to(torch.uint8)
+    def save_aside(self, rows: torch.Tensor) -> int:
+        """Copy the shard-local `rows` (unique, ascending, each PENDING or READING, already
+        marked taken) from the live shard (caller holds the lock): the bytes saved."""
         weights = self.view.weight.detach().index_select(0, rows)
         states = {k: s.detach().index_select(0, rows) for k, s in self.view.optimizer_states.items()}
         block = _Aside(rows, weights, states)
         self.aside.append(block)
-        return int(rows.numel()), block.nbytes
+        return block.nbytes
 
 
 @dataclass
@@ -143,6 +133,8 @@ class CowRows:
     `close` ends it early (a writer that failed, or stopped)."""
 
     shards: list[_CowShard]
+    state: torch.Tensor  # uint8: every shard's row states back to back, in shard order
+    starts: torch.Tensor  # int64 [shards]: where each shard's rows start in `state`
     unregister: Callable[[], None] = lambda: None  # set by whoever registers `before_update`
     stats: AsideStats = field(default_factory=AsideStats)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -152,13 +144,18 @@ class CowRows:
     @classmethod
     def of(cls, views: list[ShardView], local_rows: list[torch.Tensor | None]) -> CowRows:
         """A pending snapshot of `local_rows[i]` (sorted; None: every row) of each shard."""
+        state = torch.zeros(sum(v.num_rows for v in views), dtype=torch.uint8)
+        starts: list[int] = []
         shards = []
         for v, local in zip(views, local_rows):
+            start = sum(x.num_rows for x in views[: len(starts)])
+            starts.append(start)
             row_bytes = v.num_cols * v.weight.element_size() + sum(
                 math.prod(s.shape[1:]) * s.element_size() for s in v.optimizer_states.values()
             )
-            shards.append(_CowShard(v, local, max(SUB_ROWS, WINDOW_BYTES // max(row_bytes, 1)), 8 + row_bytes))
-        return cls(shards)
+            window = max(SUB_ROWS, WINDOW_BYTES // max(row_bytes, 1))
+            shards.append(_CowShard(v, local, window, 8 + row_bytes, state[start : start + v.num_rows]))
+        return cls(shards, state, torch.tensor(starts, dtype=torch.int64))
 
     @property
     def rows(self) -> int:
@@ -172,19 +169,34 @@ class CowRows:
 
     def before_update(self, group: LookupGroup, ids: list[torch.Tensor]) -> None:
         """The tracker's hook, for one training lookup: save aside every row it looked up that
-        this snapshot still needs, before the backward pass may update it."""
+        this snapshot still needs, before the backward pass may update it. All of the lookup's
+        ids are checked at once, in the states of every shard back to back."""
         t0 = time.perf_counter()
+        keyed = [(i, part) for i, part in zip(group.shards, ids) if i is not None and part.numel()]
+        if not keyed:
+            return
+        offsets = self.starts[[i for i, _ in keyed]].repeat_interleave(torch.tensor([p.numel() for _, p in keyed]))
+        flat = torch.cat([p for _, p in keyed]).to(torch.int64) + offsets
         with self._lock:
             if not self._open:
                 return
-            for i, part in zip(group.shards, ids):
-                if i is None:
-                    continue
-                rows, nbytes = self.shards[i].save_aside(part)
-                self.stats.rows += rows
-                self._held += nbytes
-            self.stats.peak_bytes = max(self.stats.peak_bytes, self._held)
+            st = self.state[flat]
+            hit = flat[(st == PENDING) | (st == READING)]
+            if hit.numel():
+                self._save_aside(torch.unique(hit))
         self.stats.seconds += time.perf_counter() - t0
+
+    def _save_aside(self, rows: torch.Tensor) -> None:
+        """Rows (positions in `state`, unique, ascending, each PENDING or READING): taken, and
+        copied aside shard by shard (caller holds the lock)."""
+        st = self.state[rows]
+        self.state[rows] = torch.where(st == PENDING, DONE, READING_ASIDE).to(torch.uint8)
+        owner = torch.searchsorted(self.starts, rows, right=True) - 1
+        shards, counts = torch.unique_consecutive(owner, return_counts=True)
+        for i, part in zip(shards.tolist(), rows.split(counts.tolist())):
+            self._held += self.shards[i].save_aside(part - int(self.starts[i]))
+        self.stats.rows += int(rows.numel())
+        self.stats.peak_bytes = max(self.stats.peak_bytes, self._held)
 
     def windows(self) -> Iterator[Window]:
         """Every row, shard by shard and window by window in row order; the registration ends
@@ -253,8 +265,10 @@ class CowRows:
             if not self._open:
                 return
             self._open = False
+            empty = torch.empty(0, dtype=torch.uint8)  # the states' storage goes
             for s in self.shards:
                 s.aside = []
-                s.state = s.state[:0]
+                s.state = empty
+            self.state = empty
             self._held = 0
         self.unregister()
