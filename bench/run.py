@@ -162,6 +162,13 @@ SUITES = (
         "a one-GPU job's throughput with checkpoints every --interval-s against none (~6 min)",
     ),
     Suite(
+        "retouch",
+        "bench.retouch",
+        (),
+        "of a checkpoint's rows, the share the next 1..170 steps update again (what a copy-on-write snapshot "
+        "holds aside), counted from the scale suite's synthetic stream without training (~15 s)",
+    ),
+    Suite(
         "trained-rows",
         "bench.trained_rows",
         (),

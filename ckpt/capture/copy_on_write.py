@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from sharding.shard_views import ShardView
 
 WINDOW_BYTES = 16 << 20  # host rows the writer reads, encodes and frames at a time, per shard
-SUB_ROWS = 1 << 16  # rows the writer marks and reads at a time (each a round trip through the lock)
+SUB_ROWS = 4096  # rows the writer marks and reads at a time: its gather buffer, kept small (docs/BENCHMARKS.md)
 
 # A shard row's state while a snapshot is pending (one byte per row of the shard)
 DONE = 0  # not in the snapshot, or read or saved aside already
