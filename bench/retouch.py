@@ -83,7 +83,9 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite retouch") -> d
     summary = retouched(args.cap, args.interval, args.batch, args.ranks)
     print(f"table rows {summary['table_rows']:,}, a delta's rows {summary['delta_rows']:,}, trained {summary['trained_rows']:,}")
     for k, v in summary["touched_again"].items():
-        print(f"  within {k:>4} steps: {v['delta']:6.1%} of the delta's rows, {v['trained']:6.1%} of the trained rows touched again")
+        print(
+            f"  within {k:>4} steps: {v['delta']:6.1%} of the delta's rows, {v['trained']:6.1%} of the trained rows touched again"
+        )
     return {**document_head("retouch", prog, argv, machine_info()), "settings": vars(args), "summary": summary}
 
 
