@@ -231,7 +231,6 @@ class _Totals(NamedTuple):
     full: bool
     stall_ms: list[float]
     stall_new_bytes: list[int]
-    aside_ms: list[float]
     aside_peak_bytes: list[int]
     write_s: float
 
@@ -243,7 +242,6 @@ class _Totals(NamedTuple):
             full=len(job.chain) == 1,
             stall_ms=[r.stall_ms for r in reports],
             stall_new_bytes=[r.stall_new_bytes for r in reports],
-            aside_ms=[r.aside_ms for r in reports],
             aside_peak_bytes=[r.aside_peak_bytes for r in reports],
             write_s=max(r.write_s for r in reports),
         )
@@ -258,7 +256,6 @@ class _Totals(NamedTuple):
             full=self.full,
             stall_ms=self.stall_ms,
             stall_new_bytes=self.stall_new_bytes,
-            aside_ms=self.aside_ms,
             aside_peak_bytes=self.aside_peak_bytes,
             write_s=self.write_s,
             **decided,

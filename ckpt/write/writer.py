@@ -73,11 +73,7 @@ class RankReport:
     write_s: float
     trainer_state: dict[str, Any]
     stall_new_bytes: int = 0  # host memory its stall allocated fresh (`Snapshot.new_bytes`)
-    # copy-on-write (ckpt/capture/copy_on_write.py): the training thread's time saving rows aside
-    # in the steps after the checkpoint's, those rows, and the most bytes held aside at once
-    aside_ms: float = 0.0
-    aside_rows: int = 0
-    aside_peak_bytes: int = 0
+    aside_peak_bytes: int = 0  # copy-on-write (ckpt/capture/copy_on_write.py): the most held aside at once
     encodings: dict[str, str] = field(default_factory=dict)  # "weights" / "optimizer.<state>" -> codec used
 
 
@@ -94,7 +90,6 @@ class Outcome:
     full: bool = False
     stall_ms: list[float] = field(default_factory=list)
     stall_new_bytes: list[int] = field(default_factory=list)  # per rank: host memory its stall allocated fresh
-    aside_ms: list[float] = field(default_factory=list)  # per rank, copy-on-write: of stall_ms, saving rows aside
     aside_peak_bytes: list[int] = field(default_factory=list)  # per rank, copy-on-write: the most held aside
     write_s: float = 0.0
     commit_unix: float = 0.0  # time.time() once the COMMIT marker was durable; 0 when none was
@@ -313,8 +308,6 @@ def write_rows(
         rows=rows,
         bytes=nbytes,
         stall_ms=job.snapshot.stall_s * 1e3 + aside.seconds * 1e3,
-        aside_ms=aside.seconds * 1e3,
-        aside_rows=aside.rows,
         aside_peak_bytes=aside.peak_bytes,
         write_s=time.perf_counter() - t0,
         trainer_state=job.trainer_state,
