@@ -48,10 +48,10 @@ def retouched(cap: int, interval: int, batch: int, ranks: int) -> dict[str, Any]
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
 
     def rows_of_step(step: int) -> np.ndarray:
-        ids = [stream.batch_at(g).sparse_features for g in range(step * ranks, (step + 1) * ranks)]
+        kjts = [stream.batch_at(g).sparse_features for g in range(step * ranks, (step + 1) * ranks)]
         flat = [
             kjt.values().numpy().reshape(len(sizes), -1) + offsets[:, None]  # values are feature-major
-            for kjt in ids
+            for kjt in kjts
         ]
         return np.unique(np.concatenate(flat, axis=1))
 

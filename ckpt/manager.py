@@ -98,12 +98,8 @@ class CheckpointManager:
         self.row_init = sharded.row_init
         regenerate = self.row_init is not None and cfg.untrained_rows == "regenerate"
         # snapshots reuse the memory of written ones, within the pending-snapshot budget (pinned
-        # for GPU shards, whose copies to host are asynchronous); copy-on-write copies none
-        if cfg.copy_on_write and torch.device(device).type != "cpu":
-            raise ConfigError(
-                f"ckpt.copy_on_write applies to CPU shards; this job trains on {device}, where the rows are "
-                "gathered on the device (set ckpt.copy_on_write=false)"
-            )
+        # for GPU shards, whose copies to host are asynchronous); copy-on-write copies none (and
+        # the taker refuses it for GPU shards)
         pool = None
         if not cfg.copy_on_write:
             pool = HostBufferPool(cfg.max_pending_bytes, nice=cfg.writer_nice, pin_for=torch.device(device))

@@ -32,7 +32,6 @@ one window.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -142,19 +141,18 @@ class CowRows:
     _open: bool = True
 
     @classmethod
-    def of(cls, views: list[ShardView], local_rows: list[torch.Tensor | None]) -> CowRows:
-        """A pending snapshot of `local_rows[i]` (sorted; None: every row) of each shard."""
+    def of(cls, views: list[ShardView], local_rows: list[torch.Tensor | None], row_bytes: list[int]) -> CowRows:
+        """A pending snapshot of `local_rows[i]` (sorted; None: every row) of each shard, whose
+        copied rows take `row_bytes[i]` host bytes each (`SnapshotTaker.row_bytes`)."""
         state = torch.zeros(sum(v.num_rows for v in views), dtype=torch.uint8)
         starts: list[int] = []
         shards = []
-        for v, local in zip(views, local_rows):
-            start = sum(x.num_rows for x in views[: len(starts)])
+        start = 0
+        for v, local, nbytes in zip(views, local_rows, row_bytes):
             starts.append(start)
-            row_bytes = v.num_cols * v.weight.element_size() + sum(
-                math.prod(s.shape[1:]) * s.element_size() for s in v.optimizer_states.values()
-            )
-            window = max(SUB_ROWS, WINDOW_BYTES // max(row_bytes, 1))
-            shards.append(_CowShard(v, local, window, 8 + row_bytes, state[start : start + v.num_rows]))
+            window = max(SUB_ROWS, WINDOW_BYTES // max(nbytes, 1))
+            shards.append(_CowShard(v, local, window, nbytes, state[start : start + v.num_rows]))
+            start += v.num_rows
         return cls(shards, state, torch.tensor(starts, dtype=torch.int64))
 
     @property

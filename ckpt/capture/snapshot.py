@@ -51,6 +51,7 @@ import torch
 from ckpt.capture.copy_on_write import CowRows
 from ckpt.capture.host_buffers import Carver, HostBufferPool, Slab, slab_bytes
 from ckpt.quant.device import DeviceEncoder, device_encoder
+from common.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +210,10 @@ class SnapshotTaker:
             raise ValueError("SnapshotTaker: GPU shards need a pinned HostBufferPool (pin_for=their device)")
         self.encode_on = encode_on
         if copy_on_write and self.staged:
-            raise ValueError("SnapshotTaker: copy-on-write reads CPU shards; GPU shards stage their rows on the device")
+            raise ConfigError(
+                f"ckpt.copy_on_write applies to CPU shards; these live on {self.device}, where the rows are "
+                "gathered on the device (set ckpt.copy_on_write=false)"
+            )
         # CPU: `plan` registers each snapshot's rows with the tracker and the writer reads them
         # from the live shards (ckpt/capture/copy_on_write.py) instead of `copy` copying them
         self.copy_on_write = copy_on_write
@@ -284,7 +288,7 @@ class SnapshotTaker:
         views = self.shard_map.shards
         locals_ = [None if copy_all else self._local_rows(i, full, since_base) for i in range(len(views))]
         if self.copy_on_write:
-            cow = CowRows.of(views, locals_)
+            cow = CowRows.of(views, locals_, self._row_bytes)
             cow.unregister = self.tracker.guard(cow.before_update)  # before the next lookup may go on
             lazy = Snapshot(checkpoint_id, step, full, [], time.perf_counter() - t0, lazy=cow)
             return PlannedSnapshot.of(lazy)

@@ -27,6 +27,11 @@ def _views(g: torch.Generator) -> list[ShardView]:
     return [view("t0", 5000, 8, 0), view("t1", 3000, 4, 7000), view("t2", 0, 8, 0), view("t3", 2000, 16, 0)]
 
 
+def _row_bytes(views: list[ShardView]) -> list[int]:
+    """Host bytes of one copied row per shard: its id, fp32 weights, row-wise state."""
+    return [8 + v.num_cols * 4 + 4 for v in views]
+
+
 def _locals(views: list[ShardView], g: torch.Generator) -> list[torch.Tensor | None]:
     # t0: a delta's rows; t1: every row (a full checkpoint); t2: an empty shard; t3: a few rows
     picked = torch.randperm(5000, generator=g)[:1800].sort().values
@@ -73,7 +78,7 @@ def test_rows_read_while_training_updates_them_are_the_checkpoint_steps(small_wi
     locals_ = _locals(views, g)
     want = _expected(views, locals_)
     unregistered = []
-    cow = CowRows.of(views, locals_)
+    cow = CowRows.of(views, locals_, _row_bytes(views))
     cow.unregister = lambda: unregistered.append(True)
     group = _group(views)
     for _ in range(5):  # steps before the writer starts: their rows must come from aside
@@ -115,7 +120,7 @@ def test_closing_early_drops_the_rows_aside_and_stops_saving(small_windows, repl
     seed = replay_seed
     g = torch.Generator().manual_seed(seed.value)
     views = _views(g)
-    cow = CowRows.of(views, _locals(views, g))
+    cow = CowRows.of(views, _locals(views, g), _row_bytes(views))
     unregistered = []
     cow.unregister = lambda: unregistered.append(True)
     group = _group(views)
@@ -137,7 +142,7 @@ def test_ids_outside_the_snapshot_are_not_saved(small_windows):
     g = torch.Generator().manual_seed(0)
     views = _views(g)
     locals_ = _locals(views, g)
-    cow = CowRows.of(views, locals_)
+    cow = CowRows.of(views, locals_, _row_bytes(views))
     group = _group(views)
     outside = torch.tensor([i for i in range(200) if i not in set(locals_[0].tolist())][:50])
     cow.before_update(
@@ -147,7 +152,9 @@ def test_ids_outside_the_snapshot_are_not_saved(small_windows):
     inside = locals_[3][:5]
     cow.before_update(group, [torch.empty(0, dtype=torch.int64)] * 3 + [torch.cat([inside, inside]).int()])  # int32, twice: once
     assert cow.stats.rows == 5
-    assert cow.nbytes == sum((s.n) * (8 + v.num_cols * 4 + 4) for s, v in zip(cow.shards, views))
+    # what a copy would hold: t0's 1,800 rows, every row of t1, t3's 40 rows (id, fp32 weights, state)
+    assert cow.rows == 1800 + 3000 + 40
+    assert cow.nbytes == 1800 * (8 + 32 + 4) + 3000 * (8 + 16 + 4) + 40 * (8 + 64 + 4)
 
 
 def test_a_row_updated_while_the_writer_reads_it_comes_from_its_copy_aside(small_windows, monkeypatch):
@@ -158,7 +165,7 @@ def test_a_row_updated_while_the_writer_reads_it_comes_from_its_copy_aside(small
     views = _views(g)
     locals_ = _locals(views, g)
     want = _expected(views, locals_)
-    cow = CowRows.of(views, locals_)
+    cow = CowRows.of(views, locals_, _row_bytes(views))
     group = _group(views)
     original = CowRows._copy_live
     hit = locals_[0][:3]  # rows of the first sub-window of shard 0

@@ -18,6 +18,7 @@ from ckpt.capture.snapshot import ShardRows, Snapshot, SnapshotTaker
 from ckpt.quant.adaptive import AdaptiveCodec
 from ckpt.quant.base import NonFiniteRowError, RowRangeError
 from ckpt.write.writer import WriteJob, encode_frames
+from common.errors import ConfigError
 from tests.devices import DEVICES, NEEDS_CUDA, synchronize
 
 
@@ -67,6 +68,15 @@ class Tracker:
         for base, last in zip(self.base, self.last):
             base |= last
             last.zero_()
+
+    def guard(self, fn: object) -> object:
+        """RowTracker.guard: the registrations still in place are in `guards`."""
+        self.guards = [*getattr(self, "guards", []), fn]
+
+        def remove() -> None:
+            self.guards = [g for g in self.guards if g is not fn]
+
+        return remove
 
 
 def make(device: str = "cpu") -> tuple[Map, Tracker]:
@@ -449,3 +459,35 @@ def test_a_cuda_snapshot_copies_into_page_locked_pool_slabs_and_reuses_them() ->
 def test_a_pool_for_cpu_shards_never_pins() -> None:
     pool = HostBufferPool(1 << 30, pin_for=torch.device("cpu"))
     assert not pool.pinned and not pool.lend(1 << 20).pinned
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_a_copy_on_write_snapshot_reads_the_rows_a_copy_holds(full: bool) -> None:
+    # `ckpt.copy_on_write`: nothing is copied at the take; the rows come from the live shards
+    # when the writer reads them (`pieces`), the same rows, ids and bytes a copy would hold,
+    # and the snapshot stays registered with the tracker until they are all read.
+    smap, tracker = make()
+    plain = SnapshotTaker(smap, tracker, torch.device("cpu")).take(1, 0, full=full, since_base=False)
+    taker = SnapshotTaker(smap, tracker, torch.device("cpu"), copy_on_write=True)
+    snap = taker.take(1, 0, full=full, since_base=False)
+    assert snap.shards == [] and snap.new_bytes == 0
+    assert (snap.rows, snap.nbytes) == (plain.rows, plain.nbytes)
+    assert snap.nbytes == taker.estimate_bytes(full=full, since_base=False)
+    assert len(tracker.guards) == 1
+    read: dict[int, list[ShardRows]] = {}
+    for i, piece in snap.pieces():
+        read.setdefault(i, []).append(piece)
+    assert tracker.guards == []  # every row read: no lookup saves rows aside for it any more
+    assert sorted(read) == list(range(len(smap.shards)))
+    for i, want in enumerate(plain.shards):
+        got = read[i]
+        assert torch.equal(torch.cat([p.global_rows for p in got]), want.global_rows)
+        assert torch.equal(torch.cat([p.weights for p in got]), want.weights)
+        for k in want.optimizer:
+            assert torch.equal(torch.cat([p.optimizer[k] for p in got]), want.optimizer[k])
+
+
+def test_copy_on_write_refuses_shards_staged_on_the_device() -> None:
+    smap, tracker = make()
+    with pytest.raises(ConfigError, match=r"ckpt.copy_on_write applies to CPU shards; .*set ckpt.copy_on_write=false"):
+        SnapshotTaker(smap, tracker, torch.device("cpu"), staged=True, copy_on_write=True)
