@@ -31,6 +31,8 @@ stats, read after each step end, never from inside the stall:
   row, with their buffers faulted in, took seconds of the training thread on the full-size
   model, which the cost suite counted as the checkpoint's cost.) ``find_ms`` is the bitmap
   scan (`RowTracker.touched_rows`) that found those rows, the scan `take` starts with.
+  Until then each delta's rows wait in a file under ``DIR/bare_rows_rank<r>/``, not in the
+  rank's memory, which suite `scale` measures as the checkpoint's.
 
 And in ``DIR/cpu_rank<r>.json`` (`RankCpu`), the CPU seconds of this rank's threads by class
 (`bench.cpu`: training thread, checkpoint threads, librdkafka's threads, the rest, and the rest
@@ -189,10 +191,19 @@ class RankCheckpoint:
 @dataclass
 class _ToCopy:
     """A checkpoint whose bare copy is still to run: its record and the local rows it copied
-    (None: every row of every shard)."""
+    (None: every row of every shard), held in memory or, when `spilled` names a file, in it."""
 
     record: RankCheckpoint
     rows: list[torch.Tensor] | None
+    spilled: Path | None = None
+
+    def local_rows(self, n_shards: int) -> list[torch.Tensor | None]:
+        """Every shard's rows to copy (None: all of that shard's), read back when spilled."""
+        if self.spilled is not None:
+            rows: list[torch.Tensor] = torch.load(self.spilled, weights_only=True)
+            self.spilled.unlink()
+            return list(rows)
+        return [None] * n_shards if self.rows is None else list(self.rows)
 
 
 class ObservedCheckpointer:
@@ -204,9 +215,17 @@ class ObservedCheckpointer:
     the bare copies."""
 
     def __init__(
-        self, manager: CheckpointManager, rank: int, copier: BareCopier | None = None, bare_repeats: int = BARE_REPEATS
+        self,
+        manager: CheckpointManager,
+        rank: int,
+        copier: BareCopier | None = None,
+        bare_repeats: int = BARE_REPEATS,
+        spill_dir: Path | None = None,
     ) -> None:
         self.manager = manager
+        # where each delta's rows wait for the bare copies, off this process's heap: kept in
+        # memory they would count as the checkpoint's own host memory (suite `scale`)
+        self.spill_dir = spill_dir
         self.rank = rank
         self.since_base = manager.cfg.policy != "incremental"  # what a delta of this policy copies
         self.records: dict[int, RankCheckpoint] = {}
@@ -248,7 +267,7 @@ class ObservedCheckpointer:
                 self.to_copy.append(_ToCopy(rec, None))
             elif rows is not None:
                 rec.find_ms = find_s * 1e3
-                self.to_copy.append(_ToCopy(rec, rows))
+                self.to_copy.append(self._held(rec, rows))
             # else a time-based checkpoint (`ckpt.interval_s`) whose rows were not listed: no bare copy
         self._stalls_seen = len(st.stalls)
         self._scans = {s: v for s, v in self._scans.items() if s >= step}
@@ -261,6 +280,14 @@ class ObservedCheckpointer:
                         self._step_ends.popleft()
                     rec.durable_at_step = self._step_ends[0][0] if self._step_ends else step + 1
         self._outcomes_seen = len(st.outcomes)
+
+    def _held(self, rec: RankCheckpoint, rows: list[torch.Tensor]) -> _ToCopy:
+        if self.spill_dir is None:
+            return _ToCopy(rec, rows)
+        self.spill_dir.mkdir(parents=True, exist_ok=True)
+        path = self.spill_dir / f"rows_{rec.checkpoint_id}.pt"
+        torch.save([r.cpu() for r in rows], path)
+        return _ToCopy(rec, None, path)
 
     def _record(self, t: StallTiming) -> RankCheckpoint:
         return RankCheckpoint(
@@ -286,8 +313,10 @@ class ObservedCheckpointer:
         shards = self.manager.shard_map.shards
         while self.to_copy:
             item = self.to_copy.pop(0)
-            rows = [None] * len(shards) if item.rows is None else item.rows
+            rows = item.local_rows(len(shards))
             item.record.bare_ms_all = [self.copier.copy(shards, rows) * 1e3 for _ in range(self.bare_repeats)]
+        if self.spill_dir is not None and self.spill_dir.is_dir() and not any(self.spill_dir.iterdir()):
+            self.spill_dir.rmdir()
 
     def dump(self, path: Path) -> None:
         """This rank's records, one JSON line per checkpoint, in checkpoint order."""
@@ -387,7 +416,8 @@ def train(job: Job, cfg: JobConfig, side: Path, copier: BareCopier | None = None
     try:
         if cfg.ckpt.enabled:
             manager = make_checkpointer(cfg, job.env, job.device, job.sharded, job.trainer, job.metrics).manager
-            observed = ObservedCheckpointer(manager, job.env.rank, copier, bare_repeats)
+            spill = side / f"bare_rows_rank{job.env.rank}"
+            observed = ObservedCheckpointer(manager, job.env.rank, copier, bare_repeats, spill_dir=spill)
             job.trainer.checkpointer = observed
             manager.restore()
         ledger, t0 = CpuLedger().start(), time.perf_counter()

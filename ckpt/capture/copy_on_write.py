@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from ckpt.capture.tracker import LookupGroup
     from sharding.shard_views import ShardView
 
-WINDOW_BYTES = 16 << 20  # host rows the writer reads, encodes and frames at a time, per shard
+WINDOW_BYTES = 4 << 20  # host rows the writer reads, encodes and frames at a time, per shard (docs/BENCHMARKS.md, run M)
 SUB_ROWS = 4096  # rows the writer marks and reads at a time: its gather buffer, kept small (docs/BENCHMARKS.md)
 
 # A shard row's state while a snapshot is pending (one byte per row of the shard)
@@ -123,6 +123,10 @@ class _CowShard:
         return block.nbytes
 
 
+def _registered_nowhere() -> None:
+    """`CowRows.unregister` before it is registered and once it is not any more."""
+
+
 @dataclass
 class CowRows:
     """The rows of one copy-on-write snapshot on this rank, taken lazily (module docstring).
@@ -134,7 +138,7 @@ class CowRows:
     shards: list[_CowShard]
     state: torch.Tensor  # uint8: every shard's row states back to back, in shard order
     starts: torch.Tensor  # int64 [shards]: where each shard's rows start in `state`
-    unregister: Callable[[], None] = lambda: None  # set by whoever registers `before_update`
+    unregister: Callable[[], None] = _registered_nowhere  # set by whoever registers `before_update`
     stats: AsideStats = field(default_factory=AsideStats)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _held: int = 0  # bytes saved aside and not yet dropped
@@ -258,7 +262,10 @@ class CowRows:
                 states[k].index_copy_(0, at, s.detach().index_select(0, live))
 
     def close(self) -> None:
-        """Stop saving rows aside and drop those held (idempotent)."""
+        """Stop saving rows aside and drop what the snapshot held: the rows aside, the row
+        states and the snapshot's row ids (idempotent). The registration goes too, and with it
+        the cycle it makes (this object -> `unregister` -> the tracker's hook -> this object),
+        so nothing of the snapshot waits for the garbage collector while training goes on."""
         with self._lock:
             if not self._open:
                 return
@@ -267,6 +274,9 @@ class CowRows:
             for s in self.shards:
                 s.aside = []
                 s.state = empty
+                if s.local is not None:
+                    s.local = torch.empty(0, dtype=torch.int64)
             self.state = empty
             self._held = 0
-        self.unregister()
+        unregister, self.unregister = self.unregister, _registered_nowhere
+        unregister()

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -155,6 +156,34 @@ def test_ckpt_rank_records_each_checkpoint_from_the_managers_stats(tmp_path: Pat
     assert len(full.bare_ms_all) == len(delta.bare_ms_all) == 3  # bare copies ran, after the checkpoints
     assert full.find_ms == 0.0 and delta.find_ms is not None
     assert set(manager.tracker.since_base_asked) == {True}  # a one-shot diff copies rows changed since the base
+
+
+def test_ckpt_rank_keeps_each_deltas_rows_in_a_file_until_the_bare_copies(tmp_path: Path) -> None:
+    """Suite `scale` measures the rank's memory as the checkpoint's: the rows the bare copies
+    need wait in files, not in the process, and the copies read exactly those rows back."""
+    from bench.ckpt_rank import BareCopier
+
+    class _Recording(BareCopier):
+        def __init__(self) -> None:
+            super().__init__()
+            self.asked: list[list[torch.Tensor | None]] = []
+
+        def copy(self, shards: Any, locals_: Any) -> float:
+            self.asked.append(list(locals_))
+            return super().copy(shards, locals_)
+
+    manager = _Manager()
+    copier, spill = _Recording(), tmp_path / "bare_rows_rank0"
+    observed = ObservedCheckpointer(manager, rank=0, copier=copier, bare_repeats=1, spill_dir=spill)  # type: ignore[arg-type]
+    for step in range(1, 5):
+        observed.save(step)
+    assert [item.rows for item in observed.to_copy] == [None, None]  # nothing held in memory
+    assert sorted(p.name for p in spill.iterdir()) == ["rows_2.pt"]  # the delta's; the full copies every row
+    observed.finish(4)
+    full_rows, delta_rows = copier.asked
+    assert full_rows == [None]
+    assert [t.tolist() for t in delta_rows] == [[1, 5]]  # what the tracker listed before the delta
+    assert not spill.exists()  # read back once, then removed
 
 
 def test_the_bare_copy_copies_the_rows_into_buffers_it_reuses() -> None:

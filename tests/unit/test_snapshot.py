@@ -487,6 +487,32 @@ def test_a_copy_on_write_snapshot_reads_the_rows_a_copy_holds(full: bool) -> Non
             assert torch.equal(torch.cat([p.optimizer[k] for p in got]), want.optimizer[k])
 
 
+def test_a_copy_on_write_snapshot_read_through_frees_its_ids_without_the_garbage_collector() -> None:
+    # its registration with the tracker made a cycle (snapshot -> unregister -> hook ->
+    # snapshot): the row ids and states of the last checkpoint stayed resident beside
+    # training until a full collection ran
+    import gc
+    import weakref
+
+    smap, tracker = make()
+    snap = SnapshotTaker(smap, tracker, torch.device("cpu"), copy_on_write=True).take(1, 0, full=False, since_base=False)
+    cow = snap.lazy
+    assert cow is not None
+    ids = weakref.ref(next(s.local for s in cow.shards if s.local is not None and s.local.numel()))
+    for _ in snap.pieces():
+        pass
+    assert ids() is None  # dropped at the registration's end, while the snapshot is still referenced
+    gone = weakref.ref(cow)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del cow, snap
+        assert gone() is None
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def test_copy_on_write_refuses_shards_staged_on_the_device() -> None:
     smap, tracker = make()
     with pytest.raises(ConfigError, match=r"ckpt.copy_on_write applies to CPU shards; .*set ckpt.copy_on_write=false"):
