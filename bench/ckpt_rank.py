@@ -32,7 +32,8 @@ stats, read after each step end, never from inside the stall:
   model, which the cost suite counted as the checkpoint's cost.) ``find_ms`` is the bitmap
   scan (`RowTracker.touched_rows`) that found those rows, the scan `take` starts with.
   Until then each delta's rows wait in a file under ``DIR/bare_rows_rank<r>/``, not in the
-  rank's memory, which suite `scale` measures as the checkpoint's.
+  rank's memory, which suite `scale` measures as the checkpoint's (writing it costs the
+  checkpoint's step end a few MB into the page cache, 8 bytes per changed row).
 
 And in ``DIR/cpu_rank<r>.json`` (`RankCpu`), the CPU seconds of this rank's threads by class
 (`bench.cpu`: training thread, checkpoint threads, librdkafka's threads, the rest, and the rest
