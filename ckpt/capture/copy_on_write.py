@@ -47,11 +47,14 @@ if TYPE_CHECKING:
 WINDOW_BYTES = 4 << 20  # host rows the writer reads, encodes and frames at a time, per shard (docs/BENCHMARKS.md, run M)
 SUB_ROWS = 4096  # rows the writer marks and reads at a time: its gather buffer, kept small (docs/BENCHMARKS.md)
 
-# A shard row's state while a snapshot is pending (one byte per row of the shard)
+# A shard row's state while a snapshot is pending (one byte per row of the shard). The two
+# states a lookup must save aside have bit 1 set, so the hook tests a lookup's states with a max
+# and a shift (torch's uint8 comparisons cost ~20x as much per element on CPU)
 DONE = 0  # not in the snapshot, or read or saved aside already
-PENDING = 1  # in the snapshot, untouched: the live row is the checkpoint step's
-READING = 2  # the writer is reading it from the live shard
-READING_ASIDE = 3  # ... and a lookup saved it aside meanwhile: the writer uses that copy
+READING_ASIDE = 1  # the writer is reading it, and a lookup saved it aside meanwhile: the writer uses that copy
+PENDING = 2  # in the snapshot, untouched: the live row is the checkpoint step's
+READING = 3  # the writer is reading it from the live shard
+NEEDED = 2  # states >= NEEDED (PENDING, READING) are the ones a lookup saves aside
 
 
 class Window(NamedTuple):
@@ -101,7 +104,7 @@ class _CowShard:
         if local is None:
             state.fill_(PENDING)
         else:
-            state[local] = PENDING
+            state.index_fill_(0, local, PENDING)
         self.aside: list[_Aside] = []
 
     @property
@@ -143,6 +146,10 @@ class CowRows:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _held: int = 0  # bytes saved aside and not yet dropped
     _open: bool = True
+    _start: list[int] = field(init=False)  # `starts` as Python ints, for the hook
+
+    def __post_init__(self) -> None:
+        self._start = self.starts.tolist()
 
     @classmethod
     def of(cls, views: list[ShardView], local_rows: list[torch.Tensor | None], row_bytes: list[int]) -> CowRows:
@@ -171,32 +178,31 @@ class CowRows:
 
     def before_update(self, group: LookupGroup, ids: list[torch.Tensor]) -> None:
         """The tracker's hook, for one training lookup: save aside every row it looked up that
-        this snapshot still needs, before the backward pass may update it. All of the lookup's
-        ids are checked at once, in the states of every shard back to back."""
+        this snapshot still needs, before the backward pass may update it. Each key's ids are
+        checked in its shard's states (`index_select`: advanced indexing costs ~3x as much per
+        id on CPU); the ids' positions in the states are built only when a row is hit."""
         t0 = time.perf_counter()
         keyed = [(i, part) for i, part in zip(group.shards, ids) if i is not None and part.numel()]
         if not keyed:
             return
-        offsets = self.starts[[i for i, _ in keyed]].repeat_interleave(torch.tensor([p.numel() for _, p in keyed]))
-        flat = torch.cat([p for _, p in keyed]).to(torch.int64) + offsets
         with self._lock:
             if not self._open:
                 return
-            st = self.state[flat]
-            hit = flat[(st == PENDING) | (st == READING)]
-            if hit.numel():
-                self._save_aside(torch.unique(hit))
+            st = torch.cat([self.shards[i].state.index_select(0, part) for i, part in keyed])
+            if int(st.max()) >= NEEDED:
+                flat = torch.cat([part.to(torch.int64) + self._start[i] for i, part in keyed])
+                self._save_aside(torch.unique(flat.masked_select(st.bitwise_right_shift(1).bool())))
         self.stats.seconds += time.perf_counter() - t0
 
     def _save_aside(self, rows: torch.Tensor) -> None:
         """Rows (positions in `state`, unique, ascending, each PENDING or READING): taken, and
         copied aside shard by shard (caller holds the lock)."""
-        st = self.state[rows]
-        self.state[rows] = torch.where(st == PENDING, DONE, READING_ASIDE).to(torch.uint8)
+        st = self.state.index_select(0, rows)
+        self.state.index_copy_(0, rows, torch.where(st == PENDING, DONE, READING_ASIDE).to(torch.uint8))
         owner = torch.searchsorted(self.starts, rows, right=True) - 1
         shards, counts = torch.unique_consecutive(owner, return_counts=True)
         for i, part in zip(shards.tolist(), rows.split(counts.tolist())):
-            self._held += self.shards[i].save_aside(part - int(self.starts[i]))
+            self._held += self.shards[i].save_aside(part - self._start[i])
         self.stats.rows += int(rows.numel())
         self.stats.peak_bytes = max(self.stats.peak_bytes, self._held)
 
@@ -244,12 +250,12 @@ class CowRows:
         that copy replaces the read), then marked DONE."""
         rows = shard.rows_at(start, stop)
         with self._lock:
-            free = shard.state[rows] == PENDING
-            live = rows[free]
-            shard.state[live] = READING
+            free = shard.state.index_select(0, rows) == PENDING
+            live = rows.masked_select(free)
+            shard.state.index_fill_(0, live, READING)
         self._copy_live(shard, live, free.nonzero().squeeze(1) + (start - base), weights, states)
         with self._lock:
-            shard.state[rows] = DONE
+            shard.state.index_fill_(0, rows, DONE)
 
     @staticmethod
     def _copy_live(
