@@ -32,6 +32,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from ckpt import Checkpointer, CkptConfig, load_ckpt_config  # deltarec
+from common.process import run_main  # deltarec
 
 USERS, ITEMS, DIM, MAX_HISTORY = 3_000, 4_000, 16, 8
 
@@ -164,4 +165,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)  # deltarec: an exit that gloo's threads, alive past the process group, cannot abort (docs/design.md §8)

@@ -123,7 +123,9 @@ def destroy_process_group(clean: bool = True) -> None:
     After a clean run every rank meets at a barrier first: gloo aborts the process
     ("terminate called without an active exception") when a rank tears down while a
     peer still has a collective in flight. After an error, skip the barrier (peers may
-    be gone) and let the launcher reap the job.
+    be gone) and let the launcher reap the job. The group's threads outlive this (torch keeps
+    references to the group): the process must leave through `common.process.leave`, or
+    one of them may abort its exit (docs/design.md §8, "A rank's exit").
     """
     if dist.is_available() and dist.is_initialized():
         if clean:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from ckpt import Checkpointer, load_ckpt_config
+from common.process import run_main
 from sharding.shard_views import ShardMap
 
 
@@ -55,4 +56,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)
