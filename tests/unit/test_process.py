@@ -4,6 +4,7 @@ Each case runs in a process of its own (the freeze would otherwise stay in pytes
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -11,9 +12,9 @@ import textwrap
 from tests.conftest import REPO
 
 
-def _run(body: str) -> subprocess.CompletedProcess[str]:
+def _run(body: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     code = textwrap.dedent(body)
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
 
 
 def test_the_exit_code_is_mains_and_what_was_imported_is_frozen_before_it_runs() -> None:
@@ -69,3 +70,29 @@ def test_an_exception_leaves_as_it_would_without_it() -> None:
     )
     assert done.returncode == 1
     assert "RuntimeError: the job's own failure" in done.stderr and "Traceback" in done.stderr
+
+
+def test_the_exit_joins_threads_runs_exit_handlers_and_flushes_python_and_c_output() -> None:
+    # `leave` skips the interpreter's teardown (os._exit): whatever a normal exit does before
+    # it must still happen, or a job's last lines and its children's cleanup would be lost
+    done = _run(
+        """
+        import atexit, ctypes, threading, time
+        from common.process import run_main
+
+        def main():
+            atexit.register(print, "exit handler ran")
+            threading.Thread(target=lambda: (time.sleep(0.3), print("thread finished"))).start()
+            print("python's buffer", end="")
+            ctypes.CDLL(None).printf(b"C's buffer|")  # stdout is a pipe: C buffers it whole
+            return 4
+
+        run_main(main)
+        """,
+        # buffered, as by default: PYTHONUNBUFFERED would leave C's stdout unbuffered too
+        env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},
+    )
+    assert done.returncode == 4, done.stderr
+    for line in ("python's buffer", "C's buffer|", "thread finished", "exit handler ran"):
+        assert line in done.stdout, (line, done.stdout)
+    assert done.stdout.index("thread finished") < done.stdout.index("exit handler ran")
