@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import sys
 import threading
 import time
 from pathlib import Path
@@ -60,11 +61,11 @@ def main() -> int:
     atexit.register(_append, args.log, "exit handler ran")
     threading.Thread(target=lambda: (time.sleep(0.2), _append(args.log, "thread finished"))).start()
     dist.all_reduce(t, async_op=True).get_future().then(lambda fut: None)
-    print("rank 1 returns", end="", flush=False)  # no newline, not flushed: the exit must flush it
+    print("rank 1 returns", end="", flush=False)  # no newline, not flushed: the exit must not lose it
     return 0
 
 
 if __name__ == "__main__":
-    if "run_main" in __import__("sys").argv:
+    if "run_main" in sys.argv:
         run_main(main)
     raise SystemExit(main())
