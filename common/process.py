@@ -39,9 +39,10 @@ def run_main(main: Callable[[], int | None]) -> NoReturn:
 def leave(code: int) -> NoReturn:
     """Exit with `code` as the interpreter's exit would, less its teardown of the modules.
 
-    First what a normal exit does while the interpreter is whole: join the threads that are
-    not daemons, run the exit handlers (`atexit`: logging's flush, multiprocessing's children,
-    concurrent.futures' workers), flush Python's and C's standard streams. Then `os._exit`.
+    First what a normal exit does while the interpreter is whole, in its order: threading's
+    shutdown (its exit callbacks, which stop concurrent.futures' idle workers, then a join of
+    every thread that is not a daemon), the exit handlers (`atexit`: logging's flush,
+    multiprocessing's children), a flush of Python's and C's standard streams. Then `os._exit`.
     Why: torch keeps references to the default process group that `destroy_process_group`
     does not drop, so gloo's worker threads outlive it; a worker that lets go of a finished
     collective whose tensors Python made, or runs a future's Python callback, takes the GIL,
@@ -49,10 +50,7 @@ def leave(code: int) -> NoReturn:
     through a C++ frame that may not unwind: "terminate called without an active exception"
     and SIGABRT, after the job's work was done (docs/design.md §8, "A rank's exit"). Nothing
     deltarec writes depends on a finalizer: files and clients are closed explicitly."""
-    me = threading.current_thread()
-    for t in threading.enumerate():
-        if t is not me and not t.daemon:
-            t.join()
+    threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's own first step of its exit
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # closed or replaced by something that cannot flush

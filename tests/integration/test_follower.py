@@ -170,14 +170,17 @@ def _assert_same_tables(got: dict, want: dict, what: str) -> None:
 
 
 def _train_40_steps_followed(
-    debug_config: DebugConfig, job: list[str], tmp_path: Path, cfg: CkptConfig, *follow_args: str
+    debug_config: DebugConfig, job: list[str], tmp_path: Path, cfg: CkptConfig, *follow_args: str, pace_s: float = 0.0
 ) -> int:
     """Train 40 steps with a follower running; stop it once it applied the last checkpoint,
-    whose id is returned."""
+    whose id is returned. `pace_s`: each checkpoint's copy starts that late, and the next step
+    waits for it (DELTAREC_SLOW_COPY), so a follower polling faster sees each checkpoint alone
+    rather than several at once in a chain, however busy the machine."""
     follower = FollowerProc(debug_config.path, job, tmp_path, "follower", *follow_args)
     try:
         _wait_for(lambda: "following run" in follower.text(), 60, "the follower to start", (follower,))
-        spawn_ranks(debug_config.path, [*job, "train.steps=40"], tmp_path, timeout_s=180)
+        pace = {"DELTAREC_SLOW_COPY": f"*:{pace_s}"} if pace_s else None
+        spawn_ranks(debug_config.path, [*job, "train.steps=40"], tmp_path, timeout_s=180, env_extra=pace)
         last = max(_catalog(cfg).commits)
         _wait_for(
             lambda: f"checkpoint {last} (step 40) applied" in follower.text(),
@@ -455,7 +458,9 @@ def test_serving_snapshots_load_into_a_fresh_dlrm(tmp_path, unique_name, debug_c
     job = [*_job(unique_name("serve")), "ckpt.follow.export_keep=2"]
     run_dir = tmp_path / "run"
     cfg = _ckpt_config(debug_config, job, run_dir)
-    _train_40_steps_followed(debug_config, job, tmp_path, cfg, "--export-every", "2")
+    # every other application exported, at least 3 of them: the follower must apply most of the
+    # 8 checkpoints one by one (applied at once in a chain they are one application)
+    _train_40_steps_followed(debug_config, job, tmp_path, cfg, "--export-every", "2", pace_s=1.0)
 
     records = read_jsonl(run_dir / "follower.jsonl")
     exports = [r for r in records if "export_ckpt" in r]

@@ -74,13 +74,18 @@ def test_an_exception_leaves_as_it_would_without_it() -> None:
 
 def test_the_exit_joins_threads_runs_exit_handlers_and_flushes_python_and_c_output() -> None:
     # `leave` skips the interpreter's teardown (os._exit): whatever a normal exit does before
-    # it must still happen, or a job's last lines and its children's cleanup would be lost
+    # it must still happen, or a job's last lines and its children's cleanup would be lost;
+    # and an idle executor left open (as after a collective timed out) must not hold it up
     done = _run(
         """
         import atexit, ctypes, threading, time
+        from concurrent.futures import ThreadPoolExecutor
         from common.process import run_main
 
+        POOL = ThreadPoolExecutor(1)  # held, never shut down: its worker waits for work
+
         def main():
+            POOL.submit(print, "executor ran").result()
             atexit.register(print, "exit handler ran")
             threading.Thread(target=lambda: (time.sleep(0.3), print("thread finished"))).start()
             print("python's buffer", end="")
@@ -93,6 +98,6 @@ def test_the_exit_joins_threads_runs_exit_handlers_and_flushes_python_and_c_outp
         env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},
     )
     assert done.returncode == 4, done.stderr
-    for line in ("python's buffer", "C's buffer|", "thread finished", "exit handler ran"):
+    for line in ("executor ran", "python's buffer", "C's buffer|", "thread finished", "exit handler ran"):
         assert line in done.stdout, (line, done.stdout)
     assert done.stdout.index("thread finished") < done.stdout.index("exit handler ran")
