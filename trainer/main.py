@@ -82,8 +82,9 @@ def train(cfg: JobConfig, env: DistEnv) -> int:
     device = init_process_group(
         env, backend=cfg.sharding.backend, init_method=cfg.sharding.init_method, timeout_s=cfg.sharding.timeout_s
     )
-    # The model (DDP reducers, gloo work) must be gone before the group: freed at
-    # interpreter exit instead, a joinable gloo thread aborts the process.
+    # The model (DDP reducers, their gloo work) goes before the group is torn down; the
+    # group's threads outlive it all the same, which is why the process leaves through
+    # common.process.leave (docs/design.md §8, "A rank's exit").
     try:
         run_job(cfg, env, device)
     except BaseException as exc:

@@ -175,7 +175,7 @@ def _train_40_steps_followed(
     """Train 40 steps with a follower running; stop it once it applied the last checkpoint,
     whose id is returned. `pace_s`: each checkpoint's copy starts that late, and the next step
     waits for it (DELTAREC_SLOW_COPY), so a follower polling faster sees each checkpoint alone
-    rather than several at once in a chain, however busy the machine."""
+    rather than several at once in a chain, even on a busy machine."""
     follower = FollowerProc(debug_config.path, job, tmp_path, "follower", *follow_args)
     try:
         _wait_for(lambda: "following run" in follower.text(), 60, "the follower to start", (follower,))
