@@ -16,9 +16,13 @@
 # DELTAREC_VENV=DIR         the venv to make (default: .venv in the repository).
 # DELTAREC_SETUP_DRY_RUN=1  print the plan and the commands it would run; run none of them.
 #
+# Then the CPU kernels are compiled ahead of time (launch/kernels.py: numba's source into extension
+# modules beside it, so that ranks load neither numba nor LLVM, about 100 MB less each); a build
+# that fails says so in one line and the kernels are jitted instead.
+#
 # Idempotent: a stamp file records the hash of this script, versions.py, setup.cfg and the plan
-# (the chosen versions, the python, the wheelhouse's listing); when it matches, the script returns
-# in well under a second.
+# (the chosen versions, the python, the wheelhouse's listing), and each built kernel has its own
+# stamp (its source's digest); when they match, the script returns in well under a second.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -70,12 +74,19 @@ run() {
   fi
 }
 
+# The kernels compiled ahead of time, rebuilt when their source changed (launch/kernels.py says
+# why in one line when it cannot build them; the jitted kernels then run, so setup goes on).
+build_kernels() {
+  (cd "$ROOT" && run "$VENV/bin/python" -m launch.kernels) || true
+}
+
 STAMP="$VENV/.deltarec-setup"
 if [[ -n "$DRY_RUN" ]]; then
   printf '%s\nstamp=%s\n' "$PLAN" "$(stamp_value)"
 fi
 if venv_matches && [[ -f "$STAMP" && "$(cat "$STAMP")" == "$(stamp_value)" ]]; then
   [[ -n "$DRY_RUN" ]] && echo "deltarec setup: $VENV is up to date"
+  build_kernels
   exit 0
 fi
 
@@ -115,4 +126,5 @@ if [[ -n "$DRY_RUN" ]]; then
   exit 0
 fi
 stamp_value > "$STAMP"
+build_kernels
 echo "deltarec setup: done" >&2

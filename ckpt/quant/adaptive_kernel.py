@@ -1,8 +1,11 @@
 """Fused CPU kernel of the fast adaptive search (the algorithm: :mod:`ckpt.quant.adaptive`).
 
-Tool: numba (``@njit(nogil=True, cache=True)``) -- a wheel from the package index, so no compiler is
-needed at install; it releases the GIL, so the checkpoint writer thread encodes beside training;
-its on-disk cache makes later processes load the machine code instead of compiling it again.
+Tool: numba (``@njit(nogil=True, cache=True)``) -- a wheel from the package index; it releases the
+GIL, so the checkpoint writer thread encodes beside training. Setup compiles the same source ahead
+of time (``launch/kernels.py``) into a module that needs neither numba nor LLVM at run time
+(:mod:`common.compiled`: about 100 MB less per process); where that module is missing or stale,
+the source is jitted, its on-disk cache making later processes load the machine code instead of
+compiling it again.
 
 One call encodes a batch, one block of ``block_rows(dim)`` rows at a time. The block is transposed
 into an L1-sized ``[dim, rows]`` scratch so that every step of the search -- min/max, the greedy
@@ -11,8 +14,9 @@ the rows of the block that the compiler vectorises (one row per SIMD lane), and 
 stays in its lane: no horizontal reductions, no per-row branches. The final codes are computed the
 same way into a transposed byte scratch and packed from there.
 
-The numba code lives in :mod:`ckpt.quant.adaptive_numba`, imported on the first encode (or
-:func:`warm_up`): it produces bytes identical to :func:`ckpt.quant.adaptive.fast_encode_torch`.
+The numba code lives in :mod:`ckpt.quant.adaptive_numba`; the built module or the jitted source is
+loaded on the first encode (or :func:`warm_up`), by :func:`kernel`. Either produces bytes
+identical to :func:`ckpt.quant.adaptive.fast_encode_torch`.
 
 Callers pass C-contiguous float32 rows; the kernel reports what the codec must refuse (rows
 whose sum is not finite, fp16 fields that overflow) instead of the codec reading the batch again.
@@ -20,17 +24,36 @@ whose sum is not finite, fp16 fields that overflow) instead of the codec reading
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+from pathlib import Path
+from types import ModuleType
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-__all__ = ["AVAILABLE", "KernelChecks", "block_rows", "encode_rows", "encode_rows_checked", "keep_factor", "warm_up"]
+from common import compiled
+
+__all__ = ["AVAILABLE", "KernelChecks", "block_rows", "encode_rows", "encode_rows_checked", "keep_factor", "kernel", "warm_up"]
 
 BLOCK_ELEMS = 4096  # floats per transposed block (16 KiB: half of L1d)
-# the kernel is optional: without numba the codec runs the torch reference on CPU too
-AVAILABLE = importlib.util.find_spec("numba") is not None
+SOURCE = Path(__file__).with_name("adaptive_numba.py")
+# the kernel is optional: without numba (and no module built at setup) the codec runs the torch
+# reference on CPU too
+AVAILABLE = importlib.util.find_spec("numba") is not None or compiled.stamp_holds(SOURCE)
+
+
+@functools.cache
+def kernel() -> ModuleType:
+    """The kernel's functions: the module built at setup when its stamp holds, else the numba
+    source, jitted (imported here: numba's import is paid on first use only)."""
+    built = compiled.load(__package__ or "ckpt.quant", SOURCE)
+    if built is not None:
+        return built
+    from . import adaptive_numba  # noqa: PLC0415
+
+    return adaptive_numba
 
 
 def block_rows(dim: int) -> int:
@@ -62,11 +85,7 @@ def encode_rows_checked(x: torch.Tensor, bits: int, nbins: int, steps: int, refi
     out = torch.empty(n, (dim * bits + 7) // 8 + 4, dtype=torch.uint8)
     checks = np.zeros(3, np.int64)
     if n:
-        from . import adaptive_numba  # noqa: PLC0415 - numba's import is paid on first use only
-
-        adaptive_numba.encode(
-            x.numpy(), out.numpy(), bits, nbins, steps, refits, np.float32(keep_factor(dim)), block_rows(dim), checks
-        )
+        kernel().encode(x.numpy(), out.numpy(), bits, nbins, steps, refits, np.float32(keep_factor(dim)), block_rows(dim), checks)
     return out, KernelChecks(*(int(c) for c in checks))
 
 
@@ -76,5 +95,6 @@ def encode_rows(x: torch.Tensor, bits: int, nbins: int, steps: int, refits: int)
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's cache) the kernel now rather than in the first checkpoint."""
+    """Load the kernel now (the built module, or numba's cached or compiled machine code) rather
+    than in the first checkpoint."""
     encode_rows(torch.zeros(1, 3), 4, 4, 1, 1)  # bits, dims, counts are run-time values: one signature

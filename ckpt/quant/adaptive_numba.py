@@ -29,6 +29,10 @@ _H16MAX = np.float32(FP16_MAX)
 _S24 = np.float32(TWO24)
 _S24INV = np.float32(1.0 / TWO24)
 
+# what launch/kernels.py compiles ahead of time (common/compiled.py): name -> the argument types
+# its callers pass (ckpt/quant/adaptive_kernel.py)
+AOT_EXPORTS = {"encode": "void(f4[:, ::1], u1[:, ::1], i8, i8, i8, i8, f4, i8, i8[::1])"}
+
 
 def _jit(fn):
     return njit(nogil=True, cache=True, error_model="numpy")(fn)

@@ -5,7 +5,8 @@ the rows inside the shard, the rows no later link wrote, a decode into a tempora
 of the weights and one of each optimizer state. Each is a pass over the frame's rows with its
 own temporaries, and for scattered rows the passes, not the bytes, dominate: the kernel decodes
 each kept row straight into its shard row. Tool: numba, as for the adaptive encoder
-(:mod:`ckpt.quant.adaptive_kernel`): a wheel, no compiler at install, cached machine code.
+(:mod:`ckpt.quant.adaptive_kernel`): compiled at setup into a module that needs neither numba nor
+LLVM at run time (:mod:`common.compiled`), jitted where that module is missing or stale.
 
 It covers what a restore meets in practice: a frame holding exactly the shard's columns, weights
 in fp32 or in the N-bit layout with fp16 scale and bias (asym2-4, adaptive2-4), optimizer states
@@ -15,8 +16,9 @@ copied to the device behind the host's back (:mod:`ckpt.restore.staging`). Every
 (another column split, the other codecs) takes the torch path, which stays the reference: all
 write the same bits (tested).
 
-The numba code (:mod:`ckpt.restore.kernel_numba`) is imported by :func:`load`; the checkpoint manager
-loads it while the job is built, before a restore is timed, as it connects its readers.
+The numba code is :mod:`ckpt.restore.kernel_numba`; :func:`load` loads the built module, or jits the
+source; the checkpoint manager loads it while the job is built, before a restore is timed, as it
+connects its readers.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import time
+from pathlib import Path
 from types import ModuleType
 from typing import NamedTuple
 
@@ -32,12 +35,14 @@ import torch
 
 from ckpt.quant import get_codec
 from ckpt.stream.frames import Frame
+from common import compiled
 from sharding.shard_views import ShardView
 
 __all__ = ["AVAILABLE", "FusedReplay", "Written", "fits_on", "load"]
 
-# optional: without numba every frame takes the torch path
-AVAILABLE = importlib.util.find_spec("numba") is not None
+SOURCE = Path(__file__).with_name("kernel_numba.py")
+# optional: without numba (and no module built at setup) every frame takes the torch path
+AVAILABLE = importlib.util.find_spec("numba") is not None or compiled.stamp_holds(SOURCE)
 _RAW = 0  # weights layout: fp32 rows copied as they are (else: the N-bit codes' width)
 _FP32 = get_codec("fp32").code
 _CPU = torch.device("cpu")
@@ -45,9 +50,13 @@ _CPU = torch.device("cpu")
 
 @functools.cache
 def load() -> ModuleType | None:
-    """The compiled kernel, or None without numba. The first call in a process imports numba and
-    loads the kernel's cached machine code (compiling it when there is none)."""
-    if not AVAILABLE:
+    """The kernel's functions, or None without it: the module built at setup when its stamp holds;
+    else the first call in a process imports numba and loads the kernel's cached machine code
+    (compiling it when there is none)."""
+    built = compiled.load("ckpt.restore", SOURCE)
+    if built is not None:
+        return built
+    if importlib.util.find_spec("numba") is None:
         return None
     from ckpt.restore import kernel_numba as k  # noqa: PLC0415 - numba's import is paid on first use only
 

@@ -13,6 +13,14 @@ from numba import njit
 
 _SUB = np.float32(2.0**-24)  # fp16's smallest subnormal
 
+# what launch/kernels.py compiles ahead of time (common/compiled.py): name -> the argument types
+# its callers pass (ckpt/restore/kernel.py's FusedReplay: C-contiguous arrays, int64 indices)
+AOT_EXPORTS = {
+    "select_rows": "UniTuple(i8, 2)(i8[::1], i8, i8, i8, i8, i4[::1], i8, i4[::1], i8, i8[::1], i8[::1])",
+    "nbit_rows_into": "void(u1[:, ::1], i8, i8, i8[::1], i8[::1], i8, f4[:, ::1])",
+    "raw_rows_into": "void(u1[:, ::1], i8[::1], i8[::1], i8, u1[:, ::1])",
+}
+
 
 def _jit(fn):
     return njit(nogil=True, cache=True, error_model="numpy")(fn)
