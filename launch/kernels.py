@@ -72,6 +72,7 @@ def build(source: Path) -> Path:
     import numba  # noqa: PLC0415 - only a build pays numba's import
     from numba.pycc import CC  # noqa: PLC0415
 
+    digest = source_digest(source)  # of the source as it is imported and compiled
     kernel = importlib.import_module(_import_name(source))
     name = module_name(source)
     # built in a folder beside the target, so that the module replaces the old one in one rename
@@ -86,7 +87,7 @@ def build(source: Path) -> Path:
         target = source.with_name(made.name)
         os.replace(made, target)  # a process that has the old one mapped keeps it
     exports = tuple(kernel.AOT_EXPORTS.items())
-    BuildStamp(source_digest(source), tuple(sorted(cpu_flags())), numba.__version__, exports).save(stamp_path(source))
+    BuildStamp(digest, tuple(sorted(cpu_flags())), numba.__version__, exports).save(stamp_path(source))
     return target
 
 

@@ -5,7 +5,10 @@ function reads it."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.machinery
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -32,7 +35,7 @@ SOURCES = [ROOT / s for s in kernels.SOURCES]
 
 def _built(source: Path):
     kernel = compiled.load(".".join(source.relative_to(ROOT).parent.parts), source)
-    assert kernel is not None, f"{source.name}: no module built at setup, or its stamp does not hold"
+    assert kernel is not None, f"{source.name}: no module built at setup, or its stamp does not hold (bash launch/setup.sh)"
     return kernel
 
 
@@ -42,9 +45,9 @@ def test_setup_built_every_numba_kernel_and_its_stamp_holds():
     found = sorted(p for d in ("ckpt", "trainer", "sharding", "common") for p in (ROOT / d).rglob("*_numba.py"))
     assert found == sorted(SOURCES)
     for source in SOURCES:
-        assert compiled.stamp_holds(source), source
+        assert compiled.stamp_holds(source), f"{source}: not built for today's source (bash launch/setup.sh builds it)"
         stamp = compiled.BuildStamp.read(compiled.stamp_path(source))
-        assert stamp is not None and dict(stamp.exports) == __import__(kernels._import_name(source), fromlist=["x"]).AOT_EXPORTS
+        assert stamp is not None and dict(stamp.exports) == importlib.import_module(kernels._import_name(source)).AOT_EXPORTS
 
 
 @pytest.mark.parametrize("dim", [1, 3, 16, 33, 64, 129])
@@ -129,8 +132,6 @@ def test_built_encoder_releases_the_gil():
 
 
 def _run(code: str, env: dict[str, str] | None = None) -> list[str]:
-    import os  # noqa: PLC0415
-
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=180, check=True, cwd=ROOT,
         env={**os.environ, **(env or {})},
@@ -160,8 +161,6 @@ def test_an_up_to_date_build_does_nothing_and_imports_neither_numba_nor_torch():
 
 def test_a_failed_build_says_so_in_one_line_and_keeps_the_built_modules():
     before = {s: compiled.built_file(s).read_bytes() for s in SOURCES}  # type: ignore[union-attr]
-    import os  # noqa: PLC0415
-
     out = subprocess.run(
         [sys.executable, "-m", "launch.kernels", "--force"], capture_output=True, text=True, timeout=180, cwd=ROOT,
         env={**os.environ, "CC": "false"},
@@ -177,7 +176,7 @@ def _fake_build(tmp_path: Path) -> Path:
     """A source, a module file and a holding stamp, as launch/kernels.py leaves them."""
     source = tmp_path / "thing_numba.py"
     source.write_text("x = 1\n")
-    built = tmp_path / ("thing_aot" + __import__("importlib.machinery").machinery.EXTENSION_SUFFIXES[0])
+    built = tmp_path / ("thing_aot" + importlib.machinery.EXTENSION_SUFFIXES[0])
     built.write_bytes(b"\x7fELF")
     flags = tuple(sorted(compiled.cpu_flags()))
     compiled.BuildStamp(compiled.source_digest(source), flags, "0.0", (("f", "void(i8)"),)).save(compiled.stamp_path(source))
