@@ -7,8 +7,9 @@ into an extension module (``launch/kernels.py``, numba's ahead-of-time compiler)
 at run time. Beside each built module lies a stamp (:class:`BuildStamp`, JSON) saying what it was
 built from; :func:`load` imports the module only when the stamp still holds: the source's digest
 is today's file's (an edited kernel is never run stale) and this CPU has every instruction-set flag
-of the CPU it was built for (a checkout shared by nodes of older CPUs does not die of SIGILL). In
-any other case it returns None and the caller runs the numba source jitted, as before.
+of the CPU it was built for (a checkout shared by nodes of older CPUs does not die of SIGILL; where
+/proc/cpuinfo names no flags, nothing built is loaded). In any other case it returns None and the
+caller runs the numba source jitted, as before.
 
 A built function trusts its arguments: given an int32 array where its signature says int64, or a
 strided one where it says contiguous, it reads the wrong memory (numba's ahead-of-time wrappers
@@ -207,7 +208,8 @@ def holding_stamp(source: Path) -> BuildStamp | None:
     stamp = BuildStamp.read(stamp_path(source))
     if stamp is None or built_file(source) is None:
         return None
-    if stamp.source_sha256 != source_digest(source) or not set(stamp.cpu_flags) <= cpu_flags():
+    # no flags (no /proc/cpuinfo where it was built): nothing vouches for this CPU
+    if stamp.source_sha256 != source_digest(source) or not stamp.cpu_flags or not set(stamp.cpu_flags) <= cpu_flags():
         return None
     return stamp
 

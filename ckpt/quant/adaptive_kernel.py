@@ -41,7 +41,7 @@ BLOCK_ELEMS = 4096  # floats per transposed block (16 KiB: half of L1d)
 SOURCE = Path(__file__).with_name("adaptive_numba.py")
 # the kernel is optional: without numba (and no module built at setup) the codec runs the torch
 # reference on CPU too
-AVAILABLE = importlib.util.find_spec("numba") is not None or compiled.stamp_holds(SOURCE)
+AVAILABLE = importlib.util.find_spec("numba") is not None or (compiled.enabled() and compiled.stamp_holds(SOURCE))
 
 
 @functools.cache

@@ -196,6 +196,10 @@ def test_a_stamp_holds_only_for_todays_source_on_a_cpu_that_covers_the_build(tmp
     raw["cpu_flags"].append("deltarec_flag_no_cpu_has")
     path.write_text(json.dumps(raw))
     assert not compiled.stamp_holds(source)
+    # built where /proc/cpuinfo named no flags: nothing vouches for this CPU
+    raw["cpu_flags"] = []
+    path.write_text(json.dumps(raw))
+    assert not compiled.stamp_holds(source)
     # no stamp, a damaged one, no module
     path.write_text("{not json")
     assert not compiled.stamp_holds(source)
