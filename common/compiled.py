@@ -1,8 +1,8 @@
 """Kernels compiled ahead of time: load one only if it was built from today's source for this CPU.
 
 deltarec's CPU kernels are numba code (``ckpt/quant/adaptive_numba.py``, ``ckpt/restore/kernel_numba.py``).
-Jitted, every process that runs one pays numba's import and LLVM's resident code (about 100 MB per
-process, docs/BENCHMARKS.md "Kernels compiled at setup"); so setup compiles the same source once
+Jitted, every process that runs one pays numba's import and LLVM's resident code (its size:
+docs/BENCHMARKS.md "Kernels compiled at setup"); so setup compiles the same source once
 into an extension module (``launch/kernels.py``, numba's ahead-of-time compiler) that needs neither
 at run time. Beside each built module lies a stamp (:class:`BuildStamp`, JSON) saying what it was
 built from; :func:`load` imports the module only when the stamp still holds: the source's digest
@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.machinery
+import importlib.util
 import json
 import os
 from collections.abc import Callable
@@ -47,6 +48,7 @@ __all__ = [
     "load",
     "module_name",
     "parse_signature",
+    "runnable",
     "source_digest",
     "stamp_holds",
     "stamp_path",
@@ -217,6 +219,11 @@ def holding_stamp(source: Path) -> BuildStamp | None:
 def stamp_holds(source: Path) -> bool:
     """Whether a module built from today's `source`, for a CPU this one covers, lies beside it."""
     return holding_stamp(source) is not None
+
+
+def runnable(source: Path) -> bool:
+    """Whether the kernel of `source` can run here: built and loadable, or numba importable to jit it."""
+    return importlib.util.find_spec("numba") is not None or (enabled() and stamp_holds(source))
 
 
 def load(package: str, source: Path) -> ModuleType | None:

@@ -7,7 +7,7 @@ Each kernel's numba source (:data:`SOURCES`) becomes an extension module beside 
 what it was built from; :func:`common.compiled.load` imports it only while the stamp holds. The
 compiler is numba's own ahead-of-time one (``numba.pycc``): the same source and the same LLVM
 code generation as the jitted kernel, so the same bytes (tested), but the module it writes needs
-neither numba nor LLVM at run time (the point: about 100 MB less per process, docs/BENCHMARKS.md
+neither numba nor LLVM at run time (the point: numba's LLVM stays out of every process, docs/BENCHMARKS.md
 "Kernels compiled at setup"). It needs a C compiler to link, as any extension does; without one,
 or with any other failure, this prints one line and every process jits the source as before.
 
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         first = (str(error).strip().splitlines() or [""])[0]
         print(
             f"deltarec setup: the CPU kernels were not compiled ahead of time ({type(error).__name__}: {first}); "
-            "processes that run them jit numba instead (about 100 MB more each)",
+            'processes that run them jit numba instead, with its LLVM in memory (docs/scale.md, "Host memory")',
             file=sys.stderr,
         )
         return 1

@@ -17,7 +17,7 @@
 # DELTAREC_SETUP_DRY_RUN=1  print the plan and the commands it would run; run none of them.
 #
 # Then the CPU kernels are compiled ahead of time (launch/kernels.py: numba's source into extension
-# modules beside it, so that ranks load neither numba nor LLVM, about 100 MB less each); a build
+# modules beside it, so that ranks load neither numba nor LLVM: docs/scale.md, "Host memory"); a build
 # that fails says so in one line and the kernels are jitted instead.
 #
 # Idempotent: a stamp file records the hash of this script, versions.py, setup.cfg and the plan

@@ -3,7 +3,7 @@
 Tool: numba (``@njit(nogil=True, cache=True)``) -- a wheel from the package index; it releases the
 GIL, so the checkpoint writer thread encodes beside training. Setup compiles the same source ahead
 of time (``launch/kernels.py``) into a module that needs neither numba nor LLVM at run time
-(:mod:`common.compiled`: about 100 MB less per process); where that module is missing or stale,
+(:mod:`common.compiled`; what it saves: docs/BENCHMARKS.md, run O); where that module is missing or stale,
 the source is jitted, its on-disk cache making later processes load the machine code instead of
 compiling it again.
 
@@ -25,7 +25,6 @@ whose sum is not finite, fp16 fields that overflow) instead of the codec reading
 from __future__ import annotations
 
 import functools
-import importlib.util
 from pathlib import Path
 from types import ModuleType
 from typing import NamedTuple
@@ -41,7 +40,7 @@ BLOCK_ELEMS = 4096  # floats per transposed block (16 KiB: half of L1d)
 SOURCE = Path(__file__).with_name("adaptive_numba.py")
 # the kernel is optional: without numba (and no module built at setup) the codec runs the torch
 # reference on CPU too
-AVAILABLE = importlib.util.find_spec("numba") is not None or (compiled.enabled() and compiled.stamp_holds(SOURCE))
+AVAILABLE = compiled.runnable(SOURCE)
 
 
 @functools.cache

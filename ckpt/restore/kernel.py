@@ -42,7 +42,7 @@ __all__ = ["AVAILABLE", "FusedReplay", "Written", "fits_on", "load"]
 
 SOURCE = Path(__file__).with_name("kernel_numba.py")
 # optional: without numba (and no module built at setup) every frame takes the torch path
-AVAILABLE = importlib.util.find_spec("numba") is not None or (compiled.enabled() and compiled.stamp_holds(SOURCE))
+AVAILABLE = compiled.runnable(SOURCE)
 _RAW = 0  # weights layout: fp32 rows copied as they are (else: the N-bit codes' width)
 _FP32 = get_codec("fp32").code
 _CPU = torch.device("cpu")
