@@ -9,7 +9,7 @@
         train_one_batch()                           # forward, backward, dense_opt.step()
         loop.step = step
         ckpt.save(step)                             # a checkpoint when one is due; else next to nothing
-    ckpt.close(step)
+    ckpt.close(loop.step)                           # also right when the loop body never ran
 
 What it takes (docs/design.md §2, "Your own loop"):
 
@@ -21,14 +21,17 @@ What it takes (docs/design.md §2, "Your own loop"):
   `load_state_dict()`); its state travels with the dense parameters in rank 0's dense file.
 - `loop`: a `Stateful` holding the rest of the loop: its state dict must hold `step` (the last
   completed step, an int); the data position, RNG and anything else the user adds ride along
-  and come back through `load_state_dict` at restore. Partial recovery also reads
-  `samples_seen` and `reader` from it (ckpt/recovery/partial.py).
+  and come back through `load_state_dict` at restore. Partial recovery also needs an int
+  `samples_seen` and a `skip_batches(n)` method (`check_loop`); a `reader` entry, when the
+  loop has one, decides whether its state carries over to another world size
+  (ckpt/recovery/partial.py, `shared_reader`).
 - `row_init`: the `RowInit` the rows were initialised with (`initialise_rows`), which lets
   checkpoints leave out rows never trained (`ckpt.untrained_rows=regenerate`); without it
   rows keep TorchRec's own initial values, so the first full checkpoint stores every row.
 
 Refused at start, each with one line: a sharded module of another kind, a fused optimizer
-whose state is not all in the rows, a loop whose state has no `step`; at restore, a
+whose state is not all in the rows, a loop whose state has no `step` (or, with partial
+recovery, no `samples_seen` or `skip_batches`); at restore, a
 checkpoint whose tables do not match the model's (ckpt/restore/replay.py).
 """
 
@@ -94,14 +97,36 @@ def check_optimizers(shard_map: ShardMap) -> None:
             )
 
 
-def check_loop(loop: Stateful) -> None:
-    """The loop's state must name its step (what a checkpoint is of, and where a restore resumes)."""
+def check_loop(loop: Stateful, cfg: CkptConfig) -> None:
+    """What deltarec reads from the loop's state, checked before training starts: an int `step`
+    always (what a checkpoint is of, and where a restore resumes); with `ckpt.recovery=partial`
+    also an int `samples_seen` (the samples trained so far over all ranks, which the portion of
+    lost samples is counted against) and a `skip_batches(n)` method (a rolled-back rank's data
+    moves past what its dead predecessor trained). Everything else in the state is the loop's own
+    and rides along untouched (the loop-state table in README.md)."""
     state = loop.state_dict()
-    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or isinstance(state.get("step"), bool):
+    name = type(loop).__name__
+    if not isinstance(state, dict) or not _is_int(state.get("step")):
         raise ConfigError(
-            f"loop {type(loop).__name__}: state_dict() must be a dict with an int 'step' (the last completed step); "
+            f"loop {name}: state_dict() must be a dict with an int 'step' (the last completed step); "
             f"got keys {sorted(state) if isinstance(state, dict) else type(state).__name__}"
         )
+    if cfg.recovery != "partial":
+        return
+    if not _is_int(state.get("samples_seen")):
+        raise ConfigError(
+            f"loop {name}: ckpt.recovery=partial counts lost samples against the loop state's int 'samples_seen' "
+            f"(samples trained so far, all ranks together), which it lacks; got keys {sorted(state)}"
+        )
+    if not callable(getattr(loop, "skip_batches", None)):
+        raise ConfigError(
+            f"loop {name}: ckpt.recovery=partial needs a skip_batches(n) method (a rolled-back rank's reader "
+            "moves past the batches its dead predecessor trained; a no-op when the data follows 'step')"
+        )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def model_digest(shard_map: ShardMap, model: nn.Module) -> str:
@@ -153,7 +178,7 @@ class Checkpointer:
             (Path(run_dir) / "ckpt.yaml").write_text(self.cfg.to_yaml())
         shard_map = ShardMap.from_model(model)
         check_optimizers(shard_map)
-        check_loop(loop)
+        check_loop(loop, self.cfg)
         self._own_metrics: MetricsLog | None = None
         if metrics is None:
             self._own_metrics = MetricsLog(Path(self.cfg.dense_dir).parent / "metrics.jsonl", enabled=self.env.rank == 0)
@@ -223,13 +248,21 @@ class _NoState:
 
 
 def _resolve(cfg: CkptConfig, run_dir: str | Path | None) -> CkptConfig:
-    """`cfg` enabled and validated, its run id and directories filled from `run_dir`."""
+    """`cfg` enabled and validated, its run id and directories filled from `run_dir`, every
+    path absolute (the `ckpt.yaml` it leaves in the run directory works from any directory)."""
     if run_dir is None and not (cfg.run_id and cfg.dense_dir and (cfg.fs_root or cfg.sink == "kafka")):
         raise ConfigError(
             "Checkpointer: give run_dir, or set ckpt.run_id, ckpt.dense_dir (and ckpt.fs_root for the filesystem sink)"
         )
     if run_dir is not None:
         cfg = cfg.resolved(cfg.run_id or Path(run_dir).name, Path(run_dir))
-    cfg = replace(cfg, enabled=True)
+    cfg = replace(cfg, enabled=True, fs_root=_absolute(cfg.fs_root), dense_dir=_absolute(cfg.dense_dir))
+    follow = replace(cfg.follow, export_dir=_absolute(cfg.follow.export_dir), metrics=_absolute(cfg.follow.metrics))
+    cfg = replace(cfg, follow=follow)
     cfg.validate("ckpt")
     return cfg
+
+
+def _absolute(path: str) -> str:
+    """`path` from the working directory, as an absolute path ("" stays unset)."""
+    return str(Path(path).absolute()) if path else path

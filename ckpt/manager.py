@@ -16,6 +16,7 @@ failed checkpoint makes the next one full.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 import zlib
@@ -332,7 +333,9 @@ class CheckpointManager:
         if decision.full or not self.generation:
             self.generation = cid  # a full checkpoint, or the first delta after a restore, opens one
         self.chain = self.policy.chain_after(self.chain, cid, decision)
-        trainer_state = self.trainer.state_dict()  # this step's loop position, before the next step moves it
+        # this step's loop position, copied: the loop may change what its state dict refers to
+        # before the writer serialises it
+        trainer_state = copy.deepcopy(self.trainer.state_dict())
         self.policy.record(decision, agreed.fraction)
         self.force_full = self.force_full and not agreed.forced  # a request made after the agreement waits for the next
         codecs = self.codecs()

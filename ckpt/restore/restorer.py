@@ -371,7 +371,8 @@ class Restorer:
             regenerated=stats.regenerated,
             init_s=stats.init_s,
             partial=read.partial,
-            run_pls=run_pls(lost_samples, float(read.state["trainers"][0]["samples_seen"])),
+            # a loop without `samples_seen` runs full recovery only (ckpt/checkpointer.py), which loses none
+            run_pls=run_pls(lost_samples, float(read.state["trainers"][0].get("samples_seen", 0))),
             markers_read=self.choice.markers_read,
             markers_ahead_s=self.choice.markers_ahead_s,
             read_ahead=stats.read_ahead,

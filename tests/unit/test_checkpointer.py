@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ckpt import CkptConfig, load_ckpt_config
-from ckpt.checkpointer import SUPPORTED_OPTIMIZERS, UnsupportedOptimizerError, check_loop, check_optimizers
+from ckpt.checkpointer import SUPPORTED_OPTIMIZERS, UnsupportedOptimizerError, _resolve, check_loop, check_optimizers
 from ckpt.errors import RestoreError
 from ckpt.log.markers import Marker
 from ckpt.restore.restorer import check_tables
@@ -65,10 +65,42 @@ class _Loop:
 
 
 def test_the_loop_state_must_hold_an_int_step() -> None:
-    check_loop(_Loop({"step": 0, "data": [1, 2]}))
+    check_loop(_Loop({"step": 0, "data": [1, 2]}), CkptConfig())
     for bad in ({"epoch": 3}, {"step": "3"}, {"step": True}, [("step", 3)]):
         with pytest.raises(ConfigError, match="state_dict\\(\\) must be a dict with an int 'step'"):
-            check_loop(_Loop(bad))
+            check_loop(_Loop(bad), CkptConfig())
+
+
+class _SkippingLoop(_Loop):
+    def skip_batches(self, n: int) -> None:
+        pass
+
+
+def test_a_step_only_loop_is_enough_but_partial_recovery_needs_samples_seen_and_skip_batches() -> None:
+    """Full recovery reads nothing but `step` (the README's loop); partial recovery counts lost
+    samples against `samples_seen` and moves a rolled-back rank's data with `skip_batches`, so
+    a loop without either is refused before training, naming what it lacks."""
+    full, partial = CkptConfig(), CkptConfig(recovery="partial")
+    check_loop(_Loop({"step": 3}), full)
+    check_loop(_SkippingLoop({"step": 3, "samples_seen": 768}), partial)
+    lacks = "loop _SkippingLoop: ckpt.recovery=partial .* int 'samples_seen'.*got keys \\['step'\\]"
+    with pytest.raises(ConfigError, match=lacks):
+        check_loop(_SkippingLoop({"step": 3}), partial)
+    with pytest.raises(ConfigError, match="int 'samples_seen'"):
+        check_loop(_SkippingLoop({"step": 3, "samples_seen": 7.5}), partial)
+    with pytest.raises(ConfigError, match="loop _Loop: ckpt.recovery=partial needs a skip_batches\\(n\\) method"):
+        check_loop(_Loop({"step": 3, "samples_seen": 768}), partial)
+
+
+def test_the_ckpt_yaml_a_run_leaves_names_absolute_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`deltarec-ckpt --config runs/my_job/ckpt.yaml` from another directory reads the same run."""
+    monkeypatch.chdir(tmp_path)
+    cfg = _resolve(CkptConfig(sink="filesystem", interval_steps=5), "runs/my_job")
+    for path in (cfg.fs_root, cfg.dense_dir, cfg.follow.export_dir, cfg.follow.metrics):
+        assert Path(path).is_absolute() and Path(path).is_relative_to(tmp_path / "runs" / "my_job"), path
+    assert cfg.run_id == "my_job"
+    own = _resolve(CkptConfig(sink="filesystem", interval_steps=5, fs_root="elsewhere/stream"), "runs/my_job")
+    assert own.fs_root == str(tmp_path / "elsewhere" / "stream")
 
 
 def _shard(kind: str, counter: bool = False) -> ShardView:
