@@ -30,8 +30,9 @@ What it takes (docs/design.md §2, "Your own loop"):
   rows keep TorchRec's own initial values, so the first full checkpoint stores every row.
 
 Refused at start, each with one line: a sharded module of another kind, a fused optimizer
-whose state is not all in the rows, a loop whose state has no `step` (or, with partial
-recovery, no `samples_seen` or `skip_batches`); at restore, a
+whose state is not all in the rows, a loop whose state has no `step` or cannot be saved (or,
+with partial recovery, lacks `samples_seen` or `skip_batches`), a dense optimizer without
+`state_dict`/`load_state_dict`; at restore, a
 checkpoint whose tables do not match the model's (ckpt/restore/replay.py).
 """
 
@@ -50,6 +51,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.profiler import record_function
 
 from ckpt.config import CkptConfig
+from ckpt.dense.store import unloadable_reason
 from ckpt.events import MetricsSink
 from ckpt.handoff import JobIdentity
 from ckpt.log.backend import Backend
@@ -111,6 +113,12 @@ def check_loop(loop: Stateful, cfg: CkptConfig) -> None:
             f"loop {name}: state_dict() must be a dict with an int 'step' (the last completed step); "
             f"got keys {sorted(state) if isinstance(state, dict) else type(state).__name__}"
         )
+    unloadable = unloadable_reason(state)  # it rides in the dense file: refused now, not at the first restore
+    if unloadable:
+        raise ConfigError(
+            f"loop {name}: its state_dict() cannot be checkpointed: {unloadable}; keep tensors and plain "
+            "data in it (torch.get_rng_state(), ints, floats, strings, lists, dicts)"
+        )
     if cfg.recovery != "partial":
         return
     if not _is_int(state.get("samples_seen")):
@@ -122,6 +130,19 @@ def check_loop(loop: Stateful, cfg: CkptConfig) -> None:
         raise ConfigError(
             f"loop {name}: ckpt.recovery=partial needs a skip_batches(n) method (a rolled-back rank's reader "
             "moves past the batches its dead predecessor trained; a no-op when the data follows 'step')"
+        )
+
+
+def check_dense_optimizer(dense_optimizer: Any) -> None:
+    """The dense optimizer (or None: no dense parameters) travels through its own
+    `state_dict()` / `load_state_dict()`, so it must have both."""
+    if dense_optimizer is None:
+        return
+    lacks = [f"{m}()" for m in ("state_dict", "load_state_dict") if not callable(getattr(dense_optimizer, m, None))]
+    if lacks:
+        raise ConfigError(
+            f"dense_optimizer {type(dense_optimizer).__name__} has no {' or '.join(lacks)}: pass the optimizer of "
+            "the parameters outside the embedding tables (torch.optim, torchrec's KeyedOptimizerWrapper), or None"
         )
 
 
@@ -179,6 +200,7 @@ class Checkpointer:
         shard_map = ShardMap.from_model(model)
         check_optimizers(shard_map)
         check_loop(loop, self.cfg)
+        check_dense_optimizer(dense_optimizer)
         self._own_metrics: MetricsLog | None = None
         if metrics is None:
             self._own_metrics = MetricsLog(Path(self.cfg.dense_dir).parent / "metrics.jsonl", enabled=self.env.rank == 0)

@@ -177,6 +177,22 @@ class DenseStore:
         self.survivor_path(checkpoint_id, rank).unlink(missing_ok=True)
 
 
+def unloadable_reason(state: Any) -> str:
+    """Why `state` could not come back from a dense file ("" when it can): torch.save fails on
+    it, or the weights-only load refuses what it pickled (a numpy array, a class of the user's)."""
+    buf = io.BytesIO()
+    try:
+        torch.save(state, buf)
+    except Exception as exc:  # noqa: BLE001 - pickling fails with whatever the state's objects raise
+        return f"torch.save cannot write it: {exc}"
+    buf.seek(0)
+    try:
+        torch.load(buf, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        return f"it holds objects a weights-only load refuses ({_unpickling_reason(exc)})"
+    return ""
+
+
 def _unpickling_reason(exc: pickle.UnpicklingError) -> str:
     """What torch's weights-only loader refused (`GLOBAL posix.system`, `Unsupported operand
     149`), without the rest of its many-line message, whose advice to retry with

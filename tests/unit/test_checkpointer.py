@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from ckpt import CkptConfig, load_ckpt_config
-from ckpt.checkpointer import SUPPORTED_OPTIMIZERS, UnsupportedOptimizerError, _resolve, check_loop, check_optimizers
+from ckpt.checkpointer import (
+    SUPPORTED_OPTIMIZERS,
+    UnsupportedOptimizerError,
+    _resolve,
+    check_dense_optimizer,
+    check_loop,
+    check_optimizers,
+)
 from ckpt.errors import RestoreError
 from ckpt.log.markers import Marker
 from ckpt.restore.restorer import check_tables
@@ -90,6 +97,29 @@ def test_a_step_only_loop_is_enough_but_partial_recovery_needs_samples_seen_and_
         check_loop(_SkippingLoop({"step": 3, "samples_seen": 7.5}), partial)
     with pytest.raises(ConfigError, match="loop _Loop: ckpt.recovery=partial needs a skip_batches\\(n\\) method"):
         check_loop(_Loop({"step": 3, "samples_seen": 768}), partial)
+
+
+def test_a_loop_state_a_restore_could_not_load_is_refused_at_start() -> None:
+    """The loop state rides in the dense file, which restores load weights-only: a numpy RNG
+    state or an object of the user's would commit and then fail every restore, so it is refused
+    before training, naming the loop and the culprit; tensors and plain data pass."""
+    import random
+
+    import numpy as np
+
+    lr = torch.optim.lr_scheduler.StepLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), 3)
+    check_loop(_Loop({"step": 1, "rng": torch.get_rng_state(), "py": random.getstate(), "lr": lr.state_dict()}), CkptConfig())
+    with pytest.raises(ConfigError, match="loop _Loop: its state_dict\\(\\) cannot be checkpointed: .*GLOBAL numpy"):
+        check_loop(_Loop({"step": 1, "np_rng": np.random.get_state()}), CkptConfig())
+    with pytest.raises(ConfigError, match="loop _Loop: .*torch.save cannot write it"):
+        check_loop(_Loop({"step": 1, "f": lambda x: x}), CkptConfig())
+
+
+def test_a_dense_optimizer_without_its_state_dict_is_refused() -> None:
+    check_dense_optimizer(None)
+    check_dense_optimizer(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
+    with pytest.raises(ConfigError, match="dense_optimizer SimpleNamespace has no state_dict\\(\\) or load_state_dict\\(\\)"):
+        check_dense_optimizer(SimpleNamespace(step=lambda: None))
 
 
 def test_the_ckpt_yaml_a_run_leaves_names_absolute_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
