@@ -201,6 +201,10 @@ class Checkpointer:
         check_optimizers(shard_map)
         check_loop(loop, self.cfg)
         check_dense_optimizer(dense_optimizer)
+        if callable(getattr(dense_optimizer, "save_param_groups", None)):
+            # a torchrec KeyedOptimizer leaves its param groups (the learning rate a scheduler
+            # set) out of state_dict() unless told to keep them: a restore would lose them
+            dense_optimizer.save_param_groups(True)
         self._own_metrics: MetricsLog | None = None
         if metrics is None:
             self._own_metrics = MetricsLog(Path(self.cfg.dense_dir).parent / "metrics.jsonl", enabled=self.env.rank == 0)

@@ -4,8 +4,8 @@ Which modules: every `ShardedEmbeddingBagCollection` (pooled) and `ShardedEmbedd
 (sequence, unpooled) anywhere in a DMP-wrapped model (`embedding_modules`); any other sharded
 module is refused, since its rows would go unsaved. A table is addressed by its **key**, the
 FQN of its weight in the user's unsharded model without ``.weight``
-(``<module FQN>.embedding_bags.<table>`` or ``<module FQN>.embeddings.<table>``, docs/design.md
-§4): two modules with a table of the same name stay apart, and `model.load_state_dict` on the
+(``<module FQN>.embedding_bags.<table>`` or ``<module FQN>.embeddings.<table>``, docs/design/formats.md,
+"Table keys"): two modules with a table of the same name stay apart, and `model.load_state_dict` on the
 unsharded model takes an export keyed by ``<key>.weight``.
 
 Each model-parallel shard of a fused embedding kernel is exposed as a `ShardView`: its
@@ -78,6 +78,7 @@ def embedding_modules(model: nn.Module) -> list[EmbeddingModule]:
     # imports this module but never pays for torchrec's import
     from torchrec.distributed.embedding import ShardedEmbeddingCollection  # noqa: PLC0415
     from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection  # noqa: PLC0415
+    from torchrec.distributed.fp_embeddingbag import ShardedFeatureProcessedEmbeddingBagCollection  # noqa: PLC0415
     from torchrec.distributed.types import ShardedModule  # noqa: PLC0415
 
     found: list[EmbeddingModule] = []
@@ -88,10 +89,15 @@ def embedding_modules(model: nn.Module) -> list[EmbeddingModule]:
         if isinstance(m, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)):
             found.append(EmbeddingModule(fqn, m, isinstance(m, ShardedEmbeddingBagCollection)))
             skip = (*skip, f"{fqn}." if fqn else "")
+        elif isinstance(m, ShardedFeatureProcessedEmbeddingBagCollection):
+            # its rows are its inner EmbeddingBagCollection's (`_embedding_bag_collection`, found
+            # next, tables keyed under it as in the unsharded model); the feature processors'
+            # weights are dense parameters
+            continue
         elif isinstance(m, ShardedModule):
             raise UnsupportedModelError(
                 f"module {fqn or '<root>'} is a {type(m).__name__}: deltarec checkpoints the rows of sharded "
-                "EmbeddingBagCollection and EmbeddingCollection modules only"
+                "EmbeddingBagCollection and EmbeddingCollection modules (and FeatureProcessedEmbeddingBagCollection's) only"
             )
     if not found:
         raise UnsupportedModelError(

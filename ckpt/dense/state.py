@@ -70,9 +70,22 @@ def _optimizer_param_names(optimizer: Any, model: torch.nn.Module) -> list[str]:
     return [names.get(id(p), f"param{i}") for i, p in enumerate(p for g in groups for p in g["params"])]
 
 
+def _create_lazy_state(optimizer: Any, saved: dict[str, Any]) -> None:
+    """A torchrec `KeyedOptimizer` loads only into state it already has, which a fresh one
+    creates at its first step (SGD's momentum, Adam's moments): torchrec's `init_state()` takes a
+    step with zero gradients to create it. Run before the parameters are copied in (a decaying
+    step with zero gradients would move them); the load then overwrites every state it created."""
+    init_state = getattr(optimizer, "init_state", None)
+    if callable(init_state) and len(getattr(optimizer, "state", {})) < len(saved.get("state", {})):
+        with torch.enable_grad():
+            init_state()
+        optimizer.zero_grad(set_to_none=True)
+
+
 @torch.no_grad()
 def load(sharded: ShardedModel, state: dict[str, Any]) -> None:
     """Copy a captured dense state into the live model; names must match exactly."""
+    _create_lazy_state(_dense_optimizer(sharded), state["optimizer"])
     params = _dense_params(sharded)
     missing = sorted(set(params) - set(state["params"]))
     extra = sorted(set(state["params"]) - set(params))

@@ -469,7 +469,7 @@ def restore_rows(
     `shards_hold_init` says the shards hold exactly those initial values already.
     `while_fetching` is called once the reads are issued, before the first frame is waited
     for: work to start while the first fetch is in flight, not before it (the dense state's
-    read: design §1). `fused`: the frames the kernel fits are written by it
+    read: docs/design/restore.md). `fused`: the frames the kernel fits are written by it
     (ckpt/restore/kernel.py, when numba is installed), into shards on a GPU through
     `staging` (default: a `StagedReplay` for their device; a test passes one over a host
     queue to take that path into CPU shards); False: every frame takes the torch path, the
@@ -565,5 +565,5 @@ def scatter_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> No
             return t.detach().view(torch.uint8).numpy().view(np.dtype((np.void, row_bytes))).reshape(-1)
 
         np.put(as_rows(dst), rows.numpy(), as_rows(src))
-    else:
-        dst.index_copy_(0, rows, src)
+    else:  # index_copy_ does not cast: rows decode to fp32, a table may be fp16
+        dst.index_copy_(0, rows, src.to(dst.dtype))
