@@ -123,6 +123,9 @@ class ServeConfig:
     max_samples: int = 4096  # samples in one request; more: 413
     max_concurrency: int = 4  # requests computing at once
     max_queue: int = 64  # requests waiting for one of those; one more: 503
+    # a request whose body has not arrived whole in this time gets 408 and its connection is
+    # closed; only a request with its whole body takes one of the places above
+    body_timeout_s: float = 5.0
     threads: int = 1  # torch threads per request: leave the cores to training
     poll_s: float = 0.2  # how often the markers log is read for a new COMMIT
     # readiness fails when the served checkpoint's step is older than this (0: never)
@@ -137,6 +140,7 @@ class ServeConfig:
             "serve.max_samples": self.max_samples >= 1,
             "serve.max_concurrency": self.max_concurrency >= 1,
             "serve.max_queue": self.max_queue >= 0,
+            "serve.body_timeout_s": self.body_timeout_s > 0,
             "serve.threads": self.threads >= 1,
             "serve.poll_s": self.poll_s > 0,
             "serve.max_staleness_s": self.max_staleness_s >= 0,

@@ -9,8 +9,10 @@ well-kept client for the tests and the benchmark).
 - ``GET /metrics``: Prometheus text (trainer/serve/freshness.py).
 
 Errors are ``{"error": "<one line>"}`` with a 4xx (the request) or 503 (busy, not ready).
-At most `serve.max_concurrency` requests compute at once, on a thread pool; up to
-`serve.max_queue` more wait; past that a request gets 503 at once.
+A request's body must arrive whole within `serve.body_timeout_s` (else 408 and the connection
+closes), before the request counts against the limits: at most `serve.max_concurrency`
+requests compute at once, on a thread pool; up to `serve.max_queue` more wait; past that a
+request gets 503 at once. So clients that stall mid-upload hold only their own connections.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from trainer.config import ServeConfig
@@ -54,6 +59,11 @@ class Predictor:
         batch = parse_request(body, self.layout, self.cfg.max_samples)
         with self.model.acquire() as version:
             out = scores(version.module, batch)
+            bad = (~torch.isfinite(out)).nonzero().flatten().tolist()
+            if bad:  # JSON has no NaN: the inputs drove this checkpoint's forward out of float32's range
+                raise RequestError(
+                    f"samples{bad[:5]}: checkpoint {version.checkpoint_id} scores them as NaN (dense values too large?)"
+                )
             if not version.first_served_unix:  # racing requests may both see 0: the first to set it wins
                 with self.model.first_lock:
                     first = not version.first_served_unix
@@ -79,6 +89,12 @@ class Predictor:
                         self.metrics.freshness_count,
                     )
             return Answer(out.tolist(), version.checkpoint_id, version.step, batch.size)
+
+
+def _clip(text: str, most: int = 80) -> str:
+    """A client's string (a path, a parser's complaint) for a one-line message."""
+    text = " ".join(text.split())
+    return text if len(text) <= most else f"{text[:most]}..."
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -114,18 +130,31 @@ class PredictionApp:
         except web.HTTPRequestEntityTooLarge:
             response = _error(413, f"body over serve.max_body_bytes = {self.cfg.max_body_bytes}")
         except web.HTTPException as exc:
-            response = _error(exc.status, f"{request.method} {request.path}: {exc.reason}")
+            response = _error(exc.status, f"{request.method} {_clip(request.path)}: {exc.reason}")
+        except Exception as exc:  # a bug of the server's: counted, one JSON line, the traceback in its log
+            logger.exception("%s %s: internal error", request.method, _clip(request.path))
+            response = _error(500, f"internal error: {type(exc).__name__}")
         self.metrics.requests.labels(str(response.status)).inc()
         return response
 
     async def predict(self, request: web.Request) -> web.Response:
+        t0 = time.perf_counter()
+        try:  # before admission: a client that stalls mid-body holds its connection, never a place
+            body = await asyncio.wait_for(request.read(), self.cfg.body_timeout_s)
+        except TimeoutError:
+            response = _error(408, f"body not received within serve.body_timeout_s = {self.cfg.body_timeout_s:g} s")
+            response.force_close()
+            return response
+        except (RequestPayloadError, HttpProcessingError) as exc:  # a body its headers misdescribe (gzip that is not)
+            cause = exc.__cause__ or exc
+            response = _error(400, f"body cannot be read: {_clip(str(getattr(cause, 'message', cause)))}")
+            response.force_close()
+            return response
         if self.waiting >= self.cfg.max_concurrency + self.cfg.max_queue:
             return _error(503, f"busy: {self.waiting} requests in progress (serve.max_concurrency + serve.max_queue)")
-        t0 = time.perf_counter()
         self.waiting += 1
         self.metrics.in_progress.set(self.waiting)
         try:
-            body = await request.read()
             answer = await asyncio.get_running_loop().run_in_executor(self.pool, self.predictor, body)
         except RequestError as exc:
             return _error(exc.status, str(exc))

@@ -24,6 +24,8 @@ from common.errors import DeltarecError
 from trainer.config import ModelConfig
 from trainer.model import feature_cardinalities, feature_names
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
 
 class RequestError(DeltarecError):
     """A request the server refuses; `status` is its HTTP status (400, 413)."""
@@ -64,6 +66,10 @@ def parse_request(body: bytes, layout: FeatureLayout, max_samples: int) -> Batch
         doc = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RequestError(f"body is not JSON: {exc}") from None
+    except ValueError as exc:  # an integer literal over Python's digit limit
+        raise RequestError(f"body refused: {exc}") from None
+    except RecursionError:
+        raise RequestError("body refused: JSON nested too deeply") from None
     if not isinstance(doc, dict) or set(doc) != {"samples"}:
         raise RequestError('body must be a JSON object with one key, "samples"')
     samples = doc["samples"]
@@ -82,7 +88,9 @@ def parse_request(body: bytes, layout: FeatureLayout, max_samples: int) -> Batch
         for name, values in sparse.items():
             j = index.get(name)
             if j is None:
-                raise RequestError(f"samples[{i}].sparse: unknown feature {name!r} (the model's: {', '.join(layout.features)})")
+                raise RequestError(
+                    f"samples[{i}].sparse: unknown feature {_short(name)} (the model's: {', '.join(layout.features)})"
+                )
             _check_ids(i, name, values, layout.cardinalities[j])
             ids[j].extend(values)
         for j, name in enumerate(layout.features):
@@ -101,16 +109,28 @@ def _dense(i: int, sample: Any, layout: FeatureLayout) -> list[float]:
         raise RequestError(f"samples[{i}] must be an object with dense and sparse")
     unknown = set(sample) - {"dense", "sparse"}
     if unknown:
-        raise RequestError(f"samples[{i}]: unknown field {sorted(unknown)[0]!r} (expected dense, sparse)")
+        raise RequestError(f"samples[{i}]: unknown field {_short(sorted(unknown)[0])} (expected dense, sparse)")
     values = sample.get("dense")
     n = layout.dense_in_features
     if not isinstance(values, list) or len(values) != n:
         got = f"a list of {len(values)}" if isinstance(values, list) else json_type(values)
         raise RequestError(f"samples[{i}].dense: expected a list of {n} numbers, got {got}")
     for v in values:
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-            raise RequestError(f"samples[{i}].dense: {v!r} is not a finite number")
+        if isinstance(v, bool) or not isinstance(v, int | float) or not _finite_float32(v):
+            raise RequestError(f"samples[{i}].dense: {_short(v)} is not a finite float32 number")
     return values
+
+
+def _finite_float32(v: int | float) -> bool:
+    """Whether `v` becomes a finite float32 (the model's dtype): 1e39 is a finite double and
+    infinite there; a 400-digit integer is not even a double."""
+    return math.isfinite(v) and abs(v) <= FLOAT32_MAX if isinstance(v, float) else abs(v) <= FLOAT32_MAX
+
+
+def _short(v: Any) -> str:
+    """`v` for a message: a huge number as its first digits and its length."""
+    text = repr(v)
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
 
 
 def _check_ids(i: int, name: str, values: Any, rows: int) -> None:
@@ -118,9 +138,9 @@ def _check_ids(i: int, name: str, values: Any, rows: int) -> None:
         raise RequestError(f"samples[{i}].sparse.{name}: expected a list of ids, got {json_type(values)}")
     for v in values:
         if isinstance(v, bool) or not isinstance(v, int):
-            raise RequestError(f"samples[{i}].sparse.{name}: {v!r} is not an integer id")
+            raise RequestError(f"samples[{i}].sparse.{name}: {_short(v)} is not an integer id")
         if not 0 <= v < rows:
-            raise RequestError(f"samples[{i}].sparse.{name}: id {v} out of range 0..{rows - 1}")
+            raise RequestError(f"samples[{i}].sparse.{name}: id {_short(v)} out of range 0..{rows - 1}")
 
 
 def json_type(value: Any) -> str:
