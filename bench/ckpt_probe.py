@@ -27,7 +27,7 @@ size), then:
    produce, flush, delivery reports -> ranges) against a raw confluent-kafka `Producer` (acks=all,
    idempotence on, librdkafka defaults like the sink) sending the very same frames to
    the same broker and partition (produce + poll(0) + flush, at most 5 messages outstanding as
-   the sink keeps: more spin librdkafka's thread, docs/design.md §6). Both ranks run each side
+   the sink keeps: more spin librdkafka's thread, docs/design/kafka.md). Both ranks run each side
    at once (barriers), as they do in training; the first round is a warm-up; topics are
    created before the timed part and deleted after each round. `sink_s` is the part of the
    writer's run spent in the sink (produce + flush); the rest is encoding and framing.
@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 for f in frames:
                     while len(producer) >= MAX_OUTSTANDING:  # librdkafka's idempotent in-flight limit
-                        producer.poll(0.1)  # (more queued behind it: its thread spins; design §6)
+                        producer.poll(0.1)  # (more queued behind it: its thread spins; docs/design/kafka.md)
                     while True:
                         try:
                             producer.produce(

@@ -81,7 +81,7 @@ class BareCopier:
     """The stall's baseline: a plain copy of the given local rows (None: every row) of each
     shard, weights and every optimizer state, with ``index_select(out=)`` / ``copy_`` into
     buffers this object keeps for the next copy, as `take` carves its snapshots from reused
-    slabs (#12's goal compares the stall with exactly this). A buffer that must grow is
+    slabs (the stall's goal compares it with exactly this). A buffer that must grow is
     replaced by a zero-filled one before the clock starts, so no copy pays page faults.
 
     GPU shards: the copy a snapshot makes, to host memory. The rows are gathered on the

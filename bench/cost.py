@@ -1,5 +1,5 @@
-"""What a checkpoint costs the trainer, apart from the broker it shares the cores with
-(issue 12 item 6): `python -m bench.run --suite cost`.
+"""What a checkpoint costs the trainer, apart from the broker it shares the cores with:
+`python -m bench.run --suite cost`.
 
     python -m bench.run --suite cost [--size quick|full] [--interval-s S] [--steps N] [--rounds R]
                                      [--encoding CODEC] [--tmpfs DIR] [--out results.json]

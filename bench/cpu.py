@@ -1,5 +1,5 @@
-"""CPU seconds by thread and by process, for the checkpoint cost accounting of the suites
-(issue 12 item 6): which of a rank's threads spent the CPU a checkpoint costs, and how much
+"""CPU seconds by thread and by process, for the checkpoint cost accounting of the suites:
+which of a rank's threads spent the CPU a checkpoint costs, and how much
 the co-located broker spent beside them.
 
 A rank's threads fall in four classes:

@@ -12,7 +12,7 @@
 #            staged restore, a GPU job's bit-exact resume under SIGKILL)
 #   peers    python -m bench.run --suite gpu-peers --sizes full,big (about 5 minutes on an H100)
 #   micro    python -m bench.gpu (stall, restore) and python -m bench.gpu_encode
-#   throughput  issue 43 item 6: python -m bench.run --suite throughput on one GPU, once per batch
+#   throughput  python -m bench.run --suite throughput on one GPU, once per batch
 #            size per rank (THROUGHPUT_BATCHES, default "8192 65536"): TorchRec's pipelined loop,
 #            deltarec plain and pipelined, and pipelined with a checkpoint every
 #            THROUGHPUT_INTERVAL_S (default 20), each THROUGHPUT_STEPS steps ("BATCH:STEPS ...",

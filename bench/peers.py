@@ -12,7 +12,7 @@ On one model, one data stream and one checkpoint interval (the suite's), in this
    the step at which the outcome was known). From `<run_dir>/metrics.jsonl`: rows, bytes,
    stall, committed; from the COMMIT markers: the bytes the newest restorable checkpoint
    needs (its chain plus its dense file).
-   Then deltarec + follower (`incremental+follower` x fp32/adaptive4, issue 11): the
+   Then deltarec + follower (`incremental+follower` x fp32/adaptive4): the
    `incremental` policy (one full checkpoint, then only deltas) over `follower_intervals`
    intervals, with `ckpt.follow.Follower` tailing the stream on a thread of this process
    (the job's own resolved `ckpt` section, default `ckpt.follow.*` settings) and folding
@@ -73,7 +73,7 @@ POLICIES = ("full", "one_shot_diff", "incremental", "intermittent_diff")
 ENCODINGS = ("fp32", "adaptive4")
 DEFAULT_POLICY, DEFAULT_QUANT = "intermittent_diff", "adaptive4"
 PEERS = ("dcp.save", "dcp.async_save", "torch.save")
-# deltarec's `incremental` policy with a follower compacting its chain (issue 11): a policy label of the records
+# deltarec's `incremental` policy with a follower compacting its chain: a policy label of the records
 FOLLOWER = "incremental+follower"
 
 # Criteo Kaggle's 26 categorical cardinalities (configs/criteo_kaggle_8gpu.yaml)
@@ -873,13 +873,13 @@ def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
         ("bytes written per interval, dcp.save / deltarec (default policy, 4-bit)", d.get("bytes_written_vs_dcp"), ">=", 17),
         ("capacity, dcp.save / deltarec (default policy, 4-bit)", d.get("capacity_vs_dcp"), ">=", 8),
         ("stall, dcp.save / deltarec (default policy, 4-bit)", d.get("stall_vs_dcp_save"), ">=", 20),
-        ("stall, deltarec / bare copy of the same rows (issue 12)", d.get("stall_over_bare_copy"), "<=", 1.2),
+        ("stall, deltarec / bare copy of the same rows", d.get("stall_over_bare_copy"), "<=", 1.2),
         ("throughput overhead (at this suite's interval, not 1 minute)", d.get("throughput_overhead"), "<=", 0.05),
         ("restore / dcp.load", d.get("restore_over_dcp_load"), "<=", 1.0),
         ("steps lost on a crash, deltarec (default policy, 4-bit) / dcp.save", d.get("steps_lost_vs_dcp"), "<=", 1.5),
     ]
     f = summary.get("follower", {}).get(DEFAULT_QUANT)
-    if f is not None:  # deltarec + follower (issue 11), 4-bit rows
+    if f is not None:  # deltarec + follower, 4-bit rows
         out += [
             (
                 "trainer bytes per interval, dcp.save / deltarec+follower deltas (4-bit, one full then only deltas)",

@@ -1,4 +1,4 @@
-"""deltarec against DCP on one GPU (issue 46 item 1): suite `gpu-peers`, world size 1.
+"""deltarec against DCP on one GPU: suite `gpu-peers`, world size 1.
 
     python -m bench.run --suite gpu-peers [--sizes full,big] [--device auto|cuda|cpu]
                         [--interval-s 3 | --interval STEPS] [--checkpoints 3] [--repeats 2]
@@ -297,7 +297,7 @@ def records_of(name: str, one: dict[str, Any]) -> dict[str, Any]:
 
 
 def goals(summary: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 46's goals for each deltarec job against the peers of its size: reported, never asserted."""
+    """The GPU goals for each deltarec job against the peers of its size: reported, never asserted."""
     peers = summary["peers"]
     # the part of async_save's stall that staged and planned it, not its wait for the previous save
     # (which a longer interval avoids): the smaller, the harder the goal

@@ -372,7 +372,7 @@ def _busy_building(sharded: ShardedModel, until: float) -> None:
     over every row and parameter of the model, as the build's initialisation does, so the
     machine is as busy as it is then (one pass may run past `until`). A sleep here left the VM
     idle, and a restore after an idle spell ran about twice as slow as after a busy one
-    (docs/BENCHMARKS.md, run H)."""
+    (docs/history/BENCHMARKS-2026-12.md, "After the producer's cap, on a slower day")."""
     from sharding.shard_views import ShardMap
 
     smap = ShardMap.from_model(sharded.model)

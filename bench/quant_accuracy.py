@@ -25,7 +25,7 @@ Settings (``--settings``):
   ``fp16`` (a near-lossless perturbation: how far any perturbed run drifts; the noise floor).
 
 The reference is the same job never interrupted (one segment, fp32 checkpoints). Training is
-deterministic (fp32 restores are bit-exact, docs/design.md §3, invariant 2), so every number repeats
+deterministic (fp32 restores are bit-exact, docs/design/invariants.md, invariant 2), so every number repeats
 exactly; the only differences between cells are the quantized restores. Reported per cell, from
 ``metrics.jsonl``: the final eval log loss and AUC (``train.eval_batches`` fixed held-out batches
 of every rank) as ``(logloss_L - logloss_ref) / logloss_ref`` in percent and as an AUC difference,

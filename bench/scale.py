@@ -1,4 +1,4 @@
-"""How checkpointing's cost grows with the model (issue 45): suite `scale`.
+"""How checkpointing's cost grows with the model: suite `scale`.
 
     python -m bench.run --suite scale [--sizes quick,mid,full,kaggle,full4] [--out F] [--plots docs/img] [--keep DIR]
                                       [--set KEY=VALUE ...]
@@ -35,8 +35,8 @@ with the ratio (`RankComparison`).
 
 Then per size the figures per GB of model and per changed row, their trend from the smallest
 size to the largest as the slope of log(cost) against log(model bytes) (0: flat; 1: grows
-with the table; a per-row cost that grows with the table has a positive slope), the goals of
-issue 45, and with `--plots` a log-log figure of each. A benchmark, not a test: it asserts
+with the table; a per-row cost that grows with the table has a positive slope), the goals
+(docs/scale.md), and with `--plots` a log-log figure of each. A benchmark, not a test: it asserts
 nothing about a figure.
 """
 
@@ -399,7 +399,7 @@ DERIVED = (
         lambda f: _div(f.follower_rss_grown_bytes, f.follower_store_bytes),
         "its documented store bytes",
     ),
-    # what the follower holds beside its store: bounded by its buffers (docs/design.md §10), not the model
+    # what the follower holds beside its store: bounded by its buffers (docs/design/follower.md), not the model
     Derived("follower_beyond_store", "B", lambda f: _extra(f.follower_rss_grown_bytes, f.follower_store_bytes), "-"),
 )
 
@@ -493,7 +493,7 @@ def derived_table(figs: list[SizeFigures]) -> dict[str, list[float | None]]:
 
 @dataclass
 class Goal:
-    """One of issue 45's goals over every size measured."""
+    """One of the scale goals over every size measured."""
 
     goal: str
     value: float | None
@@ -519,7 +519,7 @@ def trend(figs: list[SizeFigures], table: dict[str, list[float | None]]) -> tupl
 
 
 def goals(figs: list[SizeFigures], table: dict[str, list[float | None]]) -> list[Goal]:
-    """Issue 45's goals: flat or falling per-row and per-GB costs from the smallest to the
+    """The scale goals: flat or falling per-row and per-GB costs from the smallest to the
     largest model (the 2-rank sizes), restore <= 0.5x dcp.load at each size, the steady
     state's extra memory <= 25% of a rank's model, a full checkpoint's <= one copy of its rows,
     the follower within 10% of its documented bytes (these at every size and rank count)."""

@@ -254,7 +254,7 @@ def summarize(m: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "memory_per_row_bytes": grown / rows,
         "memory_stated_per_row_bytes": stated / rows,
         # what the server says it holds at the end: both copies plus the rows kept for the copy
-        # behind (design.md §12); the rest of the growth is the allocator's and the libraries'
+        # behind (docs/design/serving.md); the rest of the growth is the allocator's and the libraries'
         "memory_held_per_row_bytes": m["held_bytes"] / rows,
         "memory_other_bytes": grown - m["held_bytes"],
         "memory_peak_bytes": m["rss_end"]["VmHWM"],

@@ -2,7 +2,7 @@
 
     from ckpt import Checkpointer, CkptConfig, initialise_rows, load_ckpt_config
 
-(ckpt/checkpointer.py; the stages it drives, in order: docs/design.md §2). Imported on first
+(ckpt/checkpointer.py; the stages it drives, in order: docs/design/layers.md). Imported on first
 use, so `import ckpt.events` and the command-line tools do not pay for the whole engine.
 """
 

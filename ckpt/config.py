@@ -117,12 +117,12 @@ class CkptConfig:
     # GPU shards: where weight rows are encoded. `device`: on the GPU, before the copy to host,
     # whenever the weight codec has a device kernel (the adaptive codecs: ckpt/quant/device.py),
     # else on the host; `host`: the snapshot copies fp32 rows and the writer encodes them
-    # (docs/design.md §1). CPU shards always encode on the host.
+    # (docs/design/dataflow.md). CPU shards always encode on the host.
     encode_on: Literal["device", "host"] = "device"
     follow: FollowConfig = field(default_factory=FollowConfig)  # `deltarec-follow` (ckpt/follow)
     # When a rank dies: every rank rolls back to the newest checkpoint (`full`), or the
     # surviving ranks save what they have and keep it, only the dead ranks' shards rolling
-    # back (`partial`, CPR; ckpt/recovery/survivor.py, ckpt/recovery/partial.py, docs/design.md §11)
+    # back (`partial`, CPR; ckpt/recovery/survivor.py, ckpt/recovery/partial.py, docs/design/partial-recovery.md)
     recovery: Literal["full", "partial"] = "full"
     # how long a surviving rank may take to save its snapshot (torchrun SIGKILLs a rank 30 s
     # after its SIGTERM); one that cannot finish leaves nothing a restore would use

@@ -1,4 +1,4 @@
-"""A checkpoint's copy and hand-off (docs/design.md §1, steps 3-4): the agreed rows and the
+"""A checkpoint's copy and hand-off (docs/design/dataflow.md, steps 3-4): the agreed rows and the
 dense state to host memory, the tracker's marks, then the writer's job.
 
 It runs inside the stall on the training thread, or on the copier thread beside the next step

@@ -211,7 +211,7 @@ class CheckpointManager:
         )
 
     def _marker_fields(self) -> dict[str, Any]:
-        """What every marker of this job says of it: tables by key (docs/design.md §4), their plan."""
+        """What every marker of this job says of it: tables by key (docs/design/formats.md, "Table keys"), their plan."""
         tables = self.shard_map.table_info.values()
         return {
             "policy": self.cfg.policy,

@@ -1,5 +1,5 @@
 """Checkpoint outcomes as the writer reports them (ckpt/write/writer.py): counted on every rank,
-logged and written to metrics on rank 0 (docs/design.md §1, step 4)."""
+logged and written to metrics on rank 0 (docs/design/dataflow.md, steps 5-6)."""
 
 from __future__ import annotations
 

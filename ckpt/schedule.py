@@ -1,4 +1,4 @@
-"""When a checkpoint is due, and which kind every rank agrees it is (docs/design.md §1, steps 1-2).
+"""When a checkpoint is due, and which kind every rank agrees it is (docs/design/dataflow.md, steps 1-2).
 
 A checkpoint is due every `ckpt.interval_steps` steps and/or after `ckpt.interval_s` (rank 0's
 clock decides, broadcast every few steps). Whether the next step is due is decided at the end

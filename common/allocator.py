@@ -5,7 +5,7 @@ A long-running process whose work comes in bursts (the follower and the server a
 checkpoint every few seconds, a compaction) frees each burst's temporaries into the malloc
 arena of the thread that freed them, and every thread has its own arena: the resident set
 then stays at the sum of each arena's peak, not at what is live. `give_back_freed_memory`
-after a burst brings it back to what the process holds (docs/design.md §10 and §12). The
+after a burst brings it back to what the process holds (docs/design/follower.md and docs/design/serving.md). The
 training process does the opposite on purpose (trainer/allocator.py): it frees and
 reallocates the same sizes every step, where keeping is cheaper.
 """

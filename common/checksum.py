@@ -3,8 +3,9 @@ written before stays readable), computed by ISA-L's carry-less-multiply kernels 
 
 Every frame a checkpoint writes is checksummed once by its writer and once more by whoever
 reads it (restore, follower, server); for fp32 rows stdlib zlib's CRC was the largest part of
-encoding a frame, about a quarter of the writer thread's CPU (docs/BENCHMARKS.md, "The writer's
-CRC"). Where the `isal` wheel is missing the stdlib gives the same values, slower.
+encoding a frame, about a quarter of the writer thread's CPU (docs/history/BENCHMARKS-2026-12.md,
+"What an fp32 checkpoint costs at full size, by thread"). Where the `isal` wheel is missing the
+stdlib gives the same values, slower.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 deltarec's CPU kernels are numba code (``ckpt/quant/adaptive_numba.py``, ``ckpt/restore/kernel_numba.py``).
 Jitted, every process that runs one pays numba's import and LLVM's resident code (its size:
-docs/BENCHMARKS.md "Kernels compiled at setup"); so setup compiles the same source once
+docs/BENCHMARKS.md, "Measured outside the suites"); so setup compiles the same source once
 into an extension module (``launch/kernels.py``, numba's ahead-of-time compiler) that needs neither
 at run time. Beside each built module lies a stamp (:class:`BuildStamp`, JSON) saying what it was
 built from; :func:`load` imports the module only when the stamp still holds: the source's digest

@@ -3,13 +3,13 @@
 A process that imported torch, torchrec and torchmetrics holds some 400k objects the garbage
 collector tracks. A full collection walks all of them, and the interpreter's exit collects
 while it tears the modules down: seconds of CPU per process after its work is done, on every
-rank of every job and restart (docs/design.md §8, "The garbage collector and a process's
+rank of every job and restart (docs/design/environment.md, "The garbage collector and a process's
 exit"). `gc.freeze()` moves the objects alive at that moment into a generation no collection
 visits; they are still freed by reference counting, and only cyclic garbage among them is
 left to the OS at exit.
 
 The exit itself skips the interpreter's teardown (`leave`): torch.distributed's gloo threads
-outlive `destroy_process_group` (docs/design.md §8, "A rank's exit"), and one that needs
+outlive `destroy_process_group` (docs/design/environment.md, "A rank's exit"), and one that needs
 the GIL while the interpreter finalizes aborts the process.
 """
 
@@ -48,7 +48,7 @@ def leave(code: int) -> NoReturn:
     collective whose tensors Python made, or runs a future's Python callback, takes the GIL,
     and a thread that takes it while the interpreter finalizes is ended by `pthread_exit`
     through a C++ frame that may not unwind: "terminate called without an active exception"
-    and SIGABRT, after the job's work was done (docs/design.md §8, "A rank's exit"). Nothing
+    and SIGABRT, after the job's work was done (docs/design/environment.md, "A rank's exit"). Nothing
     deltarec writes depends on a finalizer: files and clients are closed explicitly."""
     threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's own first step of its exit
     atexit._run_exitfuncs()

@@ -3,7 +3,7 @@
 The follower (`deltarec-follow`) compacts the incremental chain as it grows; the server
 (`deltarec-serve`) applies every checkpoint as it commits; the probe asks the server one
 prediction every `probe_s` seconds while the job trains, so each checkpoint gets its first
-answer (its freshness, docs/design.md §12) as a client would give it. Their output goes to
+answer (its freshness, docs/design/serving.md, "Freshness") as a client would give it. Their output goes to
 `<run_dir>/follower.log` and `<run_dir>/server.log`; the console keeps the trainer's.
 """
 

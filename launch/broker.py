@@ -59,7 +59,7 @@ with confluent-kafka 2.16 / librdkafka 2.16, and what the code does about it:
   sends SIGTERM, waits briefly and then SIGKILLs.
 - confluent-kafka requires ``group.id`` even for ``assign()``-only consumers: readers use
   a throwaway unique group id and never commit.
-- Not relied upon (docs/design.md §6): offsets_for_times, delete_records, aborted
+- Not relied upon (docs/design/kafka.md, "The embedded broker"): offsets_for_times, delete_records, aborted
   transactions, compaction; no data survives a restart.
 """
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The static checks, first in .ci/run: lint and format (ruff), types (mypy on the product's
-# packages), and the layers of docs/design.md §2 (import-linter). Settings: pyproject.toml.
+# packages), the layers of docs/design/layers.md (import-linter), and the docs' budgets
+# (launch/doc_budgets.py: page lengths; no issue numbers, sessions or run letters). Settings: pyproject.toml.
 # Sets up what is missing first (launch/setup.sh). Exit status: the first check that failed.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -24,4 +25,5 @@ check "ruff lint" "$BIN/ruff" check --quiet .
 check "ruff format" "$BIN/ruff" format --check --quiet .
 check "mypy" "$BIN/mypy" --no-error-summary
 check "layers" "$BIN/lint-imports" --no-cache
+check "docs budgets" "$BIN/python" launch/doc_budgets.py
 exit $status

@@ -7,8 +7,8 @@ Each kernel's numba source (:data:`SOURCES`) becomes an extension module beside 
 what it was built from; :func:`common.compiled.load` imports it only while the stamp holds. The
 compiler is numba's own ahead-of-time one (``numba.pycc``): the same source and the same LLVM
 code generation as the jitted kernel, so the same bytes (tested), but the module it writes needs
-neither numba nor LLVM at run time (the point: numba's LLVM stays out of every process, docs/BENCHMARKS.md
-"Kernels compiled at setup"). It needs a C compiler to link, as any extension does; without one,
+neither numba nor LLVM at run time (the point: numba's LLVM stays out of every process, docs/BENCHMARKS.md,
+"Measured outside the suites"). It needs a C compiler to link, as any extension does; without one,
 or with any other failure, this prints one line and every process jits the source as before.
 
 Two settings differ from a plain ``numba.pycc`` build, both to match the jitted kernels:

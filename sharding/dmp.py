@@ -1,7 +1,7 @@
 """Wrap the model in DistributedModelParallel with the fused sparse optimizer and a dense one.
 
 The sparse optimizer must be applied in backward *before* planning, otherwise the plan
-silently picks the non-fused `dense` kernel (docs/design.md §8).
+silently picks the non-fused `dense` kernel (docs/design/environment.md, "Planning").
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ def init_process_group(env: DistEnv, *, backend: str = "auto", init_method: str 
         # rank reads the dead attempt's gloo addresses and cannot connect. On several nodes the
         # agents' restart counts can differ (a failure on one, a membership change on another),
         # which is why deltarec-launch and the sbatch template turn sharing off (a fresh store
-        # per attempt, no prefix needed); see docs/design.md §8.
+        # per attempt, no prefix needed); see docs/design/environment.md, "torchrun's stores".
         store, _, _ = next(dist.rendezvous(init_method, rank=env.rank, world_size=env.world_size, timeout=timeout))
         store = dist.PrefixStore(f"deltarec/attempt{attempt}/", store)
         dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
@@ -125,7 +125,7 @@ def destroy_process_group(clean: bool = True) -> None:
     peer still has a collective in flight. After an error, skip the barrier (peers may
     be gone) and let the launcher reap the job. The group's threads outlive this (torch keeps
     references to the group): the process must leave through `common.process.leave`, or
-    one of them may abort its exit (docs/design.md §8, "A rank's exit").
+    one of them may abort its exit (docs/design/environment.md, "A rank's exit").
     """
     if dist.is_available() and dist.is_initialized():
         if clean:

@@ -3,7 +3,7 @@
 torchrec initialises each shard from the process's random state, so the first value of a
 row depends on the world size, the plan and the order shards are built in. deltarec
 replaces it with this scheme so that a checkpoint need not store the rows training never
-touched: restore regenerates them bit-exactly on any number of ranks (docs/design.md §4,
+touched: restore regenerates them bit-exactly on any number of ranks (docs/design/formats.md,
 "Rows never trained"). The distribution is torchrec's default, uniform in
 ±sqrt(1 / num_embeddings).
 

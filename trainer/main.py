@@ -84,7 +84,7 @@ def train(cfg: JobConfig, env: DistEnv) -> int:
     )
     # The model (DDP reducers, their gloo work) goes before the group is torn down; the
     # group's threads outlive it all the same, which is why the process leaves through
-    # common.process.leave (docs/design.md §8, "A rank's exit").
+    # common.process.leave (docs/design/environment.md, "A rank's exit").
     try:
         run_job(cfg, env, device)
     except BaseException as exc:

@@ -5,7 +5,7 @@ Both take the next batch from the loop's iterator and return the step's loss and
 `TrainPipelineSparseDist` keeps two batches beyond the current one: while step i runs forward
 and backward, batch i+1's input all-to-all and batch i+2's host-to-device copy are under way
 (on CUDA streams on a GPU). The loop's position and the checkpoint's rows stay exact because
-(docs/design.md §3, invariant 6):
+(docs/design/invariants.md, invariant 6):
 - positions come from `PositionedBatches`, which counts only trained batches;
 - the tracker marks rows in the embedding lookup (`compute_and_output_dist`), which runs in
   step i's forward, never in an input distribution, so batch i+1's ids reach no bitmap before

@@ -7,7 +7,7 @@ Why: a copied snapshot holds every row it names in fp32 on the host until the wr
 sent them (a delta's changed rows, or every trained row for a full checkpoint). Here the
 host holds the rows saved aside (those updated while the writer runs: the hot ones) and
 one window of rows being encoded. The point in time is the same: every row is read as it
-was at the checkpoint step (docs/design.md §2, "Copy-on-write").
+was at the checkpoint step (docs/design/dataflow.md, "Copy-on-write").
 
 The invariant: a row of a pending snapshot that is neither read by the writer nor saved
 aside has not changed since the checkpoint step. It holds because every row update of a
@@ -44,8 +44,11 @@ if TYPE_CHECKING:
     from ckpt.capture.tracker import LookupGroup
     from sharding.shard_views import ShardView
 
-WINDOW_BYTES = 4 << 20  # host rows the writer reads, encodes and frames at a time, per shard (docs/BENCHMARKS.md, run M)
-SUB_ROWS = 4096  # rows the writer marks and reads at a time: its gather buffer, kept small (docs/BENCHMARKS.md)
+# WINDOW_BYTES: host rows the writer reads, encodes and frames at a time, per shard (docs/history/BENCHMARKS-2026-12.md,
+# "The suite's own memory taken out"); SUB_ROWS: rows the writer marks and reads at a time, its gather buffer, kept
+# small (the same page, "Copy-on-write snapshots").
+WINDOW_BYTES = 4 << 20
+SUB_ROWS = 4096
 
 # A shard row's state while a snapshot is pending (one byte per row of the shard). The two
 # states a lookup must save aside have bit 1 set, so the hook tests a lookup's states with a max

@@ -32,8 +32,8 @@ full checkpoint of a job is larger than the last as the trained rows grow). That
 snapshot the policy may take next, so the same call unmaps a free slab more than twice as
 large (and 64 MiB larger): when an `incremental` run's full checkpoint (the first after a
 resume copies every trained row) is followed only by much smaller deltas, the rank's host
-buffers shrink to what the deltas need instead of keeping a copy of every row (docs/design.md
-§1, "Host memory").
+buffers shrink to what the deltas need instead of keeping a copy of every row (docs/design/dataflow.md,
+"Host memory").
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ step, in two parts:
 2. the copy of the chosen rows. No row changes before the next step's backward pass reaches
    the embedding kernels, whose fused optimizer updates the rows in place; a gradient hook
    on each lookup's output waits for this part there (`wait`), as torchrec's own weight
-   stashing waits for its restore (docs/design.md §2 has the sequence). Until then the copy
+   stashing waits for its restore (docs/design/dataflow.md, step 3, has the sequence). Until then the copy
    has the rest of the forward pass and the dense part of the backward pass to run in.
 
 The stall is what the training thread loses: the hand-off, plus however long it waits for

@@ -9,7 +9,7 @@ is a copy and does not move. On CPU those tensors are carved from a slab of a
 `HostBufferPool` (ckpt/capture/host_buffers.py) when the taker has one: memory an earlier snapshot
 used and the writer gave back (`Snapshot.release`), so the copy does not fault in fresh pages.
 
-Rows are addressed by (table, global row, column offset) (docs/design.md §3, invariant 3):
+Rows are addressed by (table, global row, column offset) (docs/design/invariants.md, invariant 3):
 ``global_rows = row_offset + local row``.
 
 Host memory: `estimate_bytes` gives, from the bitmap counts and before any copy, exactly
@@ -30,7 +30,7 @@ read), and the device-to-host copy overlaps the next step (tests/unit/test_snaps
 both on a GPU). The row counts come from one reduction of the bitmaps, so every shard's
 `nonzero_static` sizes its output without a device wait, and the stall is a handful of
 launches whatever the number of tensors. Where the checkpoint's weight codec has a device
-kernel (`ckpt.encode_on`, docs/design.md §1), the weights are encoded on the device after
+kernel (`ckpt.encode_on`, docs/design/dataflow.md), the weights are encoded on the device after
 the gather and only their encoded bytes cross to the host (`EncodedWeights`): the writer
 then frames them as they are, after checking the encoder's per-row refusals. A consumer must
 call `Snapshot.wait()` before reading the host tensors (a no-op on CPU).

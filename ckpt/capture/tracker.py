@@ -57,7 +57,7 @@ host sync) and runs one ``index_fill_`` per key position into that view: the ids
 offset because they are shard-local, and an id outside its shard raises (``index_fill_``
 is bounds-checked) instead of marking a neighbour shard's row. No Python loop over ids;
 the loop over keys is two ops per key. Its cost per step: `python -m bench.run --suite tracker`
-(docs/BENCHMARKS.md).
+(docs/BENCHMARKS.md, "Checkpoint and tracker").
 
 ``since_last`` is filled by the hook; ``since_base`` is kept as the rows folded in at
 earlier ``mark_checkpoint`` calls, and reported OR-ed with ``since_last``; ``trained``

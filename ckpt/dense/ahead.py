@@ -1,13 +1,14 @@
 """The dense file of the checkpoint a restarted job will most likely restore, loaded while the
-job builds its model (docs/design.md §6).
+job builds its model (docs/design/kafka.md, "Loading the dense file ahead").
 
-Loading a dense file is mostly `torch.load(weights_only=True)`, a Python unpickler, whose CPU
-a restore would otherwise spend beside its rows, on the core that decodes them (its cost:
-docs/BENCHMARKS.md, run K). Once the markers log is read ahead (ckpt/log/catalog_ahead.py) the checkpoint to
-restore, and so its dense file, is known but for what is appended since: `start` loads that
-file on a thread of its own, with `DenseStore.read`'s checks (sha256, weights only). The restore
-`take`s it when it reads the same file (the same path, sha256 and size); otherwise, or when the
-load ahead failed, it reads the file itself and meets any failure with its own message.
+Loading a dense file is mostly `torch.load(weights_only=True)`, a Python unpickler, whose CPU a
+restore would otherwise spend beside its rows, on the core that decodes them (its cost:
+docs/BENCHMARKS.md, "Measured outside the suites"). Once the markers log is read ahead
+(ckpt/log/catalog_ahead.py) the checkpoint to restore, and so its dense file, is known but for
+what is appended since: `start` loads that file on a thread of its own, with `DenseStore.read`'s
+checks (sha256, weights only). The restore `take`s it when it reads the same file (the same
+path, sha256 and size); otherwise, or when the load ahead failed, it reads the file itself and
+meets any failure with its own message.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ every rank's reader state, RNG states, the step and the config digest. Written t
 temporary file, fsynced, renamed into place and the directory fsynced, so a crash leaves
 either the old file set or the new one. Loading verifies the sha256 first and uses
 `torch.load(weights_only=True)`, which never unpickles arbitrary objects. A dense file is
-never replaced: checkpoint ids never repeat within a run directory (docs/design.md §1).
+never replaced: checkpoint ids never repeat within a run directory (docs/design/failures.md, "Lost stream, history present").
 
 The store also keeps the run's local history: `commits.jsonl`, one line per COMMIT marker rank 0
 appended (id, step, where the stream is). A stream that was lost (a broker restarted empty, a

@@ -4,7 +4,7 @@ The rows go, still encoded as the trainer wrote them, into a generation of the f
 own (`compacted_generation(epoch, checkpoint id)`), one partition per rank of the writing
 job, each row into the partition that wrote it. The link is returned only when the sink
 acknowledged every frame; the caller publishes the COMPACTED marker after that, so a
-half-written compaction is never referenced (docs/design.md §10). The sink is flushed every
+half-written compaction is never referenced (docs/design/follower.md, "Compaction"). The sink is flushed every
 `max_unflushed_bytes`, so the frames queued in the producer stay that small instead of a
 second copy of the whole store (each flush's ranges are kept as they come: one range per
 flush and partition).

@@ -10,11 +10,11 @@ follower that lags or dies costs the trainer nothing but longer chains.
 
 On start it rebuilds the store from the newest COMMIT's cheapest chain, which begins at
 the newest compacted baseline, then follows from there. SIGINT/SIGTERM stop it after the
-step in progress; it releases the lease on the way out (docs/design.md §10).
+step in progress; it releases the lease on the way out (docs/design/follower.md).
 
 Given another `ApplyTarget` (the prediction server's model, trainer/serve/), it feeds that
 instead of a `RowStore` and neither compacts nor exports: one stream, one way of following
-it, several consumers (docs/design.md §12).
+it, several consumers (docs/design/serving.md).
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ class Follower:
             did_work = self.stats.work_done != work
             if did_work or self._trim_next_round:
                 # the round's temporaries (frames, decoded rows, a compaction's windows) were
-                # freed into each thread's malloc arena: give them back (docs/design.md §10)
+                # freed into each thread's malloc arena: give them back (docs/design/follower.md)
                 give_back_freed_memory()
             # and once more a round later: each read's consumer closes on a thread of its own
             # after the read, freeing its fetch buffers into the Kafka client's threads' arenas

@@ -4,7 +4,7 @@ Rows are kept exactly as the trainer's frames carried them (codec id plus the co
 bytes, for the weights and for every optimizer state), addressed by (table, column offset,
 global row) like everything in the stream (invariant 3). Nothing is decoded or re-encoded
 here, so a compacted baseline cut from this store restores bit-identically to replaying
-the chain it replaces, quantized rows included (docs/design.md §10).
+the chain it replaces, quantized rows included (docs/design/follower.md, "The store").
 
 A chain whose marker names a row initialisation holds only the rows trained since it, so
 rows may stay unwritten (codec 0); they are left out of compacted baselines, and restore
@@ -151,7 +151,7 @@ class RowStore:
         codecs) group, rows ascending. Each carries the rows' encoded bytes untouched. The
         window bounds what a compaction or a serving snapshot holds beside the store: a
         group's signature, sort and gathered rows, about 100 bytes per row of the window
-        rather than of the largest table (docs/design.md §10)."""
+        rather than of the largest table (docs/design/follower.md, "Compaction")."""
         for key, shard in sorted(self.shards.items()):
             states = sorted(shard.optim.items())
             assert len(states) <= 4, "a signature holds the weights, 4 optimizer states and the partition"

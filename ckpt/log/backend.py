@@ -67,7 +67,8 @@ def open_backend(cfg: CkptConfig, world_size: int) -> Backend:
         )
     conf = cfg.kafka_conf()
     timeout = cfg.flush_timeout_s
-    admin = new_admin(conf)  # one for all three: fewer connections and Metadata round trips (design §6)
+    # one admin client for all three: fewer connections and Metadata round trips (docs/design/kafka.md, "Admin clients")
+    admin = new_admin(conf)
     return Backend(
         open_sink(cfg, world_size, admin),
         KafkaSource(run_id, conf, admin=admin),
@@ -85,7 +86,7 @@ def open_for_restore(cfg: CkptConfig, world_size: int, rank: int) -> Backend:
     (ckpt/dense/ahead.py), and on a broker starts fetching the frames it will restore
     (frames_ahead.py). A job opens it before it builds its model, so the restore finds its
     readers connected, the log read up to then, its dense state loaded and its frames fetched or
-    on the way (design §6); a connect that found no broker, or a read that failed, is tried
+    on the way (docs/design/kafka.md, "Connecting ahead"); a connect that found no broker, or a read that failed, is tried
     again by the restore."""
     backend = open_backend(cfg, world_size)
     if cfg.resume == "none":

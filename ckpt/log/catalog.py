@@ -12,14 +12,14 @@ from a reader's clock:
 - which trainer attempt holds the run, and so which COMMIT and FAILED markers count: the
   newest trainer ATTEMPT record holds it from its position on, and a marker of an older
   attempt after that point (a zombie: an old attempt still alive after a restart, or a
-  second job with the same run id) is fenced, never restored (docs/design.md §7). The same
+  second job with the same run id) is fenced, never restored (docs/design/failures.md, "Zombie writers"). The same
   rule says which `deltarec-ckpt gc` may delete;
 - the survivor snapshots each trainer attempt's ranks left when another rank died
   (`ckpt.recovery: partial`, ckpt/recovery/partial.py chooses which a restore uses).
 
 From these it gives, for any committed checkpoint, the cheapest complete chain: its own
 chain, or an accepted compacted baseline of one of its links plus the links after it,
-whichever reads fewer bytes, never one through a dropped generation (docs/design.md §10).
+whichever reads fewer bytes, never one through a dropped generation (docs/design/follower.md).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class Catalog:
     def feed(self, records: Iterable[tuple[int, bytes]], where: str = "markers") -> Catalog:
         """Fold `(position, bytes)` records, in log order; records at or before the last
         position fed are skipped. A record that fails to decode (a damaged one) is skipped with
-        a warning naming its position and kept in `damaged` (docs/design.md §7): what it said is
+        a warning naming its position and kept in `damaged` (docs/design/failures.md, "Damaged markers log"): what it said is
         lost (a COMMIT: that checkpoint is not restorable; a DROPPED record: a restore through
         those generations fails on their missing data), never what the other records say."""
         for pos, data in records:

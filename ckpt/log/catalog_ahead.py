@@ -1,4 +1,4 @@
-"""The markers log read while a restarted job builds its model (docs/design.md §6).
+"""The markers log read while a restarted job builds its model (docs/design/kafka.md, "Reading the markers log ahead").
 
 A restore's first step, on rank 0, is choosing the checkpoint: reading the markers log from
 its newest catalog record on and folding it (ckpt/log/catalog_record.py), milliseconds on a short

@@ -1,5 +1,5 @@
 """Catalog records: the markers log's fold, summarised in the log, so that a restore reads
-the log's tail instead of all of it (docs/design.md §4, "Catalog records").
+the log's tail instead of all of it (docs/design/formats.md, "Catalog records").
 
 A run that checkpoints every minute for a week has 10,000 COMMIT markers; each names every
 shard's frames, and folding them all costs more than restoring the model (`python -m bench.run

@@ -1,4 +1,4 @@
-"""What replaying a chain reads (docs/design.md §7): per link, the runs of consecutive frame
+"""What replaying a chain reads (docs/design/restore.md): per link, the runs of consecutive frame
 index entries a rank wants, each one offset range of one partition.
 
 The restore reads them (ckpt/restore/replay.py). A restarted job reads the same ranges ahead

@@ -5,7 +5,7 @@ folds them). Of each role the newest record holds the run: markers of an older t
 that land after it are ignored by every reader, whatever their ids, and an older writer that
 reads the log and finds a newer record stops with one line (`Fenced`). The log's own order
 decides, so this needs no lock, lease timeout or clock: it works the same on Kafka and on the
-filesystem sink (docs/design.md §7). A writer's epoch is its record's position + 1 (a Kafka
+filesystem sink (docs/design/failures.md, "Zombie writers"). A writer's epoch is its record's position + 1 (a Kafka
 offset or a byte offset): unique, ordered like the log, and known from the append alone.
 
 Two writers started at once both append; the older learns it at its next read of the log (a

@@ -1,4 +1,4 @@
-"""The chain's frames fetched while a restarted job builds its model (docs/design.md §6).
+"""The chain's frames fetched while a restarted job builds its model (docs/design/kafka.md, "Fetching the frames ahead").
 
 Once the markers log is read ahead (ckpt/log/catalog_ahead.py), the checkpoint a restore will
 choose is known up to what is appended since, and with it the frames to read. The shards are

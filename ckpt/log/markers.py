@@ -116,7 +116,7 @@ class Marker:
     created_unix: float = 0.0
     format: int = FORMAT_VERSION
     # commit records: when rank 0 snapshot the checkpoint's step (wall clock), the start of a
-    # served model's freshness (docs/design.md §12); 0.0 in logs of older deltarec versions
+    # served model's freshness (docs/design/serving.md, "Freshness"); 0.0 in logs of older deltarec versions
     step_unix: float = 0.0
     follower: str = ""  # "compacted" records: the follower that wrote it (checked against the lease)
     attempt: str = ""  # commit and failed records: the trainer attempt that wrote it (ckpt/log/catalog.py)
@@ -189,7 +189,7 @@ class SurvivorRecord:
     ckpt/recovery/survivor.py): the rows of its shards changed since checkpoint `base`, as one chain
     link of frames, and its dense and loop state in a dense file. Appended last, once the
     frames and the file are durable, so a snapshot whose writer died or ran out of time has
-    no record and is never used (docs/design.md §11)."""
+    no record and is never used (docs/design/partial-recovery.md)."""
 
     kind: str  # "survivor"
     run_id: str
@@ -210,7 +210,7 @@ class SurvivorRecord:
 @dataclass(kw_only=True)
 class CatalogRecord:
     """The fold of the log (ckpt/log/catalog.py) as of position `upto`, summarised, so that a
-    restore reads the log's tail instead of the whole log (docs/design.md §4, "Catalog
+    restore reads the log's tail instead of the whole log (docs/design/formats.md, "Catalog
     records"). Rank 0's committer appends one every few records. What it keeps is what a
     restore of one of the newest checkpoints needs: the newest `keep` restorable COMMIT
     markers (and every commit newer than the oldest of them) with the compacted baselines

@@ -3,7 +3,7 @@
 Tool: numba (``@njit(nogil=True, cache=True)``) -- a wheel from the package index; it releases the
 GIL, so the checkpoint writer thread encodes beside training. Setup compiles the same source ahead
 of time (``launch/kernels.py``) into a module that needs neither numba nor LLVM at run time
-(:mod:`common.compiled`; what it saves: docs/BENCHMARKS.md, run O); where that module is missing or stale,
+(:mod:`common.compiled`; what it saves: docs/BENCHMARKS.md, "Measured outside the suites"); where that module is missing or stale,
 the source is jitted, its on-disk cache making later processes load the machine code instead of
 compiling it again.
 

@@ -8,7 +8,7 @@ got from the samples of steps s_k+1..s are lost, and those samples are not train
   the embedding parameters that rolled back;
 - PLS of a run = the lost samples of all its failures / the samples it trained.
 
-The interval (docs/design.md §11 derives it): failures arrive at rate 1/MTBF and fall
+The interval (docs/design/partial-recovery.md, "Interval from a target", derives it): failures arrive at rate 1/MTBF and fall
 uniformly inside a checkpoint interval of T seconds, so at a failure T/2 seconds of samples
 are unsaved on average, and a fraction f of their updates is lost. A run of W seconds has
 W/MTBF failures: E[PLS] = (W / MTBF) * f * T/2 / W = f * T / (2 * MTBF), so

@@ -14,7 +14,7 @@ The survivors' shards then hold their rows as they were at the failure, the dead
 shards k's; dense state, step and the survivors' loop state come from the survivor that got
 furthest; a rank whose snapshot is missing continues its reader from k's position, skipping
 the batches it would have trained (its samples are not trained again: CPR's lost samples).
-With no usable record the restore is exactly a full recovery (docs/design.md §11).
+With no usable record the restore is exactly a full recovery (docs/design/partial-recovery.md).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ A restore from such a chain holds, for a row left waiting, its value as last sav
 updates since are lost for a shard that rolls back. The counters say how many: the updates
 of rows left waiting over all updates since the last full checkpoint, recorded per rank with
 each checkpoint's loop state (`accounting`) and counted into the portion of lost samples by a
-partial restore (ckpt/recovery/partial.py, docs/design.md §11).
+partial restore (ckpt/recovery/partial.py, docs/design/partial-recovery.md).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ saves what it has before it exits, within `ckpt.survivor_timeout_s`:
 No record, no snapshot: a survivor killed or out of time before step 3 leaves frames and a
 file that nothing refers to, and its shards roll back like the dead rank's. The job's
 process groups are broken by then, so nothing here talks to another rank: it opens a sink,
-markers log and dense store of its own (docs/design.md §11).
+markers log and dense store of its own (docs/design/partial-recovery.md).
 """
 
 from __future__ import annotations

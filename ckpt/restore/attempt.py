@@ -1,4 +1,4 @@
-"""This trainer attempt in the markers log (ckpt/log/fencing.py, docs/design.md §7, "Zombie writers"): rank 0
+"""This trainer attempt in the markers log (ckpt/log/fencing.py, docs/design/failures.md, "Zombie writers"): rank 0
 announces it as soon as the restore has chosen its checkpoint, and every rank learns its epoch
 before the attempt's first checkpoint (or, under partial recovery, right after the restore)."""
 

@@ -4,7 +4,7 @@ Rank 0 checks that the broker answers, reads the markers log (from its newest ca
 on, ckpt/log/catalog_record.py; read while the model was built when `CatalogAhead` did, and
 caught up with what was appended since) and the run directory's journal of COMMITs, and
 chooses what `ckpt.resume` asks for, each checkpoint with its cheapest complete chain
-(docs/design.md §6). Only the chosen checkpoint is broadcast: the older ones carry every
+(docs/design/kafka.md, "Reading the markers log ahead"). Only the chosen checkpoint is broadcast: the older ones carry every
 chain's frame index, so they go to the other ranks only once the chosen one failed
 (`ResumeChoice.tries`). A start that must be refused (a lost stream, an id no chain
 restores) raises the same `RestoreError` on every rank before anything is written.

@@ -45,7 +45,7 @@ A chain whose marker names a row initialisation stores only trained rows; the ot
 out at their initial values, regenerated (sharding/row_init.py).
 
 Rows come out as the checkpoint stored them: bit-exact for fp32 encodings, dequantized
-otherwise. The design is described in docs/design.md.
+otherwise. The design is described in docs/design/restore.md.
 """
 
 from __future__ import annotations

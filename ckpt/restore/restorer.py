@@ -1,4 +1,4 @@
-"""A restore on start (docs/design.md §1, §7): the checkpoint `ckpt.resume` names, under
+"""A restore on start (docs/design/restore.md, docs/design/failures.md): the checkpoint `ckpt.resume` names, under
 `ckpt.recovery: partial` with the survivor snapshots a failed attempt left (ckpt/recovery/partial.py).
 
 `Restorer.restore` replays the chosen chain into the shards, loads the dense and loop state and

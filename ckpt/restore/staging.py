@@ -17,7 +17,7 @@ same logic, tested on any machine against the direct kernel and the torch path),
 touches the shards on the device (the torch path's frames, the finish) first makes the current
 stream wait for the side stream (`StagedReplay.join`), and the restore ends with the side
 stream's work done (`StagedReplay.finish`), so writes land in the order the replay issued them
-(design §1, Restore).
+(docs/design/restore.md).
 """
 
 from __future__ import annotations

@@ -125,7 +125,7 @@ def scan_records(
 
     ``verify=False`` reads headers only (payload None) and checks the CRC of the last
     record alone: that is where a torn write can be (used to find a writer's end).
-    ``skip_damaged`` (the markers log, docs/design.md §7): corruption with an intact record
+    ``skip_damaged`` (the markers log, docs/design/failures.md): corruption with an intact record
     after it is skipped with a warning naming file and bytes, and reading goes on at that
     record; damage with nothing intact after it reads as a torn tail.
     """
@@ -437,7 +437,7 @@ class FsMarkers:
     append holds an exclusive `flock` on the file: inside it the appender finds the real end
     (records other processes added since), cuts a torn tail a killed writer left, writes and
     fsyncs. A damaged record in the middle is skipped by readers and writers alike, with a
-    warning naming file and bytes (docs/design.md §7): one flipped byte must not make every
+    warning naming file and bytes (docs/design/failures.md): one flipped byte must not make every
     later checkpoint of the run unreadable."""
 
     def __init__(self, root: str | os.PathLike, run_id: str) -> None:

@@ -9,7 +9,7 @@ what tells a lost stream from a run that never committed.
 
 When a job arrives (`prepare`), the markers log's reader starts connecting on a thread of its
 own, so the read before the dense file finds it connected instead of paying a new Kafka
-client's rate-limited connects before the COMMIT (docs/design.md §6).
+client's rate-limited connects before the COMMIT (docs/design/kafka.md, "Connecting ahead of a commit").
 
 Fencing: before the dense file, rank 0 reads what the markers log gained since its last look;
 when a newer trainer attempt announced itself there, this attempt writes nothing more (no
@@ -198,7 +198,7 @@ class Committer:
 
     def _rebased(self, marker: Marker) -> Marker:
         """`marker` with its cheapest complete chain, which starts at a follower's compacted
-        baseline when one of its links has one (docs/design.md §10), as of the log `_fenced`
+        baseline when one of its links has one (docs/design/follower.md), as of the log `_fenced`
         just read. Without that read the marker keeps its full chain, which is always valid."""
         if not self.rebase or not self._read_ok or len(marker.chain) < 2:
             return marker

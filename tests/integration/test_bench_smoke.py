@@ -70,7 +70,7 @@ def test_quick_suite_writes_every_peer_and_policy(tmp_path: Path, run_cli: CliRu
     flat = result["records"]
     assert flat and all(FIELDS <= set(r) for r in flat)
 
-    # every peer, with the figures the issue asks for
+    # every peer, with the figures the goals ask for
     asked = {"stall_ms", "bytes_written", "capacity_bytes", "samples_per_s", "restore_s", "steps_lost_mean"}
     for peer in PEERS:
         assert asked <= {r["metric"] for r in flat if r["peer"] == peer}, peer

@@ -1,4 +1,4 @@
-"""Dense store faults (issue 13, fault 3): a full disk or a permission error while rank 0 writes a
+"""Dense store faults: a full disk or a permission error while rank 0 writes a
 checkpoint's dense file fails that checkpoint only, reported naming the file; training goes on, the
 next checkpoint is full, older checkpoints stay restorable, and no temporary file is left behind.
 The OSError is injected at the write (`DELTAREC_DENSE_ERROR`): the tests run as root, which

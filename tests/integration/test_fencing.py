@@ -1,4 +1,4 @@
-"""Zombie writers (issue 13, item 6): two trainer attempts of one run at once, and two
+"""Zombie writers (docs/design/failures.md): two trainer attempts of one run at once, and two
 `deltarec-ckpt gc` at once. The newest ATTEMPT record in the markers log holds the run
 (ckpt/log/fencing.py): the older writer stops with one line and nothing it could still write is
 ever restored. Real gloo ranks, the real embedded broker, real files, SIGSTOP/SIGCONT from

@@ -1,4 +1,4 @@
-"""Filesystem sink damage (#13 item 4): a frame duplicated inside a range a COMMIT marker
+"""Filesystem sink damage: a frame duplicated inside a range a COMMIT marker
 names, a frame duplicated after the last named offset, a segment deleted. Real gloo ranks,
 real files. (A segment cut mid-frame: test_sinks.py::test_fs_torn_tail_is_ignored_and_cut_by_the_next_writer.)
 

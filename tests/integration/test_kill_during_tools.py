@@ -1,5 +1,5 @@
 """SIGKILL during a restore, a `deltarec-ckpt gc` and an `export`: the next attempt succeeds and
-nothing already saved is lost (issue 13, item 8). Real gloo ranks, the real embedded broker,
+nothing already saved is lost. Real gloo ranks, the real embedded broker,
 real files; the kills are real SIGKILLs, through the crash points of ckpt/faults.py and from
 outside the process."""
 

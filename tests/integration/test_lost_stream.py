@@ -1,5 +1,5 @@
 """A lost stream never makes a run silently start over, and a new start never overwrites the
-files of earlier checkpoints (issue 13, fault 1): the broker restarted empty (its storage is
+files of earlier checkpoints: the broker restarted empty (its storage is
 memory) and a filesystem sink's root emptied, with real ranks, a real broker and real files."""
 
 from __future__ import annotations

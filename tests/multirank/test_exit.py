@@ -1,4 +1,4 @@
-"""A rank's exit after its work is done (common/process.py `leave`, docs/design.md §8): a gloo
+"""A rank's exit after its work is done (common/process.py `leave`, docs/design/environment.md): a gloo
 worker thread that takes the GIL while the interpreter would be finalizing must not abort
 the process. The same rank leaving through the interpreter's own exit is the control: it
 aborts with "terminate called without an active exception", which is what the trainer's
@@ -49,7 +49,7 @@ def test_a_rank_leaving_through_run_main_exits_cleanly_while_gloo_still_calls_in
 
 def test_the_control_the_same_rank_leaving_through_the_interpreters_exit_aborts(tmp_path: Path) -> None:
     # If this starts passing cleanly, torch or Python no longer end gloo's thread mid-unwind,
-    # and `leave` may be unneeded: say so in docs/design.md §8 rather than delete the test.
+    # and `leave` may be unneeded: say so in docs/design/environment.md rather than delete the test.
     (_, r1), _ = _two_ranks(tmp_path, "interpreter")
     assert r1.returncode == -signal.SIGABRT, (r1.returncode, r1.stderr)
     assert "terminate called without an active exception" in r1.stderr

@@ -1,5 +1,5 @@
 """Under TorchRec's pipeline the tracker attributes rows to the step that trained them, and
-the loop saves the position of the last trained batch (docs/design.md §3, invariant
+the loop saves the position of the last trained batch (docs/design/invariants.md, invariant
 6). tests/multirank/pipeline_worker.py does the work on 2 gloo ranks."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The CPU accounting of the benchmarks (`bench.cpu`, issue 12 item 6): threads are put in
+"""The CPU accounting of the benchmarks (`bench.cpu`): threads are put in
 the right class from their real names, a thread's CPU is read from the kernel and kept after
 it ends, a process's CPU is read from /proc, and the per-checkpoint arithmetic subtracts a
 baseline scaled to the job's steps. No figure of a benchmark is judged."""

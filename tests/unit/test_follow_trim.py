@@ -1,7 +1,7 @@
 """The follower gives its malloc arenas' free pages back after a round that did work and once
 more after the round that follows it (a read's consumer closes after the round, on a thread
 of its own), and not after further idle rounds (ckpt/follow/follower.py `poll`,
-docs/design.md §10): the rounds' control flow, with the stream and the apply stubbed out."""
+docs/design/follower.md): the rounds' control flow, with the stream and the apply stubbed out."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Bad input, fuzzed (issue 13, item 9): what a user or a damaged disk hands deltarec never
+"""Bad input, fuzzed: what a user or a damaged disk hands deltarec never
 gives a traceback.
 
 - configs: random mutations of a valid YAML config (values, deleted, renamed and added keys,
@@ -481,7 +481,7 @@ def test_forged_marker_bodies_are_refused_or_decode_to_sound_records(replay_seed
 
 
 def test_damaged_markers_log_loses_only_the_damaged_records(tmp_path: Path, replay_seed: ReplaySeed) -> None:
-    """Filesystem markers log: reading never fails on damage (docs/design.md §7). It gives the
+    """Filesystem markers log: reading never fails on damage (docs/design/failures.md). It gives the
     records before the damage and every record that is intact after it (at its new position
     when bytes were inserted or deleted); only damaged records are lost, each with a warning
     naming file and byte, and damage with nothing intact after it reads as a torn tail."""

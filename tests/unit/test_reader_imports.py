@@ -1,5 +1,5 @@
 """What reads the stream without a model (the follower, `deltarec-ckpt`) never imports torchrec,
-whose import costs CPU and resident memory in every such process (docs/design.md §10;
+whose import costs CPU and resident memory in every such process (docs/design/follower.md;
 `sharding/shard_views.py` imports it on first use, by the ranks)."""
 
 from __future__ import annotations

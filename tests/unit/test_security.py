@@ -1,4 +1,4 @@
-"""Security (issue 13, item 10): a dense file that carries a pickle payload is refused, never
+"""Security: a dense file that carries a pickle payload is refused, never
 run; run ids and table names cannot reach outside the filesystem sink's root; librdkafka's
 security settings reach every Kafka client unchanged (checked without a broker: the clients
 are replaced by recorders of the configuration they are given)."""
@@ -216,8 +216,8 @@ def test_sasl_ssl_settings_reach_every_producer_and_consumer_unchanged(
         assert {k: conf.get(k) for k in SECURITY} == SECURITY, kind  # every setting, value unchanged
         assert conf["bootstrap.servers"] == "broker-1:9093,broker-2:9093", kind
     admin = next(conf for kind, conf in _Recorder.made if kind == "admin")
-    assert admin["reconnect.backoff.ms"] == 10  # design §6: the second Metadata request waits 11 ms, not 50
-    for conf in (conf for kind, conf in _Recorder.made if kind == "consumer"):  # design §6: no 1 s fetch pause
+    assert admin["reconnect.backoff.ms"] == 10  # docs/design/kafka.md: the second Metadata request waits 11 ms, not 50
+    for conf in (conf for kind, conf in _Recorder.made if kind == "consumer"):  # docs/design/kafka.md: no 1 s fetch pause
         assert conf["fetch.queue.backoff.ms"] == kafka_consumer.FETCH_QUEUE_BACKOFF_MS
     producer = next(conf for kind, conf in _Recorder.made if kind == "producer")
     assert producer["acks"] == "all" and producer["enable.idempotence"] is True  # what deltarec adds, beside them

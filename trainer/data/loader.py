@@ -7,7 +7,7 @@ when step k ends, the reader has already produced batches k+1, k+2, ... (prefetc
 train pipeline). So every item a worker yields is a `Positioned(batch, after)`, `after` being
 the reader's state once that batch was read, and `PositionedBatches` keeps those states in
 fetch order until the loop says a batch was trained (`trained_one`). Its `trained` is the state
-to checkpoint: the batches in flight are read again after a restore (docs/design.md §3,
+to checkpoint: the batches in flight are read again after a restore (docs/design/invariants.md,
 invariant 6).
 
 Several workers split the batches round robin (worker w reads batches w, w+N, ...: the
@@ -18,7 +18,7 @@ Criteo line) comes back as a `ReaderFailure` and is raised in the loop as the sa
 
 Workers leave stop signals to their rank and die with it (`_worker_init`): torchrun and Slurm
 signal a rank's whole process group, and a worker killed by that SIGTERM makes the DataLoader
-raise in the rank before a survivor under partial recovery has saved (docs/design.md §3,
+raise in the rank before a survivor under partial recovery has saved (docs/design/invariants.md,
 invariant 6).
 """
 

@@ -2,7 +2,7 @@
 
 A reader is an endless, per-rank source of training batches whose position can be
 saved and restored exactly. The checkpoint stores ``state_dict()`` next to the model
-(docs/design.md §3, invariant 2: after a restore no sample is trained twice or skipped), so
+(docs/design/invariants.md, invariant 2: after a restore no sample is trained twice or skipped), so
 the state must be plain JSON and must pin the *exact* next batch.
 """
 

@@ -1,4 +1,4 @@
-"""`deltarec-serve`: predictions over HTTP from a run's live model (docs/design.md §12).
+"""`deltarec-serve`: predictions over HTTP from a run's live model (docs/design/serving.md).
 
 The stages of a served checkpoint, each in its own file:
 

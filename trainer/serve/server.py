@@ -173,7 +173,7 @@ def freeze_startup_objects() -> int:
 
     A full collection walks every object the collector tracks, and importing torch, torchrec
     and aiohttp leaves hundreds of thousands of them, so each full collection paused every
-    request for as long as the walk took (docs/design.md §12, "Pauses"). Frozen after
+    request for as long as the walk took (docs/design/serving.md, "Pauses"). Frozen after
     start-up, they are never walked again; garbage made later is collected as before.
     """
     gc.collect()

@@ -14,7 +14,7 @@ everything and copies every table from the live one once. Rows go in decoded, as
 `deltarec-ckpt export` writes them (ckpt/restore/replay.py `decode_rows`), so a response on
 checkpoint k equals that export's model bit for bit on fp32 rows.
 
-Memory per row of the embedding tables (docs/design.md §12): two fp32 copies (2 x 4 x dim
+Memory per row of the embedding tables (docs/design/serving.md): two fp32 copies (2 x 4 x dim
 bytes), plus the decoded rows of one checkpoint's delta, plus during a rebuild one byte per
 row and column shard (the check that the base covers every row).
 """

@@ -21,7 +21,7 @@ DEFAULT_TOPIC_CONFIG = {"retention.ms": "-1", "retention.bytes": "-1"}
 # librdkafka drops a new client's bootstrap connection once Metadata names the brokers and
 # connects to one of them only when the next Metadata request asks, rate-limited to one
 # connect per reconnect.backoff.ms / 2 (50 ms by default; never below about 11 ms). Admin
-# clients lower it (design §6); they keep sparse connections, so a broker that is down is
+# clients lower it (docs/design/kafka.md); they keep sparse connections, so a broker that is down is
 # retried on demand only and a new one on the same address is reached at once.
 ADMIN_DEFAULTS = {"reconnect.backoff.ms": 10}
 

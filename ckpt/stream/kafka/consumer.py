@@ -1,5 +1,5 @@
 """Reader consumers: their settings (`_consumer_conf`), a consumer connected ahead of its read
-(`_connect`, `_ConnectAhead`, design §6), the topics a read checks against, and the close that
+(`_connect`, `_ConnectAhead`, docs/design/kafka.md), the topics a read checks against, and the close that
 does not keep a read waiting."""
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ DEFAULT_READ_BUFFER_KB = 16 * 1024
 DEFAULT_FETCH_PARTITION_BYTES = 8 << 20
 # A partition whose prefetched messages exceed the read buffer is not fetched again for this
 # long (librdkafka default: 1,000 ms, which a restore that decodes slower than it fetches waited
-# in full; design §6).
+# in full; docs/design/kafka.md).
 FETCH_QUEUE_BACKOFF_MS = 5
 # A consumer connected ahead of a read (`_connect`) asks for the topic listing right after it
 # starts. librdkafka may have dropped the bootstrap connection by then (the consumer's own first
 # Metadata named the brokers), and with sparse connections the request then waits for the
 # rate-limited connect, 50 ms for a consumer. Connecting to the named brokers at once avoids it;
-# such a consumer lives until the next read only (design §6).
+# such a consumer lives until the next read only (docs/design/kafka.md).
 CONNECT_AHEAD_DEFAULTS = {"enable.sparse.connections": False}
 
 
@@ -95,7 +95,7 @@ def _connect(cconf: Mapping[str, Any], timeout_s: float, watermarks_of: TopicPar
 class _ConnectAhead:
     """The slot for at most one consumer connected ahead of its owner's next read: `put` a
     pending or finished connect, `take` it once, `close` closes one nobody took. A reader that
-    takes none connects as before; one that takes one skips a new client's connects (design §6).
+    takes none connects as before; one that takes one skips a new client's connects (docs/design/kafka.md).
     Thread-safe: a source is read from several threads, and a prepare connects on its own."""
 
     def __init__(self) -> None:

@@ -1,4 +1,4 @@
-"""A read ahead's frames decoded on a thread while a restarted job builds its model (design §6).
+"""A read ahead's frames decoded on a thread while a restarted job builds its model (docs/design/kafka.md).
 
 `KafkaSource.read_ahead` assigns the restore's reads before the model exists, and librdkafka
 fetches their messages into its read buffer. What the restore's first frames then still wait

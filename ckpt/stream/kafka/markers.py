@@ -56,7 +56,7 @@ class KafkaMarkers:
         # (OFFSET_BEGINNING would cost an extra ListOffsets round, ~0.5 s on Tansu). A read
         # to the end stops where its last fetch said the log ends, so fetch.wait.max.ms
         # delays only a read with nothing to read; and the embedded broker answers a fetch
-        # of a long log with nothing when its own work takes longer than that (design §6).
+        # of a long log with nothing when its own work takes longer than that (docs/design/kafka.md).
         self._cconf = {
             **_consumer_conf(conf, consumer_conf, {"fetch.wait.max.ms": MARKERS_FETCH_WAIT_MS}),
             "auto.offset.reset": "earliest",

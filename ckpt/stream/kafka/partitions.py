@@ -60,7 +60,7 @@ def _read_partitions(
     Reads of the same partition (which must not overlap) are served in offset order, whatever
     the order given: adjacent ones as one sequential read, a gap with a forward seek. A seek
     back would wait for the fetch in flight (at the end of the log, fetch.wait.max.ms) and
-    then a new round trip (design §6). A read to the end (``last`` None) ends at the end
+    then a new round trip (docs/design/kafka.md). A read to the end (``last`` None) ends at the end
     the fetch of its newest message reported, or on the end-of-partition event when there is
     nothing to read. A partition whose reads are done is paused. Raises
     ``SourceError`` when a partition ends before a read's ``last`` or nothing arrives for
@@ -216,5 +216,5 @@ class _ReadProgress:
 def _fetched_end(consumer: Consumer, key: tuple[str, int]) -> int:
     """The end of a partition (its high watermark) as the newest fetch of it said (negative
     before any). The end-of-partition event reports the same figure, but only with the
-    answer to the next fetch (design §6)."""
+    answer to the next fetch (docs/design/kafka.md)."""
     return consumer.get_watermark_offsets(TopicPartition(*key), cached=True)[1]

@@ -22,7 +22,7 @@ DEFAULT_DELIVERY_TIMEOUT_S = 30.0
 # librdkafka's idempotent producer keeps at most 5 messages of a partition in flight
 # (RD_KAFKA_IDEMP_MAX_INFLIGHT); while one more waits behind them its broker thread polls its
 # sockets with a zero timeout until a reply comes, a busy loop as long as the broker takes
-# (docs/design.md §6, "At most 5 messages outstanding"). `produce` therefore waits, serving
+# (docs/design/kafka.md, "At most 5 messages outstanding"). `produce` therefore waits, serving
 # delivery reports, while this many messages are queued or in flight.
 MAX_OUTSTANDING = 5
 # ... but not for a broker that answers nothing: after this long without a delivery report it

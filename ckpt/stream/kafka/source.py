@@ -1,6 +1,6 @@
 """`KafkaSource`: frames read back by exact offset range, with a consumer connected ahead when
 `prepare` started one, and fetching and decoding ahead when `read_ahead` guessed the next read
-(design §6)."""
+(docs/design/kafka.md)."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ class KafkaSource:
     def prepare(self) -> None:
         """Start connecting the consumer of the next `read_ranges` on a thread of its own. A
         restore calls this on every rank before rank 0 reads the markers log, so the rows
-        read finds its client connected (design §6); a `read_ahead` may follow until that read."""
+        read finds its client connected (docs/design/kafka.md); a `read_ahead` may follow until that read."""
         with self._ahead_lock:
             self._read_started = False
         self._connect_ahead.put(_connect_on_thread(self._cconf, self.timeout_s))
