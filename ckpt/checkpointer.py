@@ -11,7 +11,7 @@
         ckpt.save(step)                             # a checkpoint when one is due; else next to nothing
     ckpt.close(loop.step)                           # also right when the loop body never ran
 
-What it takes (docs/design.md §2, "Your own loop"):
+What it takes (docs/design/layers.md, "Your own loop"):
 
 - `model`: a `DistributedModelParallel` whose sharded `EmbeddingBagCollection` and
   `EmbeddingCollection` modules may sit anywhere in the module tree, on any sharding type,

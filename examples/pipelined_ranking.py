@@ -9,7 +9,7 @@ because of two things, the only ones a pipelined loop must get right:
    so the batches in flight at a crash are read again.
 2. `restore()` runs before the pipeline takes its first batch, and `save(step)` right after
    `progress()` returns: deltarec marks rows in the embedding lookup of the step that trains
-   them, never in the input distribution of a batch in flight (docs/design.md §3, invariant 6).
+   them, never in the input distribution of a batch in flight (docs/design/invariants.md, invariant 6).
 
 The lines that add deltarec are marked `# deltarec`.
 
@@ -147,4 +147,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_main(main)  # deltarec: an exit that gloo's threads, alive past the process group, cannot abort (docs/design.md §8)
+    # deltarec: an exit that gloo's threads, alive past the process group, cannot abort
+    # (docs/design/environment.md, "A rank's exit")
+    run_main(main)

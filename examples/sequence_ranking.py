@@ -165,4 +165,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_main(main)  # deltarec: an exit that gloo's threads, alive past the process group, cannot abort (docs/design.md §8)
+    # deltarec: an exit that gloo's threads, alive past the process group, cannot abort
+    # (docs/design/environment.md, "A rank's exit")
+    run_main(main)
