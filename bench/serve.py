@@ -17,6 +17,11 @@ Reported:
   goal: p99 <= time to COMMIT + 1 s (per checkpoint: freshness minus its own time to COMMIT);
 * request latency p50/p99 per class as the client measures it; goals: one sample <= 20 ms,
   512 samples <= 50 ms (p99);
+* slow clients: from ``--stall-after-s`` after the server is first ready, for ``--stall-s`` seconds, ``--stalled``
+  connections each send a request's head and half its body and stall (opened again as the
+  server answers 408 after `serve.body_timeout_s`); reported: the latency p99 of the requests
+  sent meanwhile, the refusals among them, and how often readiness said 200 (goal: the latency
+  goals above still met, no refusal, always ready);
 * the server's memory: resident bytes grown from listening (tables allocated, untouched) to
   the end, per row of the model's tables, against the stated 2 x 4 x dim bytes and against
   what the server reports holding (`deltarec_serve_model_bytes`: both copies and the decoded
@@ -31,9 +36,11 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -65,6 +72,9 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--big-rate", type=float, default=2.0, help="big requests per second")
     p.add_argument("--set", dest="overrides", action="append", default=list(DEFAULT_SET), help="config overrides (repeatable)")
     p.add_argument("--seed", type=int, default=0, help="the requests' samples")
+    p.add_argument("--stalled", type=int, default=200, help="uploads stalled mid-body at once (0: none)")
+    p.add_argument("--stall-after-s", type=float, default=20.0, help="seconds after the server is ready the stalls begin")
+    p.add_argument("--stall-s", type=float, default=15.0, help="how long they go on")
     p.add_argument("--timeout-s", type=float, default=1200)
     p.add_argument("--out", default="serve.json")
     p.add_argument("--work-dir", type=Path, help="keep the run here (default: a temporary directory, removed)")
@@ -124,6 +134,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         samples = work / "samples.json"
         samples.write_text(json.dumps(_samples(cfg, max(args.big, 1), args.seed)))
         address = work / "server.json"
+        address.unlink(missing_ok=True)  # a kept --work-dir's: the server writes its own once it listens
         server_log = open(work / "server.log", "w")
         server = subprocess.Popen(
             [sys.executable, "-m", "trainer.serve_cli", "--config", str(args.config), *job, "--address-file", str(address)],
@@ -143,7 +154,10 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             )  # fmt: skip
             log(f"server on {url}; training {args.steps} steps with a checkpoint every {args.interval_s:g} s")
             t0 = time.perf_counter()
-            start_ranks(args.config, job, work, timeout_s=args.timeout_s).wait()
+            ranks = start_ranks(args.config, job, work, timeout_s=args.timeout_s)
+            stalls = StalledUploads(client, args.stalled, args.stall_after_s, args.stall_s)
+            ranks.wait()
+            stall = stalls.finish()
             train_s = time.perf_counter() - t0
             backend = open_backend(cfg.ckpt, world_size=1)
             try:
@@ -177,7 +191,68 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "rss_end": rss_end,
         "train_s": train_s,
         "applied": read_jsonl(work / "run" / "serve.jsonl"),
+        "stall": stall,
     }
+
+
+class StalledUploads:
+    """`count` connections that send a request's head and half its body and stall, from
+    `after_s` after the server is first ready on, for `for_s` seconds, each opened again when the server closes it (408); and
+    readiness asked once a second meanwhile. A thread of the benchmark's own process."""
+
+    def __init__(self, client: ServeClient, count: int, after_s: float, for_s: float) -> None:
+        self.client, self.count, self.after_s, self.for_s = client, count, after_s, for_s
+        host, port = client.url.removeprefix("http://").rsplit(":", 1)
+        self.where = (host, int(port))
+        self.window: tuple[float, float] = (0.0, 0.0)
+        self.ready: list[bool] = []
+        self.opened = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True) if count else None
+        if self.thread is not None:
+            self.thread.start()
+
+    def _open(self) -> socket.socket:
+        body = b'{"samples": [{"dense": [0.5, 0.5, 0.5, 0.5]}]}'
+        head = f"POST /predict HTTP/1.1\r\nHost: {self.where[0]}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        conn = socket.create_connection(self.where, timeout=5)
+        conn.sendall(head + body[: len(body) // 2])
+        conn.setblocking(False)
+        self.opened += 1
+        return conn
+
+    def _run(self) -> None:
+        while not self.client.ready()[0]:  # a checkpoint served first: then only the stalls decide
+            if self.stop.wait(0.2):
+                return
+        if self.stop.wait(self.after_s):
+            return
+        start = time.time()
+        conns = [self._open() for _ in range(self.count)]
+        next_probe = time.monotonic()
+        while not self.stop.is_set() and time.time() - start < self.for_s:
+            for i, conn in enumerate(conns):
+                try:
+                    if conn.recv(65536) == b"":  # closed: the server gave up on it (408)
+                        raise ConnectionResetError
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    conn.close()
+                    conns[i] = self._open()
+            if time.monotonic() >= next_probe:
+                self.ready.append(self.client.ready()[0])
+                next_probe += 1.0
+            time.sleep(0.05)  # polling the stalled sockets
+        self.window = (start, time.time())
+        for conn in conns:
+            conn.close()
+
+    def finish(self) -> dict[str, Any]:
+        if self.thread is not None:
+            self.stop.set()
+            self.thread.join(timeout=60)
+        return {"window": self.window, "ready": self.ready, "opened": self.opened, "count": self.count}
 
 
 def _apply_windows(applied: list[dict[str, Any]], commits: dict[int, Any]) -> list[tuple[float, float]]:
@@ -224,6 +299,12 @@ def summarize(m: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         ]
         for cls, n in (("1", 1), (str(args.big), args.big))
     }
+    start, end = m["stall"]["window"]
+    during = [a for a in m["answers"] if start <= a["sent_unix"] <= end]
+    stalled = {
+        cls: [a["latency_s"] * 1e3 for a in during if a["status"] == 200 and a["samples"] == n]
+        for cls, n in (("1", 1), (str(args.big), args.big))
+    }
     rows = sum(t.num_embeddings for t in cfg.model.tables)
     stated = sum(2 * 4 * t.num_embeddings * t.embedding_dim for t in cfg.model.tables)
     grown = m["rss_end"]["VmRSS"] - m["rss_listening"]["VmRSS"]
@@ -249,6 +330,14 @@ def summarize(m: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "apply_share": round(sum(b - a for a, b in windows) / max(m["train_s"], 1e-9), 4),
         "requests_ok": sum(1 for a in m["answers"] if a["status"] == 200),
         "requests_refused": sum(1 for a in m["answers"] if a["status"] not in (200, 0)),
+        "stalled_uploads": m["stall"]["count"],
+        "stalled_connections_opened": m["stall"]["opened"],
+        "stalled_window_s": round(end - start, 1),
+        "stalled_requests": len(during),
+        "stalled_requests_refused": sum(1 for a in during if a["status"] != 200),
+        "stalled_latency_1_p99_ms": _pct(stalled["1"], 99),
+        f"stalled_latency_{args.big}_p99_ms": _pct(stalled[str(args.big)], 99),
+        "stalled_ready_fraction": round(sum(m["stall"]["ready"]) / len(m["stall"]["ready"]), 3) if m["stall"]["ready"] else None,
         "rows": rows,
         "memory_grown_bytes": grown,
         "memory_per_row_bytes": grown / rows,
@@ -285,6 +374,9 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite serve") -> dic
             "rate": args.rate,
             "big": args.big,
             "big_rate": args.big_rate,
+            "stalled": args.stalled,
+            "stall_after_s": args.stall_after_s,
+            "stall_s": args.stall_s,
             "overrides": args.overrides,
         },
         "summary": summary,

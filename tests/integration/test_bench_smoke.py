@@ -363,11 +363,13 @@ def test_throughput_suite_compares_with_torchrec_and_profiles_the_step(
 def test_serve_suite_times_freshness_latency_and_memory(tmp_path: Path, run_cli: CliRunner, debug_config: DebugConfig) -> None:
     """A tiny `serve` run on the debug model (a checkpoint every second, a light load): the
     newest checkpoint served and the freshness timed, both request classes answered, memory per
-    row, the records."""
+    row, the records; 20 uploads stalled mid-body for 2 s, more than the server's places
+    (serve.max_concurrency + serve.max_queue = 8), leave requests answered meanwhile."""
     out, records = tmp_path / "serve.json", tmp_path / "records.jsonl"
     run_cli(
         "bench.run", "--suite", "serve", "--records", records, "--out", out, "--config", debug_config.path,
         "--steps", "300", "--interval-s", "1", "--rate", "10", "--big", "32", "--big-rate", "2",
+        "--stalled", "20", "--stall-after-s", "1", "--stall-s", "2", "--set", "serve.max_queue=4",
         timeout_s=300,
     )  # fmt: skip
     s = json.loads(out.read_text())["summary"]
@@ -380,6 +382,9 @@ def test_serve_suite_times_freshness_latency_and_memory(tmp_path: Path, run_cli:
     assert s["memory_stated_per_row_bytes"] == 2 * 4 * 16 and s["rows"] == 2000 + 1000 + 64, s
     # the server holds both copies, and at least their bytes are reported held
     assert s["memory_held_per_row_bytes"] >= s["memory_stated_per_row_bytes"], s
+    # a stalled upload takes no place: requests sent meanwhile are answered (before, all were 503)
+    assert s["stalled_uploads"] == 20 and s["stalled_requests"] > 0, s
+    assert s["stalled_requests_refused"] < s["stalled_requests"] and s["stalled_ready_fraction"] == 1.0, s
     assert {"freshness_server_p99_s", "latency_1_p99_ms", "memory_per_row_bytes"} <= {r["metric"] for r in read_records(records)}
 
 
