@@ -46,6 +46,7 @@ PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ),
     ("a session ordinal", re.compile(r"\bsessions?\s+#?\d+", re.IGNORECASE)),
     ("a run letter", re.compile(r"\b[Rr]uns?\s+[A-Z](?:\s*[-–]\s*[A-Z])?(?![\w'’])")),
+    ("a design section number (cite the page under docs/design/)", re.compile(r"design\.md\s*§")),
 )
 
 

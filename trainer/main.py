@@ -51,7 +51,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="every rank's log lines and every library warning (by default known noise is filtered)",
     )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides before, between or after the options
 
 
 def setup_logging(rank: int, verbose: bool = False) -> None:

@@ -31,7 +31,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--address-file", type=Path, metavar="F", help='write {"host", "port", "pid", "url"} here once listening')
     p.add_argument("--verbose", action="store_true", help="every library line too")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="the job's overrides (serve.port=8471, ...)")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides before, between or after the options
 
 
 def main(argv: Sequence[str] | None = None) -> int:

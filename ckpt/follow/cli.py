@@ -37,7 +37,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     p.add_argument("--verbose", action="store_true", help="every library line too")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="the job's overrides")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # overrides before, between or after the options
     if (args.export_every or 0) < 0 or (args.export_every_s or 0) < 0:
         p.error("--export-every and --export-every-s must be >= 0")
     return args
