@@ -282,13 +282,22 @@ class CheckpointManager:
     def finish(self, step: int) -> None:
         """Checkpoint the last step (ckpt.final), wait for every outcome, stop the writer."""
         self.wait_for_copy()
-        if self.cfg.final and self.schedule.last_step != step:
-            self._checkpoint(step, final=True)
+        if self.cfg.final:
+            # every earlier outcome first: after a failure the last checkpoint must be one that
+            # commits on its own (full), not a delta of a chain that can no longer commit; and
+            # when the last step's own checkpoint failed, it is taken again, full
+            self.writer.drain()
+            self._record_outcomes()
+            last = self.stats.last
+            if self.schedule.last_step != step or (last is not None and not last.committed and last.step == step):
+                self._checkpoint(step, final=True)
             self.wait_for_copy()
         self.copier.close()
         self.schedule.close()
         for outcome in self.writer.close():
             self._record(outcome)
+        if self.env.rank == 0:
+            self.outcomes.say_unwritten()
         if self.taker.pool is not None:
             self.taker.pool.close()
         self.backend.close()

@@ -11,6 +11,7 @@ from ckpt.events import CheckpointCommitted, CheckpointFailed, CheckpointSkipped
 from ckpt.handoff import StallTiming
 from ckpt.log.fencing import Fenced
 from ckpt.write.writer import Outcome
+from common.id_ranges import id_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,10 @@ class Outcomes:
         self.metrics = metrics
         self.stats = CheckpointStats()
         self._pending: dict[int, Pending] = {}
+        # rank 0: checkpoints left unwritten behind a failed one (`Outcome.after_failed`), said
+        # in one line once the run of them ends, not one line each
+        self._unwritten: list[int] = []
+        self._unwritten_after = 0
 
     def started(self, checkpoint_id: int, started_unix: float, weight_codec: str) -> None:
         """Checkpoint `checkpoint_id`'s stall began at `started_unix` (its time to durable counts from there)."""
@@ -74,6 +79,8 @@ class Outcomes:
 
     def report(self, o: Outcome, pending: Pending) -> None:
         """Rank 0: outcome `o` of the checkpoint `pending` remembers, in the log and in metrics."""
+        if not o.after_failed or o.after_failed != self._unwritten_after:
+            self.say_unwritten()
         durable_s = o.commit_unix - pending.started_unix if o.committed else None
         kind = "full" if o.full else "delta"
         outcome = CheckpointCommitted if o.committed else CheckpointFailed
@@ -103,6 +110,21 @@ class Outcomes:
                 o.write_s,
                 extra={"ckpt": event},
             )
+        elif o.after_failed:  # in metrics each; on the console one line for the run of them
+            self._unwritten.append(o.checkpoint_id)
+            self._unwritten_after = o.after_failed
+            logger.debug("checkpoint %d (step %d) FAILED: %s", o.checkpoint_id, o.step, o.error, extra={"ckpt": event})
         else:
             logger.warning("checkpoint %d (step %d) FAILED: %s", o.checkpoint_id, o.step, o.error, extra={"ckpt": event})
         self.metrics.write(event)
+
+    def say_unwritten(self) -> None:
+        """Rank 0: one line for the checkpoints left unwritten since the last one said, if any."""
+        if self._unwritten:
+            logger.warning(
+                "checkpoint(s) %s not written: their chain runs through checkpoint %d, which failed; "
+                "the next checkpoint decided is full",
+                id_ranges(self._unwritten),
+                self._unwritten_after,
+            )
+        self._unwritten, self._unwritten_after = [], 0

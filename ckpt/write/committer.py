@@ -34,6 +34,7 @@ from ckpt.log.markers import AttemptRecord, ChainLink, IndexEntry, Marker, Offse
 from ckpt.stream.sink import MarkerLog
 from ckpt.write.writer import Outcome, RankReport, WriteJob
 from common.errors import DeltarecError
+from common.id_ranges import id_ranges
 from sharding.row_init import RowInit
 
 logger = logging.getLogger(__name__)
@@ -94,10 +95,10 @@ class Committer:
         """Commit `job` if every rank's rows, every earlier link of its chain and the dense file
         are durable and no newer attempt holds the run; else record why it failed."""
         totals = _Totals.of(job, reports)
-        errors = [r.error for r in reports if not r.ok]
+        errors = list(dict.fromkeys(r.error for r in reports if not r.ok))  # every rank's reason, once each
         missing = [c for c in job.chain[:-1] if c not in self.links]
         if missing:
-            errors.append(f"chain link(s) {missing} never committed")
+            errors.append(f"chain link(s) {id_ranges(missing)} never committed")
         if errors:
             self._failed(job, "; ".join(errors), totals.stall_ms)
             return totals.outcome(job, committed=False, error="; ".join(errors))

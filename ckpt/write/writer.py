@@ -23,7 +23,7 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch.distributed as dist
@@ -94,6 +94,8 @@ class Outcome:
     write_s: float = 0.0
     commit_unix: float = 0.0  # time.time() once the COMMIT marker was durable; 0 when none was
     fenced: bool = False  # a newer attempt holds the run: this one must stop (`error` says which)
+    # not written: its chain runs through this earlier checkpoint, which failed (0: not so)
+    after_failed: int = 0
 
 
 class Committer(Protocol):
@@ -136,6 +138,10 @@ class RankWriter:
         self.nice = nice
         self._jobs: queue.Queue[WriteJob | None] = queue.Queue()
         self._outcomes: queue.Queue[Outcome] = queue.Queue()
+        # checkpoints whose outcome was a failure, as every rank's writer learns them, in the
+        # same order: a queued checkpoint whose chain runs through one is not written
+        self._failed: set[int] = set()
+        self._in_flight = 0  # jobs submitted and not yet decided
         self._pending_bytes = 0
         self._lock = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=f"deltarec-writer-{rank}", daemon=True)
@@ -151,7 +157,14 @@ class RankWriter:
     def submit(self, job: WriteJob) -> None:
         with self._lock:
             self._pending_bytes += job.snapshot.nbytes
+            self._in_flight += 1
         self._jobs.put(job)
+
+    def drain(self) -> None:
+        """Block until every submitted job has its outcome (`poll` then returns them all)."""
+        with self._lock:
+            while self._in_flight:
+                self._lock.wait()
 
     def poll(self) -> list[Outcome]:
         """Outcomes decided since the last poll, oldest first; never blocks."""
@@ -199,8 +212,11 @@ class RankWriter:
             try:
                 if self.committer is not None:
                     self.committer.prepare()
-                report = self._write(job)
+                dead = next((c for c in job.chain[:-1] if c in self._failed), 0)
+                report = self._write(job) if not dead else _unwritten(job, self.rank, dead)
                 outcome = self._coordinate(job, report)
+                if dead:
+                    outcome = replace(outcome, after_failed=dead)
             except Exception as exc:  # noqa: BLE001 - a writer bug must reach the trainer, not kill the thread silently
                 logger.error("checkpoint %d: writer failed: %s", job.checkpoint_id, traceback.format_exc())
                 outcome = Outcome(
@@ -214,7 +230,12 @@ class RankWriter:
                     self._pending_bytes -= job.snapshot.nbytes
                     self._lock.notify_all()
                 job.snapshot.release()  # its memory may now hold a later snapshot
+            if not outcome.committed:
+                self._failed.add(job.checkpoint_id)
             self._outcomes.put(outcome)
+            with self._lock:
+                self._in_flight -= 1
+                self._lock.notify_all()
 
     def _write(self, job: WriteJob) -> RankReport:
         return write_rows(
@@ -244,6 +265,26 @@ class RankWriter:
         if self.committer is not None:
             self.committer.settle(decided[0])
         return decided[0]
+
+
+def _unwritten(job: WriteJob, rank: int, dead: int) -> RankReport:
+    """This rank's report for a checkpoint left unwritten: its chain runs through checkpoint
+    `dead`, which failed, so no restore could ever use its rows. Every rank's writer knows the
+    same outcomes in the same order, so every rank leaves it unwritten, and the queue of
+    checkpoints decided before the failure was known drains at once instead of writing rows in
+    vain (the manager makes the next checkpoint it decides full)."""
+    return RankReport(
+        rank=rank,
+        ok=False,
+        error=f"not written: its chain runs through checkpoint {dead}, which failed",
+        ranges={},
+        index=[],
+        rows=0,
+        bytes=0,
+        stall_ms=job.snapshot.stall_s * 1e3,
+        write_s=0.0,
+        trainer_state=job.trainer_state,
+    )
 
 
 def write_rows(

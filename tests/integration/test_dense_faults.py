@@ -58,3 +58,31 @@ def test_a_failed_dense_write_fails_that_checkpoint_only(
     resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest", "train.steps=50"], tmp_path)
     newest = 4 if failing != 4 else 3
     assert f"deltarec: resumed from checkpoint {newest} at step {newest * 10}" in resumed[0].stdout
+
+
+def test_checkpoints_queued_behind_a_failed_one_are_left_unwritten_and_the_next_commits(
+    tmp_path, unique_name, debug_config: DebugConfig, metrics: MetricsReader
+):
+    """Checkpoint 3's writer is held 3 s and its dense write then fails; the incremental deltas
+    decided meanwhile chain through it, so no restore could use them: every rank leaves them
+    unwritten (no rows, no bytes) instead of writing in vain, the console says so in one line
+    with their ids as a range, and the last checkpoint, decided once the failure is known, is
+    full and commits on its own."""
+    run_dir = tmp_path / "run"
+    job = [*_job(unique_name("cascade"), 40), "ckpt.policy=incremental", "ckpt.interval_steps=2", "ckpt.final=true"]
+    env = {"DELTAREC_DENSE_ERROR": "3:ENOSPC", "DELTAREC_SLOW_FLUSH": "3:3"}
+    results = spawn_ranks(debug_config.path, job, tmp_path, env_extra=env)
+    recs = {r["ckpt_id"]: r for r in metrics(run_dir, "ckpt_id")}
+    assert [recs[i]["ckpt_committed"] for i in (1, 2, 3)] == [True, True, False], recs
+    unwritten = [i for i in recs if "not written: its chain runs through checkpoint 3" in (recs[i].get("ckpt_error") or "")]
+    assert len(unwritten) >= 2 and unwritten == list(range(4, 4 + len(unwritten))), sorted(recs)
+    assert all(recs[i]["ckpt_bytes"] == 0 and recs[i]["ckpt_rows"] == 0 for i in unwritten)
+    last = recs[max(recs)]
+    assert last["ckpt_committed"] and last["ckpt_full"] and last["step"] == 40, last
+    console = results[0].stdout + results[0].stderr
+    said = [line for line in console.splitlines() if "not written" in line]
+    assert len(said) == 1, said
+    first, final = unwritten[0], unwritten[-1]
+    assert f"checkpoint(s) {first}-{final} not written: their chain runs through checkpoint 3, which failed" in said[0]
+    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest", "train.steps=44"], tmp_path)
+    assert f"deltarec: resumed from checkpoint {max(recs)} at step 40" in resumed[0].stdout
