@@ -7,7 +7,7 @@
 #
 # Steps:
 #   setup    launch/setup.sh into $DELTAREC_VENV (default /tmp/deltarec-gpu-venv) on the machine's
-#            torch; DELTAREC_WHEELHOUSE=DIR[:DIR2] for a machine without network (README, "On a GPU")
+#            torch; DELTAREC_WHEELHOUSE=DIR[:DIR2] for a machine without network (docs/gpu.md, "On a GPU")
 #   tests    pytest -m gpu: every test that needs CUDA (snapshot, codecs and the Triton kernel,
 #            staged restore, a GPU job's bit-exact resume under SIGKILL)
 #   peers    python -m bench.run --suite gpu-peers --sizes full,big (about 5 minutes on an H100)

@@ -25,9 +25,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 BENCHMARKS_MAX_LINES = 300
-# README.md's length when this check was added (706 lines), rounded up to the next 50. The goal
-# is 300: lower this as the README is cut, never raise it.
-README_MAX_LINES = 750
+# The README's budget: a short pitch, the quick start, the library API within its first ~100
+# lines and a tour of the CLI, each step linking to the page under docs/ that holds the details.
+# Never raise it: move a detail to its page instead.
+README_MAX_LINES = 300
 PAGE_MAX_LINES = 450
 CODE_DIRS = ("ckpt", "trainer", "sharding", "common", "launch", "bench", "examples", "tests", "configs")
 

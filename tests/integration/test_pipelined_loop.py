@@ -86,7 +86,7 @@ def _rank_pid(run_dir: Path, rank: int) -> int | None:
 def test_torchrun_restarts_a_killed_rank_and_the_loop_resumes_bit_identical(
     tmp_path: Path, reference: dict, replay_seed: ReplaySeed
 ) -> None:
-    """`torchrun --max-restarts 1` as the README runs a user's loop (with a fresh rendezvous
+    """`torchrun --max-restarts 1` as docs/own-loop.md runs a user's loop (with a fresh rendezvous
     store per attempt: torchrun's shared one hands a restarted gloo rank the dead attempt's
     addresses); a rank SIGKILLed from outside, not through deltarec's fault hook."""
     import os

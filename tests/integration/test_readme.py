@@ -1,23 +1,26 @@
 """README.md is the contract: its commands run as written, in the order a newcomer meets them.
 
-The fenced blocks are read from README.md when the test runs, so the README and this test
-cannot drift apart. Every ```bash and ```python block runs, unless the line just before it says
-why it cannot here (`<!-- not run by tests: needs 8 GPUs -->`); a block with neither fails
-the first test, so a new block cannot go untested silently. Output is fenced as ```text, config
-as ```yaml (each must load as YAML; a `ckpt:` section as a `CkptConfig`).
+The fenced blocks are read from README.md, then from the pages under docs/ it links to that
+hold commands (`PAGES`, in the order a newcomer reads them), when the test runs, so the pages
+and this test cannot drift apart. Every ```bash and ```python block of every page of `PAGES`
+runs, unless the line just before it says why it cannot here (`<!-- not run by tests: needs 8
+GPUs -->`); a block with neither fails the first test, so a new block cannot go untested
+silently. Output is fenced as ```text, config as ```yaml (each must load as YAML; a `ckpt:`
+section as a `CkptConfig`).
 
-The runnable blocks run in one fresh `bash` (no profile, no rc file, the venv not active, no
-launcher or DELTAREC_* variables), one after the other as a user pastes them, so what one block
-sets up (the venv it activates, `$BROKER`, `job.yaml`, a background follower's `$!`) is there for
-the next. Its working directory is a temporary one holding links to the read-only parts of the
+The runnable blocks of all the pages run in one fresh `bash` (no profile, no rc file, the venv
+not active, no launcher or DELTAREC_* variables), one after the other as a user pastes them, so
+what one block sets up (the venv it activates, `$BROKER`, `job.yaml`, a background follower's
+`$!`) is there for the next, a page's first block running after the last of the page before
+it. Its working directory is a temporary one holding links to the read-only parts of the
 checkout the commands name (`.venv`, `configs/`, `examples/`, `launch/`), so `runs/`, `job.yaml`
 and `model.pt` land there and never in the checkout. A python block runs as `python FILE` in that
 shell, followed by checks of what it left (the export recipe: every tensor loaded). The whole
-run is bounded (`RUN_TIMEOUT_S`); each long-running command the README starts in the background
-is stopped by the README itself (`kill $!`), and whatever is left is killed by process group,
-the broker by `deltarec-broker stop`, and counted as the README's fault.
+run is bounded (`RUN_TIMEOUT_S`); each long-running command a page starts in the background
+is stopped by the page itself (`kill $!`), and whatever is left is killed by process group,
+the broker by `deltarec-broker stop`, and counted as the pages' fault.
 
-After the run, what the README says the commands do is checked where it is cheap: the run
+After the run, what the pages say the commands do is checked where it is cheap: the run
 directory a user's own loop leaves (`runs/two_tower/ckpt.yaml`) is listed from another
 directory, the server answered a prediction, the partial recovery happened, the follower and
 the server stopped cleanly, TensorBoard has events.
@@ -45,31 +48,43 @@ from tests.conftest import LAUNCHER_VARS
 pytestmark = pytest.mark.integration
 
 README = REPO / "README.md"
+# The pages whose commands run, README.md first and then those it links to that hold commands,
+# in the order a newcomer reads them: a page's commands may use what the pages before it set up
+# (the venv, `$BROKER`, `job.yaml`, the runs so far), and docs/production.md stops the broker last.
+PAGES = (
+    "README.md",
+    "docs/own-loop.md",
+    "docs/checkpoints.md",
+    "docs/production.md",
+    "docs/gpu.md",
+    "docs/multinode.md",
+)
 RUN = ("bash", "python")  # what a user runs
 NOT_RUN = ("text", "yaml")  # what a user reads (output) or writes into a file (config)
 SKIP = re.compile(r"<!--\s*not run by tests:\s*(?P<why>\S.*?)\s*-->")
 FENCE = re.compile(r"^```(?P<lang>\S*)\s*$")
-# the parts of the checkout README's commands name, linked into the working directory (read-only use)
+# the parts of the checkout the pages' commands name, linked into the working directory (read-only use)
 LINKED = (".venv", "configs", "examples", "launch")
-RUN_TIMEOUT_S = 420  # the whole README; about 2.5 minutes on 2 idle cores
+RUN_TIMEOUT_S = 420  # every page of PAGES; about 2.5 minutes on 2 idle cores
 SERVE_PORT = 8470  # README's `curl localhost:8470`: the server's default port
 
 
 @dataclass(frozen=True)
 class Block:
-    """One fenced block of README.md."""
+    """One fenced block of a page of `PAGES`."""
 
-    line: int  # README.md line of its opening fence (1-based)
+    page: str  # the page, relative to the checkout (`README.md`, `docs/own-loop.md`)
+    line: int  # the page's line of its opening fence (1-based)
     lang: str
     code: str
     heading: str  # the section it stands in
     skip: str | None  # why it is not run (the marker just before it), or None
 
     def where(self) -> str:
-        return f"README.md:{self.line} ({self.heading})"
+        return f"{self.page}:{self.line} ({self.heading})"
 
 
-def readme_blocks(text: str) -> list[Block]:
+def readme_blocks(text: str, page: str = "README.md") -> list[Block]:
     """Every fenced block, in order, with its section heading and its `not run by tests` marker."""
     lines = text.splitlines()
     blocks: list[Block] = []
@@ -83,25 +98,48 @@ def readme_blocks(text: str) -> list[Block]:
             i += 1
             continue
         end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "```"), None)
-        assert end is not None, f"README.md:{i + 1}: a ``` block that never closes"
+        assert end is not None, f"{page}:{i + 1}: a ``` block that never closes"
         before = next((lines[k].strip() for k in range(i - 1, -1, -1) if lines[k].strip()), "")
         skip = SKIP.fullmatch(before)
         code = "\n".join(lines[i + 1 : end]) + "\n"
-        blocks.append(Block(i + 1, fence["lang"], code, heading, skip["why"] if skip else None))
+        blocks.append(Block(page, i + 1, fence["lang"], code, heading, skip["why"] if skip else None))
         i = end + 1
     return blocks
+
+
+def page_blocks() -> list[Block]:
+    """Every fenced block of every page of `PAGES`, in order."""
+    return [b for page in PAGES for b in readme_blocks((REPO / page).read_text(), page)]
 
 
 def runnable(blocks: list[Block]) -> list[Block]:
     return [b for b in blocks if b.lang in RUN and b.skip is None]
 
 
-# --- what README.md may hold ------------------------------------------------------------------
+# --- what the pages may hold ------------------------------------------------------------------
+
+
+def test_every_page_is_linked_from_the_readme_and_holds_commands() -> None:
+    readme = README.read_text()
+    assert PAGES[0] == "README.md"
+    for page in PAGES[1:]:
+        assert f"]({page})" in readme, f"{page} holds commands the test runs, but README.md links to it nowhere"
+        langs = {b.lang for b in readme_blocks((REPO / page).read_text(), page)}
+        assert langs & set(RUN), f"{page} holds no command block: take it off PAGES"
 
 
 def test_every_block_runs_or_says_why_not(tmp_path: Path) -> None:
-    text = README.read_text()
-    blocks = readme_blocks(text)
+    for page in PAGES:
+        _check_page(page, tmp_path)
+    run = runnable(page_blocks())
+    assert run and run[0].code.strip() == "source .venv/bin/activate" and run[0].page == "README.md", (
+        "the first command a newcomer runs after the quick start activates the venv: the bare command names need it"
+    )
+
+
+def _check_page(page: str, tmp_path: Path) -> None:
+    text = (REPO / page).read_text()
+    blocks = readme_blocks(text, page)
     unknown = [f"{b.where()}: ```{b.lang}" for b in blocks if b.lang not in (*RUN, *NOT_RUN)]
     assert not unknown, (
         f"blocks fenced with a language this test does not know: {unknown}; fence commands as bash "
@@ -110,12 +148,8 @@ def test_every_block_runs_or_says_why_not(tmp_path: Path) -> None:
     misplaced = [b.where() for b in blocks if b.skip is not None and b.lang not in RUN]
     assert not misplaced, f"a `not run by tests` marker before a block that is never run anyway: {misplaced}"
     markers = len(SKIP.findall(text))
-    assert text.count("<!-- not run") == markers, "a `not run` comment not in the form `<!-- not run by tests: why -->`"
-    assert markers == sum(b.skip is not None for b in blocks), "a `not run by tests` marker that stands before no block"
-    run = runnable(blocks)
-    assert run and run[0].code.strip() == "source .venv/bin/activate", (
-        "the first command a newcomer runs after the quick start activates the venv: the bare command names need it"
-    )
+    assert text.count("<!-- not run") == markers, f"{page}: a `not run` comment not in the form `<!-- not run by tests: why -->`"
+    assert markers == sum(b.skip is not None for b in blocks), f"{page}: a `not run by tests` marker that stands before no block"
     # config a user writes into a file must load: as YAML, and a `ckpt:` section as deltarec reads it
     from ckpt.config import load_ckpt_config
 
@@ -124,7 +158,7 @@ def test_every_block_runs_or_says_why_not(tmp_path: Path) -> None:
             data = yaml.safe_load(b.code)
             assert isinstance(data, dict), b.where()
             if "ckpt" in data:
-                path = tmp_path / f"block{b.line}.yaml"
+                path = tmp_path / f"{Path(page).stem}-block{b.line}.yaml"
                 path.write_text(b.code)
                 load_ckpt_config(path).resolved("readme", tmp_path).validate(b.where())
 
@@ -154,8 +188,8 @@ if isinstance(model, torch.nn.Module) and "model.pt" in open(sys.argv[1]).read()
 
 def _driver(blocks: list[Block], tmp: Path) -> Path:
     """One bash script that runs `blocks` in order in one shell, as a user pastes them: stops at
-    the first command that fails, naming its README line; `done LINE` in the progress file after
-    each block."""
+    the first command that fails, naming its page and line; `done INDEX` (the block's place in
+    `blocks`) in the progress file after each block."""
     code = tmp / "blocks"
     code.mkdir()
     (code / "run_python_block.py").write_text(PYTHON_RUNNER)
@@ -163,22 +197,23 @@ def _driver(blocks: list[Block], tmp: Path) -> Path:
     out = [
         "set -eE -o pipefail",
         f"READMETEST_PROGRESS={shlex.quote(str(progress))}",
-        "trap 'echo \"readme-test: README.md:$((READMETEST_LINE + LINENO)) failed (exit $?): $BASH_COMMAND\" >&2' ERR",
+        "trap 'echo \"readme-test: $READMETEST_PAGE:$((READMETEST_LINE + LINENO)) failed (exit $?): $BASH_COMMAND\" >&2' ERR",
     ]
-    for b in blocks:
-        path = code / f"{b.line:05d}.{'sh' if b.lang == 'bash' else 'py'}"
+    for index, b in enumerate(blocks):
+        path = code / f"{index:03d}-{Path(b.page).stem}-{b.line:05d}.{'sh' if b.lang == 'bash' else 'py'}"
         path.write_text(b.code)
         out += [
             f"echo {shlex.quote(f'readme-test: running {b.where()}')} >&2",
+            f"READMETEST_PAGE={shlex.quote(b.page)}",
             f"READMETEST_LINE={b.line}",
         ]
         if b.lang == "bash":
             out.append(f"source {shlex.quote(str(path))}")
-        else:  # its traceback names the block's file: line N there is README line `b.line + N`
+        else:  # its traceback names the block's file: line N there is the page's line `b.line + N`
             run = f"python {shlex.quote(str(code / 'run_python_block.py'))} {shlex.quote(str(path))}"
             failed = shlex.quote(f"readme-test: the python block at {b.where()} failed")
             out.append(f"{run} || {{ echo {failed} >&2; exit 1; }}")
-        out.append(f'echo "done {b.line}" >> "$READMETEST_PROGRESS"')
+        out.append(f'echo "done {index}" >> "$READMETEST_PROGRESS"')
     driver = tmp / "readme.sh"
     driver.write_text("\n".join(out) + "\n")
     return driver
@@ -239,7 +274,7 @@ def _port_free(port: int) -> bool:
 
 
 def test_readme_runs_as_written(tmp_path: Path) -> None:
-    blocks = runnable(readme_blocks(README.read_text()))
+    blocks = runnable(page_blocks())
     work = tmp_path / "work"
     work.mkdir()
     for name in LINKED:
@@ -276,18 +311,19 @@ def test_readme_runs_as_written(tmp_path: Path) -> None:
     elapsed = time.monotonic() - started
     log = log_path.read_text(errors="replace")
     done = set((tmp_path / "progress").read_text().split()) if (tmp_path / "progress").exists() else set()
-    missing = [b for b in blocks if str(b.line) not in done]
+    missing = [b for i, b in enumerate(blocks) if str(i) not in done]
     stuck = missing[0].where() if missing else "after the last block"
     if rc is None:
-        pytest.fail(f"README's commands did not finish within {RUN_TIMEOUT_S} s: at {stuck}\n{log[-8000:]}", pytrace=False)
+        pytest.fail(f"the pages' commands did not finish within {RUN_TIMEOUT_S} s: at {stuck}\n{log[-8000:]}", pytrace=False)
     if rc != 0 or missing:
         pytest.fail(
-            f"README's commands stopped (exit {rc}) at {stuck}\n--- the shell's output, its end ---\n{log[-8000:]}", pytrace=False
+            f"the pages' commands stopped (exit {rc}) at {stuck}\n--- the shell's output, its end ---\n{log[-8000:]}",
+            pytrace=False,
         )
-    assert not left, f"the README leaves processes running after its last command: {left}"
-    print(f"README.md: {len(blocks)} blocks ran in {elapsed:.0f} s")
+    assert not left, f"the pages leave processes running after their last command: {left}"
+    print(f"{', '.join(PAGES)}: {len(blocks)} blocks ran in {elapsed:.0f} s")
 
-    # What the README says they do, where it is cheap to see.
+    # What the pages say they do, where it is cheap to see.
     assert "readme-test: checked: the export loaded into the fresh model" in log, log[-4000:]
     assert '{"scores": [' in log, "the server answered no prediction"
     assert "partial recovery: ranks [0] of 2 kept step" in log, "the partial recovery section recovered nothing"
