@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -173,6 +173,34 @@ class JobConfig:
         data.pop("source", None)
         data["ckpt"]["kafka"] = self.ckpt.redacted_kafka()
         return yaml.safe_dump(data, sort_keys=False)
+
+    def run_file_yaml(self) -> str:
+        """`to_yaml` with every path in it absolute: what the run directory keeps as
+        config.yaml, which `deltarec-ckpt`, `-follow`, `-serve` and `-train` then read from any
+        directory (the paths are as the job resolved them from its working directory)."""
+
+        def absolute(path: str) -> str:
+            return str(Path(path).absolute()) if path else path
+
+        def all_absolute(paths: list[str]) -> list[str]:
+            return [absolute(p) for p in paths]
+
+        d = self.data
+        data = replace(
+            d,
+            criteo=replace(
+                d.criteo, train_paths=all_absolute(d.criteo.train_paths), eval_paths=all_absolute(d.criteo.eval_paths)
+            ),
+            criteo_npy=replace(
+                d.criteo_npy, train_days=all_absolute(d.criteo_npy.train_days), eval_days=all_absolute(d.criteo_npy.eval_days)
+            ),
+        )
+        c = self.ckpt
+        follow = replace(c.follow, export_dir=absolute(c.follow.export_dir), metrics=absolute(c.follow.metrics))
+        ckpt = replace(c, fs_root=absolute(c.fs_root), dense_dir=absolute(c.dense_dir), follow=follow)
+        run = replace(self.run, dir=str(self.run.run_dir.absolute()))
+        serve = replace(self.serve, metrics=absolute(self.serve.metrics))
+        return replace(self, run=run, data=data, ckpt=ckpt, serve=serve).to_yaml()
 
     def digest(self) -> str:
         """sha256 of the resolved config, to tie checkpoints and metrics to it."""

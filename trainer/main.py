@@ -135,7 +135,7 @@ def run_job(cfg: JobConfig, env: DistEnv, device: torch.device) -> None:
         raise
     if env.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        (run_dir / "config.yaml").write_text(cfg.run_file_yaml())
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":  # torchrun's restarts have the same plan
             plan = format_plan(summarize(sharded.plan, cfg.model.tables, cfg.optimizer, env.world_size), env.world_size)
             console.say(f"sharding plan for {env.world_size} rank(s) on {device.type}:\n{plan}", err=True)

@@ -154,3 +154,19 @@ def test_restore_bit_widths_reach_the_checkpoint_manager_and_bad_tables_are_refu
         load_config(debug_config.path, [*base, "ckpt.restore_bit_widths=cnr"])
     with pytest.raises(ConfigError, match=r"ckpt.restore_bit_widths \[\[20, 4\], \[3, 3\]\]: entry 1 .* restores must increase"):
         load_config(debug_config.path, [*base, "ckpt.restore_bit_widths=[[20,4],[3,3]]"])
+
+
+def test_the_config_a_run_keeps_names_absolute_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, debug_config) -> None:
+    """`<run_dir>/config.yaml` is read by deltarec-ckpt, -follow and -serve from any directory:
+    every path in it absolute, as the job resolved it; the rest as `to_yaml` says it."""
+    monkeypatch.chdir(tmp_path)
+    cfg = debug_config.load(["run.dir=runs/job", "ckpt.enabled=true", "ckpt.sink=filesystem"])
+    kept = yaml.safe_load(cfg.run_file_yaml())
+    assert kept["run"]["dir"] == str(tmp_path / "runs" / "job")
+    for key in ("fs_root", "dense_dir"):
+        assert Path(kept["ckpt"][key]).is_absolute() and Path(kept["ckpt"][key]).is_relative_to(tmp_path / "runs" / "job")
+    assert Path(kept["ckpt"]["follow"]["export_dir"]).is_absolute()
+    plain = yaml.safe_load(cfg.to_yaml())
+    assert {k: v for k, v in kept.items() if k not in ("run", "ckpt", "serve", "data")} == {
+        k: v for k, v in plain.items() if k not in ("run", "ckpt", "serve", "data")
+    }
