@@ -157,7 +157,10 @@ class Snapshot:
 
     def release(self) -> None:
         """The writer is done with the rows: a pooled slab goes back for a later snapshot, and
-        the tensors (which the next snapshot overwrites) are dropped from this one."""
+        the tensors (which the next snapshot overwrites) are dropped from this one; a
+        copy-on-write snapshot's registration ends, read or not (idempotent)."""
+        if self.lazy is not None:
+            self.lazy.close()
         if self._slab is not None and self._pool is not None:
             self.shards = []
             self._pool.give_back(self._slab)

@@ -273,6 +273,7 @@ def _unwritten(job: WriteJob, rank: int, dead: int) -> RankReport:
     same outcomes in the same order, so every rank leaves it unwritten, and the queue of
     checkpoints decided before the failure was known drains at once instead of writing rows in
     vain (the manager makes the next checkpoint it decides full)."""
+    job.snapshot.wait()  # a GPU snapshot's copies to host end before its buffers are released
     return RankReport(
         rank=rank,
         ok=False,

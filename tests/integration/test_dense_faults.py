@@ -60,16 +60,19 @@ def test_a_failed_dense_write_fails_that_checkpoint_only(
     assert f"deltarec: resumed from checkpoint {newest} at step {newest * 10}" in resumed[0].stdout
 
 
+@pytest.mark.parametrize("copy_on_write", [False, True])
 def test_checkpoints_queued_behind_a_failed_one_are_left_unwritten_and_the_next_commits(
-    tmp_path, unique_name, debug_config: DebugConfig, metrics: MetricsReader
+    tmp_path, unique_name, debug_config: DebugConfig, metrics: MetricsReader, copy_on_write
 ):
     """Checkpoint 3's writer is held 3 s and its dense write then fails; the incremental deltas
     decided meanwhile chain through it, so no restore could use them: every rank leaves them
     unwritten (no rows, no bytes) instead of writing in vain, the console says so in one line
     with their ids as a range, and the last checkpoint, decided once the failure is known, is
-    full and commits on its own."""
+    full and commits on its own. With copy-on-write, a snapshot left unread ends its
+    registration all the same (`Snapshot.release`)."""
     run_dir = tmp_path / "run"
     job = [*_job(unique_name("cascade"), 40), "ckpt.policy=incremental", "ckpt.interval_steps=2", "ckpt.final=true"]
+    job.append(f"ckpt.copy_on_write={str(copy_on_write).lower()}")
     env = {"DELTAREC_DENSE_ERROR": "3:ENOSPC", "DELTAREC_SLOW_FLUSH": "3:3"}
     results = spawn_ranks(debug_config.path, job, tmp_path, env_extra=env)
     recs = {r["ckpt_id"]: r for r in metrics(run_dir, "ckpt_id")}
