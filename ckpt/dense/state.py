@@ -82,6 +82,21 @@ def _create_lazy_state(optimizer: Any, saved: dict[str, Any]) -> None:
         optimizer.zero_grad(set_to_none=True)
 
 
+def _load_optimizer(optimizer: Any, saved: dict[str, Any]) -> None:
+    """`optimizer.load_state_dict(saved)`; a torchrec `KeyedOptimizer` that keeps its param
+    groups (the Checkpointer turns that on) still loads a state saved without them (a
+    checkpoint of an older deltarec, or a state captured before the Checkpointer was built)."""
+    keeps_groups = bool(getattr(optimizer, "defaults", {}).get("_save_param_groups"))
+    if keeps_groups and "param_groups" not in saved:
+        optimizer.save_param_groups(False)
+        try:
+            optimizer.load_state_dict(saved)
+        finally:
+            optimizer.save_param_groups(True)
+        return
+    optimizer.load_state_dict(saved)
+
+
 @torch.no_grad()
 def load(sharded: ShardedModel, state: dict[str, Any]) -> None:
     """Copy a captured dense state into the live model; names must match exactly."""
@@ -103,4 +118,4 @@ def load(sharded: ShardedModel, state: dict[str, Any]) -> None:
     for name, b in state["buffers"].items():
         if name in buffers:
             buffers[name].copy_(b)
-    _dense_optimizer(sharded).load_state_dict(state["optimizer"])
+    _load_optimizer(_dense_optimizer(sharded), state["optimizer"])

@@ -60,3 +60,56 @@ def test_a_capture_loaded_into_another_model_makes_it_train_like_the_original():
     torch.manual_seed(3)
     _step(b)
     assert _same(DenseCapture(b)(), capture())
+
+
+def _keyed(seed: int) -> SimpleNamespace:
+    """A model whose dense optimizer is torchrec's CombinedOptimizer of KeyedOptimizerWrappers
+    (Adagrad; SGD with momentum, whose state a fresh optimizer creates only at its first step)."""
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Linear(4, 1))
+    params = dict(model.named_parameters())
+    first = {k: p for k, p in params.items() if k.startswith("0.")}
+    second = {k: p for k, p in params.items() if k.startswith("1.")}
+    opt = CombinedOptimizer(
+        [
+            ("a", KeyedOptimizerWrapper(first, lambda ps: torch.optim.Adagrad(ps, lr=0.1))),
+            ("b", KeyedOptimizerWrapper(second, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.1))),
+        ]
+    )
+    opt.save_param_groups(True)  # what the Checkpointer turns on
+    return SimpleNamespace(model=model, optimizer=SimpleNamespace(optimizers=[("dense", opt)]), dense_optimizer=opt)
+
+
+def test_a_keyed_optimizer_restores_into_a_fresh_one_with_its_learning_rate():
+    """A fresh KeyedOptimizer has no momentum yet, and torchrec's strict load refuses to load
+    into state that does not exist: `load` creates it first (a step with zero gradients, before
+    the parameters are copied in, so weight decay moves nothing), then loads. The learning rate
+    a scheduler set comes back with the param groups."""
+    a, b = _keyed(1), _keyed(2)
+    for _ in range(3):
+        _step(a)
+    for group in a.dense_optimizer.param_groups:
+        group["lr"] = 0.025  # as an LR scheduler leaves it
+    load(b, DenseCapture(a)())
+    assert _same(b.dense_optimizer.state_dict(), a.dense_optimizer.state_dict())
+    assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
+    assert [g["lr"] for g in b.dense_optimizer.param_groups] == [0.025, 0.025]
+    assert all(p.grad is None for p in b.model.parameters())
+    torch.manual_seed(3)
+    _step(a)
+    torch.manual_seed(3)
+    _step(b)
+    assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
+
+
+def test_a_state_saved_without_param_groups_still_loads_into_a_keyed_optimizer_that_keeps_them():
+    a, b = _keyed(1), _keyed(2)
+    _step(a)
+    a.dense_optimizer.save_param_groups(False)  # an older checkpoint, or captured before the Checkpointer
+    saved = DenseCapture(a)()
+    assert "param_groups" not in saved["optimizer"]
+    load(b, saved)
+    assert _same(b.dense_optimizer.state_dict()["state"], a.dense_optimizer.state_dict()["state"])
+    assert b.dense_optimizer.defaults["_save_param_groups"] is True
