@@ -120,6 +120,12 @@ class PredictionApp:
             ]
         )
 
+    def runner(self) -> web.AppRunner:
+        """The server around the application. `lingering_time=0`: a request refused before its
+        body ended (408, 413) has its connection closed at once; aiohttp would otherwise keep
+        reading the rest of the body for 10 s, and a stalled client would keep its connection."""
+        return web.AppRunner(self.app, access_log=None, handle_signals=False, lingering_time=0)
+
     @web.middleware
     async def _errors(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -143,7 +143,7 @@ class Server:
         return ", ".join(f"{n} answered {status}" for status, n in sorted(counts.items())) or "no requests"
 
     async def _serve(self, address_file: Path | None, follower: threading.Thread) -> None:
-        runner = web.AppRunner(self.app.app, access_log=None, handle_signals=False)
+        runner = self.app.runner()
         await runner.setup()
         try:
             site = web.TCPSite(runner, self.cfg.host, self.cfg.port)
