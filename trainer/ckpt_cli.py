@@ -25,12 +25,14 @@ from trainer.config import load_config
 _OVERRIDE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*=")
 
 
-def split_overrides(argv: Sequence[str], flags: Sequence[str] = ()) -> tuple[list[str], list[str]]:
+def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """(every other argument in its order, the `dotted.key=value` overrides in theirs), wherever
     the overrides stand among the options: argparse gives a `nargs="*"` positional only one run
     of arguments, so `--config job.yaml a=1 --export-every 10 b=2` would leave `b=2` unrecognized.
-    A token right after an option that takes a value (any `-x`/`--xyz` without `=` but `flags`,
-    `-h` and `--help`) is that option's value, whatever it looks like; after `--` nothing moves."""
+    argparse's `parse_intermixed_args` does this for a parser without subcommands (deltarec-train,
+    -follow, -serve); `deltarec-ckpt` has subcommands, which it refuses. A token right after an
+    option (every option of `ckpt/cli.py` but `-h`/`--help` takes a value) is that option's
+    value, whatever it looks like; after `--` nothing moves."""
     rest: list[str] = []
     overrides: list[str] = []
     takes_value = False
@@ -42,7 +44,7 @@ def split_overrides(argv: Sequence[str], flags: Sequence[str] = ()) -> tuple[lis
             overrides.append(token)
             continue
         rest.append(token)
-        takes_value = token.startswith("-") and "=" not in token and token not in (*flags, "-h", "--help") and not takes_value
+        takes_value = token.startswith("-") and "=" not in token and token not in ("-h", "--help") and not takes_value
     return rest, overrides
 
 

@@ -141,7 +141,6 @@ class RankWriter:
         # checkpoints whose outcome was a failure, as every rank's writer learns them, in the
         # same order: a queued checkpoint whose chain runs through one is not written
         self._failed: set[int] = set()
-        self._in_flight = 0  # jobs submitted and not yet decided
         self._pending_bytes = 0
         self._lock = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=f"deltarec-writer-{rank}", daemon=True)
@@ -157,14 +156,11 @@ class RankWriter:
     def submit(self, job: WriteJob) -> None:
         with self._lock:
             self._pending_bytes += job.snapshot.nbytes
-            self._in_flight += 1
         self._jobs.put(job)
 
     def drain(self) -> None:
         """Block until every submitted job has its outcome (`poll` then returns them all)."""
-        with self._lock:
-            while self._in_flight:
-                self._lock.wait()
+        self._jobs.join()
 
     def poll(self) -> list[Outcome]:
         """Outcomes decided since the last poll, oldest first; never blocks."""
@@ -208,6 +204,7 @@ class RankWriter:
         while True:
             job = self._jobs.get()
             if job is None:
+                self._jobs.task_done()
                 return
             try:
                 if self.committer is not None:
@@ -233,9 +230,7 @@ class RankWriter:
             if not outcome.committed:
                 self._failed.add(job.checkpoint_id)
             self._outcomes.put(outcome)
-            with self._lock:
-                self._in_flight -= 1
-                self._lock.notify_all()
+            self._jobs.task_done()  # after the outcome is out: `drain` then finds it
 
     def _write(self, job: WriteJob) -> RankReport:
         return write_rows(

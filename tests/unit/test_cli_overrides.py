@@ -41,20 +41,20 @@ if TYPE_CHECKING:
         ),
         (["--export-every", "-1", "a=1"], ["--export-every", "-1"], ["a=1"]),
         (["--config=c.yaml", "a=1"], ["--config=c.yaml"], ["a=1"]),
-        # a flag takes no value: what follows it is an override
-        (["--verbose", "a=1", "--config", "c.yaml"], ["--verbose", "--config", "c.yaml"], ["a=1"]),
+        # help takes no value: what follows it is an override
+        (["--help", "a=1", "--config", "c.yaml"], ["--help", "--config", "c.yaml"], ["a=1"]),
         # after `--` nothing moves
         (["--config", "c.yaml", "--", "a=1"], ["--config", "c.yaml", "--", "a=1"], []),
         # list values and indices, as the README writes them
         (
-            ["--config", "c.yaml", "data.criteo.train_paths=[/d/t.tsv]", "--dry-run", "model.tables.0.sharding=row_wise"],
-            ["--config", "c.yaml", "--dry-run"],
+            ["--config", "c.yaml", "data.criteo.train_paths=[/d/t.tsv]", "list", "model.tables.0.sharding=row_wise"],
+            ["--config", "c.yaml", "list"],
             ["data.criteo.train_paths=[/d/t.tsv]", "model.tables.0.sharding=row_wise"],
         ),
     ],
 )
 def test_split_overrides(argv: list[str], rest: list[str], overrides: list[str]) -> None:
-    assert split_overrides(argv, flags=("--verbose", "--dry-run")) == (rest, overrides)
+    assert split_overrides(argv) == (rest, overrides)
 
 
 # --- deltarec-follow ----------------------------------------------------------------------------
