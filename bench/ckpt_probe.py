@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     from confluent_kafka import Consumer, Producer, TopicPartition
     from confluent_kafka.admin import AdminClient
 
-    from ckpt.log.markers import commits
+    from ckpt.log.catalog import commits
     from ckpt.restore.replay import frame_overlaps
     from ckpt.stream.kafka import KafkaSink, delete_topic, ensure_topic
     from ckpt.stream.kafka import consumer as kafka_consumer

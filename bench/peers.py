@@ -155,7 +155,7 @@ def full_config(path: Path, cap: int, dim: int) -> Path:
 def capacity(config: str, overrides: list[str], bootstrap: str, run_id: str, ranks: int) -> dict[int, dict[str, int]]:
     """Per committed checkpoint id: bytes of its chain (rows of base + deltas) and its dense file."""
     from ckpt.log.backend import open_backend
-    from ckpt.log.markers import commits
+    from ckpt.log.catalog import commits
     from trainer.config import load_config
 
     cfg = load_config(

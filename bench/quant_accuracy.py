@@ -120,7 +120,7 @@ def spawn(config: Path, overrides: list[str], run_dir: Path, world_size: int, ti
 def marker_codecs(config: Path, overrides: list[str]) -> dict[int, dict]:
     """checkpoint id -> {step, weights, optimizer, full} of every COMMIT marker of the run."""
     from ckpt.log.backend import open_backend
-    from ckpt.log.markers import commits
+    from ckpt.log.catalog import commits
     from trainer.config import load_config
 
     cfg = load_config(config, overrides, check_data=False)

@@ -38,7 +38,8 @@ from ckpt.follow.store import RowStore
 from ckpt.log.backend import open_backend, open_sink
 from ckpt.log.catalog import Catalog, catch_up
 from ckpt.log.fencing import new_writer_id
-from ckpt.log.markers import ChainLink, Marker, MarkerError, encode_marker
+from ckpt.log.links import append_with_link
+from ckpt.log.markers import ChainLink, Marker, MarkerError
 from ckpt.restore.replay import iter_link_frames
 from ckpt.stream.frames import Frame
 from ckpt.stream.sink import compacted_generation, generation_label
@@ -333,7 +334,7 @@ class Follower:
             )
             return
         record = replace(marker, kind="compacted", chain=[link], follower=self.follower_id, stall_ms=[], created_unix=time.time())
-        self.backend.markers.append_marker(encode_marker(record))
+        append_with_link(self.backend.markers, record, self.follower_id)
         catch_up(self.catalog, self.backend.markers)
         accepted = self.catalog.compactions.get(marker.checkpoint_id)
         if accepted is None or accepted.follower != self.follower_id or accepted.chain[0] != link:

@@ -20,23 +20,31 @@ from a reader's clock:
 From these it gives, for any committed checkpoint, the cheapest complete chain: its own
 chain, or an accepted compacted baseline of one of its links plus the links after it,
 whichever reads fewer bytes, never one through a dropped generation (docs/design/follower.md).
+
+Markers that name their chain instead of carrying it (ckpt/log/links.py) get it back here:
+each accepted marker's own link is joined from the LINK records it names, and its chain is
+the chain of the marker before it plus that link, shared, so the fold reads each link once.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
+from ckpt.log.links import Chain, assemble, run_ids
 from ckpt.log.markers import (
     AttemptRecord,
     CatalogRecord,
     ChainLink,
     DroppedRecord,
     LeaseRecord,
+    LinkRecord,
     Marker,
     MarkerError,
     SurvivorRecord,
+    chain_bytes,
     decode_record,
 )
 from ckpt.stream.sink import MarkerLog
@@ -110,6 +118,14 @@ class Catalog:
     summary: Summary | None = None  # None: folded from the log's first record
     since_summary: int = 0  # records of this run since its newest catalog record
     exact: bool = True
+    # Links by checkpoint id: the own link of every accepted COMMIT (what later chains name),
+    # the positions of those written as LINK records, and accepted compacted baselines.
+    links: dict[int, ChainLink] = field(default_factory=dict)
+    link_at: dict[int, list[int]] = field(default_factory=dict)
+    bases: dict[tuple[int, int], Marker] = field(default_factory=dict)  # accepted compactions by (id, generation)
+    parts: dict[int, LinkRecord] = field(default_factory=dict)  # LINK records no marker named yet, by position
+    last_marker: tuple[int, Marker] | None = None  # the last checkpoint marker fed, chain resolved
+    _compaction_ids: list[int] = field(default_factory=list)  # sorted keys of `compactions`
 
     @property
     def read_from(self) -> int:
@@ -140,7 +156,17 @@ class Catalog:
             if isinstance(rec, CatalogRecord):  # a summary of what was folded before it
                 self.since_summary = 0
                 continue
+            if isinstance(rec, LinkRecord):  # named by a marker that follows it
+                self.parts[pos] = rec
+                continue
             self.since_summary += 1
+            if isinstance(rec, Marker):
+                try:
+                    rec = self._own_link(rec, pos, where)
+                except MarkerError as exc:
+                    logger.warning("%s position %s: %s; record skipped", where, pos, exc)
+                    self.damaged.append(pos)
+                    continue
             if isinstance(rec, LeaseRecord):
                 self._lease_event(rec)
             elif isinstance(rec, AttemptRecord):
@@ -153,17 +179,104 @@ class Catalog:
             elif isinstance(rec, DroppedRecord):  # honoured whoever wrote it: its deletions may have begun
                 self.dropped.update(rec.generations)
             elif rec.kind in ("commit", "failed") and not self._from_holder(rec):
-                self.fenced_commits.append(rec)
+                self.fenced_commits.append(self._resolved(rec, pos, where, accepted=False))
+                self.last_marker = (pos, self.fenced_commits[-1])
             elif rec.kind == "commit":
-                self.commits[rec.checkpoint_id] = rec
+                self.commits[rec.checkpoint_id] = rec = self._resolved(rec, pos, where, accepted=True)
                 self.exact = self.exact and self._knows_links_of(rec)
+                self.last_marker = (pos, rec)
             elif rec.kind == "failed":
                 self.failed[rec.checkpoint_id] = rec
+                self.last_marker = (pos, rec)
             elif self.holds(rec.follower):
-                self.compactions[rec.checkpoint_id] = rec
+                self._accept_compaction(rec)
+                self.last_marker = (pos, rec)
             else:
                 self.fenced.append(rec)
+                self.last_marker = (pos, rec)
         return self
+
+    def _own_link(self, marker: Marker, pos: int, where: str) -> Marker:
+        """`marker` with its own link joined from the LINK records it names (one link, the
+        chain's last, until `_resolved` puts the chain together); as it is when it carries its
+        chain. Records of the same writer before them that no marker named (a checkpoint that
+        failed between its LINK records and its marker) are dropped."""
+        if not marker.by_reference:
+            return marker
+        found = [self.parts.pop(p, None) for p in marker.link_at]
+        parts = [p for p in found if p is not None]
+        if len(parts) < len(found):
+            raise MarkerError(f"checkpoint {marker.checkpoint_id}'s link records at {marker.link_at} are not all in the log")
+        writer, first = parts[0].writer, min(marker.link_at)
+        for p in [p for p, r in self.parts.items() if r.writer == writer and p < first]:
+            del self.parts[p]
+        own = assemble(parts, marker.checkpoint_id, f"{where} position {pos}")
+        return replace(marker, chain=[own])
+
+    def _resolved(self, marker: Marker, pos: int, where: str, *, accepted: bool) -> Marker:
+        """A COMMIT marker with its whole chain; an accepted one's own link is remembered for
+        the chains that name it later. A chain naming a link this fold does not hold cannot be
+        restored: in a fold from a catalog record that makes the fold inexact (its reader folds
+        the whole log), else it is said once and the checkpoint is not restorable (its id still
+        counts as used)."""
+        if accepted and marker.chain:
+            own = marker.chain[-1]
+            self.links[own.checkpoint_id] = own
+            if marker.by_reference:
+                self.link_at[own.checkpoint_id] = marker.link_at
+        if not marker.by_reference:
+            return marker
+        chain = self._chain_of(marker)
+        if chain is None:
+            if self.summary is None:
+                logger.warning(
+                    "%s position %s: checkpoint %d names chain links the log does not hold; it cannot be restored",
+                    where,
+                    pos,
+                    marker.checkpoint_id,
+                )
+            self.exact = False if self.summary is not None else self.exact
+            return replace(marker, chain=[])
+        return replace(marker, chain=chain)
+
+    def _chain_of(self, marker: Marker) -> Chain | None:
+        """The chain `marker` names: its baseline, the links of `marker.links` and its own
+        (already joined); the chain of the marker before it is reused when it is the prefix."""
+        own = marker.chain[-1]
+        if not marker.links:
+            return Chain(None, own) if marker.base == [own.checkpoint_id, own.generation] else None
+        runs = [list(r) for r in marker.links]
+        if runs[-1][1] != own.checkpoint_id:
+            return None
+        if runs[-1][0] == runs[-1][1]:
+            runs.pop()
+        else:
+            runs[-1][1] -= 1
+        before = self.commits.get(runs[-1][1] if runs else marker.base[0])
+        if before is not None and before.base == marker.base and before.links == runs and isinstance(before.chain, Chain):
+            return Chain(before.chain, own)
+        first = self._baseline(marker.base)
+        rest = [self.links.get(cid) for cid in run_ids(runs)]
+        if first is None or any(link is None for link in rest):
+            return None
+        return Chain(Chain.of([first, *(link for link in rest if link is not None)]), own)
+
+    def _baseline(self, base: list[int]) -> ChainLink | None:
+        """The link a chain starts at: a commit's own link, or an accepted compacted baseline."""
+        cid, generation = base
+        link = self.links.get(cid)
+        if link is not None and link.generation == generation:
+            return link
+        compacted = self.bases.get((cid, generation))
+        return compacted.chain[0] if compacted is not None and compacted.chain else None
+
+    def _accept_compaction(self, marker: Marker) -> None:
+        if marker.checkpoint_id not in self.compactions:
+            bisect.insort(self._compaction_ids, marker.checkpoint_id)
+        self.compactions[marker.checkpoint_id] = marker
+        if marker.chain:
+            link = marker.chain[0]
+            self.bases[(link.checkpoint_id, link.generation)] = marker
 
     def _lease_event(self, r: LeaseRecord) -> None:
         lease = self.lease
@@ -178,10 +291,13 @@ class Catalog:
                 lease.released = True
 
     def _knows_links_of(self, marker: Marker) -> bool:
-        """Whether every compacted baseline `marker`'s chain may start at is known here."""
+        """Whether every compacted baseline `marker`'s chain may start at is known here (a
+        chain by reference resolved here holds only links known here: `_resolved`)."""
         summary = self.summary
-        return summary is None or all(
-            link.checkpoint_id in summary.links or link.checkpoint_id > summary.newest_id for link in marker.chain
+        return (
+            summary is None
+            or marker.by_reference
+            or all(link.checkpoint_id in summary.links or link.checkpoint_id > summary.newest_id for link in marker.chain)
         )
 
     def _from_holder(self, marker: Marker) -> bool:
@@ -217,20 +333,39 @@ class Catalog:
             ]
         )
 
-    def complete(self, chain: list[ChainLink]) -> bool:
-        return bool(chain) and chain[0].full and not any(link.generation in self.dropped for link in chain)
+    def complete(self, chain: Sequence[ChainLink]) -> bool:
+        return bool(chain) and chain[0].full and not (self.dropped and any(link.generation in self.dropped for link in chain))
 
-    def chain_options(self, marker: Marker) -> list[list[ChainLink]]:
+    def chain_options(self, marker: Marker) -> list[Sequence[ChainLink]]:
         """Every complete chain that restores `marker`'s checkpoint: its own, and each
         accepted compacted baseline of one of its links followed by the links after it."""
-        options = [marker.chain] if self.complete(marker.chain) else []
-        for i, link in enumerate(marker.chain):
-            compacted = self.compactions.get(link.checkpoint_id)
-            if compacted is not None:
-                option = [compacted.chain[0], *marker.chain[i + 1 :]]
+        chain = marker.chain
+        options = [chain] if self.complete(chain) else []
+        for i, cid in self._compacted_links_of(marker):
+            compacted = self.compactions[cid]
+            if compacted.chain:
+                option = [compacted.chain[0], *chain[i + 1 :]]
                 if self.complete(option):
                     options.append(option)
         return options
+
+    def _compacted_links_of(self, marker: Marker) -> list[tuple[int, int]]:
+        """(position in the chain, checkpoint id) of each link of `marker`'s chain that has an
+        accepted compacted baseline; for a chain by reference, found from its id runs (only the
+        compactions inside its span are looked at), not by walking the chain."""
+        chain = marker.chain
+        if not self.compactions or not chain:
+            return []
+        if not isinstance(chain, Chain) or not marker.base:
+            return [(i, link.checkpoint_id) for i, link in enumerate(chain) if link.checkpoint_id in self.compactions]
+        lo = bisect.bisect_left(self._compaction_ids, marker.base[0])
+        hi = bisect.bisect_right(self._compaction_ids, marker.checkpoint_id)
+        out = []
+        for cid in self._compaction_ids[lo:hi]:
+            at = _position(marker, cid)
+            if at is not None:
+                out.append((at, cid))
+        return out
 
     def cheapest(self, marker: Marker) -> Marker | None:
         """`marker` with the complete chain that reads the fewest bytes (fewest links on a
@@ -238,7 +373,7 @@ class Catalog:
         options = self.chain_options(marker)
         if not options:
             return None
-        best = min(options, key=lambda chain: (sum(link.bytes for link in chain), len(chain)))
+        best = min(options, key=lambda chain: (chain_bytes(chain), len(chain)))
         return marker if best is marker.chain else replace(marker, chain=best)
 
     def restorable(self) -> list[Marker]:
@@ -246,6 +381,32 @@ class Catalog:
         its cheapest chain."""
         out = [self.cheapest(m) for _, m in sorted(self.commits.items(), reverse=True)]
         return [m for m in out if m is not None]
+
+
+def _position(marker: Marker, cid: int) -> int | None:
+    """Where link `cid` is in the chain `marker` names by reference (0: its baseline)."""
+    if marker.base and marker.base[0] == cid:
+        return 0
+    at = 1
+    for first, last in marker.links:
+        if first <= cid <= last:
+            return at + cid - first
+        at += last - first + 1
+    return None
+
+
+def commits(records: Iterable[tuple[int, bytes]], run_id: str) -> list[tuple[int, Marker]]:
+    """The COMMIT markers of `run_id` among raw (position, bytes) records, in log order, with
+    their chains, fenced ones included (diagnostics and benchmarks; restores use the fold's
+    `restorable`). A damaged record is skipped with a warning."""
+    catalog = Catalog(run_id)
+    out: list[tuple[int, Marker]] = []
+    for pos, data in records:
+        catalog.last_marker = None
+        catalog.feed([(pos, data)])
+        if catalog.last_marker is not None and catalog.last_marker[1].kind == "commit":
+            out.append(catalog.last_marker)
+    return out
 
 
 def read_catalog(markers: MarkerLog, run_id: str, where: str = "markers") -> Catalog:

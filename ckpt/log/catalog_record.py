@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 from ckpt.log.catalog import Catalog, Holder, Lease, Summary, read_catalog
-from ckpt.log.markers import CatalogRecord, MarkerError, decode_record, is_catalog_record
-from ckpt.stream.sink import MarkerLog
+from ckpt.log.links import assemble
+from ckpt.log.markers import CatalogRecord, LinkRecord, MarkerError, decode_record, is_catalog_record
+from ckpt.stream.sink import MarkerLog, TailRead
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,13 @@ def summarize(catalog: Catalog, keep: int = KEEP) -> CatalogRecord:
     survivors = list(catalog.survivors.get(catalog.trainer_attempts[-1].attempt, {}).values() if catalog.trainer_attempts else [])
     links = sorted({link.checkpoint_id for m in kept for link in m.chain} | {r.link.checkpoint_id for r in survivors})
     lease = catalog.lease
+    link_parts = {str(cid): catalog.link_at[cid] for cid in links if cid in catalog.link_at}
+    # compacted baselines kept chains start at that a newer compaction of the same link replaced
+    bases = {}
+    for m in kept:
+        base = catalog.bases.get((m.chain[0].checkpoint_id, m.chain[0].generation)) if m.chain else None
+        if base is not None and base is not catalog.compactions.get(base.checkpoint_id):
+            bases[(m.chain[0].checkpoint_id, m.chain[0].generation)] = base
     return CatalogRecord(
         kind="catalog",
         run_id=catalog.run_id,
@@ -72,16 +81,19 @@ def summarize(catalog: Catalog, keep: int = KEEP) -> CatalogRecord:
         },
         lease_epochs=catalog.epochs,
         created_unix=time.time(),
+        link_parts=link_parts,
+        pending=sorted(catalog.parts),
+        bases=list(bases.values()),
     )
 
 
-def from_record(record: CatalogRecord) -> Catalog:
-    """The fold a catalog record summarises, ready to `feed` the records after `record.upto`."""
+def from_record(record: CatalogRecord, read_from: Callable[[int], list[tuple[int, bytes]]] | None = None) -> Catalog:
+    """The fold a catalog record summarises, ready to `feed` the records after `record.upto`.
+    The links its markers name by reference are read from the log (`read_from(position)`
+    gives the records from a position on); raises MarkerError when one cannot be."""
     oldest = min((m.checkpoint_id for m in record.commits), default=record.newest_id + 1)
-    return Catalog(
+    catalog = Catalog(
         run_id=record.run_id,
-        commits={m.checkpoint_id: m for m in record.commits},
-        compactions={m.checkpoint_id: m for m in record.compactions},
         holders={role: Holder(str(a), int(e), float(t)) for role, (a, e, t) in record.holders.items()},
         epochs_of={a: int(e) for a, e in record.epochs_of.items()},
         trainer_attempts=[Holder(str(a), int(e), float(t)) for a, e, t in record.trainer_attempts],
@@ -93,6 +105,58 @@ def from_record(record: CatalogRecord) -> Catalog:
         records=record.records,
         summary=Summary(upto=record.upto, newest_id=record.newest_id, oldest_kept=oldest, links=frozenset(record.links)),
     )
+    catalog.parts = _link_records(record, read_from)
+    where = f"catalog record at {record.upto}"
+    for newest, m in [*((False, m) for m in record.bases), *((True, m) for m in record.compactions)]:
+        if m.by_reference:
+            parts = [catalog.parts.pop(p) for p in m.link_at if p in catalog.parts]
+            m = replace(m, chain=[assemble(parts, m.checkpoint_id, where)])
+        if newest:
+            catalog._accept_compaction(m)
+        elif m.chain:
+            catalog.bases[(m.chain[0].checkpoint_id, m.chain[0].generation)] = m
+    for cid, positions in record.link_parts.items():
+        parts = [catalog.parts.pop(p) for p in positions if p in catalog.parts]
+        catalog.links[int(cid)] = assemble(parts, int(cid), where)
+        catalog.link_at[int(cid)] = positions
+    for m in sorted(record.commits, key=lambda m: m.checkpoint_id):
+        if not m.by_reference:  # carried inline: its links are what later chains by reference name
+            for link in m.chain:
+                if (link.checkpoint_id, link.generation) not in catalog.bases:
+                    catalog.links.setdefault(link.checkpoint_id, link)
+            catalog.commits[m.checkpoint_id] = m
+            continue
+        own = catalog.links.get(m.checkpoint_id)
+        chain = catalog._chain_of(replace(m, chain=[own])) if own is not None else None
+        if chain is None:
+            raise MarkerError(f"{where}: checkpoint {m.checkpoint_id}'s chain names links the record does not hold")
+        catalog.commits[m.checkpoint_id] = replace(m, chain=chain)
+    return catalog
+
+
+def _link_records(record: CatalogRecord, read_from: Callable[[int], list[tuple[int, bytes]]] | None) -> dict[int, LinkRecord]:
+    """The LINK records `record` names (its links', its compactions' and those no marker had
+    named yet), by position."""
+    want = {p for ps in record.link_parts.values() for p in ps}
+    want |= {p for m in [*record.compactions, *record.bases] for p in m.link_at}
+    want |= set(record.pending)
+    if not want:
+        return {}
+    if read_from is None:
+        raise MarkerError("a catalog record naming link records, read without its log")
+    found: dict[int, LinkRecord] = {}
+    for pos, data in read_from(min(want)):
+        if pos in want:
+            rec = decode_record(data)
+            if not isinstance(rec, LinkRecord):
+                raise MarkerError(f"position {pos} holds a {rec.kind} record where a link record was named")
+            found[pos] = rec
+        if pos >= max(want):
+            break
+    missing = want - set(found)
+    if missing - set(record.pending):
+        raise MarkerError(f"link records at {sorted(missing)[:5]} are not in the log")
+    return found
 
 
 def read_recent_catalog(markers: MarkerLog, run_id: str, where: str = "markers") -> Catalog:
@@ -102,7 +166,15 @@ def read_recent_catalog(markers: MarkerLog, run_id: str, where: str = "markers")
     while True:
         tail = markers.read_tail(want)
         first = tail.records[0][0] if tail.records else 0
-        for pos, catalog in _catalog_records(tail.records, run_id, where):
+
+        def read_from(pos: int, tail: TailRead = tail) -> list[tuple[int, bytes]]:
+            return (
+                [r for r in tail.records if r[0] >= pos]
+                if tail.records and pos >= tail.records[0][0]
+                else markers.read_markers(pos)
+            )
+
+        for pos, catalog in _catalog_records(tail.records, run_id, where, read_from):
             upto = catalog.last_pos
             if upto < first and not tail.whole:
                 break  # records it did not fold lie before what was read: read more
@@ -123,7 +195,9 @@ def read_recent_catalog(markers: MarkerLog, run_id: str, where: str = "markers")
         want *= 8
 
 
-def _catalog_records(records: list[tuple[int, bytes]], run_id: str, where: str) -> Iterator[tuple[int, Catalog]]:
+def _catalog_records(
+    records: list[tuple[int, bytes]], run_id: str, where: str, read_from: Callable[[int], list[tuple[int, bytes]]]
+) -> Iterator[tuple[int, Catalog]]:
     """The folds the catalog records of `run_id` among `records` summarise, newest first,
     decoding nothing else; a damaged one is skipped with a warning (an older one serves)."""
     for pos, data in reversed(records):
@@ -134,7 +208,7 @@ def _catalog_records(records: list[tuple[int, bytes]], run_id: str, where: str) 
             assert isinstance(record, CatalogRecord)
             if record.run_id != run_id:
                 continue
-            catalog = from_record(record)
+            catalog = from_record(record, read_from)
         except (MarkerError, TypeError, ValueError) as exc:  # the last two: nested fields of the wrong shape
             logger.warning("%s position %s: %s; an older catalog record serves", where, pos, exc)
             continue

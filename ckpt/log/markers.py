@@ -7,6 +7,13 @@ deltas), the exact offset range of each partition, so recovery never asks the br
 where a partition ends. FAILED markers are informational: `deltarec-ckpt list` shows
 them; restore ignores them.
 
+A marker's size does not grow with its chain: the trainer and the follower write each link's
+index once, in LINK records of their own (split into parts under the broker's message limit,
+`ckpt/log/links.py`), and the marker names its chain by checkpoint ids (the baseline, then id
+ranges) and its own link by the positions of its LINK records; the log's fold puts the chain
+back together (docs/design/formats.md, "Markers"). A marker may also carry its chain inline,
+as every marker of format 1 does: old logs restore as they always did.
+
 Wire form: b"DRM1" + crc32 (u32, little endian) of the JSON body + the JSON body (utf-8).
 JSON keeps the record readable with any Kafka tool; the CRC catches a damaged record.
 """
@@ -17,7 +24,7 @@ import dataclasses
 import json
 import logging
 import struct
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
@@ -27,7 +34,9 @@ from common.errors import DeltarecError
 logger = logging.getLogger(__name__)
 
 MAGIC = b"DRM1"
-FORMAT_VERSION = 1
+#: What this version writes; it reads every format in `FORMATS` (1: chains inline only).
+FORMAT_VERSION = 2
+FORMATS = (1, 2)
 _HEAD = struct.Struct("<4sI")
 
 
@@ -100,12 +109,18 @@ def _index_entry(e: list[Any]) -> IndexEntry:
 class Marker:
     """A COMMIT or FAILED record for one checkpoint."""
 
-    kind: str  # "commit" or "failed"
+    kind: str  # "commit", "failed" or "compacted"
     run_id: str
     checkpoint_id: int
     step: int
     world_size: int
-    chain: list[ChainLink] = field(default_factory=list)
+    # The links a restore replays, baseline first. On the wire either inline (format 1, and
+    # records written without LINK records) or named by `base` and `links`, which the log's
+    # fold resolves (ckpt/log/catalog.py); a marker decoded alone then has an empty chain.
+    chain: Sequence[ChainLink] = field(default_factory=list)
+    base: list[int] = field(default_factory=list)  # [checkpoint id, generation] of chain[0]
+    links: list[list[int]] = field(default_factory=list)  # chain[1:] as checkpoint id runs [first, last]
+    link_at: list[int] = field(default_factory=list)  # positions of chain[-1]'s LINK records, in part order
     policy: str = ""
     plan: dict[str, str] = field(default_factory=dict)  # table -> sharding type of the writing job
     tables: dict[str, list[int]] = field(default_factory=dict)  # table -> [rows, dim]
@@ -136,7 +151,40 @@ class Marker:
     @property
     def chain_bytes(self) -> int:
         """Bytes a restore reads (the whole chain)."""
-        return sum(link.bytes for link in self.chain)
+        return chain_bytes(self.chain)
+
+    @property
+    def by_reference(self) -> bool:
+        """Whether the wire form names the chain instead of carrying it."""
+        return bool(self.link_at)
+
+
+def chain_bytes(chain: Sequence[ChainLink]) -> int:
+    """Bytes of every link of `chain` (a resolved chain keeps the sum: ckpt/log/links.py)."""
+    total = getattr(chain, "total_bytes", None)
+    return int(total) if total is not None else sum(link.bytes for link in chain)
+
+
+@dataclass(kw_only=True)
+class LinkRecord:
+    """One part of one chain link, written before the marker that names it: the link's offset
+    ranges and totals (part 0) and a run of its frame index (every part). A link of any size
+    fits the broker's message limit as several parts (ckpt/log/links.py splits and reassembles)."""
+
+    kind: str  # "link"
+    run_id: str
+    writer: str  # the trainer attempt or follower that wrote it
+    checkpoint_id: int
+    generation: int
+    part: int  # 0 .. parts - 1
+    parts: int
+    # part 0: the link's own fields but its index (full, ranges, rows, bytes, epoch); else empty
+    head: dict[str, Any] = field(default_factory=dict)
+    tables: list[str] = field(default_factory=list)  # the table names `index` refers to, by position
+    # IndexEntry fields in order, the table as its position in `tables`
+    index: list[list[int]] = field(default_factory=list)
+    created_unix: float = 0.0
+    format: int = FORMAT_VERSION
 
 
 @dataclass(kw_only=True)
@@ -235,11 +283,19 @@ class CatalogRecord:
     lease_epochs: int
     created_unix: float
     format: int = FORMAT_VERSION
+    # checkpoint id -> positions of the LINK records of every link `links` names that was
+    # written by reference (a reader reads them: ckpt/log/catalog_record.py)
+    link_parts: dict[str, list[int]] = field(default_factory=dict)
+    pending: list[int] = field(default_factory=list)  # positions of LINK records no marker had named yet
+    # compacted baselines the kept chains start at that a newer compaction of the same
+    # checkpoint replaced (not in `compactions`, which holds the newest of each)
+    bases: list[Marker] = field(default_factory=list)
 
 
 #: Every record of the markers log: checkpoint markers (kinds commit, failed, compacted),
-#: follower leases, gc's drops, writers' attempts, survivor snapshots and catalog records.
-LogRecord = Marker | LeaseRecord | DroppedRecord | AttemptRecord | SurvivorRecord | CatalogRecord
+#: follower leases, gc's drops, writers' attempts, survivor snapshots, catalog records and
+#: the LINK records markers name.
+LogRecord = Marker | LeaseRecord | DroppedRecord | AttemptRecord | SurvivorRecord | CatalogRecord | LinkRecord
 _KINDS: dict[str, type] = {
     "commit": Marker,
     "failed": Marker,
@@ -249,6 +305,7 @@ _KINDS: dict[str, type] = {
     "attempt": AttemptRecord,
     "survivor": SurvivorRecord,
     "catalog": CatalogRecord,
+    "link": LinkRecord,
 }
 ROLES = ("trainer", "gc")
 # A catalog record's envelope has a magic of its own, so that a reader looking for the newest
@@ -258,20 +315,34 @@ CATALOG_MAGIC = b"DRC1"
 
 def _fields(record: LogRecord) -> dict[str, Any]:
     """A record's JSON object; empty optional fields of markers are left out (the wire form
-    markers always had)."""
+    markers always had). A marker by reference leaves its chain out (the fold resolves it)."""
+    if isinstance(record, Marker):
+        assert record.format in FORMATS, record.format
+        if record.by_reference:
+            assert record.format > 1 and record.base, "a marker by reference names its baseline"
+            record = dataclasses.replace(record, chain=[])  # before asdict, which would copy it
+        else:
+            record = dataclasses.replace(record, chain=list(record.chain))
+    if isinstance(record, LinkRecord):  # JSON values already, and large: no deep copy
+        return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
     fields = asdict(record)
     if isinstance(record, SurvivorRecord) and not fields["link"]["epoch"]:
         del fields["link"]["epoch"]
     if isinstance(record, Marker):
-        for name in ("follower", "attempt", "init", "step_unix"):
+        for name in ("follower", "attempt", "init", "step_unix", "base", "links", "link_at"):
             if not fields[name]:
                 del fields[name]
-        for link in fields["chain"]:
+        if record.by_reference:
+            del fields["chain"]
+        for link in fields.get("chain", []):
             if not link["epoch"]:
                 del link["epoch"]
     if isinstance(record, CatalogRecord):
-        for name in ("commits", "compactions", "survivors"):
+        for name in ("commits", "compactions", "survivors", "bases"):
             fields[name] = [_fields(r) for r in getattr(record, name)]
+        for name in ("link_parts", "pending", "bases"):
+            if not fields[name]:
+                del fields[name]
     return fields
 
 
@@ -324,8 +395,8 @@ def decode_record(data: bytes) -> LogRecord:
 def _record(d: dict[str, Any], nested_in: type | None = None) -> LogRecord:
     """The record a verified JSON object describes (a catalog record's nested ones: only the
     kinds it holds)."""
-    if d.get("format") != FORMAT_VERSION:
-        raise MarkerError(f"marker format {d.get('format')} is not {FORMAT_VERSION}; upgrade deltarec")
+    if d.get("format") not in FORMATS:
+        raise MarkerError(f"marker format {d.get('format')} is not one of {', '.join(map(str, FORMATS))}; upgrade deltarec")
     cls = _KINDS.get(str(d.get("kind")))
     if cls is None:
         raise MarkerError(f"unknown record kind {d.get('kind')!r}; upgrade deltarec")
@@ -335,12 +406,15 @@ def _record(d: dict[str, Any], nested_in: type | None = None) -> LogRecord:
     if cls is AttemptRecord and d.get("role") not in ROLES:
         raise MarkerError(f"attempt record of unknown role {d.get('role')!r}")
     if cls is Marker:
-        d["chain"] = [ChainLink.from_json(link) for link in d["chain"]]
+        if "chain" not in d and not d.get("link_at"):
+            raise MarkerError("marker record has neither a chain nor the positions of its link")
+        d["chain"] = [ChainLink.from_json(link) for link in d.get("chain", [])]
     if cls is SurvivorRecord:
         d["link"] = ChainLink.from_json(d["link"])
     if cls is CatalogRecord:
-        for name, kind in (("commits", Marker), ("compactions", Marker), ("survivors", SurvivorRecord)):
-            d[name] = [_record(r, kind) for r in d[name]]
+        nested = (("commits", Marker), ("compactions", Marker), ("survivors", SurvivorRecord), ("bases", Marker))
+        for name, kind in nested:
+            d[name] = [_record(r, kind) for r in d.get(name, [])]
     return cls(**d)
 
 
@@ -367,22 +441,6 @@ def _check_field_types(cls: type, d: dict[str, Any]) -> None:
         want, value = _JSON_TYPES[kind], d[f.name]
         if not isinstance(value, want) or (isinstance(value, bool) and bool not in want):
             raise MarkerError(f"marker record field {f.name!r} must be a JSON {kind}, got {type(value).__name__}")
-
-
-def commits(records: Iterable[tuple[Any, bytes]], run_id: str) -> list[tuple[Any, Marker]]:
-    """The COMMIT markers of `run_id` among raw (position, bytes) records, in log order, as
-    written (diagnostics and benchmarks; restores fold the log with `ckpt.log.catalog`, which also
-    fences markers of a replaced trainer attempt). A damaged record is skipped with a warning."""
-    out = []
-    for pos, data in records:
-        try:
-            m = decode_record(data)
-        except MarkerError as exc:
-            logger.warning("marker at position %s: %s; record skipped", pos, exc)
-            continue
-        if isinstance(m, Marker) and m.kind == "commit" and m.run_id == run_id:
-            out.append((pos, m))
-    return out
 
 
 def select(markers: list[tuple[Any, Marker]], checkpoint_id: int | None = None) -> Marker | None:

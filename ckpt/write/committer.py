@@ -30,6 +30,7 @@ from ckpt.faults import maybe_die
 from ckpt.log.catalog import Catalog, catch_up
 from ckpt.log.catalog_record import summarize
 from ckpt.log.fencing import fenced_by, fenced_message
+from ckpt.log.links import append_with_link
 from ckpt.log.markers import AttemptRecord, ChainLink, IndexEntry, Marker, OffsetRange, encode_marker
 from ckpt.stream.sink import MarkerLog
 from ckpt.write.writer import Outcome, RankReport, WriteJob
@@ -142,8 +143,10 @@ class Committer:
             **{**self.marker_fields, "encodings": {k: v for r in reports for k, v in r.encodings.items()}},
         )
         marker = self._rebased(marker)
-        maybe_die("marker", cid, 0)
-        self.markers.append_marker(encode_marker(marker))
+        # the link's index in LINK records of its own, then the marker naming them: its size
+        # does not grow with the chain (ckpt/log/links.py)
+        writer = self.attempt.attempt if self.attempt else "trainer"
+        marker = append_with_link(self.markers, marker, writer, before_marker=lambda: maybe_die("marker", cid, 0))
         durable_unix = time.time()
         self.links[cid] = link
         self._journal = CommitRecord(cid, job.step, self.where, marker.created_unix)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ckpt.log.backend import open_backend
-from ckpt.log.markers import commits
+from ckpt.log.catalog import commits
 from launch.ranks import spawn_ranks
 
 pytestmark = [pytest.mark.integration, pytest.mark.multirank]

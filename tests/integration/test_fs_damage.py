@@ -29,7 +29,8 @@ import pytest
 import torch
 
 from ckpt import cli as ckpt_cli
-from ckpt.log.markers import Marker, decode_record
+from ckpt.log.catalog import commits
+from ckpt.log.markers import Marker
 from ckpt.stream.filesystem import REC_MAGIC, FsMarkers
 from ckpt.stream.frames import decode_frame
 from launch.ranks import RankResult, spawn_ranks
@@ -59,8 +60,7 @@ class Trained:
 
 
 def _markers(run: Path, run_id: str) -> dict[int, Marker]:
-    records = (decode_record(data) for _, data in FsMarkers(run / "stream", run_id).read_markers())
-    return {r.checkpoint_id: r for r in records if isinstance(r, Marker) and r.kind == "commit"}
+    return {m.checkpoint_id: m for _, m in commits(FsMarkers(run / "stream", run_id).read_markers(), run_id)}
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ time-based intervals and torchrun's automatic restart. Real broker, real ranks."
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,7 +13,8 @@ import torch
 
 from ckpt import cli as ckpt_cli
 from ckpt.dense.store import DenseStore
-from ckpt.log.markers import ChainLink, SurvivorRecord, commits, decode_record, encode_marker, is_catalog_record
+from ckpt.log.catalog import commits
+from ckpt.log.markers import ChainLink, SurvivorRecord, decode_record, encode_marker, is_catalog_record
 from ckpt.stream.filesystem import FsMarkers
 from ckpt.stream.kafka import KafkaMarkers
 from launch.broker import EmbeddedBroker, free_port
@@ -153,8 +155,8 @@ def test_marker_that_does_not_match_its_frames_is_refused(tmp_path, broker, uniq
     try:
         newest = commits(markers.read_markers(), run_id)[-1][1]
         assert newest.checkpoint_id == 2
-        newest.checkpoint_id = 7  # a marker claiming checkpoint 2's frames belong to checkpoint 7
-        newest.chain[-1].checkpoint_id = 7
+        # a marker claiming checkpoint 2's frames belong to checkpoint 7, its chain inline
+        newest = replace(newest, checkpoint_id=7, chain=[replace(newest.chain[-1], checkpoint_id=7)], link_at=[])
         markers.append_marker(encode_marker(newest))
     finally:
         markers.close()

@@ -10,6 +10,7 @@ import pytest
 
 from ckpt.log.catalog import Catalog
 from ckpt.log.catalog_record import TAIL_READ, from_record, read_recent_catalog, summarize
+from ckpt.log.links import append_with_link
 from ckpt.log.markers import (
     AttemptRecord,
     ChainLink,
@@ -81,8 +82,14 @@ class RunSim:
     chain: list[ChainLink] = field(default_factory=list)
     clock: float = 1000.0
     every: int = 3
+    by_reference: bool = False  # commits and compactions name their links, as deltarec writes them
 
     def append(self, record) -> None:
+        if self.by_reference and isinstance(record, Marker) and record.kind != "failed":
+            n = len(self.log.records)
+            append_with_link(self.log, record, record.attempt or record.follower)
+            self.fold.feed(self.log.records[n:])
+            return
         pos = self.log.append_marker(encode_marker(record))
         self.fold.feed([(pos, self.log.records[-1][1])])
 
@@ -104,7 +111,7 @@ class RunSim:
                 attempt=attempt,
             )
         )
-        if kind == "failed":
+        if kind == "failed" or attempt != self.attempt:  # a zombie's links are no chain's of the run
             self.chain = self.chain[:-1]
         elif self.fold.since_summary >= self.every:  # as the committer does, from its own fold
             source = self.fold if self.rng.random() < 0.5 else read_recent_catalog(self.log, RUN)
@@ -215,10 +222,11 @@ def _assert_answers_like(recent: Catalog, whole: Catalog, why: str) -> None:
         assert usable_survivors(recent, newest[0]) == usable_survivors(whole, newest[0]), why
 
 
-def test_a_fold_from_the_newest_catalog_record_answers_as_the_whole_log_does(replay_seed) -> None:
+@pytest.mark.parametrize("by_reference", [False, True], ids=["inline", "by-reference"])
+def test_a_fold_from_the_newest_catalog_record_answers_as_the_whole_log_does(replay_seed, by_reference: bool, caplog) -> None:
     rng = replay_seed.rng()
     for run in range(30):
-        sim = RunSim(rng, every=rng.randint(1, 6))
+        sim = RunSim(rng, every=rng.randint(1, 6), by_reference=by_reference)
         for _ in range(rng.randint(20, 160)):
             sim.step()
         for n in sorted(rng.sample(range(1, len(sim.log.records) + 1), min(8, len(sim.log.records)))):
@@ -228,6 +236,24 @@ def test_a_fold_from_the_newest_catalog_record_answers_as_the_whole_log_does(rep
             recent = read_recent_catalog(log, RUN)
             assert recent.exact, why
             _assert_answers_like(recent, whole, why)
+    assert "an older catalog record serves" not in caplog.text, replay_seed  # every record is whole
+
+
+def test_a_log_by_reference_folds_to_the_chains_of_the_same_log_inline(replay_seed) -> None:
+    """The same run written both ways: every restorable checkpoint has the same chain, link for
+    link (LINK records joined back, chains put together from ids), and the same catalog facts."""
+    seed = replay_seed.rng().randrange(2**32)
+    for run in range(10):
+        inline, named = (RunSim(random.Random(seed + run), by_reference=b) for b in (False, True))
+        for _ in range(150):
+            inline.step()
+            named.step()
+        why = f"run {run}, {replay_seed}"
+        assert [(m.checkpoint_id, list(m.chain)) for m in named.fold.restorable()] == [
+            (m.checkpoint_id, list(m.chain)) for m in inline.fold.restorable()
+        ], why
+        assert named.fold.newest_id == inline.fold.newest_id and named.fold.dropped == inline.fold.dropped, why
+        assert sorted(named.fold.compactions) == sorted(inline.fold.compactions), why
 
 
 def test_catalog_records_change_nothing_the_fold_says(replay_seed) -> None:

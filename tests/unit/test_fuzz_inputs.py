@@ -27,9 +27,9 @@ import pytest
 import torch
 import yaml
 
-from ckpt.log.catalog import Catalog
+from ckpt.log.catalog import Catalog, commits
 from ckpt.log.markers import MAGIC as MARKER_MAGIC
-from ckpt.log.markers import ChainLink, IndexEntry, Marker, MarkerError, OffsetRange, commits, decode_record, encode_marker
+from ckpt.log.markers import ChainLink, IndexEntry, Marker, MarkerError, OffsetRange, decode_record, encode_marker
 from ckpt.stream.filesystem import FsMarkers, FsSink, FsSource
 from ckpt.stream.frames import FrameError, OptimState, decode_frame, encode_frame, kafka_where
 from ckpt.stream.sink import SourceError

@@ -1,0 +1,164 @@
+"""Markers of bounded size: each link's index is written once, in LINK records split under the
+broker's message limit, and a marker names its chain by ids; the fold puts the chains back."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+
+import pytest
+
+from ckpt.log.catalog import Catalog, commits
+from ckpt.log.links import Chain, append_with_link, assemble, by_reference, link_records
+from ckpt.log.markers import ChainLink, IndexEntry, LinkRecord, Marker, OffsetRange, decode_record, encode_marker
+from tests.unit.test_catalog_record import MemoryLog
+
+RUN = "links"
+
+
+def _link(cid: int, generation: int, full: bool, ranks: int = 2, tables: int = 8) -> ChainLink:
+    """A link indexing one run of frames per (rank, table): a row-wise plan's full checkpoint."""
+    index = [
+        IndexEntry(r, 10_000 * cid + t, 10_000 * cid + t + 2, f"table_{t:04d}", 0, 1_000 * r, 1_000 * r + 999, 128)
+        for r in range(ranks)
+        for t in range(tables)
+    ]
+    return ChainLink(
+        checkpoint_id=cid,
+        full=full,
+        generation=generation,
+        ranges={r: [OffsetRange(10_000 * cid, 10_000 * cid + tables)] for r in range(ranks)},
+        rows=1_000 * ranks * tables,
+        bytes=4_096 * ranks * tables,
+        index=index,
+        epoch=3,
+    )
+
+
+def _marker(chain: list[ChainLink], ranks: int = 2, tables: int = 8) -> Marker:
+    cid = chain[-1].checkpoint_id
+    return Marker(
+        kind="commit",
+        run_id=RUN,
+        checkpoint_id=cid,
+        step=cid,
+        world_size=ranks,
+        chain=chain,
+        policy="incremental",
+        plan={f"table_{t:04d}": "row_wise" for t in range(tables)},
+        tables={f"table_{t:04d}": [1_000 * ranks, 128] for t in range(tables)},
+        stall_ms=[12.5] * ranks,
+        attempt="host:1:abcd",
+    )
+
+
+def _incremental_log(links: int) -> tuple[MemoryLog, Catalog]:
+    """A trainer's log of one full checkpoint and `links - 1` deltas, each extending the last
+    (written as `append_with_link` writes them, without building each chain)."""
+    log, fold = MemoryLog(), Catalog(RUN)
+    for cid in range(1, links + 1):
+        n = len(log.records)
+        link_at = [log.append_marker(encode_marker(r)) for r in link_records(_link(cid, 1, cid == 1), run_id=RUN, writer="w")]
+        named = replace(_marker([_link(cid, 1, cid == 1)]), base=[1, 1], links=[[2, cid]] if cid > 1 else [], link_at=link_at)
+        log.append_marker(encode_marker(named))
+        fold.feed(log.records[n:])
+    return log, fold
+
+
+def test_a_link_split_into_parts_joins_back_exactly() -> None:
+    link = _link(7, 1, True, ranks=16, tables=100)
+    parts = link_records(link, run_id=RUN, writer="w", part_bytes=8_000)
+    assert len(parts) > 5
+    assert all(len(encode_marker(p)) <= 8_000 + 2_000 for p in parts[1:])  # the index under the limit, plus the envelope
+    decoded = [decode_record(encode_marker(p)) for p in parts]
+    assert all(isinstance(p, LinkRecord) for p in decoded)
+    assert assemble(decoded, 7, "test") == link  # type: ignore[arg-type]
+
+
+def test_parts_that_do_not_belong_together_are_refused() -> None:
+    parts = link_records(_link(7, 1, True, ranks=16, tables=100), run_id=RUN, writer="w", part_bytes=8_000)
+    other = link_records(_link(8, 1, False, ranks=16, tables=100), run_id=RUN, writer="w", part_bytes=8_000)
+    with pytest.raises(ValueError, match="incomplete"):
+        assemble(parts[:-1], 7, "test")
+    with pytest.raises(ValueError, match="does not belong"):
+        assemble([*parts[:-1], other[-1]], 7, "test")
+    with pytest.raises(ValueError, match="does not belong"):
+        assemble(parts, 8, "test")
+
+
+def test_a_commit_marker_does_not_grow_with_its_chain() -> None:
+    """The marker of the 10th link and of the 5,000th link of one chain differ only in the
+    digits of their ids; carried inline, the 5,000th would be thousands of times larger."""
+    sizes = {}
+    for links in (10, 5_000):
+        chain = [_link(cid, 1, full=cid == 1) for cid in range(1, links + 1)]
+        sizes[links] = len(encode_marker(by_reference(_marker(chain), [123_456_789])))
+    assert abs(sizes[5_000] - sizes[10]) <= 16, sizes
+    inline = len(encode_marker(_marker([_link(cid, 1, full=cid == 1) for cid in range(1, 101)])))
+    assert inline > 50 * sizes[10]
+
+
+def test_ten_thousand_one_step_links_fold_once_each() -> None:
+    """Each marker's chain is the chain before it plus its own link, shared: the fold keeps one
+    link per checkpoint however long the chain, and gives every chain whole."""
+    log, fold = _incremental_log(10_000)
+    newest = fold.commits[10_000].chain
+    assert isinstance(newest, Chain) and newest.prefix is fold.commits[9_999].chain
+    assert len(newest) == 10_000 and [link.checkpoint_id for link in newest] == list(range(1, 10_001))
+    assert newest[0] == _link(1, 1, True) and newest[-1] == _link(10_000, 1, False)
+    assert newest[-3:] == [_link(cid, 1, False) for cid in (9_998, 9_999, 10_000)]
+    assert fold.restorable()[0].chain_bytes == sum(link.bytes for link in newest)
+    whole = Catalog(RUN).feed(log.records)
+    assert whole.commits[5_000].chain == fold.commits[5_000].chain
+
+
+def test_link_records_no_marker_names_are_passed_over() -> None:
+    """A checkpoint killed between its LINK records and its marker leaves records nobody names:
+    the next checkpoint's chain does not include them, and the fold drops them."""
+    log, fold = _incremental_log(3)
+    for part in link_records(_link(4, 1, False), run_id=RUN, writer="host:1:abcd"):
+        log.append_marker(encode_marker(part))
+    chain = [*fold.commits[3].chain, _link(5, 1, False)]
+    append_with_link(log, _marker(chain), "host:1:abcd")
+    again = Catalog(RUN).feed(log.records)
+    assert [m.checkpoint_id for m in again.restorable()] == [5, 3, 2, 1]
+    assert [link.checkpoint_id for link in again.commits[5].chain] == [1, 2, 3, 5]
+    assert again.parts == {}  # the orphan went when the next marker of its writer was folded
+
+
+def test_a_marker_whose_link_records_are_gone_is_not_restorable_but_its_id_stays_used(caplog) -> None:
+    log, _ = _incremental_log(3)
+    lost = next(pos for pos, data in log.records if decode_record(data).kind == "link" and pos > log.records[-4][0])
+    records = [(pos, data) for pos, data in log.records if pos != lost]
+    with caplog.at_level(logging.WARNING):
+        fold = Catalog(RUN).feed(records)
+    assert [m.checkpoint_id for m in fold.restorable()] == [2, 1]
+    assert "checkpoint 3's link records" in caplog.text
+    assert fold.damaged  # said where
+
+
+def test_format_1_markers_still_fold_and_later_markers_name_their_links() -> None:
+    """A log an older deltarec wrote (chains inline, format 1) goes on after an upgrade: the
+    first marker by reference names links only the old markers carried."""
+    log = MemoryLog()
+    chain: list[ChainLink] = []
+    for cid in (1, 2, 3):
+        chain.append(_link(cid, 1, full=cid == 1))
+        body = json.loads(encode_marker(_marker(list(chain)))[8:])
+        body["format"] = 1
+        data = json.dumps(body).encode()
+        log.append_marker(encode_marker(_marker(list(chain))) if False else _envelope(data))
+    chain.append(_link(4, 1, False))
+    append_with_link(log, _marker(list(chain)), "host:1:abcd")
+    fold = Catalog(RUN).feed(log.records)
+    assert [m.checkpoint_id for m in fold.restorable()] == [4, 3, 2, 1]
+    assert list(fold.commits[4].chain) == chain and fold.commits[3].format == 1
+    assert [m.checkpoint_id for _, m in commits(log.records, RUN)] == [1, 2, 3, 4]
+
+
+def _envelope(body: bytes) -> bytes:
+    import struct
+    import zlib
+
+    return struct.pack("<4sI", b"DRM1", zlib.crc32(body)) + body
