@@ -32,7 +32,7 @@ class MetricsLog:
             except ImportError as exc:
                 raise ConfigError(
                     "train.tensorboard is true but the tensorboard package is not installed: "
-                    "pip install tensorboard (or set train.tensorboard=false)"
+                    "pip install 'deltarec[report]' (or set train.tensorboard=false)"
                 ) from exc
             if enabled:
                 self._tb = SummaryWriter(log_dir=str(tensorboard_dir))

