@@ -5,7 +5,8 @@ unpooled in an EmbeddingCollection; the user and the candidate item are pooled f
 EmbeddingBagCollection (both modules have a table named "item": deltarec tells them apart by
 module). The candidate attends over the history; an MLP scores the pair with a click loss.
 The embedding optimizer is fused into the kernels and Adagrad trains the rest. The lines
-that add deltarec are marked `# deltarec`.
+that add deltarec are marked `# deltarec`; `served_model` is what
+`deltarec-serve --model examples.sequence_ranking:served_model` serves.
 
     torchrun --nproc-per-node 2 examples/sequence_ranking.py --run-dir runs/ranking --steps 300
     # kill it at any point and run the same command again: it resumes bit for bit.
@@ -33,6 +34,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from ckpt import Checkpointer, CkptConfig, load_ckpt_config  # deltarec
 from common.process import run_main  # deltarec
+from trainer.serve.servable import Servable  # deltarec: serving
 
 USERS, ITEMS, DIM, MAX_HISTORY = 3_000, 4_000, 16, 8
 
@@ -53,14 +55,29 @@ class Ranker(nn.Module):
         )
         self.score = nn.Sequential(nn.Linear(3 * DIM, 32), nn.ReLU(), nn.Linear(32, 1))
 
-    def forward(self, sequence: KeyedJaggedTensor, context: KeyedJaggedTensor, labels: torch.Tensor) -> torch.Tensor:
+    def logits(self, sequence: KeyedJaggedTensor, context: KeyedJaggedTensor) -> torch.Tensor:
         pooled = self.context(context).to_dict()
         user, candidate = pooled["user_id"], pooled["candidate"]
         history = self.history(sequence)["history"].to_padded_dense(desired_length=MAX_HISTORY)  # [B, L, D], zeros pad
         weights = torch.softmax((history @ candidate.unsqueeze(-1)).squeeze(-1), dim=-1)  # attention over the sequence
         attended = (weights.unsqueeze(-1) * history).sum(1)
-        logits = self.score(torch.cat([user, candidate, attended], dim=1)).squeeze(-1)
-        return nn.functional.binary_cross_entropy_with_logits(logits, labels)
+        return self.score(torch.cat([user, candidate, attended], dim=1)).squeeze(-1)
+
+    def forward(self, sequence: KeyedJaggedTensor, context: KeyedJaggedTensor, labels: torch.Tensor) -> torch.Tensor:
+        return nn.functional.binary_cross_entropy_with_logits(self.logits(sequence, context), labels)
+
+    def click(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        """Serving: each sample's click probability; `sparse` holds the history (its first
+        MAX_HISTORY ids count), the user and the candidate."""
+        f = sparse.to_dict()
+        sequence = KeyedJaggedTensor.from_jt_dict({"history": f["history"]})
+        context = KeyedJaggedTensor.from_jt_dict({"user_id": f["user_id"], "candidate": f["candidate"]})
+        return torch.sigmoid(self.logits(sequence, context))
+
+
+def served_model() -> Servable:  # deltarec: serving
+    """The unsharded model, for `deltarec-serve --model examples.sequence_ranking:served_model`."""
+    return Servable(Ranker(), score=Ranker.click)
 
 
 def batch(step: int, rank: int, size: int, seed: int) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor, torch.Tensor]:

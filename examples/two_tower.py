@@ -4,7 +4,8 @@ A plain TorchRec training loop: a user tower and an item tower, each over its ow
 EmbeddingBagCollection (both have a table named "id": deltarec tells them apart by module;
 the user's history is a weighted feature, pooled with recency weights),
 trained with an in-batch softmax loss; the embedding optimizer is fused into the kernels and
-Adagrad trains the MLPs. The lines that add deltarec are marked `# deltarec`.
+Adagrad trains the MLPs. The lines that add deltarec are marked `# deltarec`; `served_model`
+is what `deltarec-serve --model examples.two_tower:served_model` serves.
 
     torchrun --nproc-per-node 2 examples/two_tower.py --run-dir runs/two_tower --steps 300
     # kill it at any point and run the same command again: it resumes where its newest
@@ -35,6 +36,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from ckpt import Checkpointer, CkptConfig, load_ckpt_config  # deltarec
 from common.process import run_main  # deltarec
+from trainer.serve.servable import Servable  # deltarec: serving
 
 USERS, ITEMS, CATEGORIES, DIM = 5_000, 2_000, 50, 16
 
@@ -60,11 +62,39 @@ class TwoTower(nn.Module):
         self.user_mlp = nn.Sequential(nn.Linear(2 * DIM, 32), nn.ReLU(), nn.Linear(32, DIM))
         self.item_mlp = nn.Sequential(nn.Linear(2 * DIM, 32), nn.ReLU(), nn.Linear(32, DIM))
 
+    def towers(self, users: KeyedJaggedTensor, items: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.user_mlp(self.user_tower(users).values()), self.item_mlp(self.item_tower(items).values())
+
     def forward(self, users: KeyedJaggedTensor, items: KeyedJaggedTensor) -> torch.Tensor:
-        u = self.user_mlp(self.user_tower(users).values())
-        i = self.item_mlp(self.item_tower(items).values())
+        u, i = self.towers(users, items)
         logits = u @ i.T  # in-batch softmax: each user's own item is the positive
         return nn.functional.cross_entropy(logits, torch.arange(len(u)))
+
+    def score(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        """Serving: each sample's (user, item) affinity, the dot product of its two towers.
+        `sparse` holds the four features' ids; the history gets its recency weights here."""
+        f = sparse.to_dict()
+        user, history = f["user_id"], f["user_history"]
+        users = KeyedJaggedTensor.from_lengths_sync(
+            ["user_id", "user_history"],
+            torch.cat([user.values(), history.values()]),
+            torch.cat([user.lengths(), history.lengths()]),
+            weights=torch.cat([torch.ones(user.values().numel()), recency(history.lengths())]),
+        )
+        items = KeyedJaggedTensor.from_jt_dict({"item_id": f["item_id"], "item_cat": f["item_cat"]})
+        u, i = self.towers(users, items)
+        return (u * i).sum(1)
+
+
+def recency(lengths: torch.Tensor) -> torch.Tensor:
+    """The history's weights, newest first: 1, 1/2, 1/4, ... in each bag."""
+    return torch.cat([torch.zeros(0), *(0.5 ** torch.arange(int(n), dtype=torch.float32) for n in lengths)])
+
+
+def served_model() -> Servable:  # deltarec: serving
+    """The unsharded model, for `deltarec-serve --model examples.two_tower:served_model`: a
+    request's sample is a user (id, history) and an item (id, category), scored by `score`."""
+    return Servable(TwoTower(), score=TwoTower.score)
 
 
 def batch(step: int, rank: int, size: int, seed: int) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor]:
@@ -75,12 +105,11 @@ def batch(step: int, rank: int, size: int, seed: int) -> tuple[KeyedJaggedTensor
     hist_len = torch.randint(1, 6, (size,), generator=g)
     history = (item.repeat_interleave(hist_len) + torch.randint(0, 30, (int(hist_len.sum()),), generator=g)) % ITEMS
     ones = torch.ones(size, dtype=torch.int64)
-    recency = torch.cat([0.5 ** torch.arange(int(n), dtype=torch.float32) for n in hist_len])  # newest first
     users = KeyedJaggedTensor.from_lengths_sync(
         ["user_id", "user_history"],
         torch.cat([user, history]),
         torch.cat([ones, hist_len]),
-        weights=torch.cat([ones.float(), recency]),
+        weights=torch.cat([ones.float(), recency(hist_len)]),
     )
     items = KeyedJaggedTensor.from_lengths_sync(
         ["item_id", "item_cat"], torch.cat([item, item % CATEGORIES]), torch.cat([ones, ones])

@@ -34,8 +34,9 @@ from launch.ranks import RankGroup, spawn_ranks, start_ranks
 from tests.background import BackgroundProc
 from trainer.config import JobConfig
 from trainer.serve.client import ServeClient
-from trainer.serve.requests import FeatureLayout, parse_request, scores
-from trainer.serve.versions import serving_module
+from trainer.serve.requests import FeatureLayout, parse_request
+from trainer.serve.servable import Servable
+from trainer.serve.versions import dlrm_servable, serving_module
 
 if TYPE_CHECKING:
     from tests.conftest import CliRunner, DebugConfig, ReplaySeed
@@ -64,12 +65,14 @@ def _job(run_id: str, sink: str = "filesystem", bootstrap: str = "", encoding: s
 
 class ServerProc(BackgroundProc):
     """One `python -m trainer.serve_cli` of the job, its output in `<tmp>/<name>.log`, and a
-    client of it (`ServeClient`: the real HTTP client of urllib)."""
+    client of it (`ServeClient`: the real HTTP client of urllib). With `model`, the server of
+    a run of a user's own loop: `config` is its ckpt.yaml, `model` the `--model` factory."""
 
-    def __init__(self, config: Path, job: list[str], tmp_path: Path, name: str = "server") -> None:
+    def __init__(self, config: Path, job: list[str], tmp_path: Path, name: str = "server", model: str = "") -> None:
         self.address = tmp_path / f"{name}.address.json"
         self.address.unlink(missing_ok=True)
-        argv = ["--config", str(config), f"run.dir={tmp_path / 'run'}", *job, "--address-file", str(self.address)]
+        run = ["--model", model] if model else [f"run.dir={tmp_path / 'run'}"]
+        argv = ["--config", str(config), *run, *job, "--address-file", str(self.address)]
         super().__init__("trainer.serve_cli", argv, tmp_path, name)
         _wait_for(self.address.exists, 90, f"{name} to listen", self)
         self.where = json.loads(self.address.read_text())
@@ -111,10 +114,10 @@ def _serving(server: ServerProc, checkpoint_id: int) -> Callable[[], bool]:
 # --- samples and reference scores ---------------------------------------------------------------
 
 
-def _samples(job: JobConfig, n: int, seed: int) -> bytes:
-    """`n` random samples in the job's layout: 0-3 ids per feature (0: an empty bag)."""
+def _samples(job: JobConfig | FeatureLayout, n: int, seed: int) -> bytes:
+    """`n` random samples in the job's (or a model's) layout: 0-3 ids per feature (0: an empty bag)."""
     rng = random.Random(seed)
-    layout = FeatureLayout.of(job.model)
+    layout = job if isinstance(job, FeatureLayout) else FeatureLayout.of(job.model)
     samples = []
     for _ in range(n):
         sparse = {
@@ -132,24 +135,30 @@ def _catalog(cfg: CkptConfig) -> Catalog:
         backend.close()
 
 
+def predict_as_served(served: Servable, module: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """`served`'s scores of `batch` with `module`, on one thread as the server computes them (serve.threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return served.predict(module, batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
 class Reference:
     """Scores of exported checkpoints on one request body, computed as the server computes them."""
 
     def __init__(self, job: JobConfig, body: bytes, tmp_path: Path) -> None:
         self.job, self.tmp = job, tmp_path
-        self.batch = parse_request(body, FeatureLayout.of(job.model), 1 << 20)
+        self.served = dlrm_servable(job.model)
+        self.batch = parse_request(body, self.served.layout(), 1 << 20)
         self.cache: dict[int, torch.Tensor] = {}
 
     def of_file(self, path: Path) -> torch.Tensor:
         state = torch.load(path, weights_only=True)["model"]
         module = serving_module(self.job.model)
         module.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # the server's serve.threads
-        try:
-            return scores(module, self.batch)
-        finally:
-            torch.set_num_threads(threads)
+        return predict_as_served(self.served, module, self.batch)
 
     def __call__(self, checkpoint_id: int) -> torch.Tensor:
         """The export of `checkpoint_id` (ckpt/restore/export.py, what `deltarec-ckpt export` runs)."""

@@ -2,6 +2,9 @@
 
 The stages of a served checkpoint, each in its own file:
 
+- `servable.py`   what is served: a model, its scoring function and the request's schema
+                  (deltarec-train's DLRM, or a user's own model through `--model`);
+- `setup.py`      the run, the limits and the model one command line names;
 - `versions.py`   two copies of the model; the follower (ckpt/follow/follower.py) writes a
                   checkpoint into the one nobody reads, then swaps it in;
 - `requests.py`   a JSON request, checked, as the model's input batch;

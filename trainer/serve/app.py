@@ -33,7 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from trainer.config import ServeConfig
 from trainer.serve.freshness import ServeMetrics, size_class
-from trainer.serve.requests import FeatureLayout, RequestError, parse_request, scores
+from trainer.serve.requests import FeatureLayout, RequestError, parse_request
 from trainer.serve.versions import NotReady, ServedModel
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class Predictor:
     def __call__(self, body: bytes) -> Answer:
         batch = parse_request(body, self.layout, self.cfg.max_samples)
         with self.model.acquire() as version:
-            out = scores(version.module, batch)
+            out = self.model.servable.predict(version.module, batch)
             bad = (~torch.isfinite(out)).nonzero().flatten().tolist()
             if bad:  # JSON has no NaN: the inputs drove this checkpoint's forward out of float32's range
                 raise RequestError(

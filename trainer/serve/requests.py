@@ -1,12 +1,13 @@
-"""A prediction request: JSON in the job's feature layout, checked, as the model's input batch.
+"""A prediction request: JSON in the model's feature layout, checked, as the model's input batch.
 
     {"samples": [{"dense": [13 numbers], "sparse": {"user_id": [17], "item_id": [4, 9]}}, ...]}
 
-`dense` holds `model.dense_in_features` finite numbers; `sparse` maps feature names (the
-job's tables' `features`) to lists of ids in ``0..num_embeddings - 1`` of the feature's
-table. A feature left out is an empty bag (its pooled embedding is zero), as in training
-data with a missing value. Anything else is refused with one line naming the sample, the
-field and what is wrong. Only JSON is read: nothing a client sends is ever unpickled.
+`dense` holds the model's `dense_in_features` finite numbers (a model without dense input
+takes `[]` or no `dense`); `sparse` maps feature names (the features of the model's tables)
+to lists of ids in ``0..num_embeddings - 1`` of the feature's table. A feature left out is
+an empty bag (its pooled embedding is zero), as in training data with a missing value.
+Anything else is refused with one line naming the sample, the field and what is wrong. Only
+JSON is read: nothing a client sends is ever unpickled.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torchrec.models.dlrm import DLRM
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from common.errors import DeltarecError
@@ -110,8 +110,8 @@ def _dense(i: int, sample: Any, layout: FeatureLayout) -> list[float]:
     unknown = set(sample) - {"dense", "sparse"}
     if unknown:
         raise RequestError(f"samples[{i}]: unknown field {_short(sorted(unknown)[0])} (expected dense, sparse)")
-    values = sample.get("dense")
     n = layout.dense_in_features
+    values = sample.get("dense", [] if n == 0 else None)
     if not isinstance(values, list) or len(values) != n:
         got = f"a list of {len(values)}" if isinstance(values, list) else json_type(values)
         raise RequestError(f"samples[{i}].dense: expected a list of {n} numbers, got {got}")
@@ -147,9 +147,3 @@ def json_type(value: Any) -> str:
     """What a JSON value is, in JSON's words (for messages)."""
     names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
     return "null" if value is None else names.get(type(value), type(value).__name__)
-
-
-def scores(module: DLRM, batch: Batch) -> torch.Tensor:
-    """Click probabilities [n]: the sigmoid of the model's logits, as the trainer evaluates them."""
-    with torch.inference_mode():
-        return torch.sigmoid(module(batch.dense, batch.sparse)).reshape(-1)

@@ -33,23 +33,25 @@ from common.errors import DeltarecError
 from trainer.config import JobConfig
 from trainer.serve.app import PredictionApp, Predictor
 from trainer.serve.freshness import ServeMetrics
-from trainer.serve.requests import FeatureLayout
+from trainer.serve.setup import Serving
 from trainer.serve.versions import ServedModel, Version
 
 logger = logging.getLogger(__name__)
 
 
 class Server:
-    """One run's prediction server (`job` is the run's config, `sink` the server's metrics log)."""
+    """One run's prediction server: `serving` says what it serves (a deltarec-train job's config
+    serves its DLRM: `Serving.of_job`), `sink` is the server's metrics log."""
 
-    def __init__(self, job: JobConfig, sink: MetricsSink) -> None:
-        self.job, self.cfg = job, job.serve
+    def __init__(self, serving: Serving | JobConfig, sink: MetricsSink) -> None:
+        serving = Serving.of_job(serving) if isinstance(serving, JobConfig) else serving
+        self.serving, self.cfg = serving, serving.serve
         torch.set_num_threads(self.cfg.threads)
         self.metrics = ServeMetrics(self.staleness)
-        self.model = ServedModel(job.model, DenseStore(Path(job.ckpt.dense_dir)), on_live=self._on_live)
-        follow_cfg = replace(job.ckpt, follow=replace(job.ckpt.follow, poll_s=self.cfg.poll_s))
+        self.model = ServedModel(serving.model, DenseStore(Path(serving.ckpt.dense_dir)), on_live=self._on_live)
+        follow_cfg = replace(serving.ckpt, follow=replace(serving.ckpt.follow, poll_s=self.cfg.poll_s))
         self.follower = Follower(follow_cfg, sink, target=self.model)
-        predictor = Predictor(self.model, FeatureLayout.of(job.model), self.cfg, self.metrics)
+        predictor = Predictor(self.model, serving.model.layout(), self.cfg, self.metrics)
         self.app = PredictionApp(predictor, self.cfg, self.metrics, self.status)
         self.stop = threading.Event()
         self.last_error = ""
@@ -155,7 +157,12 @@ class Server:
             self.url = f"http://{host}:{port}"
             if address_file is not None:
                 _write_atomically(address_file, {"host": host, "port": port, "pid": os.getpid(), "url": self.url})
-            logger.info("serving run %s on %s (POST /predict, GET /readyz /healthz /metrics)", self.follower.run_id, self.url)
+            logger.info(
+                "serving %s of run %s on %s (POST /predict, GET /readyz /healthz /metrics)",
+                self.serving.model.name,
+                self.follower.run_id,
+                self.url,
+            )
             stopped = asyncio.Event()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,5 +1,9 @@
 """The served model, two copies of it, and the swap that keeps every response on one checkpoint.
 
+The model is a `Servable` (trainer/serve/servable.py): deltarec-train's DLRM (`dlrm_servable`)
+or a user's own; its tables are the parameters of its embedding collections, its dense state
+every other parameter and the buffers its state_dict holds.
+
 The follower (ckpt/follow/follower.py) applies each COMMIT to a `ServedModel` as it would to
 its row store: `begin`, the frames of the checkpoint's link (or of its whole chain, on a
 rebuild), `finish`. Everything is written into the *standby* copy, which no request reads;
@@ -30,6 +34,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from torch import nn
+from torchrec import KeyedJaggedTensor
 from torchrec.models.dlrm import DLRM
 
 from ckpt.dense.store import DenseRef, DenseStore
@@ -40,14 +46,14 @@ from ckpt.restore.replay import decode_rows, row_init_of
 from ckpt.stream.frames import Frame
 from common.errors import DeltarecError
 from sharding.plan import EBC_PATH as TRAIN_EBC_PATH
-from sharding.plan import table_key
 from sharding.row_init import fill_rows
 from trainer.config import ModelConfig
-from trainer.model import build_model
+from trainer.model import build_model, feature_names
+from trainer.serve.servable import Servable
 
 logger = logging.getLogger(__name__)
 
-#: Every FQN a checkpoint records is relative to DLRMTrain, whose only child is the DLRM.
+#: Every FQN a checkpoint of deltarec-train records is relative to DLRMTrain, whose only child is the DLRM.
 _ROOT_CHILD = "model."
 #: Where the DLRM keeps its embedding collection (DLRMTrain's path without that child).
 EBC_PATH = TRAIN_EBC_PATH.removeprefix(_ROOT_CHILD)
@@ -71,7 +77,7 @@ class Rows:
 class Version:
     """One copy of the model and the checkpoint it holds."""
 
-    module: DLRM
+    module: nn.Module
     weights: dict[str, torch.Tensor]  # table key (marker.tables) -> its weight in `module`
     checkpoint_id: int = -1  # -1: holds no checkpoint
     step: int = -1
@@ -95,10 +101,22 @@ def serving_module(cfg: ModelConfig) -> DLRM:
     return dlrm.eval()
 
 
-def _table_weights(module: DLRM, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Each table's weight in `module`, by its key in the stream (`table_key`: DLRMTrain's FQN)."""
-    params = dict(module.named_parameters())
-    return {table_key(t.name): params[table_fqn(table_key(t.name)).removeprefix(_ROOT_CHILD)].data for t in cfg.tables}
+def dlrm_score(module: DLRM, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+    """Click probabilities: the sigmoid of the DLRM's logits, as the trainer evaluates them."""
+    return torch.sigmoid(module(dense, sparse))
+
+
+def dlrm_servable(cfg: ModelConfig) -> Servable:
+    """deltarec-train's model as a `Servable`: the inner DLRM (a checkpoint's FQNs are
+    DLRMTrain's, one ``model.`` longer), its request in the job's feature order."""
+    return Servable(
+        serving_module(cfg),
+        dlrm_score,
+        dense_in_features=cfg.dense_in_features,
+        features=feature_names(cfg),
+        fqn_prefix=_ROOT_CHILD,
+        root=SERVING_ROOT,
+    )
 
 
 class ServedModel:
@@ -107,11 +125,11 @@ class ServedModel:
 
     def __init__(
         self,
-        cfg: ModelConfig,
+        model: Servable | ModelConfig,
         dense: DenseStore,
         on_live: Callable[[Version, Marker, float], None] = lambda *_: None,
     ) -> None:
-        self.cfg = cfg
+        self.servable = dlrm_servable(model) if isinstance(model, ModelConfig) else model
         self.dense = dense
         self.on_live = on_live
         self.live: Version | None = None
@@ -128,8 +146,8 @@ class ServedModel:
         self._covered: dict[tuple[str, int, int], torch.Tensor] = {}  # a rebuild's base, per column shard
 
     def _copy(self) -> Version:
-        module = serving_module(self.cfg)
-        return Version(module, _table_weights(module, self.cfg), behind=None)
+        module = self.servable.fresh_module()
+        return Version(module, self.servable.table_weights(module), behind=None)
 
     @property
     def nbytes(self) -> int:
@@ -256,25 +274,32 @@ class ServedModel:
         weight = version.weights[rows.table]
         weight[rows.ids, rows.col_offset : rows.col_offset + rows.values.shape[1]] = rows.values
 
-    @staticmethod
-    def _load_dense(version: Version, marker: Marker, state: dict[str, Any]) -> None:
-        """The MLPs (and data-parallel tables) of `marker`, from its dense file, as export maps them."""
+    def _load_dense(self, version: Version, marker: Marker, state: dict[str, Any]) -> None:
+        """The dense parameters (and data-parallel tables, and the buffers the module's
+        state_dict holds) of `marker`, from its dense file, as export maps them."""
         exported = build_export(marker, {}, state).for_serving()
-        if exported.fqn_root != SERVING_ROOT:
+        served = self.servable
+        cid = marker.checkpoint_id
+        if served.root is not None and exported.fqn_root != served.root:
             raise RestoreError(
-                f"checkpoint {marker.checkpoint_id} is of a {exported.fqn_root} model; deltarec-serve serves "
-                "DLRM jobs trained by deltarec-train"
+                f"checkpoint {cid} is of a {exported.fqn_root} model; this server serves deltarec-train's "
+                f"{served.root} (a model of your own loop: --model)"
             )
+        if served.root is None and exported.fqn_root == SERVING_ROOT:
+            raise RestoreError(f"checkpoint {cid} is of deltarec-train's {SERVING_ROOT}: serve its job without --model")
         params = dict(version.module.named_parameters())
-        streamed = {
-            table_fqn(k)[len(_ROOT_CHILD) :] for k in marker.tables if table_fqn(k)[len(_ROOT_CHILD) :] not in exported.model
-        }
-        missing = sorted(set(params) - set(exported.model) - streamed)
-        if missing or set(exported.model) - set(params):
+        saved = version.module.state_dict()
+        buffers = {k: b for k, b in version.module.named_buffers() if k in saved}
+        streamed = {table_fqn(k).removeprefix(served.fqn_prefix) for k in marker.tables} - set(exported.model)
+        missing = sorted(set(params) - set(exported.model) - streamed) + sorted(set(buffers) - set(exported.buffers))
+        unknown = sorted(set(exported.model) - set(params))
+        if missing or unknown:
             raise RestoreError(
-                f"checkpoint {marker.checkpoint_id} does not fit the job's model: missing {missing[:3]}, "
-                f"unknown {sorted(set(exported.model) - set(params))[:3]} (was the config changed?)"
+                f"checkpoint {cid} (a {exported.fqn_root} model) does not fit the served {served.name}: "
+                f"missing {missing[:3]}, unknown {unknown[:3]} (was the model changed?)"
             )
         with torch.no_grad():
             for fqn, value in exported.model.items():
                 params[fqn].copy_(value)
+            for fqn, buffer in buffers.items():
+                buffer.copy_(exported.buffers[fqn])
