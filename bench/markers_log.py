@@ -6,7 +6,8 @@ log (`ckpt.log.catalog.read_catalog`) against folding it from its newest catalog
                                         [--out results.json]
 
 The log is what a job of the full suite's shape leaves: COMMIT markers of the default policy
-(a full link and a delta, each indexing 40 shard runs on each of 2 ranks of 26 tables), and
+(a full link and a delta, each indexing 40 shard runs on each of 2 ranks of 26 tables), each
+after the LINK record of its own link (ckpt/log/links.py), and
 a catalog record every `--catalog-every` records, as the
 trainer's committer appends them. It grows to each length of `--commits` in turn; at each, a
 fresh reader (connected first, as the checkpoint manager connects while it is built) reads the
@@ -29,6 +30,7 @@ from typing import Any
 from bench.common import Measurement, document_head, log, machine_info, scalars
 from ckpt.log.catalog import Catalog, read_catalog
 from ckpt.log.catalog_record import read_recent_catalog, summarize
+from ckpt.log.links import append_with_link
 from ckpt.log.markers import ChainLink, IndexEntry, Marker, OffsetRange, encode_marker
 from ckpt.stream.filesystem import FsMarkers
 from ckpt.stream.kafka import KafkaMarkers
@@ -90,6 +92,18 @@ def _commit(cid: int) -> Marker:
     )
 
 
+class _Recorder:
+    """Appends to a markers log and keeps what it appended, for the writer's own fold."""
+
+    def __init__(self, markers: MarkerLog) -> None:
+        self.markers, self.appended = markers, []
+
+    def append_marker(self, payload: bytes) -> int:
+        pos = self.markers.append_marker(payload)
+        self.appended.append((pos, payload))
+        return pos
+
+
 class _Writer:
     """Appends commits and, as the committer does, a catalog record every `every` records."""
 
@@ -102,9 +116,10 @@ class _Writer:
     def grow_to(self, commits: int) -> None:
         while self.commits < commits:
             self.commits += 1
-            record = encode_marker(_commit(self.commits))
-            self.fold.feed([(self.markers.append_marker(record), record)])
-            self.records += 1
+            records = _Recorder(self.markers)
+            append_with_link(records, _commit(self.commits), "host:1:abcd")  # as the committer writes it
+            self.fold.feed(records.appended)
+            self.records += len(records.appended)
             if self.fold.since_summary >= self.every:
                 summary = encode_marker(summarize(self.fold))
                 self.fold.feed([(self.markers.append_marker(summary), summary)])

@@ -154,6 +154,14 @@ SUITES = (
         "and on files (~2 min)",
     ),
     Suite(
+        "marker-scale",
+        "bench.marker_scale",
+        (),
+        "marker bytes and the markers log's fold time against ranks x tables (2 x 8 to 1,024 x 1,000, one full "
+        "checkpoint) and against the chain's length (10 to 10,000 one-step links at 8 x 26), simulated writers, "
+        "in memory (~2 min)",
+    ),
+    Suite(
         "gpu",
         "bench.gpu",
         (),

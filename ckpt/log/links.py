@@ -91,6 +91,11 @@ class Chain(Sequence[ChainLink]):
 
     __hash__ = None  # type: ignore[assignment]
 
+    def __reduce__(self) -> tuple[Any, tuple[list[ChainLink]]]:
+        """Pickled (and deep-copied) flat: a chain of ten thousand links is no ten thousand
+        nested objects to the pickler, whose recursion would overflow."""
+        return (Chain.of, (list(self),))
+
     def __repr__(self) -> str:
         return f"Chain({[link.checkpoint_id for link in self]})"
 

@@ -220,7 +220,11 @@ class AttemptRecord:
     at start) and every `deltarec-ckpt gc`. Of each role, the newest record in the log holds
     the run; an older writer is fenced from that point on (its later COMMITs are ignored,
     and it stops when it sees the newer record). A writer's epoch is the record's position
-    + 1 (ckpt/log/fencing.py)."""
+    + 1 (ckpt/log/fencing.py).
+
+    A trainer attempt says which checkpoint its restore chose (`resumed_from`): checkpoints
+    of older attempts with higher ids are then an abandoned branch, never chosen by
+    `ckpt.resume=latest` nor served (ckpt/log/catalog.py, "Branches")."""
 
     kind: str  # "attempt"
     run_id: str
@@ -229,6 +233,9 @@ class AttemptRecord:
     world_size: int
     created_unix: float
     format: int = FORMAT_VERSION
+    # trainer records: the checkpoint the restore chose, 0 for a fresh start (`ckpt.resume=none`,
+    # or nothing to resume); -1 (left out on the wire): not said (gc records, older versions)
+    resumed_from: int = -1
 
 
 @dataclass(kw_only=True)
@@ -261,10 +268,10 @@ class CatalogRecord:
     restore reads the log's tail instead of the whole log (docs/design/formats.md, "Catalog
     records"). Rank 0's committer appends one every few records. What it keeps is what a
     restore of one of the newest checkpoints needs: the newest `keep` restorable COMMIT
-    markers (and every commit newer than the oldest of them) with the compacted baselines
-    their chains can start at, and everything the fold carries forward that stays small
-    (attempts, lease, drops, the newest attempt's survivors, the newest id). Older
-    checkpoints are found by reading the whole log."""
+    markers of the live branch (and every commit of it newer than the oldest of them) with the
+    compacted baselines their chains can start at, and everything the fold carries forward that
+    stays small (attempts and the branches they resumed, lease, drops, the newest attempt's
+    survivors, the newest id). Older and abandoned checkpoints are found by reading the whole log."""
 
     kind: str  # "catalog"
     run_id: str
@@ -290,6 +297,9 @@ class CatalogRecord:
     # compacted baselines the kept chains start at that a newer compaction of the same
     # checkpoint replaced (not in `compactions`, which holds the newest of each)
     bases: list[Marker] = field(default_factory=list)
+    # [newest id, resumed_from, attempt] of every trainer ATTEMPT record that said what it
+    # resumed from, log order: the branches of the run (ckpt/log/catalog.py, "Branches")
+    branches: list[list[Any]] = field(default_factory=list)
 
 
 #: Every record of the markers log: checkpoint markers (kinds commit, failed, compacted),
@@ -325,9 +335,20 @@ def _fields(record: LogRecord) -> dict[str, Any]:
             record = dataclasses.replace(record, chain=list(record.chain))
     if isinstance(record, LinkRecord):  # JSON values already, and large: no deep copy
         return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+    nested = ("commits", "compactions", "survivors", "bases")
+    if isinstance(record, CatalogRecord):  # its markers' fields each by `_fields`, below
+        fields = asdict(dataclasses.replace(record, commits=[], compactions=[], survivors=[], bases=[]))
+        for name in nested:
+            fields[name] = [_fields(r) for r in getattr(record, name)]
+        for name in ("link_parts", "pending", "bases", "branches"):
+            if not fields[name]:
+                del fields[name]
+        return fields
     fields = asdict(record)
     if isinstance(record, SurvivorRecord) and not fields["link"]["epoch"]:
         del fields["link"]["epoch"]
+    if isinstance(record, AttemptRecord) and record.resumed_from < 0:
+        del fields["resumed_from"]  # the wire form attempt records always had
     if isinstance(record, Marker):
         for name in ("follower", "attempt", "init", "step_unix", "base", "links", "link_at"):
             if not fields[name]:
@@ -337,12 +358,6 @@ def _fields(record: LogRecord) -> dict[str, Any]:
         for link in fields.get("chain", []):
             if not link["epoch"]:
                 del link["epoch"]
-    if isinstance(record, CatalogRecord):
-        for name in ("commits", "compactions", "survivors", "bases"):
-            fields[name] = [_fields(r) for r in getattr(record, name)]
-        for name in ("link_parts", "pending", "bases"):
-            if not fields[name]:
-                del fields[name]
     return fields
 
 

@@ -261,8 +261,24 @@ def test_markers_suite_reads_a_long_log_from_its_newest_catalog_record(tmp_path:
     assert [(r["sink"], r["commits"]) for r in rows] == [("fs", 20), ("fs", 120), ("kafka", 20), ("kafka", 120)]
     for r in rows:
         assert r["same_checkpoint"], r
-        assert r["whole_records_read"] == r["records"] and r["recent_records_read"] <= 9, r
+        # after the newest catalog record: at most 8 commits and their link records, and the record
+        assert r["whole_records_read"] == r["records"] and r["recent_records_read"] <= 17, r
     assert {"whole_s", "recent_s", "speedup"} <= {rec["metric"] for rec in read_records(records)}
+
+
+def test_marker_scale_suite_commits_every_shape_under_the_limit(tmp_path: Path, run_cli: CliRunner) -> None:
+    """`marker-scale` at small sizes: every COMMIT and link record is under Kafka's limit, the COMMIT
+    does not grow with the chain, the fold joins every link back and both folds give the whole chain."""
+    out = tmp_path / "results.json"
+    run_cli("bench.run", "--suite", "marker-scale", "--out", out, "--shapes", "2x8,64x26", "--chains", "10,200", timeout_s=300)
+    doc = json.loads(out.read_text())
+    assert [(r["ranks"], r["tables"]) for r in doc["shapes"]] == [(2, 8), (64, 26)]
+    assert all(
+        r["under_kafka_limit"] and r["joined_exactly"] and r["commit_bytes"] < r["inline_commit_bytes"] for r in doc["shapes"]
+    )
+    short, long = doc["chains"]
+    assert (short["links"], long["links"]) == (10, 200) and short["chains_whole"] and long["chains_whole"]
+    assert long["commit_bytes"] - short["commit_bytes"] <= 8 < long["inline_commit_bytes"] // short["inline_commit_bytes"]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 from dataclasses import replace
 
 import pytest
 
 from ckpt.log.catalog import Catalog, commits
+from ckpt.log.catalog_record import summarize
 from ckpt.log.links import Chain, append_with_link, assemble, by_reference, link_records
-from ckpt.log.markers import ChainLink, IndexEntry, LinkRecord, Marker, OffsetRange, decode_record, encode_marker
+from ckpt.log.markers import CatalogRecord, ChainLink, IndexEntry, LinkRecord, Marker, OffsetRange, decode_record, encode_marker
 from tests.unit.test_catalog_record import MemoryLog
 
 RUN = "links"
@@ -111,6 +113,11 @@ def test_ten_thousand_one_step_links_fold_once_each() -> None:
     assert fold.restorable()[0].chain_bytes == sum(link.bytes for link in newest)
     whole = Catalog(RUN).feed(log.records)
     assert whole.commits[5_000].chain == fold.commits[5_000].chain
+    # what every rank gets of rank 0's choice (a broadcast pickles it), and a catalog record of
+    # this fold: flat, where a pickler or deep copy recursing down the shared chain would overflow
+    assert pickle.loads(pickle.dumps(fold.restorable()[0])).chain == newest
+    record = decode_record(encode_marker(summarize(fold)))
+    assert isinstance(record, CatalogRecord) and len(record.link_parts) == 10_000
 
 
 def test_link_records_no_marker_names_are_passed_over() -> None:
