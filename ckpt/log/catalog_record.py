@@ -145,13 +145,14 @@ def _link_records(record: CatalogRecord, read_from: Callable[[int], list[tuple[i
     if read_from is None:
         raise MarkerError("a catalog record naming link records, read without its log")
     found: dict[int, LinkRecord] = {}
+    last = max(want)
     for pos, data in read_from(min(want)):
         if pos in want:
             rec = decode_record(data)
             if not isinstance(rec, LinkRecord):
                 raise MarkerError(f"position {pos} holds a {rec.kind} record where a link record was named")
             found[pos] = rec
-        if pos >= max(want):
+        if pos >= last:
             break
     missing = want - set(found)
     if missing - set(record.pending):
@@ -174,10 +175,15 @@ def read_recent_catalog(markers: MarkerLog, run_id: str, where: str = "markers")
                 else markers.read_markers(pos)
             )
 
-        for pos, catalog in _catalog_records(tail.records, run_id, where, read_from):
-            upto = catalog.last_pos
+        for pos, record in _catalog_records(tail.records, run_id, where):
+            upto = record.upto
             if upto < first and not tail.whole:
                 break  # records it did not fold lie before what was read: read more
+            try:
+                catalog = from_record(record, read_from)
+            except (MarkerError, TypeError, ValueError) as exc:  # the last two: nested fields of the wrong shape
+                logger.warning("%s position %s: %s; an older catalog record serves", where, pos, exc)
+                continue
             catalog.feed(((p, d) for p, d in tail.records if p > upto), where)
             if catalog.exact:
                 return catalog
@@ -195,21 +201,17 @@ def read_recent_catalog(markers: MarkerLog, run_id: str, where: str = "markers")
         want *= 8
 
 
-def _catalog_records(
-    records: list[tuple[int, bytes]], run_id: str, where: str, read_from: Callable[[int], list[tuple[int, bytes]]]
-) -> Iterator[tuple[int, Catalog]]:
-    """The folds the catalog records of `run_id` among `records` summarise, newest first,
-    decoding nothing else; a damaged one is skipped with a warning (an older one serves)."""
+def _catalog_records(records: list[tuple[int, bytes]], run_id: str, where: str) -> Iterator[tuple[int, CatalogRecord]]:
+    """The catalog records of `run_id` among `records`, newest first, decoding nothing else; a
+    damaged one is skipped with a warning (an older one serves)."""
     for pos, data in reversed(records):
         if not is_catalog_record(data):
             continue
         try:
             record = decode_record(data)
-            assert isinstance(record, CatalogRecord)
-            if record.run_id != run_id:
-                continue
-            catalog = from_record(record, read_from)
-        except (MarkerError, TypeError, ValueError) as exc:  # the last two: nested fields of the wrong shape
+        except MarkerError as exc:
             logger.warning("%s position %s: %s; an older catalog record serves", where, pos, exc)
             continue
-        yield pos, catalog
+        assert isinstance(record, CatalogRecord)
+        if record.run_id == run_id:
+            yield pos, record
