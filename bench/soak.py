@@ -5,7 +5,7 @@ end bit-identical to the same job never interrupted.
     python -m bench.soak --sink kafka --steps 20000 --kills 20 --seed 7 --out soak-kafka.json
     python -m bench.soak --sink kafka --set data.workers=1 --set ckpt.policy=incremental ...
 
-The job is configs/debug_cpu.yaml on 2 CPU ranks under `deltarec-launch --max-restarts <kills>`
+The job is `--config` (configs/debug_cpu.yaml by default) on 2 CPU ranks under `deltarec-launch --max-restarts <kills>`
 with `ckpt.resume=latest` (on the embedded broker for `--sink kafka`). A killer outside the
 job waits for each attempt to train (its first metrics record), then a random delay (drawn
 from `--seed`), and SIGKILLs one random rank; torchrun restarts the job, which resumes from
@@ -115,6 +115,7 @@ def soak(
     work: Path,
     timeout_s: float,
     overrides: Sequence[str] = (),
+    config: Path = CONFIG,
 ) -> SoakResult:
     """One soak run in `work` (reference first); raises RuntimeError when the job fails.
     `overrides` (KEY=VALUE) apply to the reference and to the job alike."""
@@ -122,7 +123,7 @@ def soak(
     t0 = time.monotonic()
     ref_dir = work / "reference"
     ref_dir.mkdir(parents=True)
-    spawn_ranks(CONFIG, [*_train_args(steps), *overrides], ref_dir, timeout_s=timeout_s)
+    spawn_ranks(config, [*_train_args(steps), *overrides], ref_dir, timeout_s=timeout_s)
     reference = _params(ref_dir / "run")
     reference_wall_s = time.monotonic() - t0
 
@@ -147,7 +148,7 @@ def soak(
         "--max-restarts",
         str(kills),
         "--config",
-        str(CONFIG),
+        str(config),
         f"run.dir={run_dir}",
         "train.progress=log",
         *_train_args(steps),
@@ -207,6 +208,7 @@ def soak(
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", type=Path, default=CONFIG, help="the job's config (default: configs/debug_cpu.yaml)")
     p.add_argument("--sink", choices=("filesystem", "kafka"), default="filesystem")
     p.add_argument("--steps", type=int, default=20_000)
     p.add_argument("--kills", type=int, default=20)
@@ -237,19 +239,28 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:  # a wrong key or value is refused now, in one line, not by the ranks minutes later
-        load_config(CONFIG, [*_train_args(args.steps), *args.overrides])
+        load_config(args.config, [*_train_args(args.steps), *args.overrides])
     except ConfigError as exc:
         print(f"python -m bench.soak: --set: {exc}", file=sys.stderr)
         return 2
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
-    sets = "".join(f" --set {o}" for o in args.overrides)
+    sets = "".join(f" --set {o}" for o in args.overrides) + (f" --config {args.config}" if args.config != CONFIG else "")
     print(f"soak: sink {args.sink}, {args.steps} steps, {args.kills} kills, seed {seed}{sets} (replay: python -m "
           f"bench.soak --sink {args.sink} --steps {args.steps} --kills {args.kills} --seed {seed}{sets})",
           file=sys.stderr)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="deltarec-soak-") as tmp:
         work = args.keep or Path(tmp)
         result = soak(
-            args.sink, args.steps, args.kills, seed, args.interval, tuple(args.delay), work, args.timeout_s, args.overrides
+            args.sink,
+            args.steps,
+            args.kills,
+            seed,
+            args.interval,
+            tuple(args.delay),
+            work,
+            args.timeout_s,
+            args.overrides,
+            args.config,
         )
     if args.out:
         args.out.write_text(json.dumps(asdict(result), indent=1) + "\n")

@@ -79,6 +79,10 @@ class CkptConfig:
     restore_bit_widths: str | list[list[int]] = "deltarec"
     max_pending_bytes: int = 1 << 30  # host memory all unwritten snapshots of a rank may hold
     on_backpressure: Literal["wait", "skip"] = "skip"
+    # checkpoints a rank's writer may hold unwritten or uncommitted; a checkpoint due while
+    # more are is coalesced into the next one (its rows go there) instead of queueing behind
+    # them, so that a checkpoint every step keeps its time to COMMIT bounded; 0: no bound
+    max_pending_checkpoints: int = 8
     resume: str = "none"  # "none", "latest", or a checkpoint id
     on_corrupt: Literal["fail", "previous"] = "fail"  # a damaged checkpoint: stop, or try the one before
     final: bool = True  # checkpoint the last step and wait for it before exiting
@@ -212,6 +216,8 @@ class CkptConfig:
             raise ConfigError(f"{src}: ckpt.flush_timeout_s must be positive (it bounds every flush), got {self.flush_timeout_s}")
         if self.resume not in ("none", "latest") and not self.resume.isdigit():
             raise ConfigError(f"{src}: ckpt.resume must be none, latest or a checkpoint id, got {self.resume!r}")
+        if self.max_pending_checkpoints < 0:
+            raise ConfigError(f"{src}: ckpt.max_pending_checkpoints must be 0 (no bound) or positive")
         if self.max_pending_bytes <= 0 or self.max_frame_bytes < 16384:
             raise ConfigError(f"{src}: ckpt.max_pending_bytes must be positive and ckpt.max_frame_bytes at least 16384")
         self._validate_recovery(src)

@@ -141,10 +141,13 @@ class CheckpointFailed(CheckpointOutcome):
 @dataclass(frozen=True)
 class CheckpointSkipped(Event):
     """The checkpoint due at `step`, dropped because the writers were behind
-    (`ckpt.on_backpressure=skip`, `ckpt.max_pending_bytes`)."""
+    (`ckpt.on_backpressure=skip`, `ckpt.max_pending_bytes`), or, `coalesced`, left to the next
+    checkpoint, which writes its rows (`ckpt.max_pending_checkpoints`)."""
 
     kind: ClassVar[str] = "checkpoint_skipped"
     flags: ClassVar[dict[str, Any]] = {"ckpt_skipped": True}
+
+    ckpt_coalesced: bool = False
 
 
 CheckpointEvent: TypeAlias = CheckpointCommitted | CheckpointFailed | CheckpointSkipped
@@ -298,7 +301,8 @@ def read_event(record: dict[str, Any]) -> Event:
     if cls is None:
         _field(record, "step", int, required=True)  # an unknown kind must still be a metrics record
         return UnknownEvent(step=record["step"], record=dict(record))
-    return cls(**{name: _field(record, name, hint, required) for name, (hint, required) in _FIELDS[cls.kind].items()})
+    fields = _FIELDS[cls.kind].items()  # an absent optional field takes its default
+    return cls(**{name: _field(record, name, hint, required) for name, (hint, required) in fields if required or name in record})
 
 
 def _kind_of_old_record(record: dict[str, Any]) -> type[Event] | None:

@@ -330,6 +330,9 @@ class CheckpointManager:
         agreed = self.schedule.agree(step)
         t_agreed = time.perf_counter()
         decision = agreed.decision
+        if agreed.behind and not final:  # its rows go into the next checkpoint taken
+            self.outcomes.coalesced(step, self.env.rank)
+            return
         if agreed.overflow[decision.kind] and self.cfg.on_backpressure == "skip" and not final:
             self.outcomes.skipped(step, self.env.rank)
             return

@@ -23,6 +23,7 @@ class CheckpointStats:
     committed: int = 0
     failed: int = 0
     skipped: int = 0
+    coalesced: int = 0  # checkpoints due while the writers were behind, taken in the next one
     last: Outcome | None = None
     outcomes: list[Outcome] = field(default_factory=list)
     stalls: list[StallTiming] = field(default_factory=list)  # this rank's, one per checkpoint taken
@@ -58,6 +59,20 @@ class Outcomes:
             event = CheckpointSkipped(step=step)
             logger.warning(
                 "checkpoint at step %d skipped: the writers are behind (ckpt.max_pending_bytes)",
+                step,
+                extra={"ckpt": event},
+            )
+            self.metrics.write(event)
+
+    def coalesced(self, step: int, rank: int) -> None:
+        """The checkpoint due at `step` is left to the next one, which writes its rows: the
+        writers hold `ckpt.max_pending_checkpoints` checkpoints already. Counted, and said in
+        the checkpoint lines (folded), not warned: nothing is lost."""
+        self.stats.coalesced += 1
+        if rank == 0:
+            event = CheckpointSkipped(step=step, ckpt_coalesced=True)
+            logger.info(
+                "checkpoint at step %d coalesced into the next: the writers are behind (ckpt.max_pending_checkpoints)",
                 step,
                 extra={"ckpt": event},
             )

@@ -40,6 +40,7 @@ class Agreed(NamedTuple):
     fractions: tuple[float, float]  # rows changed since the baseline, since the last checkpoint (all ranks)
     overflow: dict[str, bool]  # per kind (`KINDS`): some rank's writer has no room for it
     forced: bool  # this rank's request for a full checkpoint was part of it
+    behind: bool = False  # some rank's writer holds `ckpt.max_pending_checkpoints` checkpoints already
 
 
 class _InFlight(NamedTuple):
@@ -47,7 +48,7 @@ class _InFlight(NamedTuple):
 
     step: int  # the checkpoint step it is for
     counts: torch.Tensor  # rows since the base, since the last checkpoint, in all, of a full one
-    flags: torch.Tensor  # force a full checkpoint; the writers too far behind for each of `KINDS`
+    flags: torch.Tensor  # force a full checkpoint; the writers too far behind for each of `KINDS`; behind in count
     works: list[Any]  # the two async all-reduces
     forced: bool  # this rank asked for a full checkpoint
 
@@ -183,7 +184,9 @@ class Schedule:
         counts = torch.tensor(
             [sum(base), sum(last), self.total_rows, sum(full) if full is not None else self.total_rows], dtype=torch.float64
         )
-        flags = torch.tensor([float(forced)] + [float(pending + est[k] > self.cfg.max_pending_bytes) for k in KINDS])
+        most = self.cfg.max_pending_checkpoints
+        behind = float(most > 0 and self.writer.pending_jobs >= most)
+        flags = torch.tensor([float(forced)] + [float(pending + est[k] > self.cfg.max_pending_bytes) for k in KINDS] + [behind])
         works = [dist.all_reduce(counts, async_op=True), dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)]
         return _InFlight(step, counts, flags, works, forced)
 
@@ -203,8 +206,8 @@ class Schedule:
         full_fraction = counts[3].item() / total  # what a full checkpoint would write
         decision = self.policy.decide(fractions[0], force_full=bool(flags[0]), full_fraction=full_fraction)
         fraction = full_fraction if decision.full else (counts[0] if decision.since_base else counts[1]).item() / total
-        overflow = {k: bool(f) for k, f in zip(KINDS, flags[1:], strict=True)}
-        return Agreed(decision, fraction, fractions, overflow, a.forced)
+        overflow = {k: bool(f) for k, f in zip(KINDS, flags[1:-1], strict=True)}
+        return Agreed(decision, fraction, fractions, overflow, a.forced, behind=bool(flags[-1]))
 
     def close(self) -> None:
         """Wait for an agreement started for a step that never came (the job ends)."""

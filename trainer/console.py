@@ -247,6 +247,7 @@ class CheckpointNote:
     step: int
     committed: bool = False
     skipped: bool = False
+    coalesced: bool = False  # skipped, its rows left to the next checkpoint
     checkpoint_id: int = 0
     full: bool = False
     bytes: int = 0
@@ -266,7 +267,7 @@ class CheckpointNote:
                 stall_ms=event.ckpt_stall_ms,
             )
         if isinstance(event, CheckpointSkipped):
-            return cls(step=event.step, skipped=True)
+            return cls(step=event.step, skipped=True, coalesced=event.ckpt_coalesced)
         return None
 
 
@@ -311,7 +312,8 @@ class CheckpointDigest:
 def summarize_checkpoints(notes: list[CheckpointNote]) -> str:
     """One line for several checkpoints: ids, steps, kinds, bytes, worst stall, skips."""
     done = [n for n in notes if n.committed]
-    skipped = [n for n in notes if n.skipped]
+    skipped = [n for n in notes if n.skipped and not n.coalesced]
+    coalesced = [n for n in notes if n.coalesced]
     parts = []
     if done:
         full = sum(n.full for n in done)
@@ -323,6 +325,12 @@ def summarize_checkpoints(notes: list[CheckpointNote]) -> str:
     if skipped:
         steps = f"step {skipped[0].step}" if len(skipped) == 1 else f"steps {skipped[0].step}-{skipped[-1].step}"
         parts.append(f"{len(skipped)} checkpoint(s) skipped at {steps}: the writers are behind (ckpt.max_pending_bytes)")
+    if coalesced:
+        steps = f"step {coalesced[0].step}" if len(coalesced) == 1 else f"steps {coalesced[0].step}-{coalesced[-1].step}"
+        parts.append(
+            f"{len(coalesced)} checkpoint(s) due at {steps} coalesced into the next: "
+            "the writers are behind (ckpt.max_pending_checkpoints)"
+        )
     return "; ".join(parts)
 
 

@@ -229,6 +229,8 @@ def checkpoint_summary(manager: Checkpointer, resumed: bool = False) -> str:
     stalls = [max(o.stall_ms) for o in done if o.stall_ms]
     since = " since resuming" if resumed else ""
     line = f"deltarec: checkpoints{since}: {st.committed} committed, {st.failed} failed, {st.skipped} skipped"
+    if st.coalesced:
+        line += f", {st.coalesced} coalesced into the next"
     if done:
         full = sum(o.full for o in done)
         line += f" ({full} full, {len(done) - full} delta); {sum(o.bytes for o in done) / 1e6:.2f} MB written"

@@ -78,6 +78,7 @@ class Attempt:
     evals: list[Evaluation] = field(default_factory=list)
     checkpoints: list[CheckpointOutcome] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)  # steps of checkpoints dropped under back-pressure
+    coalesced: list[int] = field(default_factory=list)  # steps of checkpoints left to the next one
 
 
 @dataclass
@@ -107,6 +108,10 @@ class RunMetrics:
         return self._all(lambda a: a.skipped)
 
     @property
+    def coalesced(self) -> list[int]:
+        return self._all(lambda a: a.coalesced)
+
+    @property
     def restores(self) -> list[Restored]:
         return [a.restore for a in self.attempts if a.restore is not None]
 
@@ -132,7 +137,7 @@ def read_metrics(path: Path) -> RunMetrics:
             attempts.append(Attempt(restore=event))
             last_window_step = None
         elif isinstance(event, CheckpointSkipped):
-            attempts[-1].skipped.append(event.step)
+            (attempts[-1].coalesced if event.ckpt_coalesced else attempts[-1].skipped).append(event.step)
         elif isinstance(event, CheckpointOutcome):
             attempts[-1].checkpoints.append(event)
         elif isinstance(event, Evaluation):
@@ -185,6 +190,7 @@ class Summary:
     stall_ms: tuple[float, float] | None  # (median, max)
     durable_s: tuple[float, float] | None  # (median, max); None when no checkpoint recorded it
     restores: tuple[Restored, ...]
+    coalesced: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -207,6 +213,7 @@ def summarize(metrics: RunMetrics) -> Summary:
         committed=len(done),
         failed=len(ckpts) - len(done),
         skipped=len(metrics.skipped),
+        coalesced=len(metrics.coalesced),
         full_bytes=sum(c.ckpt_bytes for c in done if c.ckpt_full),
         delta_bytes=sum(c.ckpt_bytes for c in done if not c.ckpt_full),
         bytes_by_encoding=by_encoding,
@@ -238,7 +245,8 @@ def format_summary(s: Summary) -> str:
     if s.committed + s.failed + s.skipped == 0:
         lines.append("checkpoints: no checkpoints")
     else:
-        lines.append(f"checkpoints: {s.committed} committed, {s.failed} failed, {s.skipped} skipped")
+        coalesced = f", {s.coalesced} coalesced into the next" if s.coalesced else ""
+        lines.append(f"checkpoints: {s.committed} committed, {s.failed} failed, {s.skipped} skipped{coalesced}")
         detail = f"full {_size(s.full_bytes)}, delta {_size(s.delta_bytes)}"
         if s.bytes_by_encoding:
             detail += "; " + ", ".join(f"{k} {_size(v)}" for k, v in sorted(s.bytes_by_encoding.items()))

@@ -153,6 +153,12 @@ class RankWriter:
         with self._lock:
             return self._pending_bytes
 
+    @property
+    def pending_jobs(self) -> int:
+        """Checkpoints submitted whose outcome is not decided yet (queued or being written)."""
+        with self._jobs.mutex:
+            return self._jobs.unfinished_tasks
+
     def submit(self, job: WriteJob) -> None:
         with self._lock:
             self._pending_bytes += job.snapshot.nbytes

@@ -34,3 +34,20 @@ def test_three_kills_from_outside_end_bit_identical_with_a_loader_worker_reading
     launch_log = (tmp_path / "work" / "launch.log").read_text()
     assert launch_log.count("torchrun restarts the job") == 3, f"{replay_seed}: {launch_log[-3000:]}"
     assert result["restores"] == launch_log.count("deltarec: resumed from checkpoint"), str(replay_seed)
+
+
+def test_a_checkpoint_every_step_survives_kills_from_outside_bit_identical(
+    tmp_path, run_cli: CliRunner, replay_seed: ReplaySeed
+) -> None:
+    """`ckpt.interval_steps=1` with incremental fp32 deltas: the writers fall behind and coalesce
+    due checkpoints into the next (`ckpt.max_pending_checkpoints`), kills land in stalls, writes
+    and commits alike, and the job still ends bit-identical to the uninterrupted run."""
+    out = tmp_path / "soak.json"
+    p = run_cli("bench.soak", "--sink", "filesystem", "--steps", "300", "--kills", "2", "--delay", "0", "2", "--interval", "1",
+                "--set", "ckpt.policy=incremental", "--seed", str(replay_seed.value), "--keep", tmp_path / "work",
+                "--out", out, timeout_s=600)  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["kills"] == 2 and result["identical"], f"{replay_seed}: {p.stderr[-3000:]}"
+    launch_log = (tmp_path / "work" / "launch.log").read_text()
+    assert "coalesced into the next" in launch_log, launch_log[-3000:]
+    assert launch_log.count("deltarec: resumed from checkpoint") == result["restores"] == 2, str(replay_seed)

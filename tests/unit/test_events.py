@@ -65,7 +65,7 @@ SAMPLES: list[tuple[Event, set[str]]] = [
     ),
     (CheckpointCommitted(**CKPT, ckpt_error="", ckpt_durable_s=0.2), CKPT_KEYS),
     (CheckpointFailed(**CKPT, ckpt_error="broker unreachable"), CKPT_KEYS),
-    (CheckpointSkipped(step=30), {"step", "ckpt_skipped"}),
+    (CheckpointSkipped(step=30), {"step", "ckpt_skipped", "ckpt_coalesced"}),
     (
         Restored(
             step=50,
@@ -263,4 +263,4 @@ def test_scalars_are_the_numeric_fields_by_record_key() -> None:
         "ckpt_stall_new_bytes": 4096.0,
         "ckpt_write_s": 0.01,
     }
-    assert CheckpointSkipped(step=3).scalars() == {"ckpt_skipped": 1.0}
+    assert CheckpointSkipped(step=3).scalars() == {"ckpt_skipped": 1.0, "ckpt_coalesced": 0.0}

@@ -411,6 +411,7 @@ def test_tensorboard_scalars_equal_the_records(tmp_path: Path) -> None:
         "eval_logloss": [(20, 0.60)],
         "eval_samples": [(20, 1024)],
         "ckpt_skipped": [(30, 1)],
+        "ckpt_coalesced": [(30, 0)],
         "restored_ckpt": [(10, 1)],
         "restore_s": [(10, 0.25)],
         "restore_bytes": [(10, 1000)],
