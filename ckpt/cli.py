@@ -117,16 +117,32 @@ def cmd_list(catalog: Catalog) -> int:
             status = "complete" if complete else "dropped (gc)"
             if complete and best is not None and best is not m:
                 status += " via compacted " + "+".join(str(link.checkpoint_id) for link in best.chain)
+            if catalog.abandoned(m.checkpoint_id):
+                status = _abandoned(catalog, m.checkpoint_id) + ("" if complete else ", dropped (gc)")
             restore = f"{best.chain_bytes:>12,}" if best is not None else f"{'-':>12}"
             kind = "full" if m.full else "delta"
             print(f"{m.checkpoint_id:>5} {m.step:>8} {kind:<9} {m.bytes:>12,} {restore} {m.world_size:>5}  {status}")
     trainer = catalog.holder("trainer")
     if trainer is not None:
-        print(f"trainer attempt: {trainer.attempt} (epoch {trainer.epoch})")
+        branch = catalog.branches[-1] if catalog.branches and catalog.branches[-1].attempt == trainer.attempt else None
+        started = ""
+        if branch is not None and branch.resumed_from < branch.newest:  # a rewind: say what it left behind
+            how = f"resumed from checkpoint {branch.resumed_from}" if branch.resumed_from else "started fresh"
+            started = f", {how}; the checkpoints after it are abandoned"
+        print(f"trainer attempt: {trainer.attempt} (epoch {trainer.epoch}{started})")
     if catalog.lease is not None:
         lease = catalog.lease
         print(f"follower lease: {lease.holder} (epoch {lease.epoch}{', released' if lease.released else ''})")
     return 0
+
+
+def _abandoned(catalog: Catalog, cid: int) -> str:
+    """The status of a checkpoint on an abandoned branch (ckpt/log/catalog.py, "Branches")."""
+    by = catalog.abandoned_by(cid)
+    if by is None:
+        return "abandoned"
+    how = f"resumed from checkpoint {by.resumed_from}" if by.resumed_from else "started fresh"
+    return f"abandoned: attempt {by.attempt} {how}"
 
 
 def _tables(marker: Marker, frames, dense_state) -> dict:
@@ -210,8 +226,9 @@ class GcGuard:
 
 
 def cmd_gc(catalog: Catalog, keep: int, backend, dense: DenseStore, guard: GcGuard) -> int:
-    """Keep the newest `keep` restorable checkpoints and what their cheapest chains read;
-    drop every other generation (recorded in the markers log first) and dense file.
+    """Keep the newest `keep` restorable checkpoints of the live branch and what their cheapest
+    chains read; drop every other generation (recorded in the markers log first) and dense file
+    (checkpoints a rewind abandoned are never kept for themselves: ckpt/log/catalog.py, "Branches").
 
     Restartable: a gc killed after its DROPPED record leaves generations the log already calls
     dropped (restores never read them) but the sink still holds, whole or half deleted, and

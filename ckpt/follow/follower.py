@@ -15,6 +15,14 @@ step in progress; it releases the lease on the way out (docs/design/follower.md)
 Given another `ApplyTarget` (the prediction server's model, trainer/serve/), it feeds that
 instead of a `RowStore` and neither compacts nor exports: one stream, one way of following
 it, several consumers (docs/design/serving.md).
+
+Rewinds: when a trainer attempt resumes from an older checkpoint, the checkpoints after it
+are an abandoned branch (ckpt/log/catalog.py, "Branches"). The follower never applies one
+that the log already calls abandoned; when the checkpoint it holds becomes abandoned, it drops
+it (`on_rewind`: the server stops answering from it at once; the store removes its serving
+snapshots) and rebuilds the newest checkpoint of the live branch, the one the trainer resumed
+from until the new branch commits, which it then follows by deltas. So it never compacts or
+exports a link of an abandoned branch into the live one.
 """
 
 from __future__ import annotations
@@ -77,6 +85,7 @@ class FollowStats:
     compacted: int = 0
     exported: int = 0
     failed: int = 0  # checkpoints not applied (the store was rebuilt from a base after each)
+    rewinds: int = 0  # checkpoints held that a rewind abandoned (the store was rebuilt after each)
     bytes_read: int = 0
     bytes_compacted: int = 0
 
@@ -84,6 +93,29 @@ class FollowStats:
     def work_done(self) -> int:
         """Checkpoints applied, failed, compacted and exported so far: it moves when a round did work."""
         return self.applied + self.failed + self.compacted + self.exported
+
+
+@dataclass(frozen=True)
+class Rewind:
+    """The checkpoint a follower held was abandoned: a newer trainer attempt resumed from an
+    older one (or started fresh), as its ATTEMPT record said."""
+
+    abandoned: int  # the checkpoint held
+    resumed_from: int  # the checkpoint the attempt resumed from; 0: a fresh start
+    newest: int  # the newest id when the attempt announced itself: its own checkpoints are above it
+    attempt: str
+    announced_unix: float  # the ATTEMPT record's time (the trainer's clock); 0.0: unknown
+    seen_unix: float  # when this follower read it
+
+    @classmethod
+    def of(cls, catalog: Catalog, held: Marker) -> Rewind:
+        branch = catalog.abandoned_by(held.checkpoint_id) or catalog.branches[-1]  # abandoned: there is a branch
+        announced = next((h.created_unix for h in reversed(catalog.trainer_attempts) if h.attempt == branch.attempt), 0.0)
+        return cls(held.checkpoint_id, branch.resumed_from, branch.newest, branch.attempt, announced, time.time())
+
+    def describe(self) -> str:
+        how = f"resumed from checkpoint {self.resumed_from}" if self.resumed_from else "started fresh"
+        return f"checkpoint {self.abandoned} was abandoned: trainer attempt {self.attempt} {how}"
 
 
 class Follower:
@@ -98,6 +130,7 @@ class Follower:
         export_every: int | None = None,
         export_every_s: float | None = None,
         target: ApplyTarget | None = None,
+        on_rewind: Callable[[Rewind], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.f = cfg.follow
@@ -126,6 +159,8 @@ class Follower:
         self.stats = FollowStats()
         self._trim_next_round = False  # a round did work: the next one trims too (`poll`)
         self.last_error = ""  # why the last checkpoint failed to apply; "" once one applies
+        self.on_rewind = on_rewind  # told first when the checkpoint held was abandoned (the server stops serving it)
+        self._export_now = False  # a rewind dropped the snapshots of the abandoned branch: export the next one
         self.stop = threading.Event()
 
     # -- the loop -----------------------------------------------------------------------
@@ -160,14 +195,12 @@ class Follower:
             self.lease.tend()  # reads the log's new records first
         else:
             catch_up(self.catalog, self.backend.markers)
-        pending = [
-            m for cid, m in sorted(self.catalog.commits.items()) if self.applied is None or cid > self.applied.checkpoint_id
-        ]
-        if self.applied is None and pending:
-            pending = pending[-1:]  # start from the newest checkpoint's cheapest chain
         work = self.stats.work_done
         try:
-            self._follow_pending(pending)
+            self._check_rewind()
+            self._follow_pending(self._pending())
+            if self._check_rewind():  # the log said so while this round applied: rebuild now, not a round later
+                self._follow_pending(self._pending())
         finally:
             did_work = self.stats.work_done != work
             if did_work or self._trim_next_round:
@@ -179,9 +212,40 @@ class Follower:
             # after this round's trim
             self._trim_next_round = did_work
 
+    def _pending(self) -> list[Marker]:
+        """The COMMITs of the live branch after the one held, in order; the newest alone (its
+        cheapest chain) when none is held."""
+        applied = self.applied.checkpoint_id if self.applied is not None else None
+        pending = [
+            m
+            for cid, m in sorted(self.catalog.commits.items())
+            if (applied is None or cid > applied) and not self.catalog.abandoned(cid)
+        ]
+        return pending[-1:] if applied is None else pending
+
+    def _check_rewind(self) -> bool:
+        """When the checkpoint held is on a branch a newer trainer attempt abandoned: drop it
+        (`on_rewind` first, then the store's serving snapshots of the abandoned branch) so the
+        next apply rebuilds the newest checkpoint of the live branch. Whether it did."""
+        held = self.applied
+        if held is None or not self.catalog.abandoned(held.checkpoint_id):
+            return False
+        rewind = Rewind.of(self.catalog, held)
+        logger.warning("%s; rebuilding from the newest checkpoint of the live branch", rewind.describe())
+        if self.on_rewind is not None:
+            self.on_rewind(rewind)
+        self.stats.rewinds += 1
+        self.applied, self.chain = None, []
+        if self.store is not None:
+            self.publisher.withdraw(self.catalog.abandoned)
+            self._export_now = True
+        return True
+
     def _follow_pending(self, pending: list[Marker]) -> None:
         for marker in pending:
             if self.stop.is_set():
+                return
+            if self.catalog.abandoned(marker.checkpoint_id):  # the log said so since `pending` was read
                 return
             try:
                 self._follow(marker)
@@ -256,7 +320,7 @@ class Follower:
         self.last_error = ""
         self.stats.applied += 1
         self.stats.bytes_read += read
-        behind = sum(1 for cid in self.catalog.commits if cid > marker.checkpoint_id)
+        behind = sum(1 for cid in self.catalog.commits if cid > marker.checkpoint_id and not self.catalog.abandoned(cid))
         lag_s = time.time() - marker.created_unix
         logger.info(
             "checkpoint %d (step %d) applied (%s): %.2f MB in %.2f s; %d behind the newest COMMIT, %.1f s after its COMMIT",
@@ -306,6 +370,8 @@ class Follower:
     def _maybe_compact(self) -> None:
         if self.store is None or not self._due() or not self.lease.tend():
             return
+        if self.applied is not None and self.catalog.abandoned(self.applied.checkpoint_id):
+            return  # a rewind abandoned it (the lease's read just said so): never compacted
         marker = self.applied
         assert marker is not None
         t0 = time.perf_counter()
@@ -371,8 +437,12 @@ class Follower:
         self._since_export += 1
         by_count = self.export_every > 0 and self._since_export >= self.export_every
         by_time = self.export_every_s > 0 and time.monotonic() - self._last_export >= self.export_every_s
-        if not (by_count or by_time) or self.applied is None or self.store is None:
+        by_rewind = self._export_now and (self.export_every > 0 or self.export_every_s > 0)
+        if not (by_count or by_time or by_rewind) or self.applied is None or self.store is None:
             return
+        if self.catalog.abandoned(self.applied.checkpoint_id):
+            return
+        self._export_now = False
         try:
             snap = self.publisher.publish(self.store, self.applied, self.run_id)
         except (DeltarecError, OSError) as exc:

@@ -5,7 +5,8 @@ inner `DLRM` a server runs (``"fqn_root": "DLRM"``): a `torch.save` file whose `
 loads with `DLRM.load_state_dict`, and a DCP directory beside it that `dcp.load` fills,
 both tagged with checkpoint id and step and written atomically. Rows are dequantized here
 (never in compaction). The newest `keep` snapshots stay; older ones are removed after a
-newer one is complete.
+newer one is complete. After a rewind the snapshots of the abandoned branch are removed
+(`withdraw`) and the rebuilt checkpoint of the live branch is published at once.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import re
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -67,6 +69,20 @@ class Publisher:
         write_export(build_export(marker, tables, dense_state).for_serving(), path, dcp_dir if self.dcp else None)
         self._trim()
         return Snapshot(marker.checkpoint_id, marker.step, path, dcp_dir if self.dcp else None, time.perf_counter() - t0)
+
+    def withdraw(self, abandoned: Callable[[int], bool]) -> list[int]:
+        """Remove the snapshots of checkpoints a rewind abandoned (ckpt/log/catalog.py,
+        "Branches"), so that the newest snapshot here is never one of them and the live
+        branch's next one is not trimmed in their favour (ids of an abandoned branch can be
+        higher than the live branch's until it commits); returns their ids."""
+        gone = [cid for cid, path in list_snapshots(self.export_dir) if abandoned(cid)]
+        for cid, path in list_snapshots(self.export_dir):
+            if cid in gone:
+                path.unlink(missing_ok=True)
+                shutil.rmtree(path.with_suffix(".dcp"), ignore_errors=True)
+        if gone:
+            logger.info("removed the serving snapshots of abandoned checkpoints %s from %s", gone, self.export_dir)
+        return gone
 
     def _trim(self) -> None:
         for _, path in list_snapshots(self.export_dir)[: -self.keep]:

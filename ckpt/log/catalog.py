@@ -21,6 +21,15 @@ From these it gives, for any committed checkpoint, the cheapest complete chain: 
 chain, or an accepted compacted baseline of one of its links plus the links after it,
 whichever reads fewer bytes, never one through a dropped generation (docs/design/follower.md).
 
+Branches: a trainer attempt's ATTEMPT record says which checkpoint its restore chose
+(`resumed_from`). Checkpoint ids never repeat, so after a restore of r while r+1..n exist the
+attempt's checkpoints are n+1, n+2, ... with chains through r: r+1..n are an abandoned branch.
+The fold keeps the run's live ids (`live`: the ids of the branch r was written on up to r, and
+every id above n) and `restorable()`, `ckpt.resume=latest`, followers and servers leave the
+abandoned ones out; `deltarec-ckpt list` marks them. A fresh start (`resumed_from` 0)
+abandons everything before it; a record that does not say (older versions) changes nothing.
+Restoring an abandoned checkpoint by its id makes its branch live again, up to it.
+
 Markers that name their chain instead of carrying it (ckpt/log/links.py) get it back here:
 each accepted marker's own link is joined from the LINK records it names, and its chain is
 the chain of the marker before it plus that link, shared, so the fold reads each link once.
@@ -32,6 +41,7 @@ import bisect
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ckpt.log.links import Chain, assemble, run_ids
 from ckpt.log.markers import (
@@ -74,6 +84,61 @@ class Holder:
     attempt: str
     epoch: int  # the ATTEMPT record's position + 1: ordered like the log
     created_unix: float  # the holder's own clock, for messages
+
+
+#: The open end of the live ids' last run: every id a later checkpoint takes.
+OPEN = 1 << 62
+#: Runs of checkpoint ids, each [first, last] inclusive, ascending and apart.
+Runs = tuple[tuple[int, int], ...]
+#: Every id live: no attempt said it resumed from an older checkpoint.
+ALL_LIVE: Runs = ((1, OPEN),)
+
+
+def within(runs: Runs, cid: int) -> bool:
+    """Whether id `cid` is in `runs`."""
+    i = bisect.bisect_right(runs, cid, key=lambda run: run[0]) - 1
+    return i >= 0 and runs[i][0] <= cid <= runs[i][1]
+
+
+def _upto(runs: Runs, last: int) -> Runs:
+    return tuple((first, min(end, last)) for first, end in runs if first <= last)
+
+
+def _joined(runs: Iterable[tuple[int, int]]) -> Runs:
+    out: list[tuple[int, int]] = []
+    for first, last in sorted(runs):
+        if out and first <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], last))
+        else:
+            out.append((first, last))
+    return tuple(out)
+
+
+def _gains(before: Runs, after: Runs, first: int, last: int) -> bool:
+    """Whether `after` holds an id in `first`..`last` that `before` does not."""
+    for lo, hi in after:
+        lo, hi = max(lo, first), min(hi, last)
+        while lo <= hi:  # walk [lo, hi] over the runs of `before` that cover it
+            run = next(((a, b) for a, b in before if a <= lo <= b), None)
+            if run is None:
+                return True
+            lo = run[1] + 1
+    return False
+
+
+@dataclass(frozen=True)
+class Branch:
+    """A trainer ATTEMPT record that said which checkpoint it resumed from: from it on, the
+    run's live checkpoint ids are `live` (module doc, "Branches")."""
+
+    newest: int  # the newest id in the log at the record: the attempt's own ids are above it
+    resumed_from: int  # 0: a fresh start
+    attempt: str
+    live: Runs
+
+    def as_json(self) -> list[Any]:
+        """As a catalog record carries it (`CatalogRecord.branches`); `live` is derived."""
+        return [self.newest, self.resumed_from, self.attempt]
 
 
 @dataclass(frozen=True)
@@ -125,6 +190,7 @@ class Catalog:
     bases: dict[tuple[int, int], Marker] = field(default_factory=dict)  # accepted compactions by (id, generation)
     parts: dict[int, LinkRecord] = field(default_factory=dict)  # LINK records no marker named yet, by position
     last_marker: tuple[int, Marker] | None = None  # the last checkpoint marker fed, chain resolved
+    branches: list[Branch] = field(default_factory=list)  # trainer attempts that said what they resumed from
     _compaction_ids: list[int] = field(default_factory=list)  # sorted keys of `compactions`
 
     @property
@@ -174,6 +240,14 @@ class Catalog:
                 self.epochs_of[rec.attempt] = pos + 1
                 if rec.role == "trainer":
                     self.trainer_attempts.append(self.holders[rec.role])
+                    if rec.resumed_from >= 0:
+                        before = self.live
+                        self.add_branch(self.newest_id, rec.resumed_from, rec.attempt)
+                        summary = self.summary
+                        if summary is not None and _gains(before, self.live, summary.oldest_kept, summary.newest_id):
+                            # an abandoned checkpoint restored by its id: its branch is live again,
+                            # and a catalog record leaves abandoned commits out
+                            self.exact = False
             elif isinstance(rec, SurvivorRecord):
                 self.survivors.setdefault(rec.attempt, {})[rec.rank] = rec
             elif isinstance(rec, DroppedRecord):  # honoured whoever wrote it: its deletions may have begun
@@ -376,11 +450,47 @@ class Catalog:
         best = min(options, key=lambda chain: (chain_bytes(chain), len(chain)))
         return marker if best is marker.chain else replace(marker, chain=best)
 
-    def restorable(self) -> list[Marker]:
+    def restorable(self, abandoned: bool = False) -> list[Marker]:
         """Committed checkpoints that still have a complete chain, newest first, each with
-        its cheapest chain."""
-        out = [self.cheapest(m) for _, m in sorted(self.commits.items(), reverse=True)]
+        its cheapest chain: those of the run's live branch, or with `abandoned` every one."""
+        out = [self.cheapest(m) for cid, m in sorted(self.commits.items(), reverse=True) if abandoned or not self.abandoned(cid)]
         return [m for m in out if m is not None]
+
+    # -- branches (module doc) ------------------------------------------------------------
+    def add_branch(self, newest: int, resumed_from: int, attempt: str) -> Branch:
+        """A trainer attempt that resumed from `resumed_from` (0: started fresh) announced
+        itself when `newest` was the newest id: the live ids are now those of the branch
+        `resumed_from` was written on, up to it, and every id above `newest`."""
+        kept = self.branch_of(resumed_from) if resumed_from > 0 else ()
+        branch = Branch(newest, resumed_from, attempt, _joined([*kept, (newest + 1, OPEN)]))
+        self.branches.append(branch)
+        return branch
+
+    @property
+    def live(self) -> Runs:
+        """The run's live checkpoint ids as of the end of what was fed."""
+        return self.branches[-1].live if self.branches else ALL_LIVE
+
+    def abandoned(self, cid: int) -> bool:
+        """Whether checkpoint `cid` is on an abandoned branch: a later attempt resumed from an
+        older checkpoint (or started fresh) and the run went on without it."""
+        return bool(self.branches) and not within(self.branches[-1].live, cid)
+
+    def branch_of(self, cid: int) -> Runs:
+        """The ids of checkpoint `cid`'s own history: those live when it was written, up to it."""
+        i = bisect.bisect_left(self.branches, cid, key=lambda b: b.newest)  # the first branch after `cid`
+        return _upto(self.branches[i - 1].live if i else ALL_LIVE, cid)
+
+    def abandoned_by(self, cid: int) -> Branch | None:
+        """The attempt whose restore left checkpoint `cid` on an abandoned branch; None while it is live."""
+        if not self.abandoned(cid):
+            return None
+        found, before = None, ALL_LIVE
+        for branch in self.branches:
+            if branch.newest >= cid and within(before, cid) and not within(branch.live, cid):
+                found = branch
+            before = branch.live
+        return found
 
 
 def _position(marker: Marker, cid: int) -> int | None:

@@ -41,11 +41,12 @@ def summarize(catalog: Catalog, keep: int = KEEP) -> CatalogRecord:
     for cid in sorted(catalog.commits, reverse=True):
         if len(restorable) == keep:
             break
-        if catalog.cheapest(catalog.commits[cid]) is not None:
+        if not catalog.abandoned(cid) and catalog.cheapest(catalog.commits[cid]) is not None:
             restorable.append(cid)
-    # every commit from the oldest kept restorable one on; none when nothing is restorable
+    # every commit of the live branch from the oldest kept restorable one on; none when nothing
+    # is restorable (an abandoned one restored by its id is found in the whole log)
     oldest = restorable[-1] if restorable else catalog.newest_id + 1
-    kept = [m for cid, m in sorted(catalog.commits.items()) if cid >= oldest]
+    kept = [m for cid, m in sorted(catalog.commits.items()) if cid >= oldest and not catalog.abandoned(cid)]
     survivors = list(catalog.survivors.get(catalog.trainer_attempts[-1].attempt, {}).values() if catalog.trainer_attempts else [])
     links = sorted({link.checkpoint_id for m in kept for link in m.chain} | {r.link.checkpoint_id for r in survivors})
     lease = catalog.lease
@@ -84,6 +85,7 @@ def summarize(catalog: Catalog, keep: int = KEEP) -> CatalogRecord:
         link_parts=link_parts,
         pending=sorted(catalog.parts),
         bases=list(bases.values()),
+        branches=[b.as_json() for b in catalog.branches],
     )
 
 
@@ -105,6 +107,8 @@ def from_record(record: CatalogRecord, read_from: Callable[[int], list[tuple[int
         records=record.records,
         summary=Summary(upto=record.upto, newest_id=record.newest_id, oldest_kept=oldest, links=frozenset(record.links)),
     )
+    for newest, resumed_from, attempt in record.branches:
+        catalog.add_branch(int(newest), int(resumed_from), str(attempt))
     catalog.parts = _link_records(record, read_from)
     where = f"catalog record at {record.upto}"
     for newest, m in [*((False, m) for m in record.bases), *((True, m) for m in record.compactions)]:

@@ -23,7 +23,7 @@ from ckpt.config import CkptConfig
 from ckpt.dense.store import DenseHistory, DenseStore
 from ckpt.errors import RestoreError
 from ckpt.log.backend import Backend
-from ckpt.log.catalog import Catalog, read_catalog
+from ckpt.log.catalog import Catalog, read_catalog, within
 from ckpt.log.catalog_ahead import catch_up_recent
 from ckpt.log.catalog_record import read_recent_catalog
 from ckpt.log.markers import Marker, SurvivorRecord
@@ -93,11 +93,12 @@ class ResumeChoice:
         self._older: list[Marker] = []  # rank 0: the checkpoints to fall back to, newest first
         self._history = DenseHistory(0, [])  # rank 0: what the run directory remembers
 
-    def newest(self, on_chosen: Callable[[Catalog], None]) -> list[Marker]:
+    def newest(self, on_chosen: Callable[[Catalog, int], None]) -> list[Marker]:
         """The COMMIT marker to restore, with its cheapest chain ([] to start fresh), on every
-        rank. Rank 0 reads and chooses, then calls `on_chosen` with what it read (the manager
-        announces the attempt from it) unless the start is refused. With `resume=none` only
-        `newest_id` matters."""
+        rank. Rank 0 reads and chooses, then calls `on_chosen` with what it read and the id
+        chosen (0: a fresh start; the manager announces the attempt with them, which makes the
+        checkpoints after the chosen one an abandoned branch: ckpt/log/catalog.py, "Branches")
+        unless the start is refused. With `resume=none` only `newest_id` matters."""
         found = from_rank0(lambda: self._read(on_chosen))
         self.newest_id, self.survivors, self.mtbf_s, self._summarized, self.markers_read = (
             found.newest_id,
@@ -123,7 +124,7 @@ class ResumeChoice:
         if self._summarized:  # every checkpoint a catalog record kept failed: the rest of the log has older ones
             yield from ((m, []) for m in from_rank0(lambda: self._older_than(tried)))
 
-    def _read(self, on_chosen: Callable[[Catalog], None]) -> _Candidates:
+    def _read(self, on_chosen: Callable[[Catalog, int], None]) -> _Candidates:
         """Rank 0's part of `newest`: the broker answers (bounded), the markers log and the run
         directory are read and the checkpoint chosen, or the start refused before anything is
         written."""
@@ -131,7 +132,7 @@ class ResumeChoice:
         history = self.dense.history()
         catalog = self._recent_catalog()
         ordered = self._choose(catalog, history)
-        on_chosen(catalog)
+        on_chosen(catalog, ordered[0].checkpoint_id if ordered else 0)
         survivors = usable_survivors(catalog, ordered[0]) if ordered and self.cfg.recovery == "partial" else []
         mtbf = estimate_mtbf([a.created_unix for a in catalog.trainer_attempts], time.time())
         self._older = ordered[1:]
@@ -154,7 +155,7 @@ class ResumeChoice:
             catalog = read_recent_catalog(markers, self.run_id, where)
         if catalog.summary is None or self.cfg.resume == "none":
             return catalog
-        found = {m.checkpoint_id for m in catalog.restorable()}
+        found = {m.checkpoint_id for m in catalog.restorable(abandoned=self.cfg.resume != "latest")}
         if found if self.cfg.resume == "latest" else int(self.cfg.resume) in found:
             return catalog
         return read_catalog(markers, self.run_id, where)
@@ -166,17 +167,26 @@ class ResumeChoice:
 
     def _choose(self, catalog: Catalog, history: DenseHistory) -> list[Marker]:
         """The checkpoints `ckpt.resume` asks for, newest first, each with its cheapest complete
-        chain: [] to start fresh; a `RestoreError` when the start must be refused."""
-        found = catalog.restorable()
+        chain: [] to start fresh; a `RestoreError` when the start must be refused. `latest`
+        chooses from the run's live branch only (after a rewind, never the checkpoints the
+        rewind abandoned); an id may name an abandoned checkpoint, and falls back along its
+        own history."""
         if self.cfg.resume == "none":
             return []
         if self.cfg.resume == "latest":
-            if not found and history.commits:
+            found = catalog.restorable()
+            if not found and history.commits and not catalog.restorable(abandoned=True):
                 raise RestoreError(self._lost_stream(history))
             return sorted(found, key=lambda m: m.checkpoint_id, reverse=True)
         chosen = int(self.cfg.resume)
+        found = catalog.restorable(abandoned=True)
         ordered = [m for m in found if m.checkpoint_id == chosen]
-        older = sorted((m for m in found if m.checkpoint_id < chosen), key=lambda m: m.checkpoint_id, reverse=True)
+        history_of = catalog.branch_of(chosen)
+        older = sorted(
+            (m for m in found if m.checkpoint_id < chosen and within(history_of, m.checkpoint_id)),
+            key=lambda m: m.checkpoint_id,
+            reverse=True,
+        )
         if not ordered:
             why = (
                 f"checkpoint {chosen} of run {self.run_id}: every chain that restores it reads a generation "

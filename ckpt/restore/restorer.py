@@ -243,10 +243,12 @@ class Restorer:
         self.metrics = metrics
         self.model_sha256 = model_sha256
 
-    def restore(self, announce: Callable[[Catalog], None], shards_hold: RowInit | None) -> Resumed | Fresh:
+    def restore(self, announce: Callable[[Catalog, int], None], shards_hold: RowInit | None) -> Resumed | Fresh:
         """Bring back the checkpoint `ckpt.resume` names, or start fresh when there is none.
 
-        Rank 0 calls `announce` once the checkpoint is chosen. `shards_hold`: the row
+        Rank 0 calls `announce` once the checkpoint is chosen, with the log read and the id
+        chosen (0: none; ckpt/restore/attempt.py). A fallback to an older checkpoint (below) is
+        not announced again: the record names the one chosen first. `shards_hold`: the row
         initialisation the shards hold untouched (none written since the model was built).
         A damaged checkpoint (bad CRC, a frame that does not match its marker, missing data,
         a dense file with the wrong sha256) stops the job naming where, or with

@@ -16,7 +16,8 @@ from ckpt.follow.follower import Follower, FollowStats
 def _follower(commits: dict[int, SimpleNamespace], fail: bool = False) -> Follower:
     f = Follower.__new__(Follower)  # no backend: poll's reads are stubbed below
     f.store, f.applied, f.stats, f._trim_next_round = None, None, FollowStats(), False
-    f.catalog, f.backend = SimpleNamespace(commits=commits), SimpleNamespace(markers=None)
+    f.catalog = SimpleNamespace(commits=commits, abandoned=lambda cid: False)  # no rewind in these rounds
+    f.backend = SimpleNamespace(markers=None)
 
     def follow_pending(pending: list) -> None:
         for marker in pending:

@@ -5,7 +5,8 @@ well-kept client for the tests and the benchmark).
   "checkpoint_id": k, "step": s}``, every score computed on checkpoint k.
 - ``GET /healthz``: 200 while the process runs, with what it follows.
 - ``GET /readyz``: 200 once a checkpoint is served and its step is no older than
-  `serve.max_staleness_s` (when set); 503 otherwise. Both say the checkpoint and staleness.
+  `serve.max_staleness_s` (when set); 503 otherwise, and while the server rebuilds after a
+  rewind (the checkpoint it served was abandoned). Both say the checkpoint and staleness.
 - ``GET /metrics``: Prometheus text (trainer/serve/freshness.py).
 
 Errors are ``{"error": "<one line>"}`` with a 4xx (the request) or 503 (busy, not ready).
@@ -34,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from trainer.config import ServeConfig
 from trainer.serve.freshness import ServeMetrics, size_class
 from trainer.serve.requests import FeatureLayout, RequestError, parse_request
-from trainer.serve.versions import NotReady, ServedModel
+from trainer.serve.versions import NotReady, ServedModel, Version
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class Predictor:
                         version.step,
                         version.first_served_unix - version.step_unix,
                     )
+                elif first and version.rewind is not None and version.rewind.resumed(version.checkpoint_id):
+                    self._after_rewind(version)
                 elif first:
                     fresh = self.metrics.served_first(version.step_unix, version.first_served_unix)
                     logger.info(
@@ -88,7 +91,37 @@ class Predictor:
                         self.metrics.freshness_quantile(99),
                         self.metrics.freshness_count,
                     )
+                    if version.rewind is not None:
+                        self._after_rewind(version)
             return Answer(out.tolist(), version.checkpoint_id, version.step, batch.size)
+
+    @staticmethod
+    def _after_rewind(version: Version) -> None:
+        """The first response of a version swapped in after a rewind: the rewind's times, and one
+        line (a checkpoint from before the rewind is not counted as freshness: its age is the
+        rewind's, not the stream's lag)."""
+        rewind, now = version.rewind, version.first_served_unix
+        assert rewind is not None
+        if not rewind.first_answer_unix:
+            rewind.first_answer_unix = now
+        if rewind.resumed(version.checkpoint_id):
+            logger.info(
+                "first response after the rewind, from checkpoint %d (step %d, the live branch's newest): %.2f s after "
+                "the rewind's ATTEMPT record, %.2f s after checkpoint %d stopped being served (not counted as freshness)",
+                version.checkpoint_id,
+                version.step,
+                rewind.since_record(now),
+                now - rewind.withdrawn_unix,
+                rewind.rewind.abandoned,
+            )
+        elif not rewind.new_branch_unix:
+            rewind.new_branch_unix = now
+            logger.info(
+                "first response from the new branch, checkpoint %d (step %d): %.2f s after the rewind's ATTEMPT record",
+                version.checkpoint_id,
+                version.step,
+                rewind.since_record(now),
+            )
 
 
 def _clip(text: str, most: int = 80) -> str:

@@ -4,7 +4,11 @@ The HTTP server listens first (health answers while the first checkpoint loads; 
 says 503 until it is live), then the follower's thread starts: the newest COMMIT's cheapest
 chain (from the newest compacted baseline), then every COMMIT as it lands. A round that
 fails (the broker away, a damaged frame) is logged and counted, the version before stays
-served, and the next round tries again. SIGINT/SIGTERM stop both; a summary closes the run.
+served, and the next round tries again. When the trainer rewinds (resumes from an older
+checkpoint), the checkpoint served is withdrawn as soon as the follower reads the rewind's
+ATTEMPT record, readiness says 503 with the reason while the live branch's newest checkpoint
+is rebuilt, and the rewind's durations are in /metrics and the log (docs/serving.md, "Rewinds").
+SIGINT/SIGTERM stop both; a summary closes the run.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 
 import torch
 from aiohttp import web
+from prometheus_client import Gauge
 
 from ckpt.dense.store import DenseStore
 from ckpt.events import MetricsSink
@@ -50,7 +55,16 @@ class Server:
         self.metrics = ServeMetrics(self.staleness)
         self.model = ServedModel(serving.model, DenseStore(Path(serving.ckpt.dense_dir)), on_live=self._on_live)
         follow_cfg = replace(serving.ckpt, follow=replace(serving.ckpt.follow, poll_s=self.cfg.poll_s))
-        self.follower = Follower(follow_cfg, sink, target=self.model)
+        self.follower = Follower(follow_cfg, sink, target=self.model, on_rewind=self.model.withdraw)
+        registry = self.metrics.registry
+        Gauge(
+            "deltarec_serve_rewinds", "Served checkpoints withdrawn because a rewind abandoned them", registry=registry
+        ).set_function(lambda: len(self.model.rewinds))
+        Gauge(
+            "deltarec_serve_rewind_seconds",
+            "The last rewind: from its ATTEMPT record to the first response after it (NaN: none yet)",
+            registry=registry,
+        ).set_function(self.rewind_seconds)
         predictor = Predictor(self.model, serving.model.layout(), self.cfg, self.metrics)
         self.app = PredictionApp(predictor, self.cfg, self.metrics, self.status)
         self.stop = threading.Event()
@@ -64,12 +78,17 @@ class Server:
         live = self.model.live
         return time.time() - live.step_unix if live is not None else math.nan
 
+    def rewind_seconds(self) -> float:
+        """The last rewind: from its ATTEMPT record to the first response after it (NaN: none, or none answered yet)."""
+        last = self.model.rewinds[-1] if self.model.rewinds else None
+        return last.since_record(last.first_answer_unix) if last is not None and last.first_answer_unix else math.nan
+
     def status(self) -> dict[str, Any]:
         """Health and readiness: the checkpoint served, its staleness, the last follow error."""
         live = self.model.live
         staleness = self.staleness()
         if live is None:
-            ready, reason = False, "no checkpoint applied yet"
+            ready, reason = False, self.model.not_ready
         elif self.cfg.max_staleness_s and staleness > self.cfg.max_staleness_s:
             ready, reason = False, f"checkpoint {live.checkpoint_id} is {staleness:.0f} s old (serve.max_staleness_s)"
         else:
@@ -133,6 +152,9 @@ class Server:
                 if n
                 else "none served after the start"
             )
+            rewinds = self.model.rewinds
+            if rewinds:
+                fresh += f"; {len(rewinds)} rewind(s), the last answered again {self.rewind_seconds():.2f} s after its record"
             logger.info("stopped: %d checkpoints applied (%s); %s", self.applied, fresh, self._request_counts())
 
     def _request_counts(self) -> str:

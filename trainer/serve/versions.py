@@ -18,6 +18,13 @@ everything and copies every table from the live one once. Rows go in decoded, as
 `deltarec-ckpt export` writes them (ckpt/restore/replay.py `decode_rows`), so a response on
 checkpoint k equals that export's model bit for bit on fp32 rows.
 
+After a rewind (the trainer resumed from an older checkpoint, so the one served is on an
+abandoned branch: ckpt/log/catalog.py, "Branches") the follower calls `withdraw`: the live copy
+is taken out of service at once, requests get 503 not-ready (`NotReady`, saying why) while the
+follower rebuilds the newest checkpoint of the live branch, and the next `finish` serves again.
+Versions swapped in from then until the new branch's first checkpoint carry the rewind
+(`Version.rewind`), for the server's measures of how long it lasted.
+
 Memory per row of the embedding tables (docs/design/serving.md): two fp32 copies (2 x 4 x dim
 bytes), plus the decoded rows of one checkpoint's delta, plus during a rebuild one byte per
 row and column shard (the check that the base covers every row).
@@ -40,6 +47,7 @@ from torchrec.models.dlrm import DLRM
 
 from ckpt.dense.store import DenseRef, DenseStore
 from ckpt.errors import RestoreError
+from ckpt.follow.follower import Rewind
 from ckpt.log.markers import Marker
 from ckpt.restore.export import SERVING_ROOT, build_export, replicated_tables, table_fqn
 from ckpt.restore.replay import decode_rows, row_init_of
@@ -60,7 +68,27 @@ EBC_PATH = TRAIN_EBC_PATH.removeprefix(_ROOT_CHILD)
 
 
 class NotReady(DeltarecError):
-    """No checkpoint has been applied yet: nothing to predict with."""
+    """No checkpoint is served: none applied yet, or the one served was abandoned by a rewind."""
+
+
+@dataclass
+class RewindServed:
+    """One rewind as this server lived it: when its follower withdrew the abandoned checkpoint,
+    and the first responses after it (set once, by the request that gave them)."""
+
+    rewind: Rewind
+    withdrawn_unix: float  # when the live copy stopped answering
+    first_answer_unix: float = 0.0  # the first response after it (a checkpoint of the live branch)
+    new_branch_unix: float = 0.0  # the first response from a checkpoint the resuming attempt wrote
+
+    def since_record(self, when_unix: float) -> float:
+        """Seconds from the rewind's ATTEMPT record (from when it was read, if its time is unknown) to `when_unix`."""
+        return when_unix - (self.rewind.announced_unix or self.rewind.seen_unix)
+
+    def resumed(self, checkpoint_id: int) -> bool:
+        """Whether `checkpoint_id` is from before the rewind (the one resumed from, or older):
+        its age is the rewind's, not the stream's lag, so it is not counted as freshness."""
+        return checkpoint_id <= self.rewind.newest
 
 
 @dataclass(frozen=True)
@@ -85,6 +113,7 @@ class Version:
     live_unix: float = 0.0  # when it was swapped in
     first_served_unix: float = 0.0  # its first response; 0.0: none yet
     at_start: bool = False  # the checkpoint the server started from: its age is not the stream's lag
+    rewind: RewindServed | None = None  # swapped in after a rewind, up to the new branch's first checkpoint
     readers: int = 0  # requests computing on it now
     behind: list[Rows] | None = field(default_factory=list)  # rows it lacks against the live copy; None: all
 
@@ -144,6 +173,9 @@ class ServedModel:
         self._t0 = 0.0
         self._delta: list[Rows] = []  # this checkpoint's rows, for the other copy
         self._covered: dict[tuple[str, int, int], torch.Tensor] = {}  # a rebuild's base, per column shard
+        self.not_ready = "no checkpoint applied yet"  # what a request hears while none is live
+        self.rewinds: list[RewindServed] = []  # every rewind that withdrew a live checkpoint
+        self._rewind: RewindServed | None = None  # the last one, until the new branch's first checkpoint is live
 
     def _copy(self) -> Version:
         module = self.servable.fresh_module()
@@ -163,7 +195,7 @@ class ServedModel:
         with self._cond:
             version = self.live
             if version is None:
-                raise NotReady("no checkpoint applied yet")
+                raise NotReady(self.not_ready)
             version.readers += 1
         try:
             yield version
@@ -248,7 +280,10 @@ class ServedModel:
         self._load_dense(standby, marker, self._dense_state)
         standby.checkpoint_id, standby.step = marker.checkpoint_id, marker.step
         standby.step_unix = marker.step_unix or marker.created_unix
-        standby.first_served_unix, standby.at_start = 0.0, self.live is None
+        rewind = self._rewind
+        standby.first_served_unix, standby.at_start, standby.rewind = 0.0, self.live is None and rewind is None, rewind
+        if rewind is not None and not rewind.resumed(marker.checkpoint_id):
+            self._rewind = None  # the new branch is served: later checkpoints are ordinary ones
         with self._cond:
             previous = self.live if self.live is not None else self._spare
             assert previous is not None
@@ -263,6 +298,21 @@ class ServedModel:
         """The checkpoint failed part way: the standby copy holds nothing usable."""
         self.standby.behind = None
         self._delta, self._covered, self._marker, self._dense_state = [], {}, None, {}
+
+    def withdraw(self, rewind: Rewind) -> None:
+        """The follower's `on_rewind`: the live checkpoint was abandoned. No request is answered
+        from it from now on (those computing on it finish); until the next `finish`, requests get
+        `NotReady` saying why. The withdrawn copy is the other one for the rebuild that follows."""
+        served = RewindServed(rewind, time.time())
+        with self._cond:
+            live, self.live = self.live, None
+            if live is not None:
+                live.behind = None  # the rebuild writes every row of the other copy; this one copies them all after
+                self._spare = live  # `finish`'s previous copy
+            waiting = "rebuilding after a rewind" if rewind.resumed_from else "waiting for the new run's first checkpoint"
+            self.not_ready = f"{waiting}: {rewind.describe()}"
+            self._rewind = served
+            self.rewinds.append(served)
 
     # -- helpers --------------------------------------------------------------------------
     def _standby_weights(self) -> dict[str, torch.Tensor]:
