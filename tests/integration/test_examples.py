@@ -105,6 +105,40 @@ def test_example_killed_from_outside_resumes_bit_identical(tmp_path: Path, unint
     assert (run_dir / "metrics.jsonl").read_text().count('"event": "restore"') == 1
 
 
+def test_the_follower_serves_a_user_model_under_its_own_fqns(tmp_path: Path, uninterrupted: tuple[str, Path, dict]) -> None:
+    """`deltarec-follow --config <run_dir>/ckpt.yaml` on a user's run: its serving snapshot of the
+    newest checkpoint is the export, bit for bit, and loads (strict) into the unsharded model.
+    Before the tests below that restore checkpoint 3 of the same run: each of them is an attempt
+    resumed from 3, which leaves the later checkpoints on an abandoned branch no follower serves."""
+    example, ref_dir, final = uninterrupted
+    serving = tmp_path / "serving"
+    argv = [
+        sys.executable, "-m", "trainer.follow_cli", "--config", str(ref_dir / "ckpt.yaml"), "--export-every", "1",
+        f"follow.export_dir={serving}", f"follow.metrics={tmp_path / 'follower.jsonl'}",
+    ]  # fmt: skip
+    log = tmp_path / "follower.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[2], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(cid == final["checkpoint_id"] for cid, _ in list_snapshots(serving)):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    (path,) = [p for cid, p in list_snapshots(serving) if cid == final["checkpoint_id"]]
+    snap = torch.load(path, weights_only=False)
+    assert sorted(snap["model"]) == sorted(final["model"])
+    for key, value in final["model"].items():
+        assert torch.equal(snap["model"][key], value), f"{example}: serving {key} != the export"
+    model = getattr(importlib.import_module(f"examples.{example}"), MODELS[example])().to_empty(device="cpu")
+    model.load_state_dict(snap["model"], strict=True)
+    state = model.state_dict()
+    assert all(torch.equal(state[key], value) for key, value in snap["model"].items())
+    assert snap["fqn_root"] == MODELS[example]
+
+
 def _restore_on_one_rank(example: str, run_dir: Path, tmp: Path, checkpoint: int) -> dict:
     """Checkpoint `checkpoint` of `run_dir` restored on 1 rank with the example's other plan:
     what the model then holds (tests/multirank/example_restore_worker.py)."""
@@ -180,35 +214,3 @@ def test_a_checkpoint_of_another_model_is_refused_naming_a_table(tmp_path: Path,
     refusal = r"(\[rank0\]: )?ckpt\.errors\.RestoreError: checkpoint 3 of run run (has no|holds) table \S+, which the model.*"
     assert re.fullmatch(refusal, last), last
     assert not (tmp_path / "x.pt").exists()
-
-
-def test_the_follower_serves_a_user_model_under_its_own_fqns(tmp_path: Path, uninterrupted: tuple[str, Path, dict]) -> None:
-    """`deltarec-follow --config <run_dir>/ckpt.yaml` on a user's run: its serving snapshot of the
-    newest checkpoint is the export, bit for bit, and loads (strict) into the unsharded model."""
-    example, ref_dir, final = uninterrupted
-    serving = tmp_path / "serving"
-    argv = [
-        sys.executable, "-m", "trainer.follow_cli", "--config", str(ref_dir / "ckpt.yaml"), "--export-every", "1",
-        f"follow.export_dir={serving}", f"follow.metrics={tmp_path / 'follower.jsonl'}",
-    ]  # fmt: skip
-    log = tmp_path / "follower.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[2], stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while not any(cid == final["checkpoint_id"] for cid, _ in list_snapshots(serving)):
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-    (path,) = [p for cid, p in list_snapshots(serving) if cid == final["checkpoint_id"]]
-    snap = torch.load(path, weights_only=False)
-    assert sorted(snap["model"]) == sorted(final["model"])
-    for key, value in final["model"].items():
-        assert torch.equal(snap["model"][key], value), f"{example}: serving {key} != the export"
-    model = getattr(importlib.import_module(f"examples.{example}"), MODELS[example])().to_empty(device="cpu")
-    model.load_state_dict(snap["model"], strict=True)
-    state = model.state_dict()
-    assert all(torch.equal(state[key], value) for key, value in snap["model"].items())
-    assert snap["fqn_root"] == MODELS[example]

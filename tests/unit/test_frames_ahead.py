@@ -84,7 +84,7 @@ def test_a_ranks_guess_is_the_restores_reads_under_the_plan_that_wrote_them_and_
 class _Catalog(NamedTuple):
     markers: list[Marker]
 
-    def restorable(self) -> list[Marker]:
+    def restorable(self, abandoned: bool = False) -> list[Marker]:
         return self.markers
 
 
