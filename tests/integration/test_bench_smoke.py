@@ -426,3 +426,18 @@ def test_scale_suite_measures_memory_the_follower_and_the_peers_at_a_size(tmp_pa
     lines = read_records(records)
     assert {r["suite"] for r in lines} == {"scale"}
     assert {r["labels"].get("size") for r in lines if r["metric"] == "stall_us_per_row"} == {"quick"}
+
+
+def test_every_step_suite_measures_a_checkpoint_every_step_and_a_kill(tmp_path: Path, run_cli: CliRunner) -> None:
+    """`every-step` on the debug model: both jobs of the pair trained, every figure is there, the
+    checkpointed job committed checkpoints (coalescing the rest), and the killed job resumed."""
+    out = tmp_path / "results.json"
+    run_cli("bench.run", "--suite", "every-step", "--config", "configs/debug_cpu.yaml", "--steps", "60", "--log-every",
+            "20", "--pairs", "1", "--kill-at", "30", "--out", out, timeout_s=400)  # fmt: skip
+    doc = json.loads(out.read_text())
+    (pair,) = doc["pairs"]
+    assert pair["baseline_samples_per_s"] > 0 and pair["samples_per_s"] > 0, pair
+    assert pair["committed"] + pair["coalesced"] >= 60 and pair["committed"] > 1, pair
+    assert 0 < pair["durable_s_p50"] <= pair["durable_s_p99"], pair
+    killed = doc["killed"]
+    assert killed["resumed_step"] is not None and 0 <= killed["steps_lost"] < 30, killed
