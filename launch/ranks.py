@@ -4,7 +4,8 @@ Each rank is a separate `python -m trainer.main` process (or another module give
 with torchrun's environment variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) and a
 file rendezvous under the caller's directory, so the code under test or measured is exactly
 what torchrun runs, without torchrun's agent in the way. Any rank failing, or the group
-outliving its deadline, kills every rank and fails with each rank's stderr tail.
+outliving its deadline, kills every rank and fails with each rank's stderr tail. Under the
+test suite the ranks are forked warm from a process that imported torch once (launch/warm.py).
 
 It lives in launch/ (not tests/) because bench/ spawns ranks the same way and must not import
 the test suite.
@@ -23,6 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from launch import warm
+
 REPO = Path(__file__).resolve().parents[1]
 PEER_GRACE_S = 15.0  # how long the other ranks may take to end after one failed, when failure is expected
 
@@ -40,7 +43,7 @@ class RankResult:
 class RankGroup:
     """Ranks started by `start_ranks`; `wait` reaps them within a deadline."""
 
-    def __init__(self, procs: list[subprocess.Popen], logs: list[tuple], timeout_s: float) -> None:
+    def __init__(self, procs: list[subprocess.Popen | warm.WarmProcess], logs: list[tuple], timeout_s: float) -> None:
         self.procs = procs
         self.logs = logs
         self.deadline = time.monotonic() + timeout_s
@@ -78,7 +81,7 @@ class RankGroup:
         for rank, (p, (out, err)) in enumerate(zip(self.procs, self.logs)):
             out.seek(0)
             err.seek(0)
-            results.append(RankResult(rank, p.returncode, out.read(), err.read()))
+            results.append(RankResult(rank, p.wait(), out.read(), err.read()))
             out.close()
             err.close()
         if failed and expect_ok:
@@ -128,7 +131,8 @@ def start_command(
     """Start `world_size` copies of `argv` (from the repository root) as the ranks of one job,
     with torchrun's variables; the command brings its own rendezvous (`start_ranks` gives
     deltarec's jobs a file rendezvous; an example script takes `--init-method file://...`)."""
-    procs, logs = [], []
+    procs: list[subprocess.Popen | warm.WarmProcess] = []
+    logs = []
     tag = time.monotonic_ns()
     for rank in range(world_size):
         env = dict(os.environ)
@@ -144,7 +148,7 @@ def start_command(
         out = open(tmp_path / f"rank{rank}-{tag}.out", "w+")
         err = open(tmp_path / f"rank{rank}-{tag}.err", "w+")
         logs.append((out, err))
-        procs.append(subprocess.Popen(list(argv), cwd=REPO, env=env, stdout=out, stderr=err))
+        procs.append(warm.popen(argv, REPO, env, out, err))
     return RankGroup(procs, logs, timeout_s)
 
 

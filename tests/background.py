@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from launch import warm
 from launch.ranks import REPO
 from tests.conftest import LAUNCHER_VARS
 
@@ -24,10 +25,8 @@ class BackgroundProc:
         self.log = tmp_path / f"{name}.log"
         env = {k: v for k, v in os.environ.items() if k not in (*LAUNCHER_VARS, "DELTAREC_KILL_AT")}
         env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", module, *argv], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT
-            )
+        with open(self.log, "w") as out:  # started warm as the suite's ranks are (launch/warm.py)
+            self.proc = warm.popen([sys.executable, "-m", module, *argv], REPO, env, out, out)
 
     @property
     def pid(self) -> int:

@@ -16,6 +16,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import yaml
 
+from launch import warm
 from launch.ranks import REPO, read_jsonl
 
 if TYPE_CHECKING:
@@ -32,6 +34,10 @@ if TYPE_CHECKING:
     from trainer.config import JobConfig
 
 DEBUG_CONFIG = REPO / "configs" / "debug_cpu.yaml"
+
+# Ranks that launch/ranks.py starts are forked from a process that imported torch once (see
+# launch/warm.py) instead of paying seconds of imports each; DELTAREC_WARM_RANKS=0 starts them cold.
+os.environ.setdefault(warm.ENV_FLAG, "1")
 SEED_ENV = "DELTAREC_TEST_SEED"
 
 # A command run from a test is a user's command at a shell, never one rank of a job: a test run
@@ -86,14 +92,13 @@ class CliResult:
         return [line for line in text.splitlines() if line.startswith(prefix)]
 
 
-def _tail(text: str | bytes | None, n: int) -> str:
-    if isinstance(text, bytes):  # TimeoutExpired carries bytes even for a text-mode run
-        text = text.decode(errors="replace")
-    return (text or "")[-n:]
+def _tail(text: str, n: int) -> str:
+    return text[-n:]
 
 
 class CliRunner:
-    """Runs `python -m <module> args...` from the repo root, as a user would, within a timeout.
+    """Runs `python -m <module> args...` from the repo root, as a user would, within a timeout
+    (started warm, as the suite's ranks are: launch/warm.py).
 
     Generic over the module (trainer.main, launch.torchrun, launch.broker, the checkpoint CLI,
     bench.*), so an entry point moving between packages changes only the name a test passes.
@@ -119,19 +124,27 @@ class CliRunner:
         full_env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
         full_env["PYTHONUNBUFFERED"] = "1"
         full_env.update(env or {})
-        try:
-            p = subprocess.run(argv, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired as e:
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            proc = warm.popen(argv, REPO, full_env, out, err)
+            try:
+                rc: int | None = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                rc = None
+            out.seek(0)
+            err.seek(0)
+            result = CliResult(command, -1 if rc is None else rc, out.read(), err.read())
+        if rc is None:
             pytest.fail(
                 f"{command}\ndid not finish within {timeout_s:.0f}s (killed)\n"
-                f"--- stdout tail ---\n{_tail(e.stdout, 1500)}\n--- stderr tail ---\n{_tail(e.stderr, 3000)}",
+                f"--- stdout tail ---\n{_tail(result.stdout, 1500)}\n--- stderr tail ---\n{_tail(result.stderr, 3000)}",
                 pytrace=False,
             )
-        result = CliResult(command, p.returncode, p.stdout, p.stderr)
-        if expect_rc is not None and p.returncode != expect_rc:
+        if expect_rc is not None and result.rc != expect_rc:
             pytest.fail(
-                f"{command}\nexited {p.returncode}, expected {expect_rc}\n"
-                f"--- stdout tail ---\n{_tail(p.stdout, 1500)}\n--- stderr tail ---\n{_tail(p.stderr, 3000)}",
+                f"{command}\nexited {result.rc}, expected {expect_rc}\n"
+                f"--- stdout tail ---\n{_tail(result.stdout, 1500)}\n--- stderr tail ---\n{_tail(result.stderr, 3000)}",
                 pytrace=False,
             )
         return result
