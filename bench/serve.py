@@ -2,6 +2,7 @@
 
     python -m bench.run --suite serve [--steps 3000] [--interval-s 10] [--rate 20] [--big 512]
                                       [--big-rate 2] [--set key=value ...] [--out serve.json]
+                                      [--sweep | --sweep-only] [--sweep-sizes 1,64,512] [--sweep-point-s 5] ...
 
 The quickstart model trains on 2 gloo ranks with checkpoints every ``--interval-s`` seconds
 (incremental deltas at 4 bits by default: the setup the README recommends) to a fresh
@@ -26,6 +27,23 @@ Reported:
   the end, per row of the model's tables, against the stated 2 x 4 x dim bytes and against
   what the server reports holding (`deltarec_serve_model_bytes`: both copies and the decoded
   rows kept for the copy behind); the difference is `memory_other_bytes`.
+
+`--sweep` adds the load curve after that (`--sweep-only`: the load curve alone): the same job
+trains again (a fresh broker and server, checkpoints every ``--interval-s``; stopped once the
+curve is done) and, from a second process, an open-loop load (bench/serve_load.py `--sweep`)
+offers each request size of ``--sweep-sizes`` in turn at rates doubling from
+``--sweep-start-rps`` until the server is overloaded, then refines toward each goal. Reported
+(`sweep` in the document, records `load_*`):
+
+* per point (size x offered rate): p50/p99 from each request's scheduled send time (queueing is
+  never hidden by a client waiting for answers), errors by kind, the rate answered, and how
+  late the client itself sent (its share of the latency);
+* per goal (1 sample: p99 <= 20 ms, 512 samples: p99 <= 50 ms, no error), the highest offered
+  rate meeting it and the next rate swept (which did not): the capacity lies between;
+* per size, where the time goes at the highest rate offered (saturation): the server's mean
+  per stage of a request (read, queue, parse, lock, lookup, forward, resume, respond;
+  `deltarec_serve_request_stage_seconds`) and the rest of the client's mean latency (HTTP
+  framing, the event loop before the handler, loopback, the client).
 """
 
 from __future__ import annotations
@@ -42,13 +60,16 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.common import Measurement, config_path, document_head, loadavg, log, machine_info, scalars
+from bench.common import Measurement, config_path, document_head, loadavg, log, machine_info, rounded, scalars
 from bench.memory import proc_status
+from bench.serve_load import LoadPoint, ServerTime, SweepResult, SweepSettings, add_sweep_options, highest_meeting, sweep_argv
+from bench.serve_load import sweep_settings as sweep_settings_of
 from ckpt.log.backend import open_backend
 from ckpt.log.catalog import read_catalog
 from common.process import run_main
@@ -60,6 +81,7 @@ from trainer.serve.requests import FeatureLayout
 
 DEFAULT_CONFIG = REPO / "configs" / "quickstart.yaml"
 DEFAULT_SET = ["ckpt.policy=incremental", "ckpt.encoding=adaptive4"]
+SWEEP_TRAIN_STEPS = 10**7  # the load curve's job trains until the curve is done, then is stopped
 
 
 def parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -78,6 +100,9 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=1200)
     p.add_argument("--out", default="serve.json")
     p.add_argument("--work-dir", type=Path, help="keep the run here (default: a temporary directory, removed)")
+    p.add_argument("--sweep", action="store_true", help="then the load curve, while the job trains again (see above)")
+    p.add_argument("--sweep-only", action="store_true", help="the load curve alone")
+    add_sweep_options(p, "sweep-")
     return p
 
 
@@ -112,34 +137,60 @@ def _pct(xs: list[float], q: float) -> float | None:
     return float(np.percentile(xs, q)) if xs else None
 
 
-def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    return env
+
+
+def _job(args: argparse.Namespace, work: Path, broker: EmbeddedBroker, steps: int) -> list[str]:
+    """The overrides of the job trained (and served) under `work`."""
+    return [
+        f"run.dir={work / 'run'}",
+        "ckpt.enabled=true",
+        "ckpt.sink=kafka",
+        f"ckpt.bootstrap_servers={broker.bootstrap}",
+        f"ckpt.run_id=serve-bench-{os.getpid()}",
+        "ckpt.interval_steps=0",
+        f"ckpt.interval_s={args.interval_s}",
+        f"train.steps={steps}",
+        "train.eval_every=0",
+        "serve.port=0",
+        "serve.poll_s=0.2",
+        *args.overrides,
+    ]
+
+
+def _start_server(args: argparse.Namespace, work: Path, job: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, Any]:
+    """`deltarec-serve` of the job, its output in `work`/server.log (the log file, to close)."""
+    address = work / "server.json"
+    address.unlink(missing_ok=True)  # a kept --work-dir's: the server writes its own once it listens
+    server_log = open(work / "server.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "trainer.serve_cli", "--config", str(args.config), *job, "--address-file", str(address)],
+        cwd=REPO, env=env, stdout=server_log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    return server, server_log
+
+
+def _stop_server(server: subprocess.Popen, server_log: Any) -> None:
+    server.send_signal(signal.SIGTERM)
+    try:
+        server.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        server.kill()
+    server_log.close()
+
+
+def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    env = _env()
     with EmbeddedBroker() as broker:
-        job = [
-            f"run.dir={work / 'run'}",
-            "ckpt.enabled=true",
-            "ckpt.sink=kafka",
-            f"ckpt.bootstrap_servers={broker.bootstrap}",
-            f"ckpt.run_id=serve-bench-{os.getpid()}",
-            "ckpt.interval_steps=0",
-            f"ckpt.interval_s={args.interval_s}",
-            f"train.steps={args.steps}",
-            "train.eval_every=0",
-            "serve.port=0",
-            "serve.poll_s=0.2",
-            *args.overrides,
-        ]
+        job = _job(args, work, broker, args.steps)
         cfg = load_config(args.config, job, check_data=False)
         samples = work / "samples.json"
         samples.write_text(json.dumps(_samples(cfg, max(args.big, 1), args.seed)))
         address = work / "server.json"
-        address.unlink(missing_ok=True)  # a kept --work-dir's: the server writes its own once it listens
-        server_log = open(work / "server.log", "w")
-        server = subprocess.Popen(
-            [sys.executable, "-m", "trainer.serve_cli", "--config", str(args.config), *job, "--address-file", str(address)],
-            cwd=REPO, env=env, stdout=server_log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        server, server_log = _start_server(args, work, job, env)
         load: subprocess.Popen | None = None
         try:
             _wait(address.exists, 120, "the server to listen", server)
@@ -174,12 +225,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             if load is not None:
                 load.send_signal(signal.SIGTERM)
                 load.wait(timeout=120)
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                server.kill()
-            server_log.close()
+            _stop_server(server, server_log)
     answers = json.loads((work / "answers.json").read_text())
     return {
         "cfg": cfg,
@@ -193,6 +239,136 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "applied": read_jsonl(work / "run" / "serve.jsonl"),
         "stall": stall,
     }
+
+
+@dataclass(frozen=True)
+class SweepRun:
+    """The load curve's measurement: the load's points, and whether the job trained throughout."""
+
+    result: SweepResult
+    trained_throughout: bool
+    seconds: float
+
+
+def measure_sweep(args: argparse.Namespace, work: Path) -> SweepRun:
+    """The load curve: the job trains (until the curve is done) with the server beside it, and
+    bench/serve_load.py's open-loop sweep runs against it from its own process."""
+    work.mkdir(parents=True, exist_ok=True)
+    env = _env()
+    settings = sweep_settings_of(args, "sweep-")
+    with EmbeddedBroker() as broker:
+        job = _job(args, work, broker, SWEEP_TRAIN_STEPS)
+        cfg = load_config(args.config, job, check_data=False)
+        samples = work / "samples.json"
+        samples.write_text(json.dumps(_samples(cfg, max(settings.sizes), args.seed)))
+        address, out = work / "server.json", work / "sweep.json"
+        server, server_log = _start_server(args, work, job, env)
+        ranks = None
+        try:
+            _wait(address.exists, 120, "the server to listen", server)
+            url = json.loads(address.read_text())["url"]
+            log(f"load curve: server on {url}; training with a checkpoint every {args.interval_s:g} s until it is done")
+            t0 = time.perf_counter()
+            ranks = start_ranks(args.config, job, work, timeout_s=args.timeout_s)
+            load = subprocess.run(
+                [sys.executable, "-m", "bench.serve_load", "--url", url, "--samples-file", str(samples), "--out", str(out),
+                 "--sweep", *sweep_argv(settings)],
+                cwd=REPO, env=env, timeout=args.timeout_s,
+            )  # fmt: skip
+            if load.returncode != 0:
+                raise SystemExit(f"bench serve: the load curve's client failed ({load.returncode})")
+            trained = all(p.poll() is None for p in ranks.procs)
+            seconds = time.perf_counter() - t0
+        finally:
+            if ranks is not None:
+                for proc in ranks.procs:
+                    if proc.poll() is None:
+                        proc.send_signal(signal.SIGTERM)
+                ranks.wait(expect_ok=False)
+            _stop_server(server, server_log)
+    return SweepRun(SweepResult.from_json(json.loads(out.read_text())), trained, seconds)
+
+
+@dataclass(frozen=True)
+class GoalRate:
+    """A latency goal and the highest offered rate meeting it (None: none swept did); the next
+    rate swept above it did not, so the capacity for the goal lies between (None: none above)."""
+
+    samples: int
+    p99_ms: float
+    highest_rps: float | None
+    next_rps: float | None
+
+
+@dataclass(frozen=True)
+class Saturation:
+    """Where the time goes at a size's highest offered rate: the client's view, the server's
+    mean per stage, and the rest of the client's mean (`outside_ms`: HTTP framing, the event
+    loop before the handler, loopback, the client; None without both means)."""
+
+    samples: int
+    offered_rps: float
+    achieved_rps: float
+    overload: str  # why the sweep stopped there ("": the highest rate allowed, not overloaded)
+    p99_ms: float | None
+    client_mean_ms: float | None
+    server: ServerTime | None
+    outside_ms: float | None
+
+
+@dataclass
+class SweepReport:
+    """The load curve: every point, the highest rate meeting each goal, the saturation breakdowns."""
+
+    settings: SweepSettings
+    points: list[LoadPoint]
+    goals: list[GoalRate] = field(default_factory=list)
+    saturation: list[Saturation] = field(default_factory=list)
+    trained_throughout: bool = True
+    seconds: float = 0.0
+
+
+def summarize_sweep(run: SweepRun) -> SweepReport:
+    points, settings = run.result.points, run.result.settings
+    goals = []
+    for samples, p99_ms in settings.goals_ms:
+        best = highest_meeting(points, samples, p99_ms)
+        above = [p.offered_rps for p in points if p.samples == samples and (best is None or p.offered_rps > best)]
+        goals.append(GoalRate(samples, p99_ms, best, min(above) if above else None))
+    saturation = []
+    for samples in settings.sizes:
+        mine = [p for p in points if p.samples == samples]
+        if not mine:
+            continue
+        top = max(mine, key=lambda p: p.offered_rps)
+        outside = top.mean_ms - top.server.request_ms if top.mean_ms is not None and top.server is not None else None
+        saturation.append(
+            Saturation(samples, top.offered_rps, top.achieved_rps, top.overload, top.p99_ms, top.mean_ms, top.server, outside)
+        )
+    return SweepReport(settings, points, goals, saturation, run.trained_throughout, round(run.seconds, 1))
+
+
+def log_sweep(report: SweepReport) -> None:
+    """The load curve on stderr: a line per point, goal and saturation."""
+    for p in report.points:
+        log(
+            f"load {p.samples:>4} x {p.offered_rps:>6g}/s: p50 {_fmt(p.p50_ms)} p99 {_fmt(p.p99_ms)} ms, "
+            f"errors {p.errors}/{p.sent} {p.error_kinds or ''}, answered {p.achieved_rps:.1f}/s"
+            + (f", overloaded ({p.overload})" if p.overload else "")
+            + (f" (measured again after a p99 of {p.remeasured_p99_ms:.1f} ms)" if p.remeasured_p99_ms is not None else "")
+        )
+    for g in report.goals:
+        log(f"highest rate with {g.samples}-sample p99 <= {g.p99_ms:g} ms: {g.highest_rps} /s (next swept: {g.next_rps})")
+    for sat in report.saturation:
+        stages = ", ".join(f"{k} {v:.2f}" for k, v in sat.server.stages_ms.items()) if sat.server else "-"
+        log(
+            f"at {sat.offered_rps:g}/s of {sat.samples} sample(s) ({sat.overload or 'not overloaded'}): client mean "
+            f"{_fmt(sat.client_mean_ms)} ms = outside the handler {_fmt(sat.outside_ms)} + server ms: {stages}"
+        )
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
 
 
 class StalledUploads:
@@ -358,8 +534,13 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite serve") -> dic
     work.mkdir(parents=True, exist_ok=True)
     machine = machine_info()
     t0 = time.perf_counter()
+    summary: dict[str, Any] = {}
+    sweep: SweepReport | None = None
     try:
-        summary = summarize(measure(args, work), args)
+        if not args.sweep_only:
+            summary = summarize(measure(args, work), args)
+        if args.sweep or args.sweep_only:
+            sweep = summarize_sweep(measure_sweep(args, work / "sweep"))
     finally:
         if args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -378,18 +559,49 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite serve") -> dic
             "stall_after_s": args.stall_after_s,
             "stall_s": args.stall_s,
             "overrides": args.overrides,
+            "sweep": args.sweep or args.sweep_only,
+            "sweep_only": args.sweep_only,
         },
         "summary": summary,
     }
+    if sweep is not None:
+        res["sweep"] = rounded(asdict(sweep))
     for key, value in summary.items():
         log(f"{key}: {value}")
+    if sweep is not None:
+        log_sweep(sweep)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     return res
 
 
 def measurements(result: dict[str, Any]) -> list[Measurement]:
-    return scalars(result["summary"], {"interval_s": result["settings"]["interval_s"]})
+    interval = {"interval_s": result["settings"]["interval_s"]}
+    out = scalars(result["summary"], interval)
+    sweep = result.get("sweep")
+    if sweep is None:
+        return out
+    for p in sweep["points"]:
+        labels = {**interval, "samples": p["samples"], "offered_rps": p["offered_rps"]}
+        for name in ("p50_ms", "p99_ms", "errors", "achieved_rps"):
+            if p[name] is not None:
+                out.append(Measurement(f"load_{name}", p[name], _LOAD_UNITS[name], labels))
+    for g in sweep["goals"]:
+        if g["highest_rps"] is not None:
+            labels = {**interval, "samples": g["samples"], "p99_ms": g["p99_ms"]}
+            out.append(Measurement("load_highest_rps_meeting_p99", g["highest_rps"], "requests/s", labels))
+    for sat in sweep["saturation"]:
+        if sat["server"] is None:
+            continue
+        labels = {**interval, "samples": sat["samples"], "offered_rps": sat["offered_rps"]}
+        for stage, ms in sat["server"]["stages_ms"].items():
+            out.append(Measurement("load_saturation_stage_ms", ms, "ms", {**labels, "stage": stage}))
+        if sat["outside_ms"] is not None:
+            out.append(Measurement("load_saturation_stage_ms", sat["outside_ms"], "ms", {**labels, "stage": "outside"}))
+    return out
+
+
+_LOAD_UNITS = {"p50_ms": "ms", "p99_ms": "ms", "errors": "", "achieved_rps": "requests/s"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,16 +14,22 @@ A request's body must arrive whole within `serve.body_timeout_s` (else 408 and t
 closes), before the request counts against the limits: at most `serve.max_concurrency`
 requests compute at once, on a thread pool; up to `serve.max_queue` more wait; past that a
 request gets 503 at once. So clients that stall mid-upload hold only their own connections.
+
+Each answered prediction's time is split into its stages (trainer/serve/freshness.py
+`RequestStages`): stamps on the event loop and on its thread, and the embedding collections'
+forwards timed by hooks on both copies of the model (`LookupClock`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -31,13 +37,27 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from torch import nn
 
 from trainer.config import ServeConfig
-from trainer.serve.freshness import ServeMetrics, size_class
-from trainer.serve.requests import FeatureLayout, RequestError, parse_request
+from trainer.serve.freshness import RequestStages, ServeMetrics
+from trainer.serve.requests import Batch, FeatureLayout, RequestError, parse_request
+from trainer.serve.servable import EMBEDDING_MODULES
 from trainer.serve.versions import NotReady, ServedModel, Version
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Computed:
+    """Where a prediction's time went on its thread: `time.perf_counter()` when the thread took
+    it, had parsed it, had the live copy and was done; the embedding lookups' seconds between."""
+
+    start: float
+    parsed: float
+    locked: float
+    lookup_s: float
+    done: float
 
 
 @dataclass(frozen=True)
@@ -48,6 +68,48 @@ class Answer:
     checkpoint_id: int
     step: int
     samples: int
+    computed: Computed | None = None  # None: a predictor that does not say
+
+
+class LookupClock:
+    """Seconds the embedding collections' forwards take on the calling thread: hooks on each
+    module `watch` is given (once per module; nested collections count once)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._watched: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    def watch(self, module: nn.Module) -> None:
+        if module in self._watched:
+            return
+        with self._lock:
+            if module in self._watched:
+                return
+            for sub in module.modules():
+                if isinstance(sub, EMBEDDING_MODULES):
+                    sub.register_forward_pre_hook(self._enter)
+                    sub.register_forward_hook(self._leave)
+            self._watched.add(module)
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        local = self._local
+        depth = getattr(local, "depth", 0)
+        if not depth:
+            local.since = time.perf_counter()
+        local.depth = depth + 1
+
+    def _leave(self, module: nn.Module, args: Any, out: Any) -> None:
+        local = self._local
+        local.depth -= 1
+        if not local.depth:
+            local.total = getattr(local, "total", 0.0) + time.perf_counter() - local.since
+
+    def take(self) -> float:
+        """The seconds counted on this thread since the last `take`."""
+        local = self._local
+        total, local.total, local.depth = getattr(local, "total", 0.0), 0.0, 0
+        return total
 
 
 class Predictor:
@@ -55,45 +117,57 @@ class Predictor:
 
     def __init__(self, model: ServedModel, layout: FeatureLayout, cfg: ServeConfig, metrics: ServeMetrics) -> None:
         self.model, self.layout, self.cfg, self.metrics = model, layout, cfg, metrics
+        self.lookups = LookupClock()
 
     def __call__(self, body: bytes) -> Answer:
+        start = time.perf_counter()
         batch = parse_request(body, self.layout, self.cfg.max_samples)
+        parsed = time.perf_counter()
         with self.model.acquire() as version:
-            out = self.model.servable.predict(version.module, batch)
-            bad = (~torch.isfinite(out)).nonzero().flatten().tolist()
-            if bad:  # JSON has no NaN: the inputs drove this checkpoint's forward out of float32's range
-                raise RequestError(
-                    f"samples{bad[:5]}: checkpoint {version.checkpoint_id} scores them as NaN (dense values too large?)"
+            locked = time.perf_counter()
+            self.lookups.watch(version.module)
+            self.lookups.take()  # a forward that raised leaves nothing behind
+            answer = self._score(version, batch)
+        lookup_s = self.lookups.take()
+        return replace(answer, computed=Computed(start, parsed, locked, lookup_s, time.perf_counter()))
+
+    def _score(self, version: Version, batch: Batch) -> Answer:
+        """The scores of `batch` on `version` (held), and its first response recorded."""
+        out = self.model.servable.predict(version.module, batch)
+        bad = (~torch.isfinite(out)).nonzero().flatten().tolist()
+        if bad:  # JSON has no NaN: the inputs drove this checkpoint's forward out of float32's range
+            raise RequestError(
+                f"samples{bad[:5]}: checkpoint {version.checkpoint_id} scores them as NaN (dense values too large?)"
+            )
+        if not version.first_served_unix:  # racing requests may both see 0: the first to set it wins
+            with self.model.first_lock:
+                first = not version.first_served_unix
+                if first:
+                    version.first_served_unix = time.time()
+            if first and version.at_start:
+                logger.info(
+                    "first response from checkpoint %d (step %d), the one this server started from "
+                    "(%.1f s old; not counted as freshness)",
+                    version.checkpoint_id,
+                    version.step,
+                    version.first_served_unix - version.step_unix,
                 )
-            if not version.first_served_unix:  # racing requests may both see 0: the first to set it wins
-                with self.model.first_lock:
-                    first = not version.first_served_unix
-                    if first:
-                        version.first_served_unix = time.time()
-                if first and version.at_start:
-                    logger.info(
-                        "first response from checkpoint %d (step %d), the one this server started from "
-                        "(%.1f s old; not counted as freshness)",
-                        version.checkpoint_id,
-                        version.step,
-                        version.first_served_unix - version.step_unix,
-                    )
-                elif first and version.rewind is not None and version.rewind.resumed(version.checkpoint_id):
+            elif first and version.rewind is not None and version.rewind.resumed(version.checkpoint_id):
+                self._after_rewind(version)
+            elif first:
+                fresh = self.metrics.served_first(version.step_unix, version.first_served_unix)
+                logger.info(
+                    "checkpoint %d (step %d) first served %.2f s after its step (freshness p50 %.2f s, p99 %.2f s of %d)",
+                    version.checkpoint_id,
+                    version.step,
+                    fresh,
+                    self.metrics.freshness_quantile(50),
+                    self.metrics.freshness_quantile(99),
+                    self.metrics.freshness_count,
+                )
+                if version.rewind is not None:
                     self._after_rewind(version)
-                elif first:
-                    fresh = self.metrics.served_first(version.step_unix, version.first_served_unix)
-                    logger.info(
-                        "checkpoint %d (step %d) first served %.2f s after its step (freshness p50 %.2f s, p99 %.2f s of %d)",
-                        version.checkpoint_id,
-                        version.step,
-                        fresh,
-                        self.metrics.freshness_quantile(50),
-                        self.metrics.freshness_quantile(99),
-                        self.metrics.freshness_count,
-                    )
-                    if version.rewind is not None:
-                        self._after_rewind(version)
-            return Answer(out.tolist(), version.checkpoint_id, version.step, batch.size)
+        return Answer(out.tolist(), version.checkpoint_id, version.step, batch.size)
 
     @staticmethod
     def _after_rewind(version: Version) -> None:
@@ -191,6 +265,7 @@ class PredictionApp:
             return response
         if self.waiting >= self.cfg.max_concurrency + self.cfg.max_queue:
             return _error(503, f"busy: {self.waiting} requests in progress (serve.max_concurrency + serve.max_queue)")
+        read = time.perf_counter()
         self.waiting += 1
         self.metrics.in_progress.set(self.waiting)
         try:
@@ -202,8 +277,26 @@ class PredictionApp:
         finally:
             self.waiting -= 1
             self.metrics.in_progress.set(self.waiting)
-        self.metrics.latency.labels(size_class(answer.samples)).observe(time.perf_counter() - t0)
-        return web.json_response({"scores": answer.scores, "checkpoint_id": answer.checkpoint_id, "step": answer.step})
+        resumed = time.perf_counter()
+        response = web.json_response({"scores": answer.scores, "checkpoint_id": answer.checkpoint_id, "step": answer.step})
+        end = time.perf_counter()
+        c = answer.computed
+        stages = (
+            RequestStages(
+                read=read - t0,
+                queue=c.start - read,
+                parse=c.parsed - c.start,
+                lock=c.locked - c.parsed,
+                lookup=c.lookup_s,
+                forward=c.done - c.locked - c.lookup_s,
+                resume=resumed - c.done,
+                respond=end - resumed,
+            )
+            if c is not None
+            else None
+        )
+        self.metrics.answered(answer.samples, end - t0, stages)
+        return response
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"alive": True, **self.status()})

@@ -5,6 +5,11 @@ to the first response computed with it. Staleness: how old the served checkpoint
 now; it grows while the broker is away, and readiness fails past `serve.max_staleness_s`.
 Prometheus histograms give buckets, so the p50/p99 of the newest checkpoints' freshness are
 gauges too, computed at scrape time.
+
+Where a prediction's time goes: `deltarec_serve_request_stage_seconds{stage, samples}`, one
+observation per stage of every answered request (`STAGES`, in order; they add up to its
+`deltarec_serve_request_seconds`). A stage's `_sum` over its `_count` is its mean; the
+benchmark's load curve reads them around each load point (bench/serve.py).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import astuple, dataclass, fields
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -22,6 +28,39 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 SIZE_CLASSES = ((1, "1"), (64, "2-64"), (512, "65-512"))
 _LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 _FRESHNESS_BUCKETS = (0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+
+
+@dataclass(frozen=True)
+class RequestStages:
+    """Seconds of one answered prediction request in each stage, in order (they add up to the
+    request's time, from its handler's start to its response's body encoded):
+
+    - `read`: its body arriving (and the admission check);
+    - `queue`: waiting for one of the `serve.max_concurrency` threads;
+    - `parse`: the JSON parsed and checked into the model's input batch;
+    - `lock`: taking the live copy of the model (waiting while a swap holds it);
+    - `lookup`: the embedding collections' forwards (the rows gathered and pooled);
+    - `forward`: the rest of the scoring (dense layers, interaction, the scores' check);
+    - `resume`: the event loop taking the answer back from the thread;
+    - `respond`: the answer encoded as JSON.
+    """
+
+    read: float
+    queue: float
+    parse: float
+    lock: float
+    lookup: float
+    forward: float
+    resume: float
+    respond: float
+
+    @property
+    def total(self) -> float:
+        return sum(astuple(self))
+
+
+#: The stages of `RequestStages`, in order: the `stage` label of `deltarec_serve_request_stage_seconds`.
+STAGES = tuple(f.name for f in fields(RequestStages))
 
 
 def size_class(samples: int) -> str:
@@ -43,6 +82,14 @@ class ServeMetrics:
             "deltarec_serve_request_seconds",
             "Time from a prediction request's arrival to its response, by samples per request",
             ["samples"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.stages = Histogram(
+            "deltarec_serve_request_stage_seconds",
+            "Time of an answered prediction request in each stage (read, queue, parse, lock, lookup, forward, "
+            "resume, respond), by samples per request",
+            ["stage", "samples"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -75,6 +122,14 @@ class ServeMetrics:
             ).set_function(functools.partial(self.freshness_quantile, q))
         self.checkpoint.set(-1)
         self.step.set(-1)
+
+    def answered(self, samples: int, seconds: float, stages: RequestStages | None = None) -> None:
+        """One prediction answered: its time and, when known, each stage's."""
+        label = size_class(samples)
+        self.latency.labels(label).observe(seconds)
+        if stages is not None:
+            for stage, value in zip(STAGES, astuple(stages)):
+                self.stages.labels(stage, label).observe(value)
 
     def served_first(self, step_unix: float, now: float | None = None) -> float:
         """A checkpoint's first response: record and return its freshness."""

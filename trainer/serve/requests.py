@@ -8,6 +8,12 @@ to lists of ids in ``0..num_embeddings - 1`` of the feature's table. A feature l
 an empty bag (its pooled embedding is zero), as in training data with a missing value.
 Anything else is refused with one line naming the sample, the field and what is wrong. Only
 JSON is read: nothing a client sends is ever unpickled.
+
+A well-formed request is checked a column at a time (`_fast_batch`: the types of all its values
+at once, then their range on arrays) rather than value by value, which dominated a large
+request's time on the server (docs/serving.md). Anything that column check does not accept
+(including values near float32's limit) goes through the value-by-value path, which accepts or
+refuses it, naming the first thing wrong: both paths accept the same requests, with the same batch.
 """
 
 from __future__ import annotations
@@ -15,8 +21,11 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from itertools import chain
+from operator import methodcaller
 from typing import Any
 
+import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -25,6 +34,12 @@ from trainer.config import ModelConfig
 from trainer.model import feature_cardinalities, feature_names
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+#: Dense values the column check accepts are below this in magnitude; the others (float32's
+#: limit, where a double's rounding could decide) are left to the value-by-value check.
+_FAST_DENSE_LIMIT = 1e38
+_FIELDS = frozenset(("dense", "sparse"))
+_NO_IDS: list[int] = []  # a feature left out (never written)
+_NO_FEATURES: dict[str, Any] = {}  # a sample without "sparse" (never written)
 
 
 class RequestError(DeltarecError):
@@ -77,6 +92,52 @@ def parse_request(body: bytes, layout: FeatureLayout, max_samples: int) -> Batch
         raise RequestError('"samples" must be a non-empty list')
     if len(samples) > max_samples:
         raise RequestError(f"{len(samples)} samples, more than serve.max_samples = {max_samples}", status=413)
+    fast = _fast_batch(samples, layout)
+    return fast if fast is not None else _checked_batch(samples, layout)
+
+
+def _fast_batch(samples: list[Any], layout: FeatureLayout) -> Batch | None:
+    """The batch of well-formed `samples`, checked a column at a time (the loops in C: `map`,
+    `set`, numpy); None when anything is off (or merely unusual), for `_checked_batch` to accept
+    or refuse value by value."""
+    if set(map(type, samples)) != {dict} or not all(map(_FIELDS.issuperset, samples)):
+        return None
+    n = layout.dense_in_features
+    dense = list(map(methodcaller("get", "dense", [] if n == 0 else None), samples))
+    if set(map(type, dense)) != {list} or set(map(len, dense)) != {n}:
+        return None
+    if not set(map(type, chain.from_iterable(dense))) <= {float, int}:  # bool is neither, as in `_dense`
+        return None
+    try:
+        wide = np.array(dense, dtype=np.float64)
+    except OverflowError:  # an integer past a double's range
+        return None
+    if wide.size and not float(np.abs(wide).max()) < _FAST_DENSE_LIMIT:  # NaN and infinities too
+        return None
+    sparse = list(map(methodcaller("get", "sparse", _NO_FEATURES), samples))
+    if set(map(type, sparse)) != {dict} or not all(map(frozenset(layout.features).issuperset, sparse)):
+        return None
+    ids: list[int] = []
+    lengths: list[int] = []
+    for name, rows in zip(layout.features, layout.cardinalities):
+        column = list(map(methodcaller("get", name, _NO_IDS), sparse))
+        if set(map(type, column)) != {list}:
+            return None
+        flat = list(chain.from_iterable(column))
+        if flat and (not set(map(type, flat)) <= {int} or min(flat) < 0 or max(flat) >= rows):  # bool is no int here
+            return None
+        ids += flat
+        lengths += map(len, column)
+    kjt = KeyedJaggedTensor(
+        keys=list(layout.features),
+        values=torch.from_numpy(np.array(ids, dtype=np.int64)),  # numpy reads a list of ints faster than torch
+        lengths=torch.from_numpy(np.array(lengths, dtype=np.int32)),
+    )
+    return Batch(torch.from_numpy(wide.astype(np.float32)), kjt)
+
+
+def _checked_batch(samples: list[Any], layout: FeatureLayout) -> Batch:
+    """The batch of `samples`, checked value by value; `RequestError` naming the first thing wrong."""
     dense = [_dense(i, s, layout) for i, s in enumerate(samples)]
     ids: list[list[int]] = [[] for _ in layout.features]
     lengths: list[list[int]] = [[] for _ in layout.features]
