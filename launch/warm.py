@@ -2,14 +2,15 @@
 
 A cold `python -m trainer.main` spends seconds importing torch and torchrec before it does
 anything, and the test suite starts hundreds of ranks. With warm starts, the first start in a
-process launches a server (`python -m launch.warm <fd>`) that imports `PRELOAD` once; each
-later start asks it over a Unix socket to fork, and the child becomes the requested program:
+process launches a server (`python -m launch.warm <fd>`) that imports `PRELOAD` once; every
+start asks it over a Unix socket to fork, and the child becomes the requested program:
 its argv, environment, working directory and stdout/stderr files (passed as descriptors), stdin
 from /dev/null, then `runpy` runs the module or script as `__main__` and the interpreter exits
 as a cold one would (atexit, exit status, an uncaught exception's traceback and status 1).
 
 What differs from a cold start, and why it is acceptable where it is used (the tests): the
-child's parent is the server (its exit status is read through it), modules imported by the
+child's parent is the server (its exit status is read through it), its /proc cmdline and
+environ are the server's (os.environ is the requested one), modules imported by the
 server are shared rather than imported again (their import-time warnings are not repeated),
 and every child shares the server's string-hash seed. torchrun, the README's commands and the
 benchmarks' timings start ranks cold.
