@@ -10,8 +10,14 @@ the logged windows after the first), the stall per checkpoint, the time from a c
 step to its durable COMMIT (p50 / p99, and the p99 of each half of the run: it must not grow),
 checkpoints committed and coalesced (`ckpt.max_pending_checkpoints`), bytes per step, and the
 exit's wait after the last step (the writers' drain and the final checkpoint). With
-`--follower`, the first pair's checkpointed job runs beside `deltarec-follow`: its lag behind
-the newest COMMIT at the end and its compactions. With `--kill-at N`, one more job SIGKILLs
+`--follower`, the first pair's checkpointed job runs beside `deltarec-follow`: the checkpoints it
+applied (and in how many passes), its lag behind the newest COMMIT in seconds and in checkpoints
+(at the end; median and worst of its passes: the COMMITs in the log newer than the one a pass
+applied when it ended, and as the follower counted them), its compactions (and per minute of
+the job's checkpoints), and the chain a restore reads: the cheapest chain of the newest COMMIT
+right after each COMMIT, folding the markers log as a restore would then (median, worst, at the
+end). With
+`--kill-at N`, one more job SIGKILLs
 rank 1 after step N (the fault hook) under `deltarec-launch --max-restarts 1`: the steps lost
 are N minus the step it resumed from.
 """
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import signal
@@ -33,7 +40,10 @@ from statistics import median, quantiles
 from typing import Any
 
 from bench.common import Measurement, config_path, document_head, harmonic_of, log, machine_info, scalars
+from ckpt.log.backend import open_backend
+from ckpt.log.catalog import Catalog
 from launch.broker import EmbeddedBroker
+from trainer.ckpt_cli import load_job_ckpt_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,6 +60,10 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path)
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every job")
     return p
+
+
+def _f(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def _p(xs: list[float], q: int) -> float:
@@ -79,8 +93,10 @@ def _job(args: argparse.Namespace, config: str, run_dir: Path, ckpt: list[str], 
     return end - last if last is not None else float("nan")
 
 
-def _records(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+def _records(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines metrics file (a run directory: its `metrics.jsonl`)."""
+    path = path / "metrics.jsonl" if path.is_dir() else path
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _rate(records: list[dict[str, Any]]) -> float:
@@ -119,19 +135,88 @@ def _every_step(bootstrap: str) -> list[str]:
 
 def _follower(config: str, run_dir: Path, ckpt: list[str]) -> subprocess.Popen[bytes]:
     argv = [sys.executable, "-m", "trainer.follow_cli", "--config", config, f"run.dir={run_dir}", *ckpt]
-    return subprocess.Popen(argv, cwd=REPO, stdout=open(run_dir.parent / "follower.log", "w"), stderr=subprocess.STDOUT)
+    with open(run_dir.parent / "follower.log", "wb") as out:  # the child holds its own descriptor
+        return subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
 
 
-def _follower_figures(log_path: Path) -> dict[str, Any]:
+def _follower_figures(log_path: Path, metrics_path: Path) -> dict[str, Any]:
+    """What the follower's log and its metrics (`follower.jsonl`) say: checkpoints applied (one
+    record per pass: a rebuild, or the deltas it found waiting, applied at once), its lag at each
+    pass, its compactions."""
     text = log_path.read_text()
-    behind = [int(m) for m in re.findall(r"; (\d+) behind the newest COMMIT", text)]
-    lag = [float(m) for m in re.findall(r", ([\d.]+) s after its COMMIT", text)]
-    stopped = re.search(r"stopped: (\d+) checkpoints applied .*?, (\d+) compacted", text)
+    stopped = re.search(r"stopped: (\d+) checkpoints applied in (\d+) passes .*?, (\d+) compacted", text)
+    records = _records(metrics_path) if metrics_path.is_file() else []
+    passes = [r for r in records if "follow_ckpt" in r]
+    lag_c = [r["follow_lag_ckpts"] for r in passes]
+    lag_s = [r["follow_lag_s"] for r in passes]
     return {
-        "follower_applied": int(stopped.group(1)) if stopped else len(behind),
-        "follower_compacted": int(stopped.group(2)) if stopped else 0,
-        "follower_behind_at_end": behind[-1] if behind else None,
-        "follower_lag_s_at_end": lag[-1] if lag else None,
+        "follower_applied": int(stopped.group(1)) if stopped else None,
+        "follower_passes": len(passes),
+        "follower_compacted": sum(1 for r in records if "compacted_ckpt" in r),
+        "follower_behind_at_end": lag_c[-1] if lag_c else None,
+        "follower_lag_s_at_end": lag_s[-1] if lag_s else None,
+        "follower_lag_ckpts_p50": median(lag_c) if lag_c else None,
+        "follower_lag_ckpts_max": max(lag_c, default=None),
+        "follower_lag_s_p50": median(lag_s) if lag_s else None,
+        "follower_lag_s_max": max(lag_s, default=None),
+        "follower_compact_s_p50": median([r["compact_s"] for r in records if "compact_s" in r] or [math.nan]),
+    }
+
+
+def _log_figures(config: str, run_dir: Path, ckpt: list[str]) -> dict[str, Any]:
+    """`restore_chains` and `behind_at_passes` of the run's markers log."""
+    cfg = load_job_ckpt_config(config, [f"run.dir={run_dir}", *ckpt])
+    backend = open_backend(cfg, world_size=1)
+    try:
+        records = backend.markers.read_markers()
+    finally:
+        backend.close()
+    metrics = run_dir / "follower.jsonl"
+    passes = [r for r in _records(metrics) if "follow_ckpt" in r] if metrics.is_file() else []
+    return {**restore_chains(records, cfg.run_id), **behind_at_passes(records, cfg.run_id, passes)}
+
+
+def restore_chains(records: list[tuple[int, bytes]], run_id: str) -> dict[str, Any]:
+    """A markers log folded one record at a time, as a restore right after each COMMIT would
+    fold it: the links of that COMMIT's cheapest chain then (a compacted baseline and the deltas
+    after it, or the trainer's own chain: what a restore reads), and the accepted compactions
+    per minute of the span the COMMITs cover."""
+    catalog = Catalog(run_id)
+    chains: list[int] = []
+    times: list[float] = []
+    for pos, data in records:
+        catalog.last_marker = None
+        catalog.feed([(pos, data)])
+        if catalog.last_marker is not None and catalog.last_marker[1].kind == "commit":
+            commit = catalog.last_marker[1]
+            times.append(commit.created_unix)
+            best = catalog.cheapest(commit)
+            chains.append(len(best.chain) if best is not None else 0)
+    minutes = (times[-1] - times[0]) / 60 if len(times) > 1 else math.nan
+    return {
+        "restore_chain_links_p50": median(chains) if chains else None,
+        "restore_chain_links_p99": _p([float(c) for c in chains], 99) if chains else None,
+        "restore_chain_links_max": max(chains, default=None),
+        "restore_chain_links_at_end": chains[-1] if chains else None,
+        "compactions_accepted": len(catalog.compactions),
+        "compactions_per_min": len(catalog.compactions) / minutes if minutes > 0 else None,
+    }
+
+
+def behind_at_passes(records: list[tuple[int, bytes]], run_id: str, passes: list[dict[str, Any]]) -> dict[str, Any]:
+    """How many COMMITs newer than the one each pass applied were in the log when the pass ended
+    (its COMMIT's time plus its `follow_lag_s`): the follower's own `follow_lag_ckpts` counts
+    those it had read, as of its last read of the log."""
+    committed = sorted((m.created_unix, m.checkpoint_id) for m in Catalog(run_id).feed(records).commits.values())
+    behind = []
+    for p in passes:
+        at = next((t for t, cid in committed if cid == p["follow_ckpt"]), None)
+        if at is not None:
+            ended = at + p["follow_lag_s"]
+            behind.append(sum(1 for t, cid in committed if cid > p["follow_ckpt"] and t <= ended))
+    return {
+        "follower_behind_ckpts_p50": median(behind) if behind else None,
+        "follower_behind_ckpts_max": max(behind, default=None),
     }
 
 
@@ -165,8 +250,10 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite every-step") -
                 "exit_after_last_step_s": exit_s,
                 "baseline_exit_after_last_step_s": base_exit,
                 **_checkpointed(every, args.steps),
-                **(_follower_figures(every_dir.parent / "follower.log") if follower is not None else {}),
             }
+            if follower is not None:
+                row.update(_follower_figures(every_dir.parent / "follower.log", every_dir / "follower.jsonl"))
+                row.update(_log_figures(config, every_dir, ckpt))
             log(
                 f"pair {i}: overhead {row['overhead']:.1%}, "
                 f"COMMIT p50/p99 {row['durable_s_p50']:.2f}/{row['durable_s_p99']:.2f} s, "
@@ -199,6 +286,23 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite every-step") -
             f"{r['durable_s_p50']:.2f} / {r['durable_s_p99']:.2f} s ({r['durable_s_p99_first_half']:.2f}, "
             f"{r['durable_s_p99_second_half']:.2f}) | {r['committed']} / {r['coalesced']} | {r['mb_per_step']:.3f} | "
             f"{r['exit_after_last_step_s']:.2f} s |"
+        )
+    followed = [r for r in pairs if "follower_passes" in r]
+    if followed:
+        print(
+            "\n| pair | follower applied / committed (passes) | behind at the end: checkpoints, s | lag p50 / max: "
+            "checkpoints; s | compactions (per min) | chain a restore reads p50 / p99 / max (at the end) |"
+        )
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in followed:
+        print(
+            f"| {r['pair']} | {r['follower_applied']} / {r['committed']} ({r['follower_passes']}) | "
+            f"{r['follower_behind_at_end']}, {_f(r['follower_lag_s_at_end'])} | "
+            f"{_f(r['follower_behind_ckpts_p50'])} / {r['follower_behind_ckpts_max']}; "
+            f"{_f(r['follower_lag_s_p50'])} / {_f(r['follower_lag_s_max'])} s | "
+            f"{r['compactions_accepted']} ({_f(r['compactions_per_min'])}) | "
+            f"{_f(r['restore_chain_links_p50'])} / {_f(r['restore_chain_links_p99'])} / {r['restore_chain_links_max']} "
+            f"({r['restore_chain_links_at_end']}) |"
         )
     if killed:
         print(f"\nSIGKILL after step {killed['kill_at_step']}: resumed from step {killed['resumed_step']}")

@@ -1,7 +1,9 @@
 """`deltarec-follow`: tail a run's COMMITs, keep its model, compact its chain, publish snapshots.
 
 One long-running process per run, on any machine that reaches the stream. For every new
-COMMIT it applies that checkpoint's rows to its `RowStore` (encoded bytes, untouched). When
+COMMIT it applies that checkpoint's rows to its `RowStore` (encoded bytes, untouched); the
+deltas it finds waiting in a round, in one pass (`_follow_deltas`: one read, then every frame
+in chain order, leaving the store exactly as applying them one by one would). When
 the deltas since its newest baseline grow past `ckpt.follow.compact_ratio` of the
 baseline's bytes, or past `compact_links` links, and it holds the lease, it writes a
 compacted baseline and then publishes a COMPACTED marker naming it. Restores, and the
@@ -27,11 +29,13 @@ exports a link of an abandoned branch into the live one.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
@@ -45,16 +49,22 @@ from ckpt.follow.serving import Publisher
 from ckpt.follow.store import RowStore
 from ckpt.log.backend import open_backend, open_sink
 from ckpt.log.catalog import Catalog, catch_up
+from ckpt.log.chain_reads import ChainRun, wanted_runs
 from ckpt.log.fencing import new_writer_id
 from ckpt.log.links import append_with_link
-from ckpt.log.markers import ChainLink, Marker, MarkerError
-from ckpt.restore.replay import iter_link_frames
+from ckpt.log.markers import ChainLink, Marker, MarkerError, chain_bytes
+from ckpt.restore.replay import ChunkPlace, frame_of_link, iter_link_frames
 from ckpt.stream.frames import Frame
 from ckpt.stream.sink import compacted_generation, generation_label
 from common.allocator import give_back_freed_memory
 from common.errors import DeltarecError
 
 logger = logging.getLogger(__name__)
+
+#: The most link bytes one pass of deltas reads before it applies them (its frames are held
+#: until the last one arrived, so they can be applied in chain order): a pass of one larger
+#: link streams it instead.
+MAX_PASS_BYTES = 64 << 20
 
 
 class ApplyTarget(Protocol):
@@ -80,7 +90,8 @@ class ApplyTarget(Protocol):
 
 @dataclass
 class FollowStats:
-    applied: int = 0
+    applied: int = 0  # checkpoints applied: one by one, in passes of deltas, or rebuilt from a chain
+    passes: int = 0  # applications: a rebuild, or a pass of one or more deltas (one record each)
     rebuilt: int = 0
     compacted: int = 0
     exported: int = 0
@@ -116,6 +127,22 @@ class Rewind:
     def describe(self) -> str:
         how = f"resumed from checkpoint {self.resumed_from}" if self.resumed_from else "started fresh"
         return f"checkpoint {self.abandoned} was abandoned: trainer attempt {self.attempt} {how}"
+
+
+class CommitIds:
+    """A catalog's COMMIT ids, ascending, kept up to date as the log's fold grows: its `commits`
+    only gains keys, and a dict keeps them in the order they came, so the new ones are its last."""
+
+    def __init__(self) -> None:
+        self.commits: dict[int, Marker] | None = None
+        self.ids: list[int] = []
+
+    def of(self, commits: dict[int, Marker]) -> list[int]:
+        if commits is not self.commits or len(commits) < len(self.ids):
+            self.commits, self.ids = commits, sorted(commits)
+        for cid in itertools.islice(reversed(commits), len(commits) - len(self.ids)):
+            bisect.insort(self.ids, cid)
+        return self.ids
 
 
 class Follower:
@@ -162,6 +189,7 @@ class Follower:
         self.on_rewind = on_rewind  # told first when the checkpoint held was abandoned (the server stops serving it)
         self._export_now = False  # a rewind dropped the snapshots of the abandoned branch: export the next one
         self.stop = threading.Event()
+        self._ids = CommitIds()  # the catalog's COMMIT ids, sorted as they arrive (`_commit_ids`)
 
     # -- the loop -----------------------------------------------------------------------
     def run(self, until: Callable[[Follower], bool] | None = None) -> None:
@@ -174,15 +202,19 @@ class Follower:
         logger.info("following run %s in %s as %s", self.run_id, self.backend.where, self.follower_id)
         try:
             while not self.stop.is_set():
+                started, rest = time.monotonic(), None
                 try:
                     self.poll()
                 except MarkerError:
                     raise  # a damaged markers log does not heal by waiting
                 except DeltarecError as exc:  # the broker or the log is unreachable: try again later
                     logger.warning("markers log not read, retrying in %.0f s: %s", self.f.poll_s, exc)
+                    rest = self.f.poll_s
                 if until is not None and until(self):
                     break
-                self.stop.wait(self.f.poll_s)
+                # rounds start every poll_s: one that took longer (a pass, a compaction) is
+                # followed at once by the next, which finds what was committed meanwhile
+                self.stop.wait(rest if rest is not None else max(0.0, started + self.f.poll_s - time.monotonic()))
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -214,14 +246,22 @@ class Follower:
 
     def _pending(self) -> list[Marker]:
         """The COMMITs of the live branch after the one held, in order; the newest alone (its
-        cheapest chain) when none is held."""
-        applied = self.applied.checkpoint_id if self.applied is not None else None
-        pending = [
-            m
-            for cid, m in sorted(self.catalog.commits.items())
-            if (applied is None or cid > applied) and not self.catalog.abandoned(cid)
-        ]
-        return pending[-1:] if applied is None else pending
+        cheapest chain) when none is held. Costs what is newer than the one held, not what the
+        log holds (`_newer`)."""
+        commits, abandoned = self.catalog.commits, self.catalog.abandoned
+        if self.applied is None:
+            newest = next((cid for cid in reversed(self._commit_ids()) if not abandoned(cid)), None)
+            return [] if newest is None else [commits[newest]]
+        return [commits[cid] for cid in self._newer(self.applied.checkpoint_id)]
+
+    def _newer(self, checkpoint_id: int) -> list[int]:
+        """The ids of the live branch's COMMITs newer than `checkpoint_id`, ascending."""
+        ids = self._commit_ids()
+        return [cid for cid in ids[bisect.bisect_right(ids, checkpoint_id) :] if not self.catalog.abandoned(cid)]
+
+    def _commit_ids(self) -> list[int]:
+        """The catalog's COMMIT ids, ascending (`CommitIds`)."""
+        return self._ids.of(self.catalog.commits)
 
     def _check_rewind(self) -> bool:
         """When the checkpoint held is on a branch a newer trainer attempt abandoned: drop it
@@ -242,15 +282,23 @@ class Follower:
         return True
 
     def _follow_pending(self, pending: list[Marker]) -> None:
-        for marker in pending:
+        """Apply `pending` in order: each run of deltas that extend what the store holds in one
+        pass (`_deltas`), anything else (a full checkpoint, a start) rebuilt from its chain."""
+        i = 0
+        while i < len(pending):
             if self.stop.is_set():
                 return
+            marker = pending[i]
             if self.catalog.abandoned(marker.checkpoint_id):  # the log said so since `pending` was read
                 return
+            deltas, chain = self._deltas(pending[i:])
             try:
-                self._follow(marker)
+                if deltas:
+                    self._follow_deltas(deltas, chain)
+                else:
+                    self._follow(marker)
             except DeltarecError as exc:  # the store is half-updated: rebuild on the next round
-                error = f"checkpoint {marker.checkpoint_id} not applied: {exc}"
+                error = f"{_named(deltas or [marker])} not applied: {exc}"
                 if error != self.last_error:  # said once, not every round
                     logger.warning("%s; retrying every %.1f s", error, self.f.poll_s)
                 self.stats.failed += 1
@@ -258,6 +306,7 @@ class Follower:
                 self.target.abandon()
                 self.applied, self.chain = None, []
                 return
+            i += max(len(deltas), 1)
             self._maybe_compact()
             self._maybe_export()
             catch_up(self.catalog, self.backend.markers)
@@ -273,8 +322,9 @@ class Follower:
             logger.info("stopped following: %d checkpoints applied (%d rebuilds)", self.stats.applied, self.stats.rebuilt)
             return
         logger.info(
-            "stopped: %d checkpoints applied (%d rebuilds), %d compacted, %d serving snapshots",
+            "stopped: %d checkpoints applied in %d passes (%d rebuilds), %d compacted, %d serving snapshots",
             self.stats.applied,
+            self.stats.passes,
             self.stats.rebuilt,
             self.stats.compacted,
             self.stats.exported,
@@ -283,44 +333,97 @@ class Follower:
     # -- applying checkpoints -----------------------------------------------------------
     def _extended(self, marker: Marker) -> list[ChainLink] | None:
         """The store's chain with `marker`'s newest link on top, when that link applies to
-        what the store holds: a delta of the checkpoint the store holds, or a one-shot diff
-        of the same baseline (it holds every row changed since the baseline, so it
-        overwrites the previous diff). None: the store must be rebuilt."""
-        if self.applied is None or marker.full or len(marker.chain) < 2:
-            return None
-        if marker.chain[-2].checkpoint_id == self.applied.checkpoint_id:
-            return [*self.chain, marker.chain[-1]]
-        if len(marker.chain) == 2 and len(self.chain) == 2 and marker.chain[0] == self.chain[0]:
-            return [self.chain[0], marker.chain[-1]]
-        return None
+        what the store holds (`extended`); None: the store must be rebuilt."""
+        return extended(self.applied, self.chain, marker)
+
+    def _deltas(self, pending: list[Marker]) -> tuple[list[Marker], list[ChainLink]]:
+        """The longest run of `pending`'s first markers whose newest links extend what the store
+        holds one after the other (each a delta of the one before it, or a one-shot diff of the
+        same baseline), up to `MAX_PASS_BYTES` of links (at least one), and the store's chain
+        after them; none when the first needs a rebuild."""
+        held, chain = self.applied, self.chain
+        run: list[Marker] = []
+        size = 0
+        for marker in pending:
+            if self.catalog.abandoned(marker.checkpoint_id):
+                break
+            longer = extended(held, chain, marker)
+            size += marker.chain[-1].bytes if longer is not None else 0
+            if longer is None or (run and size > MAX_PASS_BYTES):
+                break
+            run.append(marker)
+            held, chain = marker, longer
+        return run, chain
 
     def _follow(self, marker: Marker) -> None:
+        """Rebuild the store from `marker`'s cheapest chain."""
         t0 = time.perf_counter()
-        extended = self._extended(marker)
-        best = self.catalog.cheapest(marker) if extended is None else marker
+        best = self.catalog.cheapest(marker)
         if best is None:
             logger.warning("checkpoint %d: no complete chain (a generation was dropped); skipped", marker.checkpoint_id)
             return
-        self.target.begin(marker, rebuild=extended is None)
-        if extended is not None:
-            read = self._apply(marker.chain[-1], marker)
-            self.chain = extended
-            how = "delta"
-        else:
-            read = 0
-            for i, link in enumerate(best.chain):
-                read += self._apply(link, marker)
-                if i == 0:
-                    self.target.check_complete(link.checkpoint_id, untrained_ok=bool(marker.init))
-            self.chain = list(best.chain)
-            self.stats.rebuilt += 1
-            how = "rebuilt from " + "+".join(str(link.checkpoint_id) for link in self.chain)
+        self.target.begin(marker, rebuild=True)
+        read = 0
+        for i, link in enumerate(best.chain):
+            read += self._apply(link, marker)
+            if i == 0:
+                self.target.check_complete(link.checkpoint_id, untrained_ok=bool(marker.init))
+        self.chain = list(best.chain)
+        self.stats.rebuilt += 1
+        self._applied([marker], read, t0, "rebuilt from " + "+".join(str(link.checkpoint_id) for link in self.chain))
+
+    def _follow_deltas(self, deltas: list[Marker], chain: list[ChainLink]) -> None:
+        """Apply the newest links of `deltas` (`_deltas`) in one pass: every link read at once,
+        then their frames applied in chain order, each link's frames in the order a read of it
+        alone gives, so the store ends exactly as it would applying them one by one."""
+        t0 = time.perf_counter()
+        newest = deltas[-1]
+        self.target.begin(newest, rebuild=False)
+        read = 0
+        for marker, frame in self._pass_frames(deltas):
+            self.target.apply(frame, frame.rank, int(marker.tables[frame.table][0]))
+            read += _frame_bytes(frame)
+        self.chain = chain
+        how = "delta" if len(deltas) == 1 else f"{len(deltas)} deltas from checkpoint {deltas[0].checkpoint_id} on"
+        self._applied(deltas, read, t0, how)
+
+    def _pass_frames(self, deltas: list[Marker]) -> Iterator[tuple[Marker, Frame]]:
+        """The frames of the newest link of each of `deltas`, in chain order. One link is
+        streamed; several are read with one `read_ranges` (one consumer on a broker, every
+        partition fetched at once), and since a backend may serve them in any order across
+        ranges, held until the last arrived."""
+        source, locate = self.backend.source, self.backend.locate
+        if len(deltas) == 1:
+            for frame in iter_link_frames(deltas[0].chain[-1], source, self.run_id, locate):
+                yield deltas[0], frame
+            return
+        runs = [
+            ChainRun(i, m.chain[-1], partition, entries)
+            for i, m in enumerate(deltas)
+            for partition, entries in wanted_runs(m.chain[-1], lambda entry: True)
+        ]
+        firsts = [[e.first for e in run.entries] for run in runs]
+        chunks = [ChunkPlace() for _ in runs]
+        got: list[list[Frame]] = [[] for _ in runs]
+        for r, pos, frame in source.read_ranges([run.read() for run in runs]):
+            run = runs[r]
+            if frame_of_link(run.link, run.partition, run.entries, firsts[r], pos, frame, self.run_id, locate, chunks[r]):
+                got[r].append(frame)  # a range's frames come in position order
+        for run, frames in zip(runs, got):
+            for frame in frames:
+                yield deltas[run.link_index], frame
+            frames.clear()
+
+    def _applied(self, markers: list[Marker], read: int, t0: float, how: str) -> None:
+        """`markers` (one rebuilt, or a pass of deltas) are in the store: finish and report."""
+        marker = markers[-1]
         self.target.finish(marker)
         self.applied = marker
         self.last_error = ""
-        self.stats.applied += 1
+        self.stats.applied += len(markers)
+        self.stats.passes += 1
         self.stats.bytes_read += read
-        behind = sum(1 for cid in self.catalog.commits if cid > marker.checkpoint_id and not self.catalog.abandoned(cid))
+        behind = len(self._newer(marker.checkpoint_id))
         lag_s = time.time() - marker.created_unix
         logger.info(
             "checkpoint %d (step %d) applied (%s): %.2f MB in %.2f s; %d behind the newest COMMIT, %.1f s after its COMMIT",
@@ -342,7 +445,7 @@ class Follower:
                 follow_lag_s=lag_s,
                 follow_chain=tuple(link.checkpoint_id for link in self.chain),
                 follow_store_bytes=self.target.nbytes,
-                follow_rebuilt=how != "delta",
+                follow_rebuilt=how.startswith("rebuilt"),
             )
         )
 
@@ -354,7 +457,7 @@ class Follower:
         shapes = marker.tables
         for frame in iter_link_frames(link, self.backend.source, self.run_id, self.backend.locate):
             self.target.apply(frame, frame.rank, int(shapes[frame.table][0]))
-            read += frame.payload.numel() + frame.row_ids.numel() * 8 + sum(o.rows.numel() for o in frame.optim)
+            read += _frame_bytes(frame)
         return read
 
     # -- compaction -----------------------------------------------------------------------
@@ -456,3 +559,32 @@ class Follower:
         self.metrics.write(
             FollowExported(step=snap.step, export_ckpt=snap.checkpoint_id, export_path=str(snap.path), export_s=snap.seconds)
         )
+
+
+def extended(held: Marker | None, chain: list[ChainLink], marker: Marker) -> list[ChainLink] | None:
+    """How a store that came to hold checkpoint `held` by `chain` holds `marker` once `marker`'s
+    newest link is applied, when that link applies to what the store holds: a delta of `held`
+    (`chain` plus that link, or the marker's own chain when it reads fewer bytes: the trainer
+    rebased it onto a baseline another follower compacted, so the chain that says when to
+    compact, and the one the records show, stays as short as a restore's), or a one-shot diff of
+    the same baseline (it holds every row changed since the baseline, so it overwrites the
+    previous diff). None: the store must be rebuilt."""
+    if held is None or marker.full or len(marker.chain) < 2:
+        return None
+    if marker.chain[-2].checkpoint_id == held.checkpoint_id:
+        ours = [*chain, marker.chain[-1]]
+        theirs = marker.chain
+        return ours if (chain_bytes(ours), len(ours)) <= (chain_bytes(theirs), len(theirs)) else list(theirs)
+    if len(marker.chain) == 2 and len(chain) == 2 and marker.chain[0] == chain[0]:
+        return [chain[0], marker.chain[-1]]
+    return None
+
+
+def _frame_bytes(frame: Frame) -> int:
+    return frame.payload.numel() + frame.row_ids.numel() * 8 + sum(o.rows.numel() for o in frame.optim)
+
+
+def _named(markers: list[Marker]) -> str:
+    """For a message: `checkpoint 7`, or `checkpoints 7..9` for a pass of several."""
+    first, last = markers[0].checkpoint_id, markers[-1].checkpoint_id
+    return f"checkpoint {first}" if first == last else f"checkpoints {first}..{last}"

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ckpt.errors import RestoreError
@@ -30,6 +31,26 @@ from ckpt.quant import get_codec
 from ckpt.stream.frames import Frame, OptimState
 
 SLICE_ROWS = 1 << 18  # rows of one shard a compaction or a serving snapshot cuts into frames at a time
+
+
+#: Rows of a shard as numpy indexes them: a run's slice, or the ids
+RowIndex = slice | np.ndarray
+
+
+def row_index(frame: Frame) -> RowIndex:
+    """The frame's rows as numpy indexes a shard's arrays: a slice for a run (full checkpoints,
+    compacted baselines), else its ids. The store writes through numpy, which copies rows on
+    one thread: torch's indexed writes split even a few hundred rows over its intra-op threads,
+    whose wake-ups cost milliseconds a frame on a machine whose cores the trainer keeps busy."""
+    if frame.first_row is not None:
+        return slice(frame.first_row, frame.first_row + frame.row_count)
+    return frame.row_ids.numpy()
+
+
+def _inside(ids: RowIndex, rows: int) -> bool:
+    if isinstance(ids, slice):
+        return 0 <= ids.start and ids.stop <= rows
+    return bool(ids.min() >= 0) and bool(ids.max() < rows)
 
 
 class ShardKey(NamedTuple):
@@ -52,14 +73,15 @@ class EncodedRows:
     def empty(cls, rows: int, width: int) -> EncodedRows:
         return cls(width, torch.zeros(rows, 0, dtype=torch.uint8), torch.zeros(rows, dtype=torch.uint8))
 
-    def put(self, ids: torch.Tensor, code: int, rows: torch.Tensor) -> None:
+    def put(self, ids: RowIndex, code: int, rows: torch.Tensor) -> None:
+        """Keep `rows` (uint8 [n, bytes]) as rows `ids` (`row_index`), codec `code`."""
         nbytes = rows.shape[1]
         if nbytes > self.data.shape[1]:
             wider = torch.zeros(self.data.shape[0], nbytes, dtype=torch.uint8)
             wider[:, : self.data.shape[1]] = self.data
             self.data = wider
-        self.data[ids, :nbytes] = rows
-        self.code[ids] = code
+        self.data.numpy()[ids, :nbytes] = rows.numpy()
+        self.code.numpy()[ids] = code
 
     def row_bytes(self, code: int) -> int:
         return get_codec(code).row_bytes(self.width)
@@ -116,8 +138,8 @@ class RowStore:
             shard = self.shards[key] = ShardRows(
                 EncodedRows.empty(table_rows, frame.dim), torch.zeros(table_rows, dtype=torch.int16)
             )
-        ids = frame.row_ids
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= shard.partition.shape[0]):
+        ids = row_index(frame)
+        if frame.row_count and not _inside(ids, shard.partition.shape[0]):
             raise RestoreError(
                 f"table {frame.table}: frame of checkpoint {frame.checkpoint_id} has rows outside "
                 f"0..{shard.partition.shape[0] - 1}"
@@ -129,7 +151,7 @@ class RowStore:
                 width = frame.dim if get_codec(o.encoding).row_bytes(frame.dim) == o.rows.shape[1] else 1
                 state = shard.optim[o.name] = EncodedRows.empty(table_rows, width)
             state.put(ids, o.encoding, o.rows)
-        shard.partition[ids] = partition
+        shard.partition.numpy()[ids] = partition
 
     def check_complete(self, checkpoint_id: int, untrained_ok: bool = False) -> None:
         """Every row of every shard written (and every optimizer state of it): what a base
@@ -163,17 +185,25 @@ class RowStore:
         run_id: str, checkpoint_id: int, key: ShardKey, shard: ShardRows, states: list[tuple[str, EncodedRows]], rows: slice
     ) -> Iterator[Frame]:
         """The frames of rows `rows` of one shard (`frames`)."""
-        signature = shard.partition[rows].long()
+        signature = shard.partition.numpy()[rows].astype(np.int64)
         signature <<= 48
-        signature |= shard.weights.code[rows]
+        signature |= shard.weights.code.numpy()[rows]
         for i, (_, state) in enumerate(states):
-            signature |= state.code[rows].long() << (8 * (i + 1))
-        values, inverse, counts = torch.unique(signature, return_inverse=True, return_counts=True)
+            signature |= state.code.numpy()[rows].astype(np.int64) << (8 * (i + 1))
+        if not signature.size:
+            return
+        if (signature == signature[0]).all():  # the common case: one partition and codec throughout
+            order, cuts = np.arange(signature.size, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        else:
+            order = np.argsort(signature, kind="stable")  # stable: rows ascend within a group
+            grouped = signature[order]
+            cuts = np.flatnonzero(grouped[1:] != grouped[:-1]) + 1
+        values = signature[order[np.concatenate(([0], cuts))]]
         del signature
-        order = torch.argsort(inverse, stable=True)  # stable: rows ascend within a group
-        del inverse
         order += rows.start
-        for value, ids in zip(values.tolist(), torch.split(order, counts.tolist())):
+        weights = shard.weights.data.numpy()
+        for value, group in zip(values.tolist(), np.split(order, cuts)):
+            ids = torch.from_numpy(group)
             code = value & 0xFF
             if code == 0:  # rows no frame held: never trained (a chain with a row initialisation)
                 continue
@@ -181,7 +211,7 @@ class RowStore:
             optim = []
             for i, (name, state) in enumerate(states):
                 ocode = (value >> (8 * (i + 1))) & 0xFF
-                optim.append(OptimState(name, ocode, state.data[ids, : state.row_bytes(ocode)]))
+                optim.append(OptimState(name, ocode, torch.from_numpy(state.data.numpy()[group, : state.row_bytes(ocode)])))
             yield Frame(
                 run_id=run_id,
                 checkpoint_id=checkpoint_id,
@@ -194,6 +224,6 @@ class RowStore:
                 chunk_index=0,
                 chunk_count=1,
                 row_ids=ids,
-                payload=shard.weights.data[ids, :nbytes],
+                payload=torch.from_numpy(weights[group, :nbytes]),
                 optim=tuple(optim),
             )

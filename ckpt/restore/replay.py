@@ -128,9 +128,9 @@ def iter_link_frames(
     whole partition opens it once."""
     for partition, run in wanted_runs(link, want):
         firsts = [entry.first for entry in run]
-        chunks = _Chunks()
+        chunks = ChunkPlace()
         for pos, frame in source.read_range(link.generation, partition, run[0].first, run[-1].last):
-            if _checked(link, partition, run, firsts, pos, frame, run_id, locate, chunks):
+            if frame_of_link(link, partition, run, firsts, pos, frame, run_id, locate, chunks):
                 yield frame
 
 
@@ -149,19 +149,19 @@ def iter_chain_frames_fetched_together(
     read there)."""
     _check_base(marker)
     chain = chain_runs(marker, want)
-    runs = [(r.link_index, r.link, r.partition, r.entries, [e.first for e in r.entries], _Chunks()) for r in chain]
+    runs = [(r.link_index, r.link, r.partition, r.entries, [e.first for e in r.entries], ChunkPlace()) for r in chain]
     return _verified(source.read_ranges([r.read() for r in chain]), runs, run_id, locate)
 
 
 def _verified(
     frames: Iterator[tuple[int, int, Frame]],
-    runs: list[tuple[int, ChainLink, int, list[IndexEntry], list[int], _Chunks]],
+    runs: list[tuple[int, ChainLink, int, list[IndexEntry], list[int], ChunkPlace]],
     run_id: str,
     locate: Callable[[int, int, int], str],
 ) -> Iterator[tuple[int, ChainLink, Frame]]:
     for r, pos, frame in frames:
         i, link, partition, run, firsts, chunks = runs[r]
-        if _checked(link, partition, run, firsts, pos, frame, run_id, locate, chunks):
+        if frame_of_link(link, partition, run, firsts, pos, frame, run_id, locate, chunks):
             yield i, link, frame
 
 
@@ -170,7 +170,7 @@ def _check_base(marker: Marker) -> None:
         raise RestoreError(f"checkpoint {marker.checkpoint_id}: its chain does not start with a full checkpoint")
 
 
-class _Chunks:
+class ChunkPlace:
     """Where one range read is in the chunk sequences of its index entries (see `_check_chunk`)."""
 
     def __init__(self) -> None:
@@ -179,7 +179,7 @@ class _Chunks:
         self.count = 0  # ... and chunk count
 
 
-def _check_chunk(entry: IndexEntry, pos: int, frame: Frame, chunks: _Chunks, where: str) -> None:
+def _check_chunk(entry: IndexEntry, pos: int, frame: Frame, chunks: ChunkPlace, where: str) -> None:
     """The frames of an index entry must be whole chunk sequences (0..count-1, as
     `chunk_rows` numbers one shard's frames), in order, ending with a last chunk at the
     entry's last position. A duplicated frame inside the range keeps every other check
@@ -205,7 +205,7 @@ def _check_chunk(entry: IndexEntry, pos: int, frame: Frame, chunks: _Chunks, whe
     chunks.entry, chunks.index, chunks.count = entry.first, index, count
 
 
-def _checked(
+def frame_of_link(
     link: ChainLink,
     partition: int,
     run: list[IndexEntry],
@@ -214,7 +214,7 @@ def _checked(
     frame: Frame,
     run_id: str,
     locate: Callable[[int, int, int], str],
-    chunks: _Chunks,
+    chunks: ChunkPlace,
 ) -> bool:
     """Whether the frame at `pos` of a run of index entries (`firsts`: their first positions)
     is one of the link's (False: a frame of an earlier failed flush that landed in between);

@@ -9,6 +9,7 @@ the command that replays them (`DELTAREC_TEST_SEED=<seed> ...`).
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -631,3 +632,60 @@ def test_a_follower_that_gets_the_lease_late_compacts_without_a_new_commit(tmp_p
         assert follower.stop() == 0
     finally:
         follower.kill()
+
+
+# --- 6. checkpoints found waiting: one pass, the same rows ----------------------------------------
+
+
+@pytest.mark.parametrize("sink", ["filesystem", "kafka"])
+def test_a_paused_follower_applies_the_waiting_checkpoints_in_one_pass_and_compacts_what_its_chain_restores(
+    tmp_path, request, sink, unique_name, debug_config: DebugConfig
+):
+    """The follower is paused (SIGSTOP) once it holds a checkpoint, while the job commits the
+    rest; continued, it applies them in one pass and compacts the newest. That baseline holds
+    exactly the tables the trainer's own chain of it restores (fp32 rows: bit for bit)."""
+    bootstrap = request.getfixturevalue("broker").bootstrap if sink == "kafka" else ""
+    job = [*_job(unique_name("pass"), sink, bootstrap), "ckpt.follow.compact_links=2"]
+    run_dir = tmp_path / "run"
+    cfg = _ckpt_config(debug_config, job, run_dir)
+    follower = FollowerProc(debug_config.path, job, tmp_path, "follower")
+    group = None
+    try:
+        _wait_for(lambda: "following run" in follower.text(), 60, "the follower to start", (follower,))
+        # each checkpoint's copy starts a second late (DELTAREC_SLOW_COPY): the follower holds one
+        # long before the job ends, even on a busy machine
+        pace = {"DELTAREC_SLOW_COPY": "*:1.0"}
+        group = start_ranks(debug_config.path, [*job, "train.steps=40"], tmp_path, timeout_s=180, env_extra=pace)
+        _wait_for(lambda: ") applied (" in follower.text(), 120, "a checkpoint applied", (follower,), group)
+        follower.proc.send_signal(signal.SIGSTOP)
+        try:
+            group.wait()
+        finally:
+            follower.proc.send_signal(signal.SIGCONT)
+        last = max(_catalog(cfg).commits)
+        _wait_for(lambda: f"checkpoint {last} compacted into" in follower.text(), 60, f"checkpoint {last} compacted", (follower,))
+        assert follower.stop() == 0, follower.tail()
+    finally:
+        follower.kill()
+        if group is not None and group.running():
+            for p in group.procs:
+                if p.poll() is None:
+                    p.kill()
+            group.wait(expect_ok=False)
+
+    applied = [r for r in _follower_records(run_dir) if "follow_ckpt" in r]
+    assert applied[-1]["follow_ckpt"] == last and not applied[-1]["follow_rebuilt"], applied
+    held_before = applied[-2]["follow_ckpt"]
+    assert last - held_before >= 2, f"no pass of several checkpoints: {[r['follow_ckpt'] for r in applied]}"
+    assert f"checkpoint {last} (step 40) applied ({last - held_before} deltas from checkpoint {held_before + 1} on)" in (
+        follower.text()
+    )
+    catalog = _catalog(cfg)
+    compacted = catalog.compactions[last]
+    original = _original_chain(catalog, list(catalog.commits[last].chain))
+    assert original[0].full and not is_compacted(original[0].generation) and len(original) == last
+    _assert_same_tables(
+        _tables(catalog.commits[last], list(compacted.chain), cfg),
+        _tables(catalog.commits[last], original, cfg),
+        f"compacted baseline of checkpoint {last} vs chain {[x.checkpoint_id for x in original]}",
+    )

@@ -155,7 +155,12 @@ class Server:
             rewinds = self.model.rewinds
             if rewinds:
                 fresh += f"; {len(rewinds)} rewind(s), the last answered again {self.rewind_seconds():.2f} s after its record"
-            logger.info("stopped: %d checkpoints applied (%s); %s", self.applied, fresh, self._request_counts())
+            logger.info(
+                "stopped: %d checkpoints swapped in, the newest of each pass the follower applied (%s); %s",
+                self.applied,
+                fresh,
+                self._request_counts(),
+            )
 
     def _request_counts(self) -> str:
         counts = {
