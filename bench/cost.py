@@ -1,7 +1,7 @@
 """What a checkpoint costs the trainer, apart from the broker it shares the cores with:
 `python -m bench.run --suite cost`.
 
-    python -m bench.run --suite cost [--size quick|full] [--interval-s S] [--steps N] [--rounds R]
+    python -m bench.run --suite cost [--size quick|full] [--interval-s S] [--steps N] [--log-every N] [--rounds R]
                                      [--encoding CODEC] [--tmpfs DIR] [--out results.json]
 
 On the model of `bench.peers`'s suite of that size, the default policy at 4 bits
@@ -329,6 +329,7 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--size", choices=sorted(COST_SIZES), default="full", help="the model (bench.peers's suites)")
     p.add_argument("--interval-s", type=float, help="checkpoint interval, seconds (default: the size's)")
     p.add_argument("--steps", type=int, help="steps of every job (default: the size's)")
+    p.add_argument("--log-every", type=int, help="steps per logging window, whose rates the figures are of (default: the size's)")
     p.add_argument("--rounds", type=int, default=1, help="rounds of none, kafka, tmpfs (then a closing none)")
     p.add_argument("--sinks", nargs="+", choices=SINKS, default=list(SINKS))
     p.add_argument(
@@ -351,7 +352,7 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite cost") -> dict
     started, machine = time.perf_counter(), machine_info()
     peer = SIZES[args.size]
     s = {**COST_SIZES[args.size], "overrides": list(peer["overrides"]), "encoding": args.encoding}
-    s.update({k: v for k, v in (("steps", args.steps), ("interval_s", args.interval_s)) if v})
+    s.update({k: v for k, v in (("steps", args.steps), ("interval_s", args.interval_s), ("log_every", args.log_every)) if v})
     jobs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-cost-") as tmpdir:
         work = args.keep / f"cost-{uuid.uuid4().hex[:8]}" if args.keep else Path(tmpdir)
@@ -375,7 +376,7 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite cost") -> dict
     result = {
         **document_head("cost", prog, argv, machine),
         "size": args.size,
-        "settings": {k: s[k] for k in ("config", "steps", "interval_s", "overrides")}
+        "settings": {k: s[k] for k in ("config", "steps", "interval_s", "log_every", "overrides")}
         | {"policy": DEFAULT_POLICY, "encoding": args.encoding, "rounds": args.rounds, "sinks": args.sinks},
         "summary": summary,
         "jobs": jobs,

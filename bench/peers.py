@@ -454,7 +454,7 @@ def follower_job(
     }
     c = run["follower"]
     log(
-        f"follower of {run_id}: {len(c['applied'])} checkpoints applied, {len(c['compactions'])} compactions, "
+        f"follower of {run_id}: {len(c['applied'])} passes applied, {len(c['compactions'])} compactions, "
         f"caught up {c['caught_up']} ({c['catch_up_s'] or 0:.1f} s after training)" + (f"; {c['error']}" if c["error"] else "")
     )
     return run
@@ -486,11 +486,14 @@ def peers_job(
     timeout_s: float,
     names: tuple[str, ...] = PEERS,
     world_size: int | None = None,
+    build_s: float | None = None,
 ) -> list[dict]:
     """The peers' phases (`names`, in order), then every restore (each deltarec job's from its
     own broker), on `world_size` ranks (default: the job's own, `s["ranks"]`). On another world
     size than the jobs trained on, only deltarec's restores run (`bench.peers_rank
-    --restore-only`): restoring into another world size, in `<work>/restore-<n>ranks`."""
+    --restore-only`): restoring into another world size, in `<work>/restore-<n>ranks`.
+    `build_s`: how long each deltarec restore stands in for a restarted job's model build
+    (`bench.peers_rank --build-s`; default: the job's own build)."""
     from launch.ranks import spawn_ranks
 
     ranks = s.get("ranks", 2)
@@ -500,6 +503,7 @@ def peers_job(
     tmp.mkdir(parents=True)
     extra = ["--out-dir", str(tmp), "--steps", str(s["steps"]), "--interval", str(s["interval"]), "--repeats", str(s["repeats"])]
     extra += ["--restore-only"] if restore_only else ["--peers", *names]
+    extra += [] if build_s is None else ["--build-s", str(build_s)]
     for (policy, enc), run in jobs.items():
         label = f"{policy}-{enc}"
         extra += [
@@ -846,7 +850,7 @@ _UNITS = {
     "skipped": "checkpoints",
     "intervals": "checkpoints",
     "compactions": "checkpoints",
-    "follow_applied": "checkpoints",
+    "follow_applied": "passes",  # a pass applies one or more checkpoints (the follower's record of each)
     "follow_rebuilds": "checkpoints",
     "rebased_commits": "checkpoints",
     "follow_lag_ckpts_mean": "checkpoints",
@@ -1058,6 +1062,13 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--keep", type=Path, help="keep run directories here (default: a temporary directory)")
     p.add_argument("--steps", type=int, help="override the suite's training steps (per job and per peer phase)")
     p.add_argument("--interval", type=int, help="override the suite's checkpoint interval (steps)")
+    p.add_argument("--repeats", type=int, help="override the suite's rounds of restores (the median is reported)")
+    p.add_argument(
+        "--restore-build-s",
+        type=float,
+        help="seconds each deltarec restore keeps the rank busy, standing in for a restarted job's model build, "
+        "before it restores (default: the job's own build, measured; 0: no wait)",
+    )
     p.add_argument(
         "--encodings",
         nargs="+",
@@ -1094,7 +1105,7 @@ def run(argv: list[str], prog: str = "python -m bench.run") -> dict[str, Any]:
     started = time.perf_counter()
     machine = machine_info()
     s = dict(SIZES[args.size])
-    s.update({k: v for k, v in (("steps", args.steps), ("interval", args.interval)) if v})
+    s.update({k: v for k, v in (("steps", args.steps), ("interval", args.interval), ("repeats", args.repeats)) if v})
     prefix = f"bench-{args.size}-{uuid.uuid4().hex[:8]}"
     # a fresh broker per job, kept until the peers' phase has restored every job from its own
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmpdir, contextlib.ExitStack() as brokers:
@@ -1123,7 +1134,7 @@ def run(argv: list[str], prog: str = "python -m bench.run") -> dict[str, Any]:
                 jobs[(FOLLOWER, enc)] = follower_job(
                     enc, s, work, broker(), prefix, args.timeout_s, intervals, args.follower_grace_s
                 )
-        peers = peers_job(s, work, jobs, args.timeout_s)
+        peers = peers_job(s, work, jobs, args.timeout_s, build_s=args.restore_build_s)
         batch = _batch(s)
     machine["loadavg_end"] = loadavg()
     records, summary = build_records(s, jobs, peers, base)

@@ -3,7 +3,8 @@
 deltarec's `CheckpointManager.restore`.
 
     python -m bench.peers_rank --config C --out-dir DIR --steps N --interval K \
-        [--restore LABEL=RUN_ID=RUN_DIR ...] [--restore-override LABEL=key=value ...] [--repeats R] [key=value ...]
+        [--restore LABEL=RUN_ID=RUN_DIR ...] [--restore-override LABEL=key=value ...] [--repeats R] [--build-s S] \
+        [key=value ...]
 
 Spawned like a trainer rank (`launch.ranks.spawn_ranks`), it builds the job exactly as
 `trainer.main` does (`bench.job.start_job`: same config, seed, data, world size).
@@ -435,6 +436,7 @@ def run_phases(args: argparse.Namespace, overrides: list[str]) -> int:
     t0 = time.perf_counter()
     env, device, sharded, trainer, _ = start_job(cfg)
     build_s = max_over_ranks(time.perf_counter() - t0)  # what a restarted job spends building its model
+    restore_build_s = build_s if args.build_s is None else args.build_s  # each deltarec restore's stand-in for it
     rank = env.rank
     smap = ShardMap.from_model(sharded.model)
     samples_per_step = cfg.data.batch_size * env.world_size
@@ -494,7 +496,7 @@ def run_phases(args: argparse.Namespace, overrides: list[str]) -> int:
                     device,
                     sharded,
                     trainer,
-                    build_s,
+                    restore_build_s,
                 ),
             )
         )
@@ -547,6 +549,12 @@ def main(argv: list[str] | None = None) -> int:
         "--restore-only",
         action="store_true",
         help="no phases: only deltarec's restores (of runs trained on another world size, suite scale)",
+    )
+    p.add_argument(
+        "--build-s",
+        type=float,
+        help="seconds each deltarec restore keeps the process busy between opening its backend and building its "
+        "manager, standing in for a restarted job's model build (default: this job's own build, measured)",
     )
     p.add_argument("--stager", choices=("clone", "pinned"), default="clone", help="dcp.async_save's stager")
     p.add_argument("--restore", action="append", default=[], help="LABEL=RUN_ID=RUN_DIR of a deltarec run")

@@ -141,11 +141,12 @@ def export_job(s: dict[str, Any], run: dict[str, Any], work: Path, timeout_s: fl
     return {"export_s": wall, "rss_peak_bytes": peak, "file_bytes": nbytes}
 
 
-def tracker_job(s: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """The tracker suite's short rotation on this size's job: its summary."""
+def tracker_job(s: dict[str, Any], timeout_s: float, block: int = 10) -> dict[str, Any]:
+    """The tracker suite's short rotation on this size's job: its summary. `block`: steps per
+    block of the rotation and of the warm-up; twice that between its snapshots."""
     from bench import tracker_overhead
 
-    argv = ["--config", s["config"], "--rounds", "3", "--block", "10", "--warmup", "10", "--interval", "20"]
+    argv = ["--config", s["config"], "--rounds", "3", "--block", str(block), "--warmup", str(block), "--interval", str(2 * block)]
     argv += ["--ranks", str(s["ranks"]), "--repeats", "3", "--timeout-s", str(timeout_s), *s["overrides"]]
     with contextlib.redirect_stdout(io.StringIO()):  # its whole document: kept in ours instead
         result = tracker_overhead.run(argv)
@@ -176,7 +177,7 @@ class SizeFigures:
     restore_full_s: float | None  # of the `full` job's newest
     # the follower job's restore again with `ckpt.read_ahead=false`: every frame fetched inside `restore()`
     restore_cold_s: float | None
-    build_s: float | None  # the job's model build (the restores start that long after opening their backend)
+    build_s: float | None  # the job's model build (by default, the restores start that long after opening their backend)
     dcp_load_s: float | None
     samples_per_s_none: float | None
     samples_per_s_incremental: float | None
@@ -301,7 +302,12 @@ def gather(
 def measure_size(name: str, args: argparse.Namespace, work: Path, prefix: str) -> tuple[SizeFigures, list[Measurement], dict]:
     """Every job of size `name` (module docstring, steps 1-6), each deltarec job on a fresh broker."""
     work.mkdir(parents=True, exist_ok=True)
-    given = (("steps", args.steps), ("interval", args.interval), ("follower_intervals", args.follower_intervals))
+    given = (
+        ("steps", args.steps),
+        ("interval", args.interval),
+        ("follower_intervals", args.follower_intervals),
+        ("repeats", args.repeats),
+    )
     s = size_job(name, work, {k: v for k, v in given if v})
     s["overrides"] = [*s["overrides"], *args.set]  # every job's, checkpointed or not
     log(f"size {name}: {s['config']}, checkpoint every {s['interval']} steps")
@@ -319,11 +325,14 @@ def measure_size(name: str, args: argparse.Namespace, work: Path, prefix: str) -
         )  # fmt: skip
         export = export_job(s, jobs[(FOLLOWER, ENCODING)], work, args.timeout_s)
         log(f"size {name}: the tracker's hook and scan")
-        tracker = tracker_job(s, args.timeout_s)
-        peers = peers_job(s, work, jobs, args.timeout_s, SCALE_PEERS)
+        tracker = tracker_job(s, args.timeout_s, args.tracker_block)
+        build_s = args.restore_build_s  # None: the job's own
+        peers = peers_job(s, work, jobs, args.timeout_s, SCALE_PEERS, build_s=build_s)
         # restore into another world size: the 2-rank trend's sizes into 4 would oversubscribe
         # the small ones for nothing; a size of more ranks is restored into the trend's 2
-        other = peers_job(s, work, jobs, args.timeout_s, world_size=BASE_RANKS) if s["ranks"] != BASE_RANKS else None
+        other: list[dict] | None = None
+        if s["ranks"] != BASE_RANKS:
+            other = peers_job(s, work, jobs, args.timeout_s, world_size=BASE_RANKS, build_s=build_s)
     ranks = s["ranks"]
     memory = {
         "none": read_memories(work / "no-ckpt" / "side", ranks),
@@ -609,6 +618,19 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--interval", type=int, help="override every size's checkpoint interval (steps)")
     p.add_argument("--follower-intervals", type=int, help="override every size's checkpoints of the follower job")
     p.add_argument("--follower-grace-s", type=float, default=300, help="how long the follower may take to catch up")
+    p.add_argument("--repeats", type=int, help="override every size's rounds of restores (default 2; the median is reported)")
+    p.add_argument(
+        "--tracker-block",
+        type=int,
+        default=10,
+        help="the tracker's measurement: steps per block of its rotation and of its warm-up (twice that between its snapshots)",
+    )
+    p.add_argument(
+        "--restore-build-s",
+        type=float,
+        help="seconds each deltarec restore keeps the rank busy, standing in for a restarted job's model build, "
+        "before it restores (default: the job's own build, measured; 0: no wait)",
+    )
     p.add_argument("--timeout-s", type=float, default=1800)
     p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",

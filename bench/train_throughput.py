@@ -16,7 +16,7 @@ In one invocation, on the same model, data and ranks (`--ranks` spawned like tra
   lines in TorchRec's `.npy` format, against the loop's samples/s per rank.
 
 A job's samples/s is its samples over its seconds after the first logged window (start-up;
-the peer: after its 20 warm-up steps), checkpoint stalls included (`--steps` a multiple of
+the peer: after its `--warmup` steps), checkpoint stalls included (`--steps` a multiple of
 `--log-every`); `--rounds` repeats the `--jobs` in rotated order and reports each job's
 median round. Ratios are against `torchrec` and against `deltarec` in the same run (the
 machine is noisy).
@@ -62,6 +62,9 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1, help="times each job runs (rotated order)")
     p.add_argument(
         "--jobs", type=lambda v: v.split(","), default=list(JOBS), help=f"comma-separated, of {','.join(JOBS)} (default: all)"
+    )
+    p.add_argument(
+        "--warmup", type=int, default=20, help="steps the peer and the profile run before their timed steps (not counted)"
     )
     p.add_argument("--profile-steps", type=int, default=100, help="profiled steps (0: no profile)")
     p.add_argument("--profile-interval", type=int, default=25, help="profile: steps between checkpoints")
@@ -124,7 +127,7 @@ def rank_job(mode: str, args: argparse.Namespace, config: str, work: Path, extra
         world_size=args.ranks,
         timeout_s=args.timeout_s,
         module="bench.throughput_rank",
-        extra_args=["--mode", mode, "--steps", str(steps), "--out", str(out)],
+        extra_args=["--mode", mode, "--steps", str(steps), "--warmup", str(args.warmup), "--out", str(out)],
     )
     return json.loads(out.read_text())
 

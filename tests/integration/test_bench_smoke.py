@@ -42,30 +42,15 @@ def test_quick_suite_writes_every_peer_and_policy(tmp_path: Path, run_cli: CliRu
     out, img, records = tmp_path / "results.json", tmp_path / "img", tmp_path / "records.jsonl"
     # shortened (2 checkpoints per job, a short follower job, one encoding and the default policy
     # beside the follower's incremental one: the other jobs differ only in `ckpt.encoding` and
-    # `ckpt.policy`, each policy's checkpoints are tested in tests/integration/test_resume.py):
-    # what is checked is that every record is there
+    # `ckpt.policy`, each policy's checkpoints are tested in tests/integration/test_resume.py;
+    # one round of restores, none of them waiting out a stand-in for a restarted job's model
+    # build): what is checked is that every record is there
     run_cli(
-        "bench.run",
-        "--suite",
-        "quick",
-        "--records",
-        records,
-        "--out",
-        out,
-        "--plots",
-        img,
-        "--steps",
-        "24",
-        "--interval",
-        "12",
-        "--follower-intervals",
-        "3",
-        "--encodings",
-        SMOKE_ENCODING,
-        "--policies",
-        DEFAULT_POLICY,
+        "bench.run", "--suite", "quick", "--records", records, "--out", out, "--plots", img,
+        "--steps", "12", "--interval", "6", "--follower-intervals", "3", "--repeats", "1", "--restore-build-s", "0",
+        "--encodings", SMOKE_ENCODING, "--policies", DEFAULT_POLICY,
         timeout_s=900,
-    )
+    )  # fmt: skip
     result = json.loads(out.read_text())
     flat = result["records"]
     assert flat and all(FIELDS <= set(r) for r in flat)
@@ -146,28 +131,15 @@ def test_quant_accuracy_restores_are_exact_in_fp32_and_quantized_ones_are_not(tm
 
 
 def test_cost_suite_measures_kafka_and_the_tmpfs_reference_against_no_checkpoints(tmp_path: Path, run_cli: CliRunner) -> None:
-    """A tiny `cost` run (quick model, a checkpoint every second): every sink's throughput,
+    """A tiny `cost` run (quick model, a checkpoint every 0.2 s): every sink's throughput,
     checkpoints and CPU per checkpoint by thread class; the broker's CPU only where there is
     a broker; the baseline run before and after."""
     out, records = tmp_path / "cost.json", tmp_path / "records.jsonl"
     run_cli(
-        "bench.run",
-        "--suite",
-        "cost",
-        "--size",
-        "quick",
-        "--steps",
-        "120",
-        "--interval-s",
-        "1",
-        "--records",
-        records,
-        "--out",
-        out,
-        "--keep",
-        tmp_path / "runs",
+        "bench.run", "--suite", "cost", "--size", "quick", "--steps", "30", "--log-every", "10", "--interval-s", "0.2",
+        "--records", records, "--out", out, "--keep", tmp_path / "runs",
         timeout_s=900,
-    )
+    )  # fmt: skip
     result = json.loads(out.read_text())
     summary = result["summary"]
     assert summary["none"]["jobs"] == 2 and summary["none"]["samples_per_s"] > 0
@@ -184,7 +156,7 @@ def test_cost_suite_measures_kafka_and_the_tmpfs_reference_against_no_checkpoint
     assert summary["tmpfs"]["cpu_kafka_s_per_ckpt"] == pytest.approx(0, abs=0.05)  # no librdkafka threads
     assert [j["sink"] for j in result["jobs"]] == ["none", "kafka", "tmpfs", "none"]
     assert all(j["vmstat"]["pgfault"] > 0 for j in result["jobs"]), [j["vmstat"] for j in result["jobs"]]
-    # 120 steps logged every 50: the windows ending at 100 and 120 (the first is warm-up)
+    # 30 steps logged every 10: the windows ending at 20 and 30 (the first is warm-up)
     assert all(len(j["window_rates"]) == 2 and j["pace_excess"] >= 0 for j in result["jobs"]), result["jobs"]
     sinks = {r["labels"]["sink"] for r in read_records(records)}
     assert sinks == {"none", "kafka", "tmpfs"}
@@ -199,11 +171,11 @@ def test_checkpoint_suite_runs_its_probes_to_the_end(tmp_path: Path, run_cli: Cl
         "--suite",
         "checkpoint",
         "--steps",
-        "40",
-        "--interval",
         "20",
+        "--interval",
+        "10",
         "--repeats",
-        "2",
+        "1",
         "--records",
         records,
         timeout_s=600,
@@ -296,7 +268,11 @@ def test_gpu_peers_suite_runs_every_job_in_one_process(tmp_path: Path, run_cli: 
         "--sizes",
         "tiny",
         "--interval",
-        "10",
+        "3",
+        "--warmup",
+        "1",
+        "--repeats",
+        "1",
         "--records",
         records,
         "--out",
@@ -358,8 +334,8 @@ def test_throughput_suite_compares_with_torchrec_and_profiles_the_step(
     out, records = tmp_path / "results.json", tmp_path / "records.jsonl"
     run_cli(
         "bench.run", "--suite", "throughput", "--records", records, "--out", out,
-        "--config", debug_config.path, "--steps", "40", "--log-every", "10", "--interval-s", "1",
-        "--profile-steps", "8", "--profile-interval", "4", "--reader-lines", "3000", "--reader-batch", "512",
+        "--config", debug_config.path, "--steps", "20", "--log-every", "5", "--interval-s", "0.2", "--warmup", "2",
+        "--profile-steps", "4", "--profile-interval", "2", "--reader-lines", "1000", "--reader-batch", "256",
         timeout_s=600,
     )  # fmt: skip
     doc = json.loads(out.read_text())
@@ -406,9 +382,11 @@ def test_serve_suite_times_freshness_latency_and_memory(tmp_path: Path, run_cli:
 
 def test_scale_suite_measures_memory_the_follower_and_the_peers_at_a_size(tmp_path: Path, run_cli: CliRunner) -> None:
     out, records = tmp_path / "scale.json", tmp_path / "records.jsonl"
-    # one size, shortened: what is checked is that every figure is measured, not its value
+    # one size, shortened (one round of restores, none waiting out a stand-in for a restarted job's
+    # model build; a short rotation of the tracker): what is checked is that every figure is measured, not its value
     run_cli("bench.run", "--suite", "scale", "--records", records, "--out", out, "--sizes", "quick",
-            "--steps", "24", "--follower-intervals", "4", timeout_s=900)  # fmt: skip
+            "--steps", "12", "--interval", "6", "--follower-intervals", "4", "--repeats", "1", "--restore-build-s", "0",
+            "--tracker-block", "2", timeout_s=900)  # fmt: skip
     result = json.loads(out.read_text())
     (size,) = result["sizes"]
     assert size["size"] == "quick" and size["follower_error"] is None, size
@@ -441,3 +419,39 @@ def test_every_step_suite_measures_a_checkpoint_every_step_and_a_kill(tmp_path: 
     assert 0 < pair["durable_s_p50"] <= pair["durable_s_p99"], pair
     killed = doc["killed"]
     assert killed["resumed_step"] is not None and 0 <= killed["steps_lost"] < 30, killed
+
+
+def test_serve_suite_sweeps_the_offered_load(tmp_path: Path, run_cli: CliRunner, debug_config: DebugConfig) -> None:
+    """`--sweep-only`, tiny, on the debug model while it trains: one point per (rate, size) at
+    doubling rates, each with its figures and the server's account of it; the highest rate meeting
+    each goal agrees with the points; a saturation breakdown per size; a record per figure."""
+    out, records = tmp_path / "serve.json", tmp_path / "records.jsonl"
+    run_cli(
+        "bench.run", "--suite", "serve", "--records", records, "--out", out, "--config", debug_config.path,
+        "--interval-s", "1", "--sweep-only", "--sweep-sizes", "1,32", "--sweep-start-rps", "10", "--sweep-max-rps", "40",
+        "--sweep-point-s", "1", "--sweep-goal", "1=20", "--sweep-goal", "32=50", timeout_s=300,
+    )  # fmt: skip
+    sweep = json.loads(out.read_text())["sweep"]
+    points = sweep["points"]
+    pairs = [(p["samples"], p["offered_rps"]) for p in points]
+    assert len(pairs) == len(set(pairs)) and {(1, 10), (32, 10)} <= set(pairs), pairs
+    for p in points:
+        assert p["ok"] + p["errors"] == p["sent"] == round(p["offered_rps"]), p
+        if p["ok"]:
+            assert 0 < p["p50_ms"] <= p["p99_ms"], p
+        server = p["server"]
+        if p["errors"] == 0:  # the server answered exactly these, each within the client's time
+            assert server["requests"] == p["ok"] and p["mean_ms"] >= server["request_ms"], p
+        if server is not None:  # the stages add up to the server's time
+            assert sum(server["stages_ms"].values()) == pytest.approx(server["request_ms"], rel=1e-2, abs=1e-3), server
+    for goal in sweep["goals"]:
+        mine = [p for p in points if p["samples"] == goal["samples"]]
+        meets = [p["offered_rps"] for p in mine if p["errors"] == 0 and p["ok"] and p["p99_ms"] <= goal["p99_ms"]]
+        assert goal["highest_rps"] == (max(meets) if meets else None), (goal, mine)
+    assert [(s["samples"], s["offered_rps"]) for s in sweep["saturation"]] == [
+        (n, max(r for m, r in pairs if m == n)) for n in (1, 32)
+    ]
+    assert sweep["trained_throughout"], sweep
+    lines = read_records(records)
+    answered = {(p["samples"], p["offered_rps"]) for p in points if p["p99_ms"] is not None}
+    assert {(r["labels"]["samples"], r["labels"]["offered_rps"]) for r in lines if r["metric"] == "load_p99_ms"} == answered
