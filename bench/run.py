@@ -122,7 +122,7 @@ SUITES = (
         (),
         "deltarec-serve beside the quickstart job (checkpoints every 10 s, incremental 4-bit) under a bounded "
         "request load from a second process: freshness against time to COMMIT, request latency for 1 and 512 "
-        "samples, the server's memory per row (~4 min)",
+        "samples, the server's memory per row (~4 min); --sweep: the load curve, open loop, per rate and size (~3 min more)",
     ),
     Suite(
         "codecs",
