@@ -16,7 +16,7 @@ import pytest
 from ckpt.cli import cmd_list
 from ckpt.dense.store import DenseHistory
 from ckpt.errors import RestoreError
-from ckpt.follow.follower import Follower, FollowStats, Rewind
+from ckpt.follow.follower import CommitIds, Follower, FollowStats, Rewind
 from ckpt.log.catalog import Catalog
 from ckpt.log.catalog_record import from_record, read_recent_catalog, summarize
 from ckpt.log.links import append_with_link
@@ -273,7 +273,7 @@ def _follower(catalog: Catalog, applied: int) -> tuple[Follower, list[Rewind]]:
     f = Follower.__new__(Follower)  # no backend: only the rewind's bookkeeping is exercised
     rewinds: list[Rewind] = []
     f.catalog, f.store, f.stats, f.on_rewind = catalog, None, FollowStats(), rewinds.append
-    f.applied, f.chain = catalog.commits[applied], list(catalog.commits[applied].chain)
+    f.applied, f.chain, f._ids = catalog.commits[applied], list(catalog.commits[applied].chain), CommitIds()
     return f, rewinds
 
 

@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 
 import ckpt.follow.follower as follower_mod
-from ckpt.follow.follower import Follower, FollowStats
+from ckpt.follow.follower import CommitIds, Follower, FollowStats
 
 
 def _follower(commits: dict[int, SimpleNamespace], fail: bool = False) -> Follower:
     f = Follower.__new__(Follower)  # no backend: poll's reads are stubbed below
-    f.store, f.applied, f.stats, f._trim_next_round = None, None, FollowStats(), False
+    f.store, f.applied, f.stats, f._trim_next_round, f._ids = None, None, FollowStats(), False, CommitIds()
     f.catalog = SimpleNamespace(commits=commits, abandoned=lambda cid: False)  # no rewind in these rounds
     f.backend = SimpleNamespace(markers=None)
 
