@@ -2,10 +2,11 @@
 # Sets up whatever is missing, then runs the whole test suite (CI's command). Extra arguments go
 # to pytest.
 #   bash launch/test.sh          every test: units, spawned gloo ranks, the embedded broker,
-#                                Slurm, two nodes (about 25 minutes on 2 cores; 3 pytest
+#                                Slurm, two nodes (about 12 minutes on 2 cores; 3 pytest
 #                                workers take as long: the tests are CPU-bound there)
-#   bash launch/test.sh --fast   tests/unit only: no spawned ranks, broker or scheduler (a few
-#                                minutes), for a contributor before a commit
+#   bash launch/test.sh --fast   tests/unit only: no spawned ranks, broker or scheduler (under
+#                                2 minutes), for a contributor before a commit
+# Ranks and the commands tests run are forked from a warm process (launch/warm.py).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash launch/setup.sh || exit 1
