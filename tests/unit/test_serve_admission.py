@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -49,12 +50,13 @@ class HeldPredictor:
 
 
 class Served:
-    """The app on 127.0.0.1 (a free port), its event loop on a thread of its own."""
+    """The app on 127.0.0.1 (a free port), its event loop on a thread of its own; its predictor
+    a `HeldPredictor` unless one is given (a context manager: closed on exit)."""
 
-    def __init__(self, cfg: ServeConfig) -> None:
-        self.predictor = HeldPredictor()
-        self.metrics = ServeMetrics(staleness=lambda: 0.0)
-        self.app = PredictionApp(self.predictor, cfg, self.metrics, lambda: {"ready": True, "checkpoint_id": 7})  # type: ignore[arg-type]
+    def __init__(self, cfg: ServeConfig, predictor: Any = None, metrics: ServeMetrics | None = None) -> None:
+        self.predictor = HeldPredictor() if predictor is None else predictor
+        self.metrics = metrics or ServeMetrics(staleness=lambda: 0.0)
+        self.app = PredictionApp(self.predictor, cfg, self.metrics, lambda: {"ready": True, "checkpoint_id": 7})
         self.loop = asyncio.new_event_loop()
         self.started = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -72,6 +74,16 @@ class Served:
         self.started.set()
         self.loop.run_forever()
         self.loop.run_until_complete(runner.cleanup())
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Served:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-from aiohttp import web
 from prometheus_client import generate_latest
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
@@ -35,8 +34,9 @@ from bench.serve_load import (
     refine_rate,
 )
 from ckpt.dense.store import DenseStore
+from tests.unit.test_serve_admission import Served
 from trainer.config import ServeConfig
-from trainer.serve.app import Answer, Computed, LookupClock, PredictionApp, Predictor
+from trainer.serve.app import Answer, Computed, LookupClock, Predictor
 from trainer.serve.client import ServeClient
 from trainer.serve.freshness import STAGES, RequestStages, ServeMetrics
 from trainer.serve.requests import FLOAT32_MAX, FeatureLayout, RequestError, _checked_batch, _fast_batch, parse_request
@@ -168,9 +168,9 @@ def test_a_prediction_is_split_into_stages_that_add_up_to_its_time(tmp_path: Pat
     c = answer.computed
     assert answer.samples == 4 and answer.checkpoint_id == 3 and c is not None
     assert c.start <= c.parsed <= c.locked <= c.done and 0 < c.lookup_s <= c.done - c.locked
-    with Served(predictor, metrics) as served:
+    with Served(ServeConfig(), predictor, metrics) as served:
         for _ in range(3):
-            status, doc = served.post(body)
+            status, doc = _post(served, body)
             assert status == 200 and len(doc["scores"]) == 4
         sample = metrics.registry.get_sample_value
         count = sample("deltarec_serve_request_seconds_count", {"samples": "2-64"})
@@ -192,39 +192,8 @@ def test_request_stages_are_named_in_order_and_add_up() -> None:
     assert stages.total == 36
 
 
-class Served:
-    """A PredictionApp on 127.0.0.1 (a free port), its event loop on a thread of its own."""
-
-    def __init__(self, predictor: Any, metrics: ServeMetrics, cfg: ServeConfig | None = None) -> None:
-        self.metrics = metrics
-        self.app = PredictionApp(predictor, cfg or ServeConfig(), metrics, lambda: {"ready": True, "checkpoint_id": 7})
-        self.loop = asyncio.new_event_loop()
-        self.started = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Served:
-        self.thread.start()
-        assert self.started.wait(30)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(30)
-        self.app.pool.shutdown(wait=False, cancel_futures=True)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        runner = self.app.runner()
-        self.loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        self.loop.run_until_complete(site.start())
-        self.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        self.started.set()
-        self.loop.run_forever()
-        self.loop.run_until_complete(runner.cleanup())
-
-    def post(self, body: bytes) -> tuple[int, Any]:
-        return ServeClient(self.url).predict(body)
+def _post(served: Served, body: bytes) -> tuple[int, Any]:
+    return ServeClient(served.url).predict(body)
 
 
 class SleepyPredictor:
@@ -250,7 +219,7 @@ def test_the_sweep_offers_doubling_rates_per_size_until_overloaded_and_accounts_
         sizes=(1, 4), start_rps=10, max_rps=160, point_s=0.4, timeout_s=1.0, goals_ms=((1, 200.0),), refine=1
     )
     metrics = ServeMetrics(staleness=lambda: 0.0)
-    with Served(SleepyPredictor(0.03), metrics, ServeConfig(max_concurrency=1, max_queue=0)) as served:
+    with Served(ServeConfig(max_concurrency=1, max_queue=0), SleepyPredictor(0.03), metrics) as served:
         bodies = {n: json.dumps({"samples": [{"dense": [1.0]}] * n}).encode() for n in settings.sizes}
         points = asyncio.run(Sweep(served.url, bodies, settings).run(ready_timeout_s=30))
     assert {p.samples for p in points} == {1, 4}
