@@ -14,7 +14,7 @@ so ratios compare figures taken on the same machine minutes apart:
    fraction of the model's rows (rows of every shard, a column-wise table counted once per
    column shard, as the tracker does), bytes, stall, write time, encoding, durable time.
    Each rank runs through `bench.ckpt_rank`, which adds per rank, from the checkpoint
-   manager's public stats: the stall's parts (agreement, `SnapshotTaker.take`, the rest)
+   checkpointer's public stats: the stall's parts (agreement, `SnapshotTaker.take`, the rest)
    and the step at which the outcome was known, and a bare `index_select` / `clone` of
    exactly the same rows (timed after the checkpoint, so it adds nothing to the stall).
 2. `bench.ckpt_probe` (2 ranks again, the same job built in-process): restore of the
@@ -56,10 +56,10 @@ def train_run(label: str, extra: list[str], args: argparse.Namespace, work: Path
     run_id = f"{prefix}-{label}"
     overrides = [
         "ckpt.enabled=true",
-        f"ckpt.bootstrap_servers={bootstrap}",
+        f"ckpt.sink.bootstrap_servers={bootstrap}",
         f"ckpt.run_id={run_id}",
-        f"ckpt.policy={args.policy}",
-        f"ckpt.interval_steps={args.interval}",
+        f"ckpt.schedule.policy={args.policy}",
+        f"ckpt.schedule.interval_steps={args.interval}",
         f"train.steps={args.steps}",
         "train.eval_every=0",
         "train.eval_batches=0",
@@ -67,7 +67,7 @@ def train_run(label: str, extra: list[str], args: argparse.Namespace, work: Path
         *extra,
         *args.overrides,
     ]
-    every = f"every {args.interval} steps" if args.interval else "by time (ckpt.interval_s)"
+    every = f"every {args.interval} steps" if args.interval else "by time (ckpt.schedule.interval_s)"
     log(f"training run {label}: {args.steps} steps, checkpoints {every}, {' '.join(extra) or 'fp32'}")
     t = time.perf_counter()
     spawn_ranks(
@@ -194,7 +194,7 @@ def probe(args: argparse.Namespace, work: Path, bootstrap: str, fp32: dict, quan
     log("probe: restore vs dcp.load, take vs bare copy, writer vs raw producer")
     spawn_ranks(
         args.config,
-        [f"ckpt.bootstrap_servers={bootstrap}", *args.overrides],
+        [f"ckpt.sink.bootstrap_servers={bootstrap}", *args.overrides],
         tmp,
         world_size=args.ranks,
         timeout_s=args.timeout_s,
@@ -306,11 +306,14 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/quickstart.yaml")
     p.add_argument("--steps", type=int, default=400, help="training steps per run")
-    p.add_argument("--interval", type=int, default=50, help="ckpt.interval_steps")
+    p.add_argument("--interval", type=int, default=50, help="ckpt.schedule.interval_steps")
     p.add_argument("--policy", default="intermittent_diff")
-    p.add_argument("--quant", default="adaptive4", help="ckpt.encoding of the quantized run")
+    p.add_argument("--quant", default="adaptive4", help="ckpt.encoding.weights of the quantized run")
     p.add_argument(
-        "--expected-restores", type=int, default=0, help="> 0: the quantized run uses ckpt.expected_restores=N instead of --quant"
+        "--expected-restores",
+        type=int,
+        default=0,
+        help="> 0: the quantized run uses ckpt.encoding.expected_restores=N instead of --quant",
     )
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5, help="timed rounds of each probe comparison")
@@ -330,9 +333,9 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite checkpoint") -
     started = time.perf_counter()
     machine = machine_info()
     if args.expected_restores > 0:
-        quant_extra, qlabel = [f"ckpt.expected_restores={args.expected_restores}"], f"restores{args.expected_restores}"
+        quant_extra, qlabel = [f"ckpt.encoding.expected_restores={args.expected_restores}"], f"restores{args.expected_restores}"
     else:
-        quant_extra, qlabel = [f"ckpt.encoding={args.quant}"], args.quant
+        quant_extra, qlabel = [f"ckpt.encoding.weights={args.quant}"], args.quant
     prefix = f"ckptbench-{uuid.uuid4().hex[:8]}"
     with tempfile.TemporaryDirectory(prefix="ckpt-bench-") as tmpdir, EmbeddedBroker() as broker:
         work = args.keep / prefix if args.keep else Path(tmpdir)

@@ -7,7 +7,7 @@ trainer rank).
 Builds the job exactly as `trainer.main` does (`bench.job.start_job`: same config, same world
 size), then:
 
-1. Restore vs DCP. `CheckpointManager.restore()` of the fp32 run's newest checkpoint
+1. Restore vs DCP. `Checkpointer.restore()` of the fp32 run's newest checkpoint
    (marker lookup, chain replay from Kafka, dense file, reader/RNG state), timed across
    ranks (barrier, restore, barrier); `dcp.save` of the restored model's state
    (`{"model": DMP.state_dict(), "optim": optimizer.state_dict()}`: sharded weights and
@@ -83,16 +83,16 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.config import load_config
     from trainer.main import make_checkpointer
 
-    base = ["ckpt.enabled=true", "ckpt.resume=latest", "ckpt.final=false", "train.eval_batches=0", *overrides]
+    base = ["ckpt.enabled=true", "ckpt.restore.resume=latest", "ckpt.schedule.final=false", "train.eval_batches=0", *overrides]
     cfg = load_config(args.config, [*base, f"ckpt.run_id={args.fp32_run}"])
     cfg_q = load_config(args.config, [*base, f"ckpt.run_id={args.quant_run}", *args.quant_override])
     env, device, sharded, trainer, no_metrics = start_job(cfg)
     rank, R = env.rank, args.repeats
-    mgr = make_checkpointer(cfg, env, device, sharded, trainer, no_metrics).manager
-    mgr_q = make_checkpointer(cfg_q, env, device, sharded, trainer, no_metrics).manager
-    mgr_q.tracker.detach()  # one tracker hook is enough
+    mgr = make_checkpointer(cfg, env, device, sharded, trainer, no_metrics)
+    mgr_q = make_checkpointer(cfg_q, env, device, sharded, trainer, no_metrics)
+    mgr_q.stages.tracker.detach()  # one tracker hook is enough
     quant = mgr_q.codecs()[0]  # the quantized run's weight codec (before any restore changes the count)
-    smap = mgr.shard_map
+    smap = mgr.stages.shard_map
     out: dict[str, Any] = {"rank": rank, "threads": torch.get_num_threads()}
 
     def report(rep: Any) -> dict[str, Any]:
@@ -114,10 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     ref_weights = [v.weight.detach().clone() for v in smap.shards]
     found: list[Any] = [None]
     if rank == 0:
-        found[0] = [m for _, m in commits(mgr.backend.markers.read_markers(), mgr.run_id)]
+        found[0] = [m for _, m in commits(mgr.stages.backend.markers.read_markers(), mgr.run_id)]
     dist.broadcast_object_list(found, src=0)
     markers = {m.checkpoint_id: m for m in found[0]}
-    conf = cfg.ckpt.kafka_conf()
+    conf = cfg.ckpt.sink.kafka_conf()
 
     def dcp_state() -> dict[str, Any]:
         return {"model": sharded.model.state_dict(), "optim": sharded.optimizer.state_dict()}
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     newest_is_full = len(latest["chain"]) == 1
     other_id = max((m.checkpoint_id for m in markers.values() if (len(m.chain) > 1) == newest_is_full), default=None)
     if other_id is not None:
-        mgr.cfg.resume = str(other_id)
+        mgr.cfg.restore.resume = str(other_id)
         chain_times, reps = [], []
         for _ in range(R):
             perturb(smap, sharded)
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             chain_times.append(t)
             reps.append(rp)
         out["restore"]["other_chain"] = {**report(reps[-1]), "restore_s": chain_times, "rows_s": [x.seconds for x in reps]}
-        mgr.cfg.resume = "latest"
+        mgr.cfg.restore.resume = "latest"
 
     # the quantized run's newest checkpoint
     q_times, q_rows = [], []
@@ -253,11 +253,11 @@ def main(argv: list[str] | None = None) -> int:
 
     # -- 2. take vs bare copy (controlled, repeated) ------------------------------------
     step = trainer.step
-    full_snap = mgr.taker.take(0, step, full=True, since_base=False)
-    mgr.tracker.mark_base()
+    full_snap = mgr.stages.taker.take(0, step, full=True, since_base=False)
+    mgr.stages.tracker.mark_base()
     for _ in range(args.interval):
         trainer.train_step()
-    locals_ = [mgr.tracker.touched_rows(i, False) for i in range(len(smap.shards))]
+    locals_ = [mgr.stages.tracker.touched_rows(i, False) for i in range(len(smap.shards))]
     pairs: dict[str, list[float]] = {"take_delta": [], "bare_delta": [], "take_full": [], "bare_full": [], "find_delta": []}
     delta_snap = None
     copier = BareCopier()
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in ("take", "bare") if r % 2 == 0 else ("bare", "take"):
                 key = f"{name}_{'full' if full else 'delta'}"
                 if name == "take":
-                    snap = mgr.taker.take(0, trainer.step, full=full, since_base=False)
+                    snap = mgr.stages.taker.take(0, trainer.step, full=full, since_base=False)
                     dt = snap.stall_s * 1e3
                     if full:
                         snap.release()  # as the writer does: the next take reuses its memory
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                 if r >= WARMUP_ROUNDS:
                     pairs[key].append(dt)
             if not full and r >= WARMUP_ROUNDS:  # the bitmap scan a delta take starts with
-                pairs["find_delta"].append(find_rows(mgr.tracker, len(smap.shards), False) * 1e3)
+                pairs["find_delta"].append(find_rows(mgr.stages.tracker, len(smap.shards), False) * 1e3)
     assert delta_snap is not None
     out["take_vs_bare"] = {
         "delta_rows": delta_snap.rows,
@@ -294,19 +294,19 @@ def main(argv: list[str] | None = None) -> int:
 
     # -- 3. writer vs raw producer ------------------------------------------------------
     bench_run = f"{args.fp32_run}-wbench"
-    sink = KafkaSink(bench_run, conf, num_partitions=env.world_size, delivery_timeout_s=cfg.ckpt.flush_timeout_s)
+    sink = KafkaSink(bench_run, conf, num_partitions=env.world_size, delivery_timeout_s=cfg.ckpt.sink.flush_timeout_s)
     group = dist.new_group(backend="gloo")
     writer = RankWriter(
         run_id=bench_run,
         rank=rank,
         sink=sink,
         group=group,
-        max_frame_bytes=cfg.ckpt.max_frame_bytes,
-        flush_timeout_s=cfg.ckpt.flush_timeout_s,
+        max_frame_bytes=cfg.ckpt.sink.max_frame_bytes,
+        flush_timeout_s=cfg.ckpt.sink.flush_timeout_s,
         committer=(lambda job, reports: None) if rank == 0 else None,
     )
     producer = Producer(
-        {**conf, "acks": "all", "enable.idempotence": True, "delivery.timeout.ms": int(cfg.ckpt.flush_timeout_s * 1000)}
+        {**conf, "acks": "all", "enable.idempotence": True, "delivery.timeout.ms": int(cfg.ckpt.sink.flush_timeout_s * 1000)}
     )
     admin = AdminClient(conf)
     # time the writer spends inside the sink (produce + flush), within its own timed run
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                         except BufferError:
                             producer.poll(0.05)
                     producer.poll(0)
-                left = producer.flush(cfg.ckpt.flush_timeout_s)
+                left = producer.flush(cfg.ckpt.sink.flush_timeout_s)
                 assert left == 0 and not errors, f"raw producer: {left} left, errors {errors[:3]}"
                 return time.perf_counter() - t0
 
@@ -423,8 +423,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"probe_rank{rank}.json").write_text(json.dumps(out, indent=1) + "\n")
-    mgr.finish(trainer.step)
-    mgr_q.finish(trainer.step)
+    mgr.close(trainer.step)
+    mgr_q.close(trainer.step)
     mgr = mgr_q = trainer = sharded = full_snap = delta_snap = None  # released before the process group goes
     stop_job()
     return 0

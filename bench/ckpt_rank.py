@@ -3,9 +3,9 @@ trainer's job with checkpoints, and per checkpoint what this rank's stall was ma
 
     python -m bench.ckpt_rank --config C --side DIR [key=value ...]
 
-The job is built and trained as `trainer.main` does (`bench.job.start_job`, the manager from
+The job is built and trained as `trainer.main` does (`bench.job.start_job`, the checkpointer from
 `trainer.main.make_checkpointer`, `restore`, `Trainer.fit`, `finish`). What it records
-in ``DIR/rank<r>.jsonl`` (one `RankCheckpoint` per line) comes from the manager's public
+in ``DIR/rank<r>.jsonl`` (one `RankCheckpoint` per line) comes from the checkpointer's public
 stats, read after each step end, never from inside the stall:
 
 - from `manager.stats.stalls` (`StallTiming`): ``stall_ms`` (the whole stall on this rank,
@@ -13,12 +13,12 @@ stats, read after each step end, never from inside the stall:
   checkpoint's kind: tracker counts and two small all-reduces, which include waiting for the
   other ranks), ``take_ms`` (`SnapshotTaker.take`), ``dense_ms`` (tracker marks, dense
   state), ``rows``, ``snapshot_bytes``, ``since_base`` / ``since_last`` (the
-  all-reduced fractions of rows changed that the policy saw); with ``ckpt.overlap_copy``
+  all-reduced fractions of rows changed that the policy saw); with ``ckpt.capture.overlap_copy``
   (``overlapped``) the copy ran beside the next step, and the stall is the hand-off plus
   ``wait_ms``, that step waiting for the copy; its record appears during that step;
 - from `manager.stats.outcomes`: ``committed`` and ``committed_at_step``, the step end at
   which this rank learned the outcome (the last step for outcomes `finish` collects), and
-  ``durable_at_step``, the first step end (the wall time this rank's step called the manager)
+  ``durable_at_step``, the first step end (the wall time this rank's step called the checkpointer)
   at or after the moment its COMMIT marker was durable (`Outcome.commit_unix`): a crash after
   that step restores this checkpoint, whether or not the ranks had learned of it yet;
 - a bare baseline: ``bare_ms_all``, a plain ``index_select`` (``copy_`` for a full
@@ -44,8 +44,8 @@ rank's resident set before the first step and its peak while training (sampled),
 bytes, and the host buffers' bound and peak (suite `scale`).
 
 Why one hook remains: the rows a delta copies are known only before its checkpoint marks the
-tracker, so `ObservedCheckpointer` stands in for the manager as the loop's `Checkpointer`
-and scans the tracker at checkpoint steps before calling the manager's public `save`.
+tracker, so `ObservedCheckpointer` stands in for the checkpointer as the loop's `Checkpointer`
+and scans the tracker at checkpoint steps before calling the checkpointer's public `save`.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ from common.process import run_main
 if TYPE_CHECKING:
     from bench.job import Job
     from ckpt.capture.tracker import RowTracker
-    from ckpt.handoff import StallTiming
-    from ckpt.manager import CheckpointManager
+    from ckpt.checkpointer import Checkpointer
+    from ckpt.save.handoff import StallTiming
     from trainer.config import JobConfig
 
 BARE_REPEATS = 3
@@ -208,16 +208,16 @@ class _ToCopy:
 
 
 class ObservedCheckpointer:
-    """The loop's `Checkpointer`: the manager's `save`, plus what this rank measures around it.
+    """The loop's `Checkpointer`: the checkpointer's `save`, plus what this rank measures around it.
 
-    Before a step end that checkpoints (`ckpt.interval_steps`), it lists the rows the delta
+    Before a step end that checkpoints (`ckpt.schedule.interval_steps`), it lists the rows the delta
     will copy (the tracker forgets them once the checkpoint marks it); after each step end it
-    reads the manager's new `StallTiming`s and outcomes; after training (`finish`) it times
+    reads the checkpointer's new `StallTiming`s and outcomes; after training (`finish`) it times
     the bare copies."""
 
     def __init__(
         self,
-        manager: CheckpointManager,
+        manager: Checkpointer,
         rank: int,
         copier: BareCopier | None = None,
         bare_repeats: int = BARE_REPEATS,
@@ -228,37 +228,37 @@ class ObservedCheckpointer:
         # memory they would count as the checkpoint's own host memory (suite `scale`)
         self.spill_dir = spill_dir
         self.rank = rank
-        self.since_base = manager.cfg.policy != "incremental"  # what a delta of this policy copies
+        self.since_base = manager.cfg.schedule.policy != "incremental"  # what a delta of this policy copies
         self.records: dict[int, RankCheckpoint] = {}
         self.to_copy: list[_ToCopy] = []
         self.copier = copier or BareCopier()  # one copier for several jobs of a process keeps its buffers
         self.bare_repeats = bare_repeats  # 0: no bare copies
         self._scans: dict[int, tuple[list[torch.Tensor], float]] = {}  # step -> rows listed before its save
-        self._stalls_seen = 0  # a stall is recorded once its copy is done: with `ckpt.overlap_copy`
+        self._stalls_seen = 0  # a stall is recorded once its copy is done: with `ckpt.capture.overlap_copy`
         self._outcomes_seen = 0  # during the next step, so both lists are read past what was seen
         self._step_ends: deque[tuple[int, float]] = deque()  # (step, time.time() as its step end began)
 
     def save(self, step: int) -> None:
-        """The manager's `save(step)`, observed."""
-        interval = self.manager.cfg.interval_steps
+        """The checkpointer's `save(step)`, observed."""
+        interval = self.manager.cfg.schedule.interval_steps
         due = interval > 0 and step % interval == 0
         self._observe(step, lambda: self.manager.save(step), scan=due)
 
     def finish(self, step: int) -> None:
-        """The manager's `finish(step)` (which may take the final checkpoint), observed; then
+        """The checkpointer's `finish(step)` (which may take the final checkpoint), observed; then
         every checkpoint's bare copy, the writer idle and training over."""
-        self._observe(step, lambda: self.manager.finish(step), scan=True)
+        self._observe(step, lambda: self.manager.close(step), scan=True)
         self._copy_bare()
 
     def _observe(self, step: int, call: Callable[[], None], scan: bool) -> None:
-        """Run `call` (a manager method at this step end); turn what the manager's stats gained
+        """Run `call` (a checkpointer method at this step end); turn what the checkpointer's stats gained
         since the last look into records. `scan`: list the changed rows first (a checkpoint may
         be taken)."""
         m, st = self.manager, self.manager.stats
         self._step_ends.append((step, time.time()))
         if scan:  # not while a copy beside training changes the bitmaps (a torn scan lists garbage)
             m.wait_for_copy()
-            self._scans[step] = touched(m.tracker, len(m.shard_map.shards), self.since_base)
+            self._scans[step] = touched(m.stages.tracker, len(m.stages.shard_map.shards), self.since_base)
         call()
         for timing in st.stalls[self._stalls_seen :]:
             rec = self._record(timing)
@@ -269,7 +269,7 @@ class ObservedCheckpointer:
             elif rows is not None:
                 rec.find_ms = find_s * 1e3
                 self.to_copy.append(self._held(rec, rows))
-            # else a time-based checkpoint (`ckpt.interval_s`) whose rows were not listed: no bare copy
+            # else a time-based checkpoint (`ckpt.schedule.interval_s`) whose rows were not listed: no bare copy
         self._stalls_seen = len(st.stalls)
         self._scans = {s: v for s, v in self._scans.items() if s >= step}
         for outcome in st.outcomes[self._outcomes_seen :]:
@@ -306,12 +306,12 @@ class ObservedCheckpointer:
             since_base=t.since_base,
             since_last=t.since_last,
             rank=self.rank,
-            rank_total_rows=self.manager.total_rows,
+            rank_total_rows=self.manager.stages.total_rows,
             find_ms=0.0 if t.full else None,
         )
 
     def _copy_bare(self) -> None:
-        shards = self.manager.shard_map.shards
+        shards = self.manager.stages.shard_map.shards
         while self.to_copy:
             item = self.to_copy.pop(0)
             rows = item.local_rows(len(shards))
@@ -360,7 +360,7 @@ class RankMemory:
     rss_peak_late_bytes: int  # ... over the second half of that time: the steady state after a first full checkpoint
     rss_end_bytes: int  # once the writer was idle
     hwm_bytes: int  # VmHWM at the end: the peak since the process started (construction included)
-    pool_keep_bytes: int = 0  # `ckpt.max_pending_bytes`: the host buffers' bound (0: checkpoints off)
+    pool_keep_bytes: int = 0  # `ckpt.write.max_pending_bytes`: the host buffers' bound (0: checkpoints off)
     pool_peak_bytes: int = 0  # the host buffers' largest capacity held at once, lent and free
     pinned: bool = False  # the host buffers are page-locked (a CUDA job)
     rss_anon_end_bytes: int = 0  # the end's resident set, its private part (RssAnon) ...
@@ -387,16 +387,16 @@ def read_cpu(path: Path) -> RankCpu:
     return RankCpu(**json.loads(path.read_text()))
 
 
-def wait_idle(manager: CheckpointManager, timeout_s: float = 600.0) -> None:
+def wait_idle(manager: Checkpointer, timeout_s: float = 600.0) -> None:
     """Wait until the writer holds no snapshot (its threads, and librdkafka's, still alive)."""
     deadline = time.monotonic() + timeout_s
-    while manager.writer.pending_bytes and time.monotonic() < deadline:
+    while manager.stages.writer.pending_bytes and time.monotonic() < deadline:
         time.sleep(0.01)
 
 
 def run(cfg: JobConfig, side: Path) -> None:
     """Train `cfg` on this rank (as `trainer.main.run_job` does; with `ckpt.enabled` through
-    the checkpoint manager) and write this rank's `RankCheckpoint`s to `side/rank<r>.jsonl` and
+    the checkpointer) and write this rank's `RankCheckpoint`s to `side/rank<r>.jsonl` and
     its threads' CPU to `side/cpu_rank<r>.json`."""
     from bench.job import start_job
 
@@ -406,7 +406,7 @@ def run(cfg: JobConfig, side: Path) -> None:
 def train(job: Job, cfg: JobConfig, side: Path, copier: BareCopier | None = None, bare_repeats: int = BARE_REPEATS) -> None:
     """`run`'s training and measuring, on a job already built (`job.trainer` fresh, reporting
     to `job.metrics`): what a spawned rank does, and each job of the one-process suite
-    (`bench.peers_gpu`) on a model `bench.job.Pristine` put back. The checkpoint manager is
+    (`bench.peers_gpu`) on a model `bench.job.Pristine` put back. The checkpointer is
     finished and its tracker detached from the model when this returns or raises, so another
     job can train the same model after it."""
     from bench.cpu import CpuLedger
@@ -416,7 +416,7 @@ def train(job: Job, cfg: JobConfig, side: Path, copier: BareCopier | None = None
     manager = observed = None
     try:
         if cfg.ckpt.enabled:
-            manager = make_checkpointer(cfg, job.env, job.device, job.sharded, job.trainer, job.metrics).manager
+            manager = make_checkpointer(cfg, job.env, job.device, job.sharded, job.trainer, job.metrics)
             spill = side / f"bare_rows_rank{job.env.rank}"
             observed = ObservedCheckpointer(manager, job.env.rank, copier, bare_repeats, spill_dir=spill)
             job.trainer.checkpointer = observed
@@ -427,7 +427,7 @@ def train(job: Job, cfg: JobConfig, side: Path, copier: BareCopier | None = None
         if manager is not None:
             wait_idle(manager)
         ledger.sample()
-        pool = manager.taker.pool if manager is not None else None
+        pool = manager.stages.taker.pool if manager is not None else None
         status = proc_status(os.getpid())
         memory = RankMemory(
             rank=job.env.rank,
@@ -459,7 +459,7 @@ def train(job: Job, cfg: JobConfig, side: Path, copier: BareCopier | None = None
             try:
                 observed.finish(job.trainer.step)
             finally:
-                finished.tracker.detach()
+                finished.stages.tracker.detach()
             observed.dump(side / f"rank{job.env.rank}.jsonl")
         side.mkdir(parents=True, exist_ok=True)
         (side / f"cpu_rank{job.env.rank}.json").write_text(json.dumps(asdict(cpu), sort_keys=True) + "\n")
@@ -467,11 +467,11 @@ def train(job: Job, cfg: JobConfig, side: Path, copier: BareCopier | None = None
     finally:
         job.metrics.close()
         job.trainer.checkpointer = None
-        if manager is not None:  # training failed: stop the manager's threads, leave the model untracked
+        if manager is not None:  # training failed: stop the checkpointer's threads, leave the model untracked
             try:
-                manager.finish(job.trainer.step)
+                manager.close(job.trainer.step)
             finally:
-                manager.tracker.detach()
+                manager.stages.tracker.detach()
 
 
 def read_sides(side: Path, ranks: int) -> dict[int, dict[int, RankCheckpoint]]:

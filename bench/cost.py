@@ -7,7 +7,7 @@
 On the model of `bench.peers`'s suite of that size, the default policy at 4 bits
 (`intermittent_diff`, `adaptive4`; ``--encoding fp32`` for the trainer's own default, bit-exact
 rows) checkpoints every ``--interval-s`` seconds of wall time
-(`ckpt.interval_s`: a true time interval, rank 0's clock; the full size's default is one
+(`ckpt.schedule.interval_s`: a true time interval, rank 0's clock; the full size's default is one
 minute). Each job is 2 gloo ranks through `bench.ckpt_rank`, in rounds of:
 
 1. ``none``: the same job without checkpoints (the baseline);
@@ -164,13 +164,13 @@ def ckpt_job(sink: str, s: dict[str, Any], work: Path, n: int, tmpfs: Path, time
         ranks=2,
         timeout_s=timeout_s,
         overrides=[
-            "ckpt.final=false",
-            f"ckpt.interval_s={s['interval_s']}",
+            "ckpt.schedule.final=false",
+            f"ckpt.schedule.interval_s={s['interval_s']}",
             f"train.log_every={s['log_every']}",
             *s["overrides"],
         ],
     )
-    extra = [f"ckpt.encoding={s['encoding']}"]
+    extra = [f"ckpt.encoding.weights={s['encoding']}"]
     prefix = f"bench-cost-{uuid.uuid4().hex[:8]}"
     if sink == "kafka":
         with EmbeddedBroker() as broker:
@@ -181,7 +181,12 @@ def ckpt_job(sink: str, s: dict[str, Any], work: Path, n: int, tmpfs: Path, time
         root = Path(tempfile.mkdtemp(prefix="deltarec-cost-", dir=tmpfs))
         try:
             run = train_run(
-                label, [*extra, "ckpt.sink=filesystem", f"ckpt.fs_root={root / 'stream'}"], ns, work, "127.0.0.1:1", prefix
+                label,
+                [*extra, "ckpt.sink.kind=filesystem", f"ckpt.sink.fs_root={root / 'stream'}"],
+                ns,
+                work,
+                "127.0.0.1:1",
+                prefix,
             )
             run["broker_cpu_s"] = None
         finally:
@@ -336,7 +341,7 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
         "--encoding",
         default=DEFAULT_QUANT,
         choices=codec_names(),
-        help="the rows' codec (ckpt.encoding; fp32 is the trainer's default)",
+        help="the rows' codec (ckpt.encoding.weights; fp32 is the trainer's default)",
     )
     p.add_argument("--tmpfs", type=Path, default=Path("/dev/shm"), help="a tmpfs for the filesystem sink's reference")
     p.add_argument("--out", type=Path, help="write the JSON result here")

@@ -9,7 +9,7 @@ restoring only the failed shards cuts the checkpoint-related overhead to 0.53-0.
 on-par model quality. Here, per seed and per mode, one job of ``--steps`` steps (the learnable
 synthetic click stream of ``configs/debug_cpu.yaml``, embedding lr 0.2, ``row_wise`` tables so
 every rank holds part of every table, as CPR's embedding servers do) runs on 2 gloo ranks
-under ``deltarec-launch --max-restarts K`` with ``ckpt.resume=latest``, checkpointing every
+under ``deltarec-launch --max-restarts K`` with ``ckpt.restore.resume=latest``, checkpointing every
 ``--interval`` steps to the filesystem sink, and is SIGKILLed K times from outside: kill i
 lands once the running attempt has logged step >= s_i, on rank r_i, both drawn from the seed
 (s_1 < ... < s_K at least ``--kill-gap`` apart, by default an interval + 20), so every mode
@@ -52,12 +52,17 @@ from launch.ranks import REPO, kill_tree, rank_pids, read_jsonl, spawn_ranks
 
 DEFAULT_CONFIG = REPO / "configs" / "debug_cpu.yaml"
 RANKS = 2
-_PRIORITY = ["ckpt.recovery=partial", "ckpt.policy=incremental", "ckpt.priority_budget=0.1", "ckpt.priority_full_every=5"]
+_PRIORITY = [
+    "ckpt.recovery.mode=partial",
+    "ckpt.schedule.policy=incremental",
+    "ckpt.recovery.priority_budget=0.1",
+    "ckpt.recovery.priority_full_every=5",
+]
 MODES = {  # mode -> its overrides
-    "full": ["ckpt.recovery=full"],
-    "partial": ["ckpt.recovery=partial"],
-    "partial+mfu": [*_PRIORITY, "ckpt.priority=mfu"],
-    "partial+ssu": [*_PRIORITY, "ckpt.priority=ssu"],
+    "full": ["ckpt.recovery.mode=full"],
+    "partial": ["ckpt.recovery.mode=partial"],
+    "partial+mfu": [*_PRIORITY, "ckpt.recovery.priority=mfu"],
+    "partial+ssu": [*_PRIORITY, "ckpt.recovery.priority=ssu"],
 }
 
 
@@ -83,8 +88,8 @@ def _job_args(args: argparse.Namespace, run_dir: Path, seed: int) -> list[str]:
         "train.progress=log",
         "sharding.default=row_wise",
         "ckpt.enabled=true",
-        "ckpt.sink=filesystem",
-        f"ckpt.interval_steps={args.interval}",
+        "ckpt.sink.kind=filesystem",
+        f"ckpt.schedule.interval_steps={args.interval}",
         f"ckpt.run_id=cpr-{seed}",
         *args.overrides,
     ]
@@ -109,7 +114,7 @@ def run_mode(mode: str, seed: int, kills: list[tuple[int, int]], args: argparse.
         str(args.config),
         *_job_args(args, run_dir, seed),
         *MODES[mode],
-        "ckpt.resume=latest",
+        "ckpt.restore.resume=latest",
     ]
     metrics = run_dir / "metrics.jsonl"
     log_path = work / f"{mode}-seed{seed}.log"

@@ -4,11 +4,11 @@
         [--pairs 2] [--follower] [--kill-at 600] [--out results.json] [key=value ...]
 
 Alternates `--pairs` pairs of `deltarec-train` jobs of 2 ranks (spawned like trainer ranks) on
-one embedded broker: without checkpoints, then with `ckpt.interval_steps=1` (incremental,
+one embedded broker: without checkpoints, then with `ckpt.schedule.interval_steps=1` (incremental,
 adaptive 4-bit rows unless overridden). Figures per pair: the throughput overhead (samples/s of
 the logged windows after the first), the stall per checkpoint, the time from a checkpoint's
 step to its durable COMMIT (p50 / p99, and the p99 of each half of the run: it must not grow),
-checkpoints committed and coalesced (`ckpt.max_pending_checkpoints`), bytes per step, and the
+checkpoints committed and coalesced (`ckpt.write.max_pending_checkpoints`), bytes per step, and the
 exit's wait after the last step (the writers' drain and the final checkpoint). With
 `--follower`, the first pair's checkpointed job runs beside `deltarec-follow`: the checkpoints it
 applied (and in how many passes), its lag behind the newest COMMIT in seconds and in checkpoints
@@ -125,11 +125,11 @@ def _every_step(bootstrap: str) -> list[str]:
     """A run of its own with a checkpoint every step: incremental 4-bit deltas to `bootstrap`."""
     return [
         "ckpt.enabled=true",
-        f"ckpt.bootstrap_servers={bootstrap}",
+        f"ckpt.sink.bootstrap_servers={bootstrap}",
         f"ckpt.run_id=every-step-{uuid.uuid4().hex[:8]}",
-        "ckpt.interval_steps=1",
-        "ckpt.policy=incremental",
-        "ckpt.encoding=adaptive4",
+        "ckpt.schedule.interval_steps=1",
+        "ckpt.schedule.policy=incremental",
+        "ckpt.encoding.weights=adaptive4",
     ]
 
 
@@ -166,7 +166,7 @@ def _follower_figures(log_path: Path, metrics_path: Path) -> dict[str, Any]:
 def _log_figures(config: str, run_dir: Path, ckpt: list[str]) -> dict[str, Any]:
     """`restore_chains` and `behind_at_passes` of the run's markers log."""
     cfg = load_job_ckpt_config(config, [f"run.dir={run_dir}", *ckpt])
-    backend = open_backend(cfg, world_size=1)
+    backend = open_backend(cfg.run_id, cfg.sink, world_size=1)
     try:
         records = backend.markers.read_markers()
     finally:
@@ -262,7 +262,7 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite every-step") -
             pairs.append(row)
         if args.kill_at:
             run_dir = work / "killed" / "run"
-            ckpt = [*_every_step(broker.bootstrap), "ckpt.resume=latest"]
+            ckpt = [*_every_step(broker.bootstrap), "ckpt.restore.resume=latest"]
             _job(args, config, run_dir, ckpt, env={"DELTAREC_KILL_AT": f"step:{args.kill_at}@1"})
             found = re.search(r"resumed from checkpoint (\d+) at step (\d+)", (run_dir / "console.log").read_text())
             resumed_step = int(found.group(2)) if found else None

@@ -154,7 +154,7 @@ def stall_case(n: int, dim: int, repeats: int) -> dict[str, Any]:
     state = torch.rand(2 * n, device=dev)
     marked = torch.zeros(2 * n, dtype=torch.bool, device=dev)
     marked[torch.randperm(2 * n, device=dev)[:n]] = True
-    pool = HostBufferPool(2 * n * (dim * 4 + 12) + (64 << 20), pin_for=dev)  # as the manager's, pinned
+    pool = HostBufferPool(2 * n * (dim * 4 + 12) + (64 << 20), pin_for=dev)  # as the checkpointer's, pinned
     taker = SnapshotTaker(
         _Shards([_Shard("t", 0, 0, weight, {"momentum1": state})]),  # type: ignore[arg-type]
         _MarkedRows(marked),
@@ -372,11 +372,11 @@ def overhead_case(config: str, seconds: float, interval_s: float, workdir: Path)
             [
                 *common,
                 "ckpt.enabled=true",
-                "ckpt.sink=kafka",
-                f"ckpt.bootstrap_servers={broker.bootstrap}",
+                "ckpt.sink.kind=kafka",
+                f"ckpt.sink.bootstrap_servers={broker.bootstrap}",
                 "ckpt.run_id=gpu-overhead",
-                "ckpt.interval_steps=0",
-                f"ckpt.interval_s={interval_s}",
+                "ckpt.schedule.interval_steps=0",
+                f"ckpt.schedule.interval_s={interval_s}",
             ],
             workdir / "kafka",
             seconds * 4,

@@ -41,7 +41,7 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--shapes", default="2x8,8x26,64x26,256x100,1024x100,1024x1000", help="ranks x tables, comma-separated")
     p.add_argument("--chains", default="10,100,1000,10000", help="chain lengths (links), comma-separated")
     p.add_argument("--chain-shape", default="8x26", help="ranks x tables of the chain rows")
-    p.add_argument("--catalog-every", type=int, default=32, help="as ckpt.catalog_every")
+    p.add_argument("--catalog-every", type=int, default=32, help="as ckpt.sink.catalog_every")
     p.add_argument("--out", type=Path)
     return p
 

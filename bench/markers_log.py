@@ -10,7 +10,7 @@ The log is what a job of the full suite's shape leaves: COMMIT markers of the de
 after the LINK record of its own link (ckpt/log/links.py), and
 a catalog record every `--catalog-every` records, as the
 trainer's committer appends them. It grows to each length of `--commits` in turn; at each, a
-fresh reader (connected first, as the checkpoint manager connects while it is built) reads the
+fresh reader (connected first, as the checkpointer connects while it is built) reads the
 log and lists the restorable checkpoints, both ways alternating, `--repeats` times each.
 Figures: median seconds per way and their ratio, records decoded, and that both ways chose
 the same checkpoint.
@@ -47,7 +47,7 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--commits", default="100,1000,10000", help="log lengths (COMMIT markers), comma-separated")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--sinks", default="kafka,fs", help="kafka (the embedded broker), fs (files), or both")
-    p.add_argument("--catalog-every", type=int, default=32, help="as ckpt.catalog_every")
+    p.add_argument("--catalog-every", type=int, default=32, help="as ckpt.sink.catalog_every")
     p.add_argument("--out", type=Path)
     return p
 

@@ -7,7 +7,7 @@ On one model, one data stream and one checkpoint interval (the suite's), in this
 1. every deltarec policy (full, one_shot_diff, incremental, intermittent_diff) x encoding
    (fp32, adaptive4): a real training job of 2 gloo ranks spawned like the tests do
    (`launch.ranks.spawn_ranks`), checkpointing to one embedded Tansu broker, each rank run
-   through `bench.ckpt_rank` (the trainer's job, plus per checkpoint from the manager's
+   through `bench.ckpt_rank` (the trainer's job, plus per checkpoint from the checkpointer's
    public stats: the stall's parts, a bare copy of the very rows the snapshot copied, and
    the step at which the outcome was known). From `<run_dir>/metrics.jsonl`: rows, bytes,
    stall, committed; from the COMMIT markers: the bytes the newest restorable checkpoint
@@ -23,7 +23,7 @@ On one model, one data stream and one checkpoint interval (the suite's), in this
    interval.
 2. `bench.peers_rank` (2 ranks, the same job in-process): training with no checkpoint,
    `dcp.save`, `dcp.async_save` (cloning stager), `torch.save` per rank, every interval,
-   then restore to training-ready: `dcp.load`, `torch.load`, and `CheckpointManager.restore`
+   then restore to training-ready: `dcp.load`, `torch.load`, and `Checkpointer.restore`
    of the newest checkpoint of each deltarec job of step 1 (with a follower: its cheapest
    chain, from the newest compacted baseline).
 
@@ -160,10 +160,10 @@ def capacity(config: str, overrides: list[str], bootstrap: str, run_id: str, ran
 
     cfg = load_config(
         config,
-        [*overrides, "ckpt.enabled=true", f"ckpt.bootstrap_servers={bootstrap}", f"ckpt.run_id={run_id}"],
+        [*overrides, "ckpt.enabled=true", f"ckpt.sink.bootstrap_servers={bootstrap}", f"ckpt.run_id={run_id}"],
         check_data=False,
     )
-    backend = open_backend(cfg.ckpt, ranks)
+    backend = open_backend(cfg.ckpt.run_id, cfg.ckpt.sink, ranks)
     try:
         found = commits(backend.markers.read_markers(), run_id)
     finally:
@@ -208,19 +208,21 @@ def deltarec_job(
         policy=policy,
         interval=s["interval"],
         steps=s["steps"],
-        overrides=["ckpt.final=false", *s["overrides"]],
+        overrides=["ckpt.schedule.final=false", *s["overrides"]],
         config=s["config"],
         ranks=s.get("ranks", 2),
         timeout_s=timeout_s,
     )
     bootstrap, cpu0 = broker.bootstrap, broker_cpu_s(broker)
-    run = train_run(label, [f"ckpt.encoding={encoding}"], ns, work, bootstrap, prefix)
+    run = train_run(label, [f"ckpt.encoding.weights={encoding}"], ns, work, bootstrap, prefix)
     run["broker_cpu_s"], run["bootstrap"] = broker_cpu_s(broker) - cpu0, bootstrap
     metrics = read_metrics(work / label / "run")
     rates = [m["samples_per_s"] for m in metrics if "samples_per_s" in m]
     run["skipped"] = sum(1 for m in metrics if m.get("ckpt_skipped"))  # writers still busy: back-pressure
     run["samples_per_s"] = harmonic_of(rates[1:] or rates)  # every window but the first (start-up)
-    run["capacity"] = capacity(s["config"], [*ns.overrides, f"ckpt.encoding={encoding}"], bootstrap, run["run_id"], ns.ranks)
+    run["capacity"] = capacity(
+        s["config"], [*ns.overrides, f"ckpt.encoding.weights={encoding}"], bootstrap, run["run_id"], ns.ranks
+    )
     run["run_dir"] = str(work / label / "run")
     return run
 
@@ -287,7 +289,8 @@ class FollowerThread:
         from ckpt.follow.follower import Follower
 
         try:
-            f = Follower(self.cfg, self.sink)
+            c = self.cfg
+            f = Follower(c.run_id, c.sink, c.follow, self.sink)
             try:
                 f.run(until=self._until)
             finally:
@@ -319,10 +322,10 @@ def chain_capacity(config: str, overrides: list[str], bootstrap: str, run_id: st
 
     cfg = load_config(
         config,
-        [*overrides, "ckpt.enabled=true", f"ckpt.bootstrap_servers={bootstrap}", f"ckpt.run_id={run_id}"],
+        [*overrides, "ckpt.enabled=true", f"ckpt.sink.bootstrap_servers={bootstrap}", f"ckpt.run_id={run_id}"],
         check_data=False,
     )
-    backend = open_backend(cfg.ckpt, ranks)
+    backend = open_backend(cfg.ckpt.run_id, cfg.ckpt.sink, ranks)
     try:
         records = backend.markers.read_markers()
     finally:
@@ -393,17 +396,17 @@ def follower_job(
         steps=steps,
         config=s["config"],
         ranks=s.get("ranks", 2),
-        overrides=["ckpt.final=false", *s["overrides"]],
+        overrides=["ckpt.schedule.final=false", *s["overrides"]],
         timeout_s=timeout_s,
     )
     job = [
         f"run.dir={run_dir}",
         "ckpt.enabled=true",
-        f"ckpt.bootstrap_servers={bootstrap}",
+        f"ckpt.sink.bootstrap_servers={bootstrap}",
         f"ckpt.run_id={run_id}",
-        "ckpt.policy=incremental",
-        f"ckpt.interval_steps={s['interval']}",
-        f"ckpt.encoding={encoding}",
+        "ckpt.schedule.policy=incremental",
+        f"ckpt.schedule.interval_steps={s['interval']}",
+        f"ckpt.encoding.weights={encoding}",
         *ns.overrides,
     ]
     cfg = load_config(s["config"], job, check_data=False).ckpt  # what `deltarec-follow --config C job...` resolves
@@ -418,13 +421,13 @@ def follower_job(
         follower = proc.start()
         run = None
         try:
-            run = train_run(label, [f"ckpt.encoding={encoding}"], ns, work, bootstrap, prefix)
+            run = train_run(label, [f"ckpt.encoding.weights={encoding}"], ns, work, bootstrap, prefix)
         finally:
             proc.finish(max((c["ckpt_id"] for c in run["checkpoints"] if c["committed"]), default=None) if run else None)
     else:
         follower = FollowerThread(cfg, grace_s).start()
         try:
-            run = train_run(label, [f"ckpt.encoding={encoding}"], ns, work, bootstrap, prefix)
+            run = train_run(label, [f"ckpt.encoding.weights={encoding}"], ns, work, bootstrap, prefix)
         finally:
             follower.finish()
     run["broker_cpu_s"], run["bootstrap"] = broker_cpu_s(broker) - cpu0, bootstrap
@@ -433,7 +436,9 @@ def follower_job(
     rates = [m["samples_per_s"] for m in metrics if "samples_per_s" in m]
     run["skipped"] = sum(1 for m in metrics if m.get("ckpt_skipped"))
     run["samples_per_s"] = harmonic_of(rates[1:] or rates)
-    run["capacity"] = chain_capacity(s["config"], [*ns.overrides, f"ckpt.encoding={encoding}"], bootstrap, run_id, ns.ranks)
+    run["capacity"] = chain_capacity(
+        s["config"], [*ns.overrides, f"ckpt.encoding.weights={encoding}"], bootstrap, run_id, ns.ranks
+    )
     run["run_dir"] = str(run_dir)
     run["steps"] = steps
     fol = read_jsonl(Path(cfg.follow.metrics)) if Path(cfg.follow.metrics).is_file() else []
@@ -510,13 +515,17 @@ def peers_job(
             "--restore",
             f"{label}={run['run_id']}={run['run_dir']}",
             "--restore-override",
-            f"{label}=ckpt.encoding={enc}",
+            f"{label}=ckpt.encoding.weights={enc}",
             "--restore-override",
-            f"{label}=ckpt.bootstrap_servers={run['bootstrap']}",
+            f"{label}=ckpt.sink.bootstrap_servers={run['bootstrap']}",
         ]
-        if policy == FOLLOWER:  # the same restore with no frames fetched ahead (`ckpt.read_ahead`)
+        if policy == FOLLOWER:  # the same restore with no frames fetched ahead (`ckpt.restore.read_ahead`)
             extra += ["--restore", f"{label}-cold={run['run_id']}={run['run_dir']}"]
-            for kv in (f"ckpt.encoding={enc}", f"ckpt.bootstrap_servers={run['bootstrap']}", "ckpt.read_ahead=false"):
+            for kv in (
+                f"ckpt.encoding.weights={enc}",
+                f"ckpt.sink.bootstrap_servers={run['bootstrap']}",
+                "ckpt.restore.read_ahead=false",
+            ):
                 extra += ["--restore-override", f"{label}-cold={kv}"]
     if restore_only:
         log(f"deltarec's restores of {ranks} ranks' checkpoints into {world} ranks")

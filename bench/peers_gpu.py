@@ -13,12 +13,12 @@ built and with a new training loop, through `Trainer.fit`, `--checkpoints` check
 
 1. the job without checkpoints: the throughput baseline of every other phase;
 2. deltarec, `intermittent_diff` (the default policy) and `incremental`, each with fp32 and
-   adaptive4 rows: the trainer's checkpoint manager (`bench.ckpt_rank.train`), checkpointing
+   adaptive4 rows: the trainer's checkpointer (`bench.ckpt_rank.train`), checkpointing
    to one embedded broker (Tansu, memory storage) shared by every job of the invocation;
 3. `dcp.save`, and `dcp.async_save` with its state staged in pinned host memory
    (`bench.peers_rank.pinned_stager`);
 4. restore to training-ready, `--repeats` rounds: `dcp.load` of the newest `dcp.save`
-   checkpoint against deltarec's `CheckpointManager.restore` of each job's newest checkpoint
+   checkpoint against deltarec's `Checkpointer.restore` of each job's newest checkpoint
    (into the model as built, as a restarted job restores; an fp32 job's checked to give back
    the state it ended with).
 
@@ -28,7 +28,7 @@ cardinalities at dim 80 (33.76M rows, 10.8 GB); `tiny` (the CPU variant, and the
 caps them at 2,000 rows at dim 16.
 
 Metrics per size (records as `bench.peers`'s, docs/peers.md, each labelled with its `size`):
-stall (deltarec: the manager's; dcp.async_save: the part of the save that blocks training),
+stall (deltarec: the checkpointer's; dcp.async_save: the part of the save that blocks training),
 seconds from the checkpoint step to durable (deltarec: its COMMIT; dcp.save: its duration;
 dcp.async_save: until its future completed), bytes per interval, capacity (bytes the newest
 restorable checkpoint needs), restore time, throughput overhead against the job without
@@ -73,7 +73,7 @@ SIZES: dict[str, dict[str, Any]] = {
 STARTUP_S = {"cuda": 20.0, "cpu": 12.0}  # imports, the device, the process group, the sharded model
 INIT_S_PER_VALUE = 12e-9  # `sharding.row_init` generates every row's values on one host core
 STEP_S_GUESS = {"cuda": 0.03, "cpu": 0.02}  # only with --interval (else the interval is --interval-s)
-JOB_OVERHEAD_S = 4.0  # a deltarec job's manager set-up, the writer's last flush, reading back its figures
+JOB_OVERHEAD_S = 4.0  # a deltarec job's checkpointer set-up, the writer's last flush, reading back its figures
 DISK_BPS, STAGE_BPS = 1.5e9, 8e9  # dcp's save and load through the page cache; staging into pinned memory
 
 
@@ -89,10 +89,10 @@ def size_config(name: str, path: Path) -> tuple[Path, list[str]]:
     s = SIZES[name]
     rows, dim = size_rows(name)
     cap = s["cap"] if s["cap"] is not None else max(CRITEO_KAGGLE)
-    # a full snapshot of every row must fit the manager's budget for pending snapshots (weights,
+    # a full snapshot of every row must fit the checkpointer's budget for pending snapshots (weights,
     # row-wise momentum, row ids), which at world size 1 holds the whole model
     pending = int(rows * (dim * 4 + 16) * 1.25) + (1 << 28)
-    return full_config(path, cap, dim), [f"data.batch_size={s['batch']}", f"ckpt.max_pending_bytes={pending}"]
+    return full_config(path, cap, dim), [f"data.batch_size={s['batch']}", f"ckpt.write.max_pending_bytes={pending}"]
 
 
 def estimate_s(name: str, device: str, args: argparse.Namespace, interval_s: float | None = None) -> float:

@@ -10,7 +10,7 @@ Each job starts from the model as built (`bench.job.Pristine`) with a new traini
 1. a short probe of the step time, which sets the interval from `--interval-s` unless
    `--interval` is given;
 2. the job without checkpoints (the throughput baseline);
-3. each deltarec job of `--jobs` (`bench.ckpt_rank.train`: the trainer's checkpoint manager to
+3. each deltarec job of `--jobs` (`bench.ckpt_rank.train`: the trainer's checkpointer to
    the broker at `--bootstrap`);
 4. each peer of `--peers` (`bench.peers_rank.PeerCheckpointer` as the loop's checkpointer);
 5. the restores, `--repeats` rounds with the order rotating: `dcp.load`, and deltarec's restore
@@ -250,12 +250,12 @@ class OneProcessRun:
             phase,
             [
                 "ckpt.enabled=true",
-                f"ckpt.bootstrap_servers={a.bootstrap}",
+                f"ckpt.sink.bootstrap_servers={a.bootstrap}",
                 f"ckpt.run_id={run_id}",
-                f"ckpt.policy={phase.policy}",
-                f"ckpt.interval_steps={self.interval}",
-                f"ckpt.encoding={phase.encoding}",
-                "ckpt.final=false",
+                f"ckpt.schedule.policy={phase.policy}",
+                f"ckpt.schedule.interval_steps={self.interval}",
+                f"ckpt.encoding.weights={phase.encoding}",
+                "ckpt.schedule.final=false",
             ],
         )
         rank0 = self.env.rank == 0
@@ -264,7 +264,7 @@ class OneProcessRun:
         run["skipped"] = sum(1 for m in metrics if m.get("ckpt_skipped"))
         run["checkpoints"] = checkpoint_rows(metrics, read_sides(side, self.env.world_size)) if rank0 else []
         run["capacity"] = capacity(
-            a.config, [*self.base, f"ckpt.encoding={phase.encoding}"], a.bootstrap, run_id, self.env.world_size
+            a.config, [*self.base, f"ckpt.encoding.weights={phase.encoding}"], a.bootstrap, run_id, self.env.world_size
         )
         run["policy"], run["encoding"] = phase.policy, phase.encoding
         self.final_fp[phase.label] = fingerprint(self.smap, self.sharded)
@@ -336,8 +336,8 @@ class OneProcessRun:
                 *self.base,
                 f"ckpt.run_id={run['run_id']}",
                 f"run.dir={run['run_dir']}",
-                f"ckpt.encoding={run['encoding']}",
-                f"ckpt.bootstrap_servers={run['bootstrap']}",
+                f"ckpt.encoding.weights={run['encoding']}",
+                f"ckpt.sink.bootstrap_servers={run['bootstrap']}",
             ],
             self.env,
             self.device,

@@ -1,6 +1,6 @@
 """One rank of the peers suites' in-process jobs: the same sharded job checkpointed by
 `dcp.save`, `dcp.async_save` and `torch.save`, restored by `dcp.load`, `torch.load` and
-deltarec's `CheckpointManager.restore`.
+deltarec's `Checkpointer.restore`.
 
     python -m bench.peers_rank --config C --out-dir DIR --steps N --interval K \
         [--restore LABEL=RUN_ID=RUN_DIR ...] [--restore-override LABEL=key=value ...] [--repeats R] [--build-s S] \
@@ -37,7 +37,7 @@ samples/s over the whole phase (stalls and background work included).
 Then restore to training-ready, each into a perturbed model and checked to give back the
 state saved at its checkpoint: `dcp.load` + `load_state_dict` of the newest `dcp.save`
 checkpoint, `torch.load` + `load_state_dict` of the newest `torch.save` one, and
-`CheckpointManager.restore()` of the newest checkpoint of each deltarec run given with
+`Checkpointer.restore()` of the newest checkpoint of each deltarec run given with
 `--restore` (its marker lookup, chain replay, dense and loop state; its broker connections
 made first, as a restarted job's are while it builds its model), `--repeats` rounds, order
 rotating. Writes ``<out-dir>/peers_rank<r>.json``.
@@ -390,10 +390,10 @@ def deltarec_restore(
     trainer: Trainer,
     build_s: float = 0.0,
 ) -> tuple[float, dict[str, Any]]:
-    """`CheckpointManager.restore()` of the newest checkpoint of the run `overrides` name, into
-    the live model (`trainer`: the loop whose state it restores): the manager built first (not
+    """`Checkpointer.restore()` of the newest checkpoint of the run `overrides` name, into
+    the live model (`trainer`: the loop whose state it restores): the checkpointer built first (not
     timed: a restarted job builds it anyway, its broker connections made, the markers log read
-    and, with `ckpt.read_ahead`, its frames' fetch started while its model is built) `build_s`
+    and, with `ckpt.restore.read_ahead`, its frames' fetch started while its model is built) `build_s`
     after the backend was opened (this job's own model build: what a restarted job spends
     between the two, trainer/main.py; the process kept busy meanwhile, `_busy_building`), then
     `restore()` alone (marker lookup, chain replay,
@@ -404,11 +404,11 @@ def deltarec_restore(
     from trainer.main import make_checkpointer
     from trainer.metrics import MetricsLog
 
-    c = load_config(config, [*overrides, "ckpt.enabled=true", "ckpt.resume=latest", "ckpt.final=false"])
+    c = load_config(config, [*overrides, "ckpt.enabled=true", "ckpt.restore.resume=latest", "ckpt.schedule.final=false"])
     opened = time.perf_counter()
-    backend = open_for_restore(c.ckpt, env.world_size, env.rank)
+    backend = open_for_restore(c.ckpt.run_id, c.ckpt.sink, c.ckpt.restore, env.world_size, env.rank)
     _busy_building(sharded, opened + build_s)  # the model's build (trainer/main.py)
-    mgr = make_checkpointer(c, env, device, sharded, trainer, MetricsLog(Path("unused"), enabled=False), backend).manager
+    mgr = make_checkpointer(c, env, device, sharded, trainer, MetricsLog(Path("unused"), enabled=False), backend)
     if backend.ahead is not None:  # a restarted job reads the markers log while it builds its model
         backend.ahead.wait()  # (trainer/main.py); its time is the report's `markers_ahead_s`
     try:
@@ -423,8 +423,8 @@ def deltarec_restore(
             "parts": {k: getattr(rep, k) for k in RESTORE_PARTS},
         }
     finally:
-        mgr.tracker.detach()
-        mgr.finish(trainer.step)
+        mgr.stages.tracker.detach()
+        mgr.close(trainer.step)
 
 
 # -- suites quick and full: phases of one loop --------------------------------------------------

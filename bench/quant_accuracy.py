@@ -6,19 +6,19 @@ For every cell (a setting, L restores) one job of ``--steps`` steps is trained o
 (the synthetic learnable click stream, ``configs/debug_cpu.yaml`` with ``--set`` overrides, by
 default ``optimizer.sparse.lr=0.2``), checkpointing continuously to the filesystem sink, and split
 into L + 1 segments at ``s_i = round(i * steps / (L + 1))``: segment 0 trains from scratch to
-``s_1``; segment i is a *new process* that resumes with ``ckpt.resume=latest`` and trains to
-``s_{i+1}``. ``ckpt.final`` checkpoints the last step of each segment, so restore i starts from the
+``s_1``; segment i is a *new process* that resumes with ``ckpt.restore.resume=latest`` and trains to
+``s_{i+1}``. ``ckpt.schedule.final`` checkpoints the last step of each segment, so restore i starts from the
 quantized rows of step ``s_i``. Each restore is checked: the resumed rank 0 must print the expected
 step, and the COMMIT marker it restored must name the expected weight codec.
 
 Settings (``--settings``):
 
-* ``default``: the bit-width policy, ``ckpt.expected_restores=L`` with the job's
-  ``ckpt.restore_bit_widths`` (deltarec's default: 4-bit for L <= 3, 8-bit beyond; 8-bit once
-  restored more often than expected); ``--set ckpt.restore_bit_widths=check_n_run`` measures
+* ``default``: the bit-width policy, ``ckpt.encoding.expected_restores=L`` with the job's
+  ``ckpt.encoding.restore_bit_widths`` (deltarec's default: 4-bit for L <= 3, 8-bit beyond; 8-bit once
+  restored more often than expected); ``--set ckpt.encoding.restore_bit_widths=check_n_run`` measures
   Check-N-Run's table (2-bit for L = 1, 3-bit for L <= 3, 4-bit for L <= 20), ``--set
-  "ckpt.restore_bit_widths=[[1,2],[10,4]]"`` any other.
-* ``adaptive2|adaptive3|adaptive4|asym8`` (or any codec name): ``ckpt.encoding=<name>``. A cell that
+  "ckpt.encoding.restore_bit_widths=[[1,2],[10,4]]"`` any other.
+* ``adaptive2|adaptive3|adaptive4|asym8`` (or any codec name): ``ckpt.encoding.weights=<name>``. A cell that
   is the same job as a default-policy cell (with deltarec's table ``adaptive4@1|3``, ``asym8@10|20``)
   is reported from that cell instead of being trained again (``--no-dedupe`` runs it anyway).
 * controls (``--controls setting@L``): ``fp32`` (restores must be exact: zero degradation) and
@@ -83,15 +83,15 @@ class Cell:
 
 def setting_overrides(setting: str, restores: int) -> list[str]:
     if setting == "default":
-        return [f"ckpt.expected_restores={restores}"]
+        return [f"ckpt.encoding.expected_restores={restores}"]
     if setting == "reference":
-        return ["ckpt.encoding=fp32"]
-    return [f"ckpt.encoding={setting}"]
+        return ["ckpt.encoding.weights=fp32"]
+    return [f"ckpt.encoding.weights={setting}"]
 
 
 def expected_codec(setting: str, expected_restores: int, restores_so_far: int, widths) -> str:
     """The weight codec a checkpoint written after `restores_so_far` restores must carry
-    (`widths`: the job's ckpt.restore_bit_widths)."""
+    (`widths`: the job's ckpt.encoding.restore_bit_widths)."""
     if setting == "default":
         from ckpt.quant import BitWidthPolicy
 
@@ -124,7 +124,7 @@ def marker_codecs(config: Path, overrides: list[str]) -> dict[int, dict]:
     from trainer.config import load_config
 
     cfg = load_config(config, overrides, check_data=False)
-    backend = open_backend(cfg.ckpt, world_size=1)
+    backend = open_backend(cfg.ckpt.run_id, cfg.ckpt.sink, world_size=1)
     try:
         found = commits(backend.markers.read_markers(), cfg.ckpt.run_id)
     finally:
@@ -184,7 +184,7 @@ def run_cell(cell: Cell, args, base: list[str], work: Path) -> None:
     t0 = time.perf_counter()
     prev = 0
     for i, end in enumerate(cell.boundaries):
-        ov = [*common, f"train.steps={end}", f"ckpt.resume={'latest' if i else 'none'}"]
+        ov = [*common, f"train.steps={end}", f"ckpt.restore.resume={'latest' if i else 'none'}"]
         ts = time.perf_counter()
         out = spawn(args.config, ov, run_dir, 2, args.timeout)
         if i:
@@ -490,7 +490,7 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="train.eval_every: the last 20%% of the run's evals are averaged as a second, steadier figure",
     )
     p.add_argument("--tail", type=float, default=0.2, help="fraction of the run whose evals are averaged")
-    p.add_argument("--interval", type=int, default=100, help="ckpt.interval_steps")
+    p.add_argument("--interval", type=int, default=100, help="ckpt.schedule.interval_steps")
     p.add_argument("--settings", nargs="*", default=["default", "adaptive2", "adaptive3", "adaptive4", "asym8"])
     p.add_argument("--restores", type=int, nargs="*", default=[1, 3, 10, 20])
     p.add_argument(
@@ -515,13 +515,14 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite accuracy") -> 
     args = parser(prog).parse_args(argv)
     args.config = Path(config_path(args.config))
     base = [
-        "ckpt.enabled=true", "ckpt.sink=filesystem", f"ckpt.interval_steps={args.interval}", "ckpt.final=true",
-        f"train.eval_batches={args.eval_batches}", f"train.eval_every={args.eval_every}", *args.overrides,
+        "ckpt.enabled=true", "ckpt.sink.kind=filesystem", f"ckpt.schedule.interval_steps={args.interval}",
+        "ckpt.schedule.final=true", f"train.eval_batches={args.eval_batches}", f"train.eval_every={args.eval_every}",
+        *args.overrides,
     ]  # fmt: skip
     from trainer.config import load_config
 
     # the default policy's table, as the jobs will read it (a --set may override it)
-    args.widths = load_config(args.config, base, check_data=False).ckpt.bit_widths()
+    args.widths = load_config(args.config, base, check_data=False).ckpt.encoding.bit_widths()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="deltarec-quant-acc-"))
     machine = machine_info()
     settings = {"config": str(args.config), "overrides": base, "steps": args.steps, "world_size": 2}

@@ -1,5 +1,5 @@
 """How many of a checkpoint's rows the next steps update again (suite `retouch`): what a
-copy-on-write snapshot holds aside (`ckpt.copy_on_write`, docs/scale.md).
+copy-on-write snapshot holds aside (`ckpt.capture.copy_on_write`, docs/scale.md).
 
     python -m bench.run --suite retouch [--cap 1000000] [--interval 170] [--batch 2048] [--ranks 2]
 

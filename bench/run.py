@@ -165,7 +165,7 @@ SUITES = (
         "every-step",
         "bench.every_step",
         (),
-        "a checkpoint every step (ckpt.interval_steps=1) against the same job without checkpoints, alternated: "
+        "a checkpoint every step (ckpt.schedule.interval_steps=1) against the same job without checkpoints, alternated: "
         "throughput overhead, stall, step to COMMIT p50/p99, coalesced checkpoints, bytes per step, the exit's "
         "drain; --follower: its lag; --kill-at: steps lost on a SIGKILL (~6 min at the defaults)",
     ),

@@ -83,8 +83,8 @@ SIZES: dict[str, dict[str, Any]] = {
     "mid": {"cap": 100_000, "dim": 64},  # 0.84M rows, 0.22 GB of fp32 weights
     "full": {"cap": 1_000_000, "dim": 64},  # 5.57M rows, 1.43 GB: suite `full`'s model
     # Criteo Kaggle's own cardinalities: 33.8M rows, 4.32 GB; a rank's full snapshot (~2.2 GB) is
-    # over the default ckpt.max_pending_bytes (1 GiB), which must hold one (the manager refuses less)
-    "kaggle": {"cap": UNCAPPED, "dim": 32, "overrides": ["data.batch_size=2048", "ckpt.max_pending_bytes=4294967296"]},
+    # over the default ckpt.write.max_pending_bytes (1 GiB), which must hold one (the checkpointer refuses less)
+    "kaggle": {"cap": UNCAPPED, "dim": 32, "overrides": ["data.batch_size=2048", "ckpt.write.max_pending_bytes=4294967296"]},
     # size `full` on 4 ranks (oversubscribed on a 2-core machine), compared with `full`, and its
     # checkpoints restored into 2 ranks as well: not a point of the trend against model size
     "full4": {"cap": 1_000_000, "dim": 64, "ranks": 4, "compare": "full"},
@@ -175,7 +175,7 @@ class SizeFigures:
     time_to_commit_s: float | None  # a delta's checkpoint step to its COMMIT (median)
     restore_s: float | None  # deltarec's restore of the follower job's newest chain
     restore_full_s: float | None  # of the `full` job's newest
-    # the follower job's restore again with `ckpt.read_ahead=false`: every frame fetched inside `restore()`
+    # the follower job's restore again with `ckpt.restore.read_ahead=false`: every frame fetched inside `restore()`
     restore_cold_s: float | None
     build_s: float | None  # the job's model build (by default, the restores start that long after opening their backend)
     dcp_load_s: float | None
@@ -193,7 +193,7 @@ class SizeFigures:
     rss_dcp_save_bytes: int | None  # a peer phase's peak, to compare with the first phase without checkpoints...
     rss_dcp_async_bytes: int | None  # (after dcp.save's: what that phase left resident counts here too)
     rss_phase_none_bytes: int | None  # ... of the same process
-    pool_keep_bytes: int | None  # `ckpt.max_pending_bytes`
+    pool_keep_bytes: int | None  # `ckpt.write.max_pending_bytes`
     pool_peak_incremental_bytes: int | None
     pool_peak_full_bytes: int | None
     restore_rss_bytes: int | None  # deltarec's restore of the follower chain: the rank's peak during it
@@ -634,7 +634,7 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=1800)
     p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
-        help="a config override for every job of every size (e.g. ckpt.copy_on_write=true); repeatable",
+        help="a config override for every job of every size (e.g. ckpt.capture.copy_on_write=true); repeatable",
     )  # fmt: skip
     return p
 

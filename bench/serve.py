@@ -80,7 +80,7 @@ from trainer.serve.client import ServeClient
 from trainer.serve.requests import FeatureLayout
 
 DEFAULT_CONFIG = REPO / "configs" / "quickstart.yaml"
-DEFAULT_SET = ["ckpt.policy=incremental", "ckpt.encoding=adaptive4"]
+DEFAULT_SET = ["ckpt.schedule.policy=incremental", "ckpt.encoding.weights=adaptive4"]
 SWEEP_TRAIN_STEPS = 10**7  # the load curve's job trains until the curve is done, then is stopped
 
 
@@ -148,11 +148,11 @@ def _job(args: argparse.Namespace, work: Path, broker: EmbeddedBroker, steps: in
     return [
         f"run.dir={work / 'run'}",
         "ckpt.enabled=true",
-        "ckpt.sink=kafka",
-        f"ckpt.bootstrap_servers={broker.bootstrap}",
+        "ckpt.sink.kind=kafka",
+        f"ckpt.sink.bootstrap_servers={broker.bootstrap}",
         f"ckpt.run_id=serve-bench-{os.getpid()}",
-        "ckpt.interval_steps=0",
-        f"ckpt.interval_s={args.interval_s}",
+        "ckpt.schedule.interval_steps=0",
+        f"ckpt.schedule.interval_s={args.interval_s}",
         f"train.steps={steps}",
         "train.eval_every=0",
         "serve.port=0",
@@ -210,7 +210,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             ranks.wait()
             stall = stalls.finish()
             train_s = time.perf_counter() - t0
-            backend = open_backend(cfg.ckpt, world_size=1)
+            backend = open_backend(cfg.ckpt.run_id, cfg.ckpt.sink, world_size=1)
             try:
                 commits = read_catalog(backend.markers, cfg.ckpt.run_id).commits
             finally:

@@ -3,10 +3,10 @@ end bit-identical to the same job never interrupted.
 
     python -m bench.soak --sink filesystem --steps 20000 --kills 20 --seed 7 --out soak-fs.json
     python -m bench.soak --sink kafka --steps 20000 --kills 20 --seed 7 --out soak-kafka.json
-    python -m bench.soak --sink kafka --set data.workers=1 --set ckpt.policy=incremental ...
+    python -m bench.soak --sink kafka --set data.workers=1 --set ckpt.schedule.policy=incremental ...
 
 The job is `--config` (configs/debug_cpu.yaml by default) on 2 CPU ranks under `deltarec-launch --max-restarts <kills>`
-with `ckpt.resume=latest` (on the embedded broker for `--sink kafka`). A killer outside the
+with `ckpt.restore.resume=latest` (on the embedded broker for `--sink kafka`). A killer outside the
 job waits for each attempt to train (its first metrics record), then a random delay (drawn
 from `--seed`), and SIGKILLs one random rank; torchrun restarts the job, which resumes from
 the newest committed checkpoint. Kills land wherever the delay falls: in a training step, a
@@ -131,14 +131,14 @@ def soak(
     run_dir, log = work / "run", work / "launch.log"
     ckpt = [
         "ckpt.enabled=true",
-        f"ckpt.sink={sink}",
+        f"ckpt.sink.kind={sink}",
         f"ckpt.run_id=soak-{seed}",
-        f"ckpt.interval_steps={interval}",
-        "ckpt.resume=latest",
-        "ckpt.flush_timeout_s=30",
+        f"ckpt.schedule.interval_steps={interval}",
+        "ckpt.restore.resume=latest",
+        "ckpt.sink.flush_timeout_s=30",
     ]
     if broker is not None:
-        ckpt.append(f"ckpt.bootstrap_servers={broker.bootstrap}")
+        ckpt.append(f"ckpt.sink.bootstrap_servers={broker.bootstrap}")
     cmd = [
         sys.executable,
         "-m",

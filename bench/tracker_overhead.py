@@ -254,7 +254,7 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> int:
     tr["micro_ids"] = values.numel()
 
     # Snapshot stall vs a bare index_select of the same rows, both into reused memory.
-    taker = SnapshotTaker(smap, tracker, device, pool=HostBufferPool(cfg.ckpt.max_pending_bytes))
+    taker = SnapshotTaker(smap, tracker, device, pool=HostBufferPool(cfg.ckpt.write.max_pending_bytes))
     tracker.mark_base()
     for _ in range(args.interval):
         trainer.train_step()

@@ -101,10 +101,10 @@ def train_job(name: str, args: argparse.Namespace, config: str, work: Path, boot
     else:
         overrides += [
             "ckpt.enabled=true",
-            f"ckpt.bootstrap_servers={bootstrap}",
+            f"ckpt.sink.bootstrap_servers={bootstrap}",
             f"ckpt.run_id=bench-throughput-{uuid.uuid4().hex[:8]}",
-            f"ckpt.interval_s={args.interval_s}",
-            "ckpt.interval_steps=0",
+            f"ckpt.schedule.interval_s={args.interval_s}",
+            "ckpt.schedule.interval_steps=0",
         ]
     spawn_ranks(config, [*overrides, *args.overrides], tmp, world_size=args.ranks, timeout_s=args.timeout_s)
     rates = _rates(tmp / "run")
@@ -216,10 +216,10 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite throughput") -
                 extra = [
                     f"train.pipeline={pipeline}",
                     "ckpt.enabled=true",
-                    f"ckpt.bootstrap_servers={broker.bootstrap}",
+                    f"ckpt.sink.bootstrap_servers={broker.bootstrap}",
                     f"ckpt.run_id=bench-profile-{uuid.uuid4().hex[:8]}",
-                    f"ckpt.interval_steps={args.profile_interval}",
-                    "ckpt.final=false",
+                    f"ckpt.schedule.interval_steps={args.profile_interval}",
+                    "ckpt.schedule.final=false",
                 ]
                 profiles.append(rank_job("profile", args, config, work, extra))
         if args.reader_lines:

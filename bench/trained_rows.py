@@ -28,7 +28,7 @@ from bench.common import Measurement, config_path, document_head, machine_info, 
 from bench.quant_accuracy import DEFAULT_CONFIG, REPO, spawn
 from common.process import run_main
 
-CKPT = ["ckpt.enabled=true", "ckpt.sink=filesystem", "ckpt.encoding=fp32", "ckpt.optimizer_encoding=fp32"]
+CKPT = ["ckpt.enabled=true", "ckpt.sink.kind=filesystem", "ckpt.encoding.weights=fp32", "ckpt.encoding.optimizer=fp32"]
 
 
 def trained_rows(model: dict) -> tuple[torch.Tensor, dict]:
@@ -79,7 +79,13 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite trained-rows")
         if run_dir.exists():
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True)
-        spawn(Path(config), [*job, f"train.steps={args.steps}", "ckpt.final=true", "ckpt.resume=none"], run_dir, 2, args.timeout)
+        spawn(
+            Path(config),
+            [*job, f"train.steps={args.steps}", "ckpt.schedule.final=true", "ckpt.restore.resume=none"],
+            run_dir,
+            2,
+            args.timeout,
+        )
     model_path = run_dir / "model.pt"
     cmd = [
         sys.executable,

@@ -13,12 +13,19 @@ from typing import Any
 
 _EXPORTS = {
     "Checkpointer": "ckpt.checkpointer",
-    "initialise_rows": "ckpt.checkpointer",
+    "initialise_rows": "ckpt.build",
     "CkptConfig": "ckpt.config",
+    "SinkConfig": "ckpt.config",
+    "ScheduleConfig": "ckpt.config",
+    "WriteConfig": "ckpt.config",
+    "EncodingConfig": "ckpt.config",
+    "CaptureConfig": "ckpt.config",
+    "RestoreConfig": "ckpt.config",
+    "RecoveryConfig": "ckpt.config",
     "FollowConfig": "ckpt.config",
     "load_ckpt_config": "ckpt.config",
     "RestoreReport": "ckpt.restore.restorer",
-    "RestoreError": "ckpt.errors",
+    "RestoreError": "ckpt.types",
 }
 
 __all__ = sorted(_EXPORTS)

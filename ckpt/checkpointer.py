@@ -4,7 +4,7 @@
 
     cfg = load_ckpt_config("job.yaml")              # the `ckpt:` section, or CkptConfig(...) in code
     ckpt = Checkpointer(cfg, dmp, dense_optimizer=dense_opt, loop=loop, run_dir="runs/my_job")
-    ckpt.restore()                                  # ckpt.resume: latest | none | <checkpoint id>
+    ckpt.restore()                                  # ckpt.restore.resume: latest | none | <checkpoint id>
     for step in range(loop.step + 1, steps + 1):
         train_one_batch()                           # forward, backward, dense_opt.step()
         loop.step = step
@@ -26,7 +26,7 @@ What it takes (docs/design/layers.md, "Your own loop"):
   loop has one, decides whether its state carries over to another world size
   (ckpt/recovery/partial.py, `shared_reader`).
 - `row_init`: the `RowInit` the rows were initialised with (`initialise_rows`), which lets
-  checkpoints leave out rows never trained (`ckpt.untrained_rows=regenerate`); without it
+  checkpoints leave out rows never trained (`ckpt.capture.untrained_rows=regenerate`); without it
   rows keep TorchRec's own initial values, so the first full checkpoint stores every row.
 
 Refused at start, each with one line: a sharded module of another kind, a fused optimizer
@@ -34,149 +34,74 @@ whose state is not all in the rows, a loop whose state has no `step` or cannot b
 with partial recovery, lacks `samples_seen` or `skip_batches`), a dense optimizer without
 `state_dict`/`load_state_dict`; at restore, a
 checkpoint whose tables do not match the model's (ckpt/restore/replay.py).
+
+One checkpoint, as the training thread takes it in `save(step)`: agree with the other ranks on
+its kind (small all-reduces of row counts and flags, started at the end of the step before;
+never a wait on Kafka; ckpt/save/schedule.py), copy the chosen rows and the dense state to host
+memory, and hand them to the writer thread (ckpt/save/handoff.py). On CPU the copy runs beside
+the next step, whose first lookup waits for the tracker's marks and whose backward pass waits
+for the rows (`ckpt.capture.overlap_copy`, ckpt/capture/overlapped_copy.py); the stall is the
+hand-off plus those waits. Outcomes come back asynchronously and are logged, counted and
+written to metrics (ckpt/save/outcomes.py); a failed checkpoint makes the next one full. The
+stages are built by ckpt/build.py, each from its own config section; this class holds them and
+the chain's state (`ChainState`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import asdict, replace
+import copy
+import logging
+import time
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.profiler import record_function
 
-from ckpt.config import CkptConfig
-from ckpt.dense.store import unloadable_reason
-from ckpt.events import MetricsSink
-from ckpt.handoff import JobIdentity
+from ckpt.build import (
+    NoDenseState,
+    Stages,
+    build_stages,
+    check_dense_optimizer,
+    check_loop,
+    check_optimizers,
+    config_digest,
+    device_of,
+    dist_env,
+    model_digest,
+    resolve,
+)
+from ckpt.config import CkptConfig, EncodingConfig
+from ckpt.events import MetricsLog, MetricsSink
+from ckpt.faults import maybe_die
 from ckpt.log.backend import Backend
 from ckpt.log.markers import SurvivorRecord
-from ckpt.manager import CheckpointManager
-from ckpt.metrics_log import MetricsLog
-from ckpt.outcomes import CheckpointStats
-from ckpt.restore.restorer import RestoreReport
-from common.errors import ConfigError, DeltarecError
+from ckpt.quant import BitWidthPolicy, warm_up_codecs
+from ckpt.recovery.survivor import save_survivor
+from ckpt.restore.restorer import Fresh, Restorer, RestoreReport, Resumed
+from ckpt.save.handoff import CopyOrder
+from ckpt.save.outcomes import CheckpointStats
+from ckpt.save.schedule import interval_for_target_pls
+from ckpt.types import ChainState, JobIdentity
+from ckpt.write.writer import Outcome, WriteJob
 from sharding.dmp import ShardedModel
-from sharding.process_group import DistEnv, detect_env
-from sharding.row_init import RowInit, initialise_shards
+from sharding.process_group import DistEnv
+from sharding.row_init import RowInit
 from sharding.shard_views import ShardMap, unwrapped
 
-#: fbgemm's fused optimizers whose whole state is per row (`split_optimizer_states`), so rows carry it.
-SUPPORTED_OPTIMIZERS = ("exact_row_wise_adagrad", "row_wise_adagrad", "exact_adagrad", "exact_sgd", "sgd")
-
-
-class UnsupportedOptimizerError(DeltarecError, ValueError):
-    """A fused embedding optimizer keeps state deltarec cannot capture."""
-
-
-def initialise_rows(model: nn.Module, seed: int) -> RowInit:
-    """Set every model-parallel row of `model` (a DMP) to deltarec's plan-independent initial
-    value for `seed` (sharding/row_init.py: torchrec's default distribution) and its fused
-    optimizer state to zero; pass the result as `Checkpointer(row_init=...)`. Call it on every
-    rank, after DMP and before training: checkpoints then need not store rows never trained."""
-    shard_map = ShardMap.from_model(model)
-    init = RowInit(seed)
-    initialise_shards(init, shard_map.shards, shard_map.shapes())
-    return init
-
-
-def check_optimizers(shard_map: ShardMap) -> None:
-    """Refuse a fused optimizer with state outside the rows (Adam's and LAMB's step counter,
-    counter-based row-wise Adagrad): restoring its rows alone would not restore it."""
-    for s in shard_map.shards:
-        kind = getattr(getattr(s.kernel, "optimizer", None), "value", None)
-        if kind is None:
-            continue
-        if kind not in SUPPORTED_OPTIMIZERS or getattr(s.kernel, "_used_rowwise_adagrad_with_counter", False):
-            raise UnsupportedOptimizerError(
-                f"table {s.table}: its fused optimizer {kind} keeps a step counter outside the rows, which "
-                f"deltarec does not capture yet; use one of {', '.join(SUPPORTED_OPTIMIZERS)}"
-            )
-
-
-def check_loop(loop: Stateful, cfg: CkptConfig) -> None:
-    """What deltarec reads from the loop's state, checked before training starts: an int `step`
-    always (what a checkpoint is of, and where a restore resumes); with `ckpt.recovery=partial`
-    also an int `samples_seen` (the samples trained so far over all ranks, which the portion of
-    lost samples is counted against) and a `skip_batches(n)` method (a rolled-back rank's data
-    moves past what its dead predecessor trained). Everything else in the state is the loop's own
-    and rides along untouched (the loop-state table in README.md)."""
-    state = loop.state_dict()
-    name = type(loop).__name__
-    if not isinstance(state, dict) or not _is_int(state.get("step")):
-        raise ConfigError(
-            f"loop {name}: state_dict() must be a dict with an int 'step' (the last completed step); "
-            f"got keys {sorted(state) if isinstance(state, dict) else type(state).__name__}"
-        )
-    unloadable = unloadable_reason(state)  # it rides in the dense file: refused now, not at the first restore
-    if unloadable:
-        raise ConfigError(
-            f"loop {name}: its state_dict() cannot be checkpointed: {unloadable}; keep tensors and plain "
-            "data in it (torch.get_rng_state(), ints, floats, strings, lists, dicts)"
-        )
-    if cfg.recovery != "partial":
-        return
-    if not _is_int(state.get("samples_seen")):
-        raise ConfigError(
-            f"loop {name}: ckpt.recovery=partial counts lost samples against the loop state's int 'samples_seen' "
-            f"(samples trained so far, all ranks together), which it lacks; got keys {sorted(state)}"
-        )
-    if not callable(getattr(loop, "skip_batches", None)):
-        raise ConfigError(
-            f"loop {name}: ckpt.recovery=partial needs a skip_batches(n) method (a rolled-back rank's reader "
-            "moves past the batches its dead predecessor trained; a no-op when the data follows 'step')"
-        )
-
-
-def check_dense_optimizer(dense_optimizer: Any) -> None:
-    """The dense optimizer (or None: no dense parameters) travels through its own
-    `state_dict()` / `load_state_dict()`, so it must have both."""
-    if dense_optimizer is None:
-        return
-    lacks = [f"{m}()" for m in ("state_dict", "load_state_dict") if not callable(getattr(dense_optimizer, m, None))]
-    if lacks:
-        raise ConfigError(
-            f"dense_optimizer {type(dense_optimizer).__name__} has no {' or '.join(lacks)}: pass the optimizer of "
-            "the parameters outside the embedding tables (torch.optim, torchrec's KeyedOptimizerWrapper), or None"
-        )
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def model_digest(shard_map: ShardMap, model: nn.Module) -> str:
-    """sha256 of what rows and dense state depend on: every table's key and shape, every dense
-    parameter's name and shape (the plan and world size are left out: restores reshard)."""
-    tables = sorted((k, list(t.shape)) for k, t in shard_map.table_info.items())
-    dense = sorted((n, list(p.shape)) for n, p in model.named_parameters() if not hasattr(p, "_in_backward_optimizers"))
-    return hashlib.sha256(json.dumps([tables, dense]).encode()).hexdigest()
-
-
-def dist_env() -> DistEnv:
-    """This process's place in the initialised default process group: rank and world size
-    from the group, the rest from the launcher's variables (`detect_env`)."""
-    if not dist.is_initialized():
-        raise ConfigError("Checkpointer needs torch.distributed initialised first (the process group DMP shards over)")
-    launched = detect_env()
-    return replace(launched, rank=dist.get_rank(), world_size=dist.get_world_size())
-
-
-def _device_of(shard_map: ShardMap, model: nn.Module) -> torch.device:
-    if shard_map.shards:
-        return shard_map.shards[0].weight.device
-    return next((p.device for p in model.parameters()), torch.device("cpu"))
+logger = logging.getLogger(__name__)
 
 
 class Checkpointer:
-    """Continuous checkpoints of a user's DMP model and loop: `restore` once, `save` after
-    every training step (torchtitan's `CheckpointManager.save` idiom), `close` at the end
-    (module docstring). One per rank; every rank makes the same calls."""
+    """Continuous checkpoints of a user's DMP model and loop, one per rank: `restore` once,
+    `save` after every training step (torchtitan's `CheckpointManager.save` idiom), `close` at
+    the end (module docstring); every rank makes the same calls.
+
+    It reads its config section (`cfg`, resolved here: run id and directories filled from
+    `run_dir`) and the model (its tables are found in it: sharding/shard_views.py); the loop it
+    checkpoints is any `Stateful` whose state dict holds this rank's loop position (`step`, and
+    for deltarec's loop `reader`, the data reader's state)."""
 
     def __init__(
         self,
@@ -193,13 +118,14 @@ class Checkpointer:
         env: DistEnv | None = None,
     ) -> None:
         self.env = env if env is not None else dist_env()
-        self.cfg = _resolve(cfg, run_dir)
+        self.cfg = resolve(cfg, run_dir)
+        self.run_id = self.cfg.run_id
         if run_dir is not None and self.env.rank == 0:  # what `deltarec-ckpt --config <run_dir>/ckpt.yaml` reads
             Path(run_dir).mkdir(parents=True, exist_ok=True)
             (Path(run_dir) / "ckpt.yaml").write_text(self.cfg.to_yaml())
         shard_map = ShardMap.from_model(model)
         check_optimizers(shard_map)
-        check_loop(loop, self.cfg)
+        check_loop(loop, partial=self.cfg.recovery.mode == "partial")
         check_dense_optimizer(dense_optimizer)
         if callable(getattr(dense_optimizer, "save_param_groups", None)):
             # a torchrec KeyedOptimizer leaves its param groups (the learning rate a scheduler
@@ -207,88 +133,310 @@ class Checkpointer:
             dense_optimizer.save_param_groups(True)
         self._own_metrics: MetricsLog | None = None
         if metrics is None:
-            self._own_metrics = MetricsLog(Path(self.cfg.dense_dir).parent / "metrics.jsonl", enabled=self.env.rank == 0)
+            path = Path(self.cfg.sink.dense_dir).parent / "metrics.jsonl"
+            self._own_metrics = MetricsLog(path, enabled=self.env.rank == 0)
             metrics = self._own_metrics
-        plan = getattr(model, "plan", None)
-        dense = _NoState() if dense_optimizer is None else dense_optimizer
-        sharded = ShardedModel(model, None, plan, row_init, dense_optimizer=dense)
+        self.metrics = metrics
+        dense = NoDenseState() if dense_optimizer is None else dense_optimizer
+        self.sharded = ShardedModel(model, None, getattr(model, "plan", None), row_init, dense_optimizer=dense)
+        self.row_init = row_init
         if identity is None:
-            config_digest = hashlib.sha256(json.dumps(asdict(self.cfg), sort_keys=True, default=str).encode()).hexdigest()
-            identity = JobIdentity(config_digest, model_digest(shard_map, unwrapped(model)))
-        self.manager = CheckpointManager(
+            identity = JobIdentity(config_digest(self.cfg), model_digest(shard_map, unwrapped(model)))
+        self.identity = identity
+        self.loop = loop
+        self.stages: Stages = build_stages(
             self.cfg,
             identity=identity,
             env=self.env,
-            device=_device_of(shard_map, model),
-            sharded=sharded,
-            trainer=loop,
+            device=device_of(shard_map, model),
+            sharded=self.sharded,
             metrics=metrics,
             backend=backend,
             shard_map=shard_map,
+            wants_full=self._wants_full,
         )
+        self.chain = ChainState()
+        warm_up_codecs([self.codecs()[0]])  # before training, not in the first checkpoint's write
         self._closed = False
-
-    def restore(self) -> RestoreReport | None:
-        """Bring back the checkpoint `ckpt.resume` names into the model, both optimizers and the
-        loop (`loop.load_state_dict`); None when there is none (a fresh start). Call it once,
-        before the first step, on every rank."""
-        return self.manager.restore()
-
-    def save(self, step: int) -> None:
-        """After training step `step` (the loop's state already says `step`): a checkpoint when
-        one is due (`ckpt.interval_steps` / `ckpt.interval_s`), else only the outcomes of
-        earlier ones are collected. A profile shows it as `## deltarec checkpoint ##`."""
-        with record_function("## deltarec checkpoint ##"):
-            self.manager.save(step)
-
-    def close(self, step: int) -> None:
-        """Checkpoint the last step (`ckpt.final`), wait for every outcome, stop the writer."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self.manager.finish(step)
-        finally:
-            if self._own_metrics is not None:
-                self._own_metrics.close()
-
-    def save_survivor(self, loop_state: dict[str, Any]) -> SurvivorRecord | None:
-        """Another rank died (`ckpt.recovery: partial`): save this rank's work since the newest
-        committed checkpoint, with `loop_state` as of its last completed step (CheckpointManager.save_survivor)."""
-        return self.manager.save_survivor(loop_state)
 
     @property
     def stats(self) -> CheckpointStats:
         """Checkpoints committed, failed, skipped so far, with their stalls."""
-        return self.manager.stats
+        return self.stages.outcomes.stats
 
-
-class _NoState:
-    """The dense optimizer of a model with no dense parameters."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
-
-
-def _resolve(cfg: CkptConfig, run_dir: str | Path | None) -> CkptConfig:
-    """`cfg` enabled and validated, its run id and directories filled from `run_dir`, every
-    path absolute (the `ckpt.yaml` it leaves in the run directory works from any directory)."""
-    if run_dir is None and not (cfg.run_id and cfg.dense_dir and (cfg.fs_root or cfg.sink == "kafka")):
-        raise ConfigError(
-            "Checkpointer: give run_dir, or set ckpt.run_id, ckpt.dense_dir (and ckpt.fs_root for the filesystem sink)"
+    # -- restore ------------------------------------------------------------------------
+    def restore(self) -> RestoreReport | None:
+        """Bring back the checkpoint `ckpt.restore.resume` names into the model, both optimizers
+        and the loop (`loop.load_state_dict`; ckpt/restore/restorer.py); None when there is none
+        (a fresh start). Call it once, before the first step, on every rank. Then, under partial
+        recovery, every rank learns its attempt (a survivor's record names it), and
+        `ckpt.recovery.target_pls` sets the interval."""
+        st, cfg = self.stages, self.cfg
+        restorer = Restorer(
+            cfg.restore,
+            run_id=self.run_id,
+            incremental=cfg.schedule.policy == "incremental",
+            regenerate=cfg.capture.untrained_rows == "regenerate",
+            env=self.env,
+            backend=st.backend,
+            dense=st.dense,
+            choice=st.choice,
+            sharded=self.sharded,
+            shard_map=st.shard_map,
+            tracker=st.tracker,
+            trainer=self.loop,
+            metrics=self.metrics,
+            model_sha256=self.identity.model_sha256,
         )
-    if run_dir is not None:
-        cfg = cfg.resolved(cfg.run_id or Path(run_dir).name, Path(run_dir))
-    cfg = replace(cfg, enabled=True, fs_root=_absolute(cfg.fs_root), dense_dir=_absolute(cfg.dense_dir))
-    follow = replace(cfg.follow, export_dir=_absolute(cfg.follow.export_dir), metrics=_absolute(cfg.follow.metrics))
-    cfg = replace(cfg, follow=follow)
-    cfg.validate("ckpt")
-    return cfg
+        outcome = restorer.restore(st.attempt.announce, shards_hold=self.row_init)
+        if isinstance(outcome, Fresh):
+            self.chain.next_id = outcome.next_id
+        else:
+            self._adopt(outcome)
+        if cfg.recovery.mode == "partial" and not st.attempt.epoch:
+            st.attempt.join()
+        if cfg.recovery.target_pls > 0:
+            st.schedule.use_interval(interval_for_target_pls(cfg.recovery, st.shard_map, st.choice.mtbf_s, self.env.rank))
+        return None if isinstance(outcome, Fresh) else outcome.report
+
+    def _adopt(self, resumed: Resumed) -> None:
+        """The chain's state and the stages take over what a restore brought back."""
+        st = self.stages
+        self.chain = ChainState(
+            next_id=resumed.next_id,
+            generation=resumed.generation,
+            ids=resumed.chain,
+            force_full=resumed.force_full,
+            last_committed=resumed.checkpoint_id,
+            restores=resumed.restores,
+            lost_samples=resumed.lost_samples,
+        )
+        if resumed.row_init is not None:
+            self.row_init = resumed.row_init
+            st.taker.adopt(trained_only=True)
+        if st.committer is not None:
+            st.committer.adopt(resumed.links, resumed.row_init)
+        if resumed.have_base:
+            st.policy.adopt_base()
+        st.schedule.resumed_at(resumed.step)
+
+    # -- save -----------------------------------------------------------------------------
+    def save(self, step: int) -> None:
+        """After training step `step` (the loop's state already says `step`): a checkpoint when
+        one is due (`ckpt.schedule.interval_steps` / `interval_s`), else only the outcomes of
+        earlier ones are collected. A profile shows it as `## deltarec checkpoint ##`."""
+        with record_function("## deltarec checkpoint ##"):
+            schedule = self.stages.schedule
+            maybe_die("step", step, self.env.rank)
+            self.wait_for_copy()  # done already: this step's backward pass waited for it
+            self._record_outcomes()
+            if schedule.due(step):
+                self._checkpoint(step)
+            if schedule.time_to_reserve(step):
+                stalls = self.stats.stalls
+                schedule.reserve_next(self.chain.force_full, last_was_full=bool(stalls) and stalls[-1].full)
+            schedule.look_ahead(step + 1)
+
+    def close(self, step: int) -> None:
+        """Checkpoint the last step (`ckpt.schedule.final`), wait for every outcome, stop the
+        writer. Right also when the loop body never ran; a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._finish(step)
+        finally:
+            if self._own_metrics is not None:
+                self._own_metrics.close()
+
+    def _finish(self, step: int) -> None:
+        st = self.stages
+        self.wait_for_copy()
+        if self.cfg.schedule.final:
+            # every earlier outcome first: after a failure the last checkpoint must be one that
+            # commits on its own (full), not a delta of a chain that can no longer commit; and
+            # when the last step's own checkpoint failed, it is taken again, full
+            st.writer.drain()
+            self._record_outcomes()
+            last = self.stats.last
+            if st.schedule.last_step != step or (last is not None and not last.committed and last.step == step):
+                self._checkpoint(step, final=True)
+            self.wait_for_copy()
+        st.copier.close()
+        st.schedule.close()
+        for outcome in st.writer.close():
+            self._record(outcome)
+        if self.env.rank == 0:
+            st.outcomes.say_unwritten()
+        if st.taker.pool is not None:
+            st.taker.pool.close()
+        st.backend.close()
+        if self.env.rank == 0:
+            logger.debug(  # the trainer prints the summary line
+                "checkpoints: %d committed, %d failed, %d skipped", self.stats.committed, self.stats.failed, self.stats.skipped
+            )
+
+    def _record_outcomes(self) -> None:
+        """Record the outcomes the writer decided since the last look (never blocks)."""
+        for outcome in self.stages.writer.poll():
+            self._record(outcome)
+
+    def _wants_full(self) -> bool:
+        """Whether this rank asks for a full checkpoint, as an agreement starts: after a failed
+        checkpoint or a restore, or (prioritized checkpoints) the full one that saves what
+        prioritized ones left waiting, every `ckpt.recovery.priority_full_every` checkpoints."""
+        st = self.stages
+        if st.priority is not None and st.handoff.since_full + 1 >= self.cfg.recovery.priority_full_every:
+            self.chain.force_full = True
+        return self.chain.force_full
+
+    def _checkpoint(self, step: int, final: bool = False) -> None:
+        """Take the checkpoint of `step`: agree, copy (the stall), hand to the writer.
+        Under back-pressure `skip` drops it (reported), `wait` blocks; the final one waits.
+        Its callers have waited for the previous checkpoint's copy (`wait_for_copy`)."""
+        st, chain = self.stages, self.chain
+        assert not st.copier.busy, "the previous checkpoint's copy is still running"
+        if not st.attempt.epoch:
+            st.attempt.join()
+        started_unix, t0, cpu0 = time.time(), time.perf_counter(), time.thread_time()
+        agreed = st.schedule.agree(step)
+        t_agreed = time.perf_counter()
+        decision = agreed.decision
+        if agreed.behind and not final:  # its rows go into the next checkpoint taken
+            st.outcomes.coalesced(step, self.env.rank)
+            return
+        if agreed.overflow[decision.kind] and self.cfg.write.on_backpressure == "skip" and not final:
+            st.outcomes.skipped(step, self.env.rank)
+            return
+        if st.writer.pending_bytes:  # the agreed counts are a step old: the bound uses this step's
+            need = st.taker.estimate_bytes(decision.full, decision.since_base)
+            st.writer.wait_for_room(need, self.cfg.write.max_pending_bytes)
+        st.schedule.took(step)
+        cid = chain.next_id
+        chain.next_id += 1
+        if decision.full or not chain.generation:
+            chain.generation = cid  # a full checkpoint, or the first delta after a restore, opens one
+        chain.ids = st.policy.chain_after(chain.ids, cid, decision)
+        # this step's loop position, copied: the loop may change what its state dict refers to
+        # before the writer serialises it
+        trainer_state = copy.deepcopy(self.loop.state_dict())
+        st.policy.record(decision, agreed.fraction)
+        chain.force_full = chain.force_full and not agreed.forced  # a request made after the agreement waits for the next
+        codecs = self.codecs()
+        st.outcomes.started(cid, started_unix, codecs[0])
+        overlap = self._overlap()
+        order = CopyOrder(
+            checkpoint_id=cid,
+            step=step,
+            decision=decision,
+            final=final,
+            trainer_state=trainer_state,
+            fractions=agreed.fractions,
+            generation=chain.generation,
+            chain=list(chain.ids),
+            codecs=codecs,
+            overlapped=overlap,
+            agree_ms=(t_agreed - t0) * 1e3,
+            epoch=st.attempt.epoch,
+            restores=chain.restores,
+            lost_samples=chain.lost_samples,
+        )
+        if overlap:
+            handoff_s, handoff_cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+            st.copier.start(lambda finish, release: st.handoff.copy(order, handoff_s, finish, handoff_cpu, release))
+            st.tracker.hold_next_lookup(st.copier.wait_released, self.wait_for_copy)
+        else:
+            timing = st.handoff.copy(order, 0.0, lambda: time.perf_counter() - t0, 0.0)
+            self.stats.stalls.append(timing._replace(cpu_ms=(time.thread_time() - cpu0) * 1e3))
+
+    def _overlap(self) -> bool:
+        """Whether this checkpoint's copy runs beside the next step (ckpt/capture/overlapped_copy.py)."""
+        return self.cfg.capture.overlap_copy and self.stages.taker.device.type == "cpu" and self.stages.tracker.attached
+
+    def wait_for_copy(self) -> None:
+        """Wait for a checkpoint's copy still running beside training (`ckpt.capture.overlap_copy`),
+        if any, and record its stall: until then it reads the shards and changes the tracker's
+        bitmaps. Every call that reads or changes the tracker, the taker or the writer's queue
+        comes here first (the checkpointer's own, a benchmark's between steps), and so does the
+        next step's backward pass, before its embedding kernels could change a row."""
+        timing = self.stages.copier.wait()
+        if timing is not None:
+            self.stats.stalls.append(timing)
+
+    def _record(self, o: Outcome) -> None:
+        """One checkpoint's outcome: counted (a fenced one stops this attempt), logged and written
+        to metrics on rank 0; a committed one is what a survivor builds on, a failed one makes
+        the next checkpoint full."""
+        st = self.stages
+        pending = st.outcomes.count(o)
+        if o.committed:
+            self.chain.last_committed = max(self.chain.last_committed, o.checkpoint_id)
+            st.tracker.committed(o.checkpoint_id)
+            maybe_die("committed", o.checkpoint_id, self.env.rank)
+        else:
+            self.chain.force_full = True
+        if self.env.rank == 0:
+            st.outcomes.report(o, pending)
+
+    # -- partial recovery -------------------------------------------------------------------
+    def save_survivor(self, loop_state: dict[str, Any]) -> SurvivorRecord | None:
+        """Another rank died: under `ckpt.recovery.mode: partial` save this rank's rows changed
+        since the newest checkpoint it knows committed, its dense and loop state (`loop_state`:
+        as of its last completed step) within `ckpt.recovery.survivor_timeout_s`
+        (ckpt/recovery/survivor.py). None when there is nothing a restore could use: full
+        recovery, or no committed checkpoint yet."""
+        st, chain = self.stages, self.chain
+        if self.cfg.recovery.mode != "partial" or not st.attempt.epoch:
+            return None
+        self.wait_for_copy()  # a copy the failed step left in flight (no row changed since its checkpoint step)
+        self._record_outcomes()  # outcomes the writer decided since the last step: the newest base there is
+        if not chain.last_committed:
+            return None
+        deadline = time.monotonic() + self.cfg.recovery.survivor_timeout_s
+        step, sid = int(loop_state["step"]), chain.next_id
+        rows = [st.tracker.since_committed_rows(i) for i in range(len(st.shard_map.shards))]
+        snapshot = st.taker.take_rows(sid, step, rows)
+        weight_codec, optimizer_codec = self.codecs()
+        job = WriteJob(
+            checkpoint_id=sid,
+            step=step,
+            generation=sid,
+            chain=[],
+            snapshot=snapshot,
+            trainer_state=loop_state,
+            weight_codec=weight_codec,
+            optimizer_codec=optimizer_codec,
+            epoch=st.attempt.epoch,
+        )
+        dense = st.dense_capture()
+        dense.update(
+            restores=chain.restores, lost_samples=chain.lost_samples, step=step, trainer=loop_state, **self.identity._asdict()
+        )
+        shards = [[s.table, s.row_offset, s.num_rows, s.col_offset, s.num_cols] for s in st.shard_map.shards]
+        return save_survivor(
+            self.cfg.sink,
+            run_id=self.run_id,
+            rank=self.env.rank,
+            job=job,
+            attempt=st.attempt.id,
+            world_size=self.env.world_size,
+            base=chain.last_committed,
+            dense_state=dense,
+            shards=shards,
+            deadline=deadline,
+        )
+
+    def codecs(self) -> tuple[str, str]:
+        """(weight codec, optimizer codec) for the next checkpoint: `ckpt.encoding.weights` and
+        `.optimizer`, or the bit width `ckpt.encoding.restore_bit_widths` (deltarec's table by
+        default) gives for `ckpt.encoding.expected_restores`, which falls back to 8 bits once the
+        job has restored more often than expected."""
+        return codecs_for(self.cfg.encoding, self.chain.restores)
 
 
-def _absolute(path: str) -> str:
-    """`path` from the working directory, as an absolute path ("" stays unset)."""
-    return str(Path(path).absolute()) if path else path
+def codecs_for(encoding: EncodingConfig, restores: int) -> tuple[str, str]:
+    """(weight codec, optimizer codec) of a job that has restored `restores` times (`Checkpointer.codecs`)."""
+    if encoding.expected_restores <= 0:
+        return encoding.weights, encoding.optimizer
+    policy = BitWidthPolicy(expected_restores=encoding.expected_restores, restores_so_far=restores, widths=encoding.bit_widths())
+    return policy.weight_codec(), policy.optimizer_codec()

@@ -25,7 +25,6 @@ import torch
 
 from ckpt.config import CkptConfig
 from ckpt.dense.store import DenseRef, DenseStore
-from ckpt.errors import RestoreError
 from ckpt.faults import maybe_die, maybe_hold
 from ckpt.log.backend import open_backend
 from ckpt.log.catalog import Catalog, catch_up, read_catalog
@@ -34,6 +33,7 @@ from ckpt.log.markers import AttemptRecord, DroppedRecord, Marker, encode_marker
 from ckpt.restore.export import assemble, export, replicated_tables
 from ckpt.restore.replay import iter_chain_frames
 from ckpt.stream.sink import compacted_epoch, generation_label, is_compacted
+from ckpt.types import RestoreError
 from common.errors import DeltarecError
 
 logger = logging.getLogger(__name__)
@@ -290,8 +290,8 @@ def main(argv: Sequence[str], load_ckpt_config: Callable[[str, list[str]], CkptC
     try:
         cfg = load_ckpt_config(args.config, args.overrides)
         run_id = cfg.run_id
-        backend = open_backend(cfg, world_size=1)
-        dense = DenseStore(Path(cfg.dense_dir))
+        backend = open_backend(run_id, cfg.sink, world_size=1)
+        dense = DenseStore(Path(cfg.sink.dense_dir))
         try:
             mine = announce(backend.markers, run_id, "gc").record if args.command == "gc" else None
             catalog = read_catalog(backend.markers, run_id, f"{backend.where} markers")

@@ -1,6 +1,6 @@
 """What a run reports as it goes: one frozen dataclass per kind of record that metrics.jsonl
 (and the follower's metrics file), the console, TensorBoard and `deltarec-report` share, and
-where they go (`MetricsSink`).
+where they go: `MetricsSink`, and `MetricsLog`, the sink that writes them to metrics.jsonl.
 
 Every reader reads these by name: a record is turned into its event once (`read_event`),
 and from there on code uses attributes, never "which keys does this dict hold". The field
@@ -15,12 +15,15 @@ so that one module names every record kind that any reader tells apart.
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, TypeAlias, Union
+from pathlib import Path
+from typing import Any, ClassVar, Protocol, TypeAlias, Union, cast
 
-from common.errors import DeltarecError
+from common.errors import ConfigError, DeltarecError
+from common.typed import TypeMismatch, convert, fields_of
 
 EVENT_KEY = "event"
 """The key that names a record's kind in files written since records became typed events."""
@@ -88,7 +91,7 @@ class Evaluation(Event):
     eval_samples: int
 
 
-# --- checkpoints (the manager: ckpt/outcomes.py) -------------------------------------------------
+# --- checkpoints (the checkpointer: ckpt/save/outcomes.py) -------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,7 @@ class CheckpointOutcome(Event):
     allocated fresh, summed over ranks; `ckpt_error` is empty for a committed one. Runs written
     before they were recorded lack `ckpt_stall_new_bytes`, `ckpt_encoding` (the weight
     encoding) and `ckpt_durable_s` (the checkpoint's stall start to its COMMIT marker; null for
-    a failed one): those read as None. Under copy-on-write (`ckpt.copy_on_write`) the stall
+    a failed one): those read as None. Under copy-on-write (`ckpt.capture.copy_on_write`) the stall
     includes the rows the steps after it saved aside, and `ckpt_aside_bytes` is the most any rank
     held aside at once (0 otherwise)."""
 
@@ -141,8 +144,8 @@ class CheckpointFailed(CheckpointOutcome):
 @dataclass(frozen=True)
 class CheckpointSkipped(Event):
     """The checkpoint due at `step`, dropped because the writers were behind
-    (`ckpt.on_backpressure=skip`, `ckpt.max_pending_bytes`), or, `coalesced`, left to the next
-    checkpoint, which writes its rows (`ckpt.max_pending_checkpoints`)."""
+    (`ckpt.write.on_backpressure=skip`, `ckpt.write.max_pending_bytes`), or, `coalesced`, left to the next
+    checkpoint, which writes its rows (`ckpt.write.max_pending_checkpoints`)."""
 
     kind: ClassVar[str] = "checkpoint_skipped"
     flags: ClassVar[dict[str, Any]] = {"ckpt_skipped": True}
@@ -151,10 +154,10 @@ class CheckpointSkipped(Event):
 
 
 CheckpointEvent: TypeAlias = CheckpointCommitted | CheckpointFailed | CheckpointSkipped
-"""What the manager tells the console about one checkpoint (`extra={"ckpt": event}`)."""
+"""What the checkpointer tells the console about one checkpoint (`extra={"ckpt": event}`)."""
 
 
-# --- restores (the manager: ckpt/restore/restorer.py) --------------------------------------------
+# --- restores (the checkpointer: ckpt/restore/restorer.py) --------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -187,7 +190,7 @@ class Restored(Event):
 
 @dataclass(frozen=True)
 class PartialRestore(Event):
-    """A partial recovery (`ckpt.recovery=partial`), written after its `Restored`: which ranks of
+    """A partial recovery (`ckpt.recovery.mode=partial`), written after its `Restored`: which ranks of
     the failed attempt kept their state and which rolled back, what share of the embedding
     parameters (per table) rolled back, and the samples' worth of updates lost."""
 
@@ -290,7 +293,11 @@ def read_event(record: dict[str, Any]) -> Event:
     records carried one, by the old key rules (`_kind_of_old_record`). Keys the event does not
     have are ignored; a record of a kind this deltarec does not know is an `UnknownEvent`.
     Raises `EventError` (one line, without the file and line) for a record that is not an
-    event: no integer `step`, a field missing or of the wrong type, a kind it does not know."""
+    event: no integer `step`, a field missing or of the wrong type, a kind it does not know.
+
+    The fields are checked by common/typed.py's `convert`, the converter configs go through
+    too, strict here: a number is no string, a bool no number (ints pass as floats, lists as
+    tuples)."""
     if EVENT_KEY in record:
         name = record[EVENT_KEY]
         if not isinstance(name, str):
@@ -299,10 +306,32 @@ def read_event(record: dict[str, Any]) -> Event:
     else:
         cls = _kind_of_old_record(record)
     if cls is None:
-        _field(record, "step", int, required=True)  # an unknown kind must still be a metrics record
-        return UnknownEvent(step=record["step"], record=dict(record))
-    fields = _FIELDS[cls.kind].items()  # an absent optional field takes its default
-    return cls(**{name: _field(record, name, hint, required) for name, (hint, required) in fields if required or name in record})
+        step = _field(record, "step", int)  # an unknown kind must still be a metrics record
+        return UnknownEvent(step=step, record=dict(record))
+    fields = fields_of(cls)
+    try:  # in the fields' order, so the first field amiss is named; an absent optional one takes its default
+        return cast(Event, convert(cls, {k: record[k] for k in fields if k in record}, path=""))
+    except TypeMismatch as exc:
+        field = exc.path.split(".")[0]  # a list item or an object's value: name the whole field
+        raise _error(exc, record, field, fields[field].type) from None
+
+
+def _field(record: dict[str, Any], name: str, hint: Any) -> Any:
+    """`record[name]`, which every record of the kind must hold, as field type `hint`."""
+    try:
+        if name not in record:  # worded by `_error`, as an event's missing field is
+            raise TypeMismatch(name, "missing_key", f"missing required key {name!r}")
+        return convert(hint, record[name], path=name)
+    except TypeMismatch as exc:
+        raise _error(exc, record, name, hint) from None
+
+
+def _error(exc: TypeMismatch, record: dict[str, Any], name: str, hint: Any) -> EventError:
+    """The converter's refusal of field `name` (of type `hint`) in the words of a metrics reader."""
+    if exc.problem == "missing_key":
+        return EventError(f"metrics record has no {name!r} field")
+    allowed = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
+    return EventError(f"{name!r} must be {_WHAT.get(hint, _WHAT.get(allowed[0], str(hint)))}, got {record[name]!r}")
 
 
 def _kind_of_old_record(record: dict[str, Any]) -> type[Event] | None:
@@ -315,7 +344,7 @@ def _kind_of_old_record(record: dict[str, Any]) -> type[Event] | None:
     if record.get("ckpt_skipped") is True:
         return CheckpointSkipped
     if "ckpt_id" in record:
-        committed = _field(record, "ckpt_committed", bool, required=True)
+        committed = _field(record, "ckpt_committed", bool)
         return CheckpointCommitted if committed else CheckpointFailed
     if "eval_auc" in record:
         return Evaluation
@@ -330,53 +359,6 @@ def _kind_of_old_record(record: dict[str, Any]) -> type[Event] | None:
     return None
 
 
-def _fields_of(cls: type[Event]) -> dict[str, tuple[Any, bool]]:
-    """Each field's type and whether a record must hold it (fields with a default may be absent)."""
-    hints = typing.get_type_hints(cls)
-    return {
-        f.name: (hints[f.name], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
-        for f in dataclasses.fields(cls)
-    }
-
-
-_FIELDS = {name: _fields_of(cls) for name, cls in EVENTS.items()}
-"""Each event kind's fields, as `read_event` checks them."""
-
-
-def _field(record: dict[str, Any], name: str, hint: Any, required: bool) -> Any:
-    """`record[name]` checked against the field's type `hint` (ints pass as floats, lists as
-    tuples); an absent optional field is None."""
-    if name not in record:
-        if required:
-            raise EventError(f"metrics record has no {name!r} field")
-        return None
-    value = record[name]
-    allowed = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
-    if value is None and type(None) in allowed:
-        return None
-    for t in allowed:
-        if t is not type(None) and _is(value, t):
-            return float(value) if t is float else tuple(value) if typing.get_origin(t) is tuple else value
-    raise EventError(f"{name!r} must be {_WHAT.get(hint, _WHAT.get(allowed[0], str(hint)))}, got {value!r}")
-
-
-def _is(value: Any, t: Any) -> bool:
-    if t is bool:
-        return isinstance(value, bool)
-    if t is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if t is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if t is str:
-        return isinstance(value, str)
-    origin, args = typing.get_origin(t), typing.get_args(t)
-    if origin is tuple:  # tuple[X, ...]: a JSON list
-        return isinstance(value, (list, tuple)) and all(_is(v, args[0]) for v in value)
-    if origin is dict:
-        return isinstance(value, dict) and all(_is(k, args[0]) and _is(v, args[1]) for k, v in value.items())
-    raise AssertionError(f"no check for field type {t!r}")
-
-
 _WHAT: dict[Any, str] = {
     bool: "true or false",
     int: "an integer",
@@ -385,10 +367,60 @@ _WHAT: dict[Any, str] = {
     tuple[int, ...]: "a list of integers",
     dict[str, float]: "an object of numbers",
 }
+"""How a metrics reader names each field type a record holds (an optional one by its type)."""
+
+
+# --- writing -------------------------------------------------------------------------------------
 
 
 class MetricsSink(Protocol):
-    """Where ckpt/ reports events: checkpoint outcomes, skips and restores (the manager), the
-    follower's progress; the trainer's metrics log is one."""
+    """Where ckpt/ reports events: checkpoint outcomes, skips and restores (the checkpointer), the
+    follower's progress; `MetricsLog` is one."""
 
     def write(self, event: Event) -> None: ...
+
+
+class MetricsLog:
+    """Where events go: one JSON record per line in `<run_dir>/metrics.jsonl`, appended by one
+    rank (only the writing rank opens the file). The trainer's metrics and a `ckpt.Checkpointer`
+    of a user's own loop both write through it.
+
+    Each record is an event, written as `event.to_record()`. With
+    `tensorboard_dir` (`train.tensorboard`), the writing rank also logs every numeric field of
+    every event as a TensorBoard scalar of the same name at the event's `step`
+    (`Event.scalars`: bools as 0/1; strings, lists and nulls are left to the JSON file). Every rank checks
+    that tensorboard is importable, so a missing package stops all ranks with the same
+    error instead of leaving the others waiting in a collective."""
+
+    def __init__(self, path: Path, enabled: bool, tensorboard_dir: Path | None = None) -> None:
+        self.path = path
+        self._file = None
+        self._tb = None
+        if tensorboard_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                raise ConfigError(
+                    "train.tensorboard is true but the tensorboard package is not installed: "
+                    "pip install 'deltarec[report]' (or set train.tensorboard=false)"
+                ) from exc
+            if enabled:
+                self._tb = SummaryWriter(log_dir=str(tensorboard_dir))
+        if enabled:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = path.open("a", buffering=1)
+
+    def write(self, event: Event) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(event.to_record(), sort_keys=True) + "\n")
+        if self._tb is not None:
+            for name, value in event.scalars().items():
+                self._tb.add_scalar(name, value, global_step=event.step)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()  # flushes the event file
+            self._tb = None

@@ -14,7 +14,7 @@ DROPPED record is durable, before it deletes anything), `export` (at stage `key`
 an export, also a follower's serving snapshot: 1 the `torch.save` file is written under its
 temporary name, 2 the DCP directory too, 3 the file is in place and the old DCP directory
 moved aside, the new one not yet in place). `survivor` (a surviving rank under
-`ckpt.recovery: partial`, once its snapshot's frames and dense file are durable and before
+`ckpt.recovery.mode: partial`, once its snapshot's frames and dense file are durable and before
 its SURVIVOR record; `key` is the snapshot's checkpoint id). Only a job's first attempt dies (torchrun's
 TORCHELASTIC_RESTART_COUNT is 0 or unset), so a restarted job runs on. Unset, every call is a
 dictionary lookup and returns. A real SIGKILL, not an exception, so the tests see what a crash

@@ -1,22 +1,22 @@
 """Strict loading of nested config dataclasses from YAML and dotted command-line overrides.
 
-Every config section is a plain dataclass; this module turns untyped YAML mappings into
-those dataclasses and refuses anything it cannot place: an unknown key is named with its
-dotted path and the file it came from, a value of the wrong type names the expected type.
-Written here rather than taken from a library because none of the small YAML-to-dataclass
-packages on the machine both reject unknown keys and type-check dotted overrides.
+Every config section is a plain dataclass; this module reads the YAML, applies the overrides,
+and turns the mapping into those dataclasses through common/typed.py's converter (the one that
+reads metrics records too), which refuses anything it cannot place: an unknown key is named
+with its dotted path and the file it came from, a value of the wrong type names the expected
+type.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import types
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, cast, get_args, get_origin, get_type_hints
+from typing import Any, TypeVar, cast
 
 import yaml
 
 from common.errors import ConfigError
+from common.typed import TypeMismatch, convert
 
 T = TypeVar("T")
 
@@ -88,86 +88,15 @@ def _step(node: Any, part: str, path: str, create: bool) -> Any:
 def build(cls: type[T], data: Any, *, source: str, path: str = "") -> T:
     """Turn a raw mapping into dataclass `cls`, rejecting unknown keys and wrong types.
 
-    `source` names where the data came from (file and overrides) for error messages.
+    The check is common/typed.py's `convert` (shared with metrics records), lenient in one way
+    configs need: a YAML number for a `str` field becomes its string. `source` names where the
+    data came from (file and overrides) and starts every error message; `path` is the dotted
+    key the data sits under (`ckpt` for a checkpoint section), which error messages name.
     """
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: {path or 'top level'} must be a mapping, got {_tname(data)}")
-    hints = get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cast(Any, cls)) if f.init}
-    for name in data:
-        if not isinstance(name, str):  # YAML `1:`, `~:`, `true:`: never a config key
-            key = f"{path}.{name}" if path else str(name)
-            raise ConfigError(
-                f"{source}: key {key!r} ({_tname(name)}) is not a name (known keys here: {', '.join(sorted(fields))})"
-            )
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        key = f"{path}.{unknown[0]}" if path else unknown[0]
-        raise ConfigError(f"{source}: unknown key {key!r} (known keys here: {', '.join(sorted(fields))})")
-    kwargs: dict[str, Any] = {}
-    for name, value in data.items():
-        kwargs[name] = _convert(hints[name], value, source=source, path=f"{path}.{name}" if path else name)
-    missing = [
-        n
-        for n, f in fields.items()
-        if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    ]
-    if missing:
-        key = f"{path}.{missing[0]}" if path else missing[0]
-        raise ConfigError(f"{source}: missing required key {key!r}")
-    return cls(**kwargs)
-
-
-def _convert(tp: Any, value: Any, *, source: str, path: str) -> Any:
-    origin = get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        return build(cast(type, tp), value, source=source, path=path)
-    if origin in (Union, types.UnionType):
-        args = get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _convert(arg, value, source=source, path=path)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{source}: {path}: {value!r} matches none of {tp}")
-    if origin is Literal:
-        allowed = get_args(tp)
-        if value not in allowed:
-            raise ConfigError(f"{source}: {path} must be one of {', '.join(map(str, allowed))}; got {value!r}")
-        return value
-    if origin in (list, list):
-        (item,) = get_args(tp) or (Any,)
-        if not isinstance(value, list):
-            raise ConfigError(f"{source}: {path} must be a list, got {_tname(value)}")
-        return [_convert(item, v, source=source, path=f"{path}.{i}") for i, v in enumerate(value)]
-    if origin in (dict, dict):
-        kt, vt = get_args(tp) or (Any, Any)
-        if not isinstance(value, dict):
-            raise ConfigError(f"{source}: {path} must be a mapping, got {_tname(value)}")
-        return {
-            _convert(kt, k, source=source, path=path): _convert(vt, v, source=source, path=f"{path}.{k}")
-            for k, v in value.items()
-        }
-    if tp is Any:
-        return value
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)
-    if tp in (int, float, str, bool):
-        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-            raise ConfigError(f"{source}: {path} must be {tp.__name__}, got {_tname(value)} {value!r}")
-        return value
-    raise AssertionError(f"config field {path} has unsupported type {tp}")
-
-
-def _tname(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
+    try:
+        return cast(T, convert(cls, data, path=path, numbers_as_strings=True))
+    except TypeMismatch as exc:
+        raise ConfigError(f"{source}: {exc}") from None
 
 
 def to_dict(obj: Any) -> Any:

@@ -125,7 +125,13 @@ def main() -> None:
     torch.manual_seed(args.seed)  # the MLPs start the same on every rank
 
     dmp, dense_optimizer = build(args.plan, world)
-    cfg = load_ckpt_config(args.config) if args.config else CkptConfig(sink="filesystem", interval_steps=50, resume="latest")
+    cfg = (
+        load_ckpt_config(args.config)
+        if args.config
+        else CkptConfig.from_dict(
+            {"sink": {"kind": "filesystem"}, "schedule": {"interval_steps": 50}, "restore": {"resume": "latest"}}
+        )
+    )
     cfg = cfg.override(args.overrides)
     loop = Loop()
     ckpt = Checkpointer(cfg, dmp, dense_optimizer=dense_optimizer, loop=loop, run_dir=args.run_dir)  # deltarec

@@ -160,10 +160,16 @@ def main() -> None:
     dmp, dense_optimizer = build(args.plan, world)
 
     # deltarec: its config (a `ckpt:` YAML section, or built in code), then restore and save
-    cfg = load_ckpt_config(args.config) if args.config else CkptConfig(sink="filesystem", interval_steps=50, resume="latest")
+    cfg = (
+        load_ckpt_config(args.config)
+        if args.config
+        else CkptConfig.from_dict(
+            {"sink": {"kind": "filesystem"}, "schedule": {"interval_steps": 50}, "restore": {"resume": "latest"}}
+        )
+    )
     loop = Loop()
     ckpt = Checkpointer(cfg.override(args.overrides), dmp, dense_optimizer=dense_optimizer, loop=loop, run_dir=args.run_dir)
-    ckpt.restore()  # deltarec: the newest checkpoint, if any (ckpt.resume)
+    ckpt.restore()  # deltarec: the newest checkpoint, if any (ckpt.restore.resume)
 
     dmp.train()
     for step in range(loop.step + 1, args.steps + 1):

@@ -10,7 +10,7 @@ is what `deltarec-serve --model examples.two_tower:served_model` serves.
     torchrun --nproc-per-node 2 examples/two_tower.py --run-dir runs/two_tower --steps 300
     # kill it at any point and run the same command again: it resumes where its newest
     # checkpoint left it, bit for bit. Checkpoint settings are the `ckpt` config keys:
-    torchrun --nproc-per-node 2 examples/two_tower.py --run-dir runs/two_tower ckpt.interval_steps=25
+    torchrun --nproc-per-node 2 examples/two_tower.py --run-dir runs/two_tower ckpt.schedule.interval_steps=25
 
 Without torchrun, on one process: `python examples/two_tower.py --run-dir runs/two_tower`.
 """
@@ -191,11 +191,17 @@ def main() -> None:
     dmp, dense_optimizer = build(args.plan, world, args.optimizer)
 
     # deltarec: its config (a `ckpt:` YAML section, or built in code), then restore and save
-    cfg = load_ckpt_config(args.config) if args.config else CkptConfig(sink="filesystem", interval_steps=50, resume="latest")
+    cfg = (
+        load_ckpt_config(args.config)
+        if args.config
+        else CkptConfig.from_dict(
+            {"sink": {"kind": "filesystem"}, "schedule": {"interval_steps": 50}, "restore": {"resume": "latest"}}
+        )
+    )
     cfg = cfg.override(args.overrides)
     loop = Loop()
     ckpt = Checkpointer(cfg, dmp, dense_optimizer=dense_optimizer, loop=loop, run_dir=args.run_dir)  # deltarec
-    ckpt.restore()  # deltarec: the newest checkpoint, if any (ckpt.resume)
+    ckpt.restore()  # deltarec: the newest checkpoint, if any (ckpt.restore.resume)
 
     dmp.train()
     for step in range(loop.step + 1, args.steps + 1):

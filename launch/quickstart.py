@@ -4,7 +4,7 @@ follower and a prediction server beside the job.
     python -m launch.quickstart [--verbose] [key=value ...]
 
 Starts the embedded broker on loopback and runs configs/quickstart.yaml under `deltarec-launch`
-(torchrun, `--max-restarts 1`, `ckpt.resume=latest`) in the setup the README recommends:
+(torchrun, `--max-restarts 1`, `ckpt.restore.resume=latest`) in the setup the README recommends:
 incremental deltas, 4-bit rows, a follower compacting the chain (`deltarec-follow`), and a
 server answering predictions from each checkpoint as it commits (`deltarec-serve`, probed
 four times a second so each checkpoint's freshness is measured). The trainer's own fault
@@ -43,7 +43,12 @@ CONFIG = REPO / "configs" / "quickstart.yaml"
 RUN_DIR = REPO / "runs" / "quickstart"
 CRASH = "committed:3@1"
 #: The setup the README recommends: incremental deltas, 4-bit rows (and a follower, started beside).
-PRODUCT = ["ckpt.enabled=true", "ckpt.policy=incremental", "ckpt.encoding=adaptive4", "ckpt.resume=latest"]
+PRODUCT = [
+    "ckpt.enabled=true",
+    "ckpt.schedule.policy=incremental",
+    "ckpt.encoding.weights=adaptive4",
+    "ckpt.restore.resume=latest",
+]
 
 
 def restores(metrics: Path) -> list[dict]:
@@ -78,7 +83,8 @@ def summarize(beside: Beside, metrics: Path, job: JobConfig) -> None:
     compactions = [r for r in _records(RUN_DIR / "follower.jsonl") if "compacted_ckpt" in r]
     written, full = sum(r["ckpt_bytes"] for r in commits), full_checkpoint_bytes(job)
     print(
-        f"quickstart: {len(commits)} checkpoints wrote {written / 1e6:,.1f} MB ({job.ckpt.policy}, {job.ckpt.encoding} rows; "
+        f"quickstart: {len(commits)} checkpoints wrote {written / 1e6:,.1f} MB ({job.ckpt.schedule.policy}, "
+        f"{job.ckpt.encoding.weights} rows; "
         f"the follower compacted the chain {len(compactions)} times); a full torch.save or dcp.save of the model and "
         f"its optimizer at each would have written {len(commits)} x {full / 1e6:,.1f} MB = {len(commits) * full / 1e6:,.0f} MB "
         f"({len(commits) * full / max(written, 1):,.0f}x more)",
@@ -126,7 +132,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     with EmbeddedBroker(state_dir=RUN_DIR / "broker") as broker:
         print(f"quickstart: embedded broker on {broker.bootstrap}", flush=True)
-        argv = ["--config", str(CONFIG), f"run.dir={RUN_DIR}", f"ckpt.bootstrap_servers={broker.bootstrap}", *PRODUCT, *overrides]
+        argv = [
+            "--config",
+            str(CONFIG),
+            f"run.dir={RUN_DIR}",
+            f"ckpt.sink.bootstrap_servers={broker.bootstrap}",
+            *PRODUCT,
+            *overrides,
+        ]
         try:
             job_cfg = load_config(CONFIG, argv[2:], check_data=False)
         except DeltarecError as exc:

@@ -77,7 +77,7 @@ def init_process_group(env: DistEnv, *, backend: str = "auto", init_method: str 
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if backend == "nccl":
-        # nccl carries only CUDA tensors; the checkpoint manager agrees on CPU counts and flags
+        # nccl carries only CUDA tensors; the checkpointer agrees on CPU counts and flags
         # (async all-reduces that must not wait on the training stream): gloo carries those
         backend = "cpu:gloo,cuda:nccl"
     if env.launcher == "single" and init_method == "env://":

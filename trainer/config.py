@@ -17,7 +17,7 @@ from typing import Literal
 
 import yaml
 
-from ckpt.config import CkptConfig
+from ckpt.config import CkptConfig, job_override, sectioned
 from common.config_loader import apply_override, build, load_yaml, to_dict
 from common.errors import ConfigError
 from sharding.config import OptimizerConfig, ShardingConfig, TableConfig
@@ -171,7 +171,7 @@ class JobConfig:
         directory, which is shared more widely than the config file the user keeps)."""
         data = to_dict(self)
         data.pop("source", None)
-        data["ckpt"]["kafka"] = self.ckpt.redacted_kafka()
+        data["ckpt"] = self.ckpt.to_data()
         return yaml.safe_dump(data, sort_keys=False)
 
     def run_file_yaml(self) -> str:
@@ -195,9 +195,7 @@ class JobConfig:
                 d.criteo_npy, train_days=all_absolute(d.criteo_npy.train_days), eval_days=all_absolute(d.criteo_npy.eval_days)
             ),
         )
-        c = self.ckpt
-        follow = replace(c.follow, export_dir=absolute(c.follow.export_dir), metrics=absolute(c.follow.metrics))
-        ckpt = replace(c, fs_root=absolute(c.fs_root), dense_dir=absolute(c.dense_dir), follow=follow)
+        ckpt = self.ckpt.with_absolute_paths()
         run = replace(self.run, dir=str(self.run.run_dir.absolute()))
         serve = replace(self.serve, metrics=absolute(self.serve.metrics))
         return replace(self, run=run, data=data, ckpt=ckpt, serve=serve).to_yaml()
@@ -216,9 +214,11 @@ def load_config(path: str | Path, overrides: Sequence[str] = (), check_data: boo
 
     `check_data=False` skips the checks on data files (a dry run needs none)."""
     data = load_yaml(path)
-    for ov in overrides:
-        apply_override(data, ov)
     source = str(path) + (f" (with overrides {' '.join(overrides)})" if overrides else "")
+    if isinstance(data.get("ckpt"), dict):  # the flat layout's keys, in their sections
+        data["ckpt"] = sectioned(data["ckpt"], source)
+    for ov in overrides:
+        apply_override(data, job_override(ov))
     cfg = build(JobConfig, data, source=source)
     cfg.source = source
     cfg.ckpt = cfg.ckpt.resolved(run_name=cfg.run.name, run_dir=cfg.run.run_dir)

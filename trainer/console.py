@@ -241,7 +241,7 @@ def _is_deltarec(name: str) -> bool:
 
 @dataclass(frozen=True)
 class CheckpointNote:
-    """What the digest keeps of one checkpoint's event (ckpt/events.py), which the manager
+    """What the digest keeps of one checkpoint's event (ckpt/events.py), which the checkpointer
     attaches to its log line (`extra={"ckpt": event}`)."""
 
     step: int
@@ -324,12 +324,12 @@ def summarize_checkpoints(notes: list[CheckpointNote]) -> str:
         )
     if skipped:
         steps = f"step {skipped[0].step}" if len(skipped) == 1 else f"steps {skipped[0].step}-{skipped[-1].step}"
-        parts.append(f"{len(skipped)} checkpoint(s) skipped at {steps}: the writers are behind (ckpt.max_pending_bytes)")
+        parts.append(f"{len(skipped)} checkpoint(s) skipped at {steps}: the writers are behind (ckpt.write.max_pending_bytes)")
     if coalesced:
         steps = f"step {coalesced[0].step}" if len(coalesced) == 1 else f"steps {coalesced[0].step}-{coalesced[-1].step}"
         parts.append(
             f"{len(coalesced)} checkpoint(s) due at {steps} coalesced into the next: "
-            "the writers are behind (ckpt.max_pending_checkpoints)"
+            "the writers are behind (ckpt.write.max_pending_checkpoints)"
         )
     return "; ".join(parts)
 

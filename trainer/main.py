@@ -20,9 +20,9 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 from ckpt.checkpointer import Checkpointer
-from ckpt.handoff import JobIdentity
 from ckpt.log.backend import Backend, open_for_restore
 from ckpt.restore.restorer import RestoreReport
+from ckpt.types import JobIdentity
 from common.errors import DeltarecError
 from common.process import run_main
 from sharding.dmp import ShardedModel, plan_model, shard_model
@@ -126,7 +126,9 @@ def run_job(cfg: JobConfig, env: DistEnv, device: torch.device) -> None:
         tensorboard_dir=run_dir / "tensorboard" if cfg.train.tensorboard else None,
     )
     # the checkpoint readers connect while the model is built: a restore finds them connected
-    backend = open_for_restore(cfg.ckpt, env.world_size, env.rank) if cfg.ckpt.enabled else None
+    backend = (
+        open_for_restore(cfg.ckpt.run_id, cfg.ckpt.sink, cfg.ckpt.restore, env.world_size, env.rank) if cfg.ckpt.enabled else None
+    )
     try:
         sharded, trainer = build_job(cfg, env, device, metrics)
     except BaseException:
@@ -142,7 +144,7 @@ def run_job(cfg: JobConfig, env: DistEnv, device: torch.device) -> None:
             console.say(loop_line(cfg), err=True)
     restored = None
     manager = None
-    stopper = SigtermStopsLoop(trainer) if cfg.ckpt.enabled and cfg.ckpt.recovery == "partial" else None
+    stopper = SigtermStopsLoop(trainer) if cfg.ckpt.enabled and cfg.ckpt.recovery.mode == "partial" else None
     try:
         manager = make_checkpointer(cfg, env, device, sharded, trainer, metrics, backend) if backend is not None else None
         if manager is not None:
@@ -167,7 +169,7 @@ def run_job(cfg: JobConfig, env: DistEnv, device: torch.device) -> None:
         raise
     finally:
         metrics.close()
-        if manager is None and backend is not None:  # the manager that would own it was not built
+        if manager is None and backend is not None:  # the checkpointer that would own it was not built
             backend.close()
         if stopper is not None:
             stopper.release()

@@ -1,4 +1,4 @@
-"""Where training reports go: `<run_dir>/metrics.jsonl` (rank 0, `ckpt.metrics_log.MetricsLog`) and the progress display.
+"""Where training reports go: `<run_dir>/metrics.jsonl` (rank 0, `ckpt.events.MetricsLog`) and the progress display.
 
 A tqdm bar when rank 0 writes to a terminal, plain periodic log lines otherwise (CI logs,
 slurm output files), chosen by `train.progress`.
@@ -11,7 +11,7 @@ import sys
 
 from tqdm import tqdm
 
-from ckpt.metrics_log import MetricsLog
+from ckpt.events import MetricsLog
 
 __all__ = ["MetricsLog", "Progress"]
 

@@ -1,4 +1,4 @@
-"""Stopping a rank so that it can keep its work (`ckpt.recovery: partial`).
+"""Stopping a rank so that it can keep its work (`ckpt.recovery.mode: partial`).
 
 When one rank dies torchrun's agent sends SIGTERM to the others and SIGKILLs them 30 s later.
 By default SIGTERM ends a rank at once; under partial recovery it only asks the loop to stop

@@ -2,7 +2,7 @@
 
 The trainer owns the loop state (step, samples seen, reader position, RNG); parameters
 and optimizer state belong to the sharded model. `state_dict()` / `load_state_dict()`
-give a checkpoint manager everything it needs to resume the loop exactly.
+give a checkpointer everything it needs to resume the loop exactly.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 
 class Checkpointer(Protocol):
-    """What the loop needs from a checkpoint manager: a call after every step."""
+    """What the loop needs from a checkpointer: a call after every step."""
 
     def save(self, step: int) -> None: ...
 

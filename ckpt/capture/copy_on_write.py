@@ -1,4 +1,4 @@
-"""Copy-on-write snapshots (`ckpt.copy_on_write`, CPU shards): a checkpoint's rows are read
+"""Copy-on-write snapshots (`ckpt.capture.copy_on_write`, CPU shards): a checkpoint's rows are read
 from the live tables by the writer, window by window, instead of copied at the checkpoint
 step; only the rows the training goes on to update before the writer reaches them are
 copied first, aside, by the tracker's lookup hook.

@@ -10,8 +10,8 @@ snapshot's tensors out of it.
 Ownership: `lend` (training thread) hands out a `Slab` at least as large as asked; the writer
 thread gives it back (`give_back`) once every frame of that snapshot is written, and nobody
 reads the snapshot's tensors after that. The pool keeps given-back slabs only while they and
-the slabs still lent stay within ``keep_bytes`` (the checkpoint manager passes
-``ckpt.max_pending_bytes``, the host memory unwritten snapshots may hold anyway), the largest
+the slabs still lent stay within ``keep_bytes`` (the checkpointer passes
+``ckpt.write.max_pending_bytes``, the host memory unwritten snapshots may hold anyway), the largest
 that fit first: reuse never raises a rank's host memory above that bound.
 
 GPU shards copy their rows into a slab too (ckpt/capture/snapshot.py): there a slab is *pinned*
@@ -24,7 +24,7 @@ A slab made inside the stall still faults in its pages there: the first snapshot
 every kept slab (a full checkpoint as the trained rows grow, a one-shot diff as it grows
 since its base) paid for it inside the stall (docs/history/BENCHMARKS-2026-11.md, "The restore's first fetch
 sooner, snapshot memory faulted in ahead"). So half
-an interval before each snapshot the checkpoint manager asks for its likely size
+an interval before each snapshot the checkpointer asks for its likely size
 (`reserve_ahead`), and a helper thread of low priority makes and faults in a slab that large,
 unless a free slab holds it already or the bound has no room for it; where no free slab holds
 it, the largest free one grows in place (`Slab.grow`), so only its new pages are mapped (each

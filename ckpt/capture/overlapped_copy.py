@@ -1,4 +1,4 @@
-"""A checkpoint's copy running beside the next step (CPU shards, `ckpt.overlap_copy`).
+"""A checkpoint's copy running beside the next step (CPU shards, `ckpt.capture.overlap_copy`).
 
 At a checkpoint step the training thread agrees on the checkpoint's kind and captures the loop
 state; the rest runs on this module's thread while the training thread goes on with the next
@@ -16,7 +16,7 @@ step, in two parts:
 The stall is what the training thread loses: the hand-off, plus however long it waits for
 either part. Both waits are measured here: the copy's last step (`Finish`) learns how long
 the training thread has been blocked on it so far, so the stall it hands to the writer (and
-the COMMIT reports) includes them. The checkpoint manager waits for the whole copy at the
+the COMMIT reports) includes them. The checkpointer waits for the whole copy at the
 start of each of its own calls as well.
 """
 

@@ -13,13 +13,13 @@ Rows are addressed by (table, global row, column offset) (docs/design/invariants
 ``global_rows = row_offset + local row``.
 
 Host memory: `estimate_bytes` gives, from the bitmap counts and before any copy, exactly
-the bytes `take` will hold in the returned `Snapshot` (`Snapshot.nbytes`); the checkpoint
-manager bounds pending snapshots with it (a pooled slab is larger by its headroom, and the
+the bytes `take` will hold in the returned `Snapshot` (`Snapshot.nbytes`); the checkpointer
+bounds pending snapshots with it (a pooled slab is larger by its headroom, and the
 pool keeps slabs within the same budget). `take` allocates nothing else that outlives it (the
 local row indices become `global_rows` in place).
 
 Devices: on CPU the copy is `index_select(..., out=host_buffer)`, on the training thread or,
-with `ckpt.overlap_copy`, on the manager's copier thread beside the next step (ckpt/capture/overlapped_copy.py),
+with `ckpt.capture.overlap_copy`, on the checkpointer's copier thread beside the next step (ckpt/capture/overlapped_copy.py),
 which first chooses the rows (`plan`: the bitmap scan, before the tracker's marks change the
 bitmaps) and copies them after (`PlannedSnapshot.copy`: before the next row update).
 On CUDA (`_take_staged`) the rows are gathered on a side stream into one device buffer laid
@@ -30,7 +30,7 @@ read), and the device-to-host copy overlaps the next step (tests/unit/test_snaps
 both on a GPU). The row counts come from one reduction of the bitmaps, so every shard's
 `nonzero_static` sizes its output without a device wait, and the stall is a handful of
 launches whatever the number of tensors. Where the checkpoint's weight codec has a device
-kernel (`ckpt.encode_on`, docs/design/dataflow.md), the weights are encoded on the device after
+kernel (`ckpt.capture.encode_on`, docs/design/dataflow.md), the weights are encoded on the device after
 the gather and only their encoded bytes cross to the host (`EncodedWeights`): the writer
 then frames them as they are, after checking the encoder's per-row refusals. A consumer must
 call `Snapshot.wait()` before reading the host tensors (a no-op on CPU).
@@ -69,7 +69,7 @@ EncodeOn = Literal["device", "host"]
 
 @dataclass
 class EncodedWeights:
-    """A shard's weight rows encoded on the device before the copy to host (`ckpt.encode_on`)."""
+    """A shard's weight rows encoded on the device before the copy to host (`ckpt.capture.encode_on`)."""
 
     codec: str  # the codec's name, as the checkpoint's weight codec names it
     payload: torch.Tensor  # uint8 [n, row_bytes], host: the rows as the codec encodes them
@@ -118,7 +118,7 @@ class Snapshot:
     # host memory the take had to allocate and fault in inside the stall: a new slab's
     # capacity (0 when the pool lent one kept or reserved ahead), else every host tensor's bytes
     new_bytes: int = 0
-    # copy-on-write (`ckpt.copy_on_write`): the rows, read from the live shards by `pieces`
+    # copy-on-write (`ckpt.capture.copy_on_write`): the rows, read from the live shards by `pieces`
     # (ckpt/capture/copy_on_write.py); `shards` is then empty
     lazy: CowRows | None = field(default=None, repr=False, compare=False)
 
@@ -214,8 +214,8 @@ class SnapshotTaker:
         self.encode_on = encode_on
         if copy_on_write and self.staged:
             raise ConfigError(
-                f"ckpt.copy_on_write applies to CPU shards; these live on {self.device}, where the rows are "
-                "gathered on the device (set ckpt.copy_on_write=false)"
+                f"ckpt.capture.copy_on_write applies to CPU shards; these live on {self.device}, where the rows are "
+                "gathered on the device (set ckpt.capture.copy_on_write=false)"
             )
         # CPU: `plan` registers each snapshot's rows with the tracker and the writer reads them
         # from the live shards (ckpt/capture/copy_on_write.py) instead of `copy` copying them
@@ -253,7 +253,7 @@ class SnapshotTaker:
         return sum(n * b for n, b in zip(counts, self._row_bytes))
 
     def device_encoder(self, weight_codec: str | None) -> DeviceEncoder | None:
-        """The encoder a snapshot with this weight codec runs on the device (`ckpt.encode_on`):
+        """The encoder a snapshot with this weight codec runs on the device (`ckpt.capture.encode_on`):
         on GPU shards, `device` encodes there whenever the codec has a device kernel; `host`
         never does (the writer encodes the host copy)."""
         if weight_codec is None or not self._cuda or self.encode_on == "host":

@@ -263,7 +263,7 @@ class RowTracker:
         placed by the next training forward (a forward without backward leaves it pending).
         The lookup hook runs in the forward pass, after the lookup read its rows
         (ckpt/capture/overlapped_copy.py waits at both points for a checkpoint's copy; the checkpoint
-        manager's own calls wait for all of it)."""
+        checkpointer's own calls wait for all of it)."""
         assert self._attached, "a detached tracker's hook never runs: nothing would wait"
         self._hold = fn
         self._before_update = before_update

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ckpt.errors import RestoreError
+from ckpt.types import RestoreError
 from sharding.dmp import ShardedModel
 from sharding.shard_views import unwrapped
 

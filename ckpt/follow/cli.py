@@ -51,7 +51,9 @@ def main(argv: Sequence[str], load: Callable[[str, list[str]], tuple[CkptConfig,
         cfg, metrics = load(args.config, args.overrides)
         if not cfg.enabled:
             raise DeltarecError(f"{args.config}: ckpt.enabled is false: this job writes no checkpoints to follow")
-        Follower(cfg, metrics, export_every=args.export_every, export_every_s=args.export_every_s).run()
+        Follower(
+            cfg.run_id, cfg.sink, cfg.follow, metrics, export_every=args.export_every, export_every_s=args.export_every_s
+        ).run()
         return 0
     except DeltarecError as exc:
         print(f"deltarec-follow: error: {exc}", file=sys.stderr)

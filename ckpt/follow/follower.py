@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
-from ckpt.config import CkptConfig
+from ckpt.config import FollowConfig, SinkConfig
 from ckpt.dense.store import DenseStore
 from ckpt.events import FollowApplied, FollowCompacted, FollowExported, MetricsSink
 from ckpt.follow.compact import write_compacted
@@ -146,12 +146,14 @@ class CommitIds:
 
 
 class Follower:
-    """The follower of one run (`cfg` is the job's resolved `ckpt` section). With a `target`,
+    """The follower of run `run_id` (`sink` and `follow`: the job's resolved `ckpt` sections). With a `target`,
     it applies checkpoints to that only: no lease, no compaction, no serving snapshots."""
 
     def __init__(
         self,
-        cfg: CkptConfig,
+        run_id: str,
+        sink: SinkConfig,
+        follow: FollowConfig,
         metrics: MetricsSink,
         *,
         export_every: int | None = None,
@@ -159,11 +161,11 @@ class Follower:
         target: ApplyTarget | None = None,
         on_rewind: Callable[[Rewind], None] | None = None,
     ) -> None:
-        self.cfg = cfg
-        self.f = cfg.follow
-        self.run_id = cfg.run_id
+        self.sink = sink
+        self.f = follow
+        self.run_id = run_id
         self.metrics = metrics
-        self.backend = open_backend(cfg, world_size=1)
+        self.backend = open_backend(run_id, sink, world_size=1)
         self.catalog = Catalog(self.run_id)
         self.follower_id = new_writer_id()  # a restarted follower is a new follower
         self.lease = LeaseKeeper(self.catalog, self.backend.markers, follower_id=self.follower_id, lease_s=self.f.lease_s)
@@ -177,7 +179,7 @@ class Follower:
         self.applied: Marker | None = None  # the checkpoint the store holds
         self.chain: list[ChainLink] = []  # how the store got there: a baseline, then deltas
         self.publisher = Publisher(
-            Path(self.f.export_dir), DenseStore(Path(cfg.dense_dir)), keep=self.f.export_keep, dcp=self.f.export_dcp
+            Path(self.f.export_dir), DenseStore(Path(sink.dense_dir)), keep=self.f.export_keep, dcp=self.f.export_dcp
         )
         self.export_every = self.f.export_every if export_every is None else export_every
         self.export_every_s = self.f.export_every_s if export_every_s is None else export_every_s
@@ -479,7 +481,7 @@ class Follower:
         assert marker is not None
         t0 = time.perf_counter()
         generation = compacted_generation(self.lease.epoch, marker.checkpoint_id)
-        sink = open_sink(self.cfg, marker.world_size)
+        sink = open_sink(self.run_id, self.sink, marker.world_size)
         try:
             link = write_compacted(
                 self.store,
@@ -487,8 +489,8 @@ class Follower:
                 run_id=self.run_id,
                 checkpoint_id=marker.checkpoint_id,
                 generation=generation,
-                max_frame_bytes=self.cfg.max_frame_bytes,
-                flush_timeout_s=self.cfg.flush_timeout_s,
+                max_frame_bytes=self.sink.max_frame_bytes,
+                flush_timeout_s=self.sink.flush_timeout_s,
             )
         except DeltarecError as exc:
             logger.warning("compaction of checkpoint %d failed (training is not affected): %s", marker.checkpoint_id, exc)

@@ -25,10 +25,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ckpt.errors import RestoreError
 from ckpt.log.markers import Marker
 from ckpt.quant import get_codec
 from ckpt.stream.frames import Frame, OptimState
+from ckpt.types import RestoreError
 
 SLICE_ROWS = 1 << 18  # rows of one shard a compaction or a serving snapshot cuts into frames at a time
 

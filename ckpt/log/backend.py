@@ -1,8 +1,9 @@
 """Open the configured checkpoint backend: Kafka (default) or the filesystem.
 
 Both give the same three pieces: a frame sink (writing), a frame source (reading exact
-ranges) and the markers log. Everything in `ckpt.kafka` passes through to librdkafka
-untouched (SASL/TLS included, see `CkptConfig.kafka_conf`).
+ranges) and the markers log. Everything in `ckpt.sink.kafka` passes through to
+librdkafka untouched (SASL/TLS included, see `SinkConfig.kafka_conf`). It reads the `sink`
+section, and for a restore the `restore` section, of the config.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from confluent_kafka.admin import AdminClient
 
-from ckpt.config import CkptConfig
+from ckpt.config import RestoreConfig, SinkConfig
 from ckpt.dense.ahead import DenseAhead
 from ckpt.dense.store import DenseRef, DenseStore
 from ckpt.log.catalog import Catalog
@@ -32,9 +33,9 @@ class Backend:
     markers: MarkerLog
     where: str  # for messages: the broker or the directory
     locate: Callable[[int, int, int], str]  # (generation, partition, position) -> topic/file, partition, offset
-    # a restore: the markers log read while the model is built (rank 0; every rank with `ckpt.read_ahead`)
+    # a restore: the markers log read while the model is built (rank 0; every rank with `ckpt.restore.read_ahead`)
     ahead: CatalogAhead | None = None
-    # ... and with `ckpt.read_ahead`, the dense file of the checkpoint it will restore, loaded meanwhile
+    # ... and with `ckpt.restore.read_ahead`, the dense file of the checkpoint it will restore, loaded meanwhile
     dense_ahead: DenseAhead | None = None
 
     def close(self) -> None:
@@ -45,32 +46,31 @@ class Backend:
             part.close()
 
 
-def open_sink(cfg: CkptConfig, world_size: int, admin: AdminClient | None = None) -> FrameSink:
+def open_sink(run_id: str, sink: SinkConfig, world_size: int, admin: AdminClient | None = None) -> FrameSink:
     """A frame sink alone; on Kafka, new generations get `world_size` partitions."""
-    if cfg.sink == "filesystem":
-        return FsSink(Path(cfg.fs_root), cfg.run_id)
-    return KafkaSink(cfg.run_id, cfg.kafka_conf(), num_partitions=world_size, delivery_timeout_s=cfg.flush_timeout_s, admin=admin)
+    if sink.kind == "filesystem":
+        return FsSink(Path(sink.fs_root), run_id)
+    return KafkaSink(run_id, sink.kafka_conf(), num_partitions=world_size, delivery_timeout_s=sink.flush_timeout_s, admin=admin)
 
 
-def open_backend(cfg: CkptConfig, world_size: int) -> Backend:
-    """Sink, source and markers for this run (`cfg` resolved); nothing is created on the broker yet."""
-    run_id = cfg.run_id
-    if cfg.sink == "filesystem":
-        root = Path(cfg.fs_root)
+def open_backend(run_id: str, sink: SinkConfig, world_size: int) -> Backend:
+    """Sink, source and markers for run `run_id` (`sink` resolved); nothing is created on the broker yet."""
+    if sink.kind == "filesystem":
+        root = Path(sink.fs_root)
         source = FsSource(root, run_id)
         return Backend(
-            open_sink(cfg, world_size),
+            open_sink(run_id, sink, world_size),
             source,
             FsMarkers(root, run_id),
             str(root),
             lambda g, p, pos: file_where(source.segment_path(g, p), pos),
         )
-    conf = cfg.kafka_conf()
-    timeout = cfg.flush_timeout_s
+    conf = sink.kafka_conf()
+    timeout = sink.flush_timeout_s
     # one admin client for all three: fewer connections and Metadata round trips (docs/design/kafka.md, "Admin clients")
     admin = new_admin(conf)
     return Backend(
-        open_sink(cfg, world_size, admin),
+        open_sink(run_id, sink, world_size, admin),
         KafkaSource(run_id, conf, admin=admin),
         KafkaMarkers(run_id, conf, timeout_s=timeout, admin=admin),
         conf.get("bootstrap.servers", "kafka"),
@@ -78,44 +78,44 @@ def open_backend(cfg: CkptConfig, world_size: int) -> Backend:
     )
 
 
-def open_for_restore(cfg: CkptConfig, world_size: int, rank: int) -> Backend:
-    """`open_backend`, and when `cfg.resume` asks for a restore, the connects of the readers
+def open_for_restore(run_id: str, sink: SinkConfig, restore: RestoreConfig, world_size: int, rank: int) -> Backend:
+    """`open_backend`, and when `restore.resume` asks for a restore, the connects of the readers
     it uses started, each on a thread of its own: the rows source on every rank, the markers
-    log on rank 0, which then reads the log (`CatalogAhead`). With `ckpt.read_ahead` every rank
+    log on rank 0, which then reads the log (`CatalogAhead`). With `ckpt.restore.read_ahead` every rank
     reads the log too and loads the dense file of the checkpoint it will restore
     (ckpt/dense/ahead.py), and on a broker starts fetching the frames it will restore
     (frames_ahead.py). A job opens it before it builds its model, so the restore finds its
     readers connected, the log read up to then, its dense state loaded and its frames fetched or
     on the way (docs/design/kafka.md, "Connecting ahead"); a connect that found no broker, or a read that failed, is tried
     again by the restore."""
-    backend = open_backend(cfg, world_size)
-    if cfg.resume == "none":
+    backend = open_backend(run_id, sink, world_size)
+    if restore.resume == "none":
         return backend
     backend.source.prepare()
     if rank == 0:
-        backend.markers.prepare(cfg.connect_timeout_s)
-    if rank != 0 and not cfg.read_ahead:
+        backend.markers.prepare(sink.connect_timeout_s)
+    if rank != 0 and not restore.read_ahead:
         return backend
     backend.ahead = CatalogAhead(
         backend.markers,
-        cfg.run_id,
+        run_id,
         backend.where,
-        cfg.connect_timeout_s,
+        sink.connect_timeout_s,
         catch_up=rank == 0,  # the rank that chooses the checkpoint
-        then=_read_ahead(cfg, backend, rank) if cfg.read_ahead else None,
+        then=_read_ahead(sink, restore.resume, backend, rank) if restore.read_ahead else None,
     )
     return backend
 
 
-def _read_ahead(cfg: CkptConfig, backend: Backend, rank: int) -> Callable[[Catalog], None]:
-    """What `ckpt.read_ahead` starts once the markers log is folded (on the read's thread): the
+def _read_ahead(sink: SinkConfig, resume: str, backend: Backend, rank: int) -> Callable[[Catalog], None]:
+    """What `ckpt.restore.read_ahead` starts once the markers log is folded (on the read's thread): the
     guessed checkpoint's dense file loaded (`backend.dense_ahead`) and, on a broker, its frames
     fetched."""
-    dense = backend.dense_ahead = DenseAhead(DenseStore(Path(cfg.dense_dir)))
-    source, frames = backend.source, cfg.sink == "kafka"
+    dense = backend.dense_ahead = DenseAhead(DenseStore(Path(sink.dense_dir)))
+    source, frames = backend.source, sink.kind == "kafka"
 
     def then(catalog: Catalog) -> None:
-        marker = checkpoint_to_read(catalog, cfg.resume)
+        marker = checkpoint_to_read(catalog, resume)
         if marker is None:
             return
         dense.start(DenseRef.from_json(marker.dense))  # first: a frames' read that fails does not stop it

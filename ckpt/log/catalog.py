@@ -15,7 +15,7 @@ from a reader's clock:
   second job with the same run id) is fenced, never restored (docs/design/failures.md, "Zombie writers"). The same
   rule says which `deltarec-ckpt gc` may delete;
 - the survivor snapshots each trainer attempt's ranks left when another rank died
-  (`ckpt.recovery: partial`, ckpt/recovery/partial.py chooses which a restore uses).
+  (`ckpt.recovery.mode: partial`, ckpt/recovery/partial.py chooses which a restore uses).
 
 From these it gives, for any committed checkpoint, the cheapest complete chain: its own
 chain, or an accepted compacted baseline of one of its links plus the links after it,
@@ -25,7 +25,7 @@ Branches: a trainer attempt's ATTEMPT record says which checkpoint its restore c
 (`resumed_from`). Checkpoint ids never repeat, so after a restore of r while r+1..n exist the
 attempt's checkpoints are n+1, n+2, ... with chains through r: r+1..n are an abandoned branch.
 The fold keeps the run's live ids (`live`: the ids of the branch r was written on up to r, and
-every id above n) and `restorable()`, `ckpt.resume=latest`, followers and servers leave the
+every id above n) and `restorable()`, `ckpt.restore.resume=latest`, followers and servers leave the
 abandoned ones out; `deltarec-ckpt list` marks them. A fresh start (`resumed_from` 0)
 abandons everything before it; a record that does not say (older versions) changes nothing.
 Restoring an abandoned checkpoint by its id makes its branch live again, up to it.

@@ -4,7 +4,7 @@ the log's tail instead of all of it (docs/design/formats.md, "Catalog records").
 A run that checkpoints every minute for a week has 10,000 COMMIT markers; each names every
 shard's frames, and folding them all costs more than restoring the model (`python -m bench.run
 --suite markers` measures it). So rank 0's committer appends a catalog record every
-`ckpt.catalog_every` records (`Committer`), and a restore (`read_recent_catalog`) reads the
+`ckpt.sink.catalog_every` records (`Committer`), and a restore (`read_recent_catalog`) reads the
 tail of the log, folds from the newest catalog record in it and feeds the records after it. The
 result answers for the newest checkpoints exactly as the whole fold would: the record keeps the
 newest `KEEP` restorable commits and every newer one, and the compacted baselines their chains
@@ -27,7 +27,7 @@ from ckpt.stream.sink import MarkerLog, TailRead
 logger = logging.getLogger(__name__)
 
 #: Records a restore reads from the log's end first; 8 times as many each time that holds
-#: no catalog record (the writer's `ckpt.catalog_every` is 32 by default).
+#: no catalog record (the writer's `ckpt.sink.catalog_every` is 32 by default).
 TAIL_READ = 64
 #: Restorable checkpoints a catalog record keeps: the fallbacks a restore has before it
 #: reads the whole log.

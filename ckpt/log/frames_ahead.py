@@ -18,7 +18,7 @@ from ckpt.stream.sink import FrameSource
 
 
 def checkpoint_to_read(catalog: Catalog, resume: str) -> Marker | None:
-    """The checkpoint `ckpt.resume` will most likely restore, from the log read so far: the
+    """The checkpoint `ckpt.restore.resume` will most likely restore, from the log read so far: the
     newest restorable one (`latest`), the one named, or None."""
     found = catalog.restorable(abandoned=resume != "latest")
     if resume == "latest":

@@ -224,7 +224,7 @@ class AttemptRecord:
 
     A trainer attempt says which checkpoint its restore chose (`resumed_from`): checkpoints
     of older attempts with higher ids are then an abandoned branch, never chosen by
-    `ckpt.resume=latest` nor served (ckpt/log/catalog.py, "Branches")."""
+    `ckpt.restore.resume=latest` nor served (ckpt/log/catalog.py, "Branches")."""
 
     kind: str  # "attempt"
     run_id: str
@@ -233,14 +233,14 @@ class AttemptRecord:
     world_size: int
     created_unix: float
     format: int = FORMAT_VERSION
-    # trainer records: the checkpoint the restore chose, 0 for a fresh start (`ckpt.resume=none`,
+    # trainer records: the checkpoint the restore chose, 0 for a fresh start (`ckpt.restore.resume=none`,
     # or nothing to resume); -1 (left out on the wire): not said (gc records, older versions)
     resumed_from: int = -1
 
 
 @dataclass(kw_only=True)
 class SurvivorRecord:
-    """One surviving rank's snapshot after another rank died (`ckpt.recovery: partial`,
+    """One surviving rank's snapshot after another rank died (`ckpt.recovery.mode: partial`,
     ckpt/recovery/survivor.py): the rows of its shards changed since checkpoint `base`, as one chain
     link of frames, and its dense and loop state in a dense file. Appended last, once the
     frames and the file are durable, so a snapshot whose writer died or ran out of time has

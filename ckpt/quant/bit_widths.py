@@ -2,7 +2,7 @@
 
 Each restore from a quantized checkpoint adds quantization noise to the model, so the fewer
 restores a job expects, the fewer bits a checkpoint needs. The table of (most expected restores,
-bits) is a parameter (``widths``, config ``ckpt.restore_bit_widths``: a table or a preset name):
+bits) is a parameter (``widths``, config ``ckpt.encoding.restore_bit_widths``: a table or a preset name):
 
 - ``deltarec`` (the default): 4-bit for a job expecting one restore, 8-bit beyond (``((1, 4),)``); how it and
   ``check_n_run`` compare in log loss: docs/BENCHMARKS.md and docs/quant.md;

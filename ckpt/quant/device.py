@@ -1,4 +1,4 @@
-"""Which codecs encode rows on the GPU, before the copy to host (`ckpt.encode_on`, docs/design/dataflow.md).
+"""Which codecs encode rows on the GPU, before the copy to host (`ckpt.capture.encode_on`, docs/design/dataflow.md).
 
 A GPU job's snapshot gathers the rows it copies on the device; for a codec with a device kernel
 it encodes them there too, so only the encoded bytes cross to the host (docs/BENCHMARKS.md, "On an H100")

@@ -1,6 +1,6 @@
 """Portion of lost samples (PLS, CPR) and the checkpoint interval that meets a PLS target.
 
-Under partial recovery (`ckpt.recovery: partial`) a failure at step s rolls the dead ranks'
+Under partial recovery (`ckpt.recovery.mode: partial`) a failure at step s rolls the dead ranks'
 shards back to checkpoint k (step s_k) and keeps every other row: the updates those shards
 got from the samples of steps s_k+1..s are lost, and those samples are not trained again.
 

@@ -1,6 +1,6 @@
 """Partial recovery (CPR): which survivor snapshots a restore uses, and what the failure cost.
 
-With `ckpt.recovery: partial` a restore of checkpoint k adds, after k's chain, the survivor
+With `ckpt.recovery.mode: partial` a restore of checkpoint k adds, after k's chain, the survivor
 snapshots (ckpt/recovery/survivor.py) that the previous trainer attempt's ranks left, when they fit:
 
 - only records of the attempt just before this one (an older attempt's were superseded by
@@ -23,10 +23,10 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
-from ckpt.errors import RestoreError
 from ckpt.log.catalog import Catalog
 from ckpt.log.markers import Marker, SurvivorRecord
 from ckpt.recovery.lost_samples import lost_samples
+from ckpt.types import RestoreError
 
 logger = logging.getLogger(__name__)
 

@@ -1,15 +1,15 @@
 """Prioritized checkpoints (CPR's MFU and SSU): which changed rows a checkpoint under a byte
 budget saves.
 
-Under `ckpt.priority: mfu | ssu` (with `ckpt.recovery: partial`) a checkpoint that is not full
-saves, of the rows changed since they were last saved, at most `ckpt.priority_budget` of the
+Under `ckpt.recovery.priority: mfu | ssu` (with `ckpt.recovery.mode: partial`) a checkpoint that is not full
+saves, of the rows changed since they were last saved, at most `ckpt.recovery.priority_budget` of the
 bytes of a full snapshot of the rank; the rest stay changed and wait (a later checkpoint, at
-the latest the full one every `ckpt.priority_full_every` checkpoints, saves them). Which rows:
+the latest the full one every `ckpt.recovery.priority_full_every` checkpoints, saves them). Which rows:
 
 - MFU (most frequently updated): the rows with the most updates since they were last saved,
   from one int32 counter per row (4 bytes per row of the rank's shards);
 - SSU (sub-sampled updates): the rows that a uniform sub-sample of the looked-up ids
-  (`ckpt.ssu_sample` of them) touched, from one more bool per row, in random order when they
+  (`ckpt.recovery.ssu_sample` of them) touched, from one more bool per row, in random order when they
   exceed the budget. CPR's proxy for MFU without ranking; the counters are kept under SSU too,
   for the accounting below.
 

@@ -1,8 +1,8 @@
-"""A surviving rank's snapshot: what it saves when another rank died (`ckpt.recovery: partial`).
+"""A surviving rank's snapshot: what it saves when another rank died (`ckpt.recovery.mode: partial`).
 
 CPR keeps the surviving parameter servers' state and rolls back only the failed ones. Here
 every rank of the job exits when one dies (torchrun restarts them all), so a survivor
-saves what it has before it exits, within `ckpt.survivor_timeout_s`:
+saves what it has before it exits, within `ckpt.recovery.survivor_timeout_s`:
 
 1. frames of its shards' rows changed since the newest checkpoint it knew committed (its
    *base*), in the run's codecs, to partition = rank of generation S, S being the
@@ -27,7 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ckpt.config import CkptConfig
+from ckpt.config import SinkConfig
 from ckpt.dense.store import DenseStore
 from ckpt.faults import maybe_die, maybe_hold
 from ckpt.log.backend import open_backend
@@ -43,8 +43,9 @@ class SurvivorError(DeltarecError, RuntimeError):
 
 
 def save_survivor(
-    cfg: CkptConfig,
+    sink: SinkConfig,
     *,
+    run_id: str,
     rank: int,
     job: WriteJob,
     attempt: str,
@@ -58,15 +59,15 @@ def save_survivor(
     generation and checkpoint id S; `dense_state`: what its dense file holds) and, only if
     all of it is durable before `deadline` (time.monotonic()), its SURVIVOR record."""
     left = _left(deadline, "before writing anything")
-    backend = open_backend(replace(cfg, flush_timeout_s=max(left, 0.1)), world_size)
+    backend = open_backend(run_id, replace(sink, flush_timeout_s=max(left, 0.1)), world_size)
     try:
         report = write_rows(
-            job, run_id=cfg.run_id, rank=rank, sink=backend.sink, max_frame_bytes=cfg.max_frame_bytes, flush_timeout_s=left
+            job, run_id=run_id, rank=rank, sink=backend.sink, max_frame_bytes=sink.max_frame_bytes, flush_timeout_s=left
         )
         if not report.ok:
             raise SurvivorError(f"survivor snapshot of rank {rank}: {report.error}")
         _left(deadline, "after its frames")
-        ref = DenseStore(Path(cfg.dense_dir)).write_survivor(job.checkpoint_id, rank, dense_state)
+        ref = DenseStore(Path(sink.dense_dir)).write_survivor(job.checkpoint_id, rank, dense_state)
         _left(deadline, "after its dense file")
         maybe_die("survivor", job.checkpoint_id, rank)
         maybe_hold("survivor", job.checkpoint_id)
@@ -82,7 +83,7 @@ def save_survivor(
         )
         record = SurvivorRecord(
             kind="survivor",
-            run_id=cfg.run_id,
+            run_id=run_id,
             attempt=attempt,
             rank=rank,
             world_size=world_size,
@@ -103,5 +104,5 @@ def save_survivor(
 def _left(deadline: float, when: str) -> float:
     left = deadline - time.monotonic()
     if left <= 0:
-        raise SurvivorError(f"survivor snapshot out of time {when} (ckpt.survivor_timeout_s); it is not used")
+        raise SurvivorError(f"survivor snapshot out of time {when} (ckpt.recovery.survivor_timeout_s); it is not used")
     return left

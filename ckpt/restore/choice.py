@@ -3,7 +3,7 @@
 Rank 0 checks that the broker answers, reads the markers log (from its newest catalog record
 on, ckpt/log/catalog_record.py; read while the model was built when `CatalogAhead` did, and
 caught up with what was appended since) and the run directory's journal of COMMITs, and
-chooses what `ckpt.resume` asks for, each checkpoint with its cheapest complete chain
+chooses what `ckpt.restore.resume` asks for, each checkpoint with its cheapest complete chain
 (docs/design/kafka.md, "Reading the markers log ahead"). Only the chosen checkpoint is broadcast: the older ones carry every
 chain's frame index, so they go to the other ranks only once the chosen one failed
 (`ResumeChoice.tries`). A start that must be refused (a lost stream, an id no chain
@@ -19,9 +19,8 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch.distributed as dist
 
-from ckpt.config import CkptConfig
+from ckpt.config import RestoreConfig
 from ckpt.dense.store import DenseHistory, DenseStore
-from ckpt.errors import RestoreError
 from ckpt.log.backend import Backend
 from ckpt.log.catalog import Catalog, read_catalog, within
 from ckpt.log.catalog_ahead import catch_up_recent
@@ -29,6 +28,7 @@ from ckpt.log.catalog_record import read_recent_catalog
 from ckpt.log.markers import Marker, SurvivorRecord
 from ckpt.recovery.lost_samples import estimate_mtbf
 from ckpt.recovery.partial import usable_survivors
+from ckpt.types import RestoreError
 from common.errors import DeltarecError
 
 logger = logging.getLogger(__name__)
@@ -78,10 +78,21 @@ class ResumeChoice:
     restores or starts over), `survivors`, `mtbf_s` and `markers_read`; rank 0 alone knows
     `markers_ahead_s` and the fallbacks."""
 
-    def __init__(self, cfg: CkptConfig, backend: Backend, dense: DenseStore) -> None:
-        assert cfg.run_id, "CkptConfig.resolved() fills the run id"
+    def __init__(
+        self,
+        cfg: RestoreConfig,
+        *,
+        run_id: str,
+        backend: Backend,
+        dense: DenseStore,
+        partial: bool,
+        connect_timeout_s: float,
+    ) -> None:
+        assert run_id, "CkptConfig.resolved() fills the run id"
         self.cfg = cfg
-        self.run_id = cfg.run_id
+        self.run_id = run_id
+        self.partial = partial  # `ckpt.recovery.mode: partial`: survivors' snapshots count
+        self.connect_timeout_s = connect_timeout_s
         self.backend = backend
         self.dense = dense
         self.newest_id = 0  # newest checkpoint id in the markers log or the run directory (ids never repeat)
@@ -96,7 +107,7 @@ class ResumeChoice:
     def newest(self, on_chosen: Callable[[Catalog, int], None]) -> list[Marker]:
         """The COMMIT marker to restore, with its cheapest chain ([] to start fresh), on every
         rank. Rank 0 reads and chooses, then calls `on_chosen` with what it read and the id
-        chosen (0: a fresh start; the manager announces the attempt with them, which makes the
+        chosen (0: a fresh start; the checkpointer announces the attempt with them, which makes the
         checkpoints after the chosen one an abandoned branch: ckpt/log/catalog.py, "Branches")
         unless the start is refused. With `resume=none` only `newest_id` matters."""
         found = from_rank0(lambda: self._read(on_chosen))
@@ -128,12 +139,12 @@ class ResumeChoice:
         """Rank 0's part of `newest`: the broker answers (bounded), the markers log and the run
         directory are read and the checkpoint chosen, or the start refused before anything is
         written."""
-        self.backend.markers.check_reachable(self.cfg.connect_timeout_s)
+        self.backend.markers.check_reachable(self.connect_timeout_s)
         history = self.dense.history()
         catalog = self._recent_catalog()
         ordered = self._choose(catalog, history)
         on_chosen(catalog, ordered[0].checkpoint_id if ordered else 0)
-        survivors = usable_survivors(catalog, ordered[0]) if ordered and self.cfg.recovery == "partial" else []
+        survivors = usable_survivors(catalog, ordered[0]) if ordered and self.partial else []
         mtbf = estimate_mtbf([a.created_unix for a in catalog.trainer_attempts], time.time())
         self._older = ordered[1:]
         self._history = history
@@ -143,7 +154,7 @@ class ResumeChoice:
 
     def _recent_catalog(self) -> Catalog:
         """The markers log from its newest catalog record on when that has the checkpoint
-        `ckpt.resume` asks for, else the whole log: read while the model was built
+        `ckpt.restore.resume` asks for, else the whole log: read while the model was built
         (`CatalogAhead`) and caught up with what was appended since, or read now."""
         markers, where = self.backend.markers, self.backend.where
         ahead = self.backend.ahead.take() if self.backend.ahead is not None else None
@@ -166,7 +177,7 @@ class ResumeChoice:
         return [m for m in self._choose(catalog, self._history) if m.checkpoint_id < than]
 
     def _choose(self, catalog: Catalog, history: DenseHistory) -> list[Marker]:
-        """The checkpoints `ckpt.resume` asks for, newest first, each with its cheapest complete
+        """The checkpoints `ckpt.restore.resume` asks for, newest first, each with its cheapest complete
         chain: [] to start fresh; a `RestoreError` when the start must be refused. `latest`
         chooses from the run's live branch only (after a rewind, never the checkpoints the
         rewind abandoned); an id may name an abandoned checkpoint, and falls back along its
@@ -196,7 +207,7 @@ class ResumeChoice:
             )
             if self.cfg.on_corrupt == "fail" or not older:
                 raise RestoreError(
-                    why + (" (or set ckpt.on_corrupt=previous to fall back to an older checkpoint)" if older else "")
+                    why + (" (or set ckpt.restore.on_corrupt=previous to fall back to an older checkpoint)" if older else "")
                 )
             logger.warning("%s; falling back to the previous checkpoint", why)
         return ordered + older
@@ -209,6 +220,6 @@ class ResumeChoice:
             f"run {self.run_id}: {self.dense.root} records {len(history.commits)} committed checkpoint(s) "
             f"(newest {newest.checkpoint_id} at step {newest.step}, in {newest.where or 'an unnamed stream'}) but "
             f"{self.backend.where} has no COMMIT marker of this run: the stream was lost or this job points at "
-            f"another one. Point ckpt.sink / ckpt.bootstrap_servers / ckpt.fs_root at the stream that holds them, "
-            f"or set ckpt.resume=none to start over (earlier files are kept)"
+            f"another one. Point ckpt.sink.kind / ckpt.sink.bootstrap_servers / ckpt.sink.fs_root at the stream that holds them, "
+            f"or set ckpt.restore.resume=none to start over (earlier files are kept)"
         )

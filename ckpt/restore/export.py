@@ -63,12 +63,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ckpt.dense.store import DenseRef, DenseStore
-from ckpt.errors import RestoreError
 from ckpt.faults import maybe_die
 from ckpt.log.markers import Marker
 from ckpt.restore.replay import decode_rows, iter_chain_frames, row_init_of
 from ckpt.stream.frames import Frame
 from ckpt.stream.sink import FrameSource
+from ckpt.types import RestoreError
 from common.errors import DeltarecError
 from common.files import fsync_dir
 from sharding.row_init import fill_rows

@@ -17,7 +17,7 @@ copied to the device behind the host's back (:mod:`ckpt.restore.staging`). Every
 write the same bits (tested).
 
 The numba code is :mod:`ckpt.restore.kernel_numba`; :func:`load` loads the built module, or jits the
-source; the checkpoint manager loads it while the job is built, before a restore is timed, as it
+source; the checkpointer loads it while the job is built, before a restore is timed, as it
 connects its readers.
 """
 

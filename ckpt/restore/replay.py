@@ -41,7 +41,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ckpt.errors import RestoreError
 from ckpt.faults import maybe_die, maybe_hold_restore
 from ckpt.log.chain_reads import chain_runs, wanted_runs
 from ckpt.log.markers import ChainLink, IndexEntry, Marker, OffsetRange
@@ -52,6 +51,7 @@ from ckpt.restore.kernel import FusedReplay
 from ckpt.restore.staging import StagedReplay, staged_for, to_device
 from ckpt.stream.frames import Frame, FrameError
 from ckpt.stream.sink import FrameSource
+from ckpt.types import RestoreError
 from sharding.row_init import RowInit, initialise_shards
 from sharding.shard_views import ShardMap, ShardView
 
@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RowsRestored:
-    """What this rank's restore read and wrote, and where its time went; the manager sums it
+    """What this rank's restore read and wrote, and where its time went; the checkpointer sums it
     over ranks for its report."""
 
     frames: int = 0

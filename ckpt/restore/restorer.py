@@ -1,9 +1,9 @@
-"""A restore on start (docs/design/restore.md, docs/design/failures.md): the checkpoint `ckpt.resume` names, under
-`ckpt.recovery: partial` with the survivor snapshots a failed attempt left (ckpt/recovery/partial.py).
+"""A restore on start (docs/design/restore.md, docs/design/failures.md): the checkpoint `ckpt.restore.resume` names, under
+`ckpt.recovery.mode: partial` with the survivor snapshots a failed attempt left (ckpt/recovery/partial.py).
 
 `Restorer.restore` replays the chosen chain into the shards, loads the dense and loop state and
 marks the restored rows in the tracker, then returns what the rest of the job takes over: a
-`Resumed` record (or `Fresh` when there is nothing to resume). The manager adopts it; nothing
+`Resumed` record (or `Fresh` when there is nothing to resume). The checkpointer adopts it; nothing
 here sets another component's fields.
 """
 
@@ -21,10 +21,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ckpt.capture.tracker import RowTracker
-from ckpt.config import CkptConfig
+from ckpt.config import RestoreConfig
 from ckpt.dense import state as dense_state
 from ckpt.dense.store import DenseRef, DenseStore, DenseStoreError
-from ckpt.errors import RestoreError
 from ckpt.events import MetricsSink, PartialRestore, Restored
 from ckpt.log.backend import Backend
 from ckpt.log.catalog import Catalog
@@ -35,6 +34,7 @@ from ckpt.restore.choice import ResumeChoice
 from ckpt.restore.replay import RowsRestored, restore_rows, row_init_of
 from ckpt.stream.frames import FrameError
 from ckpt.stream.sink import SourceError
+from ckpt.types import RestoreError
 from sharding.dmp import ShardedModel
 from sharding.process_group import DistEnv
 from sharding.row_init import RowInit
@@ -169,14 +169,14 @@ class Fresh:
 
 @dataclass(frozen=True)
 class Resumed:
-    """What a restore brought back that the manager and its collaborators take over."""
+    """What a restore brought back that the checkpointer and its collaborators take over."""
 
     report: RestoreReport
     links: list[ChainLink]  # the restored chain: the committed links the next checkpoints build on
     next_id: int
     generation: int  # the generation the next delta goes on in; 0: the next checkpoint opens one
     force_full: bool  # the next checkpoint is full
-    have_base: bool  # the restored chain is the baseline the next delta builds on (`ckpt.policy: incremental`)
+    have_base: bool  # the restored chain is the baseline the next delta builds on (`ckpt.schedule.policy: incremental`)
     row_init: RowInit | None  # the chain's row initialisation, now the job's (untrained rows regenerated); None: unchanged
     restores: int  # the job's restores so far, this one included
     lost_samples: float  # samples whose updates partial recoveries lost, over the run
@@ -220,8 +220,11 @@ class Restorer:
 
     def __init__(
         self,
-        cfg: CkptConfig,
+        cfg: RestoreConfig,
         *,
+        run_id: str,
+        incremental: bool,
+        regenerate: bool,
         env: DistEnv,
         backend: Backend,
         dense: DenseStore,
@@ -233,10 +236,12 @@ class Restorer:
         metrics: MetricsSink,
         model_sha256: str,
     ) -> None:
-        assert cfg.run_id
+        assert run_id
         self.cfg = cfg
         self.env = env
-        self.run_id = cfg.run_id
+        self.run_id = run_id
+        self.incremental = incremental  # `ckpt.schedule.policy: incremental`: the chain rebases
+        self.regenerate = regenerate  # `ckpt.capture.untrained_rows: regenerate`
         self.backend, self.dense, self.choice = backend, dense, choice
         self.sharded, self.shard_map, self.tracker = sharded, shard_map, tracker
         self.trainer = trainer
@@ -244,7 +249,7 @@ class Restorer:
         self.model_sha256 = model_sha256
 
     def restore(self, announce: Callable[[Catalog, int], None], shards_hold: RowInit | None) -> Resumed | Fresh:
-        """Bring back the checkpoint `ckpt.resume` names, or start fresh when there is none.
+        """Bring back the checkpoint `ckpt.restore.resume` names, or start fresh when there is none.
 
         Rank 0 calls `announce` once the checkpoint is chosen, with the log read and the id
         chosen (0: none; ckpt/restore/attempt.py). A fallback to an older checkpoint (below) is
@@ -252,7 +257,7 @@ class Restorer:
         initialisation the shards hold untouched (none written since the model was built).
         A damaged checkpoint (bad CRC, a frame that does not match its marker, missing data,
         a dense file with the wrong sha256) stops the job naming where, or with
-        `ckpt.on_corrupt: previous` falls back to the newest older one. Every rank agrees
+        `ckpt.restore.on_corrupt: previous` falls back to the newest older one. Every rank agrees
         on the outcome before anyone falls back, so all restore the same checkpoint.
         """
         t0 = time.perf_counter()
@@ -281,7 +286,7 @@ class Restorer:
                 logger.warning("%s; every rank rolls back to the checkpoint instead (full recovery)", reason)
                 continue
             if self.cfg.on_corrupt == "fail":
-                raise RestoreError(reason + " (set ckpt.on_corrupt=previous to fall back to an older checkpoint)")
+                raise RestoreError(reason + " (set ckpt.restore.on_corrupt=previous to fall back to an older checkpoint)")
             logger.warning("%s; falling back to the previous checkpoint", reason)
         raise RestoreError(f"no restorable checkpoint of run {self.run_id} in {self.backend.where}")
 
@@ -349,7 +354,7 @@ class Restorer:
         """Load what every rank read, and say what the job takes over from it."""
         t_dense = time.perf_counter()
         row_init = self._load(marker, read)
-        incremental = self.cfg.policy == "incremental"
+        incremental = self.incremental
         restores = int(read.state.get("restores", 0)) + 1
         lost_samples = float(read.state.get("lost_samples", 0.0))
         now = time.perf_counter()
@@ -420,12 +425,12 @@ class Restorer:
     def _mark_rows(self, marker: Marker, rows: RowsRestored) -> RowInit | None:
         """The restored rows become the rows trained so far, and the untrained ones follow the
         chain's row initialisation from here on (returned; the next markers name it, unless
-        `ckpt.untrained_rows=store`): a chain without one stored every row, so every row
+        `ckpt.capture.untrained_rows=store`): a chain without one stored every row, so every row
         counts as trained."""
         assert rows.held is not None
         self.tracker.load_trained(rows.held)
         chain_init = row_init_of(marker)
-        if chain_init is not None and self.cfg.untrained_rows == "regenerate":
+        if chain_init is not None and self.regenerate:
             return chain_init
         return None
 

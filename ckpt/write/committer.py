@@ -88,7 +88,7 @@ class Committer:
             self.markers.prepare(self.connect_timeout_s)
 
     def start_attempt(self, attempt: AttemptRecord, epoch: int, catalog: Catalog) -> None:
-        """This trainer attempt's record and epoch, and the log as the manager read it at start
+        """This trainer attempt's record and epoch, and the log as the checkpointer read it at start
         (just before the record; the first commit reads the rest)."""
         self.attempt, self.epoch, self.catalog = attempt, epoch, catalog
 

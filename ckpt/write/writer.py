@@ -273,7 +273,7 @@ def _unwritten(job: WriteJob, rank: int, dead: int) -> RankReport:
     `dead`, which failed, so no restore could ever use its rows. Every rank's writer knows the
     same outcomes in the same order, so every rank leaves it unwritten, and the queue of
     checkpoints decided before the failure was known drains at once instead of writing rows in
-    vain (the manager makes the next checkpoint it decides full)."""
+    vain (the checkpointer makes the next checkpoint it decides full)."""
     job.snapshot.wait()  # a GPU snapshot's copies to host end before its buffers are released
     return RankReport(
         rank=rank,
@@ -366,7 +366,7 @@ def encode_frames(
     Records the codecs it encodes with in `used`."""
     ids = shard.global_rows
     weight_codec = get_codec(job.weight_codec)
-    if shard.encoded is not None:  # encoded on the device by the snapshot (ckpt.encode_on)
+    if shard.encoded is not None:  # encoded on the device by the snapshot (ckpt.capture.encode_on)
         if shard.encoded.codec != weight_codec.name:
             raise RuntimeError(
                 f"table {shard.table}: the snapshot encoded its rows as {shard.encoded.codec}, "

@@ -58,8 +58,13 @@ from tests.conftest import SEED_ENV, ReplaySeed
 pytestmark = pytest.mark.multirank
 
 README_STEPS = 140  # the snippet checkpoints every 50 steps: at 50, 100 and the last
-RICH_STEPS = 40  # every 5 steps (ckpt.interval_steps=5)
-RICH_JOB = ["ckpt.sink=filesystem", "ckpt.encoding=fp32", "ckpt.optimizer_encoding=fp32", "ckpt.interval_steps=5"]
+RICH_STEPS = 40  # every 5 steps (ckpt.schedule.interval_steps=5)
+RICH_JOB = [
+    "ckpt.sink.kind=filesystem",
+    "ckpt.encoding.weights=fp32",
+    "ckpt.encoding.optimizer=fp32",
+    "ckpt.schedule.interval_steps=5",
+]
 TIMEOUT_S = 180  # each group of ranks; a rank failing fails the group at once
 
 

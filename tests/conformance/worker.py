@@ -439,7 +439,9 @@ def rich_loop(args: argparse.Namespace, rank: int, world: int) -> RichLoop:
     if not args.plain:
         from ckpt import Checkpointer, CkptConfig  # a plain run never imports deltarec's engine
 
-        cfg = CkptConfig(sink="filesystem", interval_steps=5, resume="latest").override(args.overrides)
+        cfg = CkptConfig.from_dict(
+            {"sink": {"kind": "filesystem"}, "schedule": {"interval_steps": 5}, "restore": {"resume": "latest"}}
+        ).override(args.overrides)
         ckpt = Checkpointer(cfg, dmp, dense_optimizer=dense_opt, loop=loop, run_dir=args.run_dir)
         report = ckpt.restore()
         if args.dump_restored:

@@ -41,8 +41,8 @@ def test_the_entry_point_lists_every_suite(run_cli: CliRunner) -> None:
 def test_quick_suite_writes_every_peer_and_policy(tmp_path: Path, run_cli: CliRunner) -> None:
     out, img, records = tmp_path / "results.json", tmp_path / "img", tmp_path / "records.jsonl"
     # shortened (2 checkpoints per job, a short follower job, one encoding and the default policy
-    # beside the follower's incremental one: the other jobs differ only in `ckpt.encoding` and
-    # `ckpt.policy`, each policy's checkpoints are tested in tests/integration/test_resume.py;
+    # beside the follower's incremental one: the other jobs differ only in `ckpt.encoding.weights` and
+    # `ckpt.schedule.policy`, each policy's checkpoints are tested in tests/integration/test_resume.py;
     # one round of restores, none of them waiting out a stand-in for a restarted job's model
     # build): what is checked is that every record is there
     run_cli(
@@ -117,7 +117,7 @@ def test_quant_accuracy_restores_are_exact_in_fp32_and_quantized_ones_are_not(tm
     run_cli("bench.run", "--suite", "accuracy", "--records", records, "--out", out, "--steps", "60",
             "--interval", "20", "--eval-every", "30", "--eval-batches", "4", "--settings", "default",
             "--restores", "1", "--controls", "fp32@1", "--skip", "--work-dir", tmp_path / "runs",
-            "--set", "optimizer.sparse.lr=0.2", "ckpt.restore_bit_widths=check_n_run",  # 2-bit at L = 1
+            "--set", "optimizer.sparse.lr=0.2", "ckpt.encoding.restore_bit_widths=check_n_run",  # 2-bit at L = 1
             "--timeout", "300", timeout_s=900)  # fmt: skip
     cells = {(c["setting"], c["restores"]): c for c in json.loads(out.read_text())["cells"]}
     fp32, default = cells[("fp32", 1)], cells[("default", 1)]

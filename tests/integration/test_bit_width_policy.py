@@ -1,5 +1,5 @@
 """The bit-width policy end to end, on 2 real ranks and the filesystem sink: every COMMIT marker
-names the weight codec that `ckpt.restore_bit_widths` gives for `ckpt.expected_restores`, and
+names the weight codec that `ckpt.encoding.restore_bit_widths` gives for `ckpt.encoding.expected_restores`, and
 checkpoints written after more restores than expected fall back to 8-bit."""
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ pytestmark = [pytest.mark.integration, pytest.mark.multirank]
 
 
 def test_a_calibrated_table_then_8_bit_once_restored_more_often_than_expected(tmp_path, debug_config) -> None:
-    job = ["ckpt.enabled=true", "ckpt.sink=filesystem", "ckpt.interval_steps=10", "ckpt.expected_restores=1",
-           "ckpt.restore_bit_widths=[[1,3]]", "train.eval_batches=1"]  # fmt: skip
+    job = ["ckpt.enabled=true", "ckpt.sink.kind=filesystem", "ckpt.schedule.interval_steps=10", "train.eval_batches=1"]
+    job += ["ckpt.encoding.expected_restores=1", "ckpt.encoding.restore_bit_widths=[[1,3]]"]
     spawn_ranks(debug_config.path, [*job, "train.steps=20"], tmp_path)
     for step, steps in [(20, 30), (30, 40)]:
-        out = spawn_ranks(debug_config.path, [*job, f"train.steps={steps}", "ckpt.resume=latest"], tmp_path)[0].stdout
+        out = spawn_ranks(debug_config.path, [*job, f"train.steps={steps}", "ckpt.restore.resume=latest"], tmp_path)[0].stdout
         assert f"at step {step}" in out, out[-2000:]
 
     cfg = debug_config.load([*job, f"run.dir={tmp_path / 'run'}"], check_data=False)
-    backend = open_backend(cfg.ckpt, world_size=1)
+    backend = open_backend(cfg.ckpt.run_id, cfg.ckpt.sink, world_size=1)
     try:
         found = commits(backend.markers.read_markers(), cfg.ckpt.run_id)
     finally:

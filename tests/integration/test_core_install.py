@@ -187,7 +187,7 @@ def _run_loop(core_venv: CoreVenv, run_dir: Path, tmp_path: Path, steps: int) ->
     rdzv = tmp_path / f"rdzv-{time.monotonic_ns()}"
     argv = [str(core_venv.python), "-E", "-s", "-u", str(REPO / "examples" / "two_tower.py"), "--run-dir", str(run_dir),
             "--steps", str(steps), "--batch-size", "64", "--plan", "row_wise", "--init-method", f"file://{rdzv}",
-            "ckpt.interval_steps=5", "ckpt.policy=incremental", "ckpt.encoding=adaptive4"]  # fmt: skip
+            "ckpt.schedule.interval_steps=5", "ckpt.schedule.policy=incremental", "ckpt.encoding.weights=adaptive4"]  # fmt: skip
     results = start_command(argv, tmp_path, world_size=2, timeout_s=150, env_extra=CORE_ENV).wait()
     return results[0].stdout
 

@@ -21,11 +21,11 @@ pytestmark = pytest.mark.integration
 def _job(run_id: str, steps: int) -> list[str]:
     return [
         "ckpt.enabled=true",
-        "ckpt.sink=filesystem",
+        "ckpt.sink.kind=filesystem",
         f"ckpt.run_id={run_id}",
-        "ckpt.policy=intermittent_diff",
-        "ckpt.interval_steps=10",
-        "ckpt.final=false",
+        "ckpt.schedule.policy=intermittent_diff",
+        "ckpt.schedule.interval_steps=10",
+        "ckpt.schedule.final=false",
         f"train.steps={steps}",
         "train.eval_batches=1",
     ]
@@ -55,7 +55,7 @@ def test_a_failed_dense_write_fails_that_checkpoint_only(
     names = sorted(p.name for p in (run_dir / "dense").iterdir())
     assert names == sorted([f"dense-{i:08d}.pt" for i in recs if i != failing] + ["commits.jsonl"])  # no temp file
 
-    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest", "train.steps=50"], tmp_path)
+    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.restore.resume=latest", "train.steps=50"], tmp_path)
     newest = 4 if failing != 4 else 3
     assert f"deltarec: resumed from checkpoint {newest} at step {newest * 10}" in resumed[0].stdout
 
@@ -71,8 +71,13 @@ def test_checkpoints_queued_behind_a_failed_one_are_left_unwritten_and_the_next_
     full and commits on its own. With copy-on-write, a snapshot left unread ends its
     registration all the same (`Snapshot.release`)."""
     run_dir = tmp_path / "run"
-    job = [*_job(unique_name("cascade"), 40), "ckpt.policy=incremental", "ckpt.interval_steps=2", "ckpt.final=true"]
-    job.append(f"ckpt.copy_on_write={str(copy_on_write).lower()}")
+    job = [
+        *_job(unique_name("cascade"), 40),
+        "ckpt.schedule.policy=incremental",
+        "ckpt.schedule.interval_steps=2",
+        "ckpt.schedule.final=true",
+    ]
+    job.append(f"ckpt.capture.copy_on_write={str(copy_on_write).lower()}")
     env = {"DELTAREC_DENSE_ERROR": "3:ENOSPC", "DELTAREC_SLOW_FLUSH": "3:3"}
     results = spawn_ranks(debug_config.path, job, tmp_path, env_extra=env)
     recs = {r["ckpt_id"]: r for r in metrics(run_dir, "ckpt_id")}
@@ -87,5 +92,5 @@ def test_checkpoints_queued_behind_a_failed_one_are_left_unwritten_and_the_next_
     assert len(said) == 1, said
     first, final = unwritten[0], unwritten[-1]
     assert f"checkpoint(s) {first}-{final} not written: their chain runs through checkpoint 3, which failed" in said[0]
-    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest", "train.steps=44"], tmp_path)
+    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.restore.resume=latest", "train.steps=44"], tmp_path)
     assert f"deltarec: resumed from checkpoint {max(recs)} at step 40" in resumed[0].stdout

@@ -32,7 +32,12 @@ STEPS = 60
 #: each example's plan on 2 ranks, and the other plan its checkpoint is restored into on 1 rank
 PLANS = {"two_tower": ("table_wise", "row_wise"), "sequence_ranking": ("row_wise", "table_wise")}
 MODELS = {"two_tower": "TwoTower", "sequence_ranking": "Ranker"}  # each example's model class
-JOB = ["ckpt.sink=filesystem", "ckpt.interval_steps=10", "ckpt.encoding=fp32", "ckpt.optimizer_encoding=fp32"]
+JOB = [
+    "ckpt.sink.kind=filesystem",
+    "ckpt.schedule.interval_steps=10",
+    "ckpt.encoding.weights=fp32",
+    "ckpt.encoding.optimizer=fp32",
+]
 
 
 def _start(example: str, run_dir: Path, tmp: Path, world: int = 2, extra: tuple[str, ...] = ()) -> RankGroup:
@@ -178,7 +183,7 @@ def test_a_4bit_run_restores_within_the_codecs_bound(tmp_path: Path, uninterrupt
     fp16 scale and bias; optimizer state (fp32) and dense parameters exactly."""
     example, ref_dir, _ = uninterrupted
     run_dir = tmp_path / "run4"
-    _start(example, run_dir, tmp_path, extra=("ckpt.encoding=adaptive4",)).wait()
+    _start(example, run_dir, tmp_path, extra=("ckpt.encoding.weights=adaptive4",)).wait()
     want = export_run(ref_dir, tmp_path / "k.pt", 3)
     got = _restore_on_one_rank(example, run_dir, tmp_path, 3)
     quantized = 0
@@ -211,6 +216,6 @@ def test_a_checkpoint_of_another_model_is_refused_naming_a_table(tmp_path: Path,
     (result,) = start_command(argv, tmp_path, world_size=1, timeout_s=240).wait(expect_ok=False)
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
-    refusal = r"(\[rank0\]: )?ckpt\.errors\.RestoreError: checkpoint 3 of run run (has no|holds) table \S+, which the model.*"
+    refusal = r"(\[rank0\]: )?ckpt\.types\.RestoreError: checkpoint 3 of run run (has no|holds) table \S+, which the model.*"
     assert re.fullmatch(refusal, last), last
     assert not (tmp_path / "x.pt").exists()

@@ -22,7 +22,12 @@ from launch.ranks import start_command
 from tests.integration.test_examples import export_run
 
 STEPS = 50
-JOB = ["ckpt.sink=filesystem", "ckpt.interval_steps=10", "ckpt.encoding=fp32", "ckpt.optimizer_encoding=fp32"]
+JOB = [
+    "ckpt.sink.kind=filesystem",
+    "ckpt.schedule.interval_steps=10",
+    "ckpt.encoding.weights=fp32",
+    "ckpt.encoding.optimizer=fp32",
+]
 
 
 def _run(run_dir: Path, tmp: Path, optimizer: str, kill_at: str = "") -> list:

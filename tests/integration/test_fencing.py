@@ -34,25 +34,25 @@ SHAPE = [
     "train.save_params=true",
     "train.eval_batches=1",
     "sharding.default=row_wise",
-    "ckpt.interval_steps=10",
-    "ckpt.flush_timeout_s=20",
+    "ckpt.schedule.interval_steps=10",
+    "ckpt.sink.flush_timeout_s=20",
 ]
 
 
 def _job(run_id: str, sink: str, bootstrap: str = "", policy: str = "incremental") -> list[str]:
     return [
         "ckpt.enabled=true",
-        f"ckpt.sink={sink}",
-        f"ckpt.bootstrap_servers={bootstrap}",
+        f"ckpt.sink.kind={sink}",
+        f"ckpt.sink.bootstrap_servers={bootstrap}",
         f"ckpt.run_id={run_id}",
-        f"ckpt.policy={policy}",
+        f"ckpt.schedule.policy={policy}",
         *SHAPE,
     ]
 
 
 def _catalog(debug_config: DebugConfig, tmp_path: Path, job: list[str]):
     cfg = debug_config.load([f"run.dir={tmp_path / 'run'}", *job], check_data=False).ckpt
-    backend = open_backend(cfg, world_size=1)
+    backend = open_backend(cfg.run_id, cfg.sink, world_size=1)
     try:
         return read_catalog(backend.markers, cfg.run_id)
     finally:
@@ -87,7 +87,7 @@ def test_an_old_attempt_that_wakes_up_after_a_newer_one_started_stops_and_is_nev
         newest = max(before.commits)
         assert newest >= 2 and before.holder("trainer").epoch == 1  # the first record of the markers topic
 
-        b = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest", f"train.steps={newest * 10 + 30}"],
+        b = spawn_ranks(debug_config.path, [*job, "ckpt.restore.resume=latest", f"train.steps={newest * 10 + 30}"],
                         tmp_path, timeout_s=180)  # fmt: skip
         assert f"deltarec: resumed from checkpoint {newest} at step {newest * 10}" in b[0].stdout
         b_state = _dumps(run)
@@ -123,7 +123,7 @@ def test_an_old_attempt_that_wakes_up_after_a_newer_one_started_stops_and_is_nev
         f"attempt A wrote a dense file after B started: {dense_ids}, before B {sorted(dense_before_b)}"
     )
 
-    c = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest", f"train.steps={newest * 10 + 30}"],
+    c = spawn_ranks(debug_config.path, [*job, "ckpt.restore.resume=latest", f"train.steps={newest * 10 + 30}"],
                     tmp_path, timeout_s=180)  # fmt: skip
     assert f"deltarec: resumed from checkpoint {b_ids[-1]} at step {newest * 10 + 30}" in c[0].stdout
     for rank, (got, want) in enumerate(zip(_dumps(run), b_state)):
@@ -152,7 +152,7 @@ def test_of_two_gcs_at_once_exactly_one_deletes(tmp_path, unique_name, debug_con
     spawn_ranks(debug_config.path, [*job, "train.steps=40"], tmp_path, world_size=1, timeout_s=120)
     tool = ["--config", str(debug_config.path), f"run.dir={tmp_path / 'run'}", *job]
     cfg = load_job_ckpt_config(str(debug_config.path), tool[2:])
-    stream = Path(cfg.fs_root)
+    stream = Path(cfg.sink.fs_root)
     generations = lambda: sorted(p.name for p in stream.iterdir() if ".rows." in p.name)  # noqa: E731
     assert generations() == [f"{cfg.run_id}.rows.g{i}" for i in (1, 2, 3, 4)]
 
@@ -187,7 +187,7 @@ def test_of_two_gcs_at_once_exactly_one_deletes(tmp_path, unique_name, debug_con
     assert catalog.dropped == {1, 2, 3} and [m.checkpoint_id for m in catalog.restorable()] == [4]
     assert f"epoch {catalog.holder('gc').epoch}," in rest, rest  # gc B's
     # a checkpoint whose generation gc dropped: named, refused, never silently replaced by an older one
-    refused = spawn_ranks(debug_config.path, [*job, "ckpt.resume=2", "train.steps=50"], tmp_path, world_size=1,
+    refused = spawn_ranks(debug_config.path, [*job, "ckpt.restore.resume=2", "train.steps=50"], tmp_path, world_size=1,
                           timeout_s=120, expect_ok=False)  # fmt: skip
     assert refused[0].returncode == 2, refused[0].stderr[-2000:]
     assert (

@@ -48,17 +48,17 @@ FOLLOW = ["ckpt.follow.poll_s=0.2", f"ckpt.follow.lease_s={LEASE_S}"]
 def _job(run_id: str, sink: str = "filesystem", bootstrap: str = "", encoding: str = "fp32") -> list[str]:
     job = [
         "ckpt.enabled=true",
-        f"ckpt.sink={sink}",
+        f"ckpt.sink.kind={sink}",
         f"ckpt.run_id={run_id}",
-        "ckpt.policy=incremental",
-        "ckpt.interval_steps=5",
-        "ckpt.flush_timeout_s=20",
-        f"ckpt.encoding={encoding}",
+        "ckpt.schedule.policy=incremental",
+        "ckpt.schedule.interval_steps=5",
+        "ckpt.sink.flush_timeout_s=20",
+        f"ckpt.encoding.weights={encoding}",
         *FOLLOW,
         "train.eval_batches=1",
         "train.save_params=true",
     ]
-    return [*job, f"ckpt.bootstrap_servers={bootstrap}"] if bootstrap else job
+    return [*job, f"ckpt.sink.bootstrap_servers={bootstrap}"] if bootstrap else job
 
 
 # --- the follower as a process ----------------------------------------------------------------
@@ -109,7 +109,7 @@ def _ckpt_config(debug_config: DebugConfig, job: list[str], run_dir: Path) -> Ck
 
 
 def _catalog(cfg: CkptConfig) -> Catalog:
-    backend = open_backend(cfg, world_size=1)
+    backend = open_backend(cfg.run_id, cfg.sink, world_size=1)
     try:
         return read_catalog(backend.markers, cfg.run_id)
     finally:
@@ -119,7 +119,7 @@ def _catalog(cfg: CkptConfig) -> Catalog:
 def _lease_history(cfg: CkptConfig) -> tuple[list[tuple[int, str, float]], list[LeaseRecord]]:
     """(accepted claims as (epoch, holder, claim time), every lease record), by folding the
     markers log one record at a time the way every reader does."""
-    backend = open_backend(cfg, world_size=1)
+    backend = open_backend(cfg.run_id, cfg.sink, world_size=1)
     try:
         records = backend.markers.read_markers()
     finally:
@@ -153,8 +153,8 @@ def _original_chain(catalog: Catalog, chain: list[ChainLink]) -> list[ChainLink]
 def _tables(marker: Marker, chain: list[ChainLink], cfg: CkptConfig) -> dict[str, dict[str, torch.Tensor]]:
     """Full tables of `marker`'s checkpoint replayed from `chain`."""
     m = replace(marker, chain=chain)
-    state = DenseStore(Path(cfg.dense_dir)).read(DenseRef.from_json(marker.dense))
-    backend = open_backend(cfg, world_size=1)
+    state = DenseStore(Path(cfg.sink.dense_dir)).read(DenseRef.from_json(marker.dense))
+    backend = open_backend(cfg.run_id, cfg.sink, world_size=1)
     try:
         frames = [(link.full, f) for link, f in iter_chain_frames(m, backend.source, cfg.run_id, backend.locate)]
         return assemble(m, frames, replicated_tables(m, state))
@@ -222,7 +222,7 @@ POINTS = {
     "marker": (7, 10),
     "committed": (3, 8),
 }
-SYNCED = ["ckpt.on_backpressure=wait", "ckpt.max_pending_bytes=152000"]  # one full snapshot of rank 0
+SYNCED = ["ckpt.write.on_backpressure=wait", "ckpt.write.max_pending_bytes=152000"]  # one full snapshot of rank 0
 
 
 @pytest.mark.parametrize("sink", ["filesystem", "kafka"])
@@ -307,7 +307,9 @@ def test_trainer_and_follower_killed_resume_is_bit_exact_from_compacted_chain(
         before = _catalog(cfg)
         newest_before = max(before.commits)
 
-        resumed = start_ranks(debug_config.path, [*job, f"train.steps={STEPS}", "ckpt.resume=latest"], tmp_path, timeout_s=180)
+        resumed = start_ranks(
+            debug_config.path, [*job, f"train.steps={STEPS}", "ckpt.restore.resume=latest"], tmp_path, timeout_s=180
+        )
         groups.append(resumed)
         if phase == "resumed":
             _wait_for(
@@ -565,7 +567,7 @@ def test_two_followers_one_compacts_the_other_takes_over(tmp_path, unique_name, 
         assert "stopped:" in holder.text()
         # the release lets the standby claim on its next poll (not lease_s later), and compact what comes next
         _wait_for(lambda: "holding the compaction lease (epoch 2)" in standby.text(), 20, "the standby taking over", (standby,))
-        spawn_ranks(debug_config.path, [*job, "train.steps=60", "ckpt.resume=latest"], tmp_path, timeout_s=180)
+        spawn_ranks(debug_config.path, [*job, "train.steps=60", "ckpt.restore.resume=latest"], tmp_path, timeout_s=180)
         final_id = max(_catalog(cfg).commits)
         _wait_for(
             lambda: f"checkpoint {final_id} (step 60) applied" in standby.text(),
@@ -612,7 +614,7 @@ def test_a_follower_that_gets_the_lease_late_compacts_without_a_new_commit(tmp_p
     run_dir = tmp_path / "run"
     spawn_ranks(debug_config.path, [*job, "train.steps=40"], tmp_path, timeout_s=180)  # 8 checkpoints
     cfg = _ckpt_config(debug_config, job, run_dir)
-    backend = open_backend(cfg, world_size=1)
+    backend = open_backend(cfg.run_id, cfg.sink, world_size=1)
     try:  # a follower that claimed the lease and died: nobody releases it
         backend.markers.append_marker(
             encode_marker(

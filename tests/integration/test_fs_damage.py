@@ -45,8 +45,8 @@ pytestmark = pytest.mark.integration
 _HEAD = struct.Struct("<4sII")  # a segment record: magic, payload length, crc32 (ckpt/stream/filesystem.py)
 TRAIN_ERROR_RC = 2  # `deltarec-train: error: ...`
 FALL_BACK = "falling back to the previous checkpoint"
-RESUME = ["ckpt.resume=latest", "train.steps=30"]
-FALL_BACK_TO_2 = ["ckpt.resume=latest", "ckpt.on_corrupt=previous", "train.steps=20"]
+RESUME = ["ckpt.restore.resume=latest", "train.steps=30"]
+FALL_BACK_TO_2 = ["ckpt.restore.resume=latest", "ckpt.restore.on_corrupt=previous", "train.steps=20"]
 
 
 @dataclass(frozen=True)
@@ -191,7 +191,7 @@ def damaged(trained: Trained, tmp_path_factory: pytest.TempPathFactory) -> Damag
 def _assert_fails_naming(result: RankResult, reason: str) -> None:
     """The rank stopped with the trainer's error status naming `reason`, resuming nothing."""
     assert result.returncode == TRAIN_ERROR_RC and "resumed from" not in result.stdout, result.stderr[-3000:]
-    error = f"deltarec-train: error: checkpoint 3: {reason} (set ckpt.on_corrupt=previous to fall back"
+    error = f"deltarec-train: error: checkpoint 3: {reason} (set ckpt.restore.on_corrupt=previous to fall back"
     assert error in result.stderr, result.stderr[-3000:]
 
 

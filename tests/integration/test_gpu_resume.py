@@ -34,12 +34,12 @@ def _job(run_id: str, bootstrap: str) -> list[str]:
     return [
         *BASE,
         "ckpt.enabled=true",
-        "ckpt.sink=kafka",
-        f"ckpt.bootstrap_servers={bootstrap}",
+        "ckpt.sink.kind=kafka",
+        f"ckpt.sink.bootstrap_servers={bootstrap}",
         f"ckpt.run_id={run_id}",
-        "ckpt.policy=one_shot_diff",
-        "ckpt.interval_steps=10",
-        "ckpt.flush_timeout_s=20",
+        "ckpt.schedule.policy=one_shot_diff",
+        "ckpt.schedule.interval_steps=10",
+        "ckpt.sink.flush_timeout_s=20",
     ]
 
 
@@ -75,7 +75,7 @@ def test_sigkill_while_shipping_rows_then_resume_is_bit_exact(
         debug_config.path, job, tmp_path, world_size=1, expect_ok=False, env_extra={"DELTAREC_KILL_AT": "rows:4@0"}
     )
     assert crashed[0].returncode == -signal.SIGKILL, crashed[0].stderr[-2000:]
-    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest"], tmp_path, world_size=1)
+    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.restore.resume=latest"], tmp_path, world_size=1)
     assert "deltarec: resumed from checkpoint 3 at step 30" in resumed[0].stdout, resumed[0].stdout[-2000:]
     _assert_identical(_params(tmp_path / "run"), reference, "killed while shipping rows of checkpoint 4")
     assert metrics(tmp_path / "run", ckpt_committed=True)
@@ -107,7 +107,7 @@ def test_sigkill_from_outside_then_resume_is_bit_exact(
     finally:
         results = group.wait(expect_ok=False)
     assert results[0].returncode == -signal.SIGKILL, f"{why}: the job ended before the kill ({results[0].returncode})"
-    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest"], tmp_path, world_size=1)
+    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.restore.resume=latest"], tmp_path, world_size=1)
     lines = [x for x in resumed[0].stdout.splitlines() if x.startswith("deltarec: resumed from checkpoint")]
     assert lines and int(lines[0].split()[4]) >= k, f"{why}\n{resumed[0].stdout[-2000:]}"
     _assert_identical(_params(run), reference, why)

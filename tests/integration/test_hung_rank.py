@@ -52,8 +52,8 @@ def test_a_stopped_rank_fails_the_job_naming_the_collective_and_torchrun_resumes
 
     run_dir, log = tmp_path / "run", tmp_path / "launch.log"
     job = [*TRAIN, f"run.dir={run_dir}", "train.progress=log", f"sharding.timeout_s={TIMEOUT_S}",
-           "ckpt.enabled=true", "ckpt.sink=filesystem", "ckpt.run_id=hung", "ckpt.interval_steps=50",
-           "ckpt.resume=latest"]  # fmt: skip
+           "ckpt.enabled=true", "ckpt.sink.kind=filesystem", "ckpt.run_id=hung", "ckpt.schedule.interval_steps=50",
+           "ckpt.restore.resume=latest"]  # fmt: skip
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "launch.torchrun", "--nproc-per-node", "2", "--max-restarts", "1",

@@ -38,12 +38,12 @@ KILLED = -signal.SIGKILL
 def _job(run_id: str, sink: str, bootstrap: str = "", policy: str = "incremental", steps: int = STEPS) -> list[str]:
     return [
         "ckpt.enabled=true",
-        f"ckpt.sink={sink}",
-        f"ckpt.bootstrap_servers={bootstrap}",
+        f"ckpt.sink.kind={sink}",
+        f"ckpt.sink.bootstrap_servers={bootstrap}",
         f"ckpt.run_id={run_id}",
-        f"ckpt.policy={policy}",
-        "ckpt.interval_steps=10",
-        "ckpt.flush_timeout_s=20",
+        f"ckpt.schedule.policy={policy}",
+        "ckpt.schedule.interval_steps=10",
+        "ckpt.sink.flush_timeout_s=20",
         f"train.steps={steps}",
         *SHAPE,
     ]
@@ -62,13 +62,13 @@ def _in_process(argv: list[str]) -> int:
 def _state(debug_config: DebugConfig, tmp_path: Path, job: list[str]) -> tuple[Any, list[int], list[int]]:
     """The run's catalog, the generations its sink holds and the ids of its dense files."""
     cfg = debug_config.load([f"run.dir={tmp_path / 'run'}", *job], check_data=False).ckpt
-    backend = open_backend(cfg, world_size=1)
+    backend = open_backend(cfg.run_id, cfg.sink, world_size=1)
     try:
         catalog = read_catalog(backend.markers, cfg.run_id)
         generations = backend.sink.generations()
     finally:
         backend.close()
-    return catalog, generations, sorted(int(p.stem.split("-")[1]) for p in Path(cfg.dense_dir).glob("dense-*.pt"))
+    return catalog, generations, sorted(int(p.stem.split("-")[1]) for p in Path(cfg.sink.dense_dir).glob("dense-*.pt"))
 
 
 def _dumps(run_dir: Path, ranks: int = 2) -> list[dict[str, torch.Tensor]]:
@@ -96,7 +96,7 @@ def test_restore_killed_by_its_fault_hook_and_from_outside_then_resume_is_bit_ex
     outside_rank = 1 - hook_rank
     why = f"restore killed on rank {hook_rank} (crash point), then rank {outside_rank} (from outside), {replay_seed}"
     print(why)
-    resume = [*job, "ckpt.resume=latest"]
+    resume = [*job, "ckpt.restore.resume=latest"]
 
     # the crash point: the rank has written its first frame of the chain into its shards
     killed = spawn_ranks(debug_config.path, resume, tmp_path, expect_ok=False, timeout_s=120,
@@ -172,7 +172,7 @@ def test_gc_killed_midway_the_next_gc_finishes_and_the_newest_checkpoint_resumes
 
     assert _in_process([*tool, "verify"]) == 0
     assert "checkpoint 4 (step 40): OK" in capsys.readouterr().out
-    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest", "train.steps=50"], tmp_path, world_size=1,
+    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.restore.resume=latest", "train.steps=50"], tmp_path, world_size=1,
                           timeout_s=120)  # fmt: skip
     assert "deltarec: resumed from checkpoint 4 at step 40" in resumed[0].stdout
 

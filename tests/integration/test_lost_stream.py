@@ -26,12 +26,12 @@ STEPS = 30
 def _job(run_id: str, sink: str, bootstrap: str = "") -> list[str]:
     return [
         "ckpt.enabled=true",
-        f"ckpt.sink={sink}",
-        f"ckpt.bootstrap_servers={bootstrap}",
+        f"ckpt.sink.kind={sink}",
+        f"ckpt.sink.bootstrap_servers={bootstrap}",
         f"ckpt.run_id={run_id}",
-        "ckpt.interval_steps=10",
-        "ckpt.flush_timeout_s=20",
-        "ckpt.final=false",
+        "ckpt.schedule.interval_steps=10",
+        "ckpt.sink.flush_timeout_s=20",
+        "ckpt.schedule.final=false",
         f"train.steps={STEPS}",
         "train.eval_batches=1",
     ]
@@ -60,26 +60,26 @@ def _refused_then_started_over(
 
     for lose_stream in losses:
         overrides, where = lose_stream()
-        refused = spawn_ranks(debug_config.path, [*job, *overrides, "ckpt.resume=latest"], tmp_path, expect_ok=False)
+        refused = spawn_ranks(debug_config.path, [*job, *overrides, "ckpt.restore.resume=latest"], tmp_path, expect_ok=False)
         assert all(r.returncode == 2 for r in refused), [r.returncode for r in refused]
         out = refused[0].stdout + refused[0].stderr
         line = next((x for x in out.splitlines() if "committed checkpoint(s)" in x), None)
         assert line is not None, out[-3000:]
-        assert "records 3 committed checkpoint(s) (newest 3 at step 30" in line and "ckpt.resume=none" in line, line
+        assert "records 3 committed checkpoint(s) (newest 3 at step 30" in line and "ckpt.restore.resume=none" in line, line
         assert f"but {where} has no COMMIT marker" in line, line
         assert "starting from scratch" not in out and "Traceback" not in refused[0].stderr, out[-3000:]
         assert _dense_files(run_dir) == before  # nothing written, nothing replaced
         assert _committed_ids(run_dir) == first  # no checkpoint taken by the refused attempt
 
     # The user chooses to start over: the old files stay, ids go on after them.
-    spawn_ranks(debug_config.path, [*job, "ckpt.resume=none"], tmp_path)
+    spawn_ranks(debug_config.path, [*job, "ckpt.restore.resume=none"], tmp_path)
     assert _committed_ids(run_dir) == [1, 2, 3, 4, 5, 6]
     after = _dense_files(run_dir)
     assert {k: after[k] for k in before} == before
     assert sorted(after) == [f"dense-{i:08d}.pt" for i in range(1, 7)]
 
     # ... and that new start is what `resume=latest` brings back now.
-    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest", f"train.steps={STEPS + 10}"], tmp_path)
+    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.restore.resume=latest", f"train.steps={STEPS + 10}"], tmp_path)
     assert "deltarec: resumed from checkpoint 6 at step 30" in resumed[0].stdout
 
 
@@ -98,7 +98,7 @@ def test_broker_restarted_empty_is_refused_not_started_over(tmp_path, unique_nam
         b = EmbeddedBroker(state_dir=tmp_path / "other")
         b.start()
         others.append(b)
-        return [f"ckpt.bootstrap_servers={b.bootstrap}"], b.bootstrap
+        return [f"ckpt.sink.bootstrap_servers={b.bootstrap}"], b.bootstrap
 
     def topics_deleted() -> tuple[list[str], str]:
         leaked = [

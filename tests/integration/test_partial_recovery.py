@@ -1,4 +1,4 @@
-"""Partial recovery (`ckpt.recovery: partial`, CPR) with real ranks: a rank SIGKILLed from
+"""Partial recovery (`ckpt.recovery.mode: partial`, CPR) with real ranks: a rank SIGKILLed from
 outside under torchrun, a survivor SIGKILLed while it saves its snapshot, and a restart
 with no usable survivor snapshot, which must be bit-exact full recovery."""
 
@@ -34,9 +34,9 @@ def _job(run_id: str, *extra: str) -> list[str]:
     return [
         f"ckpt.run_id={run_id}",
         "ckpt.enabled=true",
-        "ckpt.sink=filesystem",
-        "ckpt.interval_steps=10",
-        "ckpt.recovery=partial",
+        "ckpt.sink.kind=filesystem",
+        "ckpt.schedule.interval_steps=10",
+        "ckpt.recovery.mode=partial",
         "sharding.default=row_wise",
         "train.eval_batches=1",
         *extra,
@@ -80,11 +80,12 @@ def test_a_rank_killed_under_torchrun_rolls_back_alone_and_the_survivor_keeps_it
     """torchrun's SIGTERM reaches the survivor's whole process group, its loader worker too
     (`workers`=1): the survivor still finishes its step and saves."""
     run_id, run_dir = unique_name("partial"), tmp_path / "run"
-    where = [f"ckpt.sink={sink}", f"data.workers={workers}"]
+    where = [f"ckpt.sink.kind={sink}", f"data.workers={workers}"]
     if sink == "kafka":
-        where.append(f"ckpt.bootstrap_servers={request.getfixturevalue('broker').bootstrap}")
+        where.append(f"ckpt.sink.bootstrap_servers={request.getfixturevalue('broker').bootstrap}")
     job = lambda *extra: _job(run_id, *where, *extra)  # noqa: E731
-    backend = open_backend(load_job_ckpt_config(debug_config.path, [f"run.dir={run_dir}", *job()]), 2)
+    cfg = load_job_ckpt_config(debug_config.path, [f"run.dir={run_dir}", *job()])
+    backend = open_backend(cfg.run_id, cfg.sink, 2)
     launcher = subprocess.Popen(
         [sys.executable, "-m", "launch.torchrun", "--nproc-per-node", "2", "--config", debug_config.path,
          f"run.dir={run_dir}", *job("train.steps=100000", "train.log_every=1000")],
@@ -112,7 +113,7 @@ def test_a_rank_killed_under_torchrun_rolls_back_alone_and_the_survivor_keeps_it
     # Restart at the survivor's step without training: the dump is what the restore made.
     resumed = spawn_ranks(
         debug_config.path,
-        job("ckpt.resume=latest", f"train.steps={record.step}", "ckpt.final=false", "train.save_params=true"),
+        job("ckpt.restore.resume=latest", f"train.steps={record.step}", "ckpt.schedule.final=false", "train.save_params=true"),
         tmp_path,
     )
     out = resumed[0].stdout
@@ -128,8 +129,8 @@ def test_a_rank_killed_under_torchrun_rolls_back_alone_and_the_survivor_keeps_it
     (run_dir / "params").rename(tmp_path / "params-partial")
 
     # The checkpoint itself, restored the full way, for the rows that must equal it.
-    spawn_ranks(debug_config.path, job(f"ckpt.resume={base.checkpoint_id}", "ckpt.recovery=full",
-                                       f"train.steps={base.step}", "ckpt.final=false", "train.save_params=true"),
+    spawn_ranks(debug_config.path, job(f"ckpt.restore.resume={base.checkpoint_id}", "ckpt.recovery.mode=full",
+                                       f"train.steps={base.step}", "ckpt.schedule.final=false", "train.save_params=true"),
                 tmp_path)  # fmt: skip
     at_base = _params(run_dir)
     saved = _survivor_rows(backend, run_id, record)
@@ -183,7 +184,7 @@ def test_a_survivor_killed_while_saving_is_ignored_and_recovery_is_bit_exact(tmp
     assert (run_dir / "dense" / f"survivor-{int(held[1]):08d}-r0.pt").is_file()  # it had written all but the record
     assert not any(_catalog(run_dir, run_id).survivors.values())
 
-    resumed = spawn_ranks(debug_config.path, [*_job(run_id, steps, "ckpt.resume=latest", "train.save_params=true")],
+    resumed = spawn_ranks(debug_config.path, [*_job(run_id, steps, "ckpt.restore.resume=latest", "train.save_params=true")],
                           tmp_path)  # fmt: skip
     assert "deltarec: resumed from checkpoint" in resumed[0].stdout, resumed[0].stdout
     assert "partial recovery" not in resumed[0].stdout  # nothing usable: every rank rolled back
@@ -196,9 +197,9 @@ def test_a_survivor_killed_while_saving_is_ignored_and_recovery_is_bit_exact(tmp
 
 def test_a_pls_target_sets_the_checkpoint_interval(tmp_path, unique_name, debug_config: DebugConfig):
     # row_wise over 2 ranks: each holds half the embedding parameters, so 2 * 0.01 * 30 s / 0.5 = 1.2 s
-    results = spawn_ranks(debug_config.path, _job(unique_name("pls"), "ckpt.interval_steps=0", "ckpt.target_pls=0.01",
-                                                   "ckpt.mtbf_s=30", "train.steps=30"), tmp_path)  # fmt: skip
-    assert "checkpoint interval 1.2 s for PLS 0.01: mean time between failures 30 s (ckpt.mtbf_s)" in results[0].stderr
+    job = _job(unique_name("pls"), "ckpt.schedule.interval_steps=0", "ckpt.recovery.target_pls=0.01", "ckpt.recovery.mtbf_s=30")
+    results = spawn_ranks(debug_config.path, [*job, "train.steps=30"], tmp_path)
+    assert "checkpoint interval 1.2 s for PLS 0.01: mean time between failures 30 s (ckpt.recovery.mtbf_s)" in results[0].stderr
 
 
 @pytest.mark.parametrize("mode", ["mfu", "ssu"])
@@ -207,10 +208,10 @@ def test_prioritized_checkpoints_stay_within_their_budget_and_count_what_they_le
 ):
     job = _job(
         unique_name(mode),
-        "ckpt.policy=incremental",
-        f"ckpt.priority={mode}",
-        "ckpt.priority_full_every=4",
-        "ckpt.priority_budget=0.1",
+        "ckpt.schedule.policy=incremental",
+        f"ckpt.recovery.priority={mode}",
+        "ckpt.recovery.priority_full_every=4",
+        "ckpt.recovery.priority_budget=0.1",
     )
     # checkpoints at 10 (full), 20, 30, 40, 50 (full), 60, 70, 80, 90 (full), ...; rank 1 dies as
     # soon as it learns checkpoint 6 committed (a loaded machine's writers can lag 15 steps, so a
@@ -219,7 +220,7 @@ def test_prioritized_checkpoints_stay_within_their_budget_and_count_what_they_le
     group = start_ranks(debug_config.path, [*job, "train.steps=120"], tmp_path,
                         env_extra={"DELTAREC_KILL_AT": "committed:6@1"})  # fmt: skip
     assert [r.returncode for r in group.wait(expect_ok=False)][1] == -signal.SIGKILL
-    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest", "train.steps=130"], tmp_path)
+    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.restore.resume=latest", "train.steps=130"], tmp_path)
     assert "deltarec: trained 130 steps" in resumed[0].stdout, resumed[0].stdout
     records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     restore = next(i for i, r in enumerate(records) if "restored_ckpt" in r)

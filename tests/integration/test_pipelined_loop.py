@@ -25,7 +25,7 @@ from tests.integration.test_examples import _assert_same, _committed, export_run
 pytestmark = [pytest.mark.integration, pytest.mark.multirank]
 
 STEPS = 80
-JOB = ["ckpt.interval_steps=10", "ckpt.encoding=fp32", "ckpt.optimizer_encoding=fp32"]
+JOB = ["ckpt.schedule.interval_steps=10", "ckpt.encoding.weights=fp32", "ckpt.encoding.optimizer=fp32"]
 SCRIPT = ["examples/pipelined_ranking.py", "--steps", str(STEPS), "--plan", "row_wise"]
 
 

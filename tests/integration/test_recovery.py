@@ -68,7 +68,7 @@ def test_checkpoint_restores_into_other_world_sizes_and_plans(
             [
                 *job,
                 f"sharding.default={sharding}",
-                "ckpt.resume=latest",
+                "ckpt.restore.resume=latest",
                 "train.steps=30",
                 "train.save_params=true",
                 "train.eval_batches=1",
@@ -105,15 +105,15 @@ def test_corrupt_frame_fails_naming_where_or_falls_back(tmp_path, unique_name, d
     data[first + 64] ^= 0xFF
     segment.write_bytes(bytes(data))
 
-    failed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest", "train.steps=40"], tmp_path, expect_ok=False)
+    failed = spawn_ranks(debug_config.path, [*job, "ckpt.restore.resume=latest", "train.steps=40"], tmp_path, expect_ok=False)
     # a rank that exits otherwise shows its own output: CI once saw rank 0 abort (-6) here, unexplained
     assert all(r.returncode == 2 for r in failed), [(r.returncode, r.stderr[-2000:]) for r in failed if r.returncode != 2]
     for rank, r in enumerate(failed):  # every rank names where, also the one that did not read it
         assert "CRC" in r.stderr and f"{partition}.seg at byte {first}" in r.stderr, r.stderr[-3000:]
         assert (f"(read by rank {partition})" in r.stderr) == (rank != partition), r.stderr[-3000:]
 
-    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest", "ckpt.on_corrupt=previous", "train.steps=40"],
-                          tmp_path)  # fmt: skip
+    again = ["ckpt.restore.resume=latest", "ckpt.restore.on_corrupt=previous", "train.steps=40"]
+    resumed = spawn_ranks(debug_config.path, [*job, *again], tmp_path)
     assert "resumed from checkpoint 2 at step 20" in resumed[0].stdout
     assert "falling back to the previous checkpoint" in resumed[0].stderr
 
@@ -139,7 +139,7 @@ def test_falling_back_past_every_checkpoint_a_catalog_record_kept_reads_the_whol
         segment.write_bytes(bytes(data))
     resumed = spawn_ranks(
         debug_config.path,
-        [*job, "ckpt.resume=latest", "ckpt.on_corrupt=previous", "train.steps=90", "train.eval_batches=1"],
+        [*job, "ckpt.restore.resume=latest", "ckpt.restore.on_corrupt=previous", "train.steps=90", "train.eval_batches=1"],
         tmp_path,
     )
     assert "resumed from checkpoint 2 at step 20" in resumed[0].stdout, resumed[0].stdout[-2000:]
@@ -160,7 +160,7 @@ def test_marker_that_does_not_match_its_frames_is_refused(tmp_path, broker, uniq
         markers.append_marker(encode_marker(newest))
     finally:
         markers.close()
-    failed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest", "train.steps=30"], tmp_path, expect_ok=False)
+    failed = spawn_ranks(debug_config.path, [*job, "ckpt.restore.resume=latest", "train.steps=30"], tmp_path, expect_ok=False)
     err = "\n".join(r.stderr for r in failed)
     assert "checkpoint id 2 != 7" in err and f"{run_id}.rows.g2" in err and "partition" in err, err[-3000:]
 
@@ -270,7 +270,7 @@ def test_broker_gone_training_goes_on_and_recovers_with_a_full_checkpoint(
 
 
 def test_broker_unreachable_at_start_stops_every_rank_with_one_line(tmp_path, unique_name, debug_config: DebugConfig):
-    """Nothing listens at the bootstrap address: within ckpt.connect_timeout_s every rank stops
+    """Nothing listens at the bootstrap address: within ckpt.sink.connect_timeout_s every rank stops
     (none waits for rank 0 at a broadcast) with the line naming the address, before training
     and before anything is written; resume=latest and resume=none alike (neither can tell
     which checkpoint ids the stream holds)."""
@@ -280,7 +280,7 @@ def test_broker_unreachable_at_start_stops_every_rank_with_one_line(tmp_path, un
         (tmp_path / resume).mkdir()
         results = spawn_ranks(debug_config.path, [*job, "train.steps=20"], tmp_path / resume, expect_ok=False,
                               timeout_s=120)  # fmt: skip
-        line = f"deltarec-train: error: no Kafka broker answered at {bootstrap} within 3 s (ckpt.connect_timeout_s): "
+        line = f"deltarec-train: error: no Kafka broker answered at {bootstrap} within 3 s (ckpt.sink.connect_timeout_s): "
         for r in results:
             assert r.returncode == 2, f"rank {r.rank}: exit {r.returncode}\n{r.stderr[-3000:]}"
             assert [x for x in r.stderr.splitlines() if x.startswith(line)], r.stderr[-3000:]
@@ -297,7 +297,7 @@ def test_torchrun_restarts_a_killed_rank_from_the_newest_marker(
     job = _ckpt(unique_name("torchrun"), "kafka", broker.bootstrap)
     p = run_cli(
         "launch.torchrun", "--nproc-per-node", "2", "--max-restarts", "1",
-        "--config", debug_config.path, f"run.dir={tmp_path / 'run'}", *job, "ckpt.resume=latest", "train.steps=40",
+        "--config", debug_config.path, f"run.dir={tmp_path / 'run'}", *job, "ckpt.restore.resume=latest", "train.steps=40",
         env={"DELTAREC_KILL_AT": "committed:2@1"},  # rank 1 dies as soon as it knows checkpoint 2 is durable
         timeout_s=240,
     )  # fmt: skip

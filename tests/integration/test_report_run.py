@@ -20,11 +20,11 @@ def test_report_of_a_resumed_run_matches_its_metrics(
 ) -> None:
     run_dir = tmp_path / "run"
     job = [
-        "--config", debug_config.path, f"run.dir={run_dir}", "ckpt.enabled=true", "ckpt.sink=filesystem",
-        "ckpt.interval_steps=10", "train.eval_batches=1",
+        "--config", debug_config.path, f"run.dir={run_dir}", "ckpt.enabled=true", "ckpt.sink.kind=filesystem",
+        "ckpt.schedule.interval_steps=10", "train.eval_batches=1",
     ]  # fmt: skip
     run_cli("trainer.main", *job, "train.steps=40", timeout_s=300)
-    run_cli("trainer.main", *job, "train.steps=60", "ckpt.resume=latest", timeout_s=300)
+    run_cli("trainer.main", *job, "train.steps=60", "ckpt.restore.resume=latest", timeout_s=300)
     lines = run_cli("trainer.report", *job).stdout.splitlines()
 
     restores = metrics(run_dir, "restored_ckpt")

@@ -29,12 +29,12 @@ pytestmark = pytest.mark.integration
 def _job(run_id: str, sink: str, bootstrap: str, policy: str) -> list[str]:
     return [
         "ckpt.enabled=true",
-        f"ckpt.sink={sink}",
-        f"ckpt.bootstrap_servers={bootstrap}",
+        f"ckpt.sink.kind={sink}",
+        f"ckpt.sink.bootstrap_servers={bootstrap}",
         f"ckpt.run_id={run_id}",
-        f"ckpt.policy={policy}",
-        "ckpt.interval_steps=10",
-        "ckpt.flush_timeout_s=20",
+        f"ckpt.schedule.policy={policy}",
+        "ckpt.schedule.interval_steps=10",
+        "ckpt.sink.flush_timeout_s=20",
         f"train.steps={STEPS}",
         "train.save_params=true",
         "train.eval_batches=1",
@@ -70,7 +70,7 @@ POINTS = ("step", "snapshot", "rows", "marker")  # training, inside the stall, t
 def _newest_commit(debug_config: DebugConfig, job: list[str], run_dir: Path) -> tuple[int, int]:
     """(newest committed checkpoint id, its step)."""
     cfg = debug_config.load([*job, f"run.dir={run_dir}"], check_data=False).ckpt
-    backend = open_backend(cfg, world_size=1)
+    backend = open_backend(cfg.run_id, cfg.sink, world_size=1)
     try:
         catalog = read_catalog(backend.markers, cfg.run_id)
     finally:
@@ -121,7 +121,7 @@ def test_sigkill_anywhere_then_resume_is_bit_exact(
             newest = _newest_commit(debug_config, job, run_dir)[0]
             ok = newest < key if isinstance(key, int) else newest == committed  # the killed checkpoint never commits
             assert ok, f"{why}: checkpoint {newest} committed"
-        resume = ["ckpt.resume=latest"]
+        resume = ["ckpt.restore.resume=latest"]
     newest, _ = _newest_commit(debug_config, job, run_dir)
     resumed = spawn_ranks(debug_config.path, [*job, *resume], tmp_path, timeout_s=180)
     _check_resumed_from(resumed[0], newest, f"crashes {crashes}, {replay_seed}")
@@ -144,7 +144,7 @@ def _check_resumed_from(rank0: RankResult, newest: int, why: str) -> None:
 def test_filesystem_sink_resumes_bit_exact(tmp_path, unique_name, reference, debug_config: DebugConfig, metrics: MetricsReader):
     job = _job(unique_name("fs"), "filesystem", "", "incremental")
     spawn_ranks(debug_config.path, job, tmp_path, expect_ok=False, env_extra={"DELTAREC_KILL_AT": "rows:4@1"})
-    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest"], tmp_path)
+    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.restore.resume=latest"], tmp_path)
     assert "deltarec: resumed from checkpoint 3 at step 30" in resumed[0].stdout
     _assert_identical(_dumps(tmp_path / "run"), reference, "filesystem sink")
     assert metrics(tmp_path / "run", ckpt_committed=True)
@@ -167,18 +167,18 @@ def test_a_late_copy_still_holds_the_rows_of_its_checkpoint_step(
     tmp_path, unique_name, reference, debug_config: DebugConfig, overlap, late
 ):
     # A checkpoint's copy starts 0.3 s late (DELTAREC_SLOW_COPY), or only its copy of the rows
-    # does, after the tracker's marks. With ckpt.overlap_copy the training thread has gone
+    # does, after the tracker's marks. With ckpt.capture.overlap_copy the training thread has gone
     # on to the next step meanwhile: its first lookup must wait for the marks, and its backward
     # pass for the rows, or the fused kernels update rows before they are copied and the
     # resumed run differs from the uninterrupted one. Without the overlap the stall simply
     # lasts longer.
-    job = [*_job(unique_name("late-copy"), "filesystem", "", "one_shot_diff"), f"ckpt.overlap_copy={overlap}"]
+    job = [*_job(unique_name("late-copy"), "filesystem", "", "one_shot_diff"), f"ckpt.capture.overlap_copy={overlap}"]
     spawn_ranks(
         debug_config.path, job, tmp_path, expect_ok=False, env_extra={"DELTAREC_KILL_AT": "rows:4@1", "DELTAREC_SLOW_COPY": late}
     )
-    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest"], tmp_path)
+    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.restore.resume=latest"], tmp_path)
     assert "deltarec: resumed from checkpoint 3 at step 30" in resumed[0].stdout
-    _assert_identical(_dumps(tmp_path / "run"), reference, f"copies late ({late}), ckpt.overlap_copy={overlap}")
+    _assert_identical(_dumps(tmp_path / "run"), reference, f"copies late ({late}), ckpt.capture.overlap_copy={overlap}")
 
 
 # full: every checkpoint holds every trained row; one_shot_diff: deltas since the base
@@ -186,13 +186,13 @@ def test_a_late_copy_still_holds_the_rows_of_its_checkpoint_step(
 def test_copy_on_write_reads_the_rows_of_the_checkpoint_step_while_training_updates_them(
     tmp_path, broker, unique_name, reference, debug_config: DebugConfig, metrics: MetricsReader, sink, policy
 ):
-    # With ckpt.copy_on_write no row is copied at the checkpoint step: each writer reads its
+    # With ckpt.capture.copy_on_write no row is copied at the checkpoint step: each writer reads its
     # rows from the live shards, here 0.3 s late (DELTAREC_SLOW_COPY ":read"), while the job
     # trains on. The steps meanwhile must save aside, in their lookups, the rows they are about
     # to update, or the restore gets rows of a later step and the resumed run differs from the
     # uninterrupted one. Rank 1 dies while it writes checkpoint 4's rows.
     bootstrap = broker.bootstrap if sink == "kafka" else ""
-    job = [*_job(unique_name("cow"), sink, bootstrap, policy), "ckpt.copy_on_write=true"]
+    job = [*_job(unique_name("cow"), sink, bootstrap, policy), "ckpt.capture.copy_on_write=true"]
     crashed = spawn_ranks(
         debug_config.path, job, tmp_path, expect_ok=False,
         env_extra={"DELTAREC_KILL_AT": "rows:4@1", "DELTAREC_SLOW_COPY": "*:0.3:read"},
@@ -201,6 +201,6 @@ def test_copy_on_write_reads_the_rows_of_the_checkpoint_step_while_training_upda
     run = tmp_path / "run"
     aside = metrics.values(run, "ckpt_aside_bytes", ckpt_committed=True)
     assert len(aside) == 3 and all(b > 0 for b in aside), f"rows saved aside per committed checkpoint: {aside}"
-    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest"], tmp_path)
+    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.restore.resume=latest"], tmp_path)
     assert "deltarec: resumed from checkpoint 3 at step 30" in resumed[0].stdout
     _assert_identical(_dumps(run), reference, f"copy-on-write, {sink}, {policy}")

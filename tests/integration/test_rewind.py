@@ -1,7 +1,7 @@
 """Rewinds against a real job and a real server: the trainer resumes from an older checkpoint
 while `deltarec-serve` answers requests, and the server stops answering from the branch the
 rewind abandoned within a bound (docs/serving.md, "Rewinds"), serves the live branch, bit for
-bit its export; `deltarec-ckpt list` marks the abandoned checkpoints; and `ckpt.resume=latest`
+bit its export; `deltarec-ckpt list` marks the abandoned checkpoints; and `ckpt.restore.resume=latest`
 after a rewind that died before its first checkpoint resumes the new branch, not the abandoned one.
 
 The times from each rewind's ATTEMPT record to the last answer from the abandoned branch, to
@@ -123,7 +123,7 @@ def test_a_rewind_stops_answers_from_the_abandoned_branch_and_latest_resumes_the
         _wait_for(lambda: load.answered(8), 30, "an answer from checkpoint 8", server)
 
         # 1. the trainer rewinds to 3 and trains a new branch on it: 9, 10, 11 (steps 20, 25, 30)
-        rewound = spawn_ranks(debug_config.path, [*job, "ckpt.resume=3", "train.steps=30"], tmp_path, world_size=1)
+        rewound = spawn_ranks(debug_config.path, [*job, "ckpt.restore.resume=3", "train.steps=30"], tmp_path, world_size=1)
         assert "deltarec: resumed from checkpoint 3 at step 15" in rewound[0].stdout, rewound[0].stdout[-2000:]
         catalog = _catalog(cfg.ckpt)
         assert [cid for cid in sorted(catalog.commits) if catalog.abandoned(cid)] == [4, 5, 6, 7, 8]
@@ -134,7 +134,7 @@ def test_a_rewind_stops_answers_from_the_abandoned_branch_and_latest_resumes_the
         _wait_for(lambda: load.answered(11), 30, "an answer from checkpoint 11", server)
 
         # 2. a rewind to 10 that dies before its first checkpoint (step 30): 11 is abandoned all the same
-        spawn_ranks(debug_config.path, [*job, "ckpt.resume=10", "train.steps=40"], tmp_path, world_size=1,
+        spawn_ranks(debug_config.path, [*job, "ckpt.restore.resume=10", "train.steps=40"], tmp_path, world_size=1,
                     expect_ok=False, env_extra={"DELTAREC_KILL_AT": "step:27"})  # fmt: skip
         catalog = _catalog(cfg.ckpt)
         assert sorted(catalog.commits) == list(range(1, 12)) and catalog.abandoned(11)
@@ -143,7 +143,7 @@ def test_a_rewind_stops_answers_from_the_abandoned_branch_and_latest_resumes_the
         _wait_for(lambda: load.answered(10, after=second), 60, "an answer from checkpoint 10 after the second rewind", server)
 
         # 3. `latest` resumes from the new branch's newest checkpoint: 10, not 11 (abandoned) nor 8
-        resumed = spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest", "train.steps=30"], tmp_path, world_size=1)
+        resumed = spawn_ranks(debug_config.path, [*job, "ckpt.restore.resume=latest", "train.steps=30"], tmp_path, world_size=1)
         assert "deltarec: resumed from checkpoint 10 at step 25" in resumed[0].stdout, resumed[0].stdout[-2000:]
         _wait_for(_serving(server, 12), 60, "checkpoint 12 served", server)
         _wait_for(lambda: load.answered(12), 30, "an answer from checkpoint 12", server)

@@ -47,17 +47,17 @@ pytestmark = pytest.mark.integration
 def _job(run_id: str, sink: str = "filesystem", bootstrap: str = "", encoding: str = "fp32") -> list[str]:
     job = [
         "ckpt.enabled=true",
-        f"ckpt.sink={sink}",
+        f"ckpt.sink.kind={sink}",
         f"ckpt.run_id={run_id}",
-        "ckpt.policy=incremental",
-        "ckpt.interval_steps=5",
-        "ckpt.flush_timeout_s=20",
-        f"ckpt.encoding={encoding}",
+        "ckpt.schedule.policy=incremental",
+        "ckpt.schedule.interval_steps=5",
+        "ckpt.sink.flush_timeout_s=20",
+        f"ckpt.encoding.weights={encoding}",
         "train.eval_batches=1",
         "serve.port=0",
         "serve.poll_s=0.1",
     ]
-    return [*job, f"ckpt.bootstrap_servers={bootstrap}"] if bootstrap else job
+    return [*job, f"ckpt.sink.bootstrap_servers={bootstrap}"] if bootstrap else job
 
 
 # --- the server as a process ------------------------------------------------------------------
@@ -128,7 +128,7 @@ def _samples(job: JobConfig | FeatureLayout, n: int, seed: int) -> bytes:
 
 
 def _catalog(cfg: CkptConfig) -> Catalog:
-    backend = open_backend(cfg, world_size=1)
+    backend = open_backend(cfg.run_id, cfg.sink, world_size=1)
     try:
         return read_catalog(backend.markers, cfg.run_id)
     finally:
@@ -167,9 +167,9 @@ class Reference:
             marker = _catalog(cfg).cheapest(_catalog(cfg).commits[checkpoint_id])
             assert marker is not None
             out = self.tmp / f"export-{checkpoint_id}.pt"
-            backend = open_backend(cfg, world_size=1)
+            backend = open_backend(cfg.run_id, cfg.sink, world_size=1)
             try:
-                export(marker, backend.source, DenseStore(Path(cfg.dense_dir)), cfg.run_id, backend.locate, out)
+                export(marker, backend.source, DenseStore(Path(cfg.sink.dense_dir)), cfg.run_id, backend.locate, out)
             finally:
                 backend.close()
             self.cache[checkpoint_id] = self.of_file(out)
@@ -272,8 +272,8 @@ def _damage_first_frame(cfg: CkptConfig, link: ChainLink) -> Path:
     """Flip a payload byte of the link's first frame in a partition with more than one (a
     corrupt record, not a torn tail: ckpt/stream/filesystem.py); returns its segment file."""
     partition, rng = next((p, rs[0]) for p, rs in sorted(link.ranges.items()) if rs[0].last > rs[0].first)
-    found = sorted(Path(cfg.fs_root).glob(f"*.rows.g{link.generation}/{partition}.seg"))
-    assert len(found) == 1, (cfg.fs_root, link.generation, partition)
+    found = sorted(Path(cfg.sink.fs_root).glob(f"*.rows.g{link.generation}/{partition}.seg"))
+    assert len(found) == 1, (cfg.sink.fs_root, link.generation, partition)
     data = bytearray(found[0].read_bytes())
     data[rng.first + 40] ^= 0xFF
     found[0].write_bytes(bytes(data))
@@ -309,7 +309,7 @@ def test_restart_damaged_frame_and_bad_requests(tmp_path: Path, debug_config: De
         # a damaged frame in the next checkpoint: refused naming where; checkpoint 4 stays served
         server.proc.send_signal(signal.SIGSTOP)
         try:
-            spawn_ranks(debug_config.path, [*job, "ckpt.resume=latest", "train.steps=30"], tmp_path, timeout_s=180)
+            spawn_ranks(debug_config.path, [*job, "ckpt.restore.resume=latest", "train.steps=30"], tmp_path, timeout_s=180)
             commits = _catalog(cfg.ckpt).commits
             assert sorted(commits) == [1, 2, 3, 4, 5, 6], sorted(commits)
             seg = _damage_first_frame(cfg.ckpt, commits[5].chain[-1])
@@ -327,7 +327,7 @@ def test_restart_damaged_frame_and_bad_requests(tmp_path: Path, debug_config: De
 
         # the trainer restores an older checkpoint (3): the server follows the new chain, which
         # does not run through the damaged one
-        spawn_ranks(debug_config.path, [*job, "ckpt.resume=3", "train.steps=30"], tmp_path, timeout_s=180)
+        spawn_ranks(debug_config.path, [*job, "ckpt.restore.resume=3", "train.steps=30"], tmp_path, timeout_s=180)
         last = max(_catalog(cfg.ckpt).commits)
         assert _catalog(cfg.ckpt).commits[last].chain[-2].checkpoint_id > 6
         _wait_for(_serving(server, last), 60, f"checkpoint {last} of the new chain served", server)

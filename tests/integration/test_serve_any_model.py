@@ -37,7 +37,12 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.integration
 
 PLANS = {"two_tower": "table_wise", "sequence_ranking": "row_wise"}
-JOB = ["ckpt.sink=filesystem", "ckpt.interval_steps=10", "ckpt.encoding=fp32", "ckpt.optimizer_encoding=fp32"]
+JOB = [
+    "ckpt.sink.kind=filesystem",
+    "ckpt.schedule.interval_steps=10",
+    "ckpt.encoding.weights=fp32",
+    "ckpt.encoding.optimizer=fp32",
+]
 
 
 def _train(example: str, run_dir: Path, tmp: Path, steps: int) -> None:
@@ -65,9 +70,9 @@ class Reference:
         marker = catalog.cheapest(catalog.commits[checkpoint_id])
         assert marker is not None
         out = self.tmp / f"export-{checkpoint_id}.pt"
-        backend = open_backend(self.cfg, world_size=1)
+        backend = open_backend(self.cfg.run_id, self.cfg.sink, world_size=1)
         try:
-            export(marker, backend.source, DenseStore(Path(self.cfg.dense_dir)), self.cfg.run_id, backend.locate, out)
+            export(marker, backend.source, DenseStore(Path(self.cfg.sink.dense_dir)), self.cfg.run_id, backend.locate, out)
         finally:
             backend.close()
         return self.of_file(out)

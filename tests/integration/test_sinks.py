@@ -680,7 +680,7 @@ def test_kafka_markers_read_ahead_is_caught_up_at_restore_time_by_the_reader_it_
 
 
 def test_kafka_markers_reachability_check_waits_for_the_connect_prepare_started(counted_markers):
-    """`prepare` starts the check's connect ahead (a manager does while it is being built):
+    """`prepare` starts the check's connect ahead (a checkpointer does while it is being built):
     the check then takes that consumer, connecting no other, and the markers read uses it.
     Where nothing listens, the prepared check fails with the one-line error all the same."""
     run, reader, writer, connects = counted_markers

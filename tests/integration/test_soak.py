@@ -39,12 +39,12 @@ def test_three_kills_from_outside_end_bit_identical_with_a_loader_worker_reading
 def test_a_checkpoint_every_step_survives_kills_from_outside_bit_identical(
     tmp_path, run_cli: CliRunner, replay_seed: ReplaySeed
 ) -> None:
-    """`ckpt.interval_steps=1` with incremental fp32 deltas: the writers fall behind and coalesce
-    due checkpoints into the next (`ckpt.max_pending_checkpoints`), kills land in stalls, writes
+    """`ckpt.schedule.interval_steps=1` with incremental fp32 deltas: the writers fall behind and coalesce
+    due checkpoints into the next (`ckpt.write.max_pending_checkpoints`), kills land in stalls, writes
     and commits alike, and the job still ends bit-identical to the uninterrupted run."""
     out = tmp_path / "soak.json"
     p = run_cli("bench.soak", "--sink", "filesystem", "--steps", "300", "--kills", "2", "--delay", "0", "2", "--interval", "1",
-                "--set", "ckpt.policy=incremental", "--seed", str(replay_seed.value), "--keep", tmp_path / "work",
+                "--set", "ckpt.schedule.policy=incremental", "--seed", str(replay_seed.value), "--keep", tmp_path / "work",
                 "--out", out, timeout_s=600)  # fmt: skip
     result = json.loads(out.read_text())
     assert result["kills"] == 2 and result["identical"], f"{replay_seed}: {p.stderr[-3000:]}"

@@ -1,5 +1,5 @@
 """The stall copies into host memory that is already there: half an interval before each
-snapshot (a job's first included) the checkpoint manager reserves the snapshot's slab ahead
+snapshot (a job's first included) the checkpointer reserves the snapshot's slab ahead
 (ckpt/capture/host_buffers.py), so no stall allocates and faults in memory, even
 as `one_shot_diff`'s deltas grow past every slab the pool keeps (without the reservations the
 first checkpoint makes a slab of 8 MiB inside its stall, the third and fourth of 6-8 MiB)."""
@@ -23,10 +23,10 @@ def test_no_snapshot_of_a_job_allocates_host_memory_inside_its_stall(tmp_path, m
     # outgrows the slab of the one before (the debug model fits one page whatever it trains)
     job = [
         "ckpt.enabled=true",
-        "ckpt.sink=filesystem",
+        "ckpt.sink.kind=filesystem",
         "ckpt.run_id=stall-memory",
-        "ckpt.policy=one_shot_diff",
-        "ckpt.interval_steps=12",
+        "ckpt.schedule.policy=one_shot_diff",
+        "ckpt.schedule.interval_steps=12",
         "train.steps=60",
         "train.eval_batches=0",
     ]

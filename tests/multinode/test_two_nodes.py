@@ -137,12 +137,12 @@ def _job(run_dir: Path, bootstrap: str, run_id: str) -> list[str]:
         "train.eval_batches=1",
         THREADS,
         "ckpt.enabled=true",
-        "ckpt.sink=kafka",
-        f"ckpt.bootstrap_servers={bootstrap}",
+        "ckpt.sink.kind=kafka",
+        f"ckpt.sink.bootstrap_servers={bootstrap}",
         f"ckpt.run_id={run_id}",
-        "ckpt.interval_steps=10",
-        "ckpt.flush_timeout_s=30",
-        "ckpt.resume=latest",
+        "ckpt.schedule.interval_steps=10",
+        "ckpt.sink.flush_timeout_s=30",
+        "ckpt.restore.resume=latest",
     ]
 
 

@@ -191,9 +191,9 @@ def test_criteo_npy_days_train_and_resume_bit_exact(tmp_path: Path, debug_config
     spawn_ranks(job, ["ckpt.enabled=false"], whole)
     assert metrics.values(whole / "run", "step", "loss") == [8, 16]
     assert metrics(whole / "run", "eval_auc")
-    ckpt = ["ckpt.enabled=true", "ckpt.sink=filesystem", "ckpt.interval_steps=5", "ckpt.run_id=npy"]
+    ckpt = ["ckpt.enabled=true", "ckpt.sink.kind=filesystem", "ckpt.schedule.interval_steps=5", "ckpt.run_id=npy"]
     spawn_ranks(job, [*ckpt, "train.steps=8"], parts)
-    results = spawn_ranks(job, [*ckpt, "ckpt.resume=latest"], parts)
+    results = spawn_ranks(job, [*ckpt, "ckpt.restore.resume=latest"], parts)
     assert "resumed from checkpoint" in results[0].stdout + results[0].stderr
     for rank in range(2):
         want = torch.load(whole / "run" / "params" / f"rank{rank}.pt")

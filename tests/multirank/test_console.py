@@ -82,8 +82,8 @@ def test_a_killed_rank_is_one_line_and_torchrun_resumes_the_job(
     line, the agent's report is deltarec's line, no traceback; the second attempt resumes."""
     p = run_cli(
         "launch.torchrun", "--nproc-per-node", "2", "--max-restarts", "1", "--config", debug_config.path,
-        f"run.dir={tmp_path / 'run'}", "ckpt.enabled=true", "ckpt.sink=filesystem", "ckpt.interval_steps=10",
-        "ckpt.resume=latest", "train.steps=40",
+        f"run.dir={tmp_path / 'run'}", "ckpt.enabled=true", "ckpt.sink.kind=filesystem", "ckpt.schedule.interval_steps=10",
+        "ckpt.restore.resume=latest", "train.steps=40",
         env={"DELTAREC_KILL_AT": "committed:2@1"}, timeout_s=300,
     )  # fmt: skip
     launcher = [line for line in p.stderr.splitlines() if line.startswith("deltarec-launch:")]

@@ -29,10 +29,10 @@ if TYPE_CHECKING:
 
 JOB = [
     "ckpt.enabled=true",
-    "ckpt.sink=filesystem",
-    "ckpt.interval_steps=10",
-    "ckpt.encoding=fp32",
-    "ckpt.optimizer_encoding=fp32",
+    "ckpt.sink.kind=filesystem",
+    "ckpt.schedule.interval_steps=10",
+    "ckpt.encoding.weights=fp32",
+    "ckpt.encoding.optimizer=fp32",
     "model.tables.0.sharding=row_wise",
     "model.tables.1.sharding=column_wise",
     "model.tables.2.sharding=data_parallel",

@@ -37,8 +37,8 @@ def _job(run_dir: Path, *extra: str) -> list[str]:
     """The debug job's overrides: row-wise tables, checkpoints every 10 steps on files."""
     return [
         f"run.dir={run_dir}", f"train.steps={STEPS}", "train.save_params=true", "train.eval_batches=1",
-        "sharding.default=row_wise", "ckpt.enabled=true", "ckpt.sink=filesystem", "ckpt.run_id=slurm",
-        "ckpt.interval_steps=10", "ckpt.flush_timeout_s=20", *extra,
+        "sharding.default=row_wise", "ckpt.enabled=true", "ckpt.sink.kind=filesystem", "ckpt.run_id=slurm",
+        "ckpt.schedule.interval_steps=10", "ckpt.sink.flush_timeout_s=20", *extra,
     ]  # fmt: skip
 
 
@@ -126,7 +126,7 @@ def test_scancel_mid_run_then_resubmit_resumes_from_newest_checkpoint(
     tmp_path, slurm: LocalSlurm, reference, debug_config: DebugConfig, metrics: MetricsReader
 ):
     run_dir = tmp_path / "run"
-    args = [debug_config.path, *_job(run_dir, "ckpt.resume=latest")]  # the same command, both times
+    args = [debug_config.path, *_job(run_dir, "ckpt.restore.resume=latest")]  # the same command, both times
     env = {**THREADS, **_python_env()}
     # Checkpoint 3's writers hold on for 300 s: the job cannot end before the cancel, which
     # lands once checkpoints 1 and 2 are committed, however fast this machine trains.

@@ -1,6 +1,6 @@
 """Rewinds and abandoned branches (ckpt/log/catalog.py, "Branches"): a trainer attempt's ATTEMPT
 record names the checkpoint it resumed from, and every reader of the log then leaves the
-checkpoints after it out: `restorable()` and `ckpt.resume=latest`, the catalog records a restore
+checkpoints after it out: `restorable()` and `ckpt.restore.resume=latest`, the catalog records a restore
 reads from, the follower and the server, and `deltarec-ckpt list` marks them. Logs whose
 records do not say (older versions) fold as they always did."""
 
@@ -15,13 +15,13 @@ import pytest
 
 from ckpt.cli import cmd_list
 from ckpt.dense.store import DenseHistory
-from ckpt.errors import RestoreError
 from ckpt.follow.follower import CommitIds, Follower, FollowStats, Rewind
 from ckpt.log.catalog import Catalog
 from ckpt.log.catalog_record import from_record, read_recent_catalog, summarize
 from ckpt.log.links import append_with_link
 from ckpt.log.markers import AttemptRecord, ChainLink, Marker, decode_record, encode_marker
 from ckpt.restore.choice import ResumeChoice
+from ckpt.types import RestoreError
 from tests.unit.test_catalog_record import MemoryLog, RunSim, _assert_answers_like
 from tests.unit.test_serve_versions import FakeDense, Trainer, _apply, _assert_live, _cfg
 from trainer.serve.versions import NotReady, ServedModel
@@ -86,7 +86,7 @@ def _rewound(tmp: Path | None = None) -> Run:
 
 
 def _choice(resume: str, on_corrupt: str = "fail") -> ResumeChoice:
-    """`ResumeChoice` for its `_choose` alone (what `ckpt.resume` picks from a fold)."""
+    """`ResumeChoice` for its `_choose` alone (what `ckpt.restore.resume` picks from a fold)."""
     choice = ResumeChoice.__new__(ResumeChoice)
     choice.cfg = SimpleNamespace(resume=resume, on_corrupt=on_corrupt)  # type: ignore[assignment]
     choice.run_id = RUN

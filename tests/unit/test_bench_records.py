@@ -1,5 +1,5 @@
 """The benchmark instrument's bookkeeping, without running a benchmark: the common record
-schema (`bench.common`) and how `bench.ckpt_rank` turns the checkpoint manager's public stats
+schema (`bench.common`) and how `bench.ckpt_rank` turns the checkpointer's public stats
 into per-checkpoint records (which rows get a bare copy, when, and at which step an outcome
 was learned). No figure is timed or judged."""
 
@@ -15,8 +15,8 @@ import torch
 
 from bench.ckpt_rank import ObservedCheckpointer, read_side
 from bench.common import Measurement, Provenance, read_records, scalars, unit_of, write_records
-from ckpt.handoff import StallTiming
-from ckpt.outcomes import CheckpointStats
+from ckpt.save.handoff import StallTiming
+from ckpt.save.outcomes import CheckpointStats
 from ckpt.write.writer import Outcome
 
 
@@ -86,20 +86,22 @@ class _Tracker:
 
 
 class _Manager:
-    """What `ObservedCheckpointer` reads of a `CheckpointManager`: public attributes only. It
+    """What `ObservedCheckpointer` reads of a `Checkpointer`: public attributes only. It
     checkpoints at every 2nd step (a full first, deltas after) and delivers each outcome at
     the step end after the next."""
 
     def __init__(self, overlap: bool = False) -> None:
-        self.cfg = SimpleNamespace(interval_steps=2, policy="one_shot_diff")
+        self.cfg = SimpleNamespace(schedule=SimpleNamespace(interval_steps=2, policy="one_shot_diff"))
         # with the copy beside the next step, a stall is recorded during that step (`lookup`)
         self.overlap = overlap
         self.copier = SimpleNamespace(busy=False)
         self.in_flight: StallTiming | None = None
         self.stats = CheckpointStats()
-        self.shard_map = SimpleNamespace(shards=[_Shard(torch.zeros(8, 4), {"momentum": torch.zeros(8)})])
-        self.tracker = _Tracker([torch.tensor([1, 5])])
-        self.total_rows = 8
+        self.stages = SimpleNamespace(
+            shard_map=SimpleNamespace(shards=[_Shard(torch.zeros(8, 4), {"momentum": torch.zeros(8)})]),
+            tracker=_Tracker([torch.tensor([1, 5])]),
+            total_rows=8,
+        )
         self.owed: list[tuple[int, int]] = []  # (step it is delivered at, checkpoint id)
 
     def save(self, step: int) -> None:
@@ -125,8 +127,8 @@ class _Manager:
             self.stats.stalls.append(self.in_flight)
             self.in_flight, self.copier.busy = None, False
 
-    def finish(self, step: int) -> None:
-        self.lookup()  # the manager waits for a copy in flight first
+    def close(self, step: int) -> None:
+        self.lookup()  # the checkpointer waits for a copy in flight first
         for _, cid in self.owed:
             self.stats.outcomes.append(Outcome(checkpoint_id=cid, step=2 * cid, committed=True))
         self.owed.clear()
@@ -155,7 +157,7 @@ def test_ckpt_rank_records_each_checkpoint_from_the_managers_stats(tmp_path: Pat
     assert delta.other_ms == (1.0 if overlap else 0.5)  # the stall less the agreement and the copy, or the wait
     assert len(full.bare_ms_all) == len(delta.bare_ms_all) == 3  # bare copies ran, after the checkpoints
     assert full.find_ms == 0.0 and delta.find_ms is not None
-    assert set(manager.tracker.since_base_asked) == {True}  # a one-shot diff copies rows changed since the base
+    assert set(manager.stages.tracker.since_base_asked) == {True}  # a one-shot diff copies rows changed since the base
 
 
 def test_ckpt_rank_keeps_each_deltas_rows_in_a_file_until_the_bare_copies(tmp_path: Path) -> None:

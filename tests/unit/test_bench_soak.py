@@ -10,8 +10,8 @@ from bench import soak
 
 
 def test_set_overrides_keep_their_order() -> None:
-    args = soak.parse_args(["--set", "data.workers=1", "--set", "ckpt.policy=incremental", "--set", "data.workers=0"])
-    assert args.overrides == ["data.workers=1", "ckpt.policy=incremental", "data.workers=0"]
+    args = soak.parse_args(["--set", "data.workers=1", "--set", "ckpt.schedule.policy=incremental", "--set", "data.workers=0"])
+    assert args.overrides == ["data.workers=1", "ckpt.schedule.policy=incremental", "data.workers=0"]
     assert soak.parse_args([]).overrides == []
 
 

@@ -12,17 +12,18 @@ import pytest
 import torch
 
 from ckpt import CkptConfig, load_ckpt_config
-from ckpt.checkpointer import (
+from ckpt.build import (
     SUPPORTED_OPTIMIZERS,
     UnsupportedOptimizerError,
-    _resolve,
     check_dense_optimizer,
     check_loop,
     check_optimizers,
+    resolve,
 )
-from ckpt.errors import RestoreError
+from ckpt.config import ScheduleConfig, SinkConfig
 from ckpt.log.markers import Marker
 from ckpt.restore.restorer import check_tables
+from ckpt.types import RestoreError
 from common.errors import ConfigError, DeltarecError
 from sharding.shard_views import ShardMap, ShardView
 
@@ -72,10 +73,10 @@ class _Loop:
 
 
 def test_the_loop_state_must_hold_an_int_step() -> None:
-    check_loop(_Loop({"step": 0, "data": [1, 2]}), CkptConfig())
+    check_loop(_Loop({"step": 0, "data": [1, 2]}), partial=False)
     for bad in ({"epoch": 3}, {"step": "3"}, {"step": True}, [("step", 3)]):
         with pytest.raises(ConfigError, match="state_dict\\(\\) must be a dict with an int 'step'"):
-            check_loop(_Loop(bad), CkptConfig())
+            check_loop(_Loop(bad), partial=False)
 
 
 class _SkippingLoop(_Loop):
@@ -87,16 +88,15 @@ def test_a_step_only_loop_is_enough_but_partial_recovery_needs_samples_seen_and_
     """Full recovery reads nothing but `step` (the README's loop); partial recovery counts lost
     samples against `samples_seen` and moves a rolled-back rank's data with `skip_batches`, so
     a loop without either is refused before training, naming what it lacks."""
-    full, partial = CkptConfig(), CkptConfig(recovery="partial")
-    check_loop(_Loop({"step": 3}), full)
-    check_loop(_SkippingLoop({"step": 3, "samples_seen": 768}), partial)
-    lacks = "loop _SkippingLoop: ckpt.recovery=partial .* int 'samples_seen'.*got keys \\['step'\\]"
+    check_loop(_Loop({"step": 3}), partial=False)
+    check_loop(_SkippingLoop({"step": 3, "samples_seen": 768}), partial=True)
+    lacks = "loop _SkippingLoop: ckpt.recovery.mode=partial .* int 'samples_seen'.*got keys \\['step'\\]"
     with pytest.raises(ConfigError, match=lacks):
-        check_loop(_SkippingLoop({"step": 3}), partial)
+        check_loop(_SkippingLoop({"step": 3}), partial=True)
     with pytest.raises(ConfigError, match="int 'samples_seen'"):
-        check_loop(_SkippingLoop({"step": 3, "samples_seen": 7.5}), partial)
-    with pytest.raises(ConfigError, match="loop _Loop: ckpt.recovery=partial needs a skip_batches\\(n\\) method"):
-        check_loop(_Loop({"step": 3, "samples_seen": 768}), partial)
+        check_loop(_SkippingLoop({"step": 3, "samples_seen": 7.5}), partial=True)
+    with pytest.raises(ConfigError, match="loop _Loop: ckpt.recovery.mode=partial needs a skip_batches\\(n\\) method"):
+        check_loop(_Loop({"step": 3, "samples_seen": 768}), partial=True)
 
 
 def test_a_loop_state_a_restore_could_not_load_is_refused_at_start() -> None:
@@ -108,11 +108,11 @@ def test_a_loop_state_a_restore_could_not_load_is_refused_at_start() -> None:
     import numpy as np
 
     lr = torch.optim.lr_scheduler.StepLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), 3)
-    check_loop(_Loop({"step": 1, "rng": torch.get_rng_state(), "py": random.getstate(), "lr": lr.state_dict()}), CkptConfig())
+    check_loop(_Loop({"step": 1, "rng": torch.get_rng_state(), "py": random.getstate(), "lr": lr.state_dict()}), partial=False)
     with pytest.raises(ConfigError, match="loop _Loop: its state_dict\\(\\) cannot be checkpointed: .*GLOBAL numpy"):
-        check_loop(_Loop({"step": 1, "np_rng": np.random.get_state()}), CkptConfig())
+        check_loop(_Loop({"step": 1, "np_rng": np.random.get_state()}), partial=False)
     with pytest.raises(ConfigError, match="loop _Loop: .*torch.save cannot write it"):
-        check_loop(_Loop({"step": 1, "f": lambda x: x}), CkptConfig())
+        check_loop(_Loop({"step": 1, "f": lambda x: x}), partial=False)
 
 
 def test_a_dense_optimizer_without_its_state_dict_is_refused() -> None:
@@ -125,12 +125,12 @@ def test_a_dense_optimizer_without_its_state_dict_is_refused() -> None:
 def test_the_ckpt_yaml_a_run_leaves_names_absolute_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`deltarec-ckpt --config runs/my_job/ckpt.yaml` from another directory reads the same run."""
     monkeypatch.chdir(tmp_path)
-    cfg = _resolve(CkptConfig(sink="filesystem", interval_steps=5), "runs/my_job")
-    for path in (cfg.fs_root, cfg.dense_dir, cfg.follow.export_dir, cfg.follow.metrics):
+    cfg = resolve(CkptConfig(sink=SinkConfig(kind="filesystem"), schedule=ScheduleConfig(interval_steps=5)), "runs/my_job")
+    for path in (cfg.sink.fs_root, cfg.sink.dense_dir, cfg.follow.export_dir, cfg.follow.metrics):
         assert Path(path).is_absolute() and Path(path).is_relative_to(tmp_path / "runs" / "my_job"), path
     assert cfg.run_id == "my_job"
-    own = _resolve(CkptConfig(sink="filesystem", interval_steps=5, fs_root="elsewhere/stream"), "runs/my_job")
-    assert own.fs_root == str(tmp_path / "elsewhere" / "stream")
+    own = resolve(CkptConfig(sink=SinkConfig(kind="filesystem", fs_root="elsewhere/stream")), "runs/my_job")
+    assert own.sink.fs_root == str(tmp_path / "elsewhere" / "stream")
 
 
 def _shard(kind: str, counter: bool = False) -> ShardView:
@@ -148,11 +148,11 @@ def test_fused_optimizers_with_state_outside_the_rows_are_refused() -> None:
 
 def test_ckpt_config_from_a_yaml_section_and_overrides(tmp_path: Path) -> None:
     path = tmp_path / "job.yaml"
-    path.write_text("model: {anything: 1}\nckpt:\n  sink: filesystem\n  interval_steps: 25\n")
-    cfg = load_ckpt_config(path, ["encoding=fp16"])
-    assert (cfg.sink, cfg.interval_steps, cfg.encoding) == ("filesystem", 25, "fp16")
-    assert cfg.override(["ckpt.interval_steps=5"]).interval_steps == 5
-    with pytest.raises(ConfigError, match="unknown key 'ckpt.intervall_steps'"):
-        CkptConfig().override(["intervall_steps=5"])
-    with pytest.raises(ConfigError, match="ckpt.interval_steps must be int"):
-        load_ckpt_config(path, ["interval_steps=often"])
+    path.write_text("model: {anything: 1}\nckpt:\n  sink: {kind: filesystem}\n  schedule: {interval_steps: 25}\n")
+    cfg = load_ckpt_config(path, ["encoding.weights=fp16"])
+    assert (cfg.sink.kind, cfg.schedule.interval_steps, cfg.encoding.weights) == ("filesystem", 25, "fp16")
+    assert cfg.override(["ckpt.schedule.interval_steps=5"]).schedule.interval_steps == 5
+    with pytest.raises(ConfigError, match="unknown key 'ckpt.schedule.intervall_steps'"):
+        CkptConfig().override(["schedule.intervall_steps=5"])
+    with pytest.raises(ConfigError, match="ckpt.schedule.interval_steps must be int"):
+        load_ckpt_config(path, ["schedule.interval_steps=often"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt.checkpoint_policy import CheckpointPolicy
+from ckpt.save.policy import CheckpointPolicy
 
 
 def _run(policy: CheckpointPolicy, sizes: list[float]) -> list[tuple[bool, list[int]]]:

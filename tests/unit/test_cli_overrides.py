@@ -63,8 +63,10 @@ def test_split_overrides(argv: list[str], rest: list[str], overrides: list[str])
 class _FakeFollower:
     seen: list[dict[str, Any]] = []
 
-    def __init__(self, cfg: Any, metrics: Any, export_every: int | None, export_every_s: float | None) -> None:
-        self.seen.append({"cfg": cfg, "export_every": export_every, "export_every_s": export_every_s})
+    def __init__(
+        self, run_id: str, sink: Any, follow: Any, metrics: Any, export_every: int | None, export_every_s: float | None
+    ) -> None:
+        self.seen.append({"run_id": run_id, "sink": sink, "export_every": export_every, "export_every_s": export_every_s})
 
     def run(self) -> None:
         pass
@@ -85,16 +87,16 @@ def test_follow_takes_overrides_before_or_after_options(
     monkeypatch.setattr(follow_commands, "Follower", _FakeFollower)
     monkeypatch.setattr(follow_cli.console, "setup_rank", lambda *a, **k: None)  # the test process's logging stays
     _FakeFollower.seen.clear()
-    job = ["ckpt.enabled=true", "ckpt.sink=filesystem", "ckpt.run_id=cli_overrides", f"run.dir={tmp_path / 'run'}"]
+    job = ["ckpt.enabled=true", "ckpt.sink.kind=filesystem", "ckpt.run_id=cli_overrides", f"run.dir={tmp_path / 'run'}"]
     argv = ["--config", str(debug_config.path)]
     for a in order:
         argv += job if a == "JOB" else [a.replace("RUN", str(tmp_path / "elsewhere"))]
     assert follow_cli.main(argv) == 0
     (seen,) = _FakeFollower.seen
-    cfg = seen["cfg"]
+    sink = seen["sink"]
     assert seen["export_every"] == 10 and seen["export_every_s"] == (5.0 if "--export-every-s" in order else None)
-    assert cfg.enabled and cfg.sink == "filesystem" and cfg.run_id == "cli_overrides"
-    assert cfg.fs_root == str(tmp_path / "run" / "stream")  # the later run.dir wins, as in the order given
+    assert sink.kind == "filesystem" and seen["run_id"] == "cli_overrides"
+    assert sink.fs_root == str(tmp_path / "run" / "stream")  # the later run.dir wins, as in the order given
 
 
 # --- deltarec-serve -----------------------------------------------------------------------------

@@ -126,45 +126,46 @@ def test_resolved_config_round_trips(debug_config: DebugConfig) -> None:
 
 @pytest.mark.parametrize("value", ["-1", "20"])
 def test_writer_nice_out_of_range_is_rejected(value: str, debug_config: DebugConfig) -> None:
-    with pytest.raises(ConfigError, match=rf"ckpt.writer_nice must be in 0..19 .*got {value}"):
-        load_config(debug_config.path, ["ckpt.enabled=true", "ckpt.sink=filesystem", f"ckpt.writer_nice={value}"])
+    with pytest.raises(ConfigError, match=rf"ckpt.write.writer_nice must be in 0..19 .*got {value}"):
+        load_config(debug_config.path, ["ckpt.enabled=true", "ckpt.sink.kind=filesystem", f"ckpt.write.writer_nice={value}"])
 
 
-def test_restore_bit_widths_reach_the_checkpoint_manager_and_bad_tables_are_refused(debug_config: DebugConfig) -> None:
-    from types import SimpleNamespace
+def test_restore_bit_widths_reach_the_checkpointer_and_bad_tables_are_refused(debug_config: DebugConfig) -> None:
+    from ckpt.checkpointer import codecs_for
 
-    from ckpt.manager import CheckpointManager
-
-    base = ["ckpt.enabled=true", "ckpt.sink=filesystem", "ckpt.expected_restores=3"]
+    base = ["ckpt.enabled=true", "ckpt.sink.kind=filesystem", "ckpt.encoding.expected_restores=3"]
     default = load_config(debug_config.path, base)
-    assert default.ckpt.restore_bit_widths == "deltarec" and default.ckpt.bit_widths() == ((1, 4),)
-    assert CheckpointManager.codecs(SimpleNamespace(cfg=default.ckpt, restores=0)) == ("asym8", "asym8")  # 3 > 1
-    once = load_config(debug_config.path, [*base, "ckpt.expected_restores=1"])
-    assert CheckpointManager.codecs(SimpleNamespace(cfg=once.ckpt, restores=0)) == ("adaptive4", "asym8")
-    assert CheckpointManager.codecs(SimpleNamespace(cfg=once.ckpt, restores=2)) == ("asym8", "asym8")
-    cnr = load_config(debug_config.path, [*base, "ckpt.restore_bit_widths=check_n_run"])
-    assert CheckpointManager.codecs(SimpleNamespace(cfg=cnr.ckpt, restores=0)) == ("adaptive3", "asym8")
-    table = load_config(debug_config.path, [*base, "ckpt.restore_bit_widths=[[1,2],[10,3]]"])
-    assert CheckpointManager.codecs(SimpleNamespace(cfg=table.ckpt, restores=0)) == ("adaptive3", "asym8")
+    assert default.ckpt.encoding.restore_bit_widths == "deltarec" and default.ckpt.encoding.bit_widths() == ((1, 4),)
+    assert codecs_for(default.ckpt.encoding, 0) == ("asym8", "asym8")  # 3 > 1
+    once = load_config(debug_config.path, [*base, "ckpt.encoding.expected_restores=1"])
+    assert codecs_for(once.ckpt.encoding, 0) == ("adaptive4", "asym8")
+    assert codecs_for(once.ckpt.encoding, 2) == ("asym8", "asym8")
+    cnr = load_config(debug_config.path, [*base, "ckpt.encoding.restore_bit_widths=check_n_run"])
+    assert codecs_for(cnr.ckpt.encoding, 0) == ("adaptive3", "asym8")
+    table = load_config(debug_config.path, [*base, "ckpt.encoding.restore_bit_widths=[[1,2],[10,3]]"])
+    assert codecs_for(table.ckpt.encoding, 0) == ("adaptive3", "asym8")
     with pytest.raises(
         ConfigError,
-        match=r"ckpt.restore_bit_widths cnr: 'cnr' is not a preset; choose one of "
+        match=r"ckpt.encoding.restore_bit_widths cnr: 'cnr' is not a preset; choose one of "
         r"deltarec, check_n_run or give a table",
     ):
-        load_config(debug_config.path, [*base, "ckpt.restore_bit_widths=cnr"])
-    with pytest.raises(ConfigError, match=r"ckpt.restore_bit_widths \[\[20, 4\], \[3, 3\]\]: entry 1 .* restores must increase"):
-        load_config(debug_config.path, [*base, "ckpt.restore_bit_widths=[[20,4],[3,3]]"])
+        load_config(debug_config.path, [*base, "ckpt.encoding.restore_bit_widths=cnr"])
+    with pytest.raises(
+        ConfigError, match=r"ckpt.encoding.restore_bit_widths \[\[20, 4\], \[3, 3\]\]: entry 1 .* restores must increase"
+    ):
+        load_config(debug_config.path, [*base, "ckpt.encoding.restore_bit_widths=[[20,4],[3,3]]"])
 
 
 def test_the_config_a_run_keeps_names_absolute_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, debug_config) -> None:
     """`<run_dir>/config.yaml` is read by deltarec-ckpt, -follow and -serve from any directory:
     every path in it absolute, as the job resolved it; the rest as `to_yaml` says it."""
     monkeypatch.chdir(tmp_path)
-    cfg = debug_config.load(["run.dir=runs/job", "ckpt.enabled=true", "ckpt.sink=filesystem"])
+    cfg = debug_config.load(["run.dir=runs/job", "ckpt.enabled=true", "ckpt.sink.kind=filesystem"])
     kept = yaml.safe_load(cfg.run_file_yaml())
     assert kept["run"]["dir"] == str(tmp_path / "runs" / "job")
     for key in ("fs_root", "dense_dir"):
-        assert Path(kept["ckpt"][key]).is_absolute() and Path(kept["ckpt"][key]).is_relative_to(tmp_path / "runs" / "job")
+        path = Path(kept["ckpt"]["sink"][key])
+        assert path.is_absolute() and path.is_relative_to(tmp_path / "runs" / "job")
     assert Path(kept["ckpt"]["follow"]["export_dir"]).is_absolute()
     plain = yaml.safe_load(cfg.to_yaml())
     assert {k: v for k, v in kept.items() if k not in ("run", "ckpt", "serve", "data")} == {

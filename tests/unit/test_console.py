@@ -91,11 +91,11 @@ def test_skipped_checkpoints_are_counted_in_the_folded_line() -> None:
     for step in (2, 3, 4):
         clock.now += 0.1
         digest.offer(CheckpointNote(step=step, skipped=True), f"skipped {step}", "t")
-    assert digest.flush() == ["t 3 checkpoint(s) skipped at steps 2-4: the writers are behind (ckpt.max_pending_bytes)"]
+    assert digest.flush() == ["t 3 checkpoint(s) skipped at steps 2-4: the writers are behind (ckpt.write.max_pending_bytes)"]
 
 
 def committed_event(cid: int) -> CheckpointCommitted:
-    """What the manager attaches to its line for `committed(cid)` (ckpt/events.py)."""
+    """What the checkpointer attaches to its line for `committed(cid)` (ckpt/events.py)."""
     return CheckpointCommitted(
         step=cid * 10,
         ckpt_id=cid,

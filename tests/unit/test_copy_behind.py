@@ -59,7 +59,7 @@ def test_a_copy_the_training_thread_waits_for_reports_that_wait_to_the_writer() 
     copier.close()
 
 
-# the manager's wait, or the next lookup's (a copy that fails before its bookkeeping is done)
+# the checkpointer's wait, or the next lookup's (a copy that fails before its bookkeeping is done)
 @pytest.mark.parametrize("waiter", ["wait", "wait_released"])
 def test_a_failed_copy_raises_where_it_is_waited_for_and_the_next_one_runs(waiter: str) -> None:
     copier: CopyBehind[int] = CopyBehind()

@@ -56,7 +56,7 @@ CKPT = dict(
 )
 
 # One event of each kind, and the keys its record had when the code wrote it as a dict literal
-# (ckpt/manager.py, trainer/trainer.py, ckpt/follow/follower.py).
+# (ckpt/checkpointer.py, trainer/trainer.py, ckpt/follow/follower.py).
 SAMPLES: list[tuple[Event, set[str]]] = [
     (TrainWindow(step=10, loss=0.69, samples_per_s=1000.0), {"step", "loss", "samples_per_s"}),
     (

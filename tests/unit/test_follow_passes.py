@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import ckpt.follow.follower as follower_mod
-from ckpt.config import CkptConfig
+from ckpt.config import FollowConfig, SinkConfig
 from ckpt.events import Event, FollowApplied, FollowCompacted
 from ckpt.follow.follower import Follower
 from ckpt.follow.store import RowStore
@@ -350,11 +350,11 @@ def follower(
     """A follower of `stream`: with `store`, it compacts (into the stream) when it holds the
     lease; else it feeds a `RowStore` of its own as a target, with no lease (so several
     followers of one stream compare their stores)."""
-    cfg = CkptConfig(enabled=True, sink="filesystem", run_id=RUN, policy="incremental", fs_root=str(tmp), dense_dir=str(tmp))
-    cfg.follow = replace(cfg.follow, compact_links=compact_links, export_dir=str(tmp / "serving"))
+    sink = SinkConfig(kind="filesystem", fs_root=str(tmp), dense_dir=str(tmp))
+    follow = replace(FollowConfig(), compact_links=compact_links, export_dir=str(tmp / "serving"))
     monkeypatch.setattr(follower_mod, "open_sink", lambda *_args, **_kw: _Unclosed(stream))
     records = Records()
-    f = Follower(cfg, records, target=None if store else RowStore())
+    f = Follower(RUN, sink, follow, records, target=None if store else RowStore())
     f.backend.close()
     f.backend = Backend(stream, stream, stream, "memory", stream.locate)  # type: ignore[arg-type]
     f.lease.markers = stream  # type: ignore[assignment]
@@ -562,7 +562,7 @@ def test_rounds_start_every_poll_s_and_one_that_took_longer_is_followed_at_once(
             raise DeltarecError("no broker answered")
 
     f = Follower.__new__(Follower)
-    f.f, f.run_id, f.follower_id = replace(CkptConfig().follow, poll_s=1.0), RUN, "f"
+    f.f, f.run_id, f.follower_id = replace(FollowConfig(), poll_s=1.0), RUN, "f"
     f.backend = SimpleNamespace(where="memory")  # type: ignore[assignment]
     f.stop = Stop()  # type: ignore[assignment]
     f.poll = poll  # type: ignore[method-assign]

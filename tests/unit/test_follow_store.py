@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckpt.errors import RestoreError
 from ckpt.follow.store import RowStore
 from ckpt.quant import get_codec
 from ckpt.restore.replay import decode_rows
 from ckpt.stream.frames import Frame, OptimState
+from ckpt.types import RestoreError
 
 ROWS, DIM = 50, 8
 

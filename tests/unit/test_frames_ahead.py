@@ -1,7 +1,7 @@
 """The frames a resuming rank fetches while its model is built (`ckpt.log.frames_ahead`): its
 guess, the frames it wrote, is exactly what the restore asks for under the sharding plan that
 wrote them (the same list, so `KafkaSource.read_ranges` takes the reads over), and not under
-another plan (so it reads as usual); the checkpoint guessed is the one `ckpt.resume` names."""
+another plan (so it reads as usual); the checkpoint guessed is the one `ckpt.restore.resume` names."""
 
 from __future__ import annotations
 

@@ -43,7 +43,12 @@ if TYPE_CHECKING:
 # --- configs ------------------------------------------------------------------------------------
 
 # The debug config with checkpointing on, so the ckpt section's rules run too.
-CKPT = {"enabled": True, "sink": "filesystem", "interval_steps": 20, "encoding": "fp16", "policy": "incremental"}
+CKPT = {
+    "enabled": True,
+    "sink": {"kind": "filesystem"},
+    "schedule": {"interval_steps": 20, "policy": "incremental"},
+    "encoding": {"weights": "fp16"},
+}
 # Values a mutation puts anywhere: every YAML type, out-of-range numbers, path-like and odd strings.
 VALUES: list[Any] = [
     None,
@@ -79,7 +84,7 @@ NEW_KEYS: list[Any] = ["stepz", "x", "Name", "", 1, None, True, "a.b"]
 
 def _job(debug_config: DebugConfig) -> dict[str, Any]:
     data = debug_config.raw()
-    data["ckpt"] = dict(CKPT)
+    data["ckpt"] = copy.deepcopy(CKPT)
     return data
 
 
@@ -209,7 +214,9 @@ def test_random_overrides_load_or_name_the_key(debug_config: DebugConfig, replay
     for _ in range(200):
         override = f"{rng.choice(keys)}={rng.choice(raws)}" if rng.random() < 0.95 else rng.choice(keys)
         message = _load_or_config_error(
-            debug_config.path, ["ckpt.enabled=true", "ckpt.sink=filesystem", override], f"{replay_seed}: override {override!r}"
+            debug_config.path,
+            ["ckpt.enabled=true", "ckpt.sink.kind=filesystem", override],
+            f"{replay_seed}: override {override!r}",
         )
         if message is not None:
             parts = override.split("=", 1)[0].split(".")
@@ -225,25 +232,25 @@ def test_random_overrides_load_or_name_the_key(debug_config: DebugConfig, replay
 @pytest.mark.parametrize(
     "overrides, key",
     [
-        (["ckpt.interval_steps=0"], "ckpt.interval_steps"),  # no interval_s either: never a checkpoint
-        (["ckpt.interval_steps=0", "ckpt.interval_s=-5"], "ckpt.interval_s"),
-        (["ckpt.interval_steps=-100"], "ckpt.interval_steps"),
-        (["ckpt.encoding=fp7"], "ckpt.encoding"),
-        (["ckpt.optimizer_encoding=Asym8"], "ckpt.optimizer_encoding"),
-        (["ckpt.optimizer_encoding=asym4"], "ckpt.optimizer_encoding"),  # optimizer state below 8 bits
-        (["ckpt.flush_timeout_s=0"], "ckpt.flush_timeout_s"),
-        (["ckpt.max_frame_bytes=1000"], "ckpt.max_frame_bytes"),
-        (["ckpt.resume=yesterday"], "ckpt.resume"),
-        (["ckpt.sink=kafka"], "ckpt.bootstrap_servers"),
+        (["ckpt.schedule.interval_steps=0"], "ckpt.schedule.interval_steps"),  # no interval_s either: never a checkpoint
+        (["ckpt.schedule.interval_steps=0", "ckpt.schedule.interval_s=-5"], "ckpt.schedule.interval_s"),
+        (["ckpt.schedule.interval_steps=-100"], "ckpt.schedule.interval_steps"),
+        (["ckpt.encoding.weights=fp7"], "ckpt.encoding.weights"),
+        (["ckpt.encoding.optimizer=Asym8"], "ckpt.encoding.optimizer"),
+        (["ckpt.encoding.optimizer=asym4"], "ckpt.encoding.optimizer"),  # optimizer state below 8 bits
+        (["ckpt.sink.flush_timeout_s=0"], "ckpt.sink.flush_timeout_s"),
+        (["ckpt.sink.max_frame_bytes=1000"], "ckpt.sink.max_frame_bytes"),
+        (["ckpt.restore.resume=yesterday"], "ckpt.restore.resume"),
+        (["ckpt.sink.kind=kafka"], "ckpt.sink.bootstrap_servers"),
         # a dotted librdkafka name on the command line nests: `sasl: {password: x}` is no setting
-        (["ckpt.sink=kafka", "ckpt.bootstrap_servers=h:9092", "ckpt.kafka.sasl.password=x"], "ckpt.kafka.sasl"),
+        (["ckpt.sink.kind=kafka", "ckpt.sink.bootstrap_servers=h:9092", "ckpt.kafka.sasl.password=x"], "ckpt.kafka.sasl"),
     ],
 )
 def test_a_config_that_makes_checkpoints_impossible_is_refused_at_load(
     overrides: list[str], key: str, debug_config: DebugConfig
 ) -> None:
     with pytest.raises(ConfigError) as err:
-        debug_config.load(["ckpt.enabled=true", "ckpt.sink=filesystem", *overrides])
+        debug_config.load(["ckpt.enabled=true", "ckpt.sink.kind=filesystem", *overrides])
     assert key in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ckpt.capture.host_buffers import ALIGN, OS_PAGE, PAGE, HostBufferPool, slab_bytes
-from ckpt.schedule import grown_estimate
+from ckpt.save.schedule import grown_estimate
 
 
 def test_carved_tensors_are_aligned_disjoint_and_typed() -> None:

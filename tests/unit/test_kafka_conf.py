@@ -1,4 +1,4 @@
-"""Which reader settings win: deltarec's defaults, a reader's own defaults, `ckpt.kafka`."""
+"""Which reader settings win: deltarec's defaults, a reader's own defaults, `ckpt.sink.kafka`."""
 
 from __future__ import annotations
 

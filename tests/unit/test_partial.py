@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from ckpt.capture.tracker import RowTracker
-from ckpt.errors import RestoreError
 from ckpt.log.catalog import Catalog
 from ckpt.log.markers import (
     AttemptRecord,
@@ -24,6 +23,7 @@ from ckpt.log.markers import (
 )
 from ckpt.recovery.lost_samples import estimate_mtbf, expected_pls, interval_for_pls, lost_samples, run_pls
 from ckpt.recovery.partial import compose, usable_survivors, with_survivors
+from ckpt.types import RestoreError
 from trainer.config import ConfigError, load_config
 
 RUN = "unit-run"
@@ -197,23 +197,22 @@ def test_rows_changed_since_the_newest_committed_checkpoint() -> None:
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["ckpt.target_pls=0.01"], "needs ckpt.recovery=partial"),
-        (["ckpt.recovery=partial", "ckpt.target_pls=0.01", "ckpt.interval_s=5"], "not both"),
-        (["ckpt.recovery=partial", "ckpt.survivor_timeout_s=0"], "survivor_timeout_s must be positive"),
-        (["ckpt.recovery=partial", "ckpt.target_pls=1.5"], r"target_pls must be in \[0, 1\)"),
-        (["ckpt.recovery=sometimes"], "ckpt.recovery"),
+        (["ckpt.recovery.target_pls=0.01"], "needs ckpt.recovery.mode=partial"),
+        (["ckpt.recovery.mode=partial", "ckpt.recovery.target_pls=0.01", "ckpt.schedule.interval_s=5"], "not both"),
+        (["ckpt.recovery.mode=partial", "ckpt.recovery.survivor_timeout_s=0"], "survivor_timeout_s must be positive"),
+        (["ckpt.recovery.mode=partial", "ckpt.recovery.target_pls=1.5"], r"target_pls must be in \[0, 1\)"),
+        (["ckpt.recovery.mode=sometimes"], "ckpt.recovery.mode"),
     ],
 )
 def test_recovery_options_are_checked(debug_config, overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        load_config(debug_config.path, ["ckpt.enabled=true", "ckpt.sink=filesystem", *overrides], check_data=False)
+        load_config(debug_config.path, ["ckpt.enabled=true", "ckpt.sink.kind=filesystem", *overrides], check_data=False)
 
 
 def test_a_pls_target_alone_sets_the_interval(debug_config) -> None:
-    cfg = load_config(debug_config.path, ["ckpt.enabled=true", "ckpt.sink=filesystem", "ckpt.recovery=partial",
-                                          "ckpt.target_pls=0.01", "ckpt.mtbf_s=600", "ckpt.interval_steps=0"],
-                      check_data=False)  # fmt: skip
-    assert cfg.ckpt.target_pls == 0.01 and cfg.ckpt.interval_steps == 0
+    job = ["ckpt.enabled=true", "ckpt.sink.kind=filesystem", "ckpt.recovery.mode=partial", "ckpt.recovery.target_pls=0.01"]
+    cfg = load_config(debug_config.path, [*job, "ckpt.recovery.mtbf_s=600", "ckpt.schedule.interval_steps=0"], check_data=False)
+    assert cfg.ckpt.recovery.target_pls == 0.01 and cfg.ckpt.schedule.interval_steps == 0
 
 
 # -- prioritized checkpoints (MFU, SSU) ---------------------------------------------------------
@@ -265,21 +264,31 @@ def test_ssu_saves_only_rows_its_sub_sample_touched() -> None:
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["ckpt.priority=mfu"],
-        ["ckpt.priority=ssu", "ckpt.recovery=partial"],
-        ["ckpt.priority=mfu", "ckpt.recovery=partial", "ckpt.policy=incremental", "ckpt.priority_budget=0"],
-        ["ckpt.priority=mfu", "ckpt.recovery=partial", "ckpt.policy=incremental", "ckpt.priority_full_every=1"],
+        ["ckpt.recovery.priority=mfu"],
+        ["ckpt.recovery.priority=ssu", "ckpt.recovery.mode=partial"],
+        [
+            "ckpt.recovery.priority=mfu",
+            "ckpt.recovery.mode=partial",
+            "ckpt.schedule.policy=incremental",
+            "ckpt.recovery.priority_budget=0",
+        ],
+        [
+            "ckpt.recovery.priority=mfu",
+            "ckpt.recovery.mode=partial",
+            "ckpt.schedule.policy=incremental",
+            "ckpt.recovery.priority_full_every=1",
+        ],
     ],
 )
 def test_prioritized_checkpoints_need_partial_recovery_and_sane_budgets(debug_config, overrides: list[str]) -> None:
-    with pytest.raises(ConfigError, match="ckpt.priority"):
-        load_config(debug_config.path, ["ckpt.enabled=true", "ckpt.sink=filesystem", *overrides], check_data=False)
+    with pytest.raises(ConfigError, match="ckpt.recovery.priority"):
+        load_config(debug_config.path, ["ckpt.enabled=true", "ckpt.sink.kind=filesystem", *overrides], check_data=False)
 
 
 # -- a survivor's save: all of it in time, or no record ---------------------------------------
 def _survivor_job(tmp_path):
     from ckpt.capture.snapshot import ShardRows, Snapshot
-    from ckpt.config import CkptConfig
+    from ckpt.config import SinkConfig
     from ckpt.write.writer import WriteJob
 
     g = torch.Generator().manual_seed(5)
@@ -295,10 +304,8 @@ def _survivor_job(tmp_path):
         trainer_state={"step": 55, "samples_seen": 99},
         epoch=4,
     )
-    cfg = CkptConfig(
-        enabled=True, sink="filesystem", run_id=RUN, fs_root=str(tmp_path / "stream"), dense_dir=str(tmp_path / "dense")
-    )
-    return cfg, job
+    sink = SinkConfig(kind="filesystem", fs_root=str(tmp_path / "stream"), dense_dir=str(tmp_path / "dense"))
+    return sink, job
 
 
 def test_a_survivor_saves_frames_and_dense_file_before_its_record(tmp_path) -> None:
@@ -308,7 +315,7 @@ def test_a_survivor_saves_frames_and_dense_file_before_its_record(tmp_path) -> N
     from ckpt.restore.replay import decode_rows, iter_link_frames
     from ckpt.stream.filesystem import FsMarkers, FsSource
 
-    cfg, job = _survivor_job(tmp_path)
+    sink, job = _survivor_job(tmp_path)
     kwargs = dict(
         rank=1,
         job=job,
@@ -319,10 +326,10 @@ def test_a_survivor_saves_frames_and_dense_file_before_its_record(tmp_path) -> N
         shards=[["t", 100, 100, 0, 8]],
     )
     with pytest.raises(SurvivorError, match="out of time"):
-        save_survivor(cfg, deadline=time.monotonic() - 1, **kwargs)
+        save_survivor(sink, run_id=RUN, deadline=time.monotonic() - 1, **kwargs)
     markers = FsMarkers(tmp_path / "stream", RUN)
     assert markers.read_markers() == []  # out of time: nothing a restore would use
-    record = save_survivor(cfg, deadline=time.monotonic() + 30, **kwargs)
+    record = save_survivor(sink, run_id=RUN, deadline=time.monotonic() + 30, **kwargs)
     [(_, data)] = markers.read_markers()
     assert decode_record(data) == record and record.base == 7 and record.step == 55 and record.link.epoch == 4
     [frame] = list(iter_link_frames(record.link, FsSource(tmp_path / "stream", RUN), RUN, lambda *a: str(a)))

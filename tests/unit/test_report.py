@@ -76,7 +76,7 @@ RESUMED = [
 
 
 # The same kind of run with exactly the key sets the code wrote before records named their event
-# (ckpt/manager.py's checkpoint, skip, restore and partial-restore records, trainer/trainer.py's
+# (ckpt/checkpointer.py's checkpoint, skip, restore and partial-restore records, trainer/trainer.py's
 # windows and evaluations): a file of that age must load and give the report it gave then.
 def full_ckpt(*args: Any, **kwargs: Any) -> dict[str, Any]:
     return {**ckpt(*args, **kwargs), "ckpt_stall_new_bytes": 4096}

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from ckpt.errors import RestoreError
 from ckpt.log.markers import ChainLink, IndexEntry, Marker, OffsetRange
 from ckpt.restore.replay import restore_rows, scatter_rows
 from ckpt.stream.frames import OptimState, decode_frame, encode_frame
+from ckpt.types import RestoreError
 from sharding.row_init import RowInit, fill_rows
 from sharding.shard_views import ShardMap, ShardView
 from tests.devices import DEVICES

@@ -77,7 +77,7 @@ ESCAPING_IDS = ["../x", "..", ".", "a/b", "/abs", "x/../../y", "a\\b", "a b", "x
 @pytest.mark.parametrize("run_id", ESCAPING_IDS)
 def test_a_run_id_that_is_no_topic_or_directory_name_is_refused_at_load(run_id: str, debug_config: DebugConfig) -> None:
     with pytest.raises(ConfigError) as err:
-        debug_config.load(["ckpt.enabled=true", "ckpt.sink=filesystem", f"ckpt.run_id={run_id!r}"])
+        debug_config.load(["ckpt.enabled=true", "ckpt.sink.kind=filesystem", f"ckpt.run_id={run_id!r}"])
     message = str(err.value)
     assert "ckpt.run_id" in message and "[A-Za-z0-9._-]" in message and "\n" not in message, message
     assert message.startswith(str(debug_config.path)), message  # names the file too
@@ -85,7 +85,7 @@ def test_a_run_id_that_is_no_topic_or_directory_name_is_refused_at_load(run_id: 
 
 def test_a_run_name_used_as_the_run_id_is_checked_the_same_way(debug_config: DebugConfig) -> None:
     with pytest.raises(ConfigError, match=r"run id '\.\./x' \(ckpt\.run_id, default run\.name\)"):
-        debug_config.load(["ckpt.enabled=true", "ckpt.sink=filesystem", "run.name=../x"])
+        debug_config.load(["ckpt.enabled=true", "ckpt.sink.kind=filesystem", "run.name=../x"])
 
 
 @pytest.mark.parametrize("name", ["../evil", "a/b", "a.b", "", "t u", "/etc", "t\u00e9"])
@@ -198,14 +198,15 @@ def test_sasl_ssl_settings_reach_every_producer_and_consumer_unchanged(
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(data))
     cfg = load_config(path)
-    assert cfg.ckpt.kafka_conf() == {**SECURITY, "bootstrap.servers": "broker-1:9093,broker-2:9093"}
+    assert cfg.ckpt.sink.kafka_conf() == {**SECURITY, "bootstrap.servers": "broker-1:9093,broker-2:9093"}
 
     _Recorder.made = []
     monkeypatch.setattr(kafka_producer, "Producer", _Producer)
     for module in (kafka_consumer, kafka_partitions):  # a consumer connected ahead, or one a read makes
         monkeypatch.setattr(module, "Consumer", _Consumer)
     monkeypatch.setattr(kafka_admin, "AdminClient", _Admin)
-    backend = open_backend(cfg.ckpt, world_size=2)  # the sink, the source and the markers log (one shared admin)
+    # the sink, the source and the markers log (one shared admin)
+    backend = open_backend(cfg.ckpt.run_id, cfg.ckpt.sink, world_size=2)
     with pytest.raises(_Stop):
         list(backend.source.read_range(1, 0, 0, 3))
     with pytest.raises(_Stop):
@@ -248,10 +249,10 @@ def test_the_resolved_config_in_the_run_directory_holds_no_secret(tmp_path: Path
     text = cfg.to_yaml()
     for secret in ("p@ss: w0rd#1 'quoted'", "k3y", "oauth-s3cret"):
         assert secret not in text
-    written = yaml.safe_load(text)["ckpt"]["kafka"]
+    written = yaml.safe_load(text)["ckpt"]["sink"]["kafka"]
     assert written["sasl.password"] == written["ssl.key.password"] == REDACTED
     assert written["sasl.oauthbearer.client.secret"] == REDACTED
     assert {k: v for k, v in written.items() if v != REDACTED} == {
         k: v for k, v in SECURITY.items() if k not in ("sasl.password", "ssl.key.password")
     }
-    assert cfg.ckpt.kafka_conf()["sasl.password"] == SECURITY["sasl.password"]  # the clients get the real one
+    assert cfg.ckpt.sink.kafka_conf()["sasl.password"] == SECURITY["sasl.password"]  # the clients get the real one

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from ckpt.errors import RestoreError
 from ckpt.log.markers import Marker
 from ckpt.quant import get_codec
 from ckpt.stream.frames import Frame
+from ckpt.types import RestoreError
 from sharding.config import TableConfig
 from sharding.plan import table_key
 from trainer.config import ModelConfig

@@ -269,7 +269,7 @@ def test_a_pooled_take_asks_for_every_tensors_aligned_bytes(staged: bool) -> Non
         assert_equals_live(snap, smap)
 
 
-# --- weights encoded where they were gathered (ckpt.encode_on) -------------------------------------
+# --- weights encoded where they were gathered (ckpt.capture.encode_on) -------------------------------------
 
 
 class _TorchEncoder:
@@ -433,7 +433,7 @@ def test_training_waits_for_the_gather_only_not_for_the_copy_to_host() -> None:
 @NEEDS_CUDA
 @pytest.mark.gpu
 def test_a_cuda_snapshot_copies_into_page_locked_pool_slabs_and_reuses_them() -> None:
-    """The manager's pool for GPU shards registers its slabs (cudaHostRegister), the one made in
+    """The checkpointer's pool for GPU shards registers its slabs (cudaHostRegister), the one made in
     a stall and the one reserved ahead on the helper thread alike; a released slab serves the
     next take, and what lands in it is the rows' bits."""
     cpu_map, cpu_tracker = make("cpu")
@@ -463,7 +463,7 @@ def test_a_pool_for_cpu_shards_never_pins() -> None:
 
 @pytest.mark.parametrize("full", [False, True])
 def test_a_copy_on_write_snapshot_reads_the_rows_a_copy_holds(full: bool) -> None:
-    # `ckpt.copy_on_write`: nothing is copied at the take; the rows come from the live shards
+    # `ckpt.capture.copy_on_write`: nothing is copied at the take; the rows come from the live shards
     # when the writer reads them (`pieces`), the same rows, ids and bytes a copy would hold,
     # and the snapshot stays registered with the tracker until they are all read.
     smap, tracker = make()
@@ -515,5 +515,7 @@ def test_a_copy_on_write_snapshot_read_through_frees_its_ids_without_the_garbage
 
 def test_copy_on_write_refuses_shards_staged_on_the_device() -> None:
     smap, tracker = make()
-    with pytest.raises(ConfigError, match=r"ckpt.copy_on_write applies to CPU shards; .*set ckpt.copy_on_write=false"):
+    with pytest.raises(
+        ConfigError, match=r"ckpt.capture.copy_on_write applies to CPU shards; .*set ckpt.capture.copy_on_write=false"
+    ):
         SnapshotTaker(smap, tracker, torch.device("cpu"), staged=True, copy_on_write=True)

@@ -53,9 +53,10 @@ class Server:
         self.serving, self.cfg = serving, serving.serve
         torch.set_num_threads(self.cfg.threads)
         self.metrics = ServeMetrics(self.staleness)
-        self.model = ServedModel(serving.model, DenseStore(Path(serving.ckpt.dense_dir)), on_live=self._on_live)
-        follow_cfg = replace(serving.ckpt, follow=replace(serving.ckpt.follow, poll_s=self.cfg.poll_s))
-        self.follower = Follower(follow_cfg, sink, target=self.model, on_rewind=self.model.withdraw)
+        self.model = ServedModel(serving.model, DenseStore(Path(serving.ckpt.sink.dense_dir)), on_live=self._on_live)
+        c = serving.ckpt
+        follow = replace(c.follow, poll_s=self.cfg.poll_s)
+        self.follower = Follower(c.run_id, c.sink, follow, sink, target=self.model, on_rewind=self.model.withdraw)
         registry = self.metrics.registry
         Gauge(
             "deltarec_serve_rewinds", "Served checkpoints withdrawn because a rewind abandoned them", registry=registry

@@ -46,12 +46,12 @@ from torchrec import KeyedJaggedTensor
 from torchrec.models.dlrm import DLRM
 
 from ckpt.dense.store import DenseRef, DenseStore
-from ckpt.errors import RestoreError
 from ckpt.follow.follower import Rewind
 from ckpt.log.markers import Marker
 from ckpt.restore.export import SERVING_ROOT, build_export, replicated_tables, table_fqn
 from ckpt.restore.replay import decode_rows, row_init_of
 from ckpt.stream.frames import Frame
+from ckpt.types import RestoreError
 from common.errors import DeltarecError
 from sharding.plan import EBC_PATH as TRAIN_EBC_PATH
 from sharding.row_init import fill_rows

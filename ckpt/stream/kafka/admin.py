@@ -29,7 +29,7 @@ ADMIN_DEFAULTS = {"reconnect.backoff.ms": 10}
 def _client_conf(conf: Mapping[str, Any]) -> dict[str, Any]:
     """The settings every client of `conf` gets: `conf` itself, logging through Python's logging."""
     if "bootstrap.servers" not in conf:
-        raise ConfigError("ckpt.kafka needs 'bootstrap.servers' (or set ckpt.bootstrap_servers)")
+        raise ConfigError("ckpt.sink.kafka needs 'bootstrap.servers' (or set ckpt.sink.bootstrap_servers)")
     out = dict(conf)
     out.setdefault("logger", _rdkafka_log)
     return out

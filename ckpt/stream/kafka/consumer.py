@@ -40,7 +40,7 @@ def _consumer_conf(
 ) -> dict[str, Any]:
     # A fetch at the end of a partition waits fetch.wait.max.ms before the broker
     # answers (and we learn it is the end): keep that short for readers. These and the
-    # reader's `defaults` are defaults: a setting of `ckpt.kafka` (in `conf`) wins.
+    # reader's `defaults` are defaults: a setting of `ckpt.sink.kafka` (in `conf`) wins.
     c = {
         "queued.max.messages.kbytes": DEFAULT_READ_BUFFER_KB,
         "max.partition.fetch.bytes": DEFAULT_FETCH_PARTITION_BYTES,

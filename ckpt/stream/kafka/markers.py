@@ -28,7 +28,7 @@ MARKERS_FETCH_WAIT_MS = 100
 
 
 class BrokerUnreachable(SinkError):
-    """No broker answered a metadata request within ``ckpt.connect_timeout_s``."""
+    """No broker answered a metadata request within ``ckpt.sink.connect_timeout_s``."""
 
 
 class KafkaMarkers:
@@ -89,7 +89,7 @@ class KafkaMarkers:
         return self._last
 
     def prepare(self, timeout_s: float) -> None:
-        """Start `check_reachable`'s connect on a thread of its own (the checkpoint manager
+        """Start `check_reachable`'s connect on a thread of its own (the checkpointer
         does while it is being built, so a restore finds the markers reader connected), and
         ask for the log's watermarks there, which `read_tail` then starts from."""
         self._connect_ahead.put(_connect_on_thread(self._cconf, timeout_s, TopicPartition(self.topic, 0)))
@@ -115,8 +115,8 @@ class KafkaMarkers:
             err = exc.args[0] if exc.args else None
             reason = err.str() if isinstance(err, KafkaError) else str(exc)
             raise BrokerUnreachable(
-                f"no Kafka broker answered at {self.bootstrap} within {timeout_s:g} s (ckpt.connect_timeout_s): "
-                f"{reason}; start it (deltarec-broker start) or fix ckpt.bootstrap_servers"
+                f"no Kafka broker answered at {self.bootstrap} within {timeout_s:g} s (ckpt.sink.connect_timeout_s): "
+                f"{reason}; start it (deltarec-broker start) or fix ckpt.sink.bootstrap_servers"
             ) from None
         done: Future[_ConnectedConsumer] = Future()
         done.set_result(connected)

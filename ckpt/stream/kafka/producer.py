@@ -43,9 +43,9 @@ class _Producer:
     ) -> None:
         pconf = {**_client_conf(conf), **(producer_conf or {})}
         if str(pconf.get("enable.idempotence", True)).lower() not in ("true", "1"):
-            raise ConfigError("ckpt.kafka: the checkpoint producer needs enable.idempotence=true")
+            raise ConfigError("ckpt.sink.kafka: the checkpoint producer needs enable.idempotence=true")
         if str(pconf.get("acks", "all")).lower() not in ("all", "-1"):
-            raise ConfigError("ckpt.kafka: the checkpoint producer needs acks=all")
+            raise ConfigError("ckpt.sink.kafka: the checkpoint producer needs acks=all")
         pconf["enable.idempotence"] = True
         pconf["acks"] = "all"
         if delivery_timeout_s is not None or "delivery.timeout.ms" not in pconf:

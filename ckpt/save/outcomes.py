@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ckpt.events import CheckpointCommitted, CheckpointFailed, CheckpointSkipped, MetricsSink
-from ckpt.handoff import StallTiming
 from ckpt.log.fencing import Fenced
+from ckpt.save.handoff import StallTiming
 from ckpt.write.writer import Outcome
 from common.id_ranges import id_ranges
 
@@ -53,12 +53,12 @@ class Outcomes:
         self._pending[checkpoint_id] = Pending(started_unix=started_unix, weight_codec=weight_codec)
 
     def skipped(self, step: int, rank: int) -> None:
-        """The checkpoint of `step` dropped under back-pressure (`ckpt.on_backpressure: skip`)."""
+        """The checkpoint of `step` dropped under back-pressure (`ckpt.write.on_backpressure: skip`)."""
         self.stats.skipped += 1
         if rank == 0:
             event = CheckpointSkipped(step=step)
             logger.warning(
-                "checkpoint at step %d skipped: the writers are behind (ckpt.max_pending_bytes)",
+                "checkpoint at step %d skipped: the writers are behind (ckpt.write.max_pending_bytes)",
                 step,
                 extra={"ckpt": event},
             )
@@ -66,13 +66,13 @@ class Outcomes:
 
     def coalesced(self, step: int, rank: int) -> None:
         """The checkpoint due at `step` is left to the next one, which writes its rows: the
-        writers hold `ckpt.max_pending_checkpoints` checkpoints already. Counted, and said in
+        writers hold `ckpt.write.max_pending_checkpoints` checkpoints already. Counted, and said in
         the checkpoint lines (folded), not warned: nothing is lost."""
         self.stats.coalesced += 1
         if rank == 0:
             event = CheckpointSkipped(step=step, ckpt_coalesced=True)
             logger.info(
-                "checkpoint at step %d coalesced into the next: the writers are behind (ckpt.max_pending_checkpoints)",
+                "checkpoint at step %d coalesced into the next: the writers are behind (ckpt.write.max_pending_checkpoints)",
                 step,
                 extra={"ckpt": event},
             )

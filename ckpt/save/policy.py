@@ -95,7 +95,7 @@ class CheckpointPolicy:
             self.diff_sizes.append(fraction)
 
     def adopt_base(self) -> None:
-        """A restored chain is the baseline the next delta builds on (`ckpt.policy: incremental`,
+        """A restored chain is the baseline the next delta builds on (`ckpt.schedule.policy: incremental`,
         whose chain goes on after a restore)."""
         self.have_base = True
 

@@ -1,6 +1,6 @@
 """When a checkpoint is due, and which kind every rank agrees it is (docs/design/dataflow.md, steps 1-2).
 
-A checkpoint is due every `ckpt.interval_steps` steps and/or after `ckpt.interval_s` (rank 0's
+A checkpoint is due every `ckpt.schedule.interval_steps` steps and/or after `ckpt.schedule.interval_s` (rank 0's
 clock decides, broadcast every few steps). Whether the next step is due is decided at the end
 of the step before (`look_ahead`), which also starts that checkpoint's agreement: two small
 async all-reduces of every rank's row counts and flags, so they run under the step's training
@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 from ckpt.capture.snapshot import SnapshotTaker
 from ckpt.capture.tracker import RowTracker
-from ckpt.checkpoint_policy import FULL, KINDS, SINCE_BASE, SINCE_LAST, CheckpointPolicy, Decision
-from ckpt.config import CkptConfig
+from ckpt.config import RecoveryConfig, ScheduleConfig, WriteConfig
 from ckpt.recovery.lost_samples import interval_for_pls
+from ckpt.save.policy import FULL, KINDS, SINCE_BASE, SINCE_LAST, CheckpointPolicy, Decision
 from ckpt.write.writer import RankWriter
 from common.errors import ConfigError
 from sharding.shard_views import ShardMap
@@ -40,7 +40,7 @@ class Agreed(NamedTuple):
     fractions: tuple[float, float]  # rows changed since the baseline, since the last checkpoint (all ranks)
     overflow: dict[str, bool]  # per kind (`KINDS`): some rank's writer has no room for it
     forced: bool  # this rank's request for a full checkpoint was part of it
-    behind: bool = False  # some rank's writer holds `ckpt.max_pending_checkpoints` checkpoints already
+    behind: bool = False  # some rank's writer holds `ckpt.write.max_pending_checkpoints` checkpoints already
 
 
 class _InFlight(NamedTuple):
@@ -66,10 +66,10 @@ def grown_estimate(previous: Mapping[str, int], now: Mapping[str, int], kinds: S
     return min(cap, max(grown(k) for k in kinds))
 
 
-def interval_for_target_pls(cfg: CkptConfig, shard_map: ShardMap, mtbf_s: float | None, rank: int) -> float:
-    """CPR's interval for `ckpt.target_pls` (ckpt/recovery/lost_samples.py): the rank holding the largest share
+def interval_for_target_pls(cfg: RecoveryConfig, shard_map: ShardMap, mtbf_s: float | None, rank: int) -> float:
+    """CPR's interval for `ckpt.recovery.target_pls` (ckpt/recovery/lost_samples.py): the rank holding the largest share
     of the embedding parameters is the one whose failure loses the most. `mtbf_s`: the run's own
-    estimate, when `ckpt.mtbf_s` is not set."""
+    estimate, when `ckpt.recovery.mtbf_s` is not set."""
     local = float(sum(s.num_rows * s.num_cols for s in shard_map.shards))
     total, largest = torch.tensor([local], dtype=torch.float64), torch.tensor([local], dtype=torch.float64)
     dist.all_reduce(total)
@@ -78,7 +78,7 @@ def interval_for_target_pls(cfg: CkptConfig, shard_map: ShardMap, mtbf_s: float 
     mtbf = cfg.mtbf_s or mtbf_s
     if not mtbf:
         raise ConfigError(
-            "ckpt.target_pls needs ckpt.mtbf_s (seconds) until the run has restarted at least once "
+            "ckpt.recovery.target_pls needs ckpt.recovery.mtbf_s (seconds) until the run has restarted at least once "
             "(then its own attempts give the mean time between failures)"
         )
     interval = interval_for_pls(cfg.target_pls, mtbf, share)
@@ -89,7 +89,7 @@ def interval_for_target_pls(cfg: CkptConfig, shard_map: ShardMap, mtbf_s: float 
             interval,
             cfg.target_pls,
             mtbf,
-            "ckpt.mtbf_s" if cfg.mtbf_s else "this run's attempts",
+            "ckpt.recovery.mtbf_s" if cfg.mtbf_s else "this run's attempts",
             share * 100,
         )
     return interval
@@ -99,12 +99,13 @@ class Schedule:
     """Which steps checkpoint, and the kind each one is, agreed by every rank.
 
     `wants_full()` says, when an agreement starts, whether this rank asks for a full checkpoint
-    (the manager's: a failed outcome, a restore, the priority rule).
+    (the checkpointer's: a failed outcome, a restore, the priority rule).
     """
 
     def __init__(
         self,
-        cfg: CkptConfig,
+        cfg: ScheduleConfig,
+        write: WriteConfig,
         *,
         tracker: RowTracker,
         taker: SnapshotTaker,
@@ -115,13 +116,13 @@ class Schedule:
         wants_full: Callable[[], bool],
         prioritized: bool,
     ) -> None:
-        self.cfg = cfg
+        self.cfg, self.write = cfg, write
         self.tracker, self.taker, self.policy, self.writer = tracker, taker, policy, writer
         self.total_rows = total_rows
         self.full_bytes = full_bytes  # this rank's snapshot of every row
         self.wants_full = wants_full
         self.prioritized = prioritized  # prioritized checkpoints reserve no slab ahead
-        self.interval_s = cfg.interval_s  # or what `ckpt.target_pls` sets at start (`use_interval`)
+        self.interval_s = cfg.interval_s  # or what `ckpt.recovery.target_pls` sets at start (`use_interval`)
         self.last_step = -1  # the last checkpoint's step (taken, or restored)
         self.last_time = time.monotonic()
         self._ahead_step, self._ahead_due = -1, False  # a step whose checkpoint was decided a step early
@@ -130,7 +131,7 @@ class Schedule:
         self._reserved = False  # the next snapshot's slab was asked for (`reserve_next`)
 
     def use_interval(self, seconds: float) -> None:
-        """Checkpoint every `seconds` from now on (`ckpt.target_pls`)."""
+        """Checkpoint every `seconds` from now on (`ckpt.recovery.target_pls`)."""
         self.interval_s = seconds
 
     def resumed_at(self, step: int) -> None:
@@ -184,9 +185,9 @@ class Schedule:
         counts = torch.tensor(
             [sum(base), sum(last), self.total_rows, sum(full) if full is not None else self.total_rows], dtype=torch.float64
         )
-        most = self.cfg.max_pending_checkpoints
+        most = self.write.max_pending_checkpoints
         behind = float(most > 0 and self.writer.pending_jobs >= most)
-        flags = torch.tensor([float(forced)] + [float(pending + est[k] > self.cfg.max_pending_bytes) for k in KINDS] + [behind])
+        flags = torch.tensor([float(forced)] + [float(pending + est[k] > self.write.max_pending_bytes) for k in KINDS] + [behind])
         works = [dist.all_reduce(counts, async_op=True), dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)]
         return _InFlight(step, counts, flags, works, forced)
 

@@ -2,7 +2,7 @@
 dense state to host memory, the tracker's marks, then the writer's job.
 
 It runs inside the stall on the training thread, or on the copier thread beside the next step
-(`ckpt.overlap_copy`, ckpt/capture/overlapped_copy.py). `StallTiming` says where each
+(`ckpt.capture.overlap_copy`, ckpt/capture/overlapped_copy.py). `StallTiming` says where each
 checkpoint's stall went on this rank.
 """
 
@@ -16,19 +16,12 @@ import torch
 
 from ckpt.capture.snapshot import PlannedSnapshot, SnapshotTaker
 from ckpt.capture.tracker import RowTracker
-from ckpt.checkpoint_policy import Decision
-from ckpt.config import CkptConfig
 from ckpt.dense import state as dense_state
 from ckpt.faults import maybe_die, maybe_slow_copy
 from ckpt.recovery.priority import RowPriority
+from ckpt.save.policy import Decision
+from ckpt.types import JobIdentity
 from ckpt.write.writer import RankWriter, WriteJob
-
-
-class JobIdentity(NamedTuple):
-    """What ties a checkpoint to the job that wrote it (stored in every dense file)."""
-
-    config_sha256: str  # the resolved job config
-    model_sha256: str  # the model section: what rows and dense state depend on
 
 
 class StallTiming(NamedTuple):
@@ -84,13 +77,12 @@ class _Taken(NamedTuple):
 class Handoff:
     """Copies one checkpoint at a time and hands it to this rank's writer.
 
-    Under `ckpt.priority` it also counts what prioritized checkpoints left waiting since the
+    Under `ckpt.recovery.priority` it also counts what prioritized checkpoints left waiting since the
     last full one (ckpt/recovery/priority.py), kept with the rank's loop state.
     """
 
     def __init__(
         self,
-        cfg: CkptConfig,
         *,
         rank: int,
         identity: JobIdentity,
@@ -100,8 +92,9 @@ class Handoff:
         dense_capture: dense_state.DenseCapture,
         writer: RankWriter,
         full_bytes: int,
+        priority_budget: float,
     ) -> None:
-        self.cfg = cfg
+        self.priority_budget = priority_budget  # `ckpt.recovery.priority_budget`
         self.rank = rank
         self.identity = identity
         self.taker, self.tracker, self.priority = taker, tracker, priority
@@ -183,7 +176,7 @@ class Handoff:
         if decision.full or self.priority is None:
             planned = self.taker.plan(cid, step, full=decision.full, since_base=decision.since_base, weight_codec=c.codecs[0])
         else:
-            saved = self.priority.select(self.tracker.changed_since_last(), int(self.cfg.priority_budget * self.full_bytes))
+            saved = self.priority.select(self.tracker.changed_since_last(), int(self.priority_budget * self.full_bytes))
             planned = PlannedSnapshot.of(self.taker.take_rows(cid, step, saved))
         t_planned = time.perf_counter()
         self.tracker.remember(cid)
