@@ -2,7 +2,12 @@
 
 Which modules: every `ShardedEmbeddingBagCollection` (pooled) and `ShardedEmbeddingCollection`
 (sequence, unpooled) anywhere in a DMP-wrapped model (`embedding_modules`); any other sharded
-module is refused, since its rows would go unsaved. A table is addressed by its **key**, the
+module is refused, since its rows would go unsaved. A sharded managed-collision module
+(`ManagedCollisionEmbeddingBagCollection` / `ManagedCollisionEmbeddingCollection`) is refused too
+unless the caller asks for it (``managed_collision=True``): then its inner sharded collection is
+listed like any other, with the managed-collision module that drives it (`ManagedCollision`),
+since the rows are the inner collection's but only the outer module's ``compute`` looks them up
+and evicts them (ckpt/capture/tracker.py hooks it there). A table is addressed by its **key**, the
 FQN of its weight in the user's unsharded model without ``.weight``
 (``<module FQN>.embedding_bags.<table>`` or ``<module FQN>.embeddings.<table>``, docs/design/formats.md,
 "Table keys"): two modules with a table of the same name stay apart, and `model.load_state_dict` on the
@@ -49,12 +54,26 @@ class TableInfo:
 
 
 @dataclass(frozen=True)
+class ManagedCollision:
+    """A sharded managed-collision module (torchrec's `BaseShardedManagedCollisionEmbeddingCollection`):
+    it remaps raw ids to slots and evicts, then looks the slots up through its inner sharded
+    collection's ``compute``, never through that collection's post-lookup hook; the tracker
+    hooks the module itself (ckpt/capture/tracker.py, "Managed-collision tables")."""
+
+    fqn: str  # relative to the DMP's wrapped module ("" for the root)
+    sharded: Any  # ShardedManagedCollisionEmbedding(Bag)Collection (torchrec leaves the hook points untyped)
+
+
+@dataclass(frozen=True)
 class EmbeddingModule:
     """One sharded embedding module of the model and where it sits."""
 
     fqn: str  # relative to the DMP's wrapped module ("" for the root)
     sharded: Any  # ShardedEmbeddingBagCollection | ShardedEmbeddingCollection (hook API untyped)
     pooled: bool
+    # the managed-collision module whose inner collection this is (its `_embedding_module`); None
+    # for a collection torchrec drives itself, whose post-lookup hook sees every lookup
+    managed_collision: ManagedCollision | None = None
 
     def key(self, table: str) -> str:
         """The key of the module's table `table`."""
@@ -71,9 +90,15 @@ def unwrapped(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
 
 
-def embedding_modules(model: nn.Module) -> list[EmbeddingModule]:
+def embedding_modules(model: nn.Module, managed_collision: bool = False) -> list[EmbeddingModule]:
     """Every sharded embedding collection in the model, in module order. Refuses (one line
-    naming it) a sharded module of another kind, whose rows no checkpoint would hold."""
+    naming it) a sharded module of another kind, whose rows no checkpoint would hold.
+
+    With `managed_collision`, a sharded managed-collision module is not refused: its inner
+    collection (``<fqn>._embedding_module``, so its tables are keyed exactly as in the unsharded
+    model) is listed with the module recorded (`EmbeddingModule.managed_collision`); its
+    managed-collision collection (the raw id -> slot state, sharding/managed_collision.py) holds
+    no rows and is not walked."""
     # torchrec on first use: what reads the stream without a model (the follower, the tools)
     # imports this module but never pays for torchrec's import
     from torchrec.distributed.embedding import ShardedEmbeddingCollection  # noqa: PLC0415
@@ -81,6 +106,11 @@ def embedding_modules(model: nn.Module) -> list[EmbeddingModule]:
     from torchrec.distributed.fp_embeddingbag import ShardedFeatureProcessedEmbeddingBagCollection  # noqa: PLC0415
     from torchrec.distributed.types import ShardedModule  # noqa: PLC0415
 
+    mc_types: tuple[type, ...] = ()
+    if managed_collision:
+        from torchrec.distributed.mc_embedding_modules import BaseShardedManagedCollisionEmbeddingCollection  # noqa: PLC0415
+
+        mc_types = (BaseShardedManagedCollisionEmbeddingCollection,)
     found: list[EmbeddingModule] = []
     skip: tuple[str, ...] = ()
     for fqn, m in unwrapped(model).named_modules():
@@ -88,6 +118,13 @@ def embedding_modules(model: nn.Module) -> list[EmbeddingModule]:
             continue
         if isinstance(m, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)):
             found.append(EmbeddingModule(fqn, m, isinstance(m, ShardedEmbeddingBagCollection)))
+            skip = (*skip, f"{fqn}." if fqn else "")
+        elif mc_types and isinstance(m, mc_types):
+            mc: Any = m  # BaseShardedManagedCollisionEmbeddingCollection: builds the inner one as a sharded EBC or EC
+            inner = mc._embedding_module
+            inner_fqn = f"{fqn}._embedding_module" if fqn else "_embedding_module"
+            pooled = isinstance(inner, ShardedEmbeddingBagCollection)
+            found.append(EmbeddingModule(inner_fqn, inner, pooled, ManagedCollision(fqn, m)))
             skip = (*skip, f"{fqn}." if fqn else "")
         elif isinstance(m, ShardedFeatureProcessedEmbeddingBagCollection):
             # its rows are its inner EmbeddingBagCollection's (`_embedding_bag_collection`, found
@@ -165,10 +202,17 @@ class ShardMap:
         """(rows, width) of every table of the model, by key."""
         return {k: t.shape for k, t in self.table_info.items()}
 
+    @property
+    def managed_collision(self) -> list[EmbeddingModule]:
+        """The modules that are a managed-collision module's inner collection (empty unless
+        `from_model` was asked for them)."""
+        return [em for em in self.modules if em.managed_collision is not None]
+
     @classmethod
-    def from_model(cls, model: nn.Module) -> ShardMap:
-        """Walk every sharded embedding collection of a DMP-wrapped model (`embedding_modules`)."""
-        modules = embedding_modules(model)
+    def from_model(cls, model: nn.Module, managed_collision: bool = False) -> ShardMap:
+        """Walk every sharded embedding collection of a DMP-wrapped model (`embedding_modules`;
+        with `managed_collision`, the inner collections of managed-collision modules too)."""
+        modules = embedding_modules(model, managed_collision)
         shards: list[ShardView] = []
         replicated: list[str] = []
         tables: dict[str, TableInfo] = {}

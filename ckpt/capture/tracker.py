@@ -45,6 +45,40 @@ they are always shard-local rows, ``0 <= id < shard.num_rows``; the global row i
   reaches the hook; it is ignored: those tables are trained by the dense optimizer and
   travel with the dense state (``ShardMap.replicated_tables``).
 
+Managed-collision tables
+------------------------
+A sharded managed-collision module (``ShardMap.from_model(model, managed_collision=True)``;
+docs/design/managed-collision.md) owns an inner sharded EBC/EC whose shards are tracked like any
+other, but torchrec never calls that collection's post-lookup hook: the module's ``compute``
+(``BaseShardedManagedCollisionEmbeddingCollection.compute``) remaps the raw ids to slots, takes
+the slots an eviction freed or filled (``evict()``), redraws their rows (``_evict``: the
+table's ``init_fn`` from the global RNG, and row-wise Adagrad's momentum zeroed on CUDA), and
+only then calls the inner collection's ``compute`` on the remapped KJTList. So the tracker
+wraps two methods on the module instance (restored by `detach`, wrapped again by `attach`,
+each wrapper calling whatever the attribute was before, so wrappers chain):
+
+- ``_evict(evictions_per_table)``: called in every forward with the per-table local slots
+  about to be redrawn (None where the table evicted nothing), *before* the writes. The
+  wrapper marks them, and first lets whoever must see the rows unchanged do so: the pending
+  hold, the pending ``before_update`` wait (an eviction changes rows in the forward pass,
+  ahead of the backward pass the gradient hook waits in) and the guards. Redrawn rows are
+  marked in any forward that evicts, also in a training-mode forward under ``no_grad``
+  (torchrec's MCH module profiles, and so evicts, whenever the module is in training mode):
+  those rows did change. An eval forward never evicts.
+- ``compute(ctx, dist_input)``: after it returns, ``ctx.remapped_kjt`` is the KJTList the
+  inner collection's ``compute`` received, one KJT per lookup (its ids already made
+  shard-local by the managed-collision collection, ``global_to_local_index``), and the
+  return value its lookups' outputs; each pair goes through the same marking as a
+  post-lookup hook call (lookup groups of the inner collection, training forwards only).
+  The remapped KJT is built in that compute, so the split by ``length_per_key()`` computes
+  its lengths per key there (on a GPU a host sync, which the all-to-all's KJTs do not cost).
+
+Wrapping ``compute`` rather than the inner collection's ``compute`` keeps both hooks on the one
+module the `ShardMap` records; wrapping ``_evict`` rather than reading
+``ctx.evictions_per_table`` after ``compute`` is what puts the marks and waits before the
+redraw. The marks are exact: a step changes an MC table's rows only by that redraw and by the
+fused optimizer's update of the rows the step looked up.
+
 Recording happens only when the ShardedEBC is in training mode *and* autograd is on
 (an eval forward or a ``no_grad`` forward never reaches the fused optimizer, so it
 changes no row). A training forward whose backward never runs over-marks, which is safe:
@@ -88,7 +122,7 @@ from torch import nn
 from torch.profiler import record_function
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from sharding.shard_views import EmbeddingModule, ShardMap
+from sharding.shard_views import EmbeddingModule, ManagedCollision, ShardMap
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +155,22 @@ class LookupGroup:
     any_tracked: bool
 
 
+_MC_METHODS = ("compute", "_evict")  # what the tracker wraps on a sharded managed-collision module's instance
+_UNSET = object()  # a method the instance did not override (its class's is used)
+
+
+@dataclass
+class _McHook:
+    """One sharded managed-collision module the tracker wraps: its inner collection, a one-key
+    group per table for the slots an eviction redraws, and the instance attributes the
+    wrappers replaced (`_UNSET` where the class's method was used)."""
+
+    inner: EmbeddingModule
+    module: ManagedCollision
+    evictions: dict[str, LookupGroup]  # table name in the module -> its local shard's group
+    replaced: dict[str, Any]
+
+
 class RowTracker:
     """Per-shard bitmaps of the rows touched by training since the last checkpoint/base."""
 
@@ -140,25 +190,31 @@ class RowTracker:
         # (checkpoint id, rows changed since the checkpoint before it) of checkpoints not yet
         # known committed; None: not kept (only partial recovery needs it)
         self._uncommitted: list[tuple[int, torch.Tensor]] | None = None
-        # also told every lookup's ids (the group and its shard-local ids per key position):
-        # prioritized checkpoints count updates there (ckpt/recovery/priority.py)
+        # also told every lookup's ids (the group and its shard-local ids per key position), and
+        # the slots a managed-collision eviction redraws: prioritized checkpoints count updates
+        # there (ckpt/recovery/priority.py)
         self.listener: Callable[[LookupGroup, list[torch.Tensor]], None] | None = None
         # called the same way before the marks, while registered (`guard`): pending copy-on-write
         # snapshots save the looked-up rows aside there (ckpt/capture/copy_on_write.py)
         self._guards: tuple[Callable[[LookupGroup, list[torch.Tensor]], None], ...] = ()
         self._guards_lock = threading.Lock()
-        # the modules whose post-lookup hooks these are: every sharded embedding collection
+        # every sharded embedding collection, the inner ones of managed-collision modules included
         self.modules = shard_map.modules
+        # those whose post-lookup hooks these are (torchrec never calls an inner one's)
+        self._hooked = [em for em in self.modules if em.managed_collision is None]
         # per module (by id): feature keys of each lookup group -> where its ids go (benchmarks
         # time one group's hook)
         self._groups = {id(em.sharded): self._build_lookup_maps(em) for em in self.modules}
         self._check_every_shard_tracked()
+        self._mc = [self._build_mc_hook(em) for em in self.modules if em.managed_collision is not None]
         self._previous = self._hooks_now()  # per module (by id): the hook it had before this tracker's
         self._attached = True
         self._hold: Callable[[], None] | None = None  # called once, first thing, by the next lookup
         self._before_update: Callable[[], None] | None = None  # called once, before the next row update
-        for em in self.modules:
+        for em in self._hooked:
             em.sharded.register_post_lookup_tracker_fn(self.record_lookup)
+        for hook in self._mc:
+            self._wrap_mc(hook)
 
     @property
     def sharded_ebc(self) -> Any:
@@ -197,6 +253,21 @@ class RowTracker:
                 maps[key] = m
         return maps
 
+    def _build_mc_hook(self, em: EmbeddingModule) -> _McHook:
+        """Where the slots each table of a managed-collision module evicts go: its one local
+        shard (row-wise only, so one per rank)."""
+        assert em.managed_collision is not None
+        index = {id(s): i for i, s in enumerate(self.shard_map.shards)}
+        evictions: dict[str, LookupGroup] = {}
+        for c in em.configs():
+            shards = [index[id(s)] for s in self.shard_map.of_table(em.key(c.name))]
+            if len(shards) > 1:
+                raise RuntimeError(f"managed-collision table {em.key(c.name)} has {len(shards)} shards on this rank, not one")
+            if shards:
+                (i,) = shards
+                evictions[c.name] = LookupGroup((em.key(c.name),), [i], [self._slice(self._last, i)], True)
+        return _McHook(em, em.managed_collision, evictions, {})
+
     def _check_every_shard_tracked(self) -> None:
         """Every local shard is looked up by some lookup group (else its rows would go unsaved)."""
         used = {i for groups in self._groups.values() for m in groups.values() for i in m.shards if i is not None}
@@ -217,13 +288,22 @@ class RowTracker:
     def _record_lookup(
         self, features: KeyedJaggedTensor, embs: torch.Tensor, module: nn.Module | None, raw_ids: torch.Tensor | None
     ) -> None:
-        if self._hold is not None:  # before any mark, in every forward (eval too)
-            hold, self._hold = self._hold, None
-            hold()
+        self._run_hold()
         owner = module if module is not None else self.sharded_ebc
         previous = self._previous.get(id(owner))  # called first, so hooks chain
         if previous is not None:
             previous(features, embs, module, raw_ids)
+        self._mark_lookup(owner, features, embs)
+
+    def _run_hold(self) -> None:
+        """The pending `hold_next_lookup` call: before any mark, in every forward (eval too)."""
+        if self._hold is not None:
+            hold, self._hold = self._hold, None
+            hold()
+
+    def _mark_lookup(self, owner: Any, features: KeyedJaggedTensor, embs: torch.Tensor) -> None:
+        """Mark one lookup group's shard-local ids (a training forward only), after the guards
+        and before the listener; place the pending `before_update` on its output's gradient."""
         training = owner.training and torch.is_grad_enabled()
         groups = self._groups.get(id(owner))
         # every group's output: each has its own kernels. A forward without backward (eval,
@@ -242,7 +322,8 @@ class RowTracker:
         if not m.any_tracked:
             return
         # One narrow view per key, one index_fill_ per key into the bitmap of that key's shard.
-        # length_per_key() is a list the input all-to-all has already filled in (no sync).
+        # length_per_key() is a list the input all-to-all has already filled in (no sync; a
+        # managed-collision lookup's is computed here: module docstring).
         parts = features.values().split(features.length_per_key())
         for guard in self._guards:  # a tuple replaced whole by `guard`: safe to iterate as it changes
             guard(m, list(parts))
@@ -253,15 +334,87 @@ class RowTracker:
             self.listener(m, list(parts))
 
     def _hooks_now(self) -> dict[int, Callable[..., None] | None]:
-        """Each module's registered post-lookup hook, by module id."""
-        return {id(em.sharded): em.sharded.post_lookup_tracker_fn for em in self.modules}
+        """Each hooked module's registered post-lookup hook, by module id."""
+        return {id(em.sharded): em.sharded.post_lookup_tracker_fn for em in self._hooked}
+
+    # -- managed-collision modules (module docstring, "Managed-collision tables") ---------
+    def _wrap_mc(self, hook: _McHook) -> None:
+        """Replace the module instance's `compute` and `_evict` with wrappers that mark, each
+        calling what the attribute was before (so an earlier wrapper still runs)."""
+        module = hook.module.sharded
+        hook.replaced = {name: module.__dict__.get(name, _UNSET) for name in _MC_METHODS}
+        compute, evict = module.compute, module._evict
+
+        def tracked_compute(ctx: Any, dist_input: Any) -> list[torch.Tensor]:
+            out = compute(ctx, dist_input)
+            self._record_mc_lookups(hook, ctx, out)
+            return out
+
+        def tracked_evict(evictions_per_table: dict[str, torch.Tensor | None]) -> None:
+            self._record_mc_evictions(hook, evictions_per_table)
+            evict(evictions_per_table)
+
+        module.compute = tracked_compute
+        module._evict = tracked_evict
+
+    def _unwrap_mc(self, hook: _McHook) -> None:
+        """Put back the instance attributes `_wrap_mc` replaced."""
+        module = hook.module.sharded
+        for name, value in hook.replaced.items():
+            if value is _UNSET:
+                delattr(module, name)
+            else:
+                setattr(module, name, value)
+
+    def _record_mc_evictions(self, hook: _McHook, evictions_per_table: dict[str, torch.Tensor | None]) -> None:
+        """Mark the local slots about to be redrawn, after letting the pending hold, the
+        pending `before_update` wait and the guards see the rows as they are."""
+        evicted = [(t, ids) for t, ids in evictions_per_table.items() if ids is not None]
+        if not evicted:
+            return
+        with record_function("## deltarec tracker ##"):
+            self._run_hold()
+            fn, self._before_update = self._before_update, None  # the rows change now, not in backward
+            if fn is not None:
+                fn()
+            for table, ids in evicted:
+                m = hook.evictions.get(table)
+                if m is None:
+                    raise RuntimeError(
+                        f"RowTracker: {hook.module.fqn or '<root>'} evicted slots of table {table}, which has no "
+                        "shard on this rank; rows would go untracked"
+                    )
+                parts = [ids.to(torch.int64)]
+                for guard in self._guards:
+                    guard(m, list(parts))
+                bits = m.bitmaps[0]
+                assert bits is not None
+                bits.index_fill_(0, parts[0], True)
+                if self.listener is not None:
+                    self.listener(m, list(parts))
+
+    def _record_mc_lookups(self, hook: _McHook, ctx: Any, out: list[torch.Tensor]) -> None:
+        """Mark the slots the inner collection's `compute` looked up: `ctx.remapped_kjt`, one
+        KJT per lookup, beside its output."""
+        with record_function("## deltarec tracker ##"):
+            self._run_hold()
+            remapped = getattr(ctx, "remapped_kjt", None)
+            if remapped is None or len(remapped) != len(out):
+                raise RuntimeError(
+                    f"RowTracker: {hook.module.fqn or '<root>'}'s compute left no remapped ids for its "
+                    f"{len(out)} lookups in its context; rows would go untracked"
+                )
+            for features, embs in zip(remapped, out):
+                self._mark_lookup(hook.inner.sharded, features, embs)
 
     def hold_next_lookup(self, fn: Callable[[], None], before_update: Callable[[], None]) -> None:
         """Have the next lookup call `fn()` before it marks anything, and the next backward
         pass call `before_update()` before the embedding kernels may update a row: a gradient
         hook on each lookup group's output, which runs before the fused optimizer's backward,
         placed by the next training forward (a forward without backward leaves it pending).
-        The lookup hook runs in the forward pass, after the lookup read its rows
+        A managed-collision eviction changes rows in the forward pass: both calls then run
+        there, before the redraw, whatever the forward (module docstring, "Managed-collision
+        tables"). The lookup hook runs in the forward pass, after the lookup read its rows
         (ckpt/capture/overlapped_copy.py waits at both points for a checkpoint's copy; the checkpoint
         checkpointer's own calls wait for all of it)."""
         assert self._attached, "a detached tracker's hook never runs: nothing would wait"
@@ -270,8 +423,9 @@ class RowTracker:
 
     def guard(self, fn: Callable[[LookupGroup, list[torch.Tensor]], None]) -> Callable[[], None]:
         """Call `fn(group, ids)` in every training lookup, with its shard-local ids per key
-        position, before the backward pass may update those rows, until the returned function
-        is called (from any thread). A copy-on-write snapshot saves rows aside there
+        position, before the backward pass may update those rows, and with the slots a
+        managed-collision eviction is about to redraw (a one-key group of the table's shard),
+        until the returned function is called (from any thread). A copy-on-write snapshot saves rows aside there
         (ckpt/capture/copy_on_write.py); it registers before the next step's first lookup may
         go on (`hold_next_lookup`)."""
         assert self._attached, "a detached tracker's hook never runs: nothing would be saved aside"
@@ -296,18 +450,23 @@ class RowTracker:
         return self._attached
 
     def detach(self) -> None:
-        """Stop recording (restores whatever hook was registered before this tracker)."""
+        """Stop recording (restores whatever hook was registered before this tracker, and the
+        managed-collision modules' methods)."""
         if self._attached:
-            for em in self.modules:
+            for em in self._hooked:
                 em.sharded.post_lookup_tracker_fn = self._previous[id(em.sharded)]
+            for hook in self._mc:
+                self._unwrap_mc(hook)
             self._attached = False
 
     def attach(self) -> None:
         """Record again after `detach()`."""
         if not self._attached:
             self._previous = self._hooks_now()
-            for em in self.modules:
+            for em in self._hooked:
                 em.sharded.post_lookup_tracker_fn = self.record_lookup
+            for hook in self._mc:
+                self._wrap_mc(hook)
             self._attached = True
 
     # -- queries ------------------------------------------------------------------------
