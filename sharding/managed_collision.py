@@ -72,6 +72,7 @@ slots and a slot never becomes free again), which `capture` checks and `load` re
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,6 +131,14 @@ def _same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
     return a.dtype == b.dtype and np.array_equal(a, b)
 
 
+@dataclass(frozen=True)
+class _Source:
+    """Where a state came from: the live MCH module (weakly) and its mapping buffers' version."""
+
+    module: weakref.ref[Any]
+    version: tuple[tuple[int, int], ...]
+
+
 @dataclass(frozen=True, eq=False)
 class McState:
     """One shard's raw-id -> slot state in host memory, indexed by local slot ``s`` (global slot
@@ -149,6 +158,9 @@ class McState:
     history_capacity: int  # the history buffer's length; -1: not allocated yet
     segments: tuple[int, ...]  # the table's row-wise shard starts, then its row count
     input_hash_size: int
+    # the live module it was read from or loaded into, and its buffers' version then (`capture`'s
+    # `like`); not part of the state: never compared, never copied by `dataclasses.replace`
+    source: _Source | None = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("raw_ids", "counts", "last_access", "history_ids", "history_last_access"):
@@ -245,6 +257,20 @@ class McState:
 # --- diff and apply ------------------------------------------------------------------------------
 
 
+# McDelta's arrays, in field order
+_DELTA_ARRAYS = (
+    "evicted_slots",
+    "evicted_raw_ids",
+    "admitted_slots",
+    "admitted_raw_ids",
+    "counter_slots",
+    "counts",
+    "last_access",
+    "history_ids",
+    "history_last_access",
+)
+
+
 @dataclass(frozen=True, eq=False)
 class McDelta:
     """What changed in one shard's state between two captures; slots are *global* (table rows).
@@ -253,8 +279,12 @@ class McDelta:
     unless it became free, an admission (`admitted_slots`, the id that came): a reader keyed by
     raw id drops the first and adds the second. Training never frees a slot (an evicted slot is
     always refilled); only a load or a rebucket does. `counter_slots` lists every slot whose
-    counters differ, admissions included, with the new values. The history is carried whole: an
-    eviction empties it every ``eviction_interval`` steps, so a diff of it would be no smaller."""
+    counters differ, admissions included, with the new values.
+
+    The history: between evictions it only grows (ids are appended as they arrive), so when the
+    old history is a prefix of the new one the delta keeps the old one's first `history_keep`
+    ids (and their last access) and carries only the ids after them; an eviction empties it,
+    and the delta then carries it whole (`history_keep` 0)."""
 
     table: str
     slot_offset: int
@@ -268,22 +298,15 @@ class McDelta:
     last_access: np.ndarray | None
     current_iter: int
     last_eviction_iter: int
-    history_ids: np.ndarray
+    history_ids: np.ndarray  # the ids after the first `history_keep` of the old history
     history_last_access: np.ndarray | None
     history_capacity: int
+    history_keep: int = 0  # how many of the old history's first ids the new history starts with
 
     def __post_init__(self) -> None:
-        for name in (
-            "evicted_slots",
-            "evicted_raw_ids",
-            "admitted_slots",
-            "admitted_raw_ids",
-            "counter_slots",
-            "counts",
-            "last_access",
-            "history_ids",
-            "history_last_access",
-        ):
+        if self.history_keep < 0:
+            raise ManagedCollisionError(f"delta of table {self.table}: history_keep {self.history_keep} is negative")
+        for name in _DELTA_ARRAYS:
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, _int64(value))
@@ -292,6 +315,16 @@ class McDelta:
     def empty(self) -> bool:
         """No id and no counter changed (the scalars and the history may have)."""
         return not (self.evicted_slots.size or self.admitted_slots.size or self.counter_slots.size)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, McDelta):
+            return NotImplemented
+        scalars = ("table", "slot_offset", "size", "current_iter", "last_eviction_iter", "history_capacity", "history_keep")
+        return all(getattr(self, f) == getattr(other, f) for f in scalars) and all(
+            _same(getattr(self, f), getattr(other, f)) for f in _DELTA_ARRAYS
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # equal by value, like `McState`
 
 
 def _check_same_shard(old: McState, new: McState) -> None:
@@ -322,6 +355,7 @@ def diff(old: McState, new: McState) -> McDelta:
             changed |= a != b
     changed[admitted] = True
     counter = np.flatnonzero(changed)
+    keep = _history_kept(old, new)
     return McDelta(
         table=new.table,
         slot_offset=new.slot_offset,
@@ -335,10 +369,26 @@ def diff(old: McState, new: McState) -> McDelta:
         last_access=None if new.last_access is None else new.last_access[counter],
         current_iter=new.current_iter,
         last_eviction_iter=new.last_eviction_iter,
-        history_ids=new.history_ids,
-        history_last_access=new.history_last_access,
+        history_ids=new.history_ids[keep:],
+        history_last_access=None if new.history_last_access is None else new.history_last_access[keep:],
         history_capacity=new.history_capacity,
+        history_keep=keep,
     )
+
+
+def _history_kept(old: McState, new: McState) -> int:
+    """How many of `old`'s history entries `new`'s starts with: all of them when no eviction
+    came in between (the history only grew) and the old entries are exactly the new ones'
+    first; else 0."""
+    n = old.history_ids.shape[0]
+    if n == 0 or old.last_eviction_iter != new.last_eviction_iter or new.history_ids.shape[0] < n:
+        return 0
+    if not np.array_equal(old.history_ids, new.history_ids[:n]):
+        return 0
+    if old.history_last_access is not None and new.history_last_access is not None:
+        if not np.array_equal(old.history_last_access, new.history_last_access[:n]):
+            return 0
+    return n
 
 
 def _local(slots: np.ndarray, delta: McDelta) -> np.ndarray:
@@ -350,7 +400,8 @@ def _local(slots: np.ndarray, delta: McDelta) -> np.ndarray:
 
 def apply(state: McState, delta: McDelta) -> McState:
     """`state` with `delta` applied. Refuses a delta of another shard or policy, and one whose
-    tombstones name ids `state` does not hold at those slots (a delta that does not follow it)."""
+    tombstones name ids `state` does not hold at those slots or that keeps more history than
+    `state` has (a delta that does not follow it)."""
     if (state.table, state.slot_offset, state.size) != (delta.table, delta.slot_offset, delta.size) or (
         state.counts is None,
         state.last_access is None,
@@ -370,6 +421,16 @@ def apply(state: McState, delta: McDelta) -> McState:
     if np.any(raw[admitted] != FREE):
         raise ManagedCollisionError(f"delta of table {delta.table} admits ids into held slots without evicting them")
     raw[admitted] = delta.admitted_raw_ids
+    keep = delta.history_keep
+    if keep > state.history_ids.shape[0]:
+        raise ManagedCollisionError(
+            f"delta of table {delta.table} keeps {keep} history ids of a state holding "
+            f"{state.history_ids.shape[0]}: it follows another checkpoint"
+        )
+    history = np.concatenate([state.history_ids[:keep], delta.history_ids]) if keep else delta.history_ids
+    history_access = delta.history_last_access
+    if keep and state.history_last_access is not None and delta.history_last_access is not None:
+        history_access = np.concatenate([state.history_last_access[:keep], delta.history_last_access])
 
     def counters(current: np.ndarray | None, values: np.ndarray | None) -> np.ndarray | None:
         if current is None or values is None:
@@ -386,8 +447,8 @@ def apply(state: McState, delta: McDelta) -> McState:
         last_access=counters(state.last_access, delta.last_access),
         current_iter=delta.current_iter,
         last_eviction_iter=delta.last_eviction_iter,
-        history_ids=delta.history_ids,
-        history_last_access=delta.history_last_access,
+        history_ids=history,
+        history_last_access=history_access,
         history_capacity=delta.history_capacity,
         segments=state.segments,
         input_hash_size=state.input_hash_size,
@@ -450,12 +511,80 @@ def _segments(mch: Any) -> tuple[int, ...]:
     return tuple(int(x) for x in seg if x >= 0)
 
 
-def capture(shard: McShard) -> McState:
+def _buffers_version(mch: Any) -> tuple[tuple[int, int], ...] | None:
+    """The mapping buffers' (storage address, version counter); None when a buffer has no
+    version counter (an inference tensor): nothing is reused then. Every in-place write bumps a
+    tensor's version: an eviction's, a re-sort's, a state-dict load's, `load`'s."""
+    buffers = [mch._mch_sorted_raw_ids, mch._mch_remapped_ids_mapping, *mch._mch_metadata.values()]
+    try:
+        return tuple((t.data_ptr(), int(t._version)) for t in buffers)
+    except RuntimeError:
+        return None
+
+
+def _remember(mch: Any, state: McState) -> None:
+    """`state` holds what the module's mapping buffers hold now: it carries the module (weakly)
+    and the buffers' version, so that `capture(shard, like=state)` can tell they are unchanged."""
+    version = _buffers_version(mch)
+    object.__setattr__(state, "source", None if version is None else _Source(weakref.ref(mch), version))
+
+
+def _unchanged_since(mch: Any, like: McState) -> bool:
+    """Whether `like` was read from (or loaded into) the module and its mapping buffers have
+    not been written since."""
+    src = like.source
+    return src is not None and src.module() is mch and src.version == _buffers_version(mch)
+
+
+def capture(shard: McShard, like: McState | None = None) -> McState:
     """A host copy of the shard's state, taken between training steps. Refuses evictions not yet
-    applied to the rows, and buffers out of the order `load` writes (the order `McState` implies)."""
+    applied to the rows, and buffers out of the order `load` writes (the order `McState` implies).
+
+    `like`: an earlier state captured from this shard (or loaded into it), typically the
+    previous checkpoint's. The mapping buffers change only at evictions (and loads), so when
+    they have not been written since `like` was read (their storage and version counters say
+    so) the new state shares `like`'s read-only slot arrays and segments, and only the
+    iteration, the eviction phase and the history are copied from the device. Any other `like`
+    (of another module, read before an eviction, or made by `dataclasses.replace`) is ignored:
+    the state is then copied whole."""
     mch = shard.mch
     if mch._evicted:
         raise ManagedCollisionError(f"table {shard.key}: evicted slots not reset yet; capture between training steps")
+    if like is not None and like.table == shard.key and _unchanged_since(mch, like):
+        raw_ids, counts, last_access, segments = like.raw_ids, like.counts, like.last_access, like.segments
+    else:
+        raw_ids, counts, last_access = _slots(shard)
+        segments = _segments(mch)
+    n = int(mch._current_history_buffer_offset)
+    capacity = int(mch._input_history_buffer_size)
+    history = np.zeros(0, dtype=np.int64)
+    history_access = None if last_access is None else np.zeros(0, dtype=np.int64)
+    if capacity >= 0:
+        history = mch._history_accumulator[:n].detach().cpu().numpy().copy()
+        if history_access is not None:
+            history_access = mch._history_metadata["last_access_iter"][:n].detach().cpu().numpy().copy()
+    state = McState(
+        table=shard.key,
+        slot_offset=int(mch._output_global_offset),
+        raw_ids=raw_ids,
+        counts=counts,
+        last_access=last_access,
+        current_iter=int(mch._current_iter_tensor.item()),
+        last_eviction_iter=int(mch._last_eviction_iter),
+        history_ids=history,
+        history_last_access=history_access,
+        history_capacity=capacity,
+        segments=segments,
+        input_hash_size=int(mch._input_hash_size),
+    )
+    _remember(mch, state)
+    return state
+
+
+def _slots(shard: McShard) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """The raw id, count and last access of each local slot, from the sorted buffers, which
+    must be in the order `load` writes."""
+    mch = shard.mch
     sorted_raw = mch._mch_sorted_raw_ids.detach().cpu().numpy()
     local = mch._mch_remapped_ids_mapping.detach().cpu().numpy() - mch._output_global_offset
     size = int(mch._zch_size)
@@ -472,28 +601,7 @@ def capture(shard: McShard) -> McState:
         return out
 
     meta = {_METADATA[n]: by_slot(t) for n, t in mch._mch_metadata.items()}
-    n = int(mch._current_history_buffer_offset)
-    capacity = int(mch._input_history_buffer_size)
-    history = np.zeros(0, dtype=np.int64)
-    history_access = None if "last_access" not in meta else np.zeros(0, dtype=np.int64)
-    if capacity >= 0:
-        history = mch._history_accumulator[:n].detach().cpu().numpy().copy()
-        if history_access is not None:
-            history_access = mch._history_metadata["last_access_iter"][:n].detach().cpu().numpy().copy()
-    return McState(
-        table=shard.key,
-        slot_offset=int(mch._output_global_offset),
-        raw_ids=by_slot(mch._mch_sorted_raw_ids),
-        counts=meta.get("counts"),
-        last_access=meta.get("last_access"),
-        current_iter=int(mch._current_iter_tensor.item()),
-        last_eviction_iter=int(mch._last_eviction_iter),
-        history_ids=history,
-        history_last_access=history_access,
-        history_capacity=capacity,
-        segments=_segments(mch),
-        input_hash_size=int(mch._input_hash_size),
-    )
+    return by_slot(mch._mch_sorted_raw_ids), meta.get("counts"), meta.get("last_access")
 
 
 def load(shard: McShard, state: McState) -> None:
@@ -542,6 +650,7 @@ def load(shard: McShard, state: McState) -> None:
         _load_history(mch, state, device)
     back = capture(shard)
     assert back == state, f"table {shard.key}: the loaded state does not read back as written"
+    _remember(mch, state)  # the next capture may take `state` as `like`
 
 
 def _load_history(mch: Any, state: McState, device: torch.device) -> None:

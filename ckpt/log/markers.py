@@ -54,7 +54,12 @@ class OffsetRange(NamedTuple):
 class IndexEntry(NamedTuple):
     """One run of consecutive frames of one shard in one partition (JSON: a list in this
     field order). Row ids ascend within a shard's frames, so the rows lie in
-    ``min_row``..``max_row``; the frames hold columns ``col_offset``..``col_offset + cols - 1``."""
+    ``min_row``..``max_row``; the frames hold columns ``col_offset``..``col_offset + cols - 1``.
+
+    ``cols == 0``: the frames are the mapping frames of one shard of a managed-collision table
+    (``ckpt.stream.frames.FLAG_MAPPING``), ``min_row``..``max_row`` its slots, ``col_offset``
+    0. They overlap no columns, so a reader choosing entries by the columns they meet skips
+    them, as readers written before mapping frames existed do."""
 
     partition: int
     first: int  # position of the run's first frame
@@ -64,6 +69,11 @@ class IndexEntry(NamedTuple):
     min_row: int
     max_row: int
     cols: int
+
+    @property
+    def is_mapping(self) -> bool:
+        """Whether the entry indexes a shard's mapping frames (no rows, no columns)."""
+        return self.cols == 0
 
 
 @dataclass(kw_only=True)
@@ -469,7 +479,8 @@ def select(markers: list[tuple[Any, Marker]], checkpoint_id: int | None = None) 
 
 
 class FrameMeta(NamedTuple):
-    """What the index needs of one written frame until the sink says where it landed."""
+    """What the index needs of one written frame until the sink says where it landed (a
+    mapping frame: col_offset 0, its shard's slots as rows, cols 0)."""
 
     table: str
     col_offset: int
@@ -480,11 +491,13 @@ class FrameMeta(NamedTuple):
 
 def index_frames(partition: int, positions: list[int], meta: list[FrameMeta]) -> list[IndexEntry]:
     """The index of one partition's frames: consecutive frames of one shard (``meta`` and
-    their ``positions``, both in write order) merged into one entry."""
+    their ``positions``, both in write order) merged into one entry. Frames of one shard are
+    those of one table, column offset and width: a shard's mapping frames (width 0) next to
+    its row frames at column 0 get an entry of their own."""
     out: list[IndexEntry] = []
     for pos, m in zip(positions, meta, strict=True):
         last = out[-1] if out else None
-        if last is not None and last.table == m.table and last.col_offset == m.col_offset:
+        if last is not None and (last.table, last.col_offset, last.cols) == (m.table, m.col_offset, m.cols):
             out[-1] = last._replace(last=pos, min_row=min(last.min_row, m.first_row), max_row=max(last.max_row, m.last_row))
         else:
             out.append(

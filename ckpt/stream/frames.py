@@ -1,7 +1,8 @@
 """Checkpoint frames: the binary unit that carries embedding rows to a sink.
 
 One frame holds rows of one (table, column offset) shard of one rank for one
-checkpoint. Layout, version 1, all integers little-endian::
+checkpoint, or a piece of one shard's managed-collision mapping record (``FLAG_MAPPING``,
+below). Layout, version 1, all integers little-endian::
 
     prefix   magic "DRF1" | version u16 | flags u16 | header_len u32 | total_len u64
     meta     checkpoint_id u64 | rank u32 | col_offset u32 | row_count u32 | dim u32
@@ -21,9 +22,19 @@ layout; a restore checks it against the COMMIT marker's link (frames without it 
 0). Bit 2 (``FLAG_ROW_BITMAP``): the rows ascend, and the row-ids section holds ``first``
 (int64), ``span`` (int64) and a bitmap of ``span`` bits (LSB first), bit i set for row
 ``first + i``: what a frame of scattered trained rows uses when that is smaller than 8 bytes
-a row. Other bits are refused.
+a row. Bit 3 (``FLAG_MAPPING``): a mapping frame, below. Other bits are refused, and so are
+``FLAG_ROW_RUN`` with ``FLAG_ROW_BITMAP`` and either with ``FLAG_MAPPING``.
 
-``encoding`` is a codec id of ``ckpt.quant``'s registry (fp32=1, fp16=2, asym8=24, ...),
+A mapping frame carries one piece of the raw-id -> slot mapping record of one shard of a
+managed-collision table (``ckpt.stream.mapping``): the same prefix and header, with
+``col_offset``, ``row_count``, ``dim`` and ``n_optim`` 0, ``row_bytes`` the piece's length L
+and ``encoding`` the record format's version; its header tail is the run id, the table and
+(``FLAG_EPOCH``) the epoch. Body: the piece, uint8[L] zero-padded to a multiple of 8, then the
+CRC. A record larger than one frame is cut into pieces numbered ``chunk_index``
+0..``chunk_count`` - 1 (`chunk_mapping`); the record is their concatenation in that order.
+Frames without the flag are exactly what they were before mapping frames existed.
+
+``encoding`` (of a frame of rows) is a codec id of ``ckpt.quant``'s registry (fp32=1, fp16=2, asym8=24, ...),
 carried as an integer: this module never interprets payload bytes. Sections start
 8-aligned, so a decoder can view them in place (``torch.frombuffer``) without copying.
 
@@ -70,6 +81,8 @@ _MAX_STR = 0xFFFF
 FLAG_ROW_RUN = 0x1  # row ids are first..first+n-1; the ids section holds `first` alone
 FLAG_EPOCH = 0x2  # the header tail ends with the writer's epoch (u64)
 FLAG_ROW_BITMAP = 0x4  # the ids section holds first, span and a bitmap of the rows in first..first+span-1
+FLAG_MAPPING = 0x8  # no rows: the body is a piece of a managed-collision mapping record
+_FLAGS = FLAG_ROW_RUN | FLAG_EPOCH | FLAG_ROW_BITMAP | FLAG_MAPPING
 _BITMAP_HEAD = struct.Struct("<qq")  # first, span
 _EPOCH = struct.Struct("<Q")
 
@@ -138,10 +151,18 @@ class Frame:
     optim: tuple[OptimState, ...] = ()
     first_row: int | None = None  # a run (FLAG_ROW_RUN): row_ids are first_row.. in order
     epoch: int = 0  # the writing trainer attempt (FLAG_EPOCH); 0: none recorded
+    # a mapping frame (FLAG_MAPPING): its piece of the shard's mapping record, a read-only view
+    # of the buffer; None for a frame of rows. A mapping frame has no rows: row_ids [0], payload
+    # [0, 0], dim and col_offset 0, row_bytes the piece's length
+    mapping: memoryview | None = None
 
     @property
     def row_count(self) -> int:
         return int(self.row_ids.shape[0])
+
+    @property
+    def is_mapping(self) -> bool:
+        return self.mapping is not None
 
 
 # --- encoding -------------------------------------------------------------------------
@@ -292,12 +313,13 @@ def encode_frame(
 
 
 class EncodedFrame(NamedTuple):
-    """One frame of a shard as :func:`chunk_rows` made it, with what an index of it needs."""
+    """One frame of a shard as :func:`chunk_rows` (or :func:`chunk_mapping`) made it, with what
+    an index of it needs."""
 
     data: bytes
-    row_count: int
-    first_row: int  # row id of the frame's first row
-    last_row: int  # row id of its last row
+    row_count: int  # 0 for a mapping frame
+    first_row: int  # row id of the frame's first row (a mapping frame: the shard's first slot)
+    last_row: int  # row id of its last row (a mapping frame: the shard's last slot)
 
 
 def chunk_rows(
@@ -370,6 +392,102 @@ def chunk_rows(
     return frames()
 
 
+def _mapping_len(header_len: int, piece_len: int) -> int:
+    """Bytes of a mapping frame holding a piece of `piece_len` bytes."""
+    return header_len + piece_len + _pad(piece_len) + _CRC.size
+
+
+def encode_mapping_frame(
+    *,
+    run_id: str,
+    checkpoint_id: int,
+    rank: int,
+    table: str,
+    piece: bytes | bytearray | memoryview,
+    encoding: int,
+    chunk_index: int = 0,
+    chunk_count: int = 1,
+    epoch: int = 0,
+) -> bytes:
+    """Encode one mapping frame holding `piece` (chunk `chunk_index` of `chunk_count` of a
+    mapping record whose format version is `encoding`)."""
+    body = memoryview(piece).cast("B")
+    size = body.nbytes
+    if size == 0:
+        raise ValueError(f"an empty piece of the mapping record of table {table!r}")
+    if not 0 <= chunk_index < chunk_count:
+        raise ValueError(f"chunk_index {chunk_index} not in [0, chunk_count={chunk_count})")
+    tail = _header_tail(run_id, table, [], epoch)
+    header_len = _header_len(len(tail))
+    total = _mapping_len(header_len, size)
+    flags = FLAG_MAPPING | (FLAG_EPOCH if epoch else 0)
+    try:
+        head = (
+            _PREFIX.pack(MAGIC, VERSION, flags, header_len, total)
+            + _META.pack(checkpoint_id, rank, 0, 0, 0, size, chunk_index, chunk_count, encoding, 0)
+            + tail
+        )
+    except struct.error as e:
+        raise ValueError(f"frame field out of range: {e}") from None
+    parts: list[bytes | memoryview] = [head + b"\0" * (header_len - len(head)), body, b"\0" * _pad(size)]
+    crc = 0
+    for p in parts:
+        crc = crc32(p, crc)
+    parts.append(_CRC.pack(crc))
+    out = b"".join(parts)
+    assert len(out) == total, (len(out), total)
+    return out
+
+
+def chunk_mapping(
+    *,
+    run_id: str,
+    checkpoint_id: int,
+    rank: int,
+    table: str,
+    record: bytes | bytearray | memoryview,
+    encoding: int,
+    first_row: int,
+    last_row: int,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    epoch: int = 0,
+) -> Iterator[EncodedFrame]:
+    """Cut one shard's mapping record into mapping frames of at most ``max_frame_bytes`` each,
+    lazily, numbered ``chunk_index`` 0..count-1 with the same ``chunk_count``; each piece but
+    the last is as large as fits and a multiple of 8 bytes. `first_row`..`last_row` (the
+    shard's slots) go to the index with every frame. Raises ``ValueError`` at the call, before
+    any frame is made, for an empty record or a limit no piece fits under."""
+    data = memoryview(record).cast("B")
+    size = data.nbytes
+    if size == 0:
+        raise ValueError(f"an empty mapping record of table {table!r}")
+    header_len = _header_len(len(_header_tail(run_id, table, [], epoch)))
+    room = (max_frame_bytes - header_len - _CRC.size) // _ALIGN * _ALIGN
+    if room < _ALIGN:
+        raise ValueError(
+            f"a mapping frame of table {table!r} needs {header_len + _ALIGN + _CRC.size} bytes with its header, "
+            f"more than max_frame_bytes={max_frame_bytes}"
+        )
+    count = -(-size // room)
+
+    def frames() -> Iterator[EncodedFrame]:
+        for i in range(count):
+            frame = encode_mapping_frame(
+                run_id=run_id,
+                checkpoint_id=checkpoint_id,
+                rank=rank,
+                table=table,
+                piece=data[i * room : (i + 1) * room],
+                encoding=encoding,
+                chunk_index=i,
+                chunk_count=count,
+                epoch=epoch,
+            )
+            yield EncodedFrame(data=frame, row_count=0, first_row=first_row, last_row=last_row)
+
+    return frames()
+
+
 # --- decoding -------------------------------------------------------------------------
 
 
@@ -391,6 +509,8 @@ def decode_frame(buf: bytes | bytearray | memoryview, *, where: str | None = Non
 def _decode(mv: memoryview) -> Frame:
     """`decode_frame` without the location: checks in the order the module docstring gives."""
     flags, header_len, total = _check_prefix(mv)
+    if flags & FLAG_MAPPING:
+        return _decode_mapping(mv, flags, header_len, total)
     (ckpt, rank, col, n, dim, row_bytes, idx, cnt, enc, n_opt) = _META.unpack_from(mv, _PREFIX.size)
     tail = _read_header_tail(mv, header_len, n_opt, flags)
     run = bool(flags & FLAG_ROW_RUN)
@@ -431,6 +551,39 @@ def _decode(mv: memoryview) -> Frame:
     )
 
 
+def _decode_mapping(mv: memoryview, flags: int, header_len: int, total: int) -> Frame:
+    """A mapping frame (FLAG_MAPPING) whose prefix checked out: no rows, no optimizer state, no
+    columns; the body is its piece of a mapping record."""
+    (ckpt, rank, col, n, dim, size, idx, cnt, enc, n_opt) = _META.unpack_from(mv, _PREFIX.size)
+    if (col, n, dim, n_opt) != (0, 0, 0, 0):
+        raise FrameError(
+            f"mapping frame with column offset {col}, {n} rows, dim {dim} and {n_opt} optimizer states (all must be 0)"
+        )
+    tail = _read_header_tail(mv, header_len, 0, flags)
+    expect = _mapping_len(header_len, size)
+    if size == 0 or expect != total:
+        raise FrameError(f"body length mismatch: a mapping piece of {size} bytes needs a {expect}-byte frame, got {total}")
+    if not idx < cnt:
+        raise FrameError(f"chunk index {idx} not below chunk count {cnt}")
+    return Frame(
+        run_id=tail.run_id,
+        checkpoint_id=ckpt,
+        rank=rank,
+        table=tail.table,
+        col_offset=0,
+        dim=0,
+        encoding=enc,
+        row_bytes=size,
+        chunk_index=idx,
+        chunk_count=cnt,
+        row_ids=torch.empty(0, dtype=torch.int64),
+        payload=torch.empty((0, 0), dtype=torch.uint8),
+        first_row=None,
+        epoch=tail.epoch,
+        mapping=mv[header_len : header_len + size].toreadonly(),
+    )
+
+
 def _check_prefix(mv: memoryview) -> tuple[int, int, int]:
     """(flags, header length, total length) of a frame whose magic, version, length and CRC
     hold, and whose flags and header length are possible; else ``FrameError``."""
@@ -450,8 +603,10 @@ def _check_prefix(mv: memoryview) -> tuple[int, int, int]:
     if stored != computed:
         raise FrameError(f"CRC mismatch: stored {stored:#010x}, computed {computed:#010x}")
     # The bytes are what the writer wrote; what follows catches writer bugs and forgeries.
-    if flags & ~(FLAG_ROW_RUN | FLAG_EPOCH | FLAG_ROW_BITMAP) or flags & FLAG_ROW_RUN and flags & FLAG_ROW_BITMAP:
+    if flags & ~_FLAGS or flags & FLAG_ROW_RUN and flags & FLAG_ROW_BITMAP:
         raise FrameError(f"unknown flags {flags:#x}")
+    if flags & FLAG_MAPPING and flags & (FLAG_ROW_RUN | FLAG_ROW_BITMAP):
+        raise FrameError(f"flags {flags:#x}: a mapping frame has no row ids to be a run or a bitmap")
     if not _PREFIX.size + _META.size <= header_len <= size - _CRC.size or header_len % _ALIGN:
         raise FrameError(f"bad header length {header_len}")
     return flags, header_len, total

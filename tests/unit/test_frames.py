@@ -6,14 +6,20 @@ import torch
 
 from ckpt.stream.frames import (
     DEFAULT_MAX_FRAME_BYTES,
+    FLAG_EPOCH,
+    FLAG_MAPPING,
+    FLAG_ROW_BITMAP,
+    FLAG_ROW_RUN,
     MAGIC,
     VERSION,
     Frame,
     FrameError,
     OptimState,
+    chunk_mapping,
     chunk_rows,
     decode_frame,
     encode_frame,
+    encode_mapping_frame,
     file_where,
     kafka_where,
 )
@@ -232,12 +238,19 @@ def test_chunks_of_a_run_hold_more_rows_and_each_is_a_run():
     assert torch.equal(got, ids)
 
 
+def _with_flags(buf: bytes, flags: int) -> bytes:
+    out = bytearray(buf)
+    struct.pack_into("<H", out, 6, flags)
+    struct.pack_into("<I", out, len(out) - 4, zlib.crc32(bytes(out[:-4])))
+    return bytes(out)
+
+
 def test_an_unknown_flag_bit_is_refused():
-    buf = bytearray(_frame())
-    struct.pack_into("<H", buf, 6, 0x8)
-    struct.pack_into("<I", buf, len(buf) - 4, zlib.crc32(bytes(buf[:-4])))
-    with pytest.raises(FrameError, match="unknown flags 0x8"):
-        decode_frame(bytes(buf))
+    with pytest.raises(FrameError, match="unknown flags 0x10"):
+        decode_frame(_with_flags(_frame(), 0x10))
+    # bit 3 marks a mapping frame: set on a frame of rows, the rows say it is not one
+    with pytest.raises(FrameError, match="mapping frame with column offset 32, 5 rows, dim 16 and 1 optimizer states"):
+        decode_frame(_with_flags(_frame(), 0x8))
 
 
 def test_the_writer_epoch_round_trips_and_old_frames_are_epoch_0():
@@ -286,3 +299,86 @@ def test_scattered_ascending_rows_pack_as_a_bitmap_when_that_is_smaller():
     struct.pack_into("<I", buf, len(buf) - 4, zlib.crc32(bytes(buf[:-4])))
     with pytest.raises(FrameError, match="row bitmap names 1001 rows"):
         decode_frame(bytes(buf))
+
+
+# --- mapping frames (FLAG_MAPPING): a piece of a managed-collision mapping record, no rows ------
+
+
+MAPPING = dict(run_id="run-7", checkpoint_id=42, rank=3, table="mc.t")
+
+
+def test_a_mapping_frame_round_trips_its_piece_and_holds_no_rows():
+    piece = bytes(range(256)) * 3 + b"tail"  # not a multiple of 8: padded
+    buf = encode_mapping_frame(**MAPPING, piece=piece, encoding=1, chunk_index=1, chunk_count=3, epoch=9)
+    assert _flags(buf) == FLAG_MAPPING | FLAG_EPOCH
+    header_len = struct.unpack_from("<I", buf, 8)[0]
+    assert len(buf) == header_len + len(piece) + (-len(piece) % 8) + 4
+    f = decode_frame(buf)
+    assert f.is_mapping and f.mapping is not None and bytes(f.mapping) == piece and f.mapping.readonly
+    assert (f.run_id, f.checkpoint_id, f.rank, f.table, f.col_offset, f.dim, f.encoding) == ("run-7", 42, 3, "mc.t", 0, 0, 1)
+    assert (f.chunk_index, f.chunk_count, f.epoch, f.row_bytes, f.row_count, f.first_row) == (1, 3, 9, len(piece), 0, None)
+    assert f.row_ids.shape == (0,) and f.payload.shape == (0, 0) and f.optim == ()
+    assert _flags(encode_mapping_frame(**MAPPING, piece=piece, encoding=1)) == FLAG_MAPPING
+    assert decode_frame(encode_mapping_frame(**MAPPING, piece=piece, encoding=1)).epoch == 0
+    assert not decode_frame(_frame()).is_mapping and decode_frame(_frame()).mapping is None  # frames of rows as they were
+
+
+def test_every_single_byte_flip_of_a_mapping_frame_is_detected():
+    buf = encode_mapping_frame(**MAPPING, piece=b"DMC1" + bytes(range(60)), encoding=1, epoch=2)
+    for i in range(len(buf)):
+        bad = bytearray(buf)
+        bad[i] ^= 0x5A
+        with pytest.raises(FrameError):
+            decode_frame(bytes(bad))
+    for n in range(len(buf)):
+        with pytest.raises(FrameError):
+            decode_frame(buf[:n])
+
+
+def test_a_mapping_frame_with_rows_or_a_row_encoding_flag_is_refused():
+    buf = encode_mapping_frame(**MAPPING, piece=bytes(24), encoding=1)
+    for flags in (FLAG_MAPPING | FLAG_ROW_RUN, FLAG_MAPPING | FLAG_ROW_BITMAP):
+        with pytest.raises(FrameError, match=f"flags {flags:#x}: a mapping frame has no row ids"):
+            decode_frame(_with_flags(buf, flags))
+    for field, at in (("column offset 7", 20 + 12), ("7 rows", 20 + 16), ("dim 7", 20 + 20)):
+        forged = bytearray(buf)
+        struct.pack_into("<I", forged, at, 7)
+        with pytest.raises(FrameError, match=field):
+            decode_frame(_reseal(bytes(forged)))
+    forged = bytearray(buf)
+    struct.pack_into("<I", forged, 20 + 24, 16)  # row_bytes: a piece of 16 bytes in a frame sized for 24
+    with pytest.raises(FrameError, match="body length mismatch: a mapping piece of 16 bytes"):
+        decode_frame(_reseal(bytes(forged)))
+    with pytest.raises(FrameError, match="the epoch|header length"):
+        decode_frame(_with_flags(buf, FLAG_MAPPING | FLAG_EPOCH))
+    with pytest.raises(ValueError, match="empty piece"):
+        encode_mapping_frame(**MAPPING, piece=b"", encoding=1)
+    with pytest.raises(ValueError, match="chunk_index"):
+        encode_mapping_frame(**MAPPING, piece=b"x", encoding=1, chunk_index=2, chunk_count=2)
+
+
+@pytest.mark.parametrize("max_bytes", [96, 100, 200, 4096])
+def test_a_mapping_record_is_cut_under_the_limit_and_joins_back(max_bytes, replay_seed):
+    rng = replay_seed.rng()
+    record = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 3000)))
+    frames = list(
+        chunk_mapping(**MAPPING, record=record, encoding=1, first_row=100, last_row=149, max_frame_bytes=max_bytes, epoch=4)
+    )
+    where = f"{replay_seed}: {len(record)} bytes under {max_bytes}"
+    assert frames and all(len(f.data) <= max_bytes for f in frames), where
+    assert {(f.row_count, f.first_row, f.last_row) for f in frames} == {(0, 100, 149)}, where
+    dec = [decode_frame(f.data) for f in frames]
+    assert [(f.chunk_index, f.chunk_count) for f in dec] == [(i, len(dec)) for i in range(len(dec))], where
+    assert b"".join(bytes(f.mapping) for f in dec if f.mapping is not None) == record, where
+    assert all(f.mapping is not None and f.mapping.nbytes % 8 == 0 for f in dec[:-1]), where
+    if len(dec) > 1:  # pieces are as large as fit: 8 bytes more would not
+        assert len(frames[0].data) + 8 > max_bytes, where
+
+
+def test_mapping_chunking_edge_cases():
+    with pytest.raises(ValueError, match="more than max_frame_bytes=80"):
+        chunk_mapping(**MAPPING, record=b"x" * 100, encoding=1, first_row=0, last_row=9, max_frame_bytes=80)  # at the call
+    with pytest.raises(ValueError, match="empty mapping record"):
+        chunk_mapping(**MAPPING, record=b"", encoding=1, first_row=0, last_row=9)
+    (one,) = chunk_mapping(**MAPPING, record=b"x" * 100, encoding=1, first_row=0, last_row=9)
+    assert decode_frame(one.data).chunk_count == 1

@@ -77,6 +77,26 @@ def test_a_link_split_into_parts_joins_back_exactly() -> None:
     assert assemble(decoded, 7, "test") == link  # type: ignore[arg-type]
 
 
+def test_mapping_entries_travel_in_link_records_and_inline_markers_as_they_are() -> None:
+    """Index entries of mapping frames (cols 0) need no new format of markers or LINK records:
+    a list with cols 0, back as the same typed entries."""
+    link = _link(7, 1, True, ranks=2, tables=3)
+    mapping = [
+        IndexEntry(r, 10_000 * 7 + 50 + r, 10_000 * 7 + 52 + r, "table_0001", 0, 1_000 * r, 1_000 * r + 999, 0) for r in range(2)
+    ]
+    link = replace(link, index=[*link.index[:2], mapping[0], *link.index[2:], mapping[1]])
+    parts = [decode_record(encode_marker(p)) for p in link_records(link, run_id=RUN, writer="w", part_bytes=300)]
+    back = assemble(parts, 7, "test")  # type: ignore[arg-type]
+    assert back == link and [e for e in back.index if e.is_mapping] == mapping
+    inline = decode_record(encode_marker(_marker([link], ranks=2, tables=3)))
+    assert (
+        isinstance(inline, Marker)
+        and inline.chain[0].index == link.index
+        and inline.format == link_records(link, run_id=RUN, writer="w")[0].format
+    )
+    assert not any(e.is_mapping for e in _link(8, 1, False).index)
+
+
 def test_parts_that_do_not_belong_together_are_refused() -> None:
     parts = link_records(_link(7, 1, True, ranks=16, tables=100), run_id=RUN, writer="w", part_bytes=8_000)
     other = link_records(_link(8, 1, False, ranks=16, tables=100), run_id=RUN, writer="w", part_bytes=8_000)

@@ -1,8 +1,10 @@
 """The managed-collision (ZCH) state of sharding/managed_collision.py.
 
 Pure functions on synthetic shard states (random, with the seed printed): diff/apply round
-trips, tombstones, refusals, the routing and row-wise layout against torchrec/fbgemm's own,
-and `to_global`/`rebucket` invariants over world sizes. The real modules on spawned ranks:
+trips (the history kept across deltas between evictions included), tombstones, refusals, the
+routing and row-wise layout against torchrec/fbgemm's own, and `to_global`/`rebucket`
+invariants over world sizes. `capture`'s reuse of an earlier state's arrays on one unsharded
+MCH module on the CPU. The real sharded modules on spawned ranks:
 tests/multirank/test_managed_collision.py.
 """
 
@@ -18,15 +20,20 @@ from sharding.managed_collision import (
     FREE,
     PINNED_COUNT,
     ManagedCollisionError,
+    McDelta,
     McGlobal,
+    McShard,
     McState,
     apply,
+    capture,
     diff,
+    load,
     rebucket,
     route,
     row_wise_segments,
     to_global,
 )
+from sharding.shard_views import ShardView
 
 H = 2**40
 POLICIES = {"lfu": (True, False), "lru": (False, True), "distance_lfu": (True, True)}  # keeps (counts, last access)
@@ -118,6 +125,21 @@ def _evolve(rng: np.random.Generator, s: McState, world: int, rank: int) -> McSt
     )
 
 
+def _grow(rng: np.random.Generator, s: McState, world: int, rank: int) -> McState:
+    """The next capture of shard `s` when no eviction came in between: the same slots and
+    counters, one more iteration, the history grown by the ids that arrived (up to its capacity)."""
+    more = rng.integers(0, H, size=int(rng.integers(0, 8)))
+    more = more[route(more, H, world) == rank][: max(0, s.history_capacity - s.history_ids.size)]
+    return replace(
+        s,
+        current_iter=s.current_iter + 1,
+        history_ids=np.concatenate([s.history_ids, more]),
+        history_last_access=None
+        if s.history_last_access is None
+        else np.concatenate([s.history_last_access, np.full(more.size, s.current_iter + 1)]),
+    )
+
+
 # --- diff and apply ------------------------------------------------------------------------------
 
 
@@ -137,6 +159,53 @@ def test_apply_of_diff_rebuilds_every_random_state(replay_seed, policy: str) -> 
             assert rebuilt == chain[-1], f"{replay_seed}: the chain of deltas"
             assert apply(first, diff(first, chain[-1])) == chain[-1], f"{replay_seed}: one delta over the chain"
             assert diff(chain[-1], chain[-1]).empty
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_delta_between_evictions_carries_only_the_history_that_arrived(replay_seed, policy: str) -> None:
+    rng = np.random.default_rng(replay_seed.value)
+    for world in (1, 3):
+        for rank, first in enumerate(_states(rng, int(rng.integers(8, 40)), world, policy)):
+            chain = [first]
+            for _ in range(10):
+                step = _grow if rng.random() < 0.6 else _evolve
+                chain.append(step(rng, chain[-1], world, rank))
+            rebuilt = first
+            for old, new in zip(chain, chain[1:]):
+                d = diff(old, new)
+                where = f"{replay_seed}: world {world} rank {rank}"
+                if (
+                    old.history_ids.size
+                    and old.last_eviction_iter == new.last_eviction_iter
+                    and new.history_ids.size >= old.history_ids.size
+                    and np.array_equal(new.history_ids[: old.history_ids.size], old.history_ids)
+                ):
+                    assert d.history_keep == old.history_ids.size, where
+                    assert d.history_ids.tolist() == new.history_ids[old.history_ids.size :].tolist(), where
+                else:
+                    assert d.history_keep == 0 and np.array_equal(d.history_ids, new.history_ids), where
+                assert apply(old, d) == new, where
+                rebuilt = apply(rebuilt, d)
+            assert rebuilt == chain[-1], f"{replay_seed}: the chain of deltas"
+            assert apply(first, diff(first, chain[-1])) == chain[-1], f"{replay_seed}: one delta over the chain"
+
+
+def test_the_kept_history_must_be_there() -> None:
+    raw = np.array([5, 7, FREE], dtype=np.int64)
+    old = McState("t", 0, raw, np.array([1, 2, PINNED_COUNT]), None, 3, 2, np.array([5, 9]), None, 8, (0, 3), H)
+    new = replace(old, current_iter=4, history_ids=np.array([5, 9, 7, 7]))
+    d = diff(old, new)
+    assert (d.history_keep, d.history_ids.tolist(), d.empty) == (2, [7, 7], True)
+    assert apply(old, d) == new
+    with pytest.raises(ManagedCollisionError, match="keeps 2 history ids of a state holding 1: it follows another checkpoint"):
+        apply(replace(old, history_ids=np.array([5])), d)
+    evicted = replace(new, last_eviction_iter=4, history_ids=np.array([5, 9, 1]))  # an eviction came in between
+    assert diff(old, evicted).history_keep == 0
+    assert diff(old, replace(new, history_ids=np.array([5, 8, 7]))).history_keep == 0  # not a prefix
+    with pytest.raises(ManagedCollisionError, match="negative"):
+        replace(d, history_keep=-1)
+    assert d == replace(d) and d != replace(d, history_keep=1) and d != replace(d, counts=None)
+    assert isinstance(d, McDelta)
 
 
 def test_tombstones_name_the_slot_and_the_id_that_left() -> None:
@@ -332,3 +401,85 @@ def test_to_global_refuses_states_that_do_not_make_up_the_table(replay_seed) -> 
             to_global([replace(a, raw_ids=wrong), b])
     with pytest.raises(ManagedCollisionError, match="gets no rows"):
         rebucket(to_global([a, b]), 30, 29)
+
+
+# --- capture's reuse of an earlier state ---------------------------------------------------------
+
+
+def _module(policy: str, zch: int = 24):
+    """One unsharded MCH module on the CPU (slots 0..zch-1), evicting every 3 training forwards."""
+    import torch
+    from torchrec.modules.mc_modules import (
+        DistanceLFU_EvictionPolicy,
+        LFU_EvictionPolicy,
+        LRU_EvictionPolicy,
+        MCHManagedCollisionModule,
+    )
+
+    policies = {"lfu": LFU_EvictionPolicy, "lru": LRU_EvictionPolicy, "distance_lfu": DistanceLFU_EvictionPolicy}
+    mch = MCHManagedCollisionModule(
+        zch_size=zch, device=torch.device("cpu"), eviction_policy=policies[policy](), eviction_interval=3, input_hash_size=1000
+    )
+    mch.train()
+    return McShard("mc.t", "mc", "t", mch, ShardView("mc.t", 0, 0, torch.zeros(zch, 2)))
+
+
+def _step(shard: McShard, rng: np.random.Generator) -> None:
+    import torch
+    from torchrec.sparse.jagged_tensor import JaggedTensor
+
+    ids = torch.from_numpy(rng.integers(0, 120, size=10))
+    shard.mch({"f": JaggedTensor(values=ids, lengths=torch.tensor([10]))})
+    if shard.mch._evicted:
+        shard.mch.evict()  # what the sharded module does once it reset the rows
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_capture_like_an_earlier_state_shares_its_slots_until_an_eviction(replay_seed, policy: str) -> None:
+    rng = np.random.default_rng(replay_seed.value)
+    shard = _module(policy)
+    prev = capture(shard)
+    shared = copied = 0
+    for step in range(12):
+        _step(shard, rng)
+        evicted = shard.mch._last_eviction_iter == shard.mch._current_iter
+        cur = capture(shard, like=prev)
+        assert cur == capture(shard), f"{replay_seed}: step {step}"
+        assert (cur.raw_ids is prev.raw_ids) == (not evicted), f"{replay_seed}: step {step}, eviction {evicted}"
+        if not evicted:
+            assert cur.counts is prev.counts and cur.last_access is prev.last_access, f"{replay_seed}: step {step}"
+        shared += cur.raw_ids is prev.raw_ids
+        copied += cur.raw_ids is not prev.raw_ids
+        assert apply(prev, diff(prev, cur)) == cur
+        prev = cur
+    assert shared and copied
+
+
+def test_capture_ignores_a_like_it_cannot_vouch_for(replay_seed) -> None:
+    import torch
+
+    rng = np.random.default_rng(replay_seed.value)
+    shard, other = _module("distance_lfu"), _module("distance_lfu")
+    for _ in range(4):
+        _step(shard, rng)
+        _step(other, rng)
+    state = capture(shard)
+    assert capture(shard, like=state).raw_ids is state.raw_ids
+    assert capture(shard, like=capture(other)).raw_ids is not state.raw_ids  # another module's
+    assert capture(shard, like=replace(state)).raw_ids is not state.raw_ids  # not one it read
+    # a state-dict load writes the buffers without an eviction: the next capture reads them again
+    before = {k: v.clone() for k, v in shard.mch.state_dict().items()}
+    _step(shard, rng)
+    _step(shard, rng)
+    _step(shard, rng)  # an eviction
+    moved = capture(shard)
+    shard.mch.load_state_dict(before)
+    after = capture(shard, like=moved)
+    assert after.raw_ids is not moved.raw_ids and np.array_equal(after.raw_ids, state.raw_ids), str(replay_seed)
+    # `load` writes a state: a capture like it shares its arrays, and reads back exactly
+    load(shard, moved)
+    back = capture(shard, like=moved)
+    assert back.raw_ids is moved.raw_ids and back == moved
+    with torch.no_grad():
+        shard.mch._mch_metadata["counts"][0] += 1  # any in-place write
+    assert capture(shard, like=back).raw_ids is not back.raw_ids

@@ -4,8 +4,10 @@ marker, and `restore_rows` reads it back through the marker's typed index."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,13 +16,16 @@ from ckpt.dense.store import DenseRef, DenseStore
 from ckpt.log.catalog import commits, read_catalog
 from ckpt.log.catalog_record import read_recent_catalog
 from ckpt.log.fencing import announce
-from ckpt.log.markers import FrameMeta, IndexEntry, OffsetRange, decode_record, index_frames
+from ckpt.log.markers import ChainLink, FrameMeta, IndexEntry, Marker, OffsetRange, decode_record, index_frames
 from ckpt.quant import get_codec
-from ckpt.restore.replay import restore_rows
+from ckpt.restore.replay import RowsRestored, restore_rows
 from ckpt.stream.filesystem import FsMarkers, FsSink, FsSource
 from ckpt.stream.frames import OptimState, chunk_rows, decode_frame
+from ckpt.stream.mapping import MappingRecord, join_mapping, mapping_frames
+from ckpt.stream.sink import RangeRead
 from ckpt.write.committer import Committer
 from ckpt.write.writer import RankReport, RankWriter, WriteJob, encode_frames
+from sharding.managed_collision import FREE, PINNED_COUNT, McState
 from sharding.shard_views import ShardMap, ShardView
 
 RUN = "unit-run"
@@ -194,6 +199,109 @@ def test_segments_merge_consecutive_frames_of_one_shard_only() -> None:
         IndexEntry(partition=3, first=200, last=200, table="t", col_offset=8, min_row=0, max_row=9, cols=8),
         IndexEntry(partition=3, first=300, last=300, table="t", col_offset=0, min_row=10, max_row=12, cols=8),
     ]
+
+
+def test_a_shards_mapping_frames_get_an_entry_of_their_own_beside_its_rows() -> None:
+    """Mapping frames (cols 0) of a table written right after its row frames at column 0 are not
+    merged into the rows' entry, nor rows into theirs: one entry per (table, column offset, cols) run."""
+    meta = [
+        FrameMeta("t", 0, 0, 4, 8),
+        FrameMeta("t", 0, 5, 9, 8),
+        FrameMeta("t", 0, 0, 9, 0),  # t's mapping: its slots 0..9, in two frames
+        FrameMeta("t", 0, 0, 9, 0),
+        FrameMeta("t", 0, 10, 12, 8),
+        FrameMeta("u", 0, 0, 9, 0),
+    ]
+    index = index_frames(3, [0, 100, 200, 300, 400, 500], meta)
+    assert index == [
+        IndexEntry(partition=3, first=0, last=100, table="t", col_offset=0, min_row=0, max_row=9, cols=8),
+        IndexEntry(partition=3, first=200, last=300, table="t", col_offset=0, min_row=0, max_row=9, cols=0),
+        IndexEntry(partition=3, first=400, last=400, table="t", col_offset=0, min_row=10, max_row=12, cols=8),
+        IndexEntry(partition=3, first=500, last=500, table="u", col_offset=0, min_row=0, max_row=9, cols=0),
+    ]
+    assert [e.is_mapping for e in index] == [False, True, False, True]
+
+
+class _RecordingSource(FsSource):
+    """FsSource that records the range reads asked of it."""
+
+    def __init__(self, root: Path, run_id: str) -> None:
+        super().__init__(root, run_id)
+        self.reads: list[RangeRead] = []
+
+    def read_ranges(self, reads):
+        self.reads += list(reads)
+        return super().read_ranges(reads)
+
+
+def _mc_state(table: str, rows: int) -> McState:
+    raw = np.full(rows, FREE, dtype=np.int64)
+    raw[: rows - 1] = np.arange(rows - 1) * 11 + 3
+    counts = np.arange(rows, dtype=np.int64)
+    counts[-1] = PINNED_COUNT
+    return McState(table, 0, raw, counts, None, 9, 6, np.array([3, 14, 3]), None, 16, (0, rows), 2**40)
+
+
+def test_a_link_with_mapping_entries_restores_its_rows_exactly_as_one_without(tmp_path: Path) -> None:
+    """Today's restore reads a link whose index holds mapping entries (cols 0) as it reads the
+    same link without them: it chooses entries by the columns they meet, so it skips them and
+    never reads their frames, which a reader of the mapping finds by the entry and joins."""
+    snap = _snapshot()
+    record = MappingRecord.of_state(_mc_state("t_user", 200))
+    sink = FsSink(tmp_path, RUN)
+    links = {}
+    for generation, with_mapping in ((1, True), (2, False)):
+        meta = []
+        for shard in snap.shards:  # t_user's rows, its mapping, then t_item's rows: one partition
+            job = replace(_job(snap), generation=generation)
+            for f in encode_frames(job, shard, {}, RUN, 0, MAX_FRAME_BYTES):
+                sink.write(f.data, generation=generation, partition=0)
+                meta.append(FrameMeta(shard.table, shard.col_offset, f.first_row, f.last_row, shard.weights.shape[1]))
+            if with_mapping and shard.table == "t_user":
+                for f in mapping_frames(record, run_id=RUN, checkpoint_id=1, rank=0, max_frame_bytes=MAX_FRAME_BYTES):
+                    sink.write(f.data, generation=generation, partition=0)
+                    meta.append(FrameMeta(record.table, 0, f.first_row, f.last_row, 0))
+        done = sink.flush().raise_for_error()
+        index = index_frames(0, done.positions[(generation, 0)], meta)
+        ranges = {0: [OffsetRange(*r) for r in done.ranges[(generation, 0)]]}
+        links[generation] = ChainLink(
+            checkpoint_id=1, full=True, generation=generation, ranges=ranges, rows=250, bytes=0, index=index
+        )
+    sink.close()
+    with_map, without = links[1], links[2]
+    assert [e.is_mapping for e in with_map.index] == [False, True, False] and not any(e.is_mapping for e in without.index)
+    mapping_entry = with_map.index[1]
+    assert (mapping_entry.table, mapping_entry.min_row, mapping_entry.max_row, mapping_entry.cols) == ("t_user", 0, 199, 0)
+    assert mapping_entry.last > mapping_entry.first  # several frames under the limit
+
+    def restore(link: ChainLink) -> tuple[list[ShardView], RowsRestored, list[RangeRead]]:
+        marker = Marker(kind="commit", run_id=RUN, checkpoint_id=1, step=10, world_size=1, chain=[link])
+        views = [
+            ShardView("t_user", 0, 0, torch.zeros(200, 8), {"momentum1": torch.zeros(200)}),
+            ShardView("t_item", 0, 4, torch.zeros(50, 4), {"sum": torch.zeros(50, 4)}),
+        ]
+        source = _RecordingSource(tmp_path, RUN)
+        out = restore_rows(marker, source, ShardMap(views, []), RUN, lambda g, p, o: f"{g}/{p}@{o}")
+        return views, out, source.reads
+
+    got, out, reads = restore(with_map)
+    want, out_without, _ = restore(without)
+    for a, b, shard in zip(got, want, snap.shards):
+        assert torch.equal(a.weight, shard.weights) and torch.equal(a.weight, b.weight)
+        for name, value in a.optimizer_states.items():
+            assert torch.equal(value, b.optimizer_states[name])
+    assert (out.frames, out.rows, out.written, out.bytes) == (
+        out_without.frames,
+        out_without.rows,
+        out_without.written,
+        out_without.bytes,
+    )
+    # the rows' entries are read as two runs around the mapping entry, whose frames are never read
+    assert sorted((r.first, r.last) for r in reads) == sorted((e.first, e.last) for e in with_map.index if not e.is_mapping)
+    assert all(r.last < mapping_entry.first or r.first > mapping_entry.last for r in reads)
+    # a reader of the mapping: the entry's frames, joined
+    frames = [f for _, f in FsSource(tmp_path, RUN).read_range(1, 0, mapping_entry.first, mapping_entry.last)]
+    assert join_mapping(frames) == record
 
 
 def test_the_writer_frames_a_shard_with_the_frames_module_rule(rank0) -> None:
