@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ckpt.capture.host_buffers import HostBufferPool
+from ckpt.capture.mapping import MappingCapture
 from ckpt.capture.overlapped_copy import CopyBehind
 from ckpt.capture.snapshot import SnapshotTaker
 from ckpt.capture.tracker import RowTracker
@@ -44,6 +45,7 @@ from ckpt.write.committer import Committer
 from ckpt.write.writer import RankWriter
 from common.errors import ConfigError, DeltarecError
 from sharding.dmp import ShardedModel
+from sharding.managed_collision import McShard
 from sharding.process_group import DistEnv, detect_env
 from sharding.row_init import RowInit, initialise_shards
 from sharding.shard_views import ShardMap
@@ -211,6 +213,7 @@ class Stages:
     schedule: Schedule
     handoff: Handoff
     copier: CopyBehind[StallTiming]
+    mapping: MappingCapture  # the id-to-slot state of managed-collision tables, captured in the stall
     full_bytes: int  # this rank's snapshot of every row (fixed by the plan)
     total_rows: int
 
@@ -225,11 +228,13 @@ def build_stages(
     metrics: MetricsSink,
     backend: Backend | None,
     shard_map: ShardMap,
+    mc_shards: Sequence[McShard],
     wants_full: Callable[[], bool],
 ) -> Stages:
     """Every stage of one rank, each given its own section of the resolved `cfg` and nothing
     else; `wants_full` is the checkpointer's answer to "must the next checkpoint be full?"."""
     assert cfg.run_id and cfg.sink.dense_dir, "CkptConfig.resolved() fills the run id and directories"
+    check_managed_collision(cfg, mc_shards)
     run_id, rank = cfg.run_id, env.rank
     # Writers coordinate on their own gloo group so the training thread's collectives and
     # theirs never interleave (see ckpt/write/writer.py).
@@ -328,9 +333,25 @@ def build_stages(
         schedule=schedule,
         handoff=handoff,
         copier=CopyBehind(),  # a checkpoint's copy beside the next step
+        mapping=MappingCapture(mc_shards),
         full_bytes=full_bytes,
         total_rows=total_rows,
     )
+
+
+def check_managed_collision(cfg: CkptConfig, mc_shards: Sequence[McShard]) -> None:
+    """Refuse, with one line, the settings managed-collision tables are not checkpointed with
+    yet: copy-on-write snapshots (an eviction redraws rows in the forward pass, which the
+    copy-on-write guards do not see), CPR's prioritized checkpoints (they could leave an admitted
+    slot's row unsaved while the mapping names it) and partial recovery (the survivors' mapping
+    would run ahead of the rolled-back shards')."""
+    if not mc_shards:
+        return
+    table = mc_shards[0].key
+    if cfg.capture.copy_on_write:
+        raise ConfigError(f"table {table} is a managed-collision table: set ckpt.capture.copy_on_write=false")
+    if cfg.recovery.mode != "full":
+        raise ConfigError(f"table {table} is a managed-collision table: set ckpt.recovery.mode=full")
 
 
 def _make_taker(

@@ -15,8 +15,10 @@ What it takes (docs/design/layers.md, "Your own loop"):
 
 - `model`: a `DistributedModelParallel` whose sharded `EmbeddingBagCollection` and
   `EmbeddingCollection` modules may sit anywhere in the module tree, on any sharding type,
-  their optimizer fused into the kernels (`apply_optimizer_in_backward`). Tables are
-  addressed by their FQN in the unsharded model (sharding/shard_views.py).
+  their optimizer fused into the kernels (`apply_optimizer_in_backward`), and managed-collision
+  ones (row-wise: their id-to-slot mapping is captured in the stall and written beside the
+  rows, docs/design/managed-collision.md). Tables are addressed by their FQN in the unsharded
+  model (sharding/shard_views.py).
 - `dense_optimizer`: the optimizer of every other parameter (anything with `state_dict()` and
   `load_state_dict()`); its state travels with the dense parameters in rank 0's dense file.
 - `loop`: a `Stateful` holding the rest of the loop: its state dict must hold `step` (the last
@@ -86,6 +88,7 @@ from ckpt.save.schedule import interval_for_target_pls
 from ckpt.types import ChainState, JobIdentity
 from ckpt.write.writer import Outcome, WriteJob
 from sharding.dmp import ShardedModel
+from sharding.managed_collision import mc_shards
 from sharding.process_group import DistEnv
 from sharding.row_init import RowInit
 from sharding.shard_views import ShardMap, unwrapped
@@ -123,7 +126,7 @@ class Checkpointer:
         if run_dir is not None and self.env.rank == 0:  # what `deltarec-ckpt --config <run_dir>/ckpt.yaml` reads
             Path(run_dir).mkdir(parents=True, exist_ok=True)
             (Path(run_dir) / "ckpt.yaml").write_text(self.cfg.to_yaml())
-        shard_map = ShardMap.from_model(model)
+        shard_map = ShardMap.from_model(model, managed_collision=True)
         check_optimizers(shard_map)
         check_loop(loop, partial=self.cfg.recovery.mode == "partial")
         check_dense_optimizer(dense_optimizer)
@@ -153,6 +156,7 @@ class Checkpointer:
             metrics=metrics,
             backend=backend,
             shard_map=shard_map,
+            mc_shards=mc_shards(model) if shard_map.managed_collision else [],
             wants_full=self._wants_full,
         )
         self.chain = ChainState()
@@ -187,6 +191,7 @@ class Checkpointer:
             trainer=self.loop,
             metrics=self.metrics,
             model_sha256=self.identity.model_sha256,
+            mc_shards=st.mapping.shards,
         )
         outcome = restorer.restore(st.attempt.announce, shards_hold=self.row_init)
         if isinstance(outcome, Fresh):
@@ -211,6 +216,10 @@ class Checkpointer:
             restores=resumed.restores,
             lost_samples=resumed.lost_samples,
         )
+        if st.mapping.shards:  # the loaded states: what the next capture and the next delta start from
+            states = tuple(resumed.mapping[s.key] for s in st.mapping.shards)
+            st.mapping.adopt(states)
+            st.writer.mapping.seed(resumed.checkpoint_id, states)
         if resumed.row_init is not None:
             self.row_init = resumed.row_init
             st.taker.adopt(trained_only=True)
@@ -323,6 +332,9 @@ class Checkpointer:
         st.policy.record(decision, agreed.fraction)
         chain.force_full = chain.force_full and not agreed.forced  # a request made after the agreement waits for the next
         codecs = self.codecs()
+        # the id-to-slot state of managed-collision tables, here on the training thread: the
+        # next step's forward remaps and evicts, while the copy may still run beside it
+        mapping = st.mapping.capture()
         st.outcomes.started(cid, started_unix, codecs[0])
         overlap = self._overlap()
         order = CopyOrder(
@@ -340,6 +352,7 @@ class Checkpointer:
             epoch=st.attempt.epoch,
             restores=chain.restores,
             lost_samples=chain.lost_samples,
+            mapping=mapping,
         )
         if overlap:
             handoff_s, handoff_cpu = time.perf_counter() - t0, time.thread_time() - cpu0

@@ -17,7 +17,7 @@ import argparse
 import logging
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -26,12 +26,14 @@ import torch
 from ckpt.config import CkptConfig
 from ckpt.dense.store import DenseRef, DenseStore
 from ckpt.faults import maybe_die, maybe_hold
+from ckpt.follow.store import MappingStore
 from ckpt.log.backend import open_backend
 from ckpt.log.catalog import Catalog, catch_up, read_catalog
 from ckpt.log.fencing import Fenced, announce, fenced_by, fenced_message
 from ckpt.log.markers import AttemptRecord, DroppedRecord, Marker, encode_marker
 from ckpt.restore.export import assemble, export, replicated_tables
 from ckpt.restore.replay import iter_chain_frames
+from ckpt.stream.frames import Frame
 from ckpt.stream.sink import compacted_epoch, generation_label, is_compacted
 from ckpt.types import RestoreError
 from common.errors import DeltarecError
@@ -149,18 +151,35 @@ def _tables(marker: Marker, frames, dense_state) -> dict:
     return assemble(marker, frames, replicated_tables(marker, dense_state))
 
 
+def _folding_mapping(marker: Marker, frames: Iterable[tuple[bool, Frame]], mapping: MappingStore) -> Iterator[tuple[bool, Frame]]:
+    """`frames` as they are, each mapping frame (a managed-collision table's raw id -> slot
+    record) also folded into `mapping` in chain order, so a chain whose records do not apply
+    one after the other is refused."""
+    for full, frame in frames:
+        mapping.seen(frame.checkpoint_id)
+        if frame.is_mapping and frame.table in marker.tables:
+            mapping.apply(frame, frame.rank, int(marker.tables[frame.table][0]))
+        yield full, frame
+
+
 def cmd_verify(marker: Marker, catalog: Catalog, backend, dense: DenseStore, run_id: str) -> int:
     frames = rows = 0
-    for _, frame in iter_chain_frames(marker, backend.source, run_id, backend.locate):
+    mapping = MappingStore()
+    chain = ((link.full, f) for link, f in iter_chain_frames(marker, backend.source, run_id, backend.locate))
+    for _, frame in _folding_mapping(marker, chain, mapping):
         frames += 1
         rows += frame.row_count
+    mapping.check_complete(marker.checkpoint_id)
     dense.read(DenseRef.from_json(marker.dense))
     via = (
         ""
         if marker.chain == catalog.commits[marker.checkpoint_id].chain
         else " (chain " + "+".join(str(link.checkpoint_id) for link in marker.chain) + ", from a compacted baseline)"
     )
-    print(f"checkpoint {marker.checkpoint_id} (step {marker.step}): OK{via}, {frames} frames, {rows} rows, dense sha256 matches")
+    mc = f", the mapping of {len(mapping.shards)} managed-collision shards" if mapping.shards else ""
+    print(
+        f"checkpoint {marker.checkpoint_id} (step {marker.step}): OK{via}, {frames} frames, {rows} rows{mc}, dense sha256 matches"
+    )
     base = marker.chain[0]
     compacted = catalog.compactions.get(base.checkpoint_id)
     if compacted is not None and compacted.chain[0] == base:
@@ -180,7 +199,14 @@ def _verify_compaction(compacted: Marker, catalog: Catalog, backend, dense: Dens
     def frames(m: Marker):
         return ((link.full, f) for link, f in iter_chain_frames(m, backend.source, run_id, backend.locate))
 
-    got, want = _tables(compacted, frames(compacted), state), _tables(original, frames(original), state)
+    got_mapping, want_mapping = MappingStore(), MappingStore()
+    got = _tables(compacted, _folding_mapping(compacted, frames(compacted), got_mapping), state)
+    want = _tables(original, _folding_mapping(original, frames(original), want_mapping), state)
+    if got_mapping.records() != want_mapping.records():
+        raise RestoreError(
+            f"compacted baseline of checkpoint {cid} differs from its chain "
+            f"{[link.checkpoint_id for link in original.chain]}: the mapping of its managed-collision tables"
+        )
     for table, tensors in want.items():
         for name, value in tensors.items():
             if not torch.equal(got[table][name], value):

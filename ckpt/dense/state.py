@@ -45,7 +45,7 @@ class DenseCapture:
     def __init__(self, sharded: ShardedModel) -> None:
         self.sharded = sharded
         self._params = _dense_params(sharded)
-        self._buffers = dict(sharded.model.named_buffers())
+        self._buffers = dense_buffers(sharded.model)
         self._root = type(unwrapped(sharded.model)).__name__
         self._param_names = _optimizer_param_names(_dense_optimizer(sharded), sharded.model)
 
@@ -57,6 +57,18 @@ class DenseCapture:
             "root": self._root,  # the class every name is relative to (an export's `fqn_root`)
             "optimizer_param_names": self._param_names,
         }
+
+
+def dense_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's buffers but the id-to-slot state of managed-collision tables: that is per
+    rank (each holds its own shard's mapping), travels on each rank's stream
+    (ckpt/stream/mapping.py), and rank 0's copy loaded on every rank would give each the wrong
+    slots."""
+    from torchrec.distributed.mc_modules import ShardedManagedCollisionCollection  # noqa: PLC0415
+
+    modules = unwrapped(model).named_modules()  # named as `model.named_buffers()` names them (DMP strips its `module.`)
+    per_rank = tuple(f"{n}." for n, m in modules if isinstance(m, ShardedManagedCollisionCollection))
+    return {n: b for n, b in model.named_buffers() if not (per_rank and n.startswith(per_rank))}
 
 
 def _optimizer_param_names(optimizer: Any, model: torch.nn.Module) -> list[str]:
@@ -114,7 +126,7 @@ def load(sharded: ShardedModel, state: dict[str, Any]) -> None:
         if src.shape != p.shape:
             raise RestoreError(f"dense parameter {name}: checkpoint shape {tuple(src.shape)} != model {tuple(p.shape)}")
         p.copy_(src)
-    buffers = dict(sharded.model.named_buffers())
+    buffers = dense_buffers(sharded.model)
     for name, b in state["buffers"].items():
         if name in buffers:
             buffers[name].copy_(b)

@@ -8,13 +8,18 @@ half-written compaction is never referenced (docs/design/follower.md, "Compactio
 `max_unflushed_bytes`, so the frames queued in the producer stay that small instead of a
 second copy of the whole store (each flush's ranges are kept as they come: one range per
 flush and partition).
+
+After the rows come the mapping records of managed-collision tables: each shard's state as
+one full record (`RowStore.mapping_records`), in its partition, indexed with ``cols`` 0, so a
+restore or a follower reading the baseline gets the mapping without the chain before it.
 """
 
 from __future__ import annotations
 
 from ckpt.follow.store import RowStore
 from ckpt.log.markers import ChainLink, FrameMeta, IndexEntry, OffsetRange, index_frames
-from ckpt.stream.frames import chunk_rows
+from ckpt.stream.frames import EncodedFrame, chunk_rows
+from ckpt.stream.mapping import mapping_frames
 from ckpt.stream.sink import FrameSink, Key, Range, SinkError
 
 MAX_UNFLUSHED_BYTES = 64 << 20  # frames queued in the sink before the compaction waits for them
@@ -46,11 +51,25 @@ def write_compacted(
     flush_timeout_s: float,
     max_unflushed_bytes: int = MAX_UNFLUSHED_BYTES,
 ) -> ChainLink:
-    """Write every row of `store` as checkpoint `checkpoint_id` into `generation`; raises
-    `SinkError` when any frame is not durable."""
+    """Write every row of `store`, then every managed-collision shard's mapping as a full
+    record, as checkpoint `checkpoint_id` into `generation`; raises `SinkError` when any frame
+    is not durable."""
     meta: dict[int, list[FrameMeta]] = {}  # partition -> frames in write order
     acked = _Acknowledged()
     rows = nbytes = unflushed = 0
+
+    def put(partition: int, encoded: EncodedFrame, table: str, col_offset: int, cols: int) -> None:
+        nonlocal nbytes, unflushed
+        sink.write(encoded.data, generation=generation, partition=partition)
+        meta.setdefault(partition, []).append(
+            FrameMeta(table=table, col_offset=col_offset, first_row=encoded.first_row, last_row=encoded.last_row, cols=cols)
+        )
+        nbytes += len(encoded.data)
+        unflushed += len(encoded.data)
+        if unflushed >= max_unflushed_bytes:
+            acked.add(sink, flush_timeout_s)
+            unflushed = 0
+
     for frame in store.frames(run_id, checkpoint_id):
         partition = frame.rank
         for encoded in chunk_rows(
@@ -66,22 +85,13 @@ def write_compacted(
             optim=frame.optim,
             max_frame_bytes=max_frame_bytes,
         ):
-            sink.write(encoded.data, generation=generation, partition=partition)
-            meta.setdefault(partition, []).append(
-                FrameMeta(
-                    table=frame.table,
-                    col_offset=frame.col_offset,
-                    first_row=encoded.first_row,
-                    last_row=encoded.last_row,
-                    cols=frame.dim,
-                )
-            )
-            nbytes += len(encoded.data)
-            unflushed += len(encoded.data)
-            if unflushed >= max_unflushed_bytes:
-                acked.add(sink, flush_timeout_s)
-                unflushed = 0
+            put(partition, encoded, frame.table, frame.col_offset, frame.dim)
         rows += frame.row_count
+    for partition, record in store.mapping_records():
+        for encoded in mapping_frames(
+            record, run_id=run_id, checkpoint_id=checkpoint_id, rank=partition, max_frame_bytes=max_frame_bytes
+        ):
+            put(partition, encoded, record.table, 0, 0)
     acked.add(sink, flush_timeout_s)
     ranges: dict[int, list[OffsetRange]] = {}
     index: list[IndexEntry] = []

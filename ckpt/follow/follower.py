@@ -513,6 +513,7 @@ class Follower:
             return
         replaced = self.chain
         self.chain = [link]
+        self.store.mapping.rebase(marker.checkpoint_id)  # one-shot diffs of the new baseline apply to what is held
         self.stats.compacted += 1
         self.stats.bytes_compacted += link.bytes
         seconds = time.perf_counter() - t0
@@ -583,6 +584,9 @@ def extended(held: Marker | None, chain: list[ChainLink], marker: Marker) -> lis
 
 
 def _frame_bytes(frame: Frame) -> int:
+    """The bytes of rows (ids, weights, optimizer states) or of a mapping record's piece a frame holds."""
+    if frame.mapping is not None:
+        return len(frame.mapping)
     return frame.payload.numel() + frame.row_ids.numel() * 8 + sum(o.rows.numel() for o in frame.optim)
 
 

@@ -14,6 +14,13 @@ Memory: per row of a shard, the widest encoded row seen for the weights and for 
 optimizer state, plus one codec byte for each and two bytes for the writing partition.
 A 4-bit-only stream of 64-dim rows with row-wise Adagrad costs 36 + 4 + 4 bytes a row
 (fp32 rows: 256 + 4 + 4).
+
+Managed-collision tables also carry, per shard, a mapping record (raw id -> slot:
+ckpt/stream/mapping.py) that the rows mean nothing without. The store keeps each shard's
+current mapping state (`MappingStore`), folded record by record in chain order: a full record
+is the state, a delta applies to the state of the checkpoint it follows, which is the one the
+store's mapping is at (an incremental chain) or the chain's base (a one-shot diff, which the
+store also keeps). A compacted baseline writes each shard's state as one full record.
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ import torch
 from ckpt.log.markers import Marker
 from ckpt.quant import get_codec
 from ckpt.stream.frames import Frame, OptimState
+from ckpt.stream.mapping import MappingRecord, full_nbytes, join_mapping
 from ckpt.types import RestoreError
+from sharding.managed_collision import McState
 
 SLICE_ROWS = 1 << 18  # rows of one shard a compaction or a serving snapshot cuts into frames at a time
 
@@ -104,15 +113,144 @@ class ShardRows:
         return self.weights.nbytes + self.partition.numel() * 2 + sum(o.nbytes for o in self.optim.values())
 
 
+class MappingKey(NamedTuple):
+    """One shard of a managed-collision table: the table and the partition (rank) that writes
+    its mapping records."""
+
+    table: str
+    partition: int
+
+
+@dataclass
+class MappingShard:
+    """The mapping of one shard as the chain applied so far leaves it."""
+
+    state: McState
+    at: int  # the checkpoint whose record left `state`
+    base: McState | None  # its state at the chain's base checkpoint (a one-shot diff applies to it); None: not held
+
+    @property
+    def nbytes(self) -> int:
+        base = 0 if self.base is None or self.base is self.state else full_nbytes(self.base)
+        return full_nbytes(self.state) + base
+
+
+class MappingStore:
+    """The mapping of every managed-collision shard, fed mapping frames in chain order.
+
+    A shard's record may span several frames (chunks 0..count-1, consecutive in its partition):
+    they are held until the last one came, then joined and folded. A delta record names the
+    checkpoint it follows (`MappingRecord.follows`): the store's own checkpoint for the shard
+    in an incremental chain, the base for a one-shot diff (a diff of the same baseline as the
+    previous one, which it replaces). The base is the first checkpoint applied after `reset`,
+    or the one `rebase` names after a compaction."""
+
+    def __init__(self) -> None:
+        self.shards: dict[MappingKey, MappingShard] = {}
+        self.base_id: int | None = None  # the chain's base checkpoint; None: nothing applied since `reset`
+        self._pieces: dict[MappingKey, list[Frame]] = {}  # chunks of a record not yet whole
+
+    def reset(self) -> None:
+        self.shards, self.base_id, self._pieces = {}, None, {}
+
+    def seen(self, checkpoint_id: int) -> None:
+        """A frame of checkpoint `checkpoint_id` is being applied: the first after `reset` is the base's."""
+        if self.base_id is None:
+            self.base_id = checkpoint_id
+
+    def rebase(self, checkpoint_id: int) -> None:
+        """The chain now starts at checkpoint `checkpoint_id`, whose state the store holds (a
+        compaction wrote it): one-shot diffs of that baseline apply to what is held now."""
+        self.base_id = checkpoint_id
+        for shard in self.shards.values():
+            shard.base = shard.state
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.shards.values())
+
+    def apply(self, frame: Frame, partition: int, table_rows: int) -> None:
+        """Take one mapping frame of `partition`; fold its record in once whole."""
+        key = MappingKey(frame.table, partition)
+        pieces = self._pieces.setdefault(key, [])
+        if pieces and frame.chunk_index == 0:
+            raise RestoreError(
+                f"checkpoint {frame.checkpoint_id}: table {frame.table} partition {partition}: the mapping record of "
+                f"checkpoint {pieces[0].checkpoint_id} ended after {len(pieces)} of its {pieces[0].chunk_count} frames"
+            )
+        pieces.append(frame)
+        if frame.chunk_index + 1 < frame.chunk_count:
+            return
+        del self._pieces[key]
+        record = join_mapping(pieces)
+        if record.segments[-1] != table_rows:
+            raise RestoreError(
+                f"checkpoint {frame.checkpoint_id}: table {frame.table}: its mapping is of {record.segments[-1]} slots, "
+                f"the table has {table_rows} rows"
+            )
+        self._fold(key, record, frame.checkpoint_id)
+
+    def _fold(self, key: MappingKey, record: MappingRecord, checkpoint_id: int) -> None:
+        held = self.shards.get(key)
+        if record.state is not None:
+            state = record.state
+        elif held is not None and held.at == record.follows:
+            state = record.resolve(held.state, held.at)
+        elif held is not None and held.base is not None and self.base_id == record.follows:
+            state = record.resolve(held.base, record.follows)
+        else:
+            have = "no mapping" if held is None else f"the mapping of checkpoint {held.at} (base {self.base_id})"
+            raise RestoreError(
+                f"checkpoint {checkpoint_id}: table {key.table} partition {key.partition}: its mapping is a delta "
+                f"from checkpoint {record.follows}, the store holds {have}"
+            )
+        if held is not None and (held.state.slot_offset, held.state.size) != (state.slot_offset, state.size):
+            raise RestoreError(
+                f"checkpoint {checkpoint_id}: table {key.table} partition {key.partition}: a mapping of slots "
+                f"{state.slot_offset}..{state.slot_offset + state.size - 1}, the store holds "
+                f"{held.state.slot_offset}..{held.state.slot_offset + held.state.size - 1}"
+            )
+        base = state if checkpoint_id == self.base_id else (held.base if held is not None else None)
+        self.shards[key] = MappingShard(state, checkpoint_id, base)
+
+    def check_complete(self, checkpoint_id: int) -> None:
+        """No record left part way, and each managed-collision table's shards, together, hold
+        a state for every slot of its row-wise layout."""
+        for key, pieces in self._pieces.items():
+            raise RestoreError(
+                f"checkpoint {checkpoint_id}: table {key.table} partition {key.partition}: the mapping record of "
+                f"checkpoint {pieces[0].checkpoint_id} has {len(pieces)} of its {pieces[0].chunk_count} frames"
+            )
+        tables: dict[str, list[McState]] = {}
+        for key, shard in self.shards.items():
+            tables.setdefault(key.table, []).append(shard.state)
+        for table, states in tables.items():
+            segments = states[0].segments
+            held = sorted((s.slot_offset, s.slot_offset + s.size) for s in states)
+            want = [(a, b) for a, b in zip(segments, segments[1:]) if b > a]
+            if any(s.segments != segments for s in states) or held != want:
+                raise RestoreError(
+                    f"checkpoint {checkpoint_id}: table {table}: the chain holds the mapping of slots "
+                    f"{', '.join(f'{a}..{b - 1}' for a, b in held)}, its shards are {', '.join(f'{a}..{b - 1}' for a, b in want)}"
+                )
+
+    def records(self) -> list[tuple[int, MappingRecord]]:
+        """Every shard's state as a full record, with its partition, by table then partition."""
+        return [(key.partition, MappingRecord.of_state(self.shards[key].state)) for key in sorted(self.shards)]
+
+
 class RowStore:
-    """Encoded rows of every table, fed frame by frame in chain order (last write wins)."""
+    """Encoded rows of every table, fed frame by frame in chain order (last write wins), and
+    the mapping of every managed-collision shard (`MappingStore`)."""
 
     def __init__(self) -> None:
         self.shards: dict[ShardKey, ShardRows] = {}
+        self.mapping = MappingStore()
 
     def reset(self) -> None:
         """Forget everything: the next frames are a new full baseline."""
         self.shards = {}
+        self.mapping.reset()
 
     # The follower's other hooks (ckpt/follow/follower.py `ApplyTarget`): the store keeps
     # every row as it lands, so a checkpoint needs no start or end, and a failed one is
@@ -128,10 +266,15 @@ class RowStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.shards.values())
+        return sum(s.nbytes for s in self.shards.values()) + self.mapping.nbytes
 
     def apply(self, frame: Frame, partition: int, table_rows: int) -> None:
-        """Keep `frame`'s rows (from `partition`) as they are encoded."""
+        """Keep `frame`'s rows (from `partition`) as they are encoded; a mapping frame goes to
+        the shard's mapping (`MappingStore.apply`)."""
+        self.mapping.seen(frame.checkpoint_id)
+        if frame.is_mapping:
+            self.mapping.apply(frame, partition, table_rows)
+            return
         key = ShardKey(frame.table, frame.col_offset, frame.dim)
         shard = self.shards.get(key)
         if shard is None:
@@ -156,7 +299,9 @@ class RowStore:
     def check_complete(self, checkpoint_id: int, untrained_ok: bool = False) -> None:
         """Every row of every shard written (and every optimizer state of it): what a base
         needs. `untrained_ok` (a chain with a row initialisation): rows may be absent, but a
-        row present has its weights and every optimizer state."""
+        row present has its weights and every optimizer state. Managed-collision tables: every
+        shard's mapping whole (`MappingStore.check_complete`)."""
+        self.mapping.check_complete(checkpoint_id)
         for key, shard in self.shards.items():
             present = shard.weights.code != 0
             for name, rows in [("weights", shard.weights), *shard.optim.items()]:
@@ -166,6 +311,11 @@ class RowStore:
                         f"checkpoint {checkpoint_id}: table {key.table} columns {key.col_offset}.."
                         f"{key.col_offset + key.dim - 1}: {missing} rows have no {name} in the chain"
                     )
+
+    def mapping_records(self) -> list[tuple[int, MappingRecord]]:
+        """Every managed-collision shard's mapping as a full record, with the partition that
+        writes it: what a compacted baseline writes after the rows."""
+        return self.mapping.records()
 
     def frames(self, run_id: str, checkpoint_id: int, slice_rows: int = SLICE_ROWS) -> Iterator[Frame]:
         """The whole store as frames of checkpoint `checkpoint_id`, unsized (the caller

@@ -4,9 +4,12 @@ Once the markers log is read ahead (ckpt/log/catalog_ahead.py), the checkpoint a
 choose is known up to what is appended since, and with it the frames to read. The shards are
 not built yet, so each rank guesses the reads it will make: the index entries of the frames
 it wrote (`written_by`), which is what it wants when the sharding plan is the one that wrote
-them. `FrameSource.read_ahead` starts those reads; the restore's own read takes them over when
-it asks for exactly the same ranges, and drops them otherwise (another checkpoint chosen,
-another plan, survivor snapshots replayed after it).
+them: its rows' entries and, for a managed-collision table, the entry of its shard's mapping
+records (``cols`` 0), which the restore reads in the same runs as the rows (under the same
+plan a rank's mapping entries are exactly its shards'). `FrameSource.read_ahead`
+starts those reads; the restore's own read takes them over when it asks for exactly the same
+ranges, and drops them otherwise (another checkpoint chosen, another plan, survivor snapshots
+replayed after it).
 """
 
 from __future__ import annotations

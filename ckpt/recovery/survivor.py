@@ -8,7 +8,9 @@ saves what it has before it exits, within `ckpt.recovery.survivor_timeout_s`:
    *base*), in the run's codecs, to partition = rank of generation S, S being the
    checkpoint id the attempt would have used next (a fresh id: the markers log counts it,
    so no later checkpoint reuses it; survivors that agree on S share its topic, one
-   partition each);
+   partition each), then the full mapping record of each of its managed-collision shards
+   (a survivor's snapshot is replayed after links this rank's writer may never have known
+   committed, so its mapping follows none of them);
 2. a dense file: dense parameters and optimizer state, its loop state (step, reader, RNG)
    and the run's counters;
 3. last, a SURVIVOR record in the markers log naming both.
@@ -32,6 +34,7 @@ from ckpt.dense.store import DenseStore
 from ckpt.faults import maybe_die, maybe_hold
 from ckpt.log.backend import open_backend
 from ckpt.log.markers import ChainLink, SurvivorRecord, encode_marker
+from ckpt.stream.mapping import MappingRecord
 from ckpt.write.writer import WriteJob, write_rows
 from common.errors import DeltarecError
 
@@ -55,14 +58,21 @@ def save_survivor(
     shards: list[list[Any]],
     deadline: float,
 ) -> SurvivorRecord:
-    """Write one surviving rank's snapshot (`job`: its rows since checkpoint `base`, for
-    generation and checkpoint id S; `dense_state`: what its dense file holds) and, only if
-    all of it is durable before `deadline` (time.monotonic()), its SURVIVOR record."""
+    """Write one surviving rank's snapshot (`job`: its rows since checkpoint `base` and its
+    managed-collision states, for generation and checkpoint id S; `dense_state`: what its dense
+    file holds) and, only if all of it is durable before `deadline` (time.monotonic()), its
+    SURVIVOR record."""
     left = _left(deadline, "before writing anything")
     backend = open_backend(run_id, replace(sink, flush_timeout_s=max(left, 0.1)), world_size)
     try:
         report = write_rows(
-            job, run_id=run_id, rank=rank, sink=backend.sink, max_frame_bytes=sink.max_frame_bytes, flush_timeout_s=left
+            job,
+            run_id=run_id,
+            rank=rank,
+            sink=backend.sink,
+            max_frame_bytes=sink.max_frame_bytes,
+            flush_timeout_s=left,
+            mapping=[MappingRecord.of_state(s) for s in job.mapping],
         )
         if not report.ok:
             raise SurvivorError(f"survivor snapshot of rank {rank}: {report.error}")

@@ -45,7 +45,9 @@ A chain whose marker names a row initialisation stores only trained rows; the ot
 out at their initial values, regenerated (sharding/row_init.py).
 
 Rows come out as the checkpoint stored them: bit-exact for fp32 encodings, dequantized
-otherwise. The design is described in docs/design/restore.md.
+otherwise. A managed-collision table comes out by slot, as its rows are stored; the raw id ->
+slot mapping records beside them in the stream are not part of an export yet. The design is
+described in docs/design/restore.md.
 """
 
 from __future__ import annotations
@@ -177,7 +179,9 @@ def assemble(
     full tables: {table: {"weight": ..., "<state>": ...}}. The base must cover every table.
 
     Tables in `replicated` (data-parallel: trained by the dense optimizer, they travel with
-    the dense state and have no rows in the stream) are left out."""
+    the dense state and have no rows in the stream) are left out. Mapping frames (the raw id
+    -> slot records of managed-collision tables) hold no rows and are passed over: a table's
+    rows come out by slot."""
     if not marker.tables:
         raise RestoreError(f"checkpoint {marker.checkpoint_id}: its marker has no table shapes (written by an older deltarec)")
     shapes = {name: shape for name, shape in marker.tables.items() if name not in replicated}
@@ -196,6 +200,10 @@ def assemble(
                 f"checkpoint {marker.checkpoint_id}: table {frame.table} has rows in the stream "
                 "and a replicated copy in the dense state"
             )
+        if frame.is_mapping:  # a managed-collision table's raw id -> slot record: no rows
+            if frame.table not in marker.tables:
+                raise RestoreError(f"mapping frame of unknown table {frame.table!r} in checkpoint {marker.checkpoint_id}")
+            continue
         if frame.table not in tables:
             raise RestoreError(f"frame of unknown table {frame.table!r} in checkpoint {marker.checkpoint_id}")
         weights, optim = decode_rows(frame)

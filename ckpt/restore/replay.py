@@ -22,6 +22,10 @@ regenerated from it bit-exactly (weights; optimizer state zero), unless the call
 shards already hold exactly those values (a model just initialised with the same
 `RowInit`, as the trainer's is).
 
+The shards of managed-collision tables also restore their id mappings (raw id -> slot): the
+mapping frames of this rank's shards are read with the rows and folded in chain order after
+the stream (ckpt/restore/mapping.py) into `RowsRestored.mapping`; the caller loads them.
+
 Row-wise optimizer state (one value per row) under column-wise sharding is one value
 per row per column shard; restoring into a different column split takes the value of
 the source shard that holds the target shard's first column (exact when the splits
@@ -33,8 +37,8 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -48,10 +52,12 @@ from ckpt.quant import get_codec
 from ckpt.quant.base import check_encoded, view_bytes_as
 from ckpt.restore import kernel as restore_kernel
 from ckpt.restore.kernel import FusedReplay
+from ckpt.restore.mapping import MappingReplay
 from ckpt.restore.staging import StagedReplay, staged_for, to_device
 from ckpt.stream.frames import Frame, FrameError
 from ckpt.stream.sink import FrameSource
 from ckpt.types import RestoreError
+from sharding.managed_collision import McShard, McState
 from sharding.row_init import RowInit, initialise_shards
 from sharding.shard_views import ShardMap, ShardView
 
@@ -80,6 +86,9 @@ class RowsRestored:
     link_of: list[torch.Tensor] | None = (
         None  # per shard: int32, the newest chain link that wrote any column of each row (-1: none)
     )
+    # per managed-collision shard of this rank (by table key): its id mapping after the chain
+    # (ckpt/restore/mapping.py); empty when the restore was given none
+    mapping: dict[str, McState] = field(default_factory=dict)
 
 
 def row_init_of(marker: Marker) -> RowInit | None:
@@ -227,6 +236,9 @@ def frame_of_link(
         raise FrameError("frame outside every indexed segment of its COMMIT marker", locate(link.generation, partition, pos))
     where = locate(link.generation, partition, pos)
     verify_frame(frame, link, partition, entry.table, entry.col_offset, run_id, where)
+    if frame.is_mapping != entry.is_mapping:
+        held, indexed = ("a piece of an id mapping", "rows") if frame.is_mapping else ("rows", "an id mapping")
+        raise FrameError(f"frame holds {held} of table {frame.table}, where its COMMIT marker's index has {indexed}", where)
     _check_chunk(entry, pos, frame, chunks, where)
     return True
 
@@ -307,6 +319,9 @@ class _Replay:
     While the stream lasts only whole-width frames write, so the newest link that wrote any
     column of a row is `written` itself; `finish` starts `link_of` from it. A row the chain
     holds is one some link wrote: every row of a frame is written by it or by a later link.
+
+    Mapping frames (the id mappings of managed-collision shards) hold no rows: they go to
+    `mapping`, which folds them after the stream (ckpt/restore/mapping.py).
     """
 
     def __init__(
@@ -316,8 +331,10 @@ class _Replay:
         out: RowsRestored,
         fused: FusedReplay | None = None,
         staged: StagedReplay | None = None,
+        mapping: MappingReplay | None = None,
     ) -> None:
         self.marker = marker
+        self.mapping = mapping
         self.shard_map = shard_map
         self.out = out
         self.init = row_init_of(marker)
@@ -336,6 +353,15 @@ class _Replay:
         t0 = time.perf_counter()
         decode_s = 0.0
         self.out.frames += 1
+        if frame.mapping is not None:
+            if self.mapping is None:
+                raise RestoreError(
+                    f"checkpoint {link.checkpoint_id}: a mapping frame of table {frame.table}, which this restore did not ask for"
+                )
+            self.out.bytes += len(frame.mapping)
+            self.mapping.add(link_index, link, frame.rank, frame)
+            self.out.apply_s += time.perf_counter() - t0
+            return
         self.out.bytes += frame.payload.numel() + frame.row_ids.numel() * 8 + sum(o.rows.numel() for o in frame.optim)
         for s in self.shard_map.of_table(frame.table):
             if not (frame.col_offset < s.col_offset + s.num_cols and frame.col_offset + frame.dim > s.col_offset):
@@ -462,6 +488,7 @@ def restore_rows(
     while_fetching: Callable[[], object] | None = None,
     fused: bool = True,
     staging: StagedReplay | None = None,
+    mc_shards: Sequence[McShard] = (),
 ) -> RowsRestored:
     """Replay the marker's chain into this rank's shards (every link fetched at once, rows
     of older links that a later one replaces skipped); verify the base covered them, and
@@ -473,16 +500,21 @@ def restore_rows(
     (ckpt/restore/kernel.py, when numba is installed), into shards on a GPU through
     `staging` (default: a `StagedReplay` for their device; a test passes one over a host
     queue to take that path into CPU shards); False: every frame takes the torch path, the
-    reference."""
+    reference. `mc_shards`: this rank's managed-collision shards, whose id mappings the chain's
+    mapping frames restore into `RowsRestored.mapping` (ckpt/restore/mapping.py; none: the
+    mapping frames are not read)."""
     t0 = time.perf_counter()
     out = RowsRestored()
     kernel = restore_kernel.load() if fused else None
     direct = FusedReplay(kernel) if kernel is not None else None
     if staging is None and direct is not None:
         staging = staged_for(shard_map.shards, direct)
-    replay = _Replay(marker, shard_map, out, direct, staging)
+    mapping = MappingReplay(mc_shards) if mc_shards else None
+    replay = _Replay(marker, shard_map, out, direct, staging, mapping)
 
     def want(e: IndexEntry) -> bool:
+        if e.is_mapping:  # no columns: `frame_overlaps` is False for it
+            return mapping is not None and mapping.wants(e)
         return any(frame_overlaps(s, e.col_offset, e.cols, e.min_row, e.max_row) for s in shard_map.of_table(e.table))
 
     taken_over = source.reads_ahead_used
@@ -504,6 +536,10 @@ def restore_rows(
                 rank = dist.get_rank() if dist.is_initialized() else 0
                 maybe_hold_restore(marker.checkpoint_id, rank)
                 maybe_die("restore", marker.checkpoint_id, rank)
+        if mapping is not None:
+            t = time.perf_counter()
+            out.mapping = mapping.finish(marker.chain)
+            out.apply_s += time.perf_counter() - t
         replay.finish(fill=replay.init is not None and replay.init != shards_hold_init)
     finally:
         replay.close()

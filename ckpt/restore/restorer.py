@@ -1,10 +1,11 @@
 """A restore on start (docs/design/restore.md, docs/design/failures.md): the checkpoint `ckpt.restore.resume` names, under
 `ckpt.recovery.mode: partial` with the survivor snapshots a failed attempt left (ckpt/recovery/partial.py).
 
-`Restorer.restore` replays the chosen chain into the shards, loads the dense and loop state and
-marks the restored rows in the tracker, then returns what the rest of the job takes over: a
-`Resumed` record (or `Fresh` when there is nothing to resume). The checkpointer adopts it; nothing
-here sets another component's fields.
+`Restorer.restore` replays the chosen chain into the shards (and the id mappings of the
+managed-collision shards into their modules: ckpt/restore/mapping.py), loads the dense and loop
+state and marks the restored rows in the tracker, then returns what the rest of the job takes
+over: a `Resumed` record (or `Fresh` when there is nothing to resume). The checkpointer adopts
+it; nothing here sets another component's fields.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -31,11 +32,13 @@ from ckpt.log.markers import ChainLink, Marker, SurvivorRecord
 from ckpt.recovery.lost_samples import run_pls
 from ckpt.recovery.partial import PartialOutcome, SkipsBatches, compose, shared_reader, with_survivors
 from ckpt.restore.choice import ResumeChoice
+from ckpt.restore.mapping import check_mapping
 from ckpt.restore.replay import RowsRestored, restore_rows, row_init_of
 from ckpt.stream.frames import FrameError
 from ckpt.stream.sink import SourceError
 from ckpt.types import RestoreError
 from sharding.dmp import ShardedModel
+from sharding.managed_collision import ManagedCollisionError, McShard, McState, load
 from sharding.process_group import DistEnv
 from sharding.row_init import RowInit
 from sharding.shard_views import ShardMap
@@ -180,6 +183,9 @@ class Resumed:
     row_init: RowInit | None  # the chain's row initialisation, now the job's (untrained rows regenerated); None: unchanged
     restores: int  # the job's restores so far, this one included
     lost_samples: float  # samples whose updates partial recoveries lost, over the run
+    # this rank's managed-collision shards' id mappings as restored and loaded, by table key: the
+    # state the next checkpoint's mapping records start from
+    mapping: dict[str, McState] = field(default_factory=dict)
 
     @property
     def chain(self) -> list[int]:
@@ -235,6 +241,7 @@ class Restorer:
         trainer: Stateful,
         metrics: MetricsSink,
         model_sha256: str,
+        mc_shards: Sequence[McShard] = (),
     ) -> None:
         assert run_id
         self.cfg = cfg
@@ -247,6 +254,7 @@ class Restorer:
         self.trainer = trainer
         self.metrics = metrics
         self.model_sha256 = model_sha256
+        self.mc_shards = list(mc_shards)  # this rank's managed-collision shards: their id mappings are restored too
 
     def restore(self, announce: Callable[[Catalog, int], None], shards_hold: RowInit | None) -> Resumed | Fresh:
         """Bring back the checkpoint `ckpt.restore.resume` names, or start fresh when there is none.
@@ -270,6 +278,7 @@ class Restorer:
                 logger.info("no checkpoint of run %s in %s: starting from scratch", self.run_id, self.backend.where)
             return self._fresh()
         check_tables(candidates[0], self.shard_map.shapes())  # before any row is written
+        check_mapping(candidates[0], self._managed(), self.env.world_size)
         pristine = shards_hold  # the shards hold exactly these initial values until a restore writes
         for marker, survivors in self.choice.tries(candidates[0]):
             error = ""
@@ -312,6 +321,7 @@ class Restorer:
                 dense.update({rank: pool.submit(self.dense.read, ref) for rank, ref in to_read.items()})
 
             chain = with_survivors(marker, survivors) if survivors else marker
+            check_mapping(chain, self._managed(), self.env.world_size)  # an older checkpoint's too
             rows = restore_rows(
                 chain,
                 self.backend.source,
@@ -320,7 +330,9 @@ class Restorer:
                 self.backend.locate,
                 shards_hold_init=pristine,
                 while_fetching=read_dense,
+                mc_shards=self.mc_shards,
             )
+            self._load_mapping(rows)
             state = loaded if loaded is not None else dense.pop(None).result()
             if not survivors:
                 return _Read(rows, state, None, [], loaded is not None)
@@ -332,6 +344,21 @@ class Restorer:
                 world_now=self.env.world_size,
             )
             return _Read(rows, state, partial, skips, loaded is not None)
+
+    def _managed(self) -> dict[str, int]:
+        """Rows of each managed-collision table of the model, by key."""
+        shapes = self.shard_map.shapes()
+        return {s.key: shapes[s.key][0] for s in self.mc_shards}
+
+    def _load_mapping(self, rows: RowsRestored) -> None:
+        """The restored id mappings into the live managed-collision modules, after their rows
+        and before the ranks agree on the outcome: a mapping that does not fit fails this try
+        on every rank."""
+        for shard in self.mc_shards:
+            try:
+                load(shard, rows.mapping[shard.key])
+            except ManagedCollisionError as exc:
+                raise RestoreError(f"table {shard.key}: the restored id mapping does not fit this job's module: {exc}") from None
 
     def _dense_loaded_ahead(self, ref: DenseRef) -> dict[str, Any] | None:
         """The dense state the job loaded while it built its model (ckpt/dense/ahead.py) when it
@@ -402,6 +429,7 @@ class Restorer:
             row_init=row_init,
             restores=restores,
             lost_samples=lost_samples,
+            mapping=dict(read.rows.mapping),
         )
 
     def _load(self, marker: Marker, read: _Read) -> RowInit | None:

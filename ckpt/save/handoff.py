@@ -22,6 +22,7 @@ from ckpt.recovery.priority import RowPriority
 from ckpt.save.policy import Decision
 from ckpt.types import JobIdentity
 from ckpt.write.writer import RankWriter, WriteJob
+from sharding.managed_collision import McState
 
 
 class StallTiming(NamedTuple):
@@ -64,6 +65,9 @@ class CopyOrder(NamedTuple):
     epoch: int  # this attempt's (ckpt/log/fencing.py), written into every frame
     restores: int  # the job's restores so far, kept in the dense state
     lost_samples: float  # samples partial recoveries lost over the run, kept in the dense state
+    # the managed-collision shards' states at the checkpoint step (`ckpt.capture.mapping.MappingCapture`),
+    # captured on the training thread before the next step; empty without managed-collision tables
+    mapping: tuple[McState, ...] = ()
 
 
 class _Taken(NamedTuple):
@@ -163,6 +167,7 @@ class Handoff:
                 optimizer_codec=optimizer_codec,
                 epoch=c.epoch,
                 step_unix=step_unix,
+                mapping=c.mapping,
             )
         )
         return timing

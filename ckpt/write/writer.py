@@ -13,6 +13,13 @@ RNG, stall) travels with the same call. Rank 0 then writes the dense file and, o
 every rank's rows and the dense file are durable and every earlier link of the chain
 committed, the COMMIT marker; it broadcasts the outcome back so every rank learns it in
 the same order.
+
+Managed-collision tables (docs/design/managed-collision.md): a job also carries the states of
+this rank's MC shards at its checkpoint step (`WriteJob.mapping`). After the job's row frames
+the writer writes one mapping record per shard (ckpt/stream/mapping.py), indexed with
+``cols == 0``: the change since the state of the checkpoint the rows' delta is against, or the
+whole state, as `MappingDiffer` decides. Rows and mapping of a shard thus travel in the same
+link, and a restore that replays the rows' chain replays the mapping's.
 """
 
 from __future__ import annotations
@@ -22,13 +29,15 @@ import queue
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+import numpy as np
 import torch.distributed as dist
 
 from ckpt.capture.copy_on_write import AsideStats
+from ckpt.capture.mapping import states_nbytes
 from ckpt.capture.snapshot import ShardRows, Snapshot
 from ckpt.capture.threads import lower_thread_priority
 from ckpt.faults import maybe_die, maybe_slow, maybe_slow_copy
@@ -36,7 +45,9 @@ from ckpt.log.markers import FrameMeta, IndexEntry, OffsetRange, index_frames
 from ckpt.quant import codec_for_width, encode_owned, get_codec
 from ckpt.quant.device import check_flags
 from ckpt.stream.frames import EncodedFrame, OptimState, chunk_rows
+from ckpt.stream.mapping import MappingRecord, mapping_frames, record_for
 from ckpt.stream.sink import FrameSink
+from sharding.managed_collision import ManagedCollisionError, McState
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +67,20 @@ class WriteJob:
     optimizer_codec: str = "fp32"
     epoch: int = 0  # the trainer attempt's epoch, written into every frame (ckpt/log/fencing.py)
     step_unix: float = 0.0  # wall clock when the step's rows were snapshot (rank 0's is in the COMMIT)
+    # the managed-collision shards' states at the checkpoint step, one per shard in shard order
+    # (ckpt/capture/mapping.py); empty without managed-collision tables
+    mapping: tuple[McState, ...] = ()
+
+    @property
+    def follows(self) -> int:
+        """The checkpoint whose rows this one's rows are a delta of (the link before it in its
+        chain); 0: a full checkpoint, or a survivor's snapshot (no chain)."""
+        return self.chain[-2] if len(self.chain) > 1 else 0
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes the job holds until it is written: its rows and its mapping states."""
+        return self.snapshot.nbytes + states_nbytes(self.mapping)
 
 
 @dataclass(kw_only=True)
@@ -112,6 +137,61 @@ class Committer(Protocol):
         """Every rank knows `outcome`: bookkeeping that need not delay them."""
 
 
+class MappingDiffer:
+    """Which mapping record each of a job's managed-collision states becomes, on one rank.
+
+    A job's rows are a delta of checkpoint `WriteJob.follows`; its mapping follows the same
+    checkpoint, so that a restore replaying the rows' chain finds the state each delta record
+    applies to in the link before it. The differ keeps the states a later job can follow: the
+    last checkpoint it knows committed and that checkpoint's chain[0] (the base a one-shot diff
+    follows), or the states a restore loaded (`seed`). A state is kept only once its checkpoint
+    committed: a failed checkpoint's state is never followed (the jobs whose chains run through
+    it are left unwritten anyway). Where it lacks the state of `follows` (after a failure, or the
+    first checkpoint after a restore of a one-shot diff), a job gets full records, which need
+    nothing before them. Used by the writer thread; `seed` may come from another thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: dict[int, dict[tuple[str, int], McState]] = {}  # checkpoint id -> (table, slot offset) -> state
+
+    @property
+    def kept(self) -> list[int]:
+        """The checkpoints whose states a later job may follow, ascending."""
+        with self._lock:
+            return sorted(self._kept)
+
+    def records(self, job: WriteJob) -> list[MappingRecord]:
+        """One record per state of `job.mapping`, in order: the change from the state of
+        checkpoint `job.follows` when kept and smaller (`record_for`), else the full state."""
+        follows = job.follows
+        with self._lock:
+            base = self._kept.get(follows, {}) if follows else {}
+        out = []
+        for cur in job.mapping:
+            prev = base.get((cur.table, cur.slot_offset))
+            try:
+                out.append(record_for(prev, cur, follows if prev is not None else 0))
+            except ManagedCollisionError:  # not a state of the same shard and policy: nothing to follow
+                out.append(MappingRecord.of_state(cur))
+        return out
+
+    def committed(self, job: WriteJob) -> None:
+        """`job`'s checkpoint committed: its states may be followed, with those of its
+        chain[0]; every other kept state is let go."""
+        with self._lock:
+            keep = {job.checkpoint_id: {(s.table, s.slot_offset): s for s in job.mapping}}
+            base = job.chain[0] if job.chain else 0
+            if base != job.checkpoint_id and base in self._kept:
+                keep[base] = self._kept[base]
+            self._kept = keep
+
+    def seed(self, checkpoint_id: int, states: Sequence[McState]) -> None:
+        """A restore of checkpoint `checkpoint_id` loaded `states`: the first checkpoint after it
+        may follow them (and nothing kept before)."""
+        with self._lock:
+            self._kept = {checkpoint_id: {(s.table, s.slot_offset): s for s in states}}
+
+
 class RankWriter:
     """The writer thread of one rank. `submit` never blocks; `poll` returns outcomes."""
 
@@ -142,6 +222,7 @@ class RankWriter:
         # same order: a queued checkpoint whose chain runs through one is not written
         self._failed: set[int] = set()
         self._pending_bytes = 0
+        self.mapping = MappingDiffer()  # this rank's mapping records (`seed` it after a restore)
         self._lock = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=f"deltarec-writer-{rank}", daemon=True)
         self._thread.start()
@@ -161,7 +242,7 @@ class RankWriter:
 
     def submit(self, job: WriteJob) -> None:
         with self._lock:
-            self._pending_bytes += job.snapshot.nbytes
+            self._pending_bytes += job.nbytes
         self._jobs.put(job)
 
     def drain(self) -> None:
@@ -230,15 +311,22 @@ class RankWriter:
                 )
             finally:
                 with self._lock:
-                    self._pending_bytes -= job.snapshot.nbytes
+                    self._pending_bytes -= job.nbytes
                     self._lock.notify_all()
                 job.snapshot.release()  # its memory may now hold a later snapshot
             if not outcome.committed:
                 self._failed.add(job.checkpoint_id)
+            else:
+                self.mapping.committed(job)
             self._outcomes.put(outcome)
             self._jobs.task_done()  # after the outcome is out: `drain` then finds it
 
     def _write(self, job: WriteJob) -> RankReport:
+        try:
+            mapping = self.mapping.records(job)
+        except Exception as exc:  # noqa: BLE001 - fails this checkpoint only; every rank must still report
+            logger.error("checkpoint %d: mapping records failed: %s", job.checkpoint_id, traceback.format_exc())
+            return _not_written(job, self.rank, f"rank {self.rank}: mapping records: {type(exc).__name__}: {exc}")
         return write_rows(
             job,
             run_id=self.run_id,
@@ -246,6 +334,7 @@ class RankWriter:
             sink=self.sink,
             max_frame_bytes=self.max_frame_bytes,
             flush_timeout_s=self.flush_timeout_s,
+            mapping=mapping,
         )
 
     def _coordinate(self, job: WriteJob, report: RankReport) -> Outcome:
@@ -274,11 +363,16 @@ def _unwritten(job: WriteJob, rank: int, dead: int) -> RankReport:
     same outcomes in the same order, so every rank leaves it unwritten, and the queue of
     checkpoints decided before the failure was known drains at once instead of writing rows in
     vain (the checkpointer makes the next checkpoint it decides full)."""
+    return _not_written(job, rank, f"not written: its chain runs through checkpoint {dead}, which failed")
+
+
+def _not_written(job: WriteJob, rank: int, error: str) -> RankReport:
+    """This rank's report for a checkpoint it wrote nothing of, saying why (`error`)."""
     job.snapshot.wait()  # a GPU snapshot's copies to host end before its buffers are released
     return RankReport(
         rank=rank,
         ok=False,
-        error=f"not written: its chain runs through checkpoint {dead}, which failed",
+        error=error,
         ranges={},
         index=[],
         rows=0,
@@ -290,11 +384,24 @@ def _unwritten(job: WriteJob, rank: int, dead: int) -> RankReport:
 
 
 def write_rows(
-    job: WriteJob, *, run_id: str, rank: int, sink: FrameSink, max_frame_bytes: int, flush_timeout_s: float
+    job: WriteJob,
+    *,
+    run_id: str,
+    rank: int,
+    sink: FrameSink,
+    max_frame_bytes: int,
+    flush_timeout_s: float,
+    mapping: Sequence[MappingRecord] = (),
 ) -> RankReport:
-    """Encode the job's rows into frames, write them to partition `rank` of the job's
-    generation and flush: this rank's report (acknowledged ranges and frame index, or why not).
-    The writer thread's work for each checkpoint, and a surviving rank's (ckpt/recovery/survivor.py)."""
+    """Encode the job's rows into frames, then its `mapping` records (`MappingDiffer.records`),
+    write them to partition `rank` of the job's generation and flush: this rank's report
+    (acknowledged ranges and frame index, or why not). The writer thread's work for each
+    checkpoint, and a surviving rank's (ckpt/recovery/survivor.py).
+
+    Each mapping record's frames follow all the row frames, indexed as a run of their own
+    (``cols == 0``, the shard's slots as rows); their bytes count in the report's. A delta record
+    whose admitted slots are not all among the job's rows of its table fails the checkpoint:
+    an admission redraws its slot's row, so that row must be in the same checkpoint."""
     t0 = time.perf_counter()
     job.snapshot.wait()  # on CUDA the device-to-host copies finish after take() returned
     meta: list[FrameMeta] = []  # per frame written, in write order
@@ -302,6 +409,7 @@ def write_rows(
     rows = nbytes = 0
     error = ""
     try:
+        _check_admitted(job.snapshot, mapping)  # before any frame: a failed check leaves none behind
         if job.snapshot.lazy is not None:
             maybe_slow_copy(job.checkpoint_id, "read")
         half, past_half = job.snapshot.shard_count // 2, False
@@ -324,6 +432,18 @@ def write_rows(
                 )
                 nbytes += len(frame.data)
             rows += shard.global_rows.numel()
+        for record in mapping:
+            for frame in mapping_frames(
+                record,
+                run_id=run_id,
+                checkpoint_id=job.checkpoint_id,
+                rank=rank,
+                max_frame_bytes=max_frame_bytes,
+                epoch=job.epoch,
+            ):
+                sink.write(frame.data, generation=job.generation, partition=rank)
+                meta.append(FrameMeta(record.table, 0, frame.first_row, frame.last_row, 0))
+                nbytes += len(frame.data)
         maybe_slow(job.checkpoint_id)
         result = sink.flush(flush_timeout_s)
         if result.error is not None:
@@ -357,6 +477,36 @@ def write_rows(
         encodings=used,
         stall_new_bytes=job.snapshot.new_bytes,
     )
+
+
+def _snapshot_rows(snapshot: Snapshot, table: str) -> np.ndarray:
+    """The global rows of `table` that `snapshot` holds (copy-on-write: the rows it will read)."""
+    parts: list[np.ndarray] = []
+    if snapshot.lazy is None:
+        parts = [s.global_rows.cpu().numpy() for s in snapshot.shards if s.table == table]
+    else:
+        for s in snapshot.lazy.shards:
+            if s.view.table == table:
+                local = np.arange(s.view.num_rows) if s.local is None else s.local.cpu().numpy()
+                parts.append(local + s.view.row_offset)
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def _check_admitted(snapshot: Snapshot, mapping: Sequence[MappingRecord]) -> None:
+    """Refuse a delta record whose admitted slots are not all among the snapshot's rows of its
+    table: an admission redraws its slot's row, so a restore of the chain needs that row from
+    the same checkpoint (one line naming the table)."""
+    for record in mapping:
+        if record.delta is None or record.delta.admitted_slots.size == 0:
+            continue
+        admitted = record.delta.admitted_slots
+        missing = admitted[~np.isin(admitted, _snapshot_rows(snapshot, record.table))]
+        if missing.size:
+            shown = ", ".join(str(int(x)) for x in missing[:5]) + (", ..." if missing.size > 5 else "")
+            raise RuntimeError(
+                f"table {record.table}: {missing.size} slots given new ids since checkpoint {record.follows} "
+                f"({shown}) have no rows in this checkpoint, though an admission redraws its row"
+            )
 
 
 def encode_frames(

@@ -385,7 +385,7 @@ def dump(path: str, dmp: DistributedModelParallel, dense_opt: Any, loop: Statefu
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--loop", choices=["readme", "rich"], required=True)
+    p.add_argument("--loop", choices=["readme", "rich", "mc"], required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--init-method", required=True)
     p.add_argument("--workdir", required=True, help="the README loop runs from here (its run_dir is relative)")
@@ -401,7 +401,8 @@ def main() -> int:
     dist.init_process_group("gloo", init_method=args.init_method, rank=rank, world_size=world)
     torch.manual_seed(0)  # the MLPs start the same on every rank; dropout draws the same masks
     os.chdir(args.workdir)
-    loop = readme_loop(args, rank, world) if args.loop == "readme" else rich_loop(args, rank, world)
+    loops = {"readme": readme_loop, "rich": rich_loop, "mc": mc_loop}
+    loop = loops[args.loop](args, rank, world)
     print(f"rank {rank}: done at step {loop.step} in {time.perf_counter() - t0:.1f} s", flush=True)
     dist.destroy_process_group()
     return 0
@@ -461,6 +462,57 @@ def rich_loop(args: argparse.Namespace, rank: int, world: int) -> RichLoop:
     if ckpt is not None:
         ckpt.close(loop.step)
     dump(args.dump_final, dmp, dense_opt, loop, restored_from=loop.restored_from)
+    return loop
+
+
+class McLoop(Stateful):
+    """The managed-collision loop's state: the step and the RNG, which an eviction's redraw of
+    rows draws from (so an exact resume needs it, as a user's loop state would hold it)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        torch.set_rng_state(state["rng"])
+
+
+class _NoDenseOptimizer:
+    """The managed-collision model has no dense parameters: what `dump` reads of a dense optimizer."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+
+def mc_loop(args: argparse.Namespace, rank: int, world: int) -> McLoop:
+    """A model of two managed-collision tables (tests/multirank/mc_worker.py: a pooled and a
+    sequence one, 2^40 raw ids, DistanceLFU eviction every 2 steps, fused SGD), each rank
+    training its own batches; checkpointed every 3 steps unless `--plain`."""
+    from tests.multirank.mc_worker import batch, build  # noqa: PLC0415
+
+    dmp, loop, ckpt = build(world, "sgd"), McLoop(), None
+    if not args.plain:
+        from ckpt import Checkpointer, CkptConfig  # noqa: PLC0415
+
+        cfg = CkptConfig.from_dict(
+            {"sink": {"kind": "filesystem"}, "schedule": {"interval_steps": 3}, "restore": {"resume": "latest"}}
+        ).override(args.overrides)
+        ckpt = Checkpointer(cfg, dmp, dense_optimizer=None, loop=loop, run_dir=args.run_dir)
+        ckpt.restore()
+    dmp.train()
+    for step in range(loop.step + 1, args.steps + 1):
+        pooled, seq = dmp(*batch(step, rank))
+        (pooled.pow(2).sum() + seq.pow(2).sum()).backward()  # the fused optimizer updates the rows here
+        loop.step = step
+        if ckpt is not None:
+            ckpt.save(step)
+        time.sleep(args.step_sleep)
+    if ckpt is not None:
+        ckpt.close(loop.step)
+    dump(args.dump_final, dmp, _NoDenseOptimizer(), loop)
     return loop
 
 

@@ -101,7 +101,7 @@ def _kjt(key: str, values: np.ndarray, lengths: np.ndarray) -> KeyedJaggedTensor
     return KeyedJaggedTensor.from_lengths_sync([key], torch.from_numpy(values), torch.from_numpy(lengths))
 
 
-def _batch(step: int, part: int) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor]:
+def batch(step: int, part: int) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor]:
     """Batch `part` of step `step`: ids drawn with a skew (some ids far more often), so the
     eviction policy has counts to rank."""
     rng = np.random.default_rng(1000 * step + part)
@@ -115,7 +115,7 @@ def _batch(step: int, part: int) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor]:
     return out[0], out[1]
 
 
-def _build(world: int, optimizer: str) -> DistributedModelParallel:
+def build(world: int, optimizer: str) -> DistributedModelParallel:
     torch.manual_seed(0)
     model = Model()
     cls, kwargs = OPTIMIZERS[optimizer]
@@ -141,7 +141,7 @@ def _build(world: int, optimizer: str) -> DistributedModelParallel:
 def _train(dmp: DistributedModelParallel, steps: range, part: int, parts: int = 1) -> list[float]:
     losses = []
     for step in steps:
-        batches = [_batch(step, part + i) for i in range(parts)]
+        batches = [batch(step, part + i) for i in range(parts)]
         f = KeyedJaggedTensor.concat([b[0] for b in batches]) if parts > 1 else batches[0][0]
         g = KeyedJaggedTensor.concat([b[1] for b in batches]) if parts > 1 else batches[0][1]
         if parts > 1:  # one key per KJT: concatenating batches is concatenating values and lengths
@@ -173,7 +173,7 @@ def _same_rows(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def _resume(args: argparse.Namespace, rank: int, world: int) -> dict:
     k, m = args.capture_at, args.steps
-    a = _build(world, args.optimizer)
+    a = build(world, args.optimizer)
     shards = mc_shards(a)
     layout = {
         s.key: {
@@ -216,7 +216,7 @@ def _resume(args: argparse.Namespace, rank: int, world: int) -> dict:
         }
 
     def rerun(strip: bool = False, rng: bool = True) -> list[tuple[bool, bool]]:
-        fresh = _build(world, args.optimizer)
+        fresh = build(world, args.optimizer)
         shards_b = mc_shards(fresh)
         assert at_k is not None
         for s, st, rows in zip(shards_b, at_k[0], at_k[1]):
@@ -257,7 +257,7 @@ def _lookup(dmp: DistributedModelParallel) -> list[np.ndarray]:
 
 
 def _save(args: argparse.Namespace, rank: int, world: int) -> dict:
-    dmp = _build(world, args.optimizer)
+    dmp = build(world, args.optimizer)
     shards = mc_shards(dmp)
     _train(dmp, range(args.steps), rank)
     arrays: dict[str, np.ndarray] = {}
@@ -278,7 +278,7 @@ def _save(args: argparse.Namespace, rank: int, world: int) -> dict:
 def _reshard(args: argparse.Namespace, rank: int, world: int) -> dict:
     files = sorted(Path(args.dir).glob("rank*.npz"))
     saved = [dict(np.load(f)) for f in files]
-    dmp = _build(world, args.optimizer)
+    dmp = build(world, args.optimizer)
     shards = mc_shards(dmp)
     tables: dict[str, dict] = {}
     for s in shards:

@@ -156,3 +156,19 @@ def test_ckpt_config_from_a_yaml_section_and_overrides(tmp_path: Path) -> None:
         CkptConfig().override(["schedule.intervall_steps=5"])
     with pytest.raises(ConfigError, match="ckpt.schedule.interval_steps must be int"):
         load_ckpt_config(path, ["schedule.interval_steps=often"])
+
+
+def test_managed_collision_tables_refuse_copy_on_write_and_partial_recovery() -> None:
+    """An eviction redraws rows in the forward pass, which copy-on-write's guards do not see, and
+    a partial recovery's survivors would keep a mapping ahead of the rolled-back shards': both
+    are refused at start, naming the table and the setting to change."""
+    from ckpt.build import check_managed_collision
+    from ckpt.config import CaptureConfig, RecoveryConfig
+
+    mc = [SimpleNamespace(key="mc._embedding_module.embedding_bags.t")]
+    check_managed_collision(CkptConfig(), mc)  # type: ignore[arg-type]
+    check_managed_collision(CkptConfig(capture=CaptureConfig(copy_on_write=True)), [])
+    with pytest.raises(ConfigError, match="table mc._embedding_module.embedding_bags.t .* set ckpt.capture.copy_on_write=false"):
+        check_managed_collision(CkptConfig(capture=CaptureConfig(copy_on_write=True)), mc)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="managed-collision table: set ckpt.recovery.mode=full"):
+        check_managed_collision(CkptConfig(recovery=RecoveryConfig(mode="partial")), mc)  # type: ignore[arg-type]

@@ -242,7 +242,11 @@ class ServedModel:
         self._covered = {}
 
     def apply(self, frame: Frame, partition: int, table_rows: int) -> None:
-        """Decode one frame's weights into the standby copy (optimizer state is not served)."""
+        """Decode one frame's weights into the standby copy (optimizer state is not served). A
+        mapping frame (a managed-collision table's raw id -> slot record) holds no rows: the
+        server answers such a table by slot, as its model is given ids."""
+        if frame.is_mapping:
+            return
         weight = self._standby_weights().get(frame.table)
         if weight is None:
             raise RestoreError(f"frame of checkpoint {frame.checkpoint_id} names table {frame.table!r}, which the model lacks")
