@@ -219,7 +219,8 @@ class Checkpointer:
         if st.mapping.shards:  # the loaded states: what the next capture and the next delta start from
             states = tuple(resumed.mapping[s.key] for s in st.mapping.shards)
             st.mapping.adopt(states)
-            st.writer.mapping.seed(resumed.checkpoint_id, states)
+            if not resumed.resharded:  # moved to another layout: no checkpoint holds these states
+                st.writer.mapping.seed(resumed.checkpoint_id, states)
         if resumed.row_init is not None:
             self.row_init = resumed.row_init
             st.taker.adopt(trained_only=True)

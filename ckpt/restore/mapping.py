@@ -12,38 +12,81 @@ record replaces the state, a delta applies to the state the link before it left.
 chain is refused naming the table and the link, since rows restored under another mapping
 would be read by other ids.
 
-Only the world size that wrote the chain can restore it for now: raw ids are routed to ranks
-by the world size, and a shard's slots are its rows, so each shard's record is exactly one of
-the chain's (`check_mapping` refuses the rest before any row is written).
+On the world size that wrote the chain each shard's record is exactly one of the chain's. On
+another world size (`MappingReplay.resharded`: raw ids are routed to ranks by the world size,
+and a shard's slots are its rows) every rank reads every old shard's records of the table
+(they are small: `wants_moved`), before the rows, folds each old shard's chain the same way,
+joins the old shards (`to_global`) and places the ids this rank's shard receives
+(`rebucket`): its new state, and the slot moves that say which old rows its rows come from
+(`finish_moved`; the rows' replay then reads those, ckpt/restore/replay.py). Ids a new shard
+has no room for are dropped, in one log line: they start over as misses. `check_mapping`
+refuses, before any row is written, a chain whose mappings no world size can fold: of a
+layout other than torchrec's row-wise one over its writers, or, to move, missing a shard.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
 
 from ckpt.log.markers import ChainLink, IndexEntry, Marker
 from ckpt.stream.frames import Frame
 from ckpt.stream.mapping import MappingError, join_mapping
 from ckpt.types import RestoreError
-from sharding.managed_collision import McShard, McState, row_wise_segments
+from sharding.managed_collision import ManagedCollisionError, McShard, McState, SlotMoves, rebucket, row_wise_segments, to_global
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Moved:
+    """A managed-collision shard restored onto another world size: its new state and where its
+    rows come from (`SlotMoves`: old global slot -> new global slot, the miss row included)."""
+
+    state: McState
+    moves: SlotMoves
 
 
 class MappingReplay:
     """Collects the mapping frames of this rank's managed-collision shards while a chain
     streams in, then folds them into each shard's restored state (`finish`)."""
 
-    def __init__(self, shards: Sequence[McShard]) -> None:
+    def __init__(self, shards: Sequence[McShard], marker: Marker | None = None, world_size: int | None = None) -> None:
         # table key -> the shard's slot range (first, last): its rows
         self.slots = {s.key: (s.rows.row_offset, s.rows.row_offset + s.rows.num_rows - 1) for s in shards}
         if len(self.slots) != len(shards):
             raise RestoreError(f"two managed-collision shards of one table on this rank: {sorted(s.key for s in shards)}")
         # (link index, table) -> partition -> the frames of that shard's record, as they arrived
         self.pieces: dict[tuple[int, str], dict[int, list[Frame]]] = {}
+        self.world_size = world_size if world_size is not None else (marker.world_size if marker is not None else 0)
+        # the tables whose mappings move to this world size (another than the chain's writers'): each
+        # old shard's slot range (first, last) -> the partition (its writer) of the base's record of it
+        self.old_ranges: dict[str, dict[tuple[int, int], int]] = {}
+        if marker is not None and marker.chain and self.world_size != marker.world_size:
+            for table in sorted(self.slots):
+                base = [e for e in marker.chain[0].index if e.is_mapping and e.table == table]
+                self.old_ranges[table] = {(e.min_row, e.max_row): e.partition for e in sorted(base, key=lambda e: e.min_row)}
+
+    @property
+    def resharded(self) -> list[str]:
+        """The tables whose mappings (and rows) move from the chain's world size to this one."""
+        return sorted(self.old_ranges)
 
     def wants(self, entry: IndexEntry) -> bool:
         """Whether `entry` indexes the mapping frames of one of this rank's shards: under the
         world size that wrote them, the entry's slot range is exactly the shard's."""
-        return entry.is_mapping and self.slots.get(entry.table) == (entry.min_row, entry.max_row)
+        return (
+            entry.is_mapping
+            and entry.table not in self.old_ranges
+            and self.slots.get(entry.table) == (entry.min_row, entry.max_row)
+        )
+
+    def wants_moved(self, entry: IndexEntry) -> bool:
+        """Whether `entry` indexes mapping frames of a table that moves to this world size: every
+        old shard's, since any of them may hold ids this rank now receives."""
+        return entry.is_mapping and entry.table in self.old_ranges
 
     def add(self, link_index: int, link: ChainLink, partition: int, frame: Frame) -> None:
         """Keep one mapping frame of link `link_index` of the chain, read from `partition`."""
@@ -61,16 +104,71 @@ class MappingReplay:
         record of the shard, a delta that does not follow the state the link before it left,
         a link that holds frames of the shard's writer but no record of it, a record that is
         damaged or of other slots."""
-        return {table: self._fold(table, chain) for table in sorted(self.slots)}
+        return {
+            table: self._fold(table, *self.slots[table], chain, partial(self._found, table, None))
+            for table in sorted(self.slots)
+            if table not in self.old_ranges
+        }
 
-    def _fold(self, table: str, chain: Sequence[ChainLink]) -> McState:
-        first, last = self.slots[table]
+    def finish_moved(self, chain: Sequence[ChainLink]) -> dict[str, Moved]:
+        """Each moved table's new state on this rank and its slot moves, by table key: every old
+        shard's records folded as `finish` folds them, joined and placed on this world size.
+        Refuses in one line a table whose old shards do not fold into one whole mapping (a shard
+        missing, a record of other slots, ranks out of step). Logs the ids dropped for want of
+        room, one line per table."""
+        out: dict[str, Moved] = {}
+        for table, ranges in sorted(self.old_ranges.items()):
+            states = [self._fold(table, a, b, chain, partial(self._found, table, p)) for (a, b), p in ranges.items()]
+            segments = states[0].segments  # the writers' layout, which every old shard's record must be of
+            for a, b in zip(segments, segments[1:]):
+                if b > a and (a, b - 1) not in ranges:  # refused as the base missing that shard's record
+                    self._fold(table, a, b - 1, chain, partial(self._found, table, -1))
+            extra = sorted({p for (i, t), parts in self.pieces.items() if t == table for p in parts} - set(ranges.values()))
+            if extra:
+                raise RestoreError(
+                    f"table {table}: partitions {extra} hold mapping records of the table, whose base has {len(ranges)} shards"
+                )
+            first, last = self.slots[table]
+            try:
+                glob = to_global(states)
+                segments = row_wise_segments(glob.num_embeddings, self.world_size)
+                rank = next((r for r in range(self.world_size) if (segments[r], segments[r + 1] - 1) == (first, last)), -1)
+                if rank < 0:
+                    raise RestoreError(
+                        f"table {table}: this rank's shard (slots {first}..{last}) is no row-wise shard of its "
+                        f"{glob.num_embeddings} rows over {self.world_size} ranks"
+                    )
+                state, moves = rebucket(glob, self.world_size, rank)
+            except ManagedCollisionError as exc:
+                raise RestoreError(f"table {table}: its id mapping cannot move to {self.world_size} ranks: {exc}") from None
+            if moves.dropped_raw_ids.size:
+                logger.warning(
+                    "table %s: %d of the ids its mapping held are dropped on rank %d of %d (its shard has %d slots): "
+                    "they start over as misses",
+                    table,
+                    moves.dropped_raw_ids.size,
+                    rank,
+                    self.world_size,
+                    state.size,
+                )
+            out[table] = Moved(state, moves)
+        return out
+
+    def _found(self, table: str, partition: int | None, link_index: int) -> dict[int, list[Frame]]:
+        """The frames of `table`'s mapping records in link `link_index`, by partition (`partition`:
+        only that one's, the writer of one old shard)."""
+        found = self.pieces.get((link_index, table), {})
+        return found if partition is None else {p: f for p, f in found.items() if p == partition}
+
+    def _fold(
+        self, table: str, first: int, last: int, chain: Sequence[ChainLink], found_at: Callable[[int], dict[int, list[Frame]]]
+    ) -> McState:
         state: McState | None = None
         at = 0  # the checkpoint whose state `state` is
         home = -1  # the partition the shard's records come from (its writer's rank)
         for i, link in enumerate(chain):
             where = f"table {table} slots {first}..{last}: link {i} of the chain (checkpoint {link.checkpoint_id})"
-            found = self.pieces.get((i, table), {})
+            found = found_at(i)
             if len(found) > 1:
                 raise RestoreError(f"{where} holds a mapping record of the shard in partitions {sorted(found)}")
             if not found:
@@ -100,8 +198,9 @@ def check_mapping(marker: Marker, managed: Mapping[str, int], world_size: int) -
     """Refuse, in one line naming the table, a chain whose mappings this job cannot restore,
     before any row is written: a mapping of a table the model does not manage (`managed`:
     table key -> rows of each managed-collision table), a managed table whose base holds no
-    mapping (a checkpoint written before the model managed its ids), and mappings written by
-    another world size or slot layout (moving them to this one is not built yet)."""
+    mapping (a checkpoint written before the model managed its ids), mappings of slot ranges
+    that are no row-wise shards of the table over the ranks that wrote the chain, and, to move
+    to another world size, a base that lacks one of those shards' mappings."""
     where = f"checkpoint {marker.checkpoint_id} of run {marker.run_id}"
     for link in marker.chain:
         for e in link.index:
@@ -119,25 +218,29 @@ def check_mapping(marker: Marker, managed: Mapping[str, int], world_size: int) -
                 f"{where} holds no id mapping of table {table}, whose ids this model manages, in its base (checkpoint "
                 f"{base.checkpoint_id}): it was written before the model managed them"
             )
-    if marker.world_size != world_size:
-        raise RestoreError(
-            f"{where} was written by {marker.world_size} ranks and the id mappings of its managed-collision tables "
-            f"({', '.join(sorted(managed))}) cannot move to {world_size} ranks yet: restore it on {marker.world_size} ranks"
-        )
+    writers = marker.world_size
     for table, rows in sorted(managed.items()):
-        layout = _layout(rows, world_size)
+        layout = _layout(rows, writers)
         for i, link in enumerate(marker.chain):
             ranges = {(e.min_row, e.max_row) for e in link.index if e.is_mapping and e.table == table}
             if ranges <= layout:
                 continue
             odd = min(ranges - layout)
-            writers = max(link.ranges, default=-1) + 1  # every rank writes its shards' mappings
-            ranks = f"{writers} ranks" if writers > 0 and ranges <= _layout(rows, writers) else "the ranks that wrote it"
+            wrote = max(link.ranges, default=-1) + 1  # every rank writes its shards' mappings
+            ranks = f"{wrote} ranks" if wrote > 0 and ranges <= _layout(rows, wrote) else "the ranks that wrote it"
             raise RestoreError(
                 f"{where}: link {i} (checkpoint {link.checkpoint_id}) holds the id mapping of table {table} slots "
-                f"{odd[0]}..{odd[1]}, no shard of its {rows} rows over {world_size} ranks: it was written by another "
+                f"{odd[0]}..{odd[1]}, no shard of its {rows} rows over {writers} ranks: it was written by another "
                 f"world size or slot layout; restore it on {ranks}"
             )
+        if writers != world_size:
+            held = {(e.min_row, e.max_row) for e in base.index if e.is_mapping and e.table == table}
+            if held != layout:
+                lost = min(layout - held)
+                raise RestoreError(
+                    f"{where}: its base (checkpoint {base.checkpoint_id}) lacks the id mapping of table {table} slots "
+                    f"{lost[0]}..{lost[1]}: the mapping is incomplete and cannot move from {writers} to {world_size} ranks"
+                )
 
 
 def _layout(rows: int, world_size: int) -> set[tuple[int, int]]:

@@ -24,7 +24,12 @@ shards already hold exactly those values (a model just initialised with the same
 
 The shards of managed-collision tables also restore their id mappings (raw id -> slot): the
 mapping frames of this rank's shards are read with the rows and folded in chain order after
-the stream (ckpt/restore/mapping.py) into `RowsRestored.mapping`; the caller loads them.
+the stream (ckpt/restore/mapping.py) into `RowsRestored.mapping`; the caller loads them. On
+another world size than the chain's writers' a managed-collision table's ids move to other
+ranks and slots: its mapping frames (every old shard's) are read first, on their own, to learn
+this rank's new state and slot moves; its rows are then read where the moved ids' old slots
+were written, whichever rank wrote them, and each goes to its new slot (`_MovedRows`). Its other
+rows are free slots, drawn anew when an id is admitted, so they need no row.
 
 Row-wise optimizer state (one value per row) under column-wise sharding is one value
 per row per column shard; restoring into a different column split takes the value of
@@ -52,13 +57,13 @@ from ckpt.quant import get_codec
 from ckpt.quant.base import check_encoded, view_bytes_as
 from ckpt.restore import kernel as restore_kernel
 from ckpt.restore.kernel import FusedReplay
-from ckpt.restore.mapping import MappingReplay
+from ckpt.restore.mapping import MappingReplay, Moved
 from ckpt.restore.staging import StagedReplay, staged_for, to_device
 from ckpt.stream.frames import Frame, FrameError
 from ckpt.stream.sink import FrameSource
 from ckpt.types import RestoreError
 from sharding.managed_collision import McShard, McState
-from sharding.row_init import RowInit, initialise_shards
+from sharding.row_init import RowInit, fill_rows, initialise_shards
 from sharding.shard_views import ShardMap, ShardView
 
 logger = logging.getLogger(__name__)
@@ -89,6 +94,9 @@ class RowsRestored:
     # per managed-collision shard of this rank (by table key): its id mapping after the chain
     # (ckpt/restore/mapping.py); empty when the restore was given none
     mapping: dict[str, McState] = field(default_factory=dict)
+    # the managed-collision tables whose ids and rows moved from the chain's world size to this one
+    resharded: list[str] = field(default_factory=list)
+    dropped: dict[str, int] = field(default_factory=dict)  # of those, ids this rank's shard had no room for
 
 
 def row_init_of(marker: Marker) -> RowInit | None:
@@ -307,6 +315,91 @@ def _newer(span: _Span, written: torch.Tensor, link: int) -> _Span | None:
     return _Span(_indices(span.src)[at], _indices(span.dst)[at], at.numel()) if at.numel() else None
 
 
+class _MovedRows:
+    """The rows of one managed-collision shard whose ids moved here from another world size
+    (ckpt/restore/mapping.py `Moved`): each kept id's row and optimizer state come from its old
+    global slot, the miss row from the old miss slot `rebucket` names, wherever a link wrote
+    them; the newest link holding an old slot wins, as for any row. The shard's other rows are
+    free slots: no id reads them before an admission draws them anew."""
+
+    def __init__(self, shard: ShardView, moved: Moved) -> None:
+        m = moved.moves
+        src = np.concatenate([m.old_slots, [m.miss_old_slot]]).astype(np.int64)
+        dst = np.concatenate([m.new_slots, [m.miss_new_slot]]).astype(np.int64) - shard.row_offset
+        order = np.argsort(src, kind="stable")
+        self.shard = shard
+        self.src = src[order]  # the old global slots, ascending
+        self.dst = dst[order]  # the local row of the new shard each goes to
+        if np.any(self.src[1:] == self.src[:-1]) or np.any((self.dst < 0) | (self.dst >= shard.num_rows)):
+            raise RestoreError(f"table {shard.table}: the slot moves of its id mapping are not one row to one slot")
+        self.written = np.full(src.size, -1, dtype=np.int32)  # the link each moved row was taken from
+
+    def wants(self, entry: IndexEntry) -> bool:
+        """Whether a rows entry holds an old slot this shard takes a row from."""
+        s = self.shard
+        if entry.is_mapping or entry.table != s.table:
+            return False
+        if not (entry.col_offset < s.col_offset + s.num_cols and entry.col_offset + entry.cols > s.col_offset):
+            return False
+        i = int(np.searchsorted(self.src, entry.min_row))
+        return i < self.src.size and int(self.src[i]) <= entry.max_row
+
+    def span(self, frame: Frame, link_index: int) -> tuple[int, _Span | None]:
+        """How many of the frame's rows are old slots this shard takes, and those no later link
+        than `link_index` has given: frame rows -> local rows of the new shard."""
+        s = self.shard
+        if (frame.col_offset, frame.dim) != (s.col_offset, s.num_cols):
+            raise RestoreError(
+                f"table {s.table}: a frame of columns {frame.col_offset}..{frame.col_offset + frame.dim - 1} of a "
+                f"managed-collision table moving to another world size, whose shards here hold columns "
+                f"{s.col_offset}..{s.col_offset + s.num_cols - 1}: its rows move whole only"
+            )
+        n = frame.row_count
+        rows = np.arange(frame.first_row, frame.first_row + n) if frame.first_row is not None else frame.row_ids.numpy()
+        pos = np.searchsorted(self.src, rows)
+        hit = pos < self.src.size
+        hit[hit] = self.src[pos[hit]] == rows[hit]
+        at = np.flatnonzero(hit)
+        k = pos[at]
+        newer = self.written[k] < link_index
+        at, k = at[newer], k[newer]
+        if not at.size:
+            return int(hit.sum()), None
+        self.written[k] = link_index
+        return int(hit.sum()), _Span(torch.from_numpy(at.astype(np.int64)), torch.from_numpy(self.dst[k].copy()), int(at.size))
+
+    @torch.no_grad()
+    def finish(self, marker: Marker, init: RowInit | None) -> int:
+        """Every moved row found in the chain, or (a chain with a row initialisation, which leaves
+        out rows never trained) drawn from its old slot's initial value with its optimizer state
+        zero; returns the rows so drawn. Sets `written` for them to the base."""
+        s = self.shard
+        missing = np.flatnonzero(self.written < 0)
+        if not missing.size:
+            return 0
+        if init is None or s.table not in marker.tables:
+            raise RestoreError(
+                f"checkpoint {marker.checkpoint_id}: table {s.table}: {missing.size} rows of ids moving to this rank's "
+                f"shard (first: old slot {int(self.src[missing[0]])}) are in no link of the chain"
+            )
+        rows, dim = (int(x) for x in marker.tables[s.table])
+        for k in missing:
+            value = torch.empty(1, s.num_cols, dtype=s.weight.dtype)
+            fill_rows(init, s.table, rows, dim, value, int(self.src[k]), s.col_offset)
+            at = int(self.dst[k])
+            s.weight[at : at + 1].copy_(value.to(s.weight.device))
+            for state in s.optimizer_states.values():
+                state[at : at + 1].zero_()
+        self.written[missing] = 0
+        return int(missing.size)
+
+    def link_of(self) -> torch.Tensor:
+        """Per local row: the link its row came from (-1: a free slot, no row)."""
+        out = torch.full((self.shard.num_rows,), -1, dtype=torch.int32)
+        out[torch.from_numpy(self.dst)] = torch.from_numpy(self.written)
+        return out
+
+
 class _Replay:
     """Writes a chain's frames into this rank's shards in whatever order they arrive.
 
@@ -321,7 +414,9 @@ class _Replay:
     holds is one some link wrote: every row of a frame is written by it or by a later link.
 
     Mapping frames (the id mappings of managed-collision shards) hold no rows: they go to
-    `mapping`, which folds them after the stream (ckpt/restore/mapping.py).
+    `mapping`, which folds them after the stream (ckpt/restore/mapping.py). The rows of a
+    managed-collision table moving to another world size go to its `moved` shard instead, each
+    old slot's newest copy to the new slot its id took (`_MovedRows`).
     """
 
     def __init__(
@@ -332,9 +427,11 @@ class _Replay:
         fused: FusedReplay | None = None,
         staged: StagedReplay | None = None,
         mapping: MappingReplay | None = None,
+        moved: dict[str, _MovedRows] | None = None,
     ) -> None:
         self.marker = marker
         self.mapping = mapping
+        self.moved = moved or {}  # managed-collision tables whose rows move (not in `shard_map`)
         self.shard_map = shard_map
         self.out = out
         self.init = row_init_of(marker)
@@ -363,6 +460,13 @@ class _Replay:
             self.out.apply_s += time.perf_counter() - t0
             return
         self.out.bytes += frame.payload.numel() + frame.row_ids.numel() * 8 + sum(o.rows.numel() for o in frame.optim)
+        moving = self.moved.get(frame.table)
+        if moving is not None:
+            inside, span = moving.span(frame, link_index)
+            self.out.rows += inside
+            if span is not None:
+                s = moving.shard
+                decode_s += self._write(frame, s, span, s.col_offset, s.col_offset + s.num_cols)
         for s in self.shard_map.of_table(frame.table):
             if not (frame.col_offset < s.col_offset + s.num_cols and frame.col_offset + frame.dim > s.col_offset):
                 continue
@@ -489,6 +593,7 @@ def restore_rows(
     fused: bool = True,
     staging: StagedReplay | None = None,
     mc_shards: Sequence[McShard] = (),
+    world_size: int | None = None,
 ) -> RowsRestored:
     """Replay the marker's chain into this rank's shards (every link fetched at once, rows
     of older links that a later one replaces skipped); verify the base covered them, and
@@ -502,19 +607,40 @@ def restore_rows(
     queue to take that path into CPU shards); False: every frame takes the torch path, the
     reference. `mc_shards`: this rank's managed-collision shards, whose id mappings the chain's
     mapping frames restore into `RowsRestored.mapping` (ckpt/restore/mapping.py; none: the
-    mapping frames are not read)."""
+    mapping frames are not read). `world_size`: this job's (default: the chain's); on another,
+    the managed-collision tables' ids and rows move to it (`RowsRestored.resharded`)."""
     t0 = time.perf_counter()
     out = RowsRestored()
     kernel = restore_kernel.load() if fused else None
     direct = FusedReplay(kernel) if kernel is not None else None
     if staging is None and direct is not None:
         staging = staged_for(shard_map.shards, direct)
-    mapping = MappingReplay(mc_shards) if mc_shards else None
-    replay = _Replay(marker, shard_map, out, direct, staging, mapping)
+    mapping = MappingReplay(mc_shards, marker, world_size) if mc_shards else None
+    moved: dict[str, _MovedRows] = {}
+    if mapping is not None and mapping.resharded:
+        # the moving tables' mappings first, on their own: they say which rows to read
+        t = time.perf_counter()
+        early = _Replay(marker, ShardMap([], []), out, mapping=mapping)
+        for i, link, frame in iter_chain_frames_fetched_together(marker, source, run_id, locate, mapping.wants_moved):
+            early.add(i, link, frame)
+        news = mapping.finish_moved(marker.chain)
+        by_table = {m.key: m.rows for m in mc_shards}
+        moved = {table: _MovedRows(by_table[table], news[table]) for table in sorted(news)}
+        out.mapping.update({table: news[table].state for table in sorted(news)})
+        out.resharded = sorted(news)
+        out.dropped = {table: int(news[table].moves.dropped_raw_ids.size) for table in sorted(news)}
+        out.fetch_s += time.perf_counter() - t
+        kept = [s for s in shard_map.shards if s.table not in moved]
+        rows_map = ShardMap(kept, shard_map.replicated_tables, shard_map.table_info, shard_map.modules)
+    else:
+        rows_map = shard_map
+    replay = _Replay(marker, rows_map, out, direct, staging, mapping, moved)
 
     def want(e: IndexEntry) -> bool:
         if e.is_mapping:  # no columns: `frame_overlaps` is False for it
             return mapping is not None and mapping.wants(e)
+        if e.table in moved:
+            return moved[e.table].wants(e)
         return any(frame_overlaps(s, e.col_offset, e.cols, e.min_row, e.max_row) for s in shard_map.of_table(e.table))
 
     taken_over = source.reads_ahead_used
@@ -538,13 +664,26 @@ def restore_rows(
                 maybe_die("restore", marker.checkpoint_id, rank)
         if mapping is not None:
             t = time.perf_counter()
-            out.mapping = mapping.finish(marker.chain)
+            out.mapping = {**mapping.finish(marker.chain), **out.mapping}
             out.apply_s += time.perf_counter() - t
         replay.finish(fill=replay.init is not None and replay.init != shards_hold_init)
+        if moved:
+            out.regenerated += sum(m.finish(marker, replay.init) for m in moved.values())
+            _splice_moved(shard_map, out, rows_map, moved)
     finally:
         replay.close()
     out.seconds = time.perf_counter() - t0
     return out
+
+
+def _splice_moved(shard_map: ShardMap, out: RowsRestored, rows_map: ShardMap, moved: dict[str, _MovedRows]) -> None:
+    """`RowsRestored.held` and `link_of` over every shard of `shard_map`, in its order: the
+    replay's for the shards it wrote, the moved rows' for the moving tables' shards."""
+    assert out.link_of is not None
+    replayed = {id(s): link for s, link in zip(rows_map.shards, out.link_of)}
+    link_of = [replayed[id(s)] if id(s) in replayed else moved[s.table].link_of() for s in shard_map.shards]
+    out.link_of = link_of
+    out.held = [link >= 0 for link in link_of]
 
 
 def verify_frame(frame: Frame, link: ChainLink, partition: int, table: str, col: int, run_id: str, where: str) -> None:

@@ -2,7 +2,8 @@
 `ckpt.recovery.mode: partial` with the survivor snapshots a failed attempt left (ckpt/recovery/partial.py).
 
 `Restorer.restore` replays the chosen chain into the shards (and the id mappings of the
-managed-collision shards into their modules: ckpt/restore/mapping.py), loads the dense and loop
+managed-collision shards into their modules: ckpt/restore/mapping.py, moved to this world size
+when the chain's writers had another), loads the dense and loop
 state and marks the restored rows in the tracker, then returns what the rest of the job takes
 over: a `Resumed` record (or `Fresh` when there is nothing to resume). The checkpointer adopts
 it; nothing here sets another component's fields.
@@ -186,6 +187,10 @@ class Resumed:
     # this rank's managed-collision shards' id mappings as restored and loaded, by table key: the
     # state the next checkpoint's mapping records start from
     mapping: dict[str, McState] = field(default_factory=dict)
+    # the managed-collision tables whose ids and rows moved from the chain's world size to this
+    # job's (the same on every rank): their rows and mappings sit elsewhere than the chain put
+    # them, so the next checkpoint is full (`force_full`) and nothing is a delta of the chain
+    resharded: tuple[str, ...] = ()
 
     @property
     def chain(self) -> list[int]:
@@ -219,6 +224,14 @@ def check_tables(marker: Marker, model: dict[str, tuple[int, int]]) -> None:
         if saved[key] != model[key]:
             (r0, d0), (r1, d1) = saved[key], model[key]
             raise RestoreError(f"table {key}: {where} has {r0} rows x {d0} columns, the model {r1} x {d1}")
+
+
+def _moved_tables(marker: Marker, world_size: int) -> tuple[str, ...]:
+    """The managed-collision tables (those whose base holds an id mapping) whose ids move because
+    the chain was written by another world size than `world_size`."""
+    if marker.world_size == world_size or not marker.chain:
+        return ()
+    return tuple(sorted({e.table for e in marker.chain[0].index if e.is_mapping}))
 
 
 class Restorer:
@@ -331,6 +344,7 @@ class Restorer:
                 shards_hold_init=pristine,
                 while_fetching=read_dense,
                 mc_shards=self.mc_shards,
+                world_size=self.env.world_size,
             )
             self._load_mapping(rows)
             state = loaded if loaded is not None else dense.pop(None).result()
@@ -412,8 +426,17 @@ class Restorer:
             read_ahead=stats.read_ahead,
             dense_ahead=stats.dense_ahead,
         )
+        # the same on every rank (a rank may hold no shard of such a table)
+        moved = _moved_tables(marker, self.env.world_size)
         if self.env.rank == 0:
             self._announce_report(report)
+            if moved:
+                logger.info(
+                    "the id mappings of managed-collision tables %s moved from %d to %d ranks; the next checkpoint is full",
+                    ", ".join(moved),
+                    marker.world_size,
+                    self.env.world_size,
+                )
         return Resumed(
             report=report,
             links=list(marker.chain),
@@ -423,13 +446,16 @@ class Restorer:
             # checkpoint opens (this job may have another world size, so other partitions). Else
             # the tracker's history since the base died with the old process: the next is full,
             # and after a partial recovery too (no committed checkpoint holds the survivors' rows).
+            # After managed-collision ids moved to this world size, their rows and mappings are
+            # no longer where the chain holds them: the next checkpoint is full, of the new layout.
             generation=0 if incremental else marker.chain[0].generation,
-            force_full=not incremental or read.partial is not None,
-            have_base=incremental,
+            force_full=not incremental or read.partial is not None or bool(moved),
+            have_base=incremental and not moved,
             row_init=row_init,
             restores=restores,
             lost_samples=lost_samples,
             mapping=dict(read.rows.mapping),
+            resharded=moved,
         )
 
     def _load(self, marker: Marker, read: _Read) -> RowInit | None:

@@ -392,7 +392,7 @@ def main() -> int:
     p.add_argument("--run-dir", help="the rich loop's run_dir")
     p.add_argument("--plain", action="store_true", help="the same loop without deltarec: no Checkpointer at all")
     p.add_argument("--dump-final", required=True, help="prefix of the dump after the last step")
-    p.add_argument("--dump-restored", help="prefix of a dump right after the restore (rich loop)")
+    p.add_argument("--dump-restored", help="prefix of a dump right after the restore (rich and mc loops)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step waits (a window to kill in)")
     p.add_argument("overrides", nargs="*", help="ckpt settings of the rich loop")
     args = p.parse_args()
@@ -490,7 +490,8 @@ class _NoDenseOptimizer:
 def mc_loop(args: argparse.Namespace, rank: int, world: int) -> McLoop:
     """A model of two managed-collision tables (tests/multirank/mc_worker.py: a pooled and a
     sequence one, 2^40 raw ids, DistanceLFU eviction every 2 steps, fused SGD), each rank
-    training its own batches; checkpointed every 3 steps unless `--plain`."""
+    training its own batches; checkpointed every 3 steps unless `--plain`. `--dump-restored`: a
+    dump right after the restore (on another world size than the chain's too)."""
     from tests.multirank.mc_worker import batch, build  # noqa: PLC0415
 
     dmp, loop, ckpt = build(world, "sgd"), McLoop(), None
@@ -501,7 +502,10 @@ def mc_loop(args: argparse.Namespace, rank: int, world: int) -> McLoop:
             {"sink": {"kind": "filesystem"}, "schedule": {"interval_steps": 3}, "restore": {"resume": "latest"}}
         ).override(args.overrides)
         ckpt = Checkpointer(cfg, dmp, dense_optimizer=None, loop=loop, run_dir=args.run_dir)
-        ckpt.restore()
+        report = ckpt.restore()
+        if args.dump_restored:  # the rows and mappings as restored (on any world size), before a step
+            restored = None if report is None else (report.checkpoint_id, report.step)
+            dump(args.dump_restored, dmp, _NoDenseOptimizer(), loop, restored=restored)
     dmp.train()
     for step in range(loop.step + 1, args.steps + 1):
         pooled, seq = dmp(*batch(step, rank))
