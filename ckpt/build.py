@@ -63,7 +63,7 @@ def initialise_rows(model: nn.Module, seed: int) -> RowInit:
     value for `seed` (sharding/row_init.py: torchrec's default distribution) and its fused
     optimizer state to zero; pass the result as `Checkpointer(row_init=...)`. Call it on every
     rank, after DMP and before training: checkpoints then need not store rows never trained."""
-    shard_map = ShardMap.from_model(model)
+    shard_map = ShardMap.from_model(model, managed_collision=True)
     init = RowInit(seed)
     initialise_shards(init, shard_map.shards, shard_map.shapes())
     return init

@@ -12,9 +12,22 @@ from typing import Literal
 ShardingType = Literal["auto", "table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"]
 SparseOptimizer = Literal["row_wise_adagrad", "adagrad", "sgd", "adam"]
 DenseOptimizer = Literal["adagrad", "sgd", "adam"]
+#: torchrec's MCH eviction policies by their config name (checked at load, naming the table)
+EVICTION_POLICIES = ("distance_lfu", "lfu", "lru")
 
 
 @dataclass
+class ManagedCollisionConfig:
+    """A hashed table: raw ids of `input_hash_size` values share the table's rows, torchrec's
+    managed-collision module (MCH) admitting new ids and evicting cold ones every
+    `eviction_interval` training steps by `eviction_policy` (docs/design/managed-collision.md)."""
+
+    input_hash_size: int
+    eviction_interval: int = 100
+    eviction_policy: str = "distance_lfu"  # one of EVICTION_POLICIES
+
+
+@dataclass(repr=False)
 class TableConfig:
     """One embedding table: its rows, width, the features that look it up, its sharding."""
 
@@ -23,6 +36,17 @@ class TableConfig:
     embedding_dim: int
     features: list[str]
     sharding: ShardingType | None = None  # None: take sharding.default
+    # None: an ordinary table, ids in [0, num_embeddings); else a hashed one (row_wise only)
+    managed_collision: ManagedCollisionConfig | None = None
+
+    def __repr__(self) -> str:
+        """The dataclass repr, `managed_collision` only when set: the job's model digest (the
+        repr of its model section) of an ordinary table stays what it was before hashed tables."""
+        fields = f"name={self.name!r}, num_embeddings={self.num_embeddings!r}, embedding_dim={self.embedding_dim!r}, "
+        fields += f"features={self.features!r}, sharding={self.sharding!r}"
+        if self.managed_collision is not None:
+            fields += f", managed_collision={self.managed_collision!r}"
+        return f"TableConfig({fields})"
 
 
 @dataclass

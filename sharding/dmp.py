@@ -15,15 +15,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from sharding.config import OptimizerConfig, ShardingConfig, TableConfig
-from sharding.plan import EBC_PATH, build_plan
+from sharding.plan import EBC_PATH, MC_PATH, build_plan
 from sharding.process_group import DistEnv
 from sharding.row_init import RowInit, initialise_shards
 from sharding.shard_views import ShardMap
@@ -65,13 +66,29 @@ def plan_model(
     env: DistEnv,
     device_type: str,
     collective: bool = True,
-) -> tuple[ShardingPlan, EmbeddingBagCollectionSharder]:
-    """Fuse the sparse optimizer into the tables, then plan (see `sharding.plan`)."""
+) -> tuple[ShardingPlan, list[ModuleSharder[nn.Module]]]:
+    """Fuse the sparse optimizer into the tables, then plan (see `sharding.plan`); returns the
+    plan and the sharders DMP needs for it (the managed-collision one only with hashed tables)."""
     sp = optimizer.sparse
-    ebc = model.get_submodule(EBC_PATH)
-    apply_optimizer_in_backward(_SPARSE[sp.name], ebc.parameters(), _optimizer_kwargs(sp.name, sp.lr, sp.eps))
+    hashed = any(t.managed_collision is not None for t in tables)
+    paths = [EBC_PATH] if not hashed else [p for p in (EBC_PATH, MC_PATH) if _has_submodule(model, p)]
+    for path in paths:
+        params = model.get_submodule(path).parameters()
+        apply_optimizer_in_backward(_SPARSE[sp.name], params, _optimizer_kwargs(sp.name, sp.lr, sp.eps))
     sharder = EmbeddingBagCollectionSharder()
-    return build_plan(model, tables, sharding, optimizer, env, device_type, sharder, collective), sharder
+    mc_sharder = ManagedCollisionEmbeddingBagCollectionSharder() if hashed else None
+    plan = build_plan(model, tables, sharding, optimizer, env, device_type, sharder, collective, mc_sharder)
+    sharders: list[ModuleSharder[nn.Module]] = [sharder]
+    if mc_sharder is not None:
+        sharders.append(mc_sharder)
+    return plan, sharders
+
+
+def _has_submodule(model: nn.Module, path: str) -> bool:
+    try:
+        return model.get_submodule(path) is not None
+    except AttributeError:
+        return False
 
 
 def shard_model(
@@ -86,12 +103,12 @@ def shard_model(
     """Plan, shard with DMP, and build the dense optimizer beside the fused one. With
     `row_init`, every model-parallel row is then set to its plan-independent initial value
     (sharding/row_init.py), which lets checkpoints leave out rows never trained."""
-    plan, sharder = plan_model(model, tables, sharding, optimizer, env, device.type)
+    plan, sharders = plan_model(model, tables, sharding, optimizer, env, device.type)
     dmp = DistributedModelParallel(
         module=model,
         device=device,
         plan=plan,
-        sharders=[sharder],
+        sharders=sharders,
         env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
     )
     dp = optimizer.dense
@@ -101,6 +118,6 @@ def shard_model(
         lambda params: dense_cls(params, **_optimizer_kwargs(dp.name, dp.lr, dp.eps)),
     )
     if row_init is not None:
-        shard_map = ShardMap.from_model(dmp)
+        shard_map = ShardMap.from_model(dmp, managed_collision=any(t.managed_collision is not None for t in tables))
         initialise_shards(row_init, shard_map.shards, shard_map.shapes())
     return ShardedModel(dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), plan, row_init)

@@ -5,6 +5,10 @@ Explicit types are built with torchrec's generators (`table_wise()`, `row_wise()
 which also run row_wise and table_row_wise on CPU, where the stock planner refuses them.
 `auto` tables are placed by `EmbeddingShardingPlanner`; explicit tables then override its
 choice. Impossible combinations are refused before any memory is allocated.
+
+Hashed tables (`managed_collision`) live in their own ManagedCollisionEmbeddingBagCollection
+(`MC_PATH`), planned row_wise with torchrec's managed-collision sharder, the only placement it
+shards; the planner never sees them.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.sharding_plan import (
     column_wise,
@@ -34,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 #: Where the EmbeddingBagCollection sits inside DLRMTrain (the module the plan shards).
 EBC_PATH = "model.sparse_arch.embedding_bag_collection"
+#: Where the ManagedCollisionEmbeddingBagCollection of the hashed tables sits (only when there are some).
+MC_PATH = "model.sparse_arch.managed_collision"
 
 
 def table_key(name: str) -> str:
@@ -62,6 +69,14 @@ def validate_sharding(
         raise PlanError("sharding.backend=nccl needs GPUs; use gloo (or auto) on CPU")
     for t in tables:
         kind = sharding.type_of(t)
+        if t.managed_collision is not None and optimizer.sparse.name == "row_wise_adagrad" and device_type == "cpu":
+            # an eviction zeroes the evicted rows' momentum with an fbgemm kernel built for CUDA only
+            raise PlanError(
+                f"table {t.name}: a hashed table (managed_collision) cannot train with optimizer.sparse.name="
+                f"row_wise_adagrad on CPU (its eviction resets momentum with a CUDA-only kernel); use sgd or adagrad, or a GPU"
+            )
+        if t.managed_collision is not None and kind != "row_wise":
+            raise PlanError(f"table {t.name}: a hashed table (managed_collision) is sharded row_wise only, not {kind}")
         if kind == "row_wise" and t.num_embeddings < env.world_size:
             raise PlanError(
                 f"table {t.name}: row_wise needs at least one row per rank "
@@ -99,7 +114,7 @@ def _manual_generators(tables: Sequence[TableConfig], sharding: ShardingConfig, 
     """
     load = [0] * env.world_size
     gens = {}
-    explicit = [t for t in tables if sharding.type_of(t) != "auto"]
+    explicit = [t for t in tables if sharding.type_of(t) != "auto" and t.managed_collision is None]
     for t in sorted(explicit, key=_table_bytes, reverse=True):
         kind = sharding.type_of(t)
         if kind == "table_wise":
@@ -129,23 +144,37 @@ def build_plan(
     device_type: str,
     sharder: EmbeddingBagCollectionSharder,
     collective: bool = True,
+    mc_sharder: ManagedCollisionEmbeddingBagCollectionSharder | None = None,
 ) -> ShardingPlan:
     """The ShardingPlan for `model` (a DLRMTrain whose optimizer is already applied in backward).
 
     With `collective`, rank 0 plans `auto` tables and broadcasts the result (the normal
     case); without, this process plans alone (`--dry-run` for a world size not launched).
+    Hashed tables are planned row_wise in `MC_PATH` with `mc_sharder` (required when there are some).
     """
     validate_sharding(tables, sharding, optimizer, env, device_type)
-    ebc = model.get_submodule(EBC_PATH)
-    params = sharder.shardable_parameters(ebc)
-    module_plan = EmbeddingModuleShardingPlan()
-    if any(sharding.type_of(t) == "auto" for t in tables):
-        module_plan.update(_planner_plan(model, tables, sharding, env, device_type, sharder, collective))
-    for name, gen in _manual_generators(tables, sharding, env).items():
-        module_plan[name] = gen(params[name], env.local_world_size, env.world_size, device_type, sharder)
-    missing = set(params) - set(module_plan)
-    assert not missing, f"tables without a sharding: {sorted(missing)}"
-    return ShardingPlan({EBC_PATH: module_plan})
+    ordinary = [t for t in tables if t.managed_collision is None]
+    hashed = [t for t in tables if t.managed_collision is not None]
+    plans: dict[str, EmbeddingModuleShardingPlan] = {}
+    if ordinary:
+        ebc = model.get_submodule(EBC_PATH)
+        params = sharder.shardable_parameters(ebc)
+        module_plan = EmbeddingModuleShardingPlan()
+        if any(sharding.type_of(t) == "auto" for t in ordinary):
+            module_plan.update(_planner_plan(model, ordinary, sharding, env, device_type, sharder, collective))
+        for name, gen in _manual_generators(ordinary, sharding, env).items():
+            module_plan[name] = gen(params[name], env.local_world_size, env.world_size, device_type, sharder)
+        missing = set(params) - set(module_plan)
+        assert not missing, f"tables without a sharding: {sorted(missing)}"
+        plans[EBC_PATH] = module_plan
+    if hashed:
+        assert mc_sharder is not None, "hashed tables are sharded by the managed-collision sharder"
+        mc_params = mc_sharder.shardable_parameters(model.get_submodule(MC_PATH))
+        mc_plan = EmbeddingModuleShardingPlan()
+        for t in hashed:
+            mc_plan[t.name] = row_wise()(mc_params[t.name], env.local_world_size, env.world_size, device_type, mc_sharder)
+        plans[MC_PATH] = mc_plan
+    return ShardingPlan(plans)
 
 
 def _planner_plan(
@@ -189,11 +218,12 @@ class TablePlacement:
 def summarize(
     plan: ShardingPlan, tables: Sequence[TableConfig], optimizer: OptimizerConfig, world_size: int
 ) -> list[TablePlacement]:
-    """Per table: sharding type, ranks, and weight + optimizer-state bytes per rank."""
-    module_plan = plan.plan[EBC_PATH]
+    """Per table: sharding type, ranks, and weight + optimizer-state bytes per rank (the
+    hashed tables' after the ordinary ones)."""
+    module_plans = [plan.plan[path] for path in (EBC_PATH, MC_PATH) if path in plan.plan]
     by_name = {t.name: t for t in tables}
     out = []
-    for name, ps in module_plan.items():
+    for name, ps in ((n, ps) for mp in module_plans for n, ps in mp.items()):
         t = by_name[name]
         per_rank: dict[int, int] = {}
         if ps.sharding_spec is None:  # data_parallel: a full replica on every rank

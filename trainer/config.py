@@ -20,7 +20,7 @@ import yaml
 from ckpt.config import CkptConfig, job_override, sectioned
 from common.config_loader import apply_override, build, load_yaml, to_dict
 from common.errors import ConfigError
-from sharding.config import OptimizerConfig, ShardingConfig, TableConfig
+from sharding.config import EVICTION_POLICIES, OptimizerConfig, ShardingConfig, TableConfig
 
 # A table name is a key of torchrec's module dicts (no dots), a parameter name and the table
 # field of every checkpoint frame and marker: plain ASCII, like a run id, so it can never be
@@ -230,6 +230,7 @@ def validate(cfg: JobConfig, check_data: bool = True) -> None:
     """Rules spanning several fields; each failure says what to change."""
     src = cfg.source
     features = _validate_model(src, cfg.model)
+    _validate_hashed_tables(src, cfg.model.tables, cfg.sharding)
     _validate_loop(src, cfg)
     _validate_optimizer(src, cfg.optimizer)
     _validate_synthetic(src, cfg.data)
@@ -295,6 +296,36 @@ def _validate_tables(src: str, tables: list[TableConfig], dim: int) -> dict[str,
                 raise ConfigError(f"{src}: {where}: feature {f!r} is already looked up by table {seen_features[f]!r}")
             seen_features[f] = t.name
     return seen_features
+
+
+def _validate_hashed_tables(src: str, tables: list[TableConfig], sharding: ShardingConfig) -> None:
+    """The tables with `managed_collision`: placed row_wise (torchrec shards managed-collision
+    modules by rows only), a known eviction policy, at least one raw id per row, evictions at
+    least every step. The optimizer's fit depends on the device: sharding/plan.py checks it."""
+    for i, t in enumerate(tables):
+        mc = t.managed_collision
+        if mc is None:
+            continue
+        where = f"model.tables.{i} ({t.name})"
+        if sharding.type_of(t) != "row_wise":
+            raise ConfigError(
+                f"{src}: {where}: a hashed table (managed_collision) is sharded row_wise only, not "
+                f"{sharding.type_of(t)}; set its sharding: row_wise"
+            )
+        if mc.eviction_policy not in EVICTION_POLICIES:
+            raise ConfigError(
+                f"{src}: {where}: managed_collision.eviction_policy {mc.eviction_policy!r} is unknown; "
+                f"use one of {', '.join(EVICTION_POLICIES)}"
+            )
+        if mc.input_hash_size < t.num_embeddings:
+            raise ConfigError(
+                f"{src}: {where}: managed_collision.input_hash_size {mc.input_hash_size} is below "
+                f"num_embeddings {t.num_embeddings}; a hashed table has at most as many rows as raw ids"
+            )
+        if mc.eviction_interval < 1:
+            raise ConfigError(
+                f"{src}: {where}: managed_collision.eviction_interval must be at least 1, got {mc.eviction_interval}"
+            )
 
 
 def _validate_loop(src: str, cfg: JobConfig) -> None:

@@ -19,7 +19,7 @@ def local_tensors(model: nn.Module, optimizer: CombinedOptimizer) -> dict[str, t
     """Copies of this rank's embedding shards (weights and fused optimizer state), its
     dense parameters and its dense optimizer state."""
     out: dict[str, torch.Tensor] = {}
-    for s in ShardMap.from_model(model).shards:
+    for s in ShardMap.from_model(model, managed_collision=True).shards:
         key = f"emb/{s.table}/r{s.row_offset}/c{s.col_offset}"
         out[f"{key}/weight"] = s.weight.detach().clone()
         for name, state in s.optimizer_states.items():

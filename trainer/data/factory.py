@@ -9,7 +9,7 @@ from sharding.process_group import DistEnv
 from trainer.config import JobConfig
 from trainer.data.reader import Reader
 from trainer.data.synthetic import SyntheticClickStream
-from trainer.model import feature_cardinalities, feature_names
+from trainer.model import feature_cardinalities, feature_hash_sizes, feature_names
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,7 @@ def make_reader(cfg: JobConfig, env: DistEnv, split: str) -> Reader | None:
             zipf_exponent=s.zipf_exponent,
             ids_per_feature=s.ids_per_feature,
             stream=split,
+            hash_sizes=feature_hash_sizes(cfg.model),
             **common,
         )
     if cfg.data.kind == "criteo_npy":

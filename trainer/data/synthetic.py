@@ -14,6 +14,11 @@ fixed random *teacher* derived from ``seed`` only (the same for the ``train`` an
 ``eval`` streams): per-id scalar effects, per-id low-dimensional vectors whose pairwise
 dot products between features interact, and a linear term on the dense features. The
 teacher stores no table-sized state: per-id values are hashes of the id.
+
+A feature of a hashed table (`hash_sizes`, its table's `input_hash_size`) draws its ids from
+`_HASHED_SPREAD` times as many ids as the table has rows, so ids compete for the rows and
+cold ones are evicted, and sends them as raw ids spread over the whole hash range by a fixed
+affine map derived from the seed (invertible, so the teacher still labels them by their id).
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ _TARGET_CLICK_RATE = 0.3
 # Shares of the logit variance: per-id scalar effects, pairwise interactions, dense.
 _COMPONENT_SHARES = (0.5, 0.3, 0.2)
 _U64 = np.uint64
+# A hashed table's feature draws its ids among this many times its rows.
+_HASHED_SPREAD = 4
 
 
 @dataclass(frozen=True)
@@ -109,7 +116,8 @@ class SyntheticClickStream(GlobalBatches):
 
     Each sample has ``ids_per_feature`` ids per feature (fixed-length bags), ids in
     ``[0, num_embeddings[i])``; ``num_dense`` non-negative float32 dense features
-    (log1p of log-normal counts); labels in {0., 1.}.
+    (log1p of log-normal counts); labels in {0., 1.}. A feature with a ``hash_sizes`` entry
+    above 0 (a hashed table's) has raw ids in ``[0, hash_sizes[i])`` instead (module docstring).
     """
 
     def __init__(
@@ -125,9 +133,11 @@ class SyntheticClickStream(GlobalBatches):
         zipf_exponent: float = 1.05,
         ids_per_feature: int = 1,
         stream: str = "train",
+        hash_sizes: Sequence[int] | None = None,
     ) -> None:
         names, sizes = validate_features(feature_names, num_embeddings, _OWNER)
         _check_table_sizes(names, sizes)
+        hashes = _check_hash_sizes(names, sizes, hash_sizes)
         validate_rank(rank, world_size, _OWNER)
         if isinstance(num_dense, bool) or not isinstance(num_dense, int) or num_dense < 0:
             raise DataError(f"{_OWNER}: num_dense must be an int >= 0, got {num_dense!r}")
@@ -147,7 +157,9 @@ class SyntheticClickStream(GlobalBatches):
         self.zipf_exponent = float(zipf_exponent)
         self.stream = stream
         self._stream_id = _stream_id(stream)
-        self._ids = _make_id_space(seed, sizes, self.zipf_exponent)
+        self.hash_sizes = hashes
+        self._ids = _make_id_space(seed, _drawn_sizes(sizes, hashes), self.zipf_exponent)
+        self._spread = _make_spread(seed, self._ids, hashes)
         self._teacher = _make_teacher(seed, self._ids, num_dense, self.ids_per_feature)
         self._next_global_batch = 0
         self.owner = _OWNER
@@ -185,7 +197,7 @@ class SyntheticClickStream(GlobalBatches):
     def _to_batch(self, draw: _Draw) -> Batch:
         """Wrap a draw into a torchrec Batch (KJT values feature-major)."""
         n, f, length = draw.ids.shape
-        values = draw.ids.transpose(1, 0, 2).reshape(-1).astype(np.int64)
+        values = _spread_ids(draw.ids, self._spread).transpose(1, 0, 2).reshape(-1).astype(np.int64)
         lengths = np.full(f * n, length, dtype=np.int32)
         return make_batch(draw.dense, values, lengths, draw.labels, self.feature_names)
 
@@ -202,10 +214,13 @@ class SyntheticClickStream(GlobalBatches):
         if lengths.shape != (f * n,) or np.any(lengths != length):
             raise DataError(f"{_OWNER}: batch bags must all have {length} ids")
         values = kjt.values().detach().cpu().numpy().astype(np.int64)
-        ids = values.reshape(f, n, length).transpose(1, 0, 2)
-        if np.any(ids < 0) or np.any(ids >= np.asarray(self.num_embeddings)[None, :, None]):
+        raw = values.reshape(f, n, length).transpose(1, 0, 2)
+        if np.any(raw < 0):
             raise DataError(f"{_OWNER}: batch ids out of range of num_embeddings")
-        return ids.astype(np.uint64), dense
+        ids = _unspread_ids(raw.astype(np.uint64), self._spread)
+        if np.any(ids >= self._ids.sizes[None, :, None]):
+            raise DataError(f"{_OWNER}: batch ids out of range of num_embeddings")
+        return ids, dense
 
 
 # -- argument checks ---------------------------------------------------------------------
@@ -216,6 +231,62 @@ def _check_table_sizes(names: list[str], sizes: list[int]) -> None:
     for name, size in zip(names, sizes):
         if size > _MAX_NUM_EMBEDDINGS:
             raise DataError(f"{_OWNER}: num_embeddings for {name!r} is {size}; at most {_MAX_NUM_EMBEDDINGS} rows are supported")
+
+
+def _check_hash_sizes(names: list[str], sizes: list[int], hash_sizes: Sequence[int] | None) -> list[int]:
+    """One raw id space per feature (0: an ordinary table's), at least its table's rows."""
+    if hash_sizes is None:
+        return [0] * len(names)
+    hashes = list(hash_sizes)
+    if len(hashes) != len(names):
+        raise DataError(f"{_OWNER}: hash_sizes has {len(hashes)} entries but feature_names has {len(names)}")
+    for name, size, h in zip(names, sizes, hashes):
+        if isinstance(h, bool) or not isinstance(h, (int, np.integer)) or (h != 0 and not size <= h < 2**63):
+            raise DataError(f"{_OWNER}: hash_sizes for {name!r} must be 0 or an int in [{size}, 2**63), got {h!r}")
+    return [int(h) for h in hashes]
+
+
+def _drawn_sizes(sizes: list[int], hashes: list[int]) -> list[int]:
+    """How many distinct ids each feature draws: its table's rows, or for a hashed table's
+    feature `_HASHED_SPREAD` times as many (at most its hash size and the scatter's limit)."""
+    return [size if not h else min(h, size * _HASHED_SPREAD, _MAX_NUM_EMBEDDINGS) for size, h in zip(sizes, hashes)]
+
+
+@dataclass(frozen=True)
+class _Spread:
+    """Per feature, raw id = id * stride + shift: the drawn ids spread over a hashed table's
+    raw id range (stride 1, shift 0 for an ordinary table's feature, whose ids are rows)."""
+
+    stride: np.ndarray  # uint64 [F]
+    shift: np.ndarray  # uint64 [F]: in [0, stride)
+    hashed: bool  # some feature's stride or shift is not the identity
+
+
+def _make_spread(seed: int, space: _IdSpace, hashes: list[int]) -> _Spread:
+    """The fixed spread of each hashed feature's ids over its hash range, from `seed`."""
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, 0x5BD])))
+    strides, shifts = [], []
+    for drawn, h in zip(space.sizes.tolist(), hashes):
+        stride = h // drawn if h else 1
+        strides.append(stride)
+        shifts.append(int(rng.integers(0, stride)) if stride > 1 else 0)
+    return _Spread(np.asarray(strides, dtype=np.uint64), np.asarray(shifts, dtype=np.uint64), any(hashes))
+
+
+def _spread_ids(ids: np.ndarray, spread: _Spread) -> np.ndarray:
+    """Drawn ids ``[B, F, L]`` to the raw ids a batch carries."""
+    if not spread.hashed:
+        return ids
+    return ids * spread.stride[None, :, None] + spread.shift[None, :, None]
+
+
+def _unspread_ids(raw: np.ndarray, spread: _Spread) -> np.ndarray:
+    """Inverse of `_spread_ids`; a raw id off the spread's grid maps past every drawn id."""
+    if not spread.hashed:
+        return raw
+    stride, shift = spread.stride[None, :, None], spread.shift[None, :, None]
+    off_grid = (raw < shift) | ((raw - shift) % stride != 0)
+    return np.where(off_grid, np.iinfo(np.uint64).max, (raw - shift) // stride).astype(np.uint64)
 
 
 def _check_exponent(zipf_exponent: float) -> None:

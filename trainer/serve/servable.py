@@ -39,6 +39,14 @@ from trainer.serve.requests import Batch, FeatureLayout
 EMBEDDING_MODULES = (EmbeddingBagCollection, EmbeddingCollection)
 
 
+def managed_collision_modules(module: nn.Module) -> list[str]:
+    """The paths of `module`'s managed-collision collections (their id-to-slot mapping lives in
+    the stream's mapping records, which the server does not read)."""
+    from torchrec.modules.mc_modules import ManagedCollisionCollection  # noqa: PLC0415
+
+    return [path or "<root>" for path, m in module.named_modules() if isinstance(m, ManagedCollisionCollection)]
+
+
 class ServableError(DeltarecError):
     """A model the server cannot serve, or a scoring function that broke its contract."""
 
@@ -67,6 +75,12 @@ class Servable:
             raise ServableError("Servable.score must be callable: score(module, dense, sparse) -> scores")
         if self.dense_in_features < 0:
             raise ServableError(f"Servable.dense_in_features = {self.dense_in_features} is negative")
+        hashed = managed_collision_modules(self.module)
+        if hashed:
+            raise ServableError(
+                f"module {hashed[0]} of {type(self.module).__name__} maps raw ids to slots (managed collision): "
+                "deltarec-serve does not serve such tables yet, since it would look raw ids up in an empty mapping"
+            )
         rows = embedding_features(self.module)
         if not rows:
             raise ServableError(f"{type(self.module).__name__} has no EmbeddingBagCollection or EmbeddingCollection")
