@@ -329,9 +329,10 @@ def main(argv: Sequence[str], load_ckpt_config: Callable[[str, list[str]], CkptC
             if args.command == "verify":
                 return cmd_verify(marker, catalog, backend, dense, run_id)
             model = export(marker, backend.source, dense, run_id, backend.locate, args.out, args.dcp)
+            mc = f", {len(model['mc'])} of them also by raw id" if model.get("mc") else ""
             print(
-                f"exported checkpoint {marker.checkpoint_id} (step {marker.step}, {len(model['tables'])} tables) to {args.out}"
-                + (f" and {args.dcp}" if args.dcp else "")
+                f"exported checkpoint {marker.checkpoint_id} (step {marker.step}, {len(model['tables'])} tables{mc}) "
+                f"to {args.out}" + (f" and {args.dcp}" if args.dcp else "")
             )
             return 0
         finally:

@@ -7,6 +7,10 @@ both tagged with checkpoint id and step and written atomically. Rows are dequant
 (never in compaction). The newest `keep` snapshots stay; older ones are removed after a
 newer one is complete. After a rewind the snapshots of the abandoned branch are removed
 (`withdraw`) and the rebuilt checkpoint of the live branch is published at once.
+
+Managed-collision tables come out as an export gives them: by slot in ``"model"``, and keyed by
+raw id under ``"mc"`` (`ckpt.restore.export.McTable`), from the mapping the store folded
+(`RowStore.mapping_records`) and the rows it holds.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from ckpt.dense.store import DenseRef, DenseStore
 from ckpt.follow.store import RowStore
 from ckpt.log.markers import Marker
 from ckpt.restore.export import assemble, build_export, replicated_tables, write_export
+from sharding.managed_collision import McState
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +56,15 @@ def list_snapshots(export_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def store_mapping(store: RowStore) -> dict[str, list[McState]]:
+    """Every managed-collision table's shard states as the store folded them, by table key."""
+    out: dict[str, list[McState]] = {}
+    for _, record in store.mapping_records():
+        assert record.state is not None  # the store gives each shard's state as a full record
+        out.setdefault(record.table, []).append(record.state)
+    return out
+
+
 class Publisher:
     """Writes serving snapshots from a `RowStore` and keeps the newest `keep`."""
 
@@ -66,7 +80,8 @@ class Publisher:
         frames = ((True, frame) for frame in store.frames(run_id, marker.checkpoint_id))
         tables = assemble(marker, frames, replicated_tables(marker, dense_state))
         path, dcp_dir = snapshot_paths(self.export_dir, marker.checkpoint_id, marker.step)
-        write_export(build_export(marker, tables, dense_state).for_serving(), path, dcp_dir if self.dcp else None)
+        exported = build_export(marker, tables, dense_state, store_mapping(store))
+        write_export(exported.for_serving(), path, dcp_dir if self.dcp else None)
         self._trim()
         return Snapshot(marker.checkpoint_id, marker.step, path, dcp_dir if self.dcp else None, time.perf_counter() - t0)
 

@@ -45,9 +45,24 @@ A chain whose marker names a row initialisation stores only trained rows; the ot
 out at their initial values, regenerated (sharding/row_init.py).
 
 Rows come out as the checkpoint stored them: bit-exact for fp32 encodings, dequantized
-otherwise. A managed-collision table comes out by slot, as its rows are stored; the raw id ->
-slot mapping records beside them in the stream are not part of an export yet. The design is
-described in docs/design/restore.md.
+otherwise. The design is described in docs/design/restore.md.
+
+Managed-collision tables (docs/design/managed-collision.md) are stored by slot, and a slot
+means nothing without the raw id -> slot mapping records beside the rows in the stream. Their
+weight in ``"model"`` stays by slot (what the module's own table holds); the export also folds
+each shard's records over the chain (`MappingFold`: a full record is the state, a delta
+applies to the state the link before it left), joins the shards (`to_global`) and gives, per
+such table key, an `McTable` keyed by raw id: ``raw_ids`` (int64 ``[k]``, ascending, the ids
+held), ``rows`` (``[k, dim]``, each id's row), ``slots`` (int64 ``[k]``, its global row),
+``counts`` and ``last_access`` (``[k]``, when the eviction policy keeps them), ``miss_slots``
+and ``miss_rows`` (``[W]`` and ``[W, dim]``: each shard's miss slot and row, which every id
+routed to that shard and not held reads), ``miss_counts`` and ``miss_last_access`` (0-d, when
+kept), ``current_iter``, ``last_eviction_iter``, ``input_hash_size`` (0-d) and ``segments``
+(int64 ``[W + 1]``, the shards' first slots, then the table's rows); `McTable.lookup` reads
+ids' rows. A free slot's row belongs to no id (an eviction left it, an admission draws it
+again) and is not among them. The file holds them under ``"mc"``: ``{table: {field: tensor}}``
+(the key is absent when there are no such tables, so other exports are unchanged), the DCP
+directory under ``mc.<table>.<field>``.
 """
 
 from __future__ import annotations
@@ -56,11 +71,12 @@ import os
 import re
 import shutil
 import socket
-from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -69,10 +85,12 @@ from ckpt.faults import maybe_die
 from ckpt.log.markers import Marker
 from ckpt.restore.replay import decode_rows, iter_chain_frames, row_init_of
 from ckpt.stream.frames import Frame
+from ckpt.stream.mapping import MappingError, join_mapping
 from ckpt.stream.sink import FrameSource
 from ckpt.types import RestoreError
 from common.errors import DeltarecError
 from common.files import fsync_dir
+from sharding.managed_collision import ManagedCollisionError, McState, route, to_global
 from sharding.row_init import fill_rows
 
 #: The module every exported FQN is relative to (what `trainer.model.build_model` returns).
@@ -82,6 +100,7 @@ SERVING_ROOT = "DLRM"
 #: DCP key prefixes of the groups that are not part of the model's state_dict.
 OPTIM_PREFIX = "optim."
 BUFFERS_PREFIX = "buffers."
+MC_PREFIX = "mc."
 #: Prefixes the DMP and DDP wrappers can put in front of a DLRMTrain FQN.
 _WRAPPER_PREFIXES = ("_dmp_wrapped_module.", "module.")
 #: DLRMTrain's only child: every FQN relative to DLRMTrain starts with it.
@@ -116,6 +135,173 @@ def unsharded_fqn(name: str | int, positions: Sequence[str] = ()) -> str:
     return fqn
 
 
+#: `McTable`'s tensor fields, then its integers (0-d tensors in a file), in the order a file lists them
+_MC_ARRAYS = ("raw_ids", "slots", "rows", "counts", "last_access", "miss_slots", "miss_rows", "segments")
+_MC_SCALARS = ("miss_counts", "miss_last_access", "current_iter", "last_eviction_iter", "input_hash_size")
+#: the fields every table has (the counters depend on the eviction policy)
+_MC_REQUIRED = (
+    "raw_ids",
+    "slots",
+    "rows",
+    "miss_slots",
+    "miss_rows",
+    "segments",
+    "current_iter",
+    "last_eviction_iter",
+    "input_hash_size",
+)
+
+
+@dataclass(frozen=True, eq=False)
+class McTable:
+    """A managed-collision table keyed by raw id: the ids its shards hold, each with its row and
+    slot, and what an id no shard holds reads (its shard's miss row). Built from the folded
+    mapping and the assembled rows (`mc_tables`); the export file's ``"mc"`` entry holds one
+    per table key (`as_dict`, read back by `from_dict`). A free slot has no entry."""
+
+    raw_ids: torch.Tensor  # int64 [k], ascending, unique
+    slots: torch.Tensor  # int64 [k]: each id's global row
+    rows: torch.Tensor  # [k, dim]: each id's row
+    counts: torch.Tensor | None  # int64 [k]; None: the eviction policy keeps none
+    last_access: torch.Tensor | None  # int64 [k]: the iteration of its last access; None: not kept
+    miss_slots: torch.Tensor  # int64 [W]: shard r's miss slot (its last row)
+    miss_rows: torch.Tensor  # [W, dim]: shard r's miss row
+    segments: torch.Tensor  # int64 [W + 1]: the shards' first slots, then the table's rows
+    miss_counts: int | None  # the miss slots' count (every shard's is the same); None: not kept
+    miss_last_access: int | None
+    current_iter: int
+    last_eviction_iter: int
+    input_hash_size: int
+
+    @property
+    def world_size(self) -> int:
+        """Shards of the layout the mapping was written under (ids are routed over them)."""
+        return int(self.segments.shape[0]) - 1
+
+    def lookup(self, ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """The rows raw ids `ids` read: a held id its own row, any other its shard's miss row
+        (the shard torchrec routes it to over `world_size` ranks: `route`)."""
+        want = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
+        out = self.miss_rows[torch.from_numpy(route(want.numpy(), self.input_hash_size, self.world_size))]
+        if self.raw_ids.numel():
+            at = torch.searchsorted(self.raw_ids, want).clamp(max=self.raw_ids.numel() - 1)
+            held = self.raw_ids[at] == want
+            out[held] = self.rows[at[held]]
+        return out
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        """Every field as a tensor (0-d for the scalars), absent counters left out."""
+        out: dict[str, torch.Tensor] = {}
+        for name in _MC_ARRAYS:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        for name in _MC_SCALARS:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = torch.tensor(value, dtype=torch.int64)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> McTable:
+        """The table `as_dict` wrote (an export file's ``f["mc"][table]``)."""
+        missing = [name for name in _MC_REQUIRED if d.get(name) is None]
+        if missing:
+            raise ExportError(f"not a managed-collision table of an export: no {', '.join(missing)}")
+        try:
+            arrays = {name: d.get(name) for name in _MC_ARRAYS}
+            scalars = {name: None if d.get(name) is None else int(d[name]) for name in _MC_SCALARS}
+            return cls(**arrays, **scalars)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as exc:
+            raise ExportError(f"not a managed-collision table of an export: {exc}") from None
+
+
+class MappingFold:
+    """The mapping records of a chain's managed-collision shards, folded as their frames arrive
+    in chain order: a record's frames (chunks 0..count-1 of one partition) are joined once the
+    last came; a full record is the shard's state, a delta applies to the state the shard's
+    previous record left, which must be of the checkpoint it follows."""
+
+    def __init__(self) -> None:
+        self._pieces: dict[tuple[str, int], list[Frame]] = {}  # (table, partition) -> chunks of a record not yet whole
+        self._shards: dict[tuple[str, int], tuple[McState, int]] = {}  # (table, first slot) -> (state, its checkpoint)
+
+    def add(self, frame: Frame) -> None:
+        """Take one mapping frame; fold its record in once whole. Refuses, in one line, a record
+        that cannot be read or does not follow the state held."""
+        key = (frame.table, frame.rank)
+        pieces = self._pieces.setdefault(key, [])
+        pieces.append(frame)
+        if frame.chunk_index + 1 < frame.chunk_count:
+            return
+        del self._pieces[key]
+        try:
+            record = join_mapping(pieces)
+            shard = (record.table, record.slot_offset)
+            held = self._shards.get(shard)
+            state = record.resolve(None, 0) if held is None else record.resolve(*held)
+        except MappingError as exc:
+            raise RestoreError(f"checkpoint {frame.checkpoint_id}: rank {frame.rank}: {exc}") from None
+        self._shards[shard] = (state, frame.checkpoint_id)
+
+    def states(self, checkpoint_id: int) -> dict[str, list[McState]]:
+        """Each table's shard states after the chain of checkpoint `checkpoint_id`, by first
+        slot. Refuses a record left part way."""
+        for (table, partition), pieces in self._pieces.items():
+            raise RestoreError(
+                f"checkpoint {checkpoint_id}: table {table} rank {partition}: the mapping record of checkpoint "
+                f"{pieces[0].checkpoint_id} has {len(pieces)} of its {pieces[0].chunk_count} frames"
+            )
+        out: dict[str, list[McState]] = {}
+        for (table, _), (state, _) in sorted(self._shards.items()):
+            out.setdefault(table, []).append(state)
+        return out
+
+
+def _int64(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.array(a, dtype=np.int64))  # a copy: the states' arrays are read-only
+
+
+def mc_tables(
+    checkpoint_id: int, tables: Mapping[str, Mapping[str, torch.Tensor]], mapping: Mapping[str, Sequence[McState]]
+) -> dict[str, McTable]:
+    """Each managed-collision table of `mapping` (table key -> every shard's state) keyed by raw
+    id, its rows taken by slot from the assembled `tables`. Refuses, in one line, a mapping of a
+    table without rows, of another row count, or whose shards do not make up one whole table."""
+    out: dict[str, McTable] = {}
+    for table, states in sorted(mapping.items()):
+        if table not in tables:
+            raise ExportError(f"checkpoint {checkpoint_id}: table {table} has an id mapping but no rows in the stream")
+        weight = tables[table]["weight"]
+        try:
+            glob = to_global(states)
+        except ManagedCollisionError as exc:
+            raise ExportError(f"checkpoint {checkpoint_id}: the id mapping of table {table} is not whole: {exc}") from None
+        if glob.num_embeddings != weight.shape[0]:
+            raise ExportError(
+                f"checkpoint {checkpoint_id}: the id mapping of table {table} is of {glob.num_embeddings} slots, "
+                f"the table has {weight.shape[0]} rows"
+            )
+        slots = _int64(glob.slots)
+        miss = torch.tensor([s.miss_slot for s in sorted(states, key=lambda s: s.slot_offset)], dtype=torch.int64)
+        out[table] = McTable(
+            raw_ids=_int64(glob.raw_ids),
+            slots=slots,
+            rows=weight[slots],
+            counts=None if glob.counts is None else _int64(glob.counts),
+            last_access=None if glob.last_access is None else _int64(glob.last_access),
+            miss_slots=miss,
+            miss_rows=weight[miss],
+            segments=torch.tensor(glob.segments, dtype=torch.int64),
+            miss_counts=None if glob.counts is None else glob.miss_counts,
+            miss_last_access=None if glob.last_access is None else glob.miss_last_access,
+            current_iter=glob.current_iter,
+            last_eviction_iter=glob.last_eviction_iter,
+            input_hash_size=glob.input_hash_size,
+        )
+    return out
+
+
 @dataclass(frozen=True)
 class ExportedModel:
     """One checkpoint as the unsharded model, keyed by FQNs relative to `fqn_root`."""
@@ -127,6 +313,7 @@ class ExportedModel:
     buffers: dict[str, torch.Tensor]  # captured buffers (DLRM's are non-persistent)
     tables: dict[str, str]  # table name -> FQN of its weight in `model`
     fqn_root: str = FQN_ROOT
+    mc: dict[str, McTable] = field(default_factory=dict)  # managed-collision table key -> the table by raw id
 
     def for_serving(self) -> ExportedModel:
         """The same model keyed relative to the inner `DLRM` (``model.`` stripped), the module
@@ -147,11 +334,13 @@ class ExportedModel:
             strip(self.buffers),
             {t: fqn[len(_ROOT_CHILD) :] for t, fqn in self.tables.items()},
             SERVING_ROOT,
+            self.mc,
         )
 
     def to_file(self) -> dict[str, Any]:
-        """The `torch.save` payload (documented in this module's docstring)."""
-        return {
+        """The `torch.save` payload (documented in this module's docstring); ``"mc"`` only when
+        the model has managed-collision tables."""
+        payload: dict[str, Any] = {
             "fqn_root": self.fqn_root,
             "checkpoint_id": self.checkpoint_id,
             "step": self.step,
@@ -160,6 +349,9 @@ class ExportedModel:
             "buffers": self.buffers,
             "tables": self.tables,
         }
+        if self.mc:
+            payload["mc"] = {table: t.as_dict() for table, t in self.mc.items()}
+        return payload
 
     def to_dcp(self) -> dict[str, Any]:
         """Flat DCP keys: model FQNs as they are, the other groups under their prefixes."""
@@ -167,6 +359,12 @@ class ExportedModel:
         for fqn, states in self.optim.items():
             flat.update({f"{OPTIM_PREFIX}{fqn}.{name}": value for name, value in states.items()})
         flat.update({f"{BUFFERS_PREFIX}{fqn}": b for fqn, b in self.buffers.items()})
+        for table, t in self.mc.items():
+            for name, value in t.as_dict().items():
+                key = f"{MC_PREFIX}{table}.{name}"
+                if key in flat:
+                    raise ExportError(f"DCP key {key!r} names both a model entry and a field of managed-collision table {table}")
+                flat[key] = value
         return flat
 
 
@@ -174,14 +372,16 @@ def assemble(
     marker: Marker,
     frames: Iterable[tuple[bool, Frame]],
     replicated: Collection[str] = (),
+    mapping: MappingFold | None = None,
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Write `frames` (each with whether it belongs to the chain's base), base first, into
     full tables: {table: {"weight": ..., "<state>": ...}}. The base must cover every table.
 
     Tables in `replicated` (data-parallel: trained by the dense optimizer, they travel with
     the dense state and have no rows in the stream) are left out. Mapping frames (the raw id
-    -> slot records of managed-collision tables) hold no rows and are passed over: a table's
-    rows come out by slot."""
+    -> slot records of managed-collision tables) hold no rows: a table's rows come out by
+    slot, and the records are folded into `mapping` when one is given (`mc_tables` then keys
+    the table by raw id)."""
     if not marker.tables:
         raise RestoreError(f"checkpoint {marker.checkpoint_id}: its marker has no table shapes (written by an older deltarec)")
     shapes = {name: shape for name, shape in marker.tables.items() if name not in replicated}
@@ -203,6 +403,8 @@ def assemble(
         if frame.is_mapping:  # a managed-collision table's raw id -> slot record: no rows
             if frame.table not in marker.tables:
                 raise RestoreError(f"mapping frame of unknown table {frame.table!r} in checkpoint {marker.checkpoint_id}")
+            if mapping is not None:
+                mapping.add(frame)
             continue
         if frame.table not in tables:
             raise RestoreError(f"frame of unknown table {frame.table!r} in checkpoint {marker.checkpoint_id}")
@@ -232,8 +434,15 @@ def _add_unique(group: dict[str, Any], fqn: str, value: Any, what: str) -> None:
     group[fqn] = value
 
 
-def build_export(marker: Marker, tables: dict[str, dict[str, torch.Tensor]], dense_state: dict[str, Any]) -> ExportedModel:
-    """Rename assembled tables and a captured dense state to unsharded DLRMTrain FQNs."""
+def build_export(
+    marker: Marker,
+    tables: dict[str, dict[str, torch.Tensor]],
+    dense_state: dict[str, Any],
+    mapping: Mapping[str, Sequence[McState]] | None = None,
+) -> ExportedModel:
+    """Rename assembled tables and a captured dense state to unsharded DLRMTrain FQNs; with
+    `mapping` (managed-collision table key -> every shard's state), key those tables by raw
+    id too (`mc_tables`)."""
     model: dict[str, torch.Tensor] = {}
     optim: dict[str, dict[str, Any]] = {}
     names: dict[str, str] = {}
@@ -256,7 +465,8 @@ def build_export(marker: Marker, tables: dict[str, dict[str, torch.Tensor]], den
     for name, value in dense_state["buffers"].items():
         _add_unique(buffers, unsharded_fqn(name), value, "buffer")
     root = str(dense_state.get("root", FQN_ROOT))
-    return ExportedModel(marker.checkpoint_id, marker.step, model, optim, buffers, names, root)
+    mc = mc_tables(marker.checkpoint_id, tables, mapping) if mapping else {}
+    return ExportedModel(marker.checkpoint_id, marker.step, model, optim, buffers, names, root, mc)
 
 
 def replicated_tables(marker: Marker, dense_state: dict[str, Any]) -> set[str]:
@@ -370,8 +580,11 @@ def export(
     dcp_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Write the unsharded model of `marker` to `out` (and `dcp_dir`); returns the
-    `torch.save` payload, whose ``"tables"`` maps each table to its weight's FQN."""
+    `torch.save` payload, whose ``"tables"`` maps each table to its weight's FQN (and whose
+    ``"mc"``, when there are managed-collision tables, holds each keyed by raw id)."""
     dense_state = dense.read(DenseRef.from_json(marker.dense))
     frames = ((link.full, frame) for link, frame in iter_chain_frames(marker, source, run_id, locate))
-    tables = assemble(marker, frames, replicated_tables(marker, dense_state))
-    return write_export(build_export(marker, tables, dense_state), out, dcp_dir)
+    mapping = MappingFold()
+    tables = assemble(marker, frames, replicated_tables(marker, dense_state), mapping)
+    exported = build_export(marker, tables, dense_state, mapping.states(marker.checkpoint_id))
+    return write_export(exported, out, dcp_dir)
