@@ -178,6 +178,15 @@ SUITES = (
         "a one-GPU job's throughput with checkpoints every --interval-s against none (~6 min)",
     ),
     Suite(
+        "hashed",
+        "bench.hashed",
+        (),
+        "managed-collision (ZCH) tables on an eviction-heavy stream (20% new ids an interval): bytes per incremental "
+        "checkpoint, rows and id-to-slot mapping apart, against dcp.save and the intervals one dcp.save holds; the stall "
+        "and the mapping's capture in it with and without an eviction; mapping bytes and capture time per admitted or "
+        "evicted id (~1 min; --quick ~10 s)",
+    ),
+    Suite(
         "retouch",
         "bench.retouch",
         (),
