@@ -7,10 +7,7 @@ printed; `DELTAREC_TEST_SEED` replays it) and resumed, its final model (exported
 
 from __future__ import annotations
 
-import os
-import random
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
@@ -18,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from launch.ranks import RankGroup, start_command
-from tests.integration.test_examples import _assert_same, _committed, export_run
+from tests.conformance.test_user_loops import kill_at_random
+from tests.conftest import ReplaySeed
+from tests.integration.test_examples import _assert_same, export_run
 
 pytestmark = pytest.mark.multirank
 
@@ -40,29 +39,17 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]
     return tmp / "run", export_run(tmp / "run", tmp / "final.pt")
 
 
-def test_the_hashed_example_killed_from_outside_resumes_bit_identical(tmp_path: Path, uninterrupted: tuple[Path, dict]) -> None:
+def test_the_hashed_example_killed_from_outside_resumes_bit_identical(
+    tmp_path: Path, uninterrupted: tuple[Path, dict], replay_seed: ReplaySeed
+) -> None:
     _, reference = uninterrupted
-    seed = int(os.environ.get("DELTAREC_TEST_SEED", time.time_ns() % 100_000))
-    print(f"kill point seed {seed} (DELTAREC_TEST_SEED={seed} replays it)")
-    rng = random.Random(seed)
     run_dir = tmp_path / "run"
-    group = _start(run_dir, tmp_path)
-    need = rng.randint(1, 4)
-    deadline = time.monotonic() + 240
-    while _committed(run_dir) < need and group.running() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(rng.uniform(0.0, 0.3))
-    if not group.running():
-        pytest.fail(f"the job ended before it could be killed (seed {seed}): make it longer")
-    for p in group.procs:
-        p.send_signal(signal.SIGKILL)
-    results = group.wait(expect_ok=False)
-    assert all(r.returncode == -signal.SIGKILL for r in results), [r.returncode for r in results]
+    kill_at_random(_start(run_dir, tmp_path), run_dir, replay_seed, 4, 0.3)
     _start(run_dir, tmp_path).wait()
     resumed = export_run(run_dir, tmp_path / "final.pt")
     assert resumed["step"] == STEPS
     assert "users._embedding_module.embedding_bags.user.weight" in reference["model"], sorted(reference["model"])
-    _assert_same(reference, resumed, f"hashed_ids, seed {seed}")
+    _assert_same(reference, resumed, f"hashed_ids ({replay_seed})")
 
 
 def test_the_hashed_example_resumes_on_one_rank_and_trains_on(tmp_path: Path, uninterrupted: tuple[Path, dict]) -> None:
