@@ -41,6 +41,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from ckpt import Checkpointer, CkptConfig, load_ckpt_config  # deltarec
 from common.process import run_main  # deltarec
+from trainer.serve.servable import Servable  # deltarec: serving
 
 USER_SPACE, USER_SLOTS, ITEMS, DIM = 2**40, 4_096, 2_000, 16
 EVICTION_INTERVAL = 20  # training steps between evictions
@@ -72,10 +73,28 @@ class HashedRanker(nn.Module):
         )
         self.mlp = nn.Sequential(nn.Linear(2 * DIM, 32), nn.ReLU(), nn.Linear(32, 1))
 
-    def forward(self, users: KeyedJaggedTensor, items: KeyedJaggedTensor, labels: torch.Tensor) -> torch.Tensor:
+    def logits(self, users: KeyedJaggedTensor, items: KeyedJaggedTensor) -> torch.Tensor:
         pooled_users, _ = self.users(users)  # (pooled embeddings, the remapped ids: not needed here)
         x = torch.cat([pooled_users.values(), self.items(items).values()], dim=1)
-        return nn.functional.binary_cross_entropy_with_logits(self.mlp(x).squeeze(1), labels)
+        return self.mlp(x).squeeze(1)
+
+    def forward(self, users: KeyedJaggedTensor, items: KeyedJaggedTensor, labels: torch.Tensor) -> torch.Tensor:
+        return nn.functional.binary_cross_entropy_with_logits(self.logits(users, items), labels)
+
+    def score(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        """Serving: each sample's click probability. `sparse` holds its raw user id (the server
+        maps it to its slot as training did at the checkpoint served) and its item id."""
+        f = sparse.to_dict()
+        users = KeyedJaggedTensor.from_jt_dict({"user_id": f["user_id"]})
+        items = KeyedJaggedTensor.from_jt_dict({"item_id": f["item_id"]})
+        return torch.sigmoid(self.logits(users, items))
+
+
+def served_model() -> Servable:  # deltarec: serving
+    """The unsharded model, for `deltarec-serve --config <run-dir>/ckpt.yaml --model
+    examples.hashed_ids:served_model`: a request's sample is a raw user id (below 2^40) and an
+    item id, scored by `score`."""
+    return Servable(HashedRanker(), score=HashedRanker.score)
 
 
 def batch(step: int, rank: int, size: int, seed: int) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor, torch.Tensor]:

@@ -714,6 +714,18 @@ class McGlobal:
     def num_embeddings(self) -> int:
         return self.segments[-1]
 
+    def slots_of(self, raw_ids: np.ndarray) -> np.ndarray:
+        """The global slot each of `raw_ids` reads, as the sharded module would: its own when it
+        is held, else the miss slot (last row) of the shard `route` sends it to."""
+        ids = np.asarray(raw_ids, dtype=np.int64)
+        ends = np.asarray(self.segments[1:], dtype=np.int64)
+        out = ends[route(ids, self.input_hash_size, len(ends))] - 1
+        if self.raw_ids.size:
+            at = np.searchsorted(self.raw_ids, ids).clip(max=self.raw_ids.size - 1)
+            held = self.raw_ids[at] == ids
+            out[held] = self.slots[at[held]]
+        return out
+
 
 def to_global(states: Sequence[McState]) -> McGlobal:
     """One table's shard states (every rank's, any order) as one world-size independent state.

@@ -226,6 +226,14 @@ class MappingFold:
         self._pieces: dict[tuple[str, int], list[Frame]] = {}  # (table, partition) -> chunks of a record not yet whole
         self._shards: dict[tuple[str, int], tuple[McState, int]] = {}  # (table, first slot) -> (state, its checkpoint)
 
+    def copy(self) -> MappingFold:
+        """A fold that goes on from this one's records and leaves this one as it is (the records
+        fold into new states; a state is never changed in place)."""
+        out = MappingFold()
+        out._pieces = {key: list(pieces) for key, pieces in self._pieces.items()}
+        out._shards = dict(self._shards)
+        return out
+
     def add(self, frame: Frame) -> None:
         """Take one mapping frame; fold its record in once whole. Refuses, in one line, a record
         that cannot be read or does not follow the state held."""

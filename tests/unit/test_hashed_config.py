@@ -126,17 +126,3 @@ def test_an_ordinary_model_is_unchanged(tmp_path: Path, debug_config: DebugConfi
     dense_b = {n: p for n, p in b.named_parameters() if "sparse_arch" not in n}
     assert list(dense_a) == list(dense_b) and dense_a
     assert all(torch.equal(dense_a[n], dense_b[n]) for n in dense_a)
-
-
-def test_deltarec_serve_refuses_a_model_with_hashed_tables(tmp_path: Path, debug_config: DebugConfig) -> None:
-    """The server would look raw ids up in a mapping it never loads: refused with one line
-    naming the module, never served from slots some other id owns."""
-    from trainer.serve.servable import ServableError
-    from trainer.serve.versions import dlrm_servable
-
-    cfg = load_config(_write(tmp_path, debug_config, {"sharding": "row_wise", "managed_collision": HASHED}))
-    with pytest.raises(
-        ServableError, match=r"module .*managed_collision.* maps raw ids to slots .* does not serve such tables yet"
-    ):
-        dlrm_servable(cfg.model)
-    dlrm_servable(load_config(debug_config.path).model)  # an ordinary model still serves

@@ -16,15 +16,16 @@ are the scoring function's to give), and returns ``n`` scores. It runs under
 `torch.inference_mode`, on the CPU, with `serve.threads` threads.
 
 The request schema comes from the module: each feature of its `EmbeddingBagCollection`s and
-`EmbeddingCollection`s (at any depth) takes ids below its table's row count. Its tables are
-the parameters of those collections, keyed as the checkpoint keys them (their FQN without
-``.weight``, after `fqn_prefix`).
+`EmbeddingCollection`s (at any depth) takes ids below its table's row count, and each feature
+of a managed-collision (hashed-id) table takes raw ids, below its ``input_hash_size``
+(trainer/serve/hashed.py). Its tables are the parameters of those collections, keyed as the
+checkpoint keys them (their FQN without ``.weight``, after `fqn_prefix`).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,18 +34,11 @@ from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingCollection, KeyedJaggedTensor
 
 from common.errors import DeltarecError
+from trainer.serve.hashed import HashedTable, hashed_tables, mapping_buffers
 from trainer.serve.requests import Batch, FeatureLayout
 
 #: The modules whose parameters are tables (rows in the stream) and whose features are the request's.
 EMBEDDING_MODULES = (EmbeddingBagCollection, EmbeddingCollection)
-
-
-def managed_collision_modules(module: nn.Module) -> list[str]:
-    """The paths of `module`'s managed-collision collections (their id-to-slot mapping lives in
-    the stream's mapping records, which the server does not read)."""
-    from torchrec.modules.mc_modules import ManagedCollisionCollection  # noqa: PLC0415
-
-    return [path or "<root>" for path, m in module.named_modules() if isinstance(m, ManagedCollisionCollection)]
 
 
 class ServableError(DeltarecError):
@@ -75,12 +69,7 @@ class Servable:
             raise ServableError("Servable.score must be callable: score(module, dense, sparse) -> scores")
         if self.dense_in_features < 0:
             raise ServableError(f"Servable.dense_in_features = {self.dense_in_features} is negative")
-        hashed = managed_collision_modules(self.module)
-        if hashed:
-            raise ServableError(
-                f"module {hashed[0]} of {type(self.module).__name__} maps raw ids to slots (managed collision): "
-                "deltarec-serve does not serve such tables yet, since it would look raw ids up in an empty mapping"
-            )
+        hashed_tables(self.module, self.fqn_prefix)  # refuses a managed-collision module it cannot serve
         rows = embedding_features(self.module)
         if not rows:
             raise ServableError(f"{type(self.module).__name__} has no EmbeddingBagCollection or EmbeddingCollection")
@@ -92,16 +81,22 @@ class Servable:
     def name(self) -> str:
         return type(self.module).__name__
 
+    @property
+    def hashed(self) -> list[HashedTable]:
+        """The module's managed-collision tables (their features take raw ids)."""
+        return hashed_tables(self.module, self.fqn_prefix)
+
     def layout(self) -> FeatureLayout:
-        """What a request's sample must look like."""
+        """What a request's sample must look like: a hashed table's features take raw ids."""
         rows = embedding_features(self.module)
+        rows.update({f: table.ids_below for table in self.hashed for f in table.features})
         features = tuple(self.features) if self.features is not None else tuple(rows)
         return FeatureLayout(self.dense_in_features, features, tuple(rows[f] for f in features))
 
     def fresh_module(self) -> nn.Module:
         """A copy of the module on the CPU in eval mode, every tensor on the meta device
         materialised uninitialised (a checkpoint fills it)."""
-        return materialise(copy.deepcopy(self.module))
+        return materialise(copy.deepcopy(self.module), unread=mapping_buffers(self.module))
 
     def table_weights(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """Each table's weight in `module`, by its key in the stream (its FQN without ``.weight``)."""
@@ -139,11 +134,12 @@ def embedding_features(module: nn.Module) -> dict[str, int]:
     return rows
 
 
-def materialise(module: nn.Module) -> nn.Module:
+def materialise(module: nn.Module, unread: Collection[str] = ()) -> nn.Module:
     """`module` with the tensors it holds on the meta device made real (uninitialised) on the
     CPU, one submodule at a time (a module's other tensors, such as buffers computed at
-    construction and left out of its state_dict, keep their values), then in eval mode."""
-    saved = set(module.state_dict(keep_vars=True))
+    construction and left out of its state_dict, keep their values), then in eval mode.
+    `unread` are buffers a served copy never reads (a managed-collision module's own mapping)."""
+    saved = set(module.state_dict(keep_vars=True)) | set(unread)
     for path, sub in module.named_modules():
         own = [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]
         if not any(t.is_meta for _, t in own):

@@ -25,6 +25,13 @@ follower rebuilds the newest checkpoint of the live branch, and the next `finish
 Versions swapped in from then until the new branch's first checkpoint carry the rewind
 (`Version.rewind`), for the server's measures of how long it lasted.
 
+A managed-collision (hashed-id) table is answered by raw id: each copy has its own mapping
+(`SlotMaps`, trainer/serve/hashed.py), the shards' mapping records folded over the chain as
+export folds them (ckpt/restore/export.py `MappingFold`) and joined when the checkpoint is
+swapped in, with the copy. A delta goes on from the fold the live checkpoint left (a copy of
+it: a checkpoint that fails part way leaves it as it was); a rebuild, after a rewind too,
+folds its chain from nothing.
+
 Memory per row of the embedding tables (docs/design/serving.md): two fp32 copies (2 x 4 x dim
 bytes), plus the decoded rows of one checkpoint's delta, plus during a rebuild one byte per
 row and column shard (the check that the base covers every row).
@@ -48,23 +55,22 @@ from torchrec.models.dlrm import DLRM
 from ckpt.dense.store import DenseRef, DenseStore
 from ckpt.follow.follower import Rewind
 from ckpt.log.markers import Marker
-from ckpt.restore.export import SERVING_ROOT, build_export, replicated_tables, table_fqn
+from ckpt.restore.export import SERVING_ROOT, MappingFold, build_export, replicated_tables, table_fqn
 from ckpt.restore.replay import decode_rows, row_init_of
 from ckpt.stream.frames import Frame
 from ckpt.types import RestoreError
 from common.errors import DeltarecError
-from sharding.plan import EBC_PATH as TRAIN_EBC_PATH
+from sharding.managed_collision import ManagedCollisionError, McGlobal, to_global
 from sharding.row_init import fill_rows
 from trainer.config import ModelConfig
 from trainer.model import build_model, feature_names
-from trainer.serve.servable import Servable
+from trainer.serve.hashed import SlotMaps, install, mapping_buffers
+from trainer.serve.servable import Servable, materialise
 
 logger = logging.getLogger(__name__)
 
 #: Every FQN a checkpoint of deltarec-train records is relative to DLRMTrain, whose only child is the DLRM.
 _ROOT_CHILD = "model."
-#: Where the DLRM keeps its embedding collection (DLRMTrain's path without that child).
-EBC_PATH = TRAIN_EBC_PATH.removeprefix(_ROOT_CHILD)
 
 
 class NotReady(DeltarecError):
@@ -114,20 +120,21 @@ class Version:
     first_served_unix: float = 0.0  # its first response; 0.0: none yet
     at_start: bool = False  # the checkpoint the server started from: its age is not the stream's lag
     rewind: RewindServed | None = None  # swapped in after a rewind, up to the new branch's first checkpoint
+    ids: SlotMaps = field(default_factory=SlotMaps)  # its managed-collision tables' mapping (trainer/serve/hashed.py)
     readers: int = 0  # requests computing on it now
     behind: list[Rows] | None = field(default_factory=list)  # rows it lacks against the live copy; None: all
 
     @property
     def nbytes(self) -> int:
-        return sum(w.numel() * w.element_size() for w in self.weights.values())
+        return sum(w.numel() * w.element_size() for w in self.weights.values()) + self.ids.nbytes
 
 
 def serving_module(cfg: ModelConfig) -> DLRM:
     """The inner DLRM of `build_model` on the CPU, its tables materialised (uninitialised: a
-    checkpoint fills them), in eval mode."""
+    checkpoint fills them; a managed-collision table's own mapping too, which a served copy
+    never reads), in eval mode."""
     dlrm = build_model(cfg, torch.device("cpu")).model
-    dlrm.get_submodule(EBC_PATH).to_empty(device="cpu")
-    return dlrm.eval()
+    return materialise(dlrm, unread=mapping_buffers(dlrm))
 
 
 def dlrm_score(module: DLRM, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
@@ -161,6 +168,7 @@ class ServedModel:
         self.servable = dlrm_servable(model) if isinstance(model, ModelConfig) else model
         self.dense = dense
         self.on_live = on_live
+        self._hashed = {t.key: t for t in self.servable.hashed}  # managed-collision tables, by key
         self.live: Version | None = None
         self.standby = self._copy()
         self._spare: Version | None = self._copy()  # the second copy, until the first swap
@@ -174,12 +182,16 @@ class ServedModel:
         self._delta: list[Rows] = []  # this checkpoint's rows, for the other copy
         self._covered: dict[tuple[str, int, int], torch.Tensor] = {}  # a rebuild's base, per column shard
         self.not_ready = "no checkpoint applied yet"  # what a request hears while none is live
+        self._fold = MappingFold()  # their mapping records, folded up to the live checkpoint
+        self._folding: MappingFold | None = None  # ... and on to the checkpoint being applied
         self.rewinds: list[RewindServed] = []  # every rewind that withdrew a live checkpoint
         self._rewind: RewindServed | None = None  # the last one, until the new branch's first checkpoint is live
 
     def _copy(self) -> Version:
         module = self.servable.fresh_module()
-        return Version(module, self.servable.table_weights(module), behind=None)
+        version = Version(module, self.servable.table_weights(module), behind=None)
+        install(module, list(self._hashed.values()), version.ids)
+        return version
 
     @property
     def nbytes(self) -> int:
@@ -216,6 +228,7 @@ class ServedModel:
         self._dense_state = self.dense.read(DenseRef.from_json(marker.dense))  # a bad file fails here, early
         self._streamed = set(marker.tables) - replicated_tables(marker, self._dense_state)
         standby = self.standby
+        self._folding = MappingFold() if rebuild else self._fold.copy()
         if rebuild:
             standby.behind = None  # the chain writes every row
             return
@@ -242,10 +255,11 @@ class ServedModel:
         self._covered = {}
 
     def apply(self, frame: Frame, partition: int, table_rows: int) -> None:
-        """Decode one frame's weights into the standby copy (optimizer state is not served). A
-        mapping frame (a managed-collision table's raw id -> slot record) holds no rows: the
-        server answers such a table by slot, as its model is given ids."""
+        """Decode one frame's weights into the standby copy (optimizer state is not served), or
+        fold a mapping frame (a managed-collision table's raw id -> slot record) into the
+        standby's mapping."""
         if frame.is_mapping:
+            self._fold_mapping(frame)
             return
         weight = self._standby_weights().get(frame.table)
         if weight is None:
@@ -282,6 +296,7 @@ class ServedModel:
         """Load the checkpoint's dense state into the standby copy and swap it in."""
         standby = self.standby
         self._load_dense(standby, marker, self._dense_state)
+        standby.ids.tables = self._joined_mapping(marker.checkpoint_id)
         standby.checkpoint_id, standby.step = marker.checkpoint_id, marker.step
         standby.step_unix = marker.step_unix or marker.created_unix
         rewind = self._rewind
@@ -296,12 +311,14 @@ class ServedModel:
             previous.behind = None if self._rebuild else self._delta
             self.standby = previous
         self._delta, self._marker, self._dense_state = [], None, {}
+        self._fold, self._folding = self._folding or self._fold, None
         self.on_live(standby, marker, time.perf_counter() - self._t0)
 
     def abandon(self) -> None:
         """The checkpoint failed part way: the standby copy holds nothing usable."""
         self.standby.behind = None
         self._delta, self._covered, self._marker, self._dense_state = [], {}, None, {}
+        self._folding = None
 
     def withdraw(self, rewind: Rewind) -> None:
         """The follower's `on_rewind`: the live checkpoint was abandoned. No request is answered
@@ -319,6 +336,40 @@ class ServedModel:
             self.rewinds.append(served)
 
     # -- helpers --------------------------------------------------------------------------
+    def _fold_mapping(self, frame: Frame) -> None:
+        """Fold one mapping frame into the mapping of the checkpoint being applied."""
+        if frame.table not in self._hashed:
+            raise RestoreError(
+                f"checkpoint {frame.checkpoint_id} has an id mapping for table {frame.table!r}, "
+                f"which is no managed-collision table of the served {self.servable.name}"
+            )
+        assert self._folding is not None, "begin() comes first"
+        self._folding.add(frame)
+
+    def _joined_mapping(self, checkpoint_id: int) -> dict[str, McGlobal]:
+        """Every managed-collision table's mapping at `checkpoint_id`, its shards joined. Refuses
+        a table without one, or one of another row count than the served table."""
+        if not self._hashed:
+            return {}
+        assert self._folding is not None, "begin() comes first"
+        states = self._folding.states(checkpoint_id)
+        out: dict[str, McGlobal] = {}
+        for key in self._hashed:
+            if key not in states:
+                raise RestoreError(f"checkpoint {checkpoint_id} holds no id mapping for managed-collision table {key}")
+            try:
+                joined = to_global(states[key])
+            except ManagedCollisionError as exc:
+                raise RestoreError(f"checkpoint {checkpoint_id}: the id mapping of table {key} is not whole: {exc}") from None
+            rows = self.standby.weights[key].shape[0]
+            if joined.num_embeddings != rows:
+                raise RestoreError(
+                    f"checkpoint {checkpoint_id}: the id mapping of table {key} is of {joined.num_embeddings} slots, "
+                    f"the served table has {rows} rows"
+                )
+            out[key] = joined
+        return out
+
     def _standby_weights(self) -> dict[str, torch.Tensor]:
         """Tables the stream carries rows of (data-parallel ones come with the dense state)."""
         return {k: w for k, w in self.standby.weights.items() if k in self._streamed}
@@ -343,7 +394,8 @@ class ServedModel:
             raise RestoreError(f"checkpoint {cid} is of deltarec-train's {SERVING_ROOT}: serve its job without --model")
         params = dict(version.module.named_parameters())
         saved = version.module.state_dict()
-        buffers = {k: b for k, b in version.module.named_buffers() if k in saved}
+        unread = mapping_buffers(version.module)  # the mapping comes from the stream's records
+        buffers = {k: b for k, b in version.module.named_buffers() if k in saved and k not in unread}
         streamed = {table_fqn(k).removeprefix(served.fqn_prefix) for k in marker.tables} - set(exported.model)
         missing = sorted(set(params) - set(exported.model) - streamed) + sorted(set(buffers) - set(exported.buffers))
         unknown = sorted(set(exported.model) - set(params))
