@@ -26,9 +26,9 @@ EVICTION_INTERVAL = 3  # checkpoints every 10 steps: resumes land between two ev
 pytestmark = pytest.mark.integration
 
 
-def hashed_config(debug_config: DebugConfig, where: Path) -> Path:
+def hashed_config(debug_config: DebugConfig, where: Path, sparse: str = "adagrad") -> Path:
     """The debug job with t_item hashed (row-wise, 200 rows) and a sparse optimizer that
-    evicts on CPU (plain Adagrad: row-wise Adagrad's momentum reset is CUDA-only)."""
+    evicts on CPU (plain Adagrad by default: row-wise Adagrad's momentum reset is CUDA-only)."""
     data = debug_config.raw()
     (item,) = [t for t in data["model"]["tables"] if t["name"] == "t_item"]
     item.update(
@@ -40,7 +40,7 @@ def hashed_config(debug_config: DebugConfig, where: Path) -> Path:
             "eviction_policy": "distance_lfu",
         },
     )
-    data["optimizer"]["sparse"] = {"name": "adagrad", "lr": 0.05}
+    data["optimizer"]["sparse"] = {"name": sparse, "lr": 0.05}
     path = where / "hashed.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
