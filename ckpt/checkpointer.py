@@ -38,7 +38,7 @@ with partial recovery, lacks `samples_seen` or `skip_batches`), a dense optimize
 checkpoint whose tables do not match the model's (ckpt/restore/replay.py).
 
 One checkpoint, as the training thread takes it in `save(step)`: agree with the other ranks on
-its kind (small all-reduces of row counts and flags, started at the end of the step before;
+its kind (a small all-reduce of row counts and flags, started at the end of the step before;
 never a wait on Kafka; ckpt/save/schedule.py), copy the chosen rows and the dense state to host
 memory, and hand them to the writer thread (ckpt/save/handoff.py). On CPU the copy runs beside
 the next step, whose first lookup waits for the tracker's marks and whose backward pass waits
@@ -318,11 +318,13 @@ class Checkpointer:
         if agreed.overflow[decision.kind] and self.cfg.write.on_backpressure == "skip" and not final:
             st.outcomes.skipped(step, self.env.rank)
             return
+        # this step's counts, when the next step's agreement needs them too (a checkpoint every step)
+        counted = st.schedule.counted(step, decision.kind)
         if st.writer.pending_bytes:  # the agreed counts are a step old: the bound uses this step's
-            need = st.taker.estimate_bytes(decision.full, decision.since_base)
+            need = counted if counted is not None else st.taker.estimate_bytes(decision.full, decision.since_base)
             st.writer.wait_for_room(need, self.cfg.write.max_pending_bytes)
-        st.schedule.took(step)
         cid = chain.next_id
+        st.schedule.took(step, cid)
         chain.next_id += 1
         if decision.full or not chain.generation:
             chain.generation = cid  # a full checkpoint, or the first delta after a restore, opens one

@@ -187,6 +187,7 @@ class RowTracker:
         self._last = torch.zeros(total, dtype=torch.bool, device=device)
         self._base = torch.zeros(total, dtype=torch.bool, device=device)  # folded at mark_checkpoint
         self._trained = torch.zeros(total, dtype=torch.bool, device=device)  # folded at mark_base
+        self._scratch: np.ndarray | None = None  # `all_counts`' OR of the bitmaps (CPU)
         # (checkpoint id, rows changed since the checkpoint before it) of checkpoints not yet
         # known committed; None: not kept (only partial recovery needs it)
         self._uncommitted: list[tuple[int, torch.Tensor]] | None = None
@@ -512,6 +513,25 @@ class RowTracker:
         if self._last.device.type == "cpu":
             return [_count(m) for m in masks]
         return [int(c) for c in torch.stack([m.sum() for m in masks]).tolist()]
+
+    def all_counts(self, trained: bool) -> tuple[list[int], list[int], list[int] | None]:
+        """Rows marked per shard since the base, since the last checkpoint and (`trained`) since
+        the model was initialised: what `counts` gives for each, on CPU from one OR of the flat
+        bitmaps into a scratch buffer instead of a new mask per shard and kind."""
+        if self._last.device.type != "cpu" or not self._starts:
+            full = self.counts(since_base=True, trained=True) if trained else None
+            return self.counts(since_base=True), self.counts(since_base=False), full
+        if self._scratch is None:
+            self._scratch = np.empty(self._last.numel(), dtype=np.bool_)
+        last, scratch = self._last.numpy(), self._scratch
+        spans = [(start, start + s.num_rows) for start, s in zip(self._starts, self.shard_map.shards)]
+        since_last = [int(np.count_nonzero(last[a:b])) for a, b in spans]
+        np.logical_or(self._base.numpy(), last, out=scratch)
+        since_base = [int(np.count_nonzero(scratch[a:b])) for a, b in spans]
+        if not trained:
+            return since_base, since_last, None
+        np.logical_or(self._trained.numpy(), scratch, out=scratch)
+        return since_base, since_last, [int(np.count_nonzero(scratch[a:b])) for a, b in spans]
 
     def count_since_last(self) -> int:
         """Rows touched since the last checkpoint, summed over shards (a row of two column shards counts twice)."""

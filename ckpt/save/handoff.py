@@ -33,7 +33,7 @@ class StallTiming(NamedTuple):
     checkpoint_id: int
     step: int
     full: bool
-    agree_ms: float  # collecting the two small all-reduces (started a step early when it could), waiting included
+    agree_ms: float  # collecting the small all-reduce (started a step early when it could), waiting included
     take_ms: float  # copying the chosen rows to host memory
     dense_ms: float  # tracker marks, dense state capture
     stall_ms: float  # what the training thread lost to this checkpoint

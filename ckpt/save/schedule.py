@@ -2,9 +2,10 @@
 
 A checkpoint is due every `ckpt.schedule.interval_steps` steps and/or after `ckpt.schedule.interval_s` (rank 0's
 clock decides, broadcast every few steps). Whether the next step is due is decided at the end
-of the step before (`look_ahead`), which also starts that checkpoint's agreement: two small
-async all-reduces of every rank's row counts and flags, so they run under the step's training
-and the stall only collects them (`agree`). Half an interval before a checkpoint the next
+of the step before (`look_ahead`), which also starts that checkpoint's agreement: one small
+async all-reduce of every rank's row counts and flags, so it runs under the step's training
+and the stall only collects it (`agree`); with a checkpoint every step too, from the counts the
+checkpoint before was taken from (`counted`). Half an interval before a checkpoint the next
 snapshot's slab is reserved (`reserve_next`, ckpt/capture/host_buffers.py).
 """
 
@@ -43,13 +44,34 @@ class Agreed(NamedTuple):
     behind: bool = False  # some rank's writer holds `ckpt.write.max_pending_checkpoints` checkpoints already
 
 
+class _Counts(NamedTuple):
+    """This rank's row counts per shard, as an agreement reports them, and the snapshot bytes
+    of each kind (`KINDS`) they give."""
+
+    base: list[int]  # rows changed since the baseline
+    last: list[int]  # rows changed since the last checkpoint
+    full: list[int] | None  # rows a full checkpoint writes (None: every row)
+    est: dict[str, int]  # snapshot bytes per kind
+
+
+class _Taken(NamedTuple):
+    """A checkpoint just taken whose next step is due as well (`Schedule.counted`): the counts it
+    was taken from, which the next step's agreement reports, and the bytes of its own snapshot,
+    which the writer may not hold yet when that agreement starts."""
+
+    step: int
+    checkpoint_id: int
+    counts: _Counts
+    nbytes: int
+
+
 class _InFlight(NamedTuple):
     """One checkpoint's agreement in flight: this rank's inputs, reduced in place by `works`."""
 
     step: int  # the checkpoint step it is for
     counts: torch.Tensor  # rows since the base, since the last checkpoint, in all, of a full one
     flags: torch.Tensor  # force a full checkpoint; the writers too far behind for each of `KINDS`; behind in count
-    works: list[Any]  # the two async all-reduces
+    works: list[Any]  # the async all-reduce (a sum) of both, which are views of one tensor
     forced: bool  # this rank asked for a full checkpoint
 
 
@@ -129,6 +151,8 @@ class Schedule:
         self._in_flight: _InFlight | None = None  # its agreement, started then
         self._agreed_bytes: dict[str, int] = {}  # this rank's snapshot bytes per kind at the last agreement
         self._reserved = False  # the next snapshot's slab was asked for (`reserve_next`)
+        self._counted: tuple[int, _Counts, int] | None = None  # `counted`'s step, counts and bytes, for `took`
+        self._taken: _Taken | None = None  # the last checkpoint, when the step after it is due too
 
     def use_interval(self, seconds: float) -> None:
         """Checkpoint every `seconds` from now on (`ckpt.recovery.target_pls`)."""
@@ -152,44 +176,76 @@ class Schedule:
             due = due or bool(flag.item())
         return due
 
-    def took(self, step: int) -> None:
-        """A checkpoint of `step` is being taken: the intervals count from now, and the next
-        snapshot's slab is reserved half an interval from now (`reserve_next`)."""
+    def counted(self, step: int, kind: str) -> int | None:
+        """The snapshot bytes of the checkpoint of `step` about to be taken, of `kind`, when the
+        step after it is due by `ckpt.schedule.interval_steps` too: the counts are taken now,
+        before its copy marks the bitmaps, and kept for that step's agreement (`took`,
+        `look_ahead`). None (nothing counted) otherwise."""
+        every = self.cfg.interval_steps
+        self._counted = None
+        if every <= 0 or (step + 1) % every:
+            return None
+        counts = self._counts()
+        self._counted = (step, counts, counts.est[kind])
+        return counts.est[kind]
+
+    def took(self, step: int, checkpoint_id: int) -> None:
+        """A checkpoint of `step` (`checkpoint_id`) is being taken: the intervals count from now,
+        and the next snapshot's slab is reserved half an interval from now (`reserve_next`)."""
         self.last_step, self.last_time = step, time.monotonic()
         self._reserved = False
+        counted, self._counted = self._counted, None
+        self._taken = _Taken(step, checkpoint_id, counted[1], counted[2]) if counted and counted[0] == step else None
 
     def look_ahead(self, step: int) -> None:
         """Decide now whether the next step, `step`, checkpoints, and if so start its agreement:
-        its all-reduces then run during that step's training, and the stall only collects them
-        (the kind is chosen from the row counts of the step before it). Not after a checkpoint
-        at this very step: its counts were just reset and would say nothing about `step`."""
+        its all-reduce then runs during that step's training, and the stall only collects it
+        (the kind is chosen from the row counts of the step before it). After a checkpoint at
+        the step before, whose copy may be marking the bitmaps now, the counts are those it was
+        taken from (`counted`, kept when `step` is due by `ckpt.schedule.interval_steps`); without
+        them (a checkpoint due by time right after another) the agreement starts in the stall."""
         self._ahead_step, self._ahead_due = step, self._due_at(step)
-        if self._ahead_due and self.last_step != step - 1:
+        taken, self._taken = self._taken, None
+        if not self._ahead_due:
+            return
+        if self.last_step != step - 1:
             self._in_flight = self._start_agreement(step)
+        elif taken is not None and taken.step == step - 1:
+            self._in_flight = self._start_agreement(step, taken)
 
-    def _start_agreement(self, step: int) -> _InFlight:
-        """This rank's view, in one pair of small async all-reduces: the counts that choose the
-        checkpoint's kind and the fraction of rows it writes, whether any rank asks for a full
-        one, and whether any rank's writer is too far behind for each kind. Numbers only, so
-        the training thread never waits on Kafka here."""
-        forced = self.wants_full()
-        base, last = self.tracker.counts(since_base=True), self.tracker.counts(since_base=False)  # one pass each
-        full = self.tracker.counts(since_base=True, trained=True) if self.taker.trained_only else None
+    def _counts(self) -> _Counts:
+        """This rank's row counts now and the bytes they give."""
+        base, last, full = self.tracker.all_counts(trained=self.taker.trained_only)
         est = {
             FULL: self.taker.bytes_for(full) if full is not None else self.full_bytes,
             SINCE_BASE: self.taker.bytes_for(base),
             SINCE_LAST: self.taker.bytes_for(last),
         }
-        self._agreed_bytes = est
-        pending = self.writer.pending_bytes
-        counts = torch.tensor(
-            [sum(base), sum(last), self.total_rows, sum(full) if full is not None else self.total_rows], dtype=torch.float64
-        )
+        return _Counts(base, last, full, est)
+
+    def _start_agreement(self, step: int, taken: _Taken | None = None) -> _InFlight:
+        """This rank's view, in one small async all-reduce: the counts that choose the
+        checkpoint's kind and the fraction of rows it writes, whether any rank asks for a full
+        one, and whether any rank's writer is too far behind for each kind. Numbers only, so
+        the training thread never waits on Kafka here. With `taken` (the checkpoint of the
+        step before, whose copy may still run) its counts are reported, and its snapshot counts
+        as the writer's until the copy hands it over."""
+        forced = self.wants_full()
+        handed = taken is None or self.writer.submitted >= taken.checkpoint_id  # read before the writer's figures below
+        c = self._counts() if taken is None else taken.counts
+        self._agreed_bytes = c.est
+        pending, jobs = self.writer.pending_bytes, self.writer.pending_jobs
+        if not handed:
+            assert taken is not None
+            pending, jobs = pending + taken.nbytes, jobs + 1
         most = self.write.max_pending_checkpoints
-        behind = float(most > 0 and self.writer.pending_jobs >= most)
-        flags = torch.tensor([float(forced)] + [float(pending + est[k] > self.write.max_pending_bytes) for k in KINDS] + [behind])
-        works = [dist.all_reduce(counts, async_op=True), dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)]
-        return _InFlight(step, counts, flags, works, forced)
+        behind = float(most > 0 and jobs >= most)
+        full = sum(c.full) if c.full is not None else self.total_rows
+        over = [float(pending + c.est[k] > self.write.max_pending_bytes) for k in KINDS]
+        # one all-reduce (a sum) for both: a flag summed over the ranks is set when any rank's is
+        both = torch.tensor([sum(c.base), sum(c.last), self.total_rows, full, float(forced), *over, behind], dtype=torch.float64)
+        works = [dist.all_reduce(both, async_op=True)]
+        return _InFlight(step, both[:4], both[4:], works, forced)
 
     def agree(self, step: int) -> Agreed:
         """The checkpoint of `step` as every rank agrees it: collected from the agreement started
@@ -201,14 +257,14 @@ class Schedule:
             a = self._start_agreement(step)
         for work in a.works:
             work.wait()
-        counts, flags = a.counts, a.flags
-        total = max(counts[2].item(), 1.0)
-        fractions = (counts[0].item() / total, counts[1].item() / total)  # since base, since last
-        full_fraction = counts[3].item() / total  # what a full checkpoint would write
-        decision = self.policy.decide(fractions[0], force_full=bool(flags[0]), full_fraction=full_fraction)
-        fraction = full_fraction if decision.full else (counts[0] if decision.since_base else counts[1]).item() / total
-        overflow = {k: bool(f) for k, f in zip(KINDS, flags[1:-1], strict=True)}
-        return Agreed(decision, fraction, fractions, overflow, a.forced, behind=bool(flags[-1]))
+        counts, flags = a.counts.tolist(), [f > 0 for f in a.flags.tolist()]
+        total = max(counts[2], 1.0)
+        fractions = (counts[0] / total, counts[1] / total)  # since base, since last
+        full_fraction = counts[3] / total  # what a full checkpoint would write
+        decision = self.policy.decide(fractions[0], force_full=flags[0], full_fraction=full_fraction)
+        fraction = full_fraction if decision.full else (counts[0] if decision.since_base else counts[1]) / total
+        overflow = dict(zip(KINDS, flags[1:-1], strict=True))
+        return Agreed(decision, fraction, fractions, overflow, a.forced, behind=flags[-1])
 
     def close(self) -> None:
         """Wait for an agreement started for a step that never came (the job ends)."""

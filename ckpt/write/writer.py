@@ -222,6 +222,7 @@ class RankWriter:
         # same order: a queued checkpoint whose chain runs through one is not written
         self._failed: set[int] = set()
         self._pending_bytes = 0
+        self.submitted = 0  # the id of the last checkpoint submitted (set once its job is queued)
         self.mapping = MappingDiffer()  # this rank's mapping records (`seed` it after a restore)
         self._lock = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=f"deltarec-writer-{rank}", daemon=True)
@@ -244,6 +245,7 @@ class RankWriter:
         with self._lock:
             self._pending_bytes += job.nbytes
         self._jobs.put(job)
+        self.submitted = max(self.submitted, job.checkpoint_id)
 
     def drain(self) -> None:
         """Block until every submitted job has its outcome (`poll` then returns them all)."""
