@@ -654,6 +654,34 @@ def counted_markers(broker, unique_name, monkeypatch):
     pair.writer.close()
 
 
+def test_kafka_markers_tail_reads_reuse_one_consumer_and_read_exactly_what_was_appended(counted_markers, monkeypatch):
+    """A committer reads the log before every commit: after the first read found the topic,
+    each later `read_markers` reads on with one consumer kept between reads (no connect, no
+    connect ahead from `prepare`), gets exactly the records appended since (its own and another
+    writer's), an empty list promptly when there are none, and a read from 0 still reads all."""
+    m = counted_markers
+    made: list = []
+    real = kafka_markers.Consumer
+    monkeypatch.setattr(kafka_markers, "Consumer", lambda conf: made.append(conf) or real(conf))
+    log = [(m.writer.append_marker(b"m0"), b"m0")]
+    assert m.reader.read_markers() == log
+    for i in range(1, 6):
+        mine = m.reader.append_marker(b"own%d" % i)
+        theirs = m.writer.append_marker(b"their%d" % i)
+        m.reader.prepare(5)
+        got = m.reader.read_markers(mine)
+        assert got == [(mine, b"own%d" % i), (theirs, b"their%d" % i)], got
+        log += got
+    assert len(made) == 1 and made[0]["fetch.wait.max.ms"] == kafka_markers.TAIL_FETCH_WAIT_MS, made
+    t0 = time.monotonic()
+    assert m.reader.read_markers(log[-1][0] + 1) == []
+    assert time.monotonic() - t0 < 5, "an empty read waits for an end-of-partition, not the read's timeout"
+    assert m.reader.read_markers() == log
+    assert len(made) == 1 and len(m.connects) <= 1, (made, m.connects)  # the first read's connect only
+    m.reader.close()
+    assert m.reader._kept is None
+
+
 def test_kafka_markers_read_ahead_is_caught_up_at_restore_time_by_the_reader_it_connected(counted_markers, broker):
     """`open_for_restore` reads the markers log while the model is built (`CatalogAhead`):
     a COMMIT appended after that read is the one the caught-up fold restores, read by the

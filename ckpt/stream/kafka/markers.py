@@ -3,6 +3,7 @@ and `BrokerUnreachable`, its reachability check's error."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future
@@ -25,6 +26,9 @@ from ckpt.stream.kafka.producer import DEFAULT_DELIVERY_TIMEOUT_S, _Producer
 from ckpt.stream.sink import SinkError, SourceError, TailRead, check_run_id, markers_name
 
 MARKERS_FETCH_WAIT_MS = 100
+#: fetch.wait.max.ms of the consumer kept for reads of the log's tail (`read_markers` after the
+#: first): a read on a reused consumer waits out the fetch its last read left in flight.
+TAIL_FETCH_WAIT_MS = 10
 
 
 class BrokerUnreachable(SinkError):
@@ -65,6 +69,13 @@ class KafkaMarkers:
         self._last: int | None = None  # offset of our own last append
         self._closed = False
         self._connect_ahead = _ConnectAhead()  # the consumer `check_reachable` connected, for the next read
+        # After a first `read_markers` found the topic, the later ones read its tail with one
+        # consumer kept between them: a committer reads the log before every commit, and a new
+        # client each time costs its connects and an all-topics listing, here and on the broker.
+        self._tail_cconf = {**self._cconf, "fetch.wait.max.ms": TAIL_FETCH_WAIT_MS}
+        self._found = False  # a read found the topic
+        self._kept: Consumer | None = None  # the tail reader, between two reads
+        self._kept_lock = threading.Lock()
 
     def append_marker(self, payload: bytes) -> int:
         if self._closed:
@@ -91,7 +102,14 @@ class KafkaMarkers:
     def prepare(self, timeout_s: float) -> None:
         """Start `check_reachable`'s connect on a thread of its own (the checkpointer
         does while it is being built, so a restore finds the markers reader connected), and
-        ask for the log's watermarks there, which `read_tail` then starts from."""
+        ask for the log's watermarks there, which `read_tail` then starts from. After a read
+        found the topic: the tail reader the next `read_markers` uses, if none is kept (a new
+        client connects in the background from here)."""
+        if self._found:
+            with self._kept_lock:
+                if self._kept is None and not self._closed:
+                    self._kept = Consumer(dict(self._tail_cconf))
+            return
         self._connect_ahead.put(_connect_on_thread(self._cconf, timeout_s, TopicPartition(self.topic, 0)))
 
     def check_reachable(self, timeout_s: float) -> None:
@@ -126,9 +144,14 @@ class KafkaMarkers:
         """The markers from offset `start` to the end of the topic, as its fetches report it
         (a ListOffsets watermark is not trusted: launch/broker.py). No topic yet: no markers."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if self._found:  # the topic was there: one deleted since fails this read
+            with self._kept_lock:
+                kept, self._kept = self._kept, None
+            return self._read_from(start, kept or Consumer(dict(self._tail_cconf)), timeout_s, keep=True)
         ready = self._connect_ahead.take_connected()
         if not self._topic_exists(ready, timeout_s):
             return []
+        self._found = True
         return self._read_from(start, ready.consumer if ready else None, timeout_s)
 
     def read_tail(self, records: int, *, timeout_s: float | None = None) -> TailRead:
@@ -168,17 +191,32 @@ class KafkaMarkers:
             raise SourceError(f"marker topic {self.topic} is gone (we appended offset {self._last})")
         return False
 
-    def _read_from(self, start: int, consumer: Consumer | None, timeout_s: float) -> list[tuple[int, bytes]]:
-        out = [
-            (_at(m)[2], m.value() or b"") for m in _read_partition(self._cconf, self.topic, 0, start, None, timeout_s, consumer)
-        ]
+    def _read_from(self, start: int, consumer: Consumer | None, timeout_s: float, keep: bool = False) -> list[tuple[int, bytes]]:
+        """The markers from `start` to the end; with `keep`, the consumer is kept for the next
+        `read_markers` once it read to the end."""
+        messages = _read_partition(self._cconf, self.topic, 0, start, None, timeout_s, consumer, self._keep if keep else None)
+        out = [(_at(m)[2], m.value() or b"") for m in messages]
         if self._last is not None and self._last >= start and (not out or out[-1][0] < self._last):
             raise SourceError(f"marker topic {self.topic} ends before offset {self._last}, which this process appended")
         return out
 
+    def _keep(self, consumer: Consumer) -> None:
+        """Keep `consumer` (the tail reader) for the next `read_markers`; closed instead once the log is."""
+        with self._kept_lock:
+            old, closed = self._kept, self._closed
+            self._kept = None if closed else consumer
+        if old is not None:
+            old.close()
+        if closed:
+            consumer.close()
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            with self._kept_lock:
+                kept, self._kept = self._kept, None
+            if kept is not None:
+                kept.close()
             self._connect_ahead.close()
             self._p.close()
             del self._admin  # the client goes now (its connections close)

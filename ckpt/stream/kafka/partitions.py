@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, cast
 
 from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
@@ -41,17 +41,25 @@ def _read_partition(
     last: int | None,
     timeout_s: float,
     consumer: Consumer | None = None,
+    keep: Callable[[Consumer], None] | None = None,
 ) -> Iterator[Message]:
     """Messages of one partition from ``start`` through offset ``last`` (inclusive), or to
     the end of the partition when ``last`` is None (see `_read_partitions`)."""
-    return (msg for _, msg in _read_partitions(cconf, [_Read(topic, partition, start, last)], timeout_s, consumer))
+    reads = [_Read(topic, partition, start, last)]
+    return (msg for _, msg in _read_partitions(cconf, reads, timeout_s, consumer, keep))
 
 
 def _read_partitions(
-    cconf: Mapping[str, Any], reads: Sequence[_Read], timeout_s: float, consumer: Consumer | None = None
+    cconf: Mapping[str, Any],
+    reads: Sequence[_Read],
+    timeout_s: float,
+    consumer: Consumer | None = None,
+    keep: Callable[[Consumer], None] | None = None,
 ) -> Generator[tuple[int, Message], None, None]:
     """``(index into reads, message)`` for every message of every read, with one consumer:
     `consumer` (one connected ahead, closed at the end like a new one) or a new one for `cconf`.
+    With `keep`, a read that served every message hands its consumer, unassigned, to `keep`
+    instead of closing it (a reader that reads again soon skips a new client's connects).
 
     Every partition is assigned when this is called, not when the first message is asked
     for: the caller can do other work while the first fetch is in flight, and librdkafka
@@ -66,13 +74,17 @@ def _read_partitions(
     ``SourceError`` when a partition ends before a read's ``last`` or nothing arrives for
     ``timeout_s``.
     """
-    messages = _reading(cconf, reads, timeout_s, consumer)
+    messages = _reading(cconf, reads, timeout_s, consumer, keep)
     next(messages, None)  # runs up to the assign (or to the end: nothing to read)
     return messages
 
 
 def _reading(
-    cconf: Mapping[str, Any], reads: Sequence[_Read], timeout_s: float, consumer: Consumer | None
+    cconf: Mapping[str, Any],
+    reads: Sequence[_Read],
+    timeout_s: float,
+    consumer: Consumer | None,
+    keep: Callable[[Consumer], None] | None = None,
 ) -> Generator[Any, None, None]:
     """`_read_partitions`' messages, after a first None once the partitions are assigned."""
     queued = _queued_by_partition(reads)
@@ -83,6 +95,7 @@ def _reading(
     if consumer is None:
         consumer = Consumer(dict(cconf))
     progress = _ReadProgress(reads, queued, consumer)
+    served = False
     try:
         consumer.assign(progress.assignment())
         yield None
@@ -104,8 +117,14 @@ def _reading(
             yield i, msg
             deadline = time.monotonic() + timeout_s
             progress.delivered(i, key, off)
+        served = keep is not None
     finally:
-        _close_behind(consumer)
+        if served and keep is not None:
+            consumer.resume(consumer.assignment())  # librdkafka keeps a partition's pause past a new assign
+            consumer.unassign()  # the next read assigns its own offsets
+            keep(consumer)
+        else:
+            _close_behind(consumer)
 
 
 def _queued_by_partition(reads: Sequence[_Read]) -> dict[tuple[str, int], deque[int]]:
