@@ -127,16 +127,25 @@ class WriteConfig:
     on_backpressure: Literal["wait", "skip"] = "skip"
     # checkpoints a rank's writer may hold unwritten or uncommitted; a checkpoint due while
     # more are is coalesced into the next one (its rows go there) instead of queueing behind
-    # them, so that a checkpoint every step keeps its time to COMMIT bounded; 0: no bound
-    max_pending_checkpoints: int = 8
+    # them, so that a checkpoint every step keeps its time to COMMIT bounded; 0: no bound;
+    # None: `pending_checkpoints` chooses
+    max_pending_checkpoints: int | None = None
     # niceness the writer thread adds to itself (Linux): encoding rows on the CPU must not
     # take cores from the training step; 0 runs it at the training thread's priority
     writer_nice: int = 10
 
+    def pending_checkpoints(self, interval_steps: int) -> int:
+        """The bound `max_pending_checkpoints` sets; unset, 2 with a checkpoint every step (a
+        queue of them is steps lost on a crash: coalescing keeps the newest close behind) and 8
+        otherwise (a writer rarely holds two)."""
+        if self.max_pending_checkpoints is not None:
+            return self.max_pending_checkpoints
+        return 2 if interval_steps == 1 else 8
+
     def validate(self, src: str) -> None:
         if self.max_pending_bytes <= 0:
             raise ConfigError(f"{src}: ckpt.write.max_pending_bytes must be positive, got {self.max_pending_bytes}")
-        if self.max_pending_checkpoints < 0:
+        if self.max_pending_checkpoints is not None and self.max_pending_checkpoints < 0:
             raise ConfigError(f"{src}: ckpt.write.max_pending_checkpoints must be 0 (no bound) or positive")
         if not 0 <= self.writer_nice <= 19:
             raise ConfigError(

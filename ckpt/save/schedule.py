@@ -238,7 +238,7 @@ class Schedule:
         if not handed:
             assert taken is not None
             pending, jobs = pending + taken.nbytes, jobs + 1
-        most = self.write.max_pending_checkpoints
+        most = self.write.pending_checkpoints(self.cfg.interval_steps)
         behind = float(most > 0 and jobs >= most)
         full = sum(c.full) if c.full is not None else self.total_rows
         over = [float(pending + c.est[k] > self.write.max_pending_bytes) for k in KINDS]

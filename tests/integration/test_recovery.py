@@ -322,6 +322,7 @@ def test_pending_snapshots_stay_within_the_budget(tmp_path, unique_name, mode, d
         max_pending_bytes=FULL_SNAPSHOT_BYTES,
         on_backpressure=mode,
         untrained_rows="store",
+        max_pending_checkpoints=8,  # the bytes bound alone decides here (a checkpoint every step bounds the count at 2)
     )  # every full snapshot is FULL_SNAPSHOT_BYTES
     run_dir = tmp_path / "run"
     spawn_ranks(debug_config.path, [*job, "sharding.default=row_wise", "train.steps=8", "train.eval_batches=1"],
