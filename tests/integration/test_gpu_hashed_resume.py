@@ -11,9 +11,7 @@ runs it on CPU with plain Adagrad.
 
 from __future__ import annotations
 
-import os
 import signal
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,6 +20,7 @@ import torch
 
 from launch.ranks import spawn_ranks, start_ranks
 from tests.devices import NEEDS_CUDA
+from tests.integration.test_gpu_resume import kill_once_committed
 from tests.integration.test_hashed_tables import hashed_config
 
 if TYPE_CHECKING:
@@ -95,15 +94,7 @@ def test_killed_from_outside_resumes_bit_exact(
     job = _job(unique_name("gpu-hashed-ext"), "kafka", broker.bootstrap)
     group = start_ranks(config, job, tmp_path, world_size=1, timeout_s=180)
     run = tmp_path / "run"
-    try:
-        deadline = time.monotonic() + 150
-        while not metrics(run, live=True, ckpt_id=k, ckpt_committed=True):
-            assert group.running() and time.monotonic() < deadline, f"{why}: checkpoint {k} was never committed"
-            time.sleep(0.01)
-        os.kill(group.procs[0].pid, signal.SIGKILL)
-    finally:
-        results = group.wait(expect_ok=False)
-    assert results[0].returncode == -signal.SIGKILL, f"{why}: the job ended before the kill ({results[0].returncode})"
+    kill_once_committed(group, run, metrics, k, why)
     resumed = spawn_ranks(config, [*job, "ckpt.restore.resume=latest"], tmp_path, world_size=1)
     lines = [x for x in resumed[0].stdout.splitlines() if x.startswith("deltarec: resumed from checkpoint")]
     assert lines and int(lines[0].split()[4]) >= k, f"{why}\n{resumed[0].stdout[-2000:]}"

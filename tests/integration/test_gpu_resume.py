@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from launch.ranks import spawn_ranks, start_ranks
+from launch.ranks import RankGroup, spawn_ranks, start_ranks
 from tests.devices import NEEDS_CUDA
 
 if TYPE_CHECKING:
@@ -61,6 +61,20 @@ def _assert_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor
         assert torch.equal(got[key], want[key]), f"{why}: {key} differs from the uninterrupted run"
 
 
+def kill_once_committed(group: RankGroup, run: Path, metrics: MetricsReader, k: int, why: str) -> None:
+    """SIGKILL the one-rank job `group` by pid, from outside, once its checkpoint `k` has
+    committed (within 150 s), and wait for it to die of that."""
+    try:
+        deadline = time.monotonic() + 150
+        while not metrics(run, live=True, ckpt_id=k, ckpt_committed=True):
+            assert group.running() and time.monotonic() < deadline, f"{why}: checkpoint {k} was never committed"
+            time.sleep(0.01)
+        os.kill(group.procs[0].pid, signal.SIGKILL)
+    finally:
+        results = group.wait(expect_ok=False)
+    assert results[0].returncode == -signal.SIGKILL, f"{why}: the job ended before the kill ({results[0].returncode})"
+
+
 def test_the_gpu_job_is_deterministic(tmp_path, debug_config: DebugConfig, reference) -> None:
     """Bit-exact resume presumes a run repeats itself bit for bit on the GPU."""
     spawn_ranks(debug_config.path, BASE, tmp_path, world_size=1)
@@ -98,15 +112,7 @@ def test_sigkill_from_outside_then_resume_is_bit_exact(
     job = _job(unique_name("gpu-ext"), broker.bootstrap)
     group = start_ranks(debug_config.path, job, tmp_path, world_size=1, timeout_s=180)
     run = tmp_path / "run"
-    try:
-        deadline = time.monotonic() + 150
-        while not metrics(run, live=True, ckpt_id=k, ckpt_committed=True):
-            assert group.running() and time.monotonic() < deadline, f"{why}: checkpoint {k} was never committed"
-            time.sleep(0.01)
-        os.kill(group.procs[0].pid, signal.SIGKILL)
-    finally:
-        results = group.wait(expect_ok=False)
-    assert results[0].returncode == -signal.SIGKILL, f"{why}: the job ended before the kill ({results[0].returncode})"
+    kill_once_committed(group, run, metrics, k, why)
     resumed = spawn_ranks(debug_config.path, [*job, "ckpt.restore.resume=latest"], tmp_path, world_size=1)
     lines = [x for x in resumed[0].stdout.splitlines() if x.startswith("deltarec: resumed from checkpoint")]
     assert lines and int(lines[0].split()[4]) >= k, f"{why}\n{resumed[0].stdout[-2000:]}"
