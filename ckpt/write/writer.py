@@ -4,8 +4,8 @@ Each rank's writer takes snapshots in checkpoint order. For each it encodes ever
 rows (weights and optimizer state, each with its codec) into frames, writes them to its
 partition (= rank) of the generation's rows topic, and flushes. Then all writers meet:
 
-Coordination (why a side process group): the writers report to rank 0 with a
-`gather_object` on a dedicated gloo group that only writer threads use, in checkpoint
+Coordination (why a side process group): the writers report to rank 0 with a gather
+(ckpt/write/exchange.py) on a dedicated gloo group that only writer threads use, in checkpoint
 order. The training thread never takes part, so it never waits on Kafka; the writers
 need no polling, no extra topic and no shared filesystem to find each other, and a
 rank's report (offset ranges, frame index, loop state with the reader's position and
@@ -31,6 +31,7 @@ import time
 import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
@@ -47,6 +48,7 @@ from ckpt.quant.device import check_flags
 from ckpt.stream.frames import EncodedFrame, OptimState, chunk_rows
 from ckpt.stream.mapping import MappingRecord, mapping_frames, record_for
 from ckpt.stream.sink import FrameSink
+from ckpt.write.exchange import Exchange
 from sharding.managed_collision import ManagedCollisionError, McState
 
 logger = logging.getLogger(__name__)
@@ -225,6 +227,7 @@ class RankWriter:
         self.submitted = 0  # the id of the last checkpoint submitted (set once its job is queued)
         self.mapping = MappingDiffer()  # this rank's mapping records (`seed` it after a restore)
         self._lock = threading.Condition()
+        self._exchange: Exchange[RankReport, Outcome] | None = None  # made by the writer thread
         self._thread = threading.Thread(target=self._run, name=f"deltarec-writer-{rank}", daemon=True)
         self._thread.start()
 
@@ -340,23 +343,22 @@ class RankWriter:
         )
 
     def _coordinate(self, job: WriteJob, report: RankReport) -> Outcome:
-        reports: list[RankReport] | None = [None] * dist.get_world_size(self.group) if self.rank == 0 else None  # type: ignore[list-item]
-        dist.gather_object(report, reports, dst=0, group=self.group)
-        decided: list[Outcome | None] = [None]
-        if self.rank == 0:
-            assert self.committer is not None and reports is not None
-            try:
-                decided[0] = self.committer(job, reports)
-            except Exception as exc:  # noqa: BLE001 - the outcome must still reach every rank
-                logger.error("checkpoint %d: commit failed: %s", job.checkpoint_id, traceback.format_exc())
-                decided[0] = Outcome(
-                    checkpoint_id=job.checkpoint_id, step=job.step, committed=False, error=f"commit failed on rank 0: {exc}"
-                )
-        dist.broadcast_object_list(decided, src=0, group=self.group)
-        assert decided[0] is not None
+        if self._exchange is None:  # made here, on the writer thread, the group's only user
+            self._exchange = Exchange(self.group)
+        decided = self._exchange(report, partial(self._commit, job) if self.rank == 0 else None)
         if self.committer is not None:
-            self.committer.settle(decided[0])
-        return decided[0]
+            self.committer.settle(decided)
+        return decided
+
+    def _commit(self, job: WriteJob, reports: list[RankReport]) -> Outcome:
+        """Rank 0: every rank's reports in, the outcome out; never raises (every rank waits for it)."""
+        assert self.committer is not None
+        try:
+            return self.committer(job, reports)
+        except Exception as exc:  # noqa: BLE001 - the outcome must still reach every rank
+            logger.error("checkpoint %d: commit failed: %s", job.checkpoint_id, traceback.format_exc())
+            error = f"commit failed on rank 0: {exc}"
+            return Outcome(checkpoint_id=job.checkpoint_id, step=job.step, committed=False, error=error)
 
 
 def _unwritten(job: WriteJob, rank: int, dead: int) -> RankReport:
