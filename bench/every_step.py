@@ -1,7 +1,7 @@
 """A checkpoint every step: what it costs against the same job without checkpoints.
 
     python -m bench.run --suite every-step [--config configs/quickstart.yaml] [--steps 1200]
-        [--pairs 2] [--follower] [--kill-at 600] [--out results.json] [key=value ...]
+        [--pairs 2] [--follower] [--kill-at 600] [--calibrate] [--out results.json] [key=value ...]
 
 Alternates `--pairs` pairs of `deltarec-train` jobs of 2 ranks (spawned like trainer ranks) on
 one embedded broker: without checkpoints, then with `ckpt.schedule.interval_steps=1` (incremental,
@@ -20,6 +20,16 @@ end). With
 `--kill-at N`, one more job SIGKILLs
 rank 1 after step N (the fault hook) under `deltarec-launch --max-restarts 1`: the steps lost
 are N minus the step it resumed from.
+
+CPU, per pair: the CPU seconds of each job's processes (the launcher and its ranks, from
+/proc) and of the broker over the logged window the throughput is of, per step, and the
+cores checkpointing used beyond the job without checkpoints (the broker's among them). With
+`--calibrate` the job without checkpoints runs three more times: alone, beside `bench.burner`
+keeping that many cores busy (the pairs' mean), and beside one keeping the broker's share
+busy. When the burner slows the job about as much as checkpointing did, the overhead is the
+CPU the writers and the broker take from training on a machine without spare cores, not
+waiting on checkpoints; the slowdown of the broker's share is what the co-located broker
+alone costs.
 """
 
 from __future__ import annotations
@@ -35,14 +45,17 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import median, quantiles
 from typing import Any
 
 from bench.common import Measurement, config_path, document_head, harmonic_of, log, machine_info, scalars
+from bench.cpu import process_cpu_s
 from ckpt.log.backend import open_backend
 from ckpt.log.catalog import Catalog
 from launch.broker import EmbeddedBroker
+from launch.ranks import child_pids
 from trainer.ckpt_cli import load_job_ckpt_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,6 +69,11 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--pairs", type=int, default=2)
     p.add_argument("--follower", action="store_true", help="run deltarec-follow beside the first checkpointed job")
     p.add_argument("--kill-at", type=int, default=0, help="a job killed after this step and resumed (0: none)")
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="then the job without checkpoints beside a CPU burner of the cores checkpointing used, and of the broker's alone",
+    )
     p.add_argument("--timeout-s", type=float, default=1200)
     p.add_argument("--out", type=Path)
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every job")
@@ -70,9 +88,28 @@ def _p(xs: list[float], q: int) -> float:
     return quantiles(xs, n=100)[q - 1] if len(xs) > 1 else xs[0]
 
 
-def _job(args: argparse.Namespace, config: str, run_dir: Path, ckpt: list[str], env: dict[str, str] | None = None) -> float:
-    """One job under deltarec-launch (torchrun, 2 ranks); returns the seconds its exit took after
-    its last step's line."""
+@dataclass
+class JobRun:
+    """What one job cost: the seconds its exit took after its last step's line, and between the
+    first logged step's line and the last one's (the window its throughput is of), the wall
+    time, the CPU seconds of its processes (the launcher and the ranks) and of the broker."""
+
+    exit_s: float
+    window_s: float
+    cpu_s: float
+    broker_cpu_s: float
+
+
+def _job(
+    args: argparse.Namespace,
+    config: str,
+    run_dir: Path,
+    ckpt: list[str],
+    env: dict[str, str] | None = None,
+    broker: int | None = None,
+) -> JobRun:
+    """One job under deltarec-launch (torchrun, 2 ranks), with its CPU over the logged window
+    (`broker`: the broker's pid, whose CPU is read over the same window)."""
     train = [f"train.steps={args.steps}", f"train.log_every={args.log_every}", "train.eval_every=0", "train.eval_batches=1"]
     cmd = [sys.executable, "-m", "launch.torchrun", "--nproc-per-node", "2", "--max-restarts", "1", "--config", config,
            f"run.dir={run_dir}", "train.progress=log", *train, *ckpt, *args.overrides]  # fmt: skip
@@ -81,16 +118,56 @@ def _job(args: argparse.Namespace, config: str, run_dir: Path, ckpt: list[str], 
     )
     assert proc.stdout is not None
     last, lines = None, []
+    window: _Window | None = None
     for line in proc.stdout:
         lines.append(line)
+        if window is None and f"step {args.log_every}/{args.steps}" in line:
+            window = _Window.open(proc.pid, broker)
         if f"step {args.steps}/{args.steps}" in line:
             last = time.monotonic()
+            if window is not None:
+                window.close()
     rc = proc.wait(timeout=args.timeout_s)
     end = time.monotonic()
     (run_dir / "console.log").write_text("".join(lines))
     if rc != 0:
         raise RuntimeError(f"job in {run_dir} failed (exit {rc}):\n{''.join(lines)[-3000:]}")
-    return end - last if last is not None else float("nan")
+    exit_s = end - last if last is not None else float("nan")
+    if window is None or window.wall_s is None:
+        return JobRun(exit_s, float("nan"), float("nan"), float("nan"))
+    return JobRun(exit_s, window.wall_s, window.cpu_s, window.broker_cpu_s)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid`: its children, theirs, ..."""
+    return [p for child in child_pids(pid) for p in (child, *_descendants(child))]
+
+
+@dataclass
+class _Window:
+    """CPU of a job's processes and of the broker between two of its console lines."""
+
+    processes: dict[int, float]
+    broker: int | None
+    broker_at: float
+    started: float
+    wall_s: float | None = None
+    cpu_s: float = 0.0
+    broker_cpu_s: float = 0.0
+
+    @classmethod
+    def open(cls, pid: int, broker: int | None) -> _Window:
+        pids = [pid, *_descendants(pid)]
+        at = {p: cpu for p in pids if (cpu := process_cpu_s(p)) is not None}
+        broker_at = (process_cpu_s(broker) or 0.0) if broker is not None else 0.0
+        return cls(at, broker, broker_at, time.monotonic())
+
+    def close(self) -> None:
+        self.wall_s = time.monotonic() - self.started
+        # a process gone before the window closed counts nothing (none should be: ranks live on)
+        self.cpu_s = sum((process_cpu_s(p) or cpu) - cpu for p, cpu in self.processes.items())
+        if self.broker is not None:
+            self.broker_cpu_s = (process_cpu_s(self.broker) or self.broker_at) - self.broker_at
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
@@ -220,6 +297,55 @@ def behind_at_passes(records: list[tuple[int, bytes]], run_id: str, passes: list
     }
 
 
+def _cpu_figures(base: JobRun, every: JobRun, steps: int) -> dict[str, float]:
+    """CPU a step over the logged window, without and with checkpoints (the job's processes),
+    the broker's, and the cores checkpointing used beyond the baseline (the broker's among them)."""
+    extra_s = every.cpu_s - base.cpu_s + every.broker_cpu_s - base.broker_cpu_s
+    return {
+        "cpu_ms_per_step_baseline": base.cpu_s / steps * 1e3,
+        "cpu_ms_per_step": every.cpu_s / steps * 1e3,
+        "broker_cpu_ms_per_step": every.broker_cpu_s / steps * 1e3,
+        "extra_cores": extra_s / every.window_s,
+        "broker_cores": every.broker_cpu_s / every.window_s,
+    }
+
+
+def _burned(args: argparse.Namespace, config: str, run_dir: Path, cores: float) -> float:
+    """The rate of the job without checkpoints beside `bench.burner` keeping `cores` busy (none: 0)."""
+    burner = None
+    if cores > 0:
+        cmd = [sys.executable, "-m", "bench.burner", "--cores", f"{cores:.4f}"]
+        burner = subprocess.Popen(cmd, cwd=REPO, start_new_session=True)
+    try:
+        _job(args, config, run_dir, ["ckpt.enabled=false"])
+    finally:
+        if burner is not None:
+            os.killpg(burner.pid, signal.SIGKILL)
+            burner.wait()
+    return _rate(_records(run_dir))
+
+
+def _calibrate(args: argparse.Namespace, config: str, work: Path, pairs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Price the cores checkpointing used (the pairs' mean, and the broker's part alone): the job
+    without checkpoints, then beside a burner of each, and their slowdowns against it."""
+    cores = sum(r["extra_cores"] for r in pairs) / len(pairs)
+    broker = sum(r["broker_cores"] for r in pairs) / len(pairs)
+    base = _burned(args, config, work / "calibrate-base" / "run", 0.0)
+    burned = _burned(args, config, work / "calibrate-burn" / "run", cores)
+    broker_burned = _burned(args, config, work / "calibrate-broker" / "run", broker)
+    log(
+        f"calibrated: {cores:.2f} cores burnt: {1 - burned / base:.1%} slower; the broker's {broker:.2f}: "
+        f"{1 - broker_burned / base:.1%}"
+    )
+    return {
+        "baseline_samples_per_s": base,
+        "burn_cores": cores,
+        "burn_slowdown": 1 - burned / base,
+        "broker_burn_cores": broker,
+        "broker_burn_slowdown": 1 - broker_burned / base,
+    }
+
+
 def run(argv: list[str], prog: str = "python -m bench.run --suite every-step") -> dict[str, Any]:
     args = parser(prog).parse_args(argv)
     config = config_path(args.config)
@@ -229,13 +355,13 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite every-step") -
         work = Path(tmp)
         for i in range(args.pairs):
             base_dir = work / f"base{i}" / "run"
-            base_exit = _job(args, config, base_dir, ["ckpt.enabled=false"])
+            base_job = _job(args, config, base_dir, ["ckpt.enabled=false"], broker=broker.pid)
             ckpt = _every_step(broker.bootstrap)
             every_dir = work / f"every{i}" / "run"
             every_dir.mkdir(parents=True)
             follower = _follower(config, every_dir, ckpt) if args.follower and i == 0 else None
             try:
-                exit_s = _job(args, config, every_dir, ckpt)
+                every_job = _job(args, config, every_dir, ckpt, broker=broker.pid)
             finally:
                 if follower is not None:
                     time.sleep(2.0)  # what it applies right after the job ends counts
@@ -247,9 +373,10 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite every-step") -
                 "baseline_samples_per_s": base,
                 "samples_per_s": _rate(every),
                 "overhead": 1 - _rate(every) / base,
-                "exit_after_last_step_s": exit_s,
-                "baseline_exit_after_last_step_s": base_exit,
+                "exit_after_last_step_s": every_job.exit_s,
+                "baseline_exit_after_last_step_s": base_job.exit_s,
                 **_checkpointed(every, args.steps),
+                **_cpu_figures(base_job, every_job, args.steps - args.log_every),
             }
             if follower is not None:
                 row.update(_follower_figures(every_dir.parent / "follower.log", every_dir / "follower.jsonl"))
@@ -257,9 +384,11 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite every-step") -
             log(
                 f"pair {i}: overhead {row['overhead']:.1%}, "
                 f"COMMIT p50/p99 {row['durable_s_p50']:.2f}/{row['durable_s_p99']:.2f} s, "
-                f"{row['committed']} committed, {row['coalesced']} coalesced, exit {exit_s:.2f} s after the last step"
+                f"{row['committed']} committed, {row['coalesced']} coalesced, exit {every_job.exit_s:.2f} s after the last step, "
+                f"{row['extra_cores']:.2f} cores more ({row['broker_cores']:.2f} of them the broker's)"
             )
             pairs.append(row)
+        calibrated = _calibrate(args, config, work, pairs) if args.calibrate and pairs else {}
         if args.kill_at:
             run_dir = work / "killed" / "run"
             ckpt = [*_every_step(broker.bootstrap), "ckpt.restore.resume=latest"]
@@ -277,6 +406,7 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite every-step") -
         "settings": {"config": args.config, "steps": args.steps, "pairs": args.pairs, "overrides": args.overrides},
         "pairs": pairs,
         "killed": killed,
+        "calibrated": calibrated,
     }
     print("| pair | overhead | stall mean / p99 | step to COMMIT p50 / p99 (halves) | committed / coalesced | MB a step | exit |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -304,6 +434,19 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite every-step") -
             f"{_f(r['restore_chain_links_p50'])} / {_f(r['restore_chain_links_p99'])} / {r['restore_chain_links_max']} "
             f"({r['restore_chain_links_at_end']}) |"
         )
+    print("\n| pair | CPU a step: without / with checkpoints (ranks) | the broker's | cores more (the broker's) |")
+    print("| --- | ---: | ---: | ---: |")
+    for r in pairs:
+        print(
+            f"| {r['pair']} | {r['cpu_ms_per_step_baseline']:.1f} / {r['cpu_ms_per_step']:.1f} ms | "
+            f"{r['broker_cpu_ms_per_step']:.1f} ms | {r['extra_cores']:.2f} ({r['broker_cores']:.2f}) |"
+        )
+    if calibrated:
+        print(
+            f"\nthe job without checkpoints ({calibrated['baseline_samples_per_s']:,.0f} samples/s) beside a burner of "
+            f"{calibrated['burn_cores']:.2f} cores: {calibrated['burn_slowdown']:.1%} slower; of the broker's "
+            f"{calibrated['broker_burn_cores']:.2f}: {calibrated['broker_burn_slowdown']:.1%}"
+        )
     if killed:
         print(f"\nSIGKILL after step {killed['kill_at_step']}: resumed from step {killed['resumed_step']}")
     if args.out:
@@ -317,4 +460,6 @@ def measurements(result: dict[str, Any]) -> list[Measurement]:
         out += scalars({k: v for k, v in r.items() if k != "pair"}, {"pair": r["pair"]})
     if result["killed"]:
         out += scalars(result["killed"])
+    if result.get("calibrated"):
+        out += scalars(result["calibrated"])
     return out

@@ -167,7 +167,8 @@ SUITES = (
         (),
         "a checkpoint every step (ckpt.schedule.interval_steps=1) against the same job without checkpoints, alternated: "
         "throughput overhead, stall, step to COMMIT p50/p99, coalesced checkpoints, bytes per step, the exit's "
-        "drain; --follower: its lag; --kill-at: steps lost on a SIGKILL (~6 min at the defaults)",
+        "drain, the CPU it used (the job's processes and the broker); --follower: its lag; --kill-at: steps lost on "
+        "a SIGKILL; --calibrate: the job without checkpoints beside a CPU burner of that share (~6 min at the defaults)",
     ),
     Suite(
         "gpu",

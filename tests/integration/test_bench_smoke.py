@@ -408,15 +408,22 @@ def test_scale_suite_measures_memory_the_follower_and_the_peers_at_a_size(tmp_pa
 
 def test_every_step_suite_measures_a_checkpoint_every_step_and_a_kill(tmp_path: Path, run_cli: CliRunner) -> None:
     """`every-step` on the debug model: both jobs of the pair trained, every figure is there, the
-    checkpointed job committed checkpoints (coalescing the rest), and the killed job resumed."""
+    checkpointed job committed checkpoints (coalescing the rest), its CPU and the broker's were
+    read over the logged window, the calibration ran its three jobs, and the killed job resumed."""
     out = tmp_path / "results.json"
     run_cli("bench.run", "--suite", "every-step", "--config", "configs/debug_cpu.yaml", "--steps", "60", "--log-every",
-            "20", "--pairs", "1", "--kill-at", "30", "--out", out, timeout_s=400)  # fmt: skip
+            "20", "--pairs", "1", "--kill-at", "30", "--calibrate", "--out", out, timeout_s=500)  # fmt: skip
     doc = json.loads(out.read_text())
     (pair,) = doc["pairs"]
     assert pair["baseline_samples_per_s"] > 0 and pair["samples_per_s"] > 0, pair
     assert pair["committed"] + pair["coalesced"] >= 60 and pair["committed"] > 1, pair
     assert 0 < pair["durable_s_p50"] <= pair["durable_s_p99"], pair
+    # the ranks train in both jobs; only the checkpointed one gives the broker work
+    assert pair["cpu_ms_per_step_baseline"] > 0 and pair["cpu_ms_per_step"] > 0, pair
+    assert pair["broker_cpu_ms_per_step"] > 0 and 0 < pair["broker_cores"] < 2, pair
+    calibrated = doc["calibrated"]
+    assert calibrated["burn_cores"] == pair["extra_cores"] and calibrated["broker_burn_cores"] == pair["broker_cores"]
+    assert calibrated["baseline_samples_per_s"] > 0 and calibrated["burn_slowdown"] < 1, calibrated
     killed = doc["killed"]
     assert killed["resumed_step"] is not None and 0 <= killed["steps_lost"] < 30, killed
 
