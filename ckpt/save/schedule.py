@@ -60,9 +60,9 @@ class _Taken(NamedTuple):
     which the writer may not hold yet when that agreement starts."""
 
     step: int
-    checkpoint_id: int
     counts: _Counts
     nbytes: int
+    checkpoint_id: int = 0  # set by `took` (`counted` runs before the id is drawn)
 
 
 class _InFlight(NamedTuple):
@@ -151,7 +151,7 @@ class Schedule:
         self._in_flight: _InFlight | None = None  # its agreement, started then
         self._agreed_bytes: dict[str, int] = {}  # this rank's snapshot bytes per kind at the last agreement
         self._reserved = False  # the next snapshot's slab was asked for (`reserve_next`)
-        self._counted: tuple[int, _Counts, int] | None = None  # `counted`'s step, counts and bytes, for `took`
+        self._counted: _Taken | None = None  # `counted`'s, before `took` gives it its id
         self._taken: _Taken | None = None  # the last checkpoint, when the step after it is due too
 
     def use_interval(self, seconds: float) -> None:
@@ -186,7 +186,7 @@ class Schedule:
         if every <= 0 or (step + 1) % every:
             return None
         counts = self._counts()
-        self._counted = (step, counts, counts.est[kind])
+        self._counted = _Taken(step, counts, counts.est[kind])
         return counts.est[kind]
 
     def took(self, step: int, checkpoint_id: int) -> None:
@@ -195,7 +195,7 @@ class Schedule:
         self.last_step, self.last_time = step, time.monotonic()
         self._reserved = False
         counted, self._counted = self._counted, None
-        self._taken = _Taken(step, checkpoint_id, counted[1], counted[2]) if counted and counted[0] == step else None
+        self._taken = counted._replace(checkpoint_id=checkpoint_id) if counted and counted.step == step else None
 
     def look_ahead(self, step: int) -> None:
         """Decide now whether the next step, `step`, checkpoints, and if so start its agreement:
