@@ -225,9 +225,9 @@ def _bitmap_len(span: int) -> int:
     return _BITMAP_HEAD.size + (span + 7) // 8
 
 
-def _bitmap_span(ids: torch.Tensor) -> int | None:
-    """The span of a bitmap holding `ids` (1-D) when it is smaller than 8 bytes a row and the
-    ids strictly ascend; else None."""
+def _bitmap_span(ids: np.ndarray) -> int | None:
+    """The span of a bitmap holding `ids` (1-D int64) when it is smaller than 8 bytes a row and
+    the ids strictly ascend; else None."""
     n = int(ids.shape[0])
     if n < 2:
         return None
@@ -238,17 +238,26 @@ def _bitmap_span(ids: torch.Tensor) -> int | None:
     return span
 
 
-def _bitmap(ids: torch.Tensor, span: int) -> np.ndarray:
+def _bitmap(ids: np.ndarray, span: int) -> np.ndarray:
     bits = np.zeros(span, dtype=np.uint8)
-    bits[(ids - ids[0]).numpy()] = 1
+    bits[ids - ids[0]] = 1
     head = np.frombuffer(_BITMAP_HEAD.pack(int(ids[0]), span), dtype=np.uint8)
     return np.concatenate([head, np.packbits(bits, bitorder="little")])
 
 
-def _is_run(ids: torch.Tensor) -> bool:
-    """Whether `ids` (1-D) are first, first+1, ..., first+n-1."""
+def _is_run(ids: np.ndarray) -> bool:
+    """Whether `ids` (1-D int64) are first, first+1, ..., first+n-1."""
     n = int(ids.shape[0])
-    return n > 0 and int(ids[-1]) - int(ids[0]) == n - 1 and (n == 1 or bool((ids[1:] - ids[:-1] == 1).all()))
+    return n > 0 and int(ids[-1]) - int(ids[0]) == n - 1 and (n == 1 or bool((np.diff(ids) == 1).all()))
+
+
+def _ids_array(row_ids: torch.Tensor | np.ndarray) -> np.ndarray:
+    """Row ids as a 1-D int64 numpy array (ValueError otherwise): frames work on numpy, whose
+    small operations cost a fraction of torch's per call."""
+    ids = torch.as_tensor(row_ids)
+    if ids.dim() != 1:
+        raise ValueError(f"row_ids must be 1-D, got shape {tuple(ids.shape)}")
+    return ids.detach().cpu().to(torch.int64).contiguous().numpy()
 
 
 def encode_frame(
@@ -269,37 +278,67 @@ def encode_frame(
 ) -> bytes:
     """Encode one frame. ``payload`` is [n, ...] of any dtype (stored as its raw bytes:
     the quantizer's output, or ``rows`` themselves for fp32); so is each ``optim[i].rows``."""
-    ids = torch.as_tensor(row_ids)
-    if ids.dim() != 1:
-        raise ValueError(f"row_ids must be 1-D, got shape {tuple(ids.shape)}")
+    ids = _ids_array(row_ids)
     n = int(ids.shape[0])
-    ids = ids.detach().cpu().to(torch.int64)
-    run = _is_run(ids)
-    span = None if run else _bitmap_span(ids)
-    ids_np = ids[:1].numpy() if run else _bitmap(ids, span) if span is not None else ids.contiguous().numpy()
     pay_np = _as_row_bytes(payload, n, "payload")
     opt_np = [_as_row_bytes(o.rows, n, f"optimizer state {o.name!r}") for o in optim]
     if len(optim) > 255:
         raise ValueError("at most 255 optimizer states per frame")
     if not 0 <= chunk_index < chunk_count:
         raise ValueError(f"chunk_index {chunk_index} not in [0, chunk_count={chunk_count})")
+    tail = _header_tail(run_id, table, [(o.name, o.encoding, a.shape[1]) for o, a in zip(optim, opt_np)], epoch)
+    meta = _FrameMeta(checkpoint_id, rank, col_offset, dim, encoding, len(optim), chunk_count, epoch)
+    return _frame_bytes(meta, tail, chunk_index, ids, pay_np, opt_np)
+
+
+class _FrameMeta(NamedTuple):
+    """The header fields every frame of one shard shares (`_frame_bytes`)."""
+
+    checkpoint_id: int
+    rank: int
+    col_offset: int
+    dim: int
+    encoding: int
+    n_optim: int
+    chunk_count: int
+    epoch: int
+
+
+def _frame_bytes(
+    meta: _FrameMeta, tail: bytes, chunk_index: int, ids: np.ndarray, pay_np: np.ndarray, opt_np: Sequence[np.ndarray]
+) -> bytes:
+    """One frame from checked parts: the header `tail` (`_header_tail`), int64 `ids` [n] and
+    each section as uint8 [n, row_bytes]."""
+    n = int(ids.shape[0])
+    run = _is_run(ids)
+    span = None if run else _bitmap_span(ids)
+    ids_np = ids[:1] if run else _bitmap(ids, span) if span is not None else ids
     row_bytes = pay_np.shape[1]
-    layout = [(o.name, o.encoding, a.shape[1]) for o, a in zip(optim, opt_np)]
-    tail = _header_tail(run_id, table, layout, epoch)
     header_len = _header_len(len(tail))
     total = _frame_len(header_len, n, row_bytes, [a.shape[1] for a in opt_np], run, span)
-    flags = (FLAG_ROW_RUN if run else 0) | (FLAG_EPOCH if epoch else 0) | (FLAG_ROW_BITMAP if span is not None else 0)
+    flags = (FLAG_ROW_RUN if run else 0) | (FLAG_EPOCH if meta.epoch else 0) | (FLAG_ROW_BITMAP if span is not None else 0)
     try:
         head = (
             _PREFIX.pack(MAGIC, VERSION, flags, header_len, total)
-            + _META.pack(checkpoint_id, rank, col_offset, n, dim, row_bytes, chunk_index, chunk_count, encoding, len(optim))
+            + _META.pack(
+                meta.checkpoint_id,
+                meta.rank,
+                meta.col_offset,
+                n,
+                meta.dim,
+                row_bytes,
+                chunk_index,
+                meta.chunk_count,
+                meta.encoding,
+                meta.n_optim,
+            )
             + tail
         )
     except struct.error as e:
         raise ValueError(f"frame field out of range: {e}") from None
     parts: list = [head + b"\0" * (header_len - len(head))]
     for arr in (ids_np, pay_np, *opt_np):
-        mv = arr.reshape(-1).view(np.uint8).data
+        mv = np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data
         parts.append(mv)
         if _pad(mv.nbytes):
             parts.append(b"\0" * _pad(mv.nbytes))
@@ -345,17 +384,22 @@ def chunk_rows(
     exactly one frame. No rows: no frames. Raises ``ValueError`` (at the call, before any
     frame is made) if a single row does not fit.
     """
-    ids = torch.as_tensor(row_ids)
+    ids = _ids_array(row_ids)
     n = int(ids.shape[0])
     if n == 0:
         return iter(())
-    row_bytes = _row_bytes(torch.as_tensor(payload))
-    opt_rb = [o.row_bytes for o in optim]
+    if len(optim) > 255:
+        raise ValueError("at most 255 optimizer states per frame")
+    # each section as uint8 [n, row_bytes] once; a frame takes a slice of each
+    pay_np = _as_row_bytes(payload, n, "payload")
+    opt_np = [_as_row_bytes(o.rows, n, f"optimizer state {o.name!r}") for o in optim]
+    row_bytes = pay_np.shape[1]
+    opt_rb = [a.shape[1] for a in opt_np]
     tail = _header_tail(run_id, table, [(o.name, o.encoding, rb) for o, rb in zip(optim, opt_rb)], epoch)
     header_len = _header_len(len(tail))
     run = _is_run(ids)  # a whole run: every frame is a run too, and its ids cost 8 bytes
     # Otherwise frames are sized for 8 bytes of id a row; a frame whose ids pack smaller as a
-    # bitmap (`encode_frame` decides) comes out that much under max_frame_bytes.
+    # bitmap (`_frame_bytes` decides) comes out that much under max_frame_bytes.
     per_row = (0 if run else 8) + row_bytes + sum(opt_rb)
     # Largest row count whose frame fits; section padding can cost a few rows less.
     rows_per_frame = max(0, (max_frame_bytes - header_len - _CRC.size - (8 if run else 0)) // max(per_row, 1))
@@ -367,27 +411,14 @@ def chunk_rows(
             f"bytes with its frame header, more than max_frame_bytes={max_frame_bytes}"
         )
     count = -(-n // rows_per_frame)
+    meta = _FrameMeta(checkpoint_id, rank, col_offset, dim, encoding, len(optim), count, epoch)
 
     def frames() -> Iterator[EncodedFrame]:
         for i in range(count):
             start, stop = i * rows_per_frame, min(n, (i + 1) * rows_per_frame)
-            sl = slice(start, stop)
-            data = encode_frame(
-                run_id=run_id,
-                checkpoint_id=checkpoint_id,
-                rank=rank,
-                table=table,
-                col_offset=col_offset,
-                dim=dim,
-                encoding=encoding,
-                row_ids=ids[sl],
-                payload=payload[sl],
-                optim=[OptimState(o.name, o.encoding, o.rows[sl]) for o in optim],
-                chunk_index=i,
-                chunk_count=count,
-                epoch=epoch,
-            )
-            yield EncodedFrame(data=data, row_count=stop - start, first_row=int(ids[start]), last_row=int(ids[stop - 1]))
+            part = ids[start:stop]
+            data = _frame_bytes(meta, tail, i, part, pay_np[start:stop], [a[start:stop] for a in opt_np])
+            yield EncodedFrame(data=data, row_count=stop - start, first_row=int(part[0]), last_row=int(part[-1]))
 
     return frames()
 
