@@ -177,7 +177,8 @@ def scan_records(
 
 
 class _Appender:
-    """One append-only record file, opened lazily; truncates a torn tail on open.
+    """One append-only record file, opened lazily; truncates a torn tail on open (``exclusive``)
+    or when it catches up holding the file's lock (a shared file: `catch_up`).
 
     ``exclusive``: hold an exclusive `flock` while open, so a segment has one writer at a time.
     Two processes appending to one file would interleave their records; a second writer
@@ -202,7 +203,9 @@ class _Appender:
             try:
                 if self.exclusive:
                     self._lock(f)
-                end = self._cut_torn_tail(f, 0)
+                # a shared file's tail is another process's append in progress until its lock is
+                # held: `catch_up`, under that lock, finds the end and cuts a torn tail
+                end = self._cut_torn_tail(f, 0) if self.exclusive else 0
             except BaseException:
                 f.close()
                 raise
@@ -220,7 +223,7 @@ class _Appender:
             ) from None
 
     def open_file(self) -> BinaryIO:
-        """The open file (opening it cuts a torn tail, as every append does)."""
+        """The open file (opening an exclusive one cuts a torn tail)."""
         return self._open()
 
     def catch_up(self) -> None:
