@@ -269,7 +269,7 @@ def cmd_gc(catalog: Catalog, keep: int, backend, dense: DenseStore, guard: GcGua
     survivors = [r for ranks in catalog.survivors.values() for r in ranks.values()]
     needed |= {r.link.generation for r in survivors if r.base in kept_bases}
     newest = max(catalog.commits.values(), key=lambda m: m.checkpoint_id, default=None)
-    if newest is not None:
+    if newest is not None and newest.chain:  # (a COMMIT naming links the log lacks has no chain)
         needed.add(newest.chain[-1].generation)  # the trainer may still be writing deltas there
     known = {
         link.generation
@@ -279,12 +279,9 @@ def cmd_gc(catalog: Catalog, keep: int, backend, dense: DenseStore, guard: GcGua
     present = set(backend.sink.generations())
     dropped = sorted(g for g in (known | present) - needed - catalog.dropped if _unused(g, g in known, catalog))
     unfinished = sorted((present & catalog.dropped) - needed)  # recorded by a gc that was killed
-    if dropped:
-        guard.check()
-        record = DroppedRecord(kind="dropped", run_id=catalog.run_id, generations=dropped, created_unix=time.time())
-        backend.markers.append_marker(encode_marker(record))  # first: no restore starts reading them
-    maybe_die("gc", 0, 0)
-    maybe_hold("gc", 0)
+    # the dense files to delete, from the log as read above: the reads before each deletion
+    # (`guard.check`) add checkpoints a live trainer committed since, which no kept chain
+    # accounts for, so their dense files stay
     kept_ids = {m.checkpoint_id for m in kept}
     ids = {*catalog.commits, *(m.checkpoint_id for m in catalog.fenced_commits if m.kind == "commit")}
     stale = [cid for cid in sorted(ids) if cid not in kept_ids and dense.path_for(cid).exists()]
@@ -292,6 +289,13 @@ def cmd_gc(catalog: Catalog, keep: int, backend, dense: DenseStore, guard: GcGua
     stale_survivors = [
         r for r in survivors if r.base not in kept_bases and dense.survivor_path(r.link.checkpoint_id, r.rank).exists()
     ]
+    maybe_hold("gc_read", 0)  # a test's trainer commits here, after gc chose from its read
+    if dropped:
+        guard.check()
+        record = DroppedRecord(kind="dropped", run_id=catalog.run_id, generations=dropped, created_unix=time.time())
+        backend.markers.append_marker(encode_marker(record))  # first: no restore starts reading them
+    maybe_die("gc", 0, 0)
+    maybe_hold("gc", 0)
     deletions = [
         *(partial(backend.sink.drop_generation, g) for g in sorted([*unfinished, *dropped])),
         *(partial(dense.delete, [cid]) for cid in stale),

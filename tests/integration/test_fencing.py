@@ -196,6 +196,41 @@ def test_of_two_gcs_at_once_exactly_one_deletes(tmp_path, unique_name, debug_con
     assert "resumed from" not in refused[0].stdout
 
 
+def test_a_checkpoint_committed_while_gc_runs_keeps_its_dense_file(tmp_path, unique_name, debug_config: DebugConfig):
+    """gc reads the log, chooses what it keeps and holds (`gc_read:0`) before its DROPPED record;
+    meanwhile the trainer resumes and commits checkpoint 5. Let go, gc reads the log again before
+    its record and each deletion (its fencing) and so learns of checkpoint 5, which it did not
+    choose to keep: the dense files it deletes are still the ones it chose from its first read, so
+    checkpoint 5 keeps its own and the run resumes from it."""
+    job = _job(unique_name("gc-live"), "filesystem", policy="full")
+    spawn_ranks(debug_config.path, [*job, "train.steps=40"], tmp_path, world_size=1, timeout_s=120)
+    tool = ["--config", str(debug_config.path), f"run.dir={tmp_path / 'run'}", *job]
+    dense = tmp_path / "run" / "dense"
+    dense_ids = lambda: sorted(int(p.stem.split("-")[1]) for p in dense.glob("dense-*.pt"))  # noqa: E731
+    assert dense_ids() == [1, 2, 3, 4]
+
+    hold = tmp_path / "hold-gc"
+    hold.touch()
+    gc = _gc(tool, {HOLD_ENV: f"gc_read:0={hold}"})
+    try:
+        deadline = time.monotonic() + 60
+        err = ""
+        while "holding at gc_read:0" not in err:
+            assert gc.poll() is None and time.monotonic() < deadline, f"gc never held: {gc.communicate()}"
+            err += os.read(gc.stderr.fileno(), 4096).decode()
+        spawn_ranks(debug_config.path, [*job, "ckpt.restore.resume=latest", "train.steps=50"], tmp_path, world_size=1,
+                    timeout_s=120)  # fmt: skip
+        assert dense_ids() == [1, 2, 3, 4, 5]
+    finally:
+        hold.unlink(missing_ok=True)
+    out, rest = gc.communicate(timeout=60)
+    assert gc.returncode == 0 and "kept checkpoints [4]; dropped generations ['g1', 'g2', 'g3']" in out, (out, err + rest)
+    assert dense_ids() == [4, 5]
+    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.restore.resume=latest", "train.steps=60"], tmp_path,
+                          world_size=1, timeout_s=120)  # fmt: skip
+    assert "deltarec: resumed from checkpoint 5 at step 50" in resumed[0].stdout, resumed[0].stdout[-2000:]
+
+
 def test_a_filesystem_segment_has_one_writer_at_a_time(tmp_path):
     """Two processes appending to one segment file would interleave their records: another
     process's append fails (that checkpoint fails) while this one holds the file open, and

@@ -3,6 +3,7 @@ time-based intervals and torchrun's automatic restart. Real broker, real ranks."
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 
 from ckpt import cli as ckpt_cli
 from ckpt.dense.store import DenseStore
-from ckpt.log.catalog import commits
+from ckpt.log.catalog import Catalog, commits
 from ckpt.log.markers import ChainLink, SurvivorRecord, decode_record, encode_marker, is_catalog_record
 from ckpt.stream.filesystem import FsMarkers
 from ckpt.stream.kafka import KafkaMarkers
@@ -216,6 +217,51 @@ def test_cli_list_verify_and_gc(tmp_path, unique_name, debug_config: DebugConfig
     assert [r.split()[6] for r in after.splitlines()[1:-1]] == ["dropped", "dropped", "dropped", "complete", "complete"]
     rc, refused = _cli(capsys, *cli, "verify", "--checkpoint", "2")
     assert rc == 1 and "deltarec-ckpt: error: no restorable checkpoint with id 2" in refused, refused
+
+
+def test_gc_beside_a_checkpoint_every_step_bounds_the_dense_files_and_fails_no_checkpoint(
+    tmp_path, unique_name, debug_config: DebugConfig, capsys
+):
+    """docs/checkpoints.md, "A checkpoint every step": each checkpoint leaves a dense file, and
+    `deltarec-ckpt gc --keep N` run beside the training job trims them. Here gc runs again and again
+    while 2 ranks checkpoint every step: after each, the dense files up to the newest it kept are
+    exactly the ones it kept; no checkpoint fails for it; once the job ends, a last gc leaves N dense
+    files and the run resumes from the newest checkpoint."""
+    run_id = unique_name("gc-live")
+    job = _ckpt(run_id, interval_steps=1)
+    cli = ("--config", debug_config.path, f"run.dir={tmp_path / 'run'}", *job)
+    dense = tmp_path / "run" / "dense"
+
+    def dense_ids() -> set[int]:
+        return {int(p.stem.split("-")[1]) for p in dense.glob("dense-*.pt")}
+
+    group = start_ranks(debug_config.path, [*job, "train.steps=400", "train.eval_batches=1"], tmp_path, timeout_s=240)
+    rounds = 0
+    history: list[tuple[list[int], str, list[int]]] = []  # (dense ids before, gc's line, after): shown on a failure
+    try:
+        while group.running():
+            if len(dense_ids()) < 4:  # fewer than gc would keep and drop: wait for more
+                time.sleep(0.05)  # polling the job's run directory
+                continue
+            before = sorted(dense_ids())
+            rc, out = _cli(capsys, *cli, "gc", "--keep", "2")
+            history.append((before[-4:], out.strip()[:80], sorted(dense_ids())[-4:]))
+            assert rc == 0, out
+            kept = [int(x) for x in re.findall(r"\d+", out.split("kept checkpoints [", 1)[1].split("]", 1)[0])]
+            assert len(kept) == 2, out
+            assert {i for i in dense_ids() if i <= max(kept)} == set(kept), out
+            rounds += 1
+    finally:
+        group.wait()
+    assert rounds >= 2, f"gc ran {rounds} time(s) while the job trained"
+    rc, out = _cli(capsys, *cli, "gc", "--keep", "2")
+    catalog = Catalog(run_id).feed(FsMarkers(tmp_path / "run" / "stream", run_id).read_markers())
+    newest = max(catalog.commits)
+    newest_two = {m.checkpoint_id for m in catalog.restorable()[:2]}
+    assert rc == 0 and dense_ids() == newest_two and newest in newest_two, (out, sorted(dense_ids()), history[-3:])
+    assert not catalog.failed, f"checkpoints failed beside gc: {sorted(catalog.failed)}"
+    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.restore.resume=latest", "train.steps=420"], tmp_path)
+    assert f"deltarec: resumed from checkpoint {newest} at step 400" in resumed[0].stdout, resumed[0].stdout[-2000:]
 
 
 def test_time_interval_checkpoints(tmp_path, unique_name, debug_config: DebugConfig, metrics: MetricsReader):
