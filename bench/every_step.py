@@ -198,6 +198,12 @@ def _checkpointed(records: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     }
 
 
+def _dense_bytes(run_dir: Path) -> int:
+    """Bytes of the dense files a run left in its run directory (`ckpt.sink.dense_dir`'s default):
+    written once a checkpoint beside its rows, and kept until `deltarec-ckpt gc` drops them."""
+    return sum(p.stat().st_size for p in (run_dir / "dense").glob("dense-*.pt"))
+
+
 def _every_step(bootstrap: str) -> list[str]:
     """A run of its own with a checkpoint every step: incremental 4-bit deltas to `bootstrap`."""
     return [
@@ -376,6 +382,7 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite every-step") -
                 "exit_after_last_step_s": every_job.exit_s,
                 "baseline_exit_after_last_step_s": base_job.exit_s,
                 **_checkpointed(every, args.steps),
+                "dense_mb_per_step": _dense_bytes(every_dir) / 1e6 / args.steps,
                 **_cpu_figures(base_job, every_job, args.steps - args.log_every),
             }
             if follower is not None:
@@ -408,14 +415,17 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite every-step") -
         "killed": killed,
         "calibrated": calibrated,
     }
-    print("| pair | overhead | stall mean / p99 | step to COMMIT p50 / p99 (halves) | committed / coalesced | MB a step | exit |")
+    print(
+        "| pair | overhead | stall mean / p99 | step to COMMIT p50 / p99 (halves) | committed / coalesced "
+        "| MB a step: rows, dense files | exit |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in pairs:
         print(
             f"| {r['pair']} | {r['overhead']:.1%} | {r['stall_ms_mean']:.1f} / {r['stall_ms_p99']:.1f} ms | "
             f"{r['durable_s_p50']:.2f} / {r['durable_s_p99']:.2f} s ({r['durable_s_p99_first_half']:.2f}, "
-            f"{r['durable_s_p99_second_half']:.2f}) | {r['committed']} / {r['coalesced']} | {r['mb_per_step']:.3f} | "
-            f"{r['exit_after_last_step_s']:.2f} s |"
+            f"{r['durable_s_p99_second_half']:.2f}) | {r['committed']} / {r['coalesced']} | "
+            f"{r['mb_per_step']:.3f}, {r['dense_mb_per_step']:.3f} | {r['exit_after_last_step_s']:.2f} s |"
         )
     followed = [r for r in pairs if "follower_passes" in r]
     if followed:

@@ -418,6 +418,8 @@ def test_every_step_suite_measures_a_checkpoint_every_step_and_a_kill(tmp_path: 
     assert pair["baseline_samples_per_s"] > 0 and pair["samples_per_s"] > 0, pair
     assert pair["committed"] + pair["coalesced"] >= 60 and pair["committed"] > 1, pair
     assert 0 < pair["durable_s_p50"] <= pair["durable_s_p99"], pair
+    # every committed checkpoint left its dense file (the debug model's: tens of kB each)
+    assert pair["committed"] * 10_000 / 60 < pair["dense_mb_per_step"] * 1e6, pair
     # the ranks train in both jobs; only the checkpointed one gives the broker work
     assert pair["cpu_ms_per_step_baseline"] > 0 and pair["cpu_ms_per_step"] > 0, pair
     assert pair["broker_cpu_ms_per_step"] > 0 and 0 < pair["broker_cores"] < 2, pair
