@@ -219,8 +219,9 @@ def test_cli_list_verify_and_gc(tmp_path, unique_name, debug_config: DebugConfig
     assert rc == 1 and "deltarec-ckpt: error: no restorable checkpoint with id 2" in refused, refused
 
 
+@pytest.mark.parametrize("sink", ["filesystem", "kafka"])
 def test_gc_beside_a_checkpoint_every_step_bounds_the_dense_files_and_fails_no_checkpoint(
-    tmp_path, unique_name, debug_config: DebugConfig, capsys
+    tmp_path, broker, unique_name, sink, debug_config: DebugConfig, capsys
 ):
     """docs/checkpoints.md, "A checkpoint every step": each checkpoint leaves a dense file, and
     `deltarec-ckpt gc --keep N` run beside the training job trims them. Here gc runs again and again
@@ -228,7 +229,7 @@ def test_gc_beside_a_checkpoint_every_step_bounds_the_dense_files_and_fails_no_c
     exactly the ones it kept; no checkpoint fails for it; once the job ends, a last gc leaves N dense
     files and the run resumes from the newest checkpoint."""
     run_id = unique_name("gc-live")
-    job = _ckpt(run_id, interval_steps=1)
+    job = _ckpt(run_id, sink, broker.bootstrap if sink == "kafka" else "", interval_steps=1)
     cli = ("--config", debug_config.path, f"run.dir={tmp_path / 'run'}", *job)
     dense = tmp_path / "run" / "dense"
 
@@ -255,7 +256,12 @@ def test_gc_beside_a_checkpoint_every_step_bounds_the_dense_files_and_fails_no_c
         group.wait()
     assert rounds >= 2, f"gc ran {rounds} time(s) while the job trained"
     rc, out = _cli(capsys, *cli, "gc", "--keep", "2")
-    catalog = Catalog(run_id).feed(FsMarkers(tmp_path / "run" / "stream", run_id).read_markers())
+    if sink == "kafka":
+        log: FsMarkers | KafkaMarkers = KafkaMarkers(run_id, {"bootstrap.servers": broker.bootstrap})
+    else:
+        log = FsMarkers(tmp_path / "run" / "stream", run_id)
+    catalog = Catalog(run_id).feed(log.read_markers())
+    log.close()
     newest = max(catalog.commits)
     newest_two = {m.checkpoint_id for m in catalog.restorable()[:2]}
     assert rc == 0 and dense_ids() == newest_two and newest in newest_two, (out, sorted(dense_ids()), history[-3:])
