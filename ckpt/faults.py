@@ -51,7 +51,7 @@ SLOW_RESTORE_ENV = "DELTAREC_SLOW_RESTORE"
 # saying so on stderr, for as long as the file PATH exists (a test of two writers at once lets
 # the other go, then deletes it)
 HOLD_ENV = "DELTAREC_HOLD_AT"
-POINTS = ("step", "snapshot", "rows", "marker", "committed", "restore", "gc", "gc_read", "export", "survivor")
+POINTS = ("step", "snapshot", "rows", "marker", "committed", "restore", "gc", "export", "survivor", "gc_read")
 
 
 class FaultSpecError(DeltarecError):

@@ -83,6 +83,7 @@ class RunSim:
     clock: float = 1000.0
     every: int = 3
     by_reference: bool = False  # commits and compactions name their links, as deltarec writes them
+    compacted: set[int] = field(default_factory=set)  # the compacted generations written so far
 
     def append(self, record) -> None:
         if self.by_reference and isinstance(record, Marker) and record.kind != "failed":
@@ -151,11 +152,15 @@ class RunSim:
         elif r < 0.80 and self.chain:
             link = self.rng.choice(self.chain)
             epoch = self.fold.lease.epoch if self.fold.lease else 1
+            generation = compacted_generation(epoch, link.checkpoint_id)
+            if generation in self.compacted:  # a follower compacts a checkpoint once an epoch: one generation, one marker
+                return
+            self.compacted.add(generation)
             base = ChainLink(
                 checkpoint_id=link.checkpoint_id,
                 full=True,
                 bytes=self.rng.choice([50, 500, 5000]),
-                generation=compacted_generation(epoch, link.checkpoint_id),
+                generation=generation,
                 ranges={0: [(0, 1)]},
                 rows=1,
             )
