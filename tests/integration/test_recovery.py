@@ -15,6 +15,7 @@ import torch
 from ckpt import cli as ckpt_cli
 from ckpt.dense.store import DenseStore
 from ckpt.log.catalog import Catalog, commits
+from ckpt.log.links import append_with_link
 from ckpt.log.markers import ChainLink, SurvivorRecord, decode_record, encode_marker, is_catalog_record
 from ckpt.stream.filesystem import FsMarkers
 from ckpt.stream.kafka import KafkaMarkers
@@ -217,6 +218,27 @@ def test_cli_list_verify_and_gc(tmp_path, unique_name, debug_config: DebugConfig
     assert [r.split()[6] for r in after.splitlines()[1:-1]] == ["dropped", "dropped", "dropped", "complete", "complete"]
     rc, refused = _cli(capsys, *cli, "verify", "--checkpoint", "2")
     assert rc == 1 and "deltarec-ckpt: error: no restorable checkpoint with id 2" in refused, refused
+
+
+def test_gc_passes_over_a_commit_whose_chain_the_log_lacks(tmp_path, unique_name, debug_config: DebugConfig, capsys):
+    """A COMMIT naming chain links the log does not hold (a damaged or hand-edited log) cannot be
+    restored; gc keeps the newest restorable checkpoint and drops the rest as usual (it failed
+    with an IndexError when that COMMIT was the newest)."""
+    run_id = unique_name("gc-lacking")
+    job = _ckpt(run_id, policy="full")
+    spawn_ranks(debug_config.path, [*job, "train.steps=30", "train.eval_batches=1"], tmp_path)
+    newest = _newest_marker(tmp_path, run_id)
+    assert newest.checkpoint_id == 3
+    lacking = replace(newest.chain[-1], checkpoint_id=9, full=False)  # no checkpoint 9 was ever written
+    own = replace(newest.chain[-1], checkpoint_id=10, full=False)
+    markers = FsMarkers(tmp_path / "run" / "stream", run_id)
+    append_with_link(markers, replace(newest, checkpoint_id=10, step=100, chain=[newest.chain[-1], lacking, own]), "forged")
+    markers.close()
+    catalog = Catalog(run_id).feed(FsMarkers(tmp_path / "run" / "stream", run_id).read_markers())
+    assert max(catalog.commits) == 10 and not catalog.commits[10].chain
+    cli = ("--config", debug_config.path, f"run.dir={tmp_path / 'run'}", *job)
+    rc, out = _cli(capsys, *cli, "gc", "--keep", "1")
+    assert rc == 0 and "kept checkpoints [3]; dropped generations ['g1', 'g2']" in out, out
 
 
 @pytest.mark.parametrize("sink", ["filesystem", "kafka"])
