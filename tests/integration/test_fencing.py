@@ -144,6 +144,17 @@ def _gc(tool: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     )
 
 
+def _held(gc: subprocess.Popen[str], point: str) -> str:
+    """What `gc` printed on stderr until it said it holds at `point` (within 60 s)."""
+    deadline = time.monotonic() + 60
+    err = ""
+    while f"holding at {point}" not in err:
+        assert gc.poll() is None and time.monotonic() < deadline, f"gc never held at {point}: {gc.communicate()}"
+        assert gc.stderr is not None
+        err += os.read(gc.stderr.fileno(), 4096).decode()
+    return err
+
+
 def test_of_two_gcs_at_once_exactly_one_deletes(tmp_path, unique_name, debug_config: DebugConfig):
     """gc A records what it drops, then holds (before deleting anything) while gc B runs: B,
     the newer, deletes what A recorded as well as its own share; A, let go, stops with one line
@@ -160,11 +171,7 @@ def test_of_two_gcs_at_once_exactly_one_deletes(tmp_path, unique_name, debug_con
     hold.touch()
     a = _gc(tool, {HOLD_ENV: f"gc:0={hold}"})
     try:
-        deadline = time.monotonic() + 60
-        err = ""
-        while "holding at gc:0" not in err:
-            assert a.poll() is None and time.monotonic() < deadline, f"gc A never held: {a.communicate()}"
-            err += os.read(a.stderr.fileno(), 4096).decode()
+        err = _held(a, "gc:0")
         b = subprocess.run(
             [sys.executable, "-m", "trainer.ckpt_cli", *tool, "gc", "--keep", "1"],
             cwd=REPO,
@@ -213,11 +220,7 @@ def test_a_checkpoint_committed_while_gc_runs_keeps_its_dense_file(tmp_path, uni
     hold.touch()
     gc = _gc(tool, {HOLD_ENV: f"gc_read:0={hold}"})
     try:
-        deadline = time.monotonic() + 60
-        err = ""
-        while "holding at gc_read:0" not in err:
-            assert gc.poll() is None and time.monotonic() < deadline, f"gc never held: {gc.communicate()}"
-            err += os.read(gc.stderr.fileno(), 4096).decode()
+        err = _held(gc, "gc_read:0")
         spawn_ranks(debug_config.path, [*job, "ckpt.restore.resume=latest", "train.steps=50"], tmp_path, world_size=1,
                     timeout_s=120)  # fmt: skip
         assert dense_ids() == [1, 2, 3, 4, 5]
