@@ -11,7 +11,9 @@ from the test's seed; a failure names the command that replays it.
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
 import signal
 import socket
 import threading
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
+from ckpt import cli as ckpt_cli
 from ckpt.config import CkptConfig
 from ckpt.dense.store import DenseStore
 from ckpt.log.backend import open_backend
@@ -32,6 +35,7 @@ from ckpt.restore.export import export
 from launch.broker import EmbeddedBroker
 from launch.ranks import RankGroup, spawn_ranks, start_ranks
 from tests.background import BackgroundProc
+from trainer.ckpt_cli import load_job_ckpt_config
 from trainer.config import JobConfig
 from trainer.serve.client import ServeClient
 from trainer.serve.requests import FeatureLayout, parse_request
@@ -263,6 +267,44 @@ def test_every_answer_is_one_checkpoint_while_training_under_load(
     assert "first served" in server.text()
     assert server.stop() == 0, server.tail()
     assert "stopped:" in server.text()
+
+
+def test_a_server_beside_an_every_step_job_and_gc_ends_serving_the_newest_checkpoint(
+    tmp_path: Path, debug_config: DebugConfig, unique_name, capsys
+) -> None:
+    """docs/checkpoints.md, "A checkpoint every step": gc run every little while beside the job
+    deletes the dense files of all but the newest checkpoints. A server stopped for a while
+    (SIGSTOP) falls behind them: let go, it applies the checkpoints waiting in one pass, which
+    reads the dense file of the newest only, so the ones gc deleted meanwhile are not missed. It
+    answers before and after, and once training ends it serves the run's newest checkpoint."""
+    job = [*_job(unique_name("serve-gc")), "ckpt.schedule.interval_steps=1", "train.steps=300"]
+    cfg = debug_config.load([*job, f"run.dir={tmp_path / 'run'}"], check_data=False)
+    server = ServerProc(debug_config.path, job, tmp_path)
+    tool = ["--config", str(debug_config.path), f"run.dir={tmp_path / 'run'}", *job]
+    group = start_ranks(debug_config.path, job, tmp_path, timeout_s=240)
+    rounds, answered, stopped_at, resumed = 0, 0, 0.0, False
+    try:
+        while group.running():
+            rounds += ckpt_cli.main([*tool, "gc", "--keep", "2"], load_job_ckpt_config) == 0
+            if not stopped_at and answered >= 2:  # serving: now behind while gc deletes what it would apply next
+                os.kill(server.pid, signal.SIGSTOP)
+                stopped_at = time.monotonic()
+            elif stopped_at and not resumed and time.monotonic() - stopped_at > 1.5:
+                os.kill(server.pid, signal.SIGCONT)
+                resumed = True
+            if not stopped_at or resumed:
+                answered += server.predict(_samples(cfg, 2, rounds))[0] == 200
+            time.sleep(0.2)  # gc every little while, as a cron job would
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        group.wait()
+    capsys.readouterr()
+    assert stopped_at and rounds >= 3, f"the server was never stopped behind the job: {rounds} gc rounds, {answered} answers"
+    last = max(_catalog(cfg.ckpt).commits)
+    _wait_for(_serving(server, last), 60, f"checkpoint {last} served", server)
+    caught_up = [int(n) for n in re.findall(r"applied \((\d+) deltas from checkpoint", server.text())]
+    assert max(caught_up, default=0) >= 15, f"no pass applied the checkpoints waiting after SIGCONT: {caught_up}"
+    assert server.stop() == 0, server.tail()
 
 
 # --- 2. restart, a damaged frame, bad requests (filesystem stream) --------------------------------
