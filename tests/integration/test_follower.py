@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from ckpt import cli as ckpt_cli
 from ckpt.config import CkptConfig
 from ckpt.dense.store import DenseRef, DenseStore
 from ckpt.log.backend import open_backend
@@ -32,6 +33,7 @@ from launch.ranks import RankGroup, read_jsonl, spawn_ranks, start_ranks
 from sharding.plan import EBC_PATH, table_key
 from sharding.process_group import DistEnv
 from tests.background import BackgroundProc
+from trainer.ckpt_cli import load_job_ckpt_config
 from trainer.data.factory import make_reader
 from trainer.model import build_model
 
@@ -533,6 +535,42 @@ def test_serving_snapshots_load_into_a_fresh_dlrm(tmp_path, unique_name, debug_c
 
 
 # --- 4. two followers: one compacts, the other takes over ----------------------------------------
+
+
+@pytest.mark.parametrize("sink", ["filesystem", "kafka"])
+def test_gc_beside_an_every_step_job_and_its_follower_leaves_the_newest_checkpoint_restorable(
+    tmp_path, broker, unique_name, sink, debug_config: DebugConfig, capsys
+):
+    """The every-step setup docs/checkpoints.md recommends, all at once: 2 ranks checkpoint
+    every step, a follower compacts their chain, and `deltarec-ckpt gc --keep 2` runs again and
+    again. gc never drops what the newest checkpoint's cheapest chain reads (the follower's
+    newest baselines included), no checkpoint fails, and the run resumes from the newest."""
+    job = [*_job(unique_name("gc-follow"), sink, broker.bootstrap if sink == "kafka" else ""), "ckpt.schedule.interval_steps=1"]
+    cfg = _ckpt_config(debug_config, job, tmp_path / "run")
+    follower = FollowerProc(debug_config.path, job, tmp_path, "follower")
+    tool = ["--config", str(debug_config.path), f"run.dir={tmp_path / 'run'}", *job]
+    group = start_ranks(debug_config.path, [*job, "train.steps=300"], tmp_path, timeout_s=240)
+    rounds = 0
+    try:
+        while group.running():
+            rc = ckpt_cli.main([*tool, "gc", "--keep", "2"], load_job_ckpt_config)
+            assert rc == 0, capsys.readouterr()
+            rounds += 1
+            time.sleep(0.2)  # gc every little while, as a cron job would
+    finally:
+        group.wait()
+    assert ckpt_cli.main([*tool, "gc", "--keep", "2"], load_job_ckpt_config) == 0
+    capsys.readouterr()
+    catalog = _catalog(cfg)
+    newest = max(catalog.commits)
+    assert rounds >= 3 and catalog.compactions, (rounds, sorted(catalog.compactions))
+    assert not catalog.failed, f"checkpoints failed beside gc: {sorted(catalog.failed)}"
+    restorable = catalog.restorable()
+    assert restorable and restorable[0].checkpoint_id == newest, [m.checkpoint_id for m in restorable[:3]]
+    assert not {link.generation for link in restorable[0].chain} & catalog.dropped
+    assert follower.stop() == 0, follower.tail()
+    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.restore.resume=latest", "train.steps=310"], tmp_path)
+    assert f"deltarec: resumed from checkpoint {newest} at step 300" in resumed[0].stdout, resumed[0].stdout[-2000:]
 
 
 def test_two_followers_one_compacts_the_other_takes_over(tmp_path, unique_name, debug_config: DebugConfig):
