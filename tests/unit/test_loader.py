@@ -91,6 +91,35 @@ def test_criteo_positions_resume_exactly(tmp_path: Path) -> None:
         batches.close()
 
 
+# A rank whose two workers both raise (a reader that cannot skip, split among them): the error
+# comes back through the DataLoader, whose iterator its traceback keeps alive.
+FAILS = """
+import sys
+import torch
+from pathlib import Path
+from tests.unit.test_criteo_reader import marked, reader, write
+from trainer.data.loader import positioned_batches
+from trainer.data.reader import DataError
+
+path = write(Path(sys.argv[1]) / "day.tsv", [marked(i) for i in range(20)])
+batches = positioned_batches(reader([path]), 2, prefetch=2, device=torch.device("cpu"))
+try:
+    next(batches)
+except DataError as exc:
+    error = exc  # kept, as a caller reporting it may
+    print("error:", exc, flush=True)
+finally:
+    batches.close()
+"""
+
+
+def test_a_rank_whose_workers_raised_exits_after_close(tmp_path: Path) -> None:
+    """The rank prints the error and exits: `close` stopped the workers, whose iterator the
+    error still refers to (before, the interpreter's exit waited for them forever)."""
+    p = subprocess.run([sys.executable, "-c", FAILS, str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "cannot skip batches" in p.stdout, p.stderr[-3000:]
+
+
 # A rank (this script) reading through one worker; `term`: it stops on SIGTERM as a survivor
 # under partial recovery does, reading on first; `kill`: its reader blocks inside batch 2 (a
 # stalled file system), where the DataLoader's own check of its parent never runs.

@@ -131,8 +131,14 @@ class PositionedBatches(Iterator[Batch]):
         return len(self._in_flight)
 
     def close(self) -> None:
-        """Stop the workers (the DataLoader's iterator shuts them down when it goes)."""
-        self._items = iter(())
+        """Stop the workers now. The DataLoader's iterator shuts them down when it goes, but an
+        error a worker raised keeps it alive in its traceback, maybe until the process exits;
+        multiprocessing then SIGTERMs the workers, which ignore it (`_worker_init`), and waits
+        for them forever. So close calls the same shutdown itself (torch has no public one)."""
+        items, self._items = self._items, iter(())
+        shutdown = getattr(items, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()
 
 
 def positioned_batches(reader: Reader, workers: int, prefetch: int, device: torch.device) -> PositionedBatches:
