@@ -185,6 +185,8 @@ class Trainer(Stateful):
                     self._evaluate_and_log()
         finally:
             progress.close()
+            if self._batches is not None:  # an error ending the loop leaves no worker behind (PositionedBatches.close)
+                self._batches.close()
         self.close()
         return self._evaluate_and_log()
 
