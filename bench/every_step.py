@@ -55,7 +55,7 @@ from bench.cpu import process_cpu_s
 from ckpt.log.backend import open_backend
 from ckpt.log.catalog import Catalog
 from launch.broker import EmbeddedBroker
-from launch.ranks import child_pids
+from launch.ranks import descendant_pids
 from trainer.ckpt_cli import load_job_ckpt_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,11 +138,6 @@ def _job(
     return JobRun(exit_s, window.wall_s, window.cpu_s, window.broker_cpu_s)
 
 
-def _descendants(pid: int) -> list[int]:
-    """The processes below `pid`: its children, theirs, ..."""
-    return [p for child in child_pids(pid) for p in (child, *_descendants(child))]
-
-
 @dataclass
 class _Window:
     """CPU of a job's processes and of the broker between two of its console lines."""
@@ -157,7 +152,7 @@ class _Window:
 
     @classmethod
     def open(cls, pid: int, broker: int | None) -> _Window:
-        pids = [pid, *_descendants(pid)]
+        pids = [pid, *descendant_pids(pid)]
         at = {p: cpu for p in pids if (cpu := process_cpu_s(p)) is not None}
         broker_at = (process_cpu_s(broker) or 0.0) if broker is not None else 0.0
         return cls(at, broker, broker_at, time.monotonic())

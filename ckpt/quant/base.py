@@ -104,9 +104,11 @@ def check_finite_rows(x: torch.Tensor, table: str, row_ids: torch.Tensor | None)
     runs only when it is not finite, so a finite batch whose sum overflows is not refused."""
     if not x.numel():
         return
-    # numpy's sum of a CPU tensor costs a fraction of torch's two small ops
-    total = x.numpy().sum() if x.device.type == "cpu" and not x.requires_grad else x.sum()
-    if not bool(np.isfinite(total) if isinstance(total, np.floating) else torch.isfinite(total)):
+    if x.device.type == "cpu" and not x.requires_grad:  # numpy's sum costs a fraction of torch's two small ops
+        finite = bool(np.isfinite(x.numpy().sum()))
+    else:
+        finite = bool(torch.isfinite(x.sum()))
+    if not finite:
         refuse_non_finite(x, table, row_ids)
 
 

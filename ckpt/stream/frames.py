@@ -338,7 +338,7 @@ def _frame_bytes(
         raise ValueError(f"frame field out of range: {e}") from None
     parts: list = [head + b"\0" * (header_len - len(head))]
     for arr in (ids_np, pay_np, *opt_np):
-        mv = np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data
+        mv = arr.reshape(-1).view(np.uint8).data
         parts.append(mv)
         if _pad(mv.nbytes):
             parts.append(b"\0" * _pad(mv.nbytes))
