@@ -312,9 +312,15 @@ class Checkpointer:
         agreed = st.schedule.agree(step)
         t_agreed = time.perf_counter()
         decision = agreed.decision
-        if agreed.behind and not final:  # its rows go into the next checkpoint taken
-            st.outcomes.coalesced(step, self.env.rank)
-            return
+        if agreed.behind and not final:
+            most = self.cfg.write.max_coalesced
+            if not most or chain.coalesced < most:  # its rows go into the next checkpoint taken
+                chain.coalesced += 1
+                st.outcomes.coalesced(step, self.env.rank)
+                return
+            # coalesced as often as allowed: wait for the writers (every rank does, as every
+            # rank counts the same agreed checkpoints), leaving them this thread's core
+            st.writer.wait_for_jobs_below(self.cfg.write.pending_checkpoints(self.cfg.schedule.interval_steps))
         if agreed.overflow[decision.kind] and self.cfg.write.on_backpressure == "skip" and not final:
             st.outcomes.skipped(step, self.env.rank)
             return
@@ -324,6 +330,7 @@ class Checkpointer:
             need = counted if counted is not None else st.taker.estimate_bytes(decision.full, decision.since_base)
             st.writer.wait_for_room(need, self.cfg.write.max_pending_bytes)
         cid = chain.next_id
+        chain.coalesced = 0
         st.schedule.took(step, cid)
         chain.next_id += 1
         if decision.full or not chain.generation:

@@ -130,6 +130,12 @@ class WriteConfig:
     # them, so that a checkpoint every step keeps its time to COMMIT bounded; 0: no bound;
     # None: `pending_checkpoints` chooses
     max_pending_checkpoints: int | None = None
+    # checkpoints in a row coalesced at most: the next one due waits for the writers instead
+    # (the training thread yields its core to them), so the steps a crash loses stay bounded
+    # while the writers are slow, at the price of training waiting for them (for as long as a
+    # broker outage lasts, up to `ckpt.sink.flush_timeout_s` a checkpoint); 0: no bound, training
+    # never waits for them
+    max_coalesced: int = 0
     # niceness the writer thread adds to itself (Linux): encoding rows on the CPU must not
     # take cores from the training step; 0 runs it at the training thread's priority
     writer_nice: int = 10
@@ -147,6 +153,8 @@ class WriteConfig:
             raise ConfigError(f"{src}: ckpt.write.max_pending_bytes must be positive, got {self.max_pending_bytes}")
         if self.max_pending_checkpoints is not None and self.max_pending_checkpoints < 0:
             raise ConfigError(f"{src}: ckpt.write.max_pending_checkpoints must be 0 (no bound) or positive")
+        if self.max_coalesced < 0:
+            raise ConfigError(f"{src}: ckpt.write.max_coalesced must be >= 0 (0: no bound), got {self.max_coalesced}")
         if not 0 <= self.writer_nice <= 19:
             raise ConfigError(
                 f"{src}: ckpt.write.writer_nice must be in 0..19 (added to the writer thread's niceness), got {self.writer_nice}"

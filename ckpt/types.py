@@ -33,3 +33,4 @@ class ChainState:
     last_committed: int = 0  # the newest checkpoint this rank knows committed (restored or written)
     restores: int = 0  # restores of this job so far (persisted in the dense state)
     lost_samples: float = 0.0  # samples whose updates partial recoveries lost, over the run
+    coalesced: int = 0  # checkpoints coalesced in a row since the last one taken (`ckpt.write.max_coalesced`)

@@ -274,6 +274,14 @@ class RankWriter:
                 self._lock.wait(left)
             return True
 
+    def wait_for_jobs_below(self, most: int) -> None:
+        """Block until fewer than `most` checkpoints are undecided (`pending_jobs`): a checkpoint
+        that may not be coalesced again waits here, and the training thread, blocked, leaves its
+        core to the writer."""
+        with self._lock:
+            while self.pending_jobs >= most:
+                self._lock.wait()
+
     def close(self, timeout_s: float | None = None) -> list[Outcome]:
         """Finish every submitted job, stop the thread, return the last outcomes."""
         self._jobs.put(None)
@@ -325,6 +333,8 @@ class RankWriter:
                 self.mapping.committed(job)
             self._outcomes.put(outcome)
             self._jobs.task_done()  # after the outcome is out: `drain` then finds it
+            with self._lock:
+                self._lock.notify_all()  # one job fewer (`wait_for_jobs_below`)
 
     def _write(self, job: WriteJob) -> RankReport:
         try:

@@ -382,6 +382,30 @@ def test_torchrun_restarts_a_killed_rank_from_the_newest_marker(
     assert "deltarec: trained 40 steps" in p.stdout
 
 
+def test_a_writer_held_back_coalesces_at_most_max_coalesced_in_a_row_then_training_waits(
+    tmp_path, unique_name, debug_config: DebugConfig, metrics: MetricsReader
+):
+    """A checkpoint every step while checkpoint 3's writers sleep 3 s before flushing: the writers
+    hold two checkpoints (the bound with a checkpoint every step), the next two due are coalesced
+    (`ckpt.write.max_coalesced=2`), and the one after waits for the writers instead of being
+    coalesced too. Without that bound every step of the 3 s went without a checkpoint of its own."""
+    job = [*_ckpt(unique_name("coalesce"), interval_steps=1, policy="incremental"), "ckpt.write.max_coalesced=2"]
+    run_dir = tmp_path / "run"
+    spawn_ranks(debug_config.path, [*job, "train.steps=40", "train.eval_batches=1"], tmp_path,
+                env_extra={"DELTAREC_SLOW_FLUSH": "3:3"})  # fmt: skip
+    coalesced = metrics.values(run_dir, "step", ckpt_coalesced=True)
+    committed = metrics.values(run_dir, "step", ckpt_committed=True)
+    assert not metrics.values(run_dir, "step", ckpt_committed=False), "no checkpoint failed"
+    # every step has a checkpoint of its own or is coalesced into the next one taken (the last
+    # step, coalesced, then has the final checkpoint)
+    assert sorted(set(committed) | set(coalesced)) == list(range(1, 41)), (committed, coalesced)
+    in_a_row, longest = 0, 0
+    for step in range(1, 41):
+        in_a_row = in_a_row + 1 if step in coalesced else 0
+        longest = max(longest, in_a_row)
+    assert longest == 2, coalesced  # reached (the 3 s hold alone would coalesce dozens), never passed
+
+
 # Full snapshot of one debug_cpu rank under row_wise: 1532 rows x (8 id + 64 weight + 4 momentum) bytes.
 FULL_SNAPSHOT_BYTES = 1532 * 76
 
