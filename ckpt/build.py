@@ -266,6 +266,7 @@ def build_stages(
             where=backend.where,
             catalog_every=cfg.sink.catalog_every,
             connect_timeout_s=cfg.sink.connect_timeout_s,
+            keep_dense=cfg.write.keep_dense,
         )
     writer = RankWriter(
         run_id=run_id,

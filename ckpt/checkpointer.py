@@ -225,7 +225,7 @@ class Checkpointer:
             self.row_init = resumed.row_init
             st.taker.adopt(trained_only=True)
         if st.committer is not None:
-            st.committer.adopt(resumed.links, resumed.row_init)
+            st.committer.adopt(resumed.links, resumed.row_init, restored=resumed.checkpoint_id)
         if resumed.have_base:
             st.policy.adopt_base()
         st.schedule.resumed_at(resumed.step)

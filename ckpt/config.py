@@ -136,6 +136,10 @@ class WriteConfig:
     # broker outage lasts, up to `ckpt.sink.flush_timeout_s` a checkpoint); 0: no bound, training
     # never waits for them
     max_coalesced: int = 0
+    # dense files kept: those of the newest N checkpoints this attempt committed (and the one it
+    # restored); rank 0 deletes older ones after each COMMIT, as `deltarec-ckpt gc` would. A
+    # checkpoint every step writes one a step. 0: every dense file is kept until gc
+    keep_dense: int = 0
     # niceness the writer thread adds to itself (Linux): encoding rows on the CPU must not
     # take cores from the training step; 0 runs it at the training thread's priority
     writer_nice: int = 10
@@ -153,6 +157,8 @@ class WriteConfig:
             raise ConfigError(f"{src}: ckpt.write.max_pending_bytes must be positive, got {self.max_pending_bytes}")
         if self.max_pending_checkpoints is not None and self.max_pending_checkpoints < 0:
             raise ConfigError(f"{src}: ckpt.write.max_pending_checkpoints must be 0 (no bound) or positive")
+        if self.keep_dense < 0:
+            raise ConfigError(f"{src}: ckpt.write.keep_dense must be >= 0 (0: keep every dense file), got {self.keep_dense}")
         if self.max_coalesced < 0:
             raise ConfigError(f"{src}: ckpt.write.max_coalesced must be >= 0 (0: no bound), got {self.max_coalesced}")
         if not 0 <= self.writer_nice <= 19:

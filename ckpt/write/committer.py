@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -56,6 +57,7 @@ class Committer:
         where: str = "",
         catalog_every: int = 32,
         connect_timeout_s: float = 10.0,
+        keep_dense: int = 0,
     ) -> None:
         self.run_id = run_id
         self.where = where  # the stream, as the local history names it
@@ -73,12 +75,16 @@ class Committer:
         self._read_ok = False  # whether the last commit's read of the markers log succeeded
         self._journal: CommitRecord | None = None  # the last COMMIT, for `settle` to record
         self.connect_timeout_s = connect_timeout_s
+        # `ckpt.write.keep_dense`: the dense files this attempt keeps, oldest first (0: all)
+        self.keep_dense = keep_dense
+        self._dense_kept: deque[int] = deque()
 
-    def adopt(self, links: Sequence[ChainLink], row_init: RowInit | None) -> None:
+    def adopt(self, links: Sequence[ChainLink], row_init: RowInit | None, restored: int) -> None:
         """Take over a restored chain: the committed links the next checkpoints refer to, and,
         when the restore made the chain's row initialisation the job's, the one the next markers
-        name."""
+        name. `restored`: the checkpoint restored, whose dense file `keep_dense` counts."""
         self.links = {link.checkpoint_id: link for link in links}
+        self._dense_kept = deque([restored])
         if row_init is not None:
             self.marker_fields["init"] = row_init.to_json()
 
@@ -91,6 +97,9 @@ class Committer:
         """This trainer attempt's record and epoch, and the log as the checkpointer read it at start
         (just before the record; the first commit reads the rest)."""
         self.attempt, self.epoch, self.catalog = attempt, epoch, catalog
+        if self.keep_dense and self._dense_kept:  # the restored checkpoint's, and older committed ones: counted too
+            restored = self._dense_kept[-1]
+            self._dense_kept = deque([*sorted(c for c in catalog.commits if c < restored), restored])
 
     def __call__(self, job: WriteJob, reports: list[RankReport]) -> Outcome:
         """Commit `job` if every rank's rows, every earlier link of its chain and the dense file
@@ -164,6 +173,24 @@ class Committer:
             self.dense.record_commit(journal)
         except OSError as exc:  # committed all the same; only the lost-stream check loses this entry
             logger.warning("checkpoint %d: committed, but not recorded in %s: %s", outcome.checkpoint_id, self.dense.root, exc)
+        self._retire_dense(outcome.checkpoint_id)
+
+    def _retire_dense(self, committed: int) -> None:
+        """`ckpt.write.keep_dense`: once every rank knows of `committed`, delete the dense files
+        of the committed checkpoints older than the newest `keep_dense`: this attempt's, the one
+        it restored and those committed before it (`start_attempt`). A restore of the newest, a
+        server or a follower behind, read only the newest checkpoint's dense file; what an older
+        one needs is gone, as after `deltarec-ckpt gc`. Checkpoints newer than the restored one
+        (a rewind's abandoned branch) stay for gc. A failed deletion is logged, never retried."""
+        if not self.keep_dense:
+            return
+        self._dense_kept.append(committed)
+        while len(self._dense_kept) > self.keep_dense:
+            old = self._dense_kept.popleft()
+            try:
+                self.dense.delete([old])
+            except OSError as exc:
+                logger.warning("checkpoint %d: dense file not deleted (ckpt.write.keep_dense): %s", old, exc)
 
     def _fenced(self) -> str:
         """Read what the markers log gained; the one-line reason to stop when a newer attempt

@@ -573,6 +573,34 @@ def test_gc_beside_an_every_step_job_and_its_follower_leaves_the_newest_checkpoi
     assert f"deltarec: resumed from checkpoint {newest} at step 300" in resumed[0].stdout, resumed[0].stdout[-2000:]
 
 
+def test_a_follower_beside_an_every_step_job_with_keep_dense_applies_every_checkpoint_and_goes_on_exporting(
+    tmp_path, unique_name, debug_config: DebugConfig
+):
+    """`ckpt.write.keep_dense=2` beside a follower exporting a serving snapshot every 5 applications:
+    the trainer deletes dense files while the follower applies and exports. The follower applies
+    the last checkpoint and keeps exporting: an export may only fail for a dense file deleted under
+    it (one warning; the next application is exported), and its newest serving snapshot loads."""
+    job = [*_job(unique_name("keep-dense")), "ckpt.schedule.interval_steps=1", "ckpt.write.keep_dense=2"]
+    run_dir = tmp_path / "run"
+    cfg = _ckpt_config(debug_config, job, run_dir)
+    follower = FollowerProc(debug_config.path, job, tmp_path, "follower", "--export-every", "5")
+    try:
+        _wait_for(lambda: "following run" in follower.text(), 60, "the follower to start", (follower,))
+        spawn_ranks(debug_config.path, [*job, "train.steps=150"], tmp_path, timeout_s=240)
+        last = max(_catalog(cfg).commits)
+        _wait_for(lambda: f"checkpoint {last} (step 150) applied" in follower.text(), 60, f"checkpoint {last}", (follower,))
+        assert follower.stop() == 0, follower.tail()
+    finally:
+        follower.kill()
+    assert len(list((run_dir / "dense").glob("dense-*.pt"))) == 2
+    failed = [line for line in follower.text().splitlines() if "serving snapshot of checkpoint" in line and "failed" in line]
+    assert all("is missing" in line for line in failed), failed  # a deleted dense file, and nothing else
+    exports = [r for r in read_jsonl(run_dir / "follower.jsonl") if "export_ckpt" in r]
+    assert len(exports) >= 3, (len(exports), failed[:3])
+    newest = torch.load(exports[-1]["export_path"], weights_only=True)
+    assert newest["checkpoint_id"] == exports[-1]["export_ckpt"], sorted(newest)
+
+
 def test_two_followers_one_compacts_the_other_takes_over(tmp_path, unique_name, debug_config: DebugConfig):
     job = _job(unique_name("two"))
     run_dir = tmp_path / "run"

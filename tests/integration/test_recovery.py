@@ -292,6 +292,46 @@ def test_gc_beside_a_checkpoint_every_step_bounds_the_dense_files_and_fails_no_c
     assert f"deltarec: resumed from checkpoint {newest} at step 400" in resumed[0].stdout, resumed[0].stdout[-2000:]
 
 
+def test_keep_dense_bounds_the_dense_files_of_a_checkpoint_every_step_and_the_run_resumes(
+    tmp_path, unique_name, debug_config: DebugConfig, capsys
+):
+    """`ckpt.write.keep_dense=3` with a checkpoint every step: rank 0 deletes the older dense files
+    as it commits, so the run directory never holds more than 4 (the newest one's is written before
+    its COMMIT); the job ends with the newest 3, resumes from the newest, and the attempt after the
+    restore deletes the restored one's file in turn."""
+    run_id = unique_name("keep-dense")
+    job = [*_ckpt(run_id, interval_steps=1, policy="incremental"), "ckpt.write.keep_dense=3"]
+    dense = tmp_path / "run" / "dense"
+
+    def dense_ids() -> list[int]:
+        return sorted(int(p.stem.split("-")[1]) for p in dense.glob("dense-*.pt"))
+
+    def newest(n: int) -> list[int]:
+        log = FsMarkers(tmp_path / "run" / "stream", run_id)
+        catalog = Catalog(run_id).feed(log.read_markers())
+        log.close()
+        assert not catalog.failed, sorted(catalog.failed)
+        return sorted(catalog.commits)[-n:]
+
+    group = start_ranks(debug_config.path, [*job, "train.steps=120", "train.eval_batches=1"], tmp_path, timeout_s=240)
+    most = polls = 0
+    try:
+        while group.running():
+            most, polls = max(most, len(dense_ids())), polls + 1
+            time.sleep(0.02)  # polling the job's run directory
+    finally:
+        group.wait()
+    assert 3 <= most <= 4 and polls > 10, (most, polls)
+    first = newest(3)
+    assert dense_ids() == first, (dense_ids(), first)
+    resumed = spawn_ranks(debug_config.path, [*job, "ckpt.restore.resume=latest", "train.steps=140"], tmp_path)
+    assert f"deltarec: resumed from checkpoint {first[-1]} at step 120" in resumed[0].stdout, resumed[0].stdout[-2000:]
+    last = newest(3)
+    assert first[-1] not in last and dense_ids() == last, (dense_ids(), last)
+    rc, out = _cli(capsys, "--config", debug_config.path, f"run.dir={tmp_path / 'run'}", *job, "gc", "--keep", "1")
+    assert rc == 0 and dense_ids() == last[-1:], out
+
+
 def test_time_interval_checkpoints(tmp_path, unique_name, debug_config: DebugConfig, metrics: MetricsReader):
     job = _ckpt(unique_name("time"), interval_steps=0, interval_s=0.001)
     spawn_ranks(debug_config.path, [*job, "train.steps=40", "train.eval_batches=1"], tmp_path)

@@ -131,6 +131,7 @@ def test_rules_spanning_sections_name_the_sectioned_keys() -> None:
         ({"encoding": {"optimizer": "adaptive4"}}, "never stored below 8 bits"),
         ({"write": {"writer_nice": 40}}, "ckpt.write.writer_nice must be in 0..19"),
         ({"write": {"max_coalesced": -1}}, r"ckpt.write.max_coalesced must be >= 0 \(0: no bound\), got -1"),
+        ({"write": {"keep_dense": -2}}, r"ckpt.write.keep_dense must be >= 0 \(0: keep every dense file\), got -2"),
     ]
     for extra, message in bad:
         with pytest.raises(ConfigError, match=message):

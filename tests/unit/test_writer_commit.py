@@ -407,3 +407,27 @@ def test_the_markers_reader_is_prepared_only_when_the_commit_will_read_the_log(t
     plain.start_attempt(*announce(markers, RUN, "trainer"), catalog)  # fencing reads the log before the dense file
     plain.prepare()
     assert markers.prepared == [7.0, 7.0]
+
+
+def test_keep_dense_deletes_the_dense_files_older_than_the_newest_n_once_committed(tmp_path: Path, rank0) -> None:
+    """`ckpt.write.keep_dense=2`: after each COMMIT every rank knows of, the dense files of this
+    attempt's checkpoints older than the newest two are deleted, the restored one's counted
+    first; files it did not write or restore are left to gc."""
+    writer, committer, _ = rank0
+    committer.keep_dense = 2
+    dense = DenseStore(tmp_path / "dense")
+    foreign = dense.write(1, {"step": 1})  # an earlier attempt's, which this one never restored
+    committer.adopt([], None, restored=2)
+    dense.write(2, {"step": 2})
+
+    def files() -> list[int]:
+        return sorted(int(p.stem.split("-")[1]) for p in (tmp_path / "dense").glob("dense-*.pt"))
+
+    for cid in (3, 4, 5):
+        job = replace(_job(_snapshot()), checkpoint_id=cid, generation=cid, chain=[cid], step=cid * 10)
+        outcome = committer(job, [writer._write(job)])
+        assert outcome.committed, outcome.error
+        assert cid in files()  # written before the COMMIT, kept until every rank knows of it
+        committer.settle(outcome)
+        assert files() == [1, *[c for c in (2, 3, 4, 5) if cid - 1 <= c <= cid]], cid
+    assert Path(foreign.path).is_file()
