@@ -260,7 +260,7 @@ class ObservedCheckpointer:
             m.wait_for_copy()
             self._scans[step] = touched(m.stages.tracker, len(m.stages.shard_map.shards), self.since_base)
         call()
-        for timing in st.stalls[self._stalls_seen :]:
+        for timing in st.stalls.since(self._stalls_seen):
             rec = self._record(timing)
             self.records[rec.checkpoint_id] = rec
             rows, find_s = self._scans.get(timing.step, (None, 0.0))
@@ -270,9 +270,9 @@ class ObservedCheckpointer:
                 rec.find_ms = find_s * 1e3
                 self.to_copy.append(self._held(rec, rows))
             # else a time-based checkpoint (`ckpt.schedule.interval_s`) whose rows were not listed: no bare copy
-        self._stalls_seen = len(st.stalls)
+        self._stalls_seen = st.stalls.total
         self._scans = {s: v for s, v in self._scans.items() if s >= step}
-        for outcome in st.outcomes[self._outcomes_seen :]:
+        for outcome in st.outcomes.since(self._outcomes_seen):
             rec = self.records.get(outcome.checkpoint_id)
             if rec is not None:
                 rec.committed, rec.committed_at_step = outcome.committed, step
@@ -280,7 +280,7 @@ class ObservedCheckpointer:
                     while self._step_ends and self._step_ends[0][1] < outcome.commit_unix:
                         self._step_ends.popleft()
                     rec.durable_at_step = self._step_ends[0][0] if self._step_ends else step + 1
-        self._outcomes_seen = len(st.outcomes)
+        self._outcomes_seen = st.outcomes.total
 
     def _held(self, rec: RankCheckpoint, rows: list[torch.Tensor]) -> _ToCopy:
         if self.spill_dir is None:
@@ -446,7 +446,7 @@ def train(job: Job, cfg: JobConfig, side: Path, copier: BareCopier | None = None
         cpu = RankCpu(
             rank=job.env.rank,
             steps=job.trainer.step,
-            checkpoints=len(manager.stats.stalls) if manager else 0,
+            checkpoints=manager.stats.stalls.total if manager else 0,
             threads=ledger.totals(),
             wall_s=time.perf_counter() - t0,
             other_by_name=ledger.by_name("other"),

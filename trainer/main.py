@@ -227,17 +227,14 @@ def checkpoint_summary(manager: Checkpointer, resumed: bool = False) -> str:
     """One line: how many checkpoints this process committed, their bytes and stall. A
     `resumed` job counts from its restore (deltarec-report counts every attempt's)."""
     st = manager.stats
-    done = [o for o in st.outcomes if o.committed]
-    stalls = [max(o.stall_ms) for o in done if o.stall_ms]
     since = " since resuming" if resumed else ""
     line = f"deltarec: checkpoints{since}: {st.committed} committed, {st.failed} failed, {st.skipped} skipped"
     if st.coalesced:
         line += f", {st.coalesced} coalesced into the next"
-    if done:
-        full = sum(o.full for o in done)
-        line += f" ({full} full, {len(done) - full} delta); {sum(o.bytes for o in done) / 1e6:.2f} MB written"
-    if stalls:
-        line += f"; stall per checkpoint mean {sum(stalls) / len(stalls):.1f} ms, max {max(stalls):.1f} ms"
+    if st.committed:
+        line += f" ({st.full} full, {st.committed - st.full} delta); {st.bytes / 1e6:.2f} MB written"
+    if st.stalled:
+        line += f"; stall per checkpoint mean {st.stall_ms_sum / st.stalled:.1f} ms, max {st.stall_ms_max:.1f} ms"
     return line
 
 

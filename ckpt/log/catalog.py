@@ -88,6 +88,8 @@ class Holder:
 
 #: The open end of the live ids' last run: every id a later checkpoint takes.
 OPEN = 1 << 62
+# Marker fields every checkpoint of a job repeats, shared between the markers a fold keeps (`Catalog._shared`)
+_REPEATED = ("run_id", "kind", "policy", "plan", "tables", "encodings", "init", "attempt", "follower")
 #: Runs of checkpoint ids, each [first, last] inclusive, ascending and apart.
 Runs = tuple[tuple[int, int], ...]
 #: Every id live: no attempt said it resumed from an older checkpoint.
@@ -228,7 +230,7 @@ class Catalog:
             self.since_summary += 1
             if isinstance(rec, Marker):
                 try:
-                    rec = self._own_link(rec, pos, where)
+                    rec = self._shared(self._own_link(rec, pos, where))
                 except MarkerError as exc:
                     logger.warning("%s position %s: %s; record skipped", where, pos, exc)
                     self.damaged.append(pos)
@@ -269,6 +271,20 @@ class Catalog:
                 self.fenced.append(rec)
                 self.last_marker = (pos, rec)
         return self
+
+    def _shared(self, marker: Marker) -> Marker:
+        """`marker` holding the very objects of the marker folded before it for the fields a
+        job repeats in every marker (`_REPEATED`: its plan, tables, codecs) where they are equal:
+        a fold of a checkpoint every step then keeps one copy of them, not one per marker."""
+        last = self.last_marker[1] if self.last_marker is not None else None
+        if last is None:
+            return marker
+        same = {}
+        for name in _REPEATED:
+            mine, theirs = getattr(marker, name), getattr(last, name)
+            if mine is not theirs and mine == theirs:
+                same[name] = theirs
+        return replace(marker, **same) if same else marker
 
     def _own_link(self, marker: Marker, pos: int, where: str) -> Marker:
         """`marker` with its own link joined from the LINK records it names (one link, the

@@ -4,8 +4,10 @@ logged and written to metrics on rank 0 (docs/design/dataflow.md, steps 5-6)."""
 from __future__ import annotations
 
 import logging
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 from ckpt.events import CheckpointCommitted, CheckpointFailed, CheckpointSkipped, MetricsSink
 from ckpt.log.fencing import Fenced
@@ -16,17 +18,58 @@ from common.id_ranges import id_ranges
 logger = logging.getLogger(__name__)
 
 
+#: outcomes and stalls a rank keeps (`Recent`): a checkpoint every step decides tens a second
+HISTORY = 10_000
+
+T = TypeVar("T")
+
+
+class Recent(Generic[T]):
+    """The newest `keep` items appended, and how many ever were (`total`): a run's history of
+    checkpoints whose memory does not grow with every checkpoint of a job that runs for weeks."""
+
+    def __init__(self, keep: int = HISTORY) -> None:
+        self._items: deque[T] = deque(maxlen=keep)
+        self.total = 0
+
+    def append(self, item: T) -> None:
+        self._items.append(item)
+        self.total += 1
+
+    def since(self, seen: int) -> list[T]:
+        """The items appended after the first `seen` of all, those still kept."""
+        new = self.total - seen
+        return list(self._items)[-new:] if new > 0 else []
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i: int) -> T:
+        return self._items[i]
+
+
 @dataclass
 class CheckpointStats:
-    """This rank's checkpoints so far: counts, outcomes (as the writer reported them) and stalls."""
+    """This rank's checkpoints so far: counts, totals of the committed ones, and the newest
+    outcomes (as the writer reported them) and stalls."""
 
     committed: int = 0
     failed: int = 0
     skipped: int = 0
     coalesced: int = 0  # checkpoints due while the writers were behind, taken in the next one
     last: Outcome | None = None
-    outcomes: list[Outcome] = field(default_factory=list)
-    stalls: list[StallTiming] = field(default_factory=list)  # this rank's, one per checkpoint taken
+    outcomes: Recent[Outcome] = field(default_factory=Recent)
+    stalls: Recent[StallTiming] = field(default_factory=Recent)  # this rank's, one per checkpoint taken
+    # the committed ones: full among them, bytes, and their stalls (the slowest rank's): how many
+    # reported one, summed, the largest
+    full: int = 0
+    bytes: int = 0
+    stalled: int = 0
+    stall_ms_sum: float = 0.0
+    stall_ms_max: float = 0.0
 
 
 class Pending(NamedTuple):
@@ -87,7 +130,14 @@ class Outcomes:
         if o.fenced:
             raise Fenced(o.error)
         if o.committed:
-            self.stats.committed += 1
+            st = self.stats
+            st.committed += 1
+            st.full += o.full
+            st.bytes += o.bytes
+            if o.stall_ms:
+                st.stalled += 1
+                st.stall_ms_sum += max(o.stall_ms)
+                st.stall_ms_max = max(st.stall_ms_max, max(o.stall_ms))
         else:
             self.stats.failed += 1
         return pending

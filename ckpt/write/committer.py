@@ -24,6 +24,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 from ckpt.dense.store import CommitRecord, DenseRef, DenseStore, DenseStoreError
@@ -157,7 +158,9 @@ class Committer:
         writer = self.attempt.attempt if self.attempt else "trainer"
         marker = append_with_link(self.markers, marker, writer, before_marker=lambda: maybe_die("marker", cid, 0))
         durable_unix = time.time()
-        self.links[cid] = link
+        # later markers name it by id and the fold reads its index from its LINK records: kept
+        # without the index, the links of a chain of thousands take little memory
+        self.links[cid] = replace(link, index=[])
         self._journal = CommitRecord(cid, job.step, self.where, marker.created_unix)
         self._summarize()
         return durable_unix

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ckpt.log.catalog import Catalog
 from ckpt.log.markers import AttemptRecord, ChainLink, DroppedRecord, LeaseRecord, Marker, encode_marker
 from ckpt.stream.sink import compacted_epoch, compacted_generation, generation_label, parse_rows_name, rows_name
@@ -169,3 +171,23 @@ def test_generation_names_parse_back_and_other_names_do_not() -> None:
     assert compacted_epoch(compacted_generation(12, 5)) == 12
     for name in (f"{RUN}.markers", f"{RUN}.rows.gx", "other.rows.g1", f"{RUN}x.rows.g1", f"{RUN}.rows.e1"):
         assert parse_rows_name(RUN, name) is None
+
+
+def test_markers_folded_share_the_fields_a_job_repeats_and_keep_their_own() -> None:
+    """A fold of a checkpoint every step keeps one copy of the plan, tables and codecs every
+    marker repeats, not one per marker; a field that changes (a new plan after a reshard) is
+    the marker's own, and each keeps its own dense file."""
+    plan, tables = {"t_user": "row_wise", "t_item": "table_wise"}, {"t_user": [2000, 16], "t_item": [1000, 16]}
+
+    def commit(cid: int, plan: dict[str, str]) -> Marker:
+        return replace(_commit([*CHAIN[: cid - 1], _link(cid)] if cid > 1 else [BASE]), plan=plan, tables=tables,
+                       encodings={"weights": "fp32"}, dense={"path": f"dense-{cid}"})  # fmt: skip
+
+    c = _fold(
+        commit(1, plan), commit(2, plan), commit(3, {**plan, "t_item": "row_wise"}), commit(4, {**plan, "t_item": "row_wise"})
+    )
+    m1, m2, m3, m4 = (c.commits[i] for i in (1, 2, 3, 4))
+    assert m2.plan is m1.plan and m2.tables is m1.tables and m2.encodings is m1.encodings and m4.tables is m1.tables
+    assert m3.plan is not m1.plan and m3.plan == {**plan, "t_item": "row_wise"} and m4.plan is m3.plan
+    assert [m.dense["path"] for m in (m1, m2, m3, m4)] == ["dense-1", "dense-2", "dense-3", "dense-4"]
+    assert m1.plan == plan and m1.tables == tables
