@@ -193,6 +193,9 @@ class Catalog:
     parts: dict[int, LinkRecord] = field(default_factory=dict)  # LINK records no marker named yet, by position
     last_marker: tuple[int, Marker] | None = None  # the last checkpoint marker fed, chain resolved
     branches: list[Branch] = field(default_factory=list)  # trainer attempts that said what they resumed from
+    # False: links folded from now on leave out their frame index, which only a restore reads
+    # (rank 0's committer folds the log to append to it; its memory then grows less a checkpoint)
+    keep_index: bool = True
     _compaction_ids: list[int] = field(default_factory=list)  # sorted keys of `compactions`
 
     @property
@@ -301,7 +304,7 @@ class Catalog:
         for p in [p for p, r in self.parts.items() if r.writer == writer and p < first]:
             del self.parts[p]
         own = assemble(parts, marker.checkpoint_id, f"{where} position {pos}")
-        return replace(marker, chain=[own])
+        return replace(marker, chain=[own if self.keep_index else replace(own, index=[])])
 
     def _resolved(self, marker: Marker, pos: int, where: str, *, accepted: bool) -> Marker:
         """A COMMIT marker with its whole chain; an accepted one's own link is remembered for

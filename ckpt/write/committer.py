@@ -70,7 +70,7 @@ class Committer:
         # them, each new marker starts from the newest compacted baseline it can use.
         self.rebase = rebase
         self.catalog_every = catalog_every  # records between catalog records (`_summarize`)
-        self.catalog = Catalog(run_id)
+        self.catalog = Catalog(run_id, keep_index=False)  # fencing, rebasing and catalog records read no index
         self.attempt: AttemptRecord | None = None  # set by `start_attempt`; None: no fencing
         self.epoch = 0
         self._read_ok = False  # whether the last commit's read of the markers log succeeded
@@ -98,6 +98,7 @@ class Committer:
         """This trainer attempt's record and epoch, and the log as the checkpointer read it at start
         (just before the record; the first commit reads the rest)."""
         self.attempt, self.epoch, self.catalog = attempt, epoch, catalog
+        catalog.keep_index = False  # from here on it serves fencing, rebasing and catalog records, never a restore
         if self.keep_dense and self._dense_kept:  # the restored checkpoint's, and older committed ones: counted too
             restored = self._dense_kept[-1]
             self._dense_kept = deque([*sorted(c for c in catalog.commits if c < restored), restored])

@@ -380,6 +380,10 @@ def test_the_committer_appends_a_catalog_record_every_catalog_every_records_and_
     recent = read_recent_catalog(markers, RUN)
     assert recent.summary is not None and recent.read == 5  # commit 7 and its link, the catalog record, commit 8 and its link
     assert [m.checkpoint_id for m in recent.restorable()] == [8, 7, 6, 5, 4, 3]
+    assert all(link.index for m in recent.restorable() for link in m.chain)  # a restore's fold reads the indexes
+    # the committer's own fold (fencing, rebasing, these records) keeps the links without them
+    assert sorted(committer.catalog.links) == list(range(1, 8))
+    assert not any(link.index for link in committer.catalog.links.values())
 
 
 class _CountingMarkers(FsMarkers):
