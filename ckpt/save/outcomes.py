@@ -7,6 +7,7 @@ import logging
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Generic, NamedTuple, TypeVar
 
 from ckpt.events import CheckpointCommitted, CheckpointFailed, CheckpointSkipped, MetricsSink
@@ -38,8 +39,8 @@ class Recent(Generic[T]):
 
     def since(self, seen: int) -> list[T]:
         """The items appended after the first `seen` of all, those still kept."""
-        new = self.total - seen
-        return list(self._items)[-new:] if new > 0 else []
+        start = max(len(self._items) - (self.total - seen), 0)
+        return list(islice(self._items, start, None))
 
     def __iter__(self) -> Iterator[T]:
         return iter(self._items)
@@ -135,9 +136,10 @@ class Outcomes:
             st.full += o.full
             st.bytes += o.bytes
             if o.stall_ms:
+                stall = max(o.stall_ms)  # the slowest rank's
                 st.stalled += 1
-                st.stall_ms_sum += max(o.stall_ms)
-                st.stall_ms_max = max(st.stall_ms_max, max(o.stall_ms))
+                st.stall_ms_sum += stall
+                st.stall_ms_max = max(st.stall_ms_max, stall)
         else:
             self.stats.failed += 1
         return pending
