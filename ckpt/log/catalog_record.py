@@ -138,6 +138,30 @@ def from_record(record: CatalogRecord, read_from: Callable[[int], list[tuple[int
     return catalog
 
 
+def prune(catalog: Catalog, record: CatalogRecord) -> None:
+    """Cut `catalog` down to what `record` (its own `summarize`, with nothing fed since) keeps:
+    the fold `from_record` would give, without reading the log again. A writer that folds the
+    log for as long as it runs (rank 0's committer) holds then what its newest catalog record
+    holds, not every checkpoint of the run (docs/design/formats.md, "Catalog records"). Records
+    fed afterwards fold as they would after `from_record`, exactness included."""
+    assert record.upto == catalog.last_pos, "prune with the catalog record of the fold as it is"
+    commits = {m.checkpoint_id for m in record.commits}
+    links = set(record.links)
+    keep = {id(m) for m in [*record.compactions, *record.bases]}
+    catalog.commits = {cid: m for cid, m in catalog.commits.items() if cid in commits}
+    catalog.failed, catalog.fenced, catalog.fenced_commits = {}, [], []
+    catalog.links = {cid: link for cid, link in catalog.links.items() if cid in links}
+    catalog.link_at = {cid: at for cid, at in catalog.link_at.items() if cid in links}
+    catalog.bases = {key: m for key, m in catalog.bases.items() if id(m) in keep}
+    compactions = [catalog.compactions[cid] for cid in sorted(catalog.compactions) if cid in links]
+    catalog.compactions, catalog._compaction_ids = {}, []
+    for m in compactions:
+        catalog._accept_compaction(m)
+    catalog.survivors = {record.survivors[0].attempt: {r.rank: r for r in record.survivors}} if record.survivors else {}
+    oldest = min(commits, default=record.newest_id + 1)
+    catalog.summary = Summary(upto=record.upto, newest_id=record.newest_id, oldest_kept=oldest, links=frozenset(links))
+
+
 def _link_records(record: CatalogRecord, read_from: Callable[[int], list[tuple[int, bytes]]] | None) -> dict[int, LinkRecord]:
     """The LINK records `record` names (its links', its compactions' and those no marker had
     named yet), by position."""

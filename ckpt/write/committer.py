@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 from ckpt.dense.store import CommitRecord, DenseRef, DenseStore, DenseStoreError
 from ckpt.faults import maybe_die
 from ckpt.log.catalog import Catalog, catch_up
-from ckpt.log.catalog_record import summarize
+from ckpt.log.catalog_record import prune, summarize
 from ckpt.log.fencing import fenced_by, fenced_message
 from ckpt.log.links import append_with_link
 from ckpt.log.markers import AttemptRecord, ChainLink, IndexEntry, Marker, OffsetRange, encode_marker
@@ -66,6 +66,7 @@ class Committer:
         self.dense = dense
         self.marker_fields = marker_fields  # policy, plan, tables, world_size
         self.links: dict[int, ChainLink] = {link.checkpoint_id: link for link in committed or []}
+        self._oldest_link = 0  # links older than this one were forgotten (`_forget_links_before`)
         # Incremental chains grow by one link per checkpoint; with a follower compacting
         # them, each new marker starts from the newest compacted baseline it can use.
         self.rebase = rebase
@@ -85,6 +86,7 @@ class Committer:
         when the restore made the chain's row initialisation the job's, the one the next markers
         name. `restored`: the checkpoint restored, whose dense file `keep_dense` counts."""
         self.links = {link.checkpoint_id: link for link in links}
+        self._oldest_link = 0
         self._dense_kept = deque([restored])
         if row_init is not None:
             self.marker_fields["init"] = row_init.to_json()
@@ -162,9 +164,20 @@ class Committer:
         # later markers name it by id and the fold reads its index from its LINK records: kept
         # without the index, the links of a chain of thousands take little memory
         self.links[cid] = replace(link, index=[])
+        self._forget_links_before(job.chain[0])
         self._journal = CommitRecord(cid, job.step, self.where, marker.created_unix)
         self._summarize()
         return durable_unix
+
+    def _forget_links_before(self, first: int) -> None:
+        """Drop the committed links older than `first`, the first link of the chain just
+        committed: checkpoints are decided and committed in order, and a later one's chain
+        extends that chain or starts at a newer full checkpoint (as the one after a failure
+        does: docs/design/failures.md), so it never names them. Chains of `incremental` that
+        never start over keep every link."""
+        if first > self._oldest_link:
+            self.links = {cid: link for cid, link in self.links.items() if cid >= first}
+            self._oldest_link = first
 
     def settle(self, outcome: Outcome) -> None:
         """Every rank knows `outcome`: record a COMMIT in the run's local history. A crash
@@ -222,14 +235,19 @@ class Committer:
         only the log's tail (ckpt/log/catalog_record.py). Best effort: without it reads are slower."""
         if not self._read_ok or self.catalog.since_summary < self.catalog_every or not self.catalog.exact:
             return
+        record = summarize(self.catalog)
         try:
-            self.markers.append_marker(encode_marker(summarize(self.catalog)))
+            self.markers.append_marker(encode_marker(record))
         except DeltarecError as exc:
             logger.warning(
                 "run %s: no catalog record appended (restores read more of the markers log until the next one): %s",
                 self.run_id,
                 exc,
             )
+            return
+        # from here on the fold holds what the record holds: a job that checkpoints every step
+        # for days keeps the newest checkpoints in memory, not all of them
+        prune(self.catalog, record)
 
     def _rebased(self, marker: Marker) -> Marker:
         """`marker` with its cheapest complete chain, which starts at a follower's compacted

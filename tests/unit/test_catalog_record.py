@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from ckpt.log.catalog import Catalog
-from ckpt.log.catalog_record import TAIL_READ, from_record, read_recent_catalog, summarize
+from ckpt.log.catalog_record import TAIL_READ, from_record, prune, read_recent_catalog, summarize
 from ckpt.log.links import append_with_link
 from ckpt.log.markers import (
     AttemptRecord,
@@ -84,6 +84,7 @@ class RunSim:
     every: int = 3
     by_reference: bool = False  # commits and compactions name their links, as deltarec writes them
     compacted: set[int] = field(default_factory=set)  # the compacted generations written so far
+    prune: bool = False  # the fold writes every catalog record and is pruned to it, as rank 0's committer's
 
     def append(self, record) -> None:
         if self.by_reference and isinstance(record, Marker) and record.kind != "failed":
@@ -115,9 +116,12 @@ class RunSim:
         if kind == "failed" or attempt != self.attempt:  # a zombie's links are no chain's of the run
             self.chain = self.chain[:-1]
         elif self.fold.since_summary >= self.every:  # as the committer does, from its own fold
-            source = self.fold if self.rng.random() < 0.5 else read_recent_catalog(self.log, RUN)
+            source = self.fold if self.prune or self.rng.random() < 0.5 else read_recent_catalog(self.log, RUN)
             if source.exact:
-                self.append(summarize(source, keep=self.rng.randint(1, 4)))
+                record = summarize(source, keep=self.rng.randint(1, 4))
+                if self.prune:
+                    prune(self.fold, record)
+                self.append(record)
 
     def restart(self) -> None:
         """A new trainer attempt restores the newest checkpoint, or now and then an older one."""
@@ -242,6 +246,38 @@ def test_a_fold_from_the_newest_catalog_record_answers_as_the_whole_log_does(rep
             assert recent.exact, why
             _assert_answers_like(recent, whole, why)
     assert "an older catalog record serves" not in caplog.text, replay_seed  # every record is whole
+
+
+def test_a_fold_pruned_to_each_catalog_record_it_writes_answers_as_the_whole_log_does(replay_seed) -> None:
+    """Rank 0's committer prunes its fold to each catalog record it writes: fed on, the fold
+    says what the whole log's fold says of the checkpoints it kept, while it stays exact, and
+    who holds the run always. A long run of short chains keeps a few checkpoints, not all."""
+    rng = replay_seed.rng()
+    compared = 0
+    for run in range(30):
+        sim = RunSim(rng, every=rng.randint(1, 6), by_reference=rng.random() < 0.5, prune=True)
+        for step in range(rng.randint(20, 160)):
+            sim.step()
+            if rng.random() > 0.1:
+                continue
+            why = f"run {run}, step {step}, {replay_seed}"
+            whole = Catalog(RUN).feed(sim.log.records)
+            assert sim.fold.holders == whole.holders and sim.fold.newest_id == whole.newest_id, why
+            if sim.fold.exact and sim.fold.summary is not None:
+                _assert_answers_like(sim.fold, whole, why)
+                compared += 1
+    assert compared > 30, (compared, replay_seed)  # pruned folds were compared, not only whole ones
+
+    long = RunSim(random.Random(replay_seed.rng().randrange(2**32)), every=4, prune=True)
+    long.chain = [_link(1, 1, True)]
+    long.next_id = 2
+    for _ in range(2000):
+        long.commit(long.attempt)
+    assert long.fold.exact and long.fold.summary is not None, replay_seed
+    whole = Catalog(RUN).feed(long.log.records)
+    assert len(whole.commits) > 1500 and len(long.fold.commits) <= 4 + 4 + 1, (len(long.fold.commits), replay_seed)
+    assert len(long.fold.links) <= len({link.checkpoint_id for m in long.fold.commits.values() for link in m.chain})
+    _assert_answers_like(long.fold, whole, str(replay_seed))
 
 
 def test_a_log_by_reference_folds_to_the_chains_of_the_same_log_inline(replay_seed) -> None:

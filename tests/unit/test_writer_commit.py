@@ -381,9 +381,12 @@ def test_the_committer_appends_a_catalog_record_every_catalog_every_records_and_
     assert recent.summary is not None and recent.read == 5  # commit 7 and its link, the catalog record, commit 8 and its link
     assert [m.checkpoint_id for m in recent.restorable()] == [8, 7, 6, 5, 4, 3]
     assert all(link.index for m in recent.restorable() for link in m.chain)  # a restore's fold reads the indexes
-    # the committer's own fold (fencing, rebasing, these records) keeps the links without them
-    assert sorted(committer.catalog.links) == list(range(1, 8))
+    # the committer's own fold (fencing, rebasing, these records) keeps the links without them,
+    # and once it wrote a catalog record, only what the record holds (3-6) and what followed (7)
+    assert sorted(committer.catalog.links) == sorted(committer.catalog.commits) == list(range(3, 8))
     assert not any(link.index for link in committer.catalog.links.values())
+    # every checkpoint here is full: no later chain names an older link than the newest
+    assert list(committer.links) == [8]
 
 
 class _CountingMarkers(FsMarkers):
