@@ -23,7 +23,11 @@ are N minus the step it resumed from.
 
 CPU, per pair: the CPU seconds of each job's processes (the launcher and its ranks, from
 /proc) and of the broker over the logged window the throughput is of, per step, and the
-cores checkpointing used beyond the job without checkpoints (the broker's among them). With
+cores checkpointing used beyond the job without checkpoints (the broker's among them). Memory,
+per pair: how much the resident set of the job's process that grew most (a rank) grew a step
+over the same window, without and with checkpoints (a job that checkpoints every step for days
+must not grow with its checkpoints; a window of a few hundred steps still holds the warm-up:
+run `--steps 4000` for a rate). With
 `--calibrate` the job without checkpoints runs three more times: alone, beside `bench.burner`
 keeping that many cores busy (the pairs' mean), and beside one keeping the broker's share
 busy. When the burner slows the job about as much as checkpointing did, the overhead is the
@@ -52,6 +56,7 @@ from typing import Any
 
 from bench.common import Measurement, config_path, document_head, harmonic_of, log, machine_info, scalars
 from bench.cpu import process_cpu_s
+from bench.memory import rss_bytes
 from ckpt.log.backend import open_backend
 from ckpt.log.catalog import Catalog
 from launch.broker import EmbeddedBroker
@@ -92,12 +97,14 @@ def _p(xs: list[float], q: int) -> float:
 class JobRun:
     """What one job cost: the seconds its exit took after its last step's line, and between the
     first logged step's line and the last one's (the window its throughput is of), the wall
-    time, the CPU seconds of its processes (the launcher and the ranks) and of the broker."""
+    time, the CPU seconds of its processes (the launcher and the ranks) and of the broker, and
+    the most one of its processes' resident set grew."""
 
     exit_s: float
     window_s: float
     cpu_s: float
     broker_cpu_s: float
+    rss_growth_b: float
 
 
 def _job(
@@ -134,35 +141,48 @@ def _job(
         raise RuntimeError(f"job in {run_dir} failed (exit {rc}):\n{''.join(lines)[-3000:]}")
     exit_s = end - last if last is not None else float("nan")
     if window is None or window.wall_s is None:
-        return JobRun(exit_s, float("nan"), float("nan"), float("nan"))
-    return JobRun(exit_s, window.wall_s, window.cpu_s, window.broker_cpu_s)
+        return JobRun(exit_s, float("nan"), float("nan"), float("nan"), float("nan"))
+    return JobRun(exit_s, window.wall_s, window.cpu_s, window.broker_cpu_s, window.rss_growth_b)
 
 
 @dataclass
 class _Window:
-    """CPU of a job's processes and of the broker between two of its console lines."""
+    """CPU of a job's processes and of the broker, and its processes' resident sets, between
+    two of its console lines."""
 
     processes: dict[int, float]
+    rss: dict[int, int]
     broker: int | None
     broker_at: float
     started: float
     wall_s: float | None = None
     cpu_s: float = 0.0
     broker_cpu_s: float = 0.0
+    rss_growth_b: float = 0.0
 
     @classmethod
     def open(cls, pid: int, broker: int | None) -> _Window:
         pids = [pid, *descendant_pids(pid)]
         at = {p: cpu for p in pids if (cpu := process_cpu_s(p)) is not None}
+        rss = {p: b for p in pids if (b := _rss(p)) is not None}
         broker_at = (process_cpu_s(broker) or 0.0) if broker is not None else 0.0
-        return cls(at, broker, broker_at, time.monotonic())
+        return cls(at, rss, broker, broker_at, time.monotonic())
 
     def close(self) -> None:
         self.wall_s = time.monotonic() - self.started
         # a process gone before the window closed counts nothing (none should be: ranks live on)
         self.cpu_s = sum((process_cpu_s(p) or cpu) - cpu for p, cpu in self.processes.items())
+        self.rss_growth_b = max(((_rss(p) or b) - b for p, b in self.rss.items()), default=0)
         if self.broker is not None:
             self.broker_cpu_s = (process_cpu_s(self.broker) or self.broker_at) - self.broker_at
+
+
+def _rss(pid: int) -> int | None:
+    """The resident set of `pid` in bytes; None once it is gone."""
+    try:
+        return rss_bytes(pid)
+    except OSError:
+        return None
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
@@ -300,7 +320,8 @@ def behind_at_passes(records: list[tuple[int, bytes]], run_id: str, passes: list
 
 def _cpu_figures(base: JobRun, every: JobRun, steps: int) -> dict[str, float]:
     """CPU a step over the logged window, without and with checkpoints (the job's processes),
-    the broker's, and the cores checkpointing used beyond the baseline (the broker's among them)."""
+    the broker's, the cores checkpointing used beyond the baseline (the broker's among them),
+    and the growth a step of the resident set that grew most, without and with checkpoints."""
     extra_s = every.cpu_s - base.cpu_s + every.broker_cpu_s - base.broker_cpu_s
     return {
         "cpu_ms_per_step_baseline": base.cpu_s / steps * 1e3,
@@ -308,6 +329,8 @@ def _cpu_figures(base: JobRun, every: JobRun, steps: int) -> dict[str, float]:
         "broker_cpu_ms_per_step": every.broker_cpu_s / steps * 1e3,
         "extra_cores": extra_s / every.window_s,
         "broker_cores": every.broker_cpu_s / every.window_s,
+        "rss_kb_per_step_baseline": base.rss_growth_b / 1024 / steps,
+        "rss_kb_per_step": every.rss_growth_b / 1024 / steps,
     }
 
 
@@ -439,12 +462,16 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite every-step") -
             f"{_f(r['restore_chain_links_p50'])} / {_f(r['restore_chain_links_p99'])} / {r['restore_chain_links_max']} "
             f"({r['restore_chain_links_at_end']}) |"
         )
-    print("\n| pair | CPU a step: without / with checkpoints (ranks) | the broker's | cores more (the broker's) |")
-    print("| --- | ---: | ---: | ---: |")
+    print(
+        "\n| pair | CPU a step: without / with checkpoints (ranks) | the broker's | cores more (the broker's) "
+        "| a rank's memory growth a step: without / with |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: |")
     for r in pairs:
         print(
             f"| {r['pair']} | {r['cpu_ms_per_step_baseline']:.1f} / {r['cpu_ms_per_step']:.1f} ms | "
-            f"{r['broker_cpu_ms_per_step']:.1f} ms | {r['extra_cores']:.2f} ({r['broker_cores']:.2f}) |"
+            f"{r['broker_cpu_ms_per_step']:.1f} ms | {r['extra_cores']:.2f} ({r['broker_cores']:.2f}) | "
+            f"{r['rss_kb_per_step_baseline']:.1f} / {r['rss_kb_per_step']:.1f} KB |"
         )
     if calibrated:
         print(
