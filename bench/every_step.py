@@ -25,9 +25,9 @@ CPU, per pair: the CPU seconds of each job's processes (the launcher and its ran
 /proc) and of the broker over the logged window the throughput is of, per step, and the
 cores checkpointing used beyond the job without checkpoints (the broker's among them). Memory,
 per pair: how much the resident set of the job's process that grew most (a rank) grew a step
-over the same window, without and with checkpoints (a job that checkpoints every step for days
-must not grow with its checkpoints; a window of a few hundred steps still holds the warm-up:
-run `--steps 4000` for a rate). With
+over the second half of that window, without and with checkpoints (a job that checkpoints every
+step for days must not grow with its checkpoints; the first half holds the warm-up: buffers
+that grow with the rows trained, the allocator's arenas). With
 `--calibrate` the job without checkpoints runs three more times: alone, beside `bench.burner`
 keeping that many cores busy (the pairs' mean), and beside one keeping the broker's share
 busy. When the burner slows the job about as much as checkpointing did, the overhead is the
@@ -98,13 +98,13 @@ class JobRun:
     """What one job cost: the seconds its exit took after its last step's line, and between the
     first logged step's line and the last one's (the window its throughput is of), the wall
     time, the CPU seconds of its processes (the launcher and the ranks) and of the broker, and
-    the most one of its processes' resident set grew."""
+    the most one of its processes' resident set grew a step over the window's second half."""
 
     exit_s: float
     window_s: float
     cpu_s: float
     broker_cpu_s: float
-    rss_growth_b: float
+    rss_b_per_step: float
 
 
 def _job(
@@ -126,10 +126,15 @@ def _job(
     assert proc.stdout is not None
     last, lines = None, []
     window: _Window | None = None
+    # the logged step that starts the window's second half (its first step when it has no middle line)
+    middle = args.log_every * math.ceil((args.log_every + args.steps) / 2 / args.log_every)
+    middle = middle if middle < args.steps else args.log_every
     for line in proc.stdout:
         lines.append(line)
         if window is None and f"step {args.log_every}/{args.steps}" in line:
             window = _Window.open(proc.pid, broker)
+        if window is not None and f"step {middle}/{args.steps}" in line:
+            window.middle()
         if f"step {args.steps}/{args.steps}" in line:
             last = time.monotonic()
             if window is not None:
@@ -142,13 +147,13 @@ def _job(
     exit_s = end - last if last is not None else float("nan")
     if window is None or window.wall_s is None:
         return JobRun(exit_s, float("nan"), float("nan"), float("nan"), float("nan"))
-    return JobRun(exit_s, window.wall_s, window.cpu_s, window.broker_cpu_s, window.rss_growth_b)
+    return JobRun(exit_s, window.wall_s, window.cpu_s, window.broker_cpu_s, window.rss_growth_b / (args.steps - middle))
 
 
 @dataclass
 class _Window:
-    """CPU of a job's processes and of the broker, and its processes' resident sets, between
-    two of its console lines."""
+    """CPU of a job's processes and of the broker between two of its console lines, and how much
+    its processes' resident sets grew from a third (`middle`) to the last."""
 
     processes: dict[int, float]
     rss: dict[int, int]
@@ -173,6 +178,9 @@ class _Window:
         # a process gone before the window closed counts nothing (none should be: ranks live on)
         self.cpu_s = sum((process_cpu_s(p) or cpu) - cpu for p, cpu in self.processes.items())
         self.rss_growth_b = max(((_rss(p) or b) - b for p, b in self.rss.items()), default=0)
+
+    def middle(self) -> None:
+        self.rss = {p: b for p in self.rss if (b := _rss(p)) is not None}
         if self.broker is not None:
             self.broker_cpu_s = (process_cpu_s(self.broker) or self.broker_at) - self.broker_at
 
@@ -321,7 +329,8 @@ def behind_at_passes(records: list[tuple[int, bytes]], run_id: str, passes: list
 def _cpu_figures(base: JobRun, every: JobRun, steps: int) -> dict[str, float]:
     """CPU a step over the logged window, without and with checkpoints (the job's processes),
     the broker's, the cores checkpointing used beyond the baseline (the broker's among them),
-    and the growth a step of the resident set that grew most, without and with checkpoints."""
+    and the growth a step of the resident set that grew most (the window's second half), without
+    and with checkpoints."""
     extra_s = every.cpu_s - base.cpu_s + every.broker_cpu_s - base.broker_cpu_s
     return {
         "cpu_ms_per_step_baseline": base.cpu_s / steps * 1e3,
@@ -329,8 +338,8 @@ def _cpu_figures(base: JobRun, every: JobRun, steps: int) -> dict[str, float]:
         "broker_cpu_ms_per_step": every.broker_cpu_s / steps * 1e3,
         "extra_cores": extra_s / every.window_s,
         "broker_cores": every.broker_cpu_s / every.window_s,
-        "rss_kb_per_step_baseline": base.rss_growth_b / 1024 / steps,
-        "rss_kb_per_step": every.rss_growth_b / 1024 / steps,
+        "rss_kb_per_step_baseline": base.rss_b_per_step / 1024,
+        "rss_kb_per_step": every.rss_b_per_step / 1024,
     }
 
 
@@ -464,7 +473,7 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite every-step") -
         )
     print(
         "\n| pair | CPU a step: without / with checkpoints (ranks) | the broker's | cores more (the broker's) "
-        "| a rank's memory growth a step: without / with |"
+        "| a rank's memory growth a step, second half: without / with |"
     )
     print("| --- | ---: | ---: | ---: | ---: |")
     for r in pairs:

@@ -116,11 +116,13 @@ def cmd_list(catalog: Catalog) -> int:
         else:
             best = catalog.cheapest(m)
             complete = best is not None and Path(m.dense.get("path", "")).is_file()
-            status = "complete" if complete else "dropped (gc)"
+            # a chain through a dropped generation; or only the dense file gone (gc, or keep_dense as the job committed)
+            gone = "dropped (gc)" if best is None else "dense file deleted (gc or ckpt.write.keep_dense)"
+            status = "complete" if complete else gone
             if complete and best is not None and best is not m:
                 status += " via compacted " + "+".join(str(link.checkpoint_id) for link in best.chain)
             if catalog.abandoned(m.checkpoint_id):
-                status = _abandoned(catalog, m.checkpoint_id) + ("" if complete else ", dropped (gc)")
+                status = _abandoned(catalog, m.checkpoint_id) + ("" if complete else f", {gone}")
             restore = f"{best.chain_bytes:>12,}" if best is not None else f"{'-':>12}"
             kind = "full" if m.full else "delta"
             print(f"{m.checkpoint_id:>5} {m.step:>8} {kind:<9} {m.bytes:>12,} {restore} {m.world_size:>5}  {status}")

@@ -328,6 +328,10 @@ def test_keep_dense_bounds_the_dense_files_of_a_checkpoint_every_step_and_the_ru
     assert f"deltarec: resumed from checkpoint {first[-1]} at step 120" in resumed[0].stdout, resumed[0].stdout[-2000:]
     last = newest(3)
     assert first[-1] not in last and dense_ids() == last, (dense_ids(), last)
+    rc, out = _cli(capsys, "--config", debug_config.path, f"run.dir={tmp_path / 'run'}", *job, "list")
+    listed = {int(line.split()[0]): line for line in out.splitlines() if line.split() and line.split()[0].isdigit()}
+    assert all(listed[cid].endswith("complete") for cid in last), out
+    assert listed[first[0]].endswith("dense file deleted (gc or ckpt.write.keep_dense)"), out
     rc, out = _cli(capsys, "--config", debug_config.path, f"run.dir={tmp_path / 'run'}", *job, "gc", "--keep", "1")
     assert rc == 0 and dense_ids() == last[-1:], out
 

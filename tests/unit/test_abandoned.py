@@ -262,7 +262,7 @@ def test_deltarec_ckpt_list_marks_the_abandoned_checkpoints(tmp_path: Path, caps
         assert lines[cid].endswith("complete"), lines[cid]
     for cid in (4, 5):
         assert lines[cid].endswith("abandoned: attempt a2 resumed from checkpoint 3"), lines[cid]
-    assert lines[6].endswith("abandoned: attempt a2 resumed from checkpoint 3, dropped (gc)"), lines[6]
+    assert lines[6].endswith("abandoned: attempt a2 resumed from checkpoint 3, dense file deleted (gc or ckpt.write.keep_dense)")
 
 
 # --- the follower and the server's model after a rewind ------------------------------------------
