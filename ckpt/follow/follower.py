@@ -48,7 +48,8 @@ from ckpt.follow.lease import LeaseKeeper
 from ckpt.follow.serving import Publisher
 from ckpt.follow.store import RowStore
 from ckpt.log.backend import open_backend, open_sink
-from ckpt.log.catalog import Catalog, catch_up
+from ckpt.log.catalog import Catalog, catch_up, read_catalog
+from ckpt.log.catalog_record import KEEP, prune, summarize
 from ckpt.log.chain_reads import ChainRun, wanted_runs
 from ckpt.log.fencing import new_writer_id
 from ckpt.log.links import append_with_link
@@ -65,6 +66,8 @@ logger = logging.getLogger(__name__)
 #: until the last one arrived, so they can be applied in chain order): a pass of one larger
 #: link streams it instead.
 MAX_PASS_BYTES = 64 << 20
+#: Records folded between two prunes of the fold (`Follower._prune`)
+PRUNE_EVERY = 256
 
 
 class ApplyTarget(Protocol):
@@ -192,6 +195,7 @@ class Follower:
         self._export_now = False  # a rewind dropped the snapshots of the abandoned branch: export the next one
         self.stop = threading.Event()
         self._ids = CommitIds()  # the catalog's COMMIT ids, sorted as they arrive (`_commit_ids`)
+        self._pruned_at = 0  # `catalog.records` at the last `_prune`
 
     # -- the loop -----------------------------------------------------------------------
     def run(self, until: Callable[[Follower], bool] | None = None) -> None:
@@ -229,12 +233,14 @@ class Follower:
             self.lease.tend()  # reads the log's new records first
         else:
             catch_up(self.catalog, self.backend.markers)
+        self._whole_if_inexact()
         work = self.stats.work_done
         try:
             self._check_rewind()
             self._follow_pending(self._pending())
             if self._check_rewind():  # the log said so while this round applied: rebuild now, not a round later
                 self._follow_pending(self._pending())
+            self._prune()
         finally:
             did_work = self.stats.work_done != work
             if did_work or self._trim_next_round:
@@ -245,6 +251,29 @@ class Follower:
             # after the read, freeing its fetch buffers into the Kafka client's threads' arenas
             # after this round's trim
             self._trim_next_round = did_work
+
+    def _prune(self) -> None:
+        """Every `PRUNE_EVERY` records folded, cut the fold down to what a catalog record of it
+        would hold (ckpt/log/catalog_record.py, `prune`), keeping every COMMIT from the one
+        applied on: a follower beside a job that checkpoints every step keeps the newest
+        checkpoints in memory, not all of the run's. Nothing is pruned before one is applied."""
+        catalog = self.catalog
+        if self.applied is None or not catalog.exact or catalog.records - self._pruned_at < PRUNE_EVERY:
+            return
+        self._pruned_at = catalog.records
+        # the newest `keep` restorable commits and every newer one: the one applied and those after it among them
+        keep = KEEP + 1 + len(self._newer(self.applied.checkpoint_id))
+        prune(catalog, summarize(catalog, keep=keep))
+
+    def _whole_if_inexact(self) -> None:
+        """A pruned fold that can no longer answer exactly (a new trainer attempt resumed from a
+        checkpoint older than what it kept, whose chain it left out) is replaced by the whole
+        log's fold, as a restore's fold from a catalog record is."""
+        if self.catalog.exact:
+            return
+        logger.info("a checkpoint chains through a link this follower's fold left out; reading the whole markers log")
+        self.catalog.become(read_catalog(self.backend.markers, self.run_id))
+        self._pruned_at = self.catalog.records
 
     def _pending(self) -> list[Marker]:
         """The COMMITs of the live branch after the one held, in order; the newest alone (its

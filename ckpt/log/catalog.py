@@ -40,7 +40,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from ckpt.log.links import Chain, assemble, run_ids
@@ -197,6 +197,12 @@ class Catalog:
     # (rank 0's committer folds the log to append to it; its memory then grows less a checkpoint)
     keep_index: bool = True
     _compaction_ids: list[int] = field(default_factory=list)  # sorted keys of `compactions`
+
+    def become(self, other: Catalog) -> None:
+        """Hold `other`'s fold from now on: whoever holds this object (a follower's lease
+        keeper) reads the new one."""
+        for f in fields(self):
+            setattr(self, f.name, getattr(other, f.name))
 
     @property
     def read_from(self) -> int:

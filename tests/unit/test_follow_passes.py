@@ -311,14 +311,14 @@ class Trainer:
         for record in link_records(own, run_id=RUN, writer=self.attempt):
             self.stream.append_marker(encode_marker(record))
 
-    def rewind(self) -> int | None:
-        """A new attempt resumes from an older live checkpoint: the ones after it are abandoned.
-        The checkpoint resumed from, None when there is none to resume."""
+    def rewind(self, to: int | None = None) -> int | None:
+        """A new attempt resumes from an older live checkpoint (`to`, or one of the six newest):
+        the ones after it are abandoned. The checkpoint resumed from, None when there is none."""
         catch_up(self.catalog, self.stream)
         live = [m for m in self.catalog.restorable() if m.checkpoint_id < self.cid]
         if not live:
             return None
-        back = self.rng.choice(live[:6])
+        back = self.rng.choice(live[:6]) if to is None else next(m for m in live if m.checkpoint_id == to)
         self._announce(resumed_from=back.checkpoint_id)
         catch_up(self.catalog, self.stream)
         self.state = self.states[back.checkpoint_id].copy()
@@ -437,21 +437,25 @@ def test_a_pass_holds_at_most_max_pass_bytes_of_links(tmp_path: Path, monkeypatc
     assert f.stats.applied == 13
 
 
-@pytest.mark.parametrize("pass_bytes", [None, 3000])
+@pytest.mark.parametrize(("pass_bytes", "prune_every"), [(None, None), (3000, None), (None, 8)])
 def test_a_pass_leaves_the_store_one_by_one_application_leaves(
     tmp_path: Path,
     monkeypatch,  # noqa: ANN001
     replay_seed,  # noqa: ANN001
     pass_bytes: int | None,
+    prune_every: int | None,
 ) -> None:
     """Three followers of one random history: one polled after every checkpoint (one at a time),
     one polled at random (passes of several deltas), restarted now and then, and one that also
     compacts, polled at random. Whenever one of them holds a checkpoint, its store is byte for
-    byte what the one-at-a-time follower's store was at that checkpoint."""
+    byte what the one-at-a-time follower's store was at that checkpoint; also when they prune
+    their folds every few records (`prune_every`)."""
     rng = replay_seed.rng()
     why = str(replay_seed)
     if pass_bytes is not None:
         monkeypatch.setattr(follower_mod, "MAX_PASS_BYTES", pass_bytes)  # small passes: one pass of a round ends mid-run
+    if prune_every is not None:
+        monkeypatch.setattr(follower_mod, "PRUNE_EVERY", prune_every)
     stream = MemoryStream(rng)
     trainer = Trainer(stream, rng)
     one, one_records = follower(stream, tmp_path / "one", monkeypatch)
@@ -509,7 +513,61 @@ def test_a_pass_leaves_the_store_one_by_one_application_leaves(
     assert one.stats.passes == one.stats.applied, f"the one-at-a-time follower applied several at once ({why})"
     assert events["multi"] and compactor.stats.compacted, (events, why)
     assert not one.stats.failed and not batched.stats.failed and not compactor.stats.failed, why
+    if prune_every is not None:  # the followers' folds were pruned: they hold fewer commits than the log
+        assert len(one.catalog.commits) < len(trainer.catalog.commits) and one.catalog.summary is not None, why
     print(events)
+
+
+def test_a_follower_prunes_no_commit_it_has_yet_to_apply(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prune between reading the log and applying what it found keeps every COMMIT after the
+    one the follower holds; then one pass applies them all."""
+    monkeypatch.setattr(follower_mod, "PRUNE_EVERY", 1)
+    rng = random.Random(6)
+    stream = MemoryStream(rng)
+    trainer = Trainer(stream, rng)
+    f, records = follower(stream, tmp_path, monkeypatch)
+    trainer.commit()
+    f.poll()
+    for _ in range(12):
+        trainer.commit()
+    catch_up(f.catalog, stream)  # read, not yet applied
+    f._prune()
+    assert f.catalog.summary is not None and set(range(2, 14)) <= set(f.catalog.commits), sorted(f.catalog.commits)
+    f.poll()
+    assert f.applied is not None and f.applied.checkpoint_id == 13
+    assert [a.follow_ckpt for a in records.of(FollowApplied)] == [1, 13]
+
+
+def test_a_follower_whose_pruned_fold_misses_a_rewound_chain_reads_the_whole_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A follower prunes its fold as it goes; a new trainer attempt then resumes from a checkpoint
+    older than what it kept (a chain through links it left out): it reads the whole markers log
+    once and follows the new branch, its store as a fresh follower's."""
+    monkeypatch.setattr(follower_mod, "PRUNE_EVERY", 4)
+    rng = random.Random(5)
+    stream = MemoryStream(rng)
+    trainer = Trainer(stream, rng)
+    f, _ = follower(stream, tmp_path / "pruned", monkeypatch)
+    for i in range(30):
+        trainer.commit(full=i == 10)  # 1-10 chain from 1, 11-30 from 11
+        f.poll()
+    assert f.catalog.summary is not None and 9 not in f.catalog.commits and 1 not in f.catalog.links
+    assert len(f.catalog.commits) < 15, sorted(f.catalog.commits)
+    assert trainer.rewind(to=9) == 9
+    trainer.commit()  # 31: the chain 1-9, then its own link
+    with caplog.at_level(logging.INFO, logger=follower_mod.__name__):
+        f.poll()
+    assert "reading the whole markers log" in caplog.text
+    fresh, _ = follower(stream, tmp_path / "fresh", monkeypatch)
+    fresh.poll()
+    assert f.applied is not None and fresh.applied is not None
+    assert f.applied.checkpoint_id == fresh.applied.checkpoint_id == 31
+    assert rows_of(f.target) == rows_of(fresh.target)
+    for _ in range(6):  # and it prunes again as it follows
+        trainer.commit()
+        f.poll()
+    assert f.applied.checkpoint_id == 37 and 31 not in f.catalog.commits, sorted(f.catalog.commits)
 
 
 def test_a_standby_follows_the_chain_the_trainer_rebased_not_every_link_since_its_start(

@@ -16,7 +16,9 @@ from ckpt.follow.follower import CommitIds, Follower, FollowStats
 def _follower(commits: dict[int, SimpleNamespace], fail: bool = False) -> Follower:
     f = Follower.__new__(Follower)  # no backend: poll's reads are stubbed below
     f.store, f.applied, f.stats, f._trim_next_round, f._ids = None, None, FollowStats(), False, CommitIds()
-    f.catalog = SimpleNamespace(commits=commits, abandoned=lambda cid: False)  # no rewind in these rounds
+    # no rewind in these rounds, and too few records to prune the fold
+    f.catalog = SimpleNamespace(commits=commits, abandoned=lambda cid: False, exact=True, records=0)
+    f._pruned_at = 0
     f.backend = SimpleNamespace(markers=None)
 
     def follow_pending(pending: list) -> None:
