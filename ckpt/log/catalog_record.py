@@ -139,11 +139,12 @@ def from_record(record: CatalogRecord, read_from: Callable[[int], list[tuple[int
 
 
 def prune(catalog: Catalog, record: CatalogRecord) -> None:
-    """Cut `catalog` down to what `record` (its own `summarize`, with nothing fed since) keeps:
-    the fold `from_record` would give, without reading the log again. A writer that folds the
-    log for as long as it runs (rank 0's committer) holds then what its newest catalog record
-    holds, not every checkpoint of the run (docs/design/formats.md, "Catalog records"). Records
-    fed afterwards fold as they would after `from_record`, exactness included."""
+    """Cut `catalog` down to what `record` (its own `summarize`, with nothing fed since; written
+    to the log or not) keeps: the fold `from_record` would give, without reading the log again.
+    A reader that folds the log for as long as it runs (rank 0's committer, a follower) then
+    holds the newest checkpoints, not every checkpoint of the run (docs/design/formats.md,
+    "Catalog records"). Records fed afterwards fold as they would after `from_record`,
+    exactness included."""
     assert record.upto == catalog.last_pos, "prune with the catalog record of the fold as it is"
     commits = {m.checkpoint_id for m in record.commits}
     links = set(record.links)
