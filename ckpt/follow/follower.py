@@ -134,7 +134,8 @@ class Rewind:
 
 class CommitIds:
     """A catalog's COMMIT ids, ascending, kept up to date as the log's fold grows: its `commits`
-    only gains keys, and a dict keeps them in the order they came, so the new ones are its last."""
+    only gains keys, and a dict keeps them in the order they came, so the new ones are its last.
+    A prune (or a whole fold read again) gives the catalog a new dict: its ids are sorted afresh."""
 
     def __init__(self) -> None:
         self.commits: dict[int, Marker] | None = None
