@@ -255,9 +255,13 @@ class Catalog:
                         before = self.live
                         self.add_branch(self.newest_id, rec.resumed_from, rec.attempt)
                         summary = self.summary
-                        if summary is not None and _gains(before, self.live, summary.oldest_kept, summary.newest_id):
+                        if summary is not None and (
+                            _gains(before, self.live, summary.oldest_kept, summary.newest_id)
+                            or 0 < rec.resumed_from < summary.oldest_kept
+                        ):
                             # an abandoned checkpoint restored by its id: its branch is live again,
-                            # and a catalog record leaves abandoned commits out
+                            # and a catalog record leaves abandoned commits out; or one older than
+                            # every commit kept: the live branch's newest is one this fold left out
                             self.exact = False
             elif isinstance(rec, SurvivorRecord):
                 self.survivors.setdefault(rec.attempt, {})[rec.rank] = rec

@@ -215,18 +215,7 @@ class RewindSim(RunSim):
         if every and self.rng.random() < 0.05:
             pick = []
         self.attempt = f"a{self.next_id}x{self.rng.randrange(1000)}"
-        resumed = pick[0].checkpoint_id if pick else 0
-        self.append(
-            AttemptRecord(
-                kind="attempt",
-                run_id=RUN,
-                role="trainer",
-                attempt=self.attempt,
-                world_size=2,
-                created_unix=self.clock,
-                resumed_from=resumed,
-            )
-        )
+        self.announce(pick[0].checkpoint_id if pick else 0)
         self.chain = list(pick[0].chain) if pick else []
 
 

@@ -4,6 +4,7 @@ newest checkpoints, exactly what folding the whole log gives; it reads only the 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -43,6 +44,9 @@ class MemoryLog:
         pos, self.end = self.end, self.end + 12 + len(payload)
         self.records.append((pos, payload))
         return pos
+
+    def append_markers(self, payloads: Sequence[bytes]) -> list[int]:
+        return [self.append_marker(p) for p in payloads]
 
     def read_markers(self, start: int = 0) -> list[tuple[int, bytes]]:
         if start == 0:
@@ -124,19 +128,31 @@ class RunSim:
                 self.append(record)
 
     def restart(self) -> None:
-        """A new trainer attempt restores the newest checkpoint, or now and then an older one."""
+        """A new trainer attempt restores the newest checkpoint, or now and then an older one
+        (of the whole log's: older than what a pruned fold kept too); most say which."""
         if self.rng.random() < 0.3:
             self.zombie = self.attempt
         self.attempt = f"a{self.next_id}x{self.rng.randrange(1000)}"
+        found = (Catalog(RUN).feed(self.log.records) if self.rng.random() < 0.3 else self.fold).restorable()
+        pick = (found[0] if self.rng.random() < 0.7 else self.rng.choice(found)) if found else None
+        said = self.rng.random() < 0.7  # else an attempt of a version that did not say (no branch)
+        self.announce((pick.checkpoint_id if pick else 0) if said else -1)
+        self.chain = list(pick.chain) if pick else []
+
+    def announce(self, resumed_from: int) -> None:
+        """The ATTEMPT record of `self.attempt`, which resumed from `resumed_from` (-1: not said)."""
+        attempt, clock = self.attempt, self.clock
         self.append(
-            AttemptRecord(kind="attempt", run_id=RUN, role="trainer", attempt=self.attempt, world_size=2, created_unix=self.clock)
+            AttemptRecord(
+                kind="attempt",
+                run_id=RUN,
+                role="trainer",
+                attempt=attempt,
+                world_size=2,
+                created_unix=clock,
+                resumed_from=resumed_from,
+            )
         )
-        found = self.fold.restorable()
-        if found:
-            pick = found[0] if self.rng.random() < 0.7 else self.rng.choice(found)
-            self.chain = list(pick.chain)
-        else:
-            self.chain = []
 
     def step(self) -> None:
         self.clock += self.rng.uniform(0.5, 8.0)
@@ -278,6 +294,26 @@ def test_a_fold_pruned_to_each_catalog_record_it_writes_answers_as_the_whole_log
     assert len(whole.commits) > 1500 and len(long.fold.commits) <= 4 + 4 + 1, (len(long.fold.commits), replay_seed)
     assert len(long.fold.links) <= len({link.checkpoint_id for m in long.fold.commits.values() for link in m.chain})
     _assert_answers_like(long.fold, whole, str(replay_seed))
+
+
+def test_a_resume_from_a_checkpoint_older_than_the_kept_ones_makes_the_fold_read_the_whole_log() -> None:
+    """A trainer attempt resumes from a checkpoint older than every commit the newest catalog
+    record kept, abandoning those: a fold from the record (or pruned to it) cannot name the
+    live branch's newest checkpoint, so it turns inexact, and a restore's fold is the whole
+    log's, whose newest restorable checkpoint is the one resumed."""
+    sim = RunSim(random.Random(3), every=4, by_reference=True, prune=True)
+    for _ in range(40):
+        sim.commit(sim.attempt)
+    assert sim.fold.exact and sim.fold.summary is not None
+    whole = Catalog(RUN).feed(sim.log.records)
+    older = [m.checkpoint_id for m in whole.restorable() if m.checkpoint_id < sim.fold.summary.oldest_kept]
+    assert older, (sorted(sim.fold.commits), [m.checkpoint_id for m in whole.restorable()])
+    resumed = older[len(older) // 2]
+    sim.attempt = "a99"
+    sim.announce(resumed)
+    assert not sim.fold.exact
+    recent = read_recent_catalog(sim.log, RUN)
+    assert recent.summary is None and [m.checkpoint_id for m in recent.restorable()][:1] == [resumed]
 
 
 def test_a_log_by_reference_folds_to_the_chains_of_the_same_log_inline(replay_seed) -> None:

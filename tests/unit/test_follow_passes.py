@@ -112,6 +112,9 @@ class MemoryStream:
         self.records.append((len(self.records), payload))
         return len(self.records) - 1
 
+    def append_markers(self, payloads: Sequence[bytes]) -> list[int]:
+        return [self.append_marker(p) for p in payloads]
+
     def read_markers(self, start: int = 0) -> list[tuple[int, bytes]]:
         out = self.records[start:]
         self.records_read += len(out)
@@ -568,6 +571,30 @@ def test_a_follower_whose_pruned_fold_misses_a_rewound_chain_reads_the_whole_log
         trainer.commit()
         f.poll()
     assert f.applied.checkpoint_id == 37 and 31 not in f.catalog.commits, sorted(f.catalog.commits)
+
+
+def test_a_follower_holds_a_checkpoint_resumed_from_older_than_its_pruned_fold_before_any_new_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new trainer attempt resumes from a checkpoint older than every commit the follower's
+    pruned fold kept, and has committed nothing yet: the follower drops the abandoned checkpoint
+    it held and holds the resumed one at once, as a fresh follower does, instead of nothing."""
+    monkeypatch.setattr(follower_mod, "PRUNE_EVERY", 4)
+    rng = random.Random(5)
+    stream = MemoryStream(rng)
+    trainer = Trainer(stream, rng)
+    f, _ = follower(stream, tmp_path / "pruned", monkeypatch, store=True)
+    for i in range(30):
+        trainer.commit(full=i == 10)
+        f.poll()
+    assert f.catalog.summary is not None and 9 not in f.catalog.commits
+    assert trainer.rewind(to=9) == 9
+    f.poll()
+    fresh, _ = follower(stream, tmp_path / "fresh", monkeypatch)
+    fresh.poll()
+    assert f.applied is not None and fresh.applied is not None
+    assert f.applied.checkpoint_id == fresh.applied.checkpoint_id == 9
+    assert rows_of(f.store) == rows_of(fresh.target)
 
 
 def test_a_standby_follows_the_chain_the_trainer_rebased_not_every_link_since_its_start(
