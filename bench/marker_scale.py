@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,9 @@ class MemoryMarkers:
     def append_marker(self, payload: bytes) -> int:
         self.records.append((len(self.records), payload))
         return len(self.records) - 1
+
+    def append_markers(self, payloads: Sequence[bytes]) -> list[int]:
+        return [self.append_marker(p) for p in payloads]
 
     def read_markers(self, start: int = 0) -> list[tuple[int, bytes]]:
         return self.records[start:]

@@ -22,7 +22,7 @@ import argparse
 import json
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -102,6 +102,11 @@ class _Recorder:
         pos = self.markers.append_marker(payload)
         self.appended.append((pos, payload))
         return pos
+
+    def append_markers(self, payloads: Sequence[bytes]) -> list[int]:
+        positions = self.markers.append_markers(payloads)
+        self.appended.extend(zip(positions, payloads))
+        return positions
 
 
 class _Writer:

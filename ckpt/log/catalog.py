@@ -302,10 +302,12 @@ class Catalog:
     def _own_link(self, marker: Marker, pos: int, where: str) -> Marker:
         """`marker` with its own link joined from the LINK records it names (one link, the
         chain's last, until `_resolved` puts the chain together); as it is when it carries its
-        chain. Records of the same writer before them that no marker named (a checkpoint that
-        failed between its LINK records and its marker) are dropped."""
+        chain. Records of the same writer before them that no marker named (a write cut short
+        before its marker) are dropped."""
         if not marker.by_reference:
             return marker
+        if marker.link_count:
+            marker = self._named_by_writer(marker)
         found = [self.parts.pop(p, None) for p in marker.link_at]
         parts = [p for p in found if p is not None]
         if len(parts) < len(found):
@@ -315,6 +317,19 @@ class Catalog:
             del self.parts[p]
         own = assemble(parts, marker.checkpoint_id, f"{where} position {pos}")
         return replace(marker, chain=[own if self.keep_index else replace(own, index=[])])
+
+    def _named_by_writer(self, marker: Marker) -> Marker:
+        """`marker` naming its own link's records by position: the newest `link_count` LINK
+        records of `link_writer` for its checkpoint that no marker named yet (appended in the
+        same write as it: ckpt/log/links.py). Too few: MarkerError, the checkpoint is not
+        restorable."""
+        cid, count = marker.checkpoint_id, marker.link_count
+        mine = sorted(p for p, r in self.parts.items() if r.writer == marker.link_writer and r.checkpoint_id == cid)
+        if len(mine) < count:
+            raise MarkerError(
+                f"checkpoint {cid}'s {count} link record(s) by {marker.link_writer} are not all in the log (found {len(mine)})"
+            )
+        return replace(marker, link_at=mine[len(mine) - count :], link_writer="", link_count=0)
 
     def _resolved(self, marker: Marker, pos: int, where: str, *, accepted: bool) -> Marker:
         """A COMMIT marker with its whole chain; an accepted one's own link is remembered for

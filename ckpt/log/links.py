@@ -6,10 +6,12 @@ at a thousand ranks. Carrying every link of the chain in every marker made a mar
 O(links x ranks x tables), past the broker's message limit after a few hundred links. So:
 
 - `link_records` splits one link into LINK records of at most `PART_BYTES` each, appended
-  before the marker (`append_link`); `assemble` checks and joins them back;
-- `by_reference` gives the marker that names them: its chain's baseline ([id, generation]), the
-  later links as runs of checkpoint ids, and the positions of its own link's records: a size
-  independent of the chain's length;
+  right before the marker, in the same write (`append_with_link`); `assemble` checks and joins
+  them back;
+- `by_writer` gives the marker that names them: its chain's baseline ([id, generation]), the
+  later links as runs of checkpoint ids, and its own link's records by their writer and count
+  (`by_reference`: by their positions, as format 2 did): a size independent of the chain's
+  length;
 - `Chain` is the chain the log's fold puts back (ckpt/log/catalog.py): each marker's chain is
   its predecessor's plus one link, shared, so that folding ten thousand one-step links costs
   ten thousand links, not fifty million.
@@ -128,6 +130,13 @@ def by_reference(marker: Marker, link_at: list[int]) -> Marker:
     )
 
 
+def by_writer(marker: Marker, writer: str, count: int) -> Marker:
+    """`marker` naming its chain instead of carrying it; its own link (the chain's last) is in
+    the newest `count` LINK records of `writer` for its checkpoint before it. Appended in one
+    write with them, it needs no positions, which only that write's acknowledgement gives."""
+    return replace(by_reference(marker, []), link_writer=writer, link_count=count)
+
+
 def link_records(link: ChainLink, *, run_id: str, writer: str, part_bytes: int = PART_BYTES) -> list[LinkRecord]:
     """`link` as LINK records whose index parts encode to at most about `part_bytes` each."""
     head = {
@@ -212,13 +221,15 @@ def assemble(parts: list[LinkRecord], checkpoint_id: int, where: str) -> ChainLi
 
 
 def append_with_link(markers: MarkerLog, marker: Marker, writer: str, before_marker: Any = None) -> Marker:
-    """Append `marker`'s own link (its chain's last) as LINK records, then `marker` naming it;
-    returns the marker as written. `before_marker()` runs between the two (a fault point). A
-    crash between leaves LINK records no marker names: readers pass over them."""
-    link = marker.chain[-1]
-    link_at = [markers.append_marker(encode_marker(r)) for r in link_records(link, run_id=marker.run_id, writer=writer)]
-    written = by_reference(marker, link_at)
+    """Append `marker`'s own link (its chain's last) as LINK records and `marker` naming them
+    by `writer` and count, in one write (one produce request, one fsync: a checkpoint every
+    step pays one round trip, not two); returns the marker as the fold reads it, its records
+    by position. `before_marker()` runs first (a fault point). A write cut short leaves LINK
+    records no marker names (readers pass over them), or, had the log kept a marker and lost
+    a record before it, a marker the fold refuses: never a COMMIT with part of its link."""
+    parts = link_records(marker.chain[-1], run_id=marker.run_id, writer=writer)
+    written = by_writer(marker, writer, len(parts))
     if before_marker is not None:
         before_marker()
-    markers.append_marker(encode_marker(written))
-    return written
+    positions = markers.append_markers([*(encode_marker(r) for r in parts), encode_marker(written)])
+    return replace(written, link_at=positions[:-1], link_writer="", link_count=0)

@@ -10,7 +10,8 @@ them; restore ignores them.
 A marker's size does not grow with its chain: the trainer and the follower write each link's
 index once, in LINK records of their own (split into parts under the broker's message limit,
 `ckpt/log/links.py`), and the marker names its chain by checkpoint ids (the baseline, then id
-ranges) and its own link by the positions of its LINK records; the log's fold puts the chain
+ranges) and its own link by its LINK records: their writer and count, appended in the same
+write as the marker (format 3), or their positions (format 2); the log's fold puts the chain
 back together (docs/design/formats.md, "Markers"). A marker may also carry its chain inline,
 as every marker of format 1 does: old logs restore as they always did.
 
@@ -34,9 +35,10 @@ from common.errors import DeltarecError
 logger = logging.getLogger(__name__)
 
 MAGIC = b"DRM1"
-#: What this version writes; it reads every format in `FORMATS` (1: chains inline only).
-FORMAT_VERSION = 2
-FORMATS = (1, 2)
+#: What this version writes; it reads every format in `FORMATS` (1: chains inline only; 2: a
+#: marker names its own link's records by position only).
+FORMAT_VERSION = 3
+FORMATS = (1, 2, 3)
 _HEAD = struct.Struct("<4sI")
 
 
@@ -131,6 +133,11 @@ class Marker:
     base: list[int] = field(default_factory=list)  # [checkpoint id, generation] of chain[0]
     links: list[list[int]] = field(default_factory=list)  # chain[1:] as checkpoint id runs [first, last]
     link_at: list[int] = field(default_factory=list)  # positions of chain[-1]'s LINK records, in part order
+    # or, as written since format 3, those records named by who wrote them: the newest
+    # `link_count` LINK records of `link_writer` for this checkpoint before the marker, appended
+    # in the same write as it (`append_with_link`); the fold turns them into `link_at`
+    link_writer: str = ""
+    link_count: int = 0
     policy: str = ""
     plan: dict[str, str] = field(default_factory=dict)  # table -> sharding type of the writing job
     tables: dict[str, list[int]] = field(default_factory=dict)  # table -> [rows, dim]
@@ -166,7 +173,7 @@ class Marker:
     @property
     def by_reference(self) -> bool:
         """Whether the wire form names the chain instead of carrying it."""
-        return bool(self.link_at)
+        return bool(self.link_at) or self.link_count > 0
 
 
 def chain_bytes(chain: Sequence[ChainLink]) -> int:
@@ -360,7 +367,7 @@ def _fields(record: LogRecord) -> dict[str, Any]:
     if isinstance(record, AttemptRecord) and record.resumed_from < 0:
         del fields["resumed_from"]  # the wire form attempt records always had
     if isinstance(record, Marker):
-        for name in ("follower", "attempt", "init", "step_unix", "base", "links", "link_at"):
+        for name in ("follower", "attempt", "init", "step_unix", "base", "links", "link_at", "link_writer", "link_count"):
             if not fields[name]:
                 del fields[name]
         if record.by_reference:
@@ -431,8 +438,8 @@ def _record(d: dict[str, Any], nested_in: type | None = None) -> LogRecord:
     if cls is AttemptRecord and d.get("role") not in ROLES:
         raise MarkerError(f"attempt record of unknown role {d.get('role')!r}")
     if cls is Marker:
-        if "chain" not in d and not d.get("link_at"):
-            raise MarkerError("marker record has neither a chain nor the positions of its link")
+        if "chain" not in d and not d.get("link_at") and not d.get("link_count"):
+            raise MarkerError("marker record has neither a chain nor the records of its link")
         d["chain"] = [ChainLink.from_json(link) for link in d.get("chain", [])]
     if cls is SurvivorRecord:
         d["link"] = ChainLink.from_json(d["link"])

@@ -450,12 +450,16 @@ class FsMarkers:
         self._app = _Appender(self.path, skip_damaged=True)
 
     def append_marker(self, payload: bytes) -> int:
+        return self.append_markers([payload])[0]
+
+    def append_markers(self, payloads: Sequence[bytes]) -> list[int]:
+        """Every record under one lock, then one fsync."""
         try:
             f = self._app.open_file()
             fcntl.flock(f.fileno(), fcntl.LOCK_EX)
             try:
                 self._app.catch_up()
-                pos, _ = self._app.append(payload)
+                positions = [self._app.append(payload)[0] for payload in payloads]
                 self._app.sync()
             finally:
                 fcntl.flock(f.fileno(), fcntl.LOCK_UN)
@@ -463,7 +467,7 @@ class FsMarkers:
             self._app.close()
             self._app = _Appender(self.path, skip_damaged=True)  # reopen: cuts what this append left behind
             raise SinkError(f"cannot append marker to {self.path}: {e}") from None
-        return pos
+        return positions
 
     def prepare(self, timeout_s: float) -> None:
         """Files need no connecting."""

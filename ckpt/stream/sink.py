@@ -231,6 +231,11 @@ class MarkerLog(Protocol):
     def append_marker(self, payload: bytes) -> int:
         """Durably append one marker; returns its position. Raises ``SinkError``."""
 
+    def append_markers(self, payloads: Sequence[bytes]) -> list[int]:
+        """Durably append records in this order, in one write (one produce request and one
+        acknowledgement, or one fsync); returns their positions. Raises ``SinkError``: then
+        any of them may be in the log, those before a missing one included, as after a crash."""
+
     def prepare(self, timeout_s: float) -> None:
         """Start what `check_reachable` waits for (a broker's connect, on a thread of its own)
         so that it is done by then, or nothing (files)."""

@@ -277,6 +277,25 @@ def test_markers_append_and_read_back(backend):
         m.close()
 
 
+def test_markers_appended_in_one_write_keep_their_order_and_positions(backend):
+    """`append_markers`: several records in one write (one produce request and flush, one
+    fsync) land in order, at the positions it returns, between single appends."""
+    m = backend.markers()
+    try:
+        first = m.append_marker(b"before")
+        payloads = [b"LINK part 0" * 5000, b"LINK part 1", b"COMMIT"]
+        positions = m.append_markers(payloads)
+        last = m.append_marker(b"after")
+        assert [first, *positions, last] == sorted(set([first, *positions, last]))
+        fresh = backend.markers()  # another process's view
+        try:
+            assert fresh.read_markers() == list(zip([first, *positions, last], [b"before", *payloads, b"after"]))
+        finally:
+            fresh.close()
+    finally:
+        m.close()
+
+
 def test_markers_tail_is_the_last_records_and_says_when_it_is_the_whole_log(backend):
     m = backend.markers()
     try:

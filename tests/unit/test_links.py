@@ -11,7 +11,7 @@ import pytest
 
 from ckpt.log.catalog import Catalog, commits
 from ckpt.log.catalog_record import summarize
-from ckpt.log.links import Chain, append_with_link, assemble, by_reference, link_records
+from ckpt.log.links import Chain, append_with_link, assemble, by_reference, by_writer, link_records
 from ckpt.log.markers import CatalogRecord, ChainLink, IndexEntry, LinkRecord, Marker, OffsetRange, decode_record, encode_marker
 from tests.unit.test_catalog_record import MemoryLog
 
@@ -55,16 +55,97 @@ def _marker(chain: list[ChainLink], ranks: int = 2, tables: int = 8) -> Marker:
 
 
 def _incremental_log(links: int) -> tuple[MemoryLog, Catalog]:
-    """A trainer's log of one full checkpoint and `links - 1` deltas, each extending the last
-    (written as `append_with_link` writes them, without building each chain)."""
+    """A trainer's log of one full checkpoint and `links - 1` deltas, each extending the last,
+    its markers naming their LINK records by position, as format 2 wrote them (without building
+    each chain)."""
     log, fold = MemoryLog(), Catalog(RUN)
     for cid in range(1, links + 1):
         n = len(log.records)
-        link_at = [log.append_marker(encode_marker(r)) for r in link_records(_link(cid, 1, cid == 1), run_id=RUN, writer="w")]
+        parts = link_records(_link(cid, 1, cid == 1), run_id=RUN, writer="w")
+        link_at = [log.append_marker(encode_marker(replace(r, format=2))) for r in parts]
         named = replace(_marker([_link(cid, 1, cid == 1)]), base=[1, 1], links=[[2, cid]] if cid > 1 else [], link_at=link_at)
-        log.append_marker(encode_marker(named))
+        log.append_marker(encode_marker(replace(named, format=2)))
         fold.feed(log.records[n:])
     return log, fold
+
+
+class _Writes(MemoryLog):
+    """A memory log that counts its writes (`append_markers` calls and single appends)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    def append_marker(self, payload: bytes) -> int:
+        self.writes += 1
+        return self._append(payload)
+
+    def append_markers(self, payloads) -> list[int]:  # noqa: ANN001
+        self.writes += 1
+        return [self._append(p) for p in payloads]
+
+    def _append(self, payload: bytes) -> int:
+        return MemoryLog.append_marker(self, payload)
+
+
+def test_a_marker_and_its_link_records_are_one_write_naming_them_by_writer() -> None:
+    """`append_with_link` appends the LINK records and the marker in one write (one produce
+    request, one fsync); on the wire the marker names them by writer and count, the fold turns
+    that into their positions, as the returned marker has them, and joins the chain back."""
+    log = _Writes()
+    chain = [_link(1, 1, True, ranks=64, tables=200), _link(2, 1, False, ranks=64, tables=200)]
+    append_with_link(log, _marker([chain[0]], ranks=64, tables=200), "host:1:abcd")
+    written = append_with_link(log, _marker(chain, ranks=64, tables=200), "host:1:abcd")
+    assert log.writes == 2
+    wire = decode_record(log.records[-1][1])
+    parts = [pos for pos, data in log.records if decode_record(data).kind == "link"]
+    assert isinstance(wire, Marker) and wire.link_writer == "host:1:abcd" and wire.link_at == [] and wire.format == 3
+    assert wire.link_count == len(parts) // 2 > 1  # several parts: 64 ranks x 200 tables
+    assert written.link_at == parts[len(parts) // 2 :] and written.link_count == 0
+    fold = Catalog(RUN).feed(log.records)
+    assert list(fold.commits[2].chain) == chain and fold.link_at[2] == written.link_at and fold.parts == {}
+
+
+def test_markers_by_position_and_by_writer_fold_to_the_same_chains() -> None:
+    """A log of format 2 (markers naming LINK records by position) folds as before, and goes on
+    after an upgrade with markers naming them by writer: the same chains as one written either way."""
+    old, _ = _incremental_log(3)
+    chain = [_link(cid, 1, cid == 1) for cid in range(1, 6)]
+    for cid in (4, 5):
+        append_with_link(old, _marker(chain[:cid]), "w")
+    new = MemoryLog()
+    for cid in range(1, 6):
+        append_with_link(new, _marker(chain[:cid]), "w")
+    folds = [Catalog(RUN).feed(log.records) for log in (old, new)]
+    assert [[list(m.chain) for m in f.restorable()] for f in folds] == [[chain[:cid] for cid in range(5, 0, -1)]] * 2
+    assert [f.commits[3].format for f in folds] == [2, 3]
+
+
+def test_a_marker_by_writer_takes_the_newest_records_of_its_writer_for_its_checkpoint() -> None:
+    """LINK records left by an earlier write of the same checkpoint by the same writer (a
+    retried compaction) and those of another writer landing in between (a write split into
+    several requests) are not taken: the newest of its own are."""
+    log = MemoryLog()
+    append_with_link(log, _marker([_link(1, 1, True)]), "w")
+    chain = [_link(1, 1, True), _link(2, 1, False)]
+    for link, writer in [(replace(chain[1], rows=1), "w"), (chain[1], "w"), (replace(chain[1], rows=2), "other")]:
+        for part in link_records(link, run_id=RUN, writer=writer):  # the first: a write cut short before its marker
+            log.append_marker(encode_marker(part))
+    log.append_marker(encode_marker(by_writer(_marker(chain), "w", 1)))
+    fold = Catalog(RUN).feed(log.records)
+    assert list(fold.commits[2].chain) == chain
+
+
+def test_a_marker_by_writer_whose_records_are_missing_is_not_restorable(caplog) -> None:
+    log = MemoryLog()
+    chain = [_link(cid, 1, cid == 1) for cid in range(1, 4)]
+    for cid in range(1, 4):
+        append_with_link(log, _marker(chain[:cid]), "host:1:abcd")
+    lost = [pos for pos, data in log.records if decode_record(data).kind == "link"][-1]
+    with caplog.at_level(logging.WARNING):
+        fold = Catalog(RUN).feed([(pos, data) for pos, data in log.records if pos != lost])
+    assert [m.checkpoint_id for m in fold.restorable()] == [2, 1]
+    assert "checkpoint 3's 1 link record(s) by host:1:abcd are not all in the log (found 0)" in caplog.text
 
 
 def test_a_link_split_into_parts_joins_back_exactly() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -29,6 +29,15 @@ MARKERS_FETCH_WAIT_MS = 100
 #: fetch.wait.max.ms of the consumer kept for reads of the log's tail (`read_markers` after the
 #: first): a read on a reused consumer waits out the fetch its last read left in flight.
 TAIL_FETCH_WAIT_MS = 10
+
+
+def _box_reports(box: list[tuple[Any, Any]]) -> Callable[[Any, Any], None]:
+    """A delivery callback that keeps its (error, message) in `box`."""
+
+    def report(err: Any, msg: Any) -> None:
+        box.append((err, msg))
+
+    return report
 
 
 class BrokerUnreachable(SinkError):
@@ -78,6 +87,11 @@ class KafkaMarkers:
         self._kept_lock = threading.Lock()
 
     def append_marker(self, payload: bytes) -> int:
+        return self.append_markers([payload])[0]
+
+    def append_markers(self, payloads: Sequence[bytes]) -> list[int]:
+        """Produce every record, then one flush: the idempotent producer keeps their order
+        within the partition, and they usually travel in one request."""
         if self._closed:
             raise SinkError("marker log is closed")
         if not self._topic_ok:
@@ -85,19 +99,24 @@ class KafkaMarkers:
             if n != 1:
                 raise SinkError(f"marker topic {self.topic} has {n} partitions, expected 1")
             self._topic_ok = True
-        box: list = []
-        self._p.produce(self.topic, payload, 0, lambda err, msg: box.append((err, msg)))
+        reports: list[list[tuple[Any, Any]]] = [[] for _ in payloads]
+        for payload, box in zip(payloads, reports):
+            self._p.produce(self.topic, payload, 0, _box_reports(box))
         err = self._p.flush(self.timeout_s)
-        if err is None and box and box[0][0] is not None:
-            err = SinkError(f"marker delivery to {self.topic} failed: {box[0][0]}")
-        if err is None and not box:
-            err = SinkError(f"no delivery report for the marker on {self.topic}")
+        for box in reports:
+            if err is not None:
+                break
+            if not box:
+                err = SinkError(f"no delivery report for a marker on {self.topic}")
+            elif box[0][0] is not None:
+                err = SinkError(f"marker delivery to {self.topic} failed: {box[0][0]}")
         if err is not None:
             self._p.recreate()
             self._topic_ok = False
             raise err
-        self._last = box[0][1].offset()
-        return self._last
+        positions = [int(box[0][1].offset()) for box in reports]
+        self._last = positions[-1]
+        return positions
 
     def prepare(self, timeout_s: float) -> None:
         """Start `check_reachable`'s connect on a thread of its own (the checkpointer
