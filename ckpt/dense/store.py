@@ -1,7 +1,8 @@
 """The dense half of a checkpoint: written by rank 0, atomically, with its sha256.
 
 Holds the dense parameters (MLPs and data-parallel tables), the dense optimizer state,
-every rank's reader state, RNG states, the step and the config digest. Written to a
+every rank's reader state, RNG states, the step and the config digest, its tensors packed into
+one per dtype (ckpt/dense/packing.py). Written to a
 temporary file, fsynced, renamed into place and the directory fsynced, so a crash leaves
 either the old file set or the new one. Loading verifies the sha256 first and uses
 `torch.load(weights_only=True)`, which never unpickles arbitrary objects. A dense file is
@@ -27,6 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ckpt.dense.packing import pack, unpack
 from ckpt.faults import maybe_fail_dense_write
 from common.errors import DeltarecError
 from common.files import fsync_dir
@@ -101,7 +103,7 @@ class DenseStore:
         """Write `state` to `final` durably (temporary file, fsync, link, directory fsync); a
         file already at `final` is never replaced."""
         buf = io.BytesIO()
-        torch.save(state, buf)
+        torch.save(pack(state), buf)
         data = buf.getvalue()
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
@@ -136,12 +138,16 @@ class DenseStore:
         if digest != ref.sha256:
             raise DenseStoreError(f"dense file {path}: sha256 {digest[:12]}… does not match its marker ({ref.sha256[:12]}…)")
         try:
-            return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+            saved = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
         except pickle.UnpicklingError as exc:
             raise DenseStoreError(
                 f"dense file {path}: refused: it holds pickled objects that are not tensors or plain data "
                 f"({_unpickling_reason(exc)}); deltarec loads dense files weights-only and never runs code from them"
             ) from None
+        try:
+            return unpack(saved)
+        except ValueError as exc:  # packed by a newer deltarec
+            raise DenseStoreError(f"dense file {path}: {exc}") from None
 
     def record_commit(self, record: CommitRecord) -> None:
         """Append a COMMIT to the local history, durably."""
