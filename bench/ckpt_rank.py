@@ -238,6 +238,9 @@ class ObservedCheckpointer:
         self._outcomes_seen = 0  # during the next step, so both lists are read past what was seen
         self._step_ends: deque[tuple[int, float]] = deque()  # (step, time.time() as its step end began)
 
+    def steps_at_risk(self) -> tuple[float, int] | None:
+        return self.manager.steps_at_risk()
+
     def save(self, step: int) -> None:
         """The checkpointer's `save(step)`, observed."""
         interval = self.manager.cfg.schedule.interval_steps

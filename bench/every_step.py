@@ -8,8 +8,10 @@ one embedded broker: without checkpoints, then with `ckpt.schedule.interval_step
 adaptive 4-bit rows unless overridden). Figures per pair: the throughput overhead (samples/s of
 the logged windows after the first), the stall per checkpoint, the time from a checkpoint's
 step to its durable COMMIT (p50 / p99, and the p99 of each half of the run: it must not grow),
-checkpoints committed and coalesced (`ckpt.write.max_pending_checkpoints`), bytes per step, and the
-exit's wait after the last step (the writers' drain and the final checkpoint). With
+checkpoints committed and coalesced (`ckpt.write.max_pending_checkpoints`), bytes per step, the
+exit's wait after the last step (the writers' drain and the final checkpoint), and the steps a
+crash right after a step would have lost, mean and worst over every step (as rank 0 counted them:
+`TrainWindow.steps_at_risk_mean`). With
 `--follower`, the first pair's checkpointed job runs beside `deltarec-follow`: the checkpoints it
 applied (and in how many passes), its lag behind the newest COMMIT in seconds and in checkpoints
 (at the end; median and worst of its passes: the COMMITs in the log newer than the one a pass
@@ -204,6 +206,19 @@ def _rate(records: list[dict[str, Any]]) -> float:
     return harmonic_of(rates) or float("nan")
 
 
+def _at_risk(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The steps a crash right after a step would have lost, over every step of the run (each
+    logged window's mean weighted by its steps; the worst of any window), as rank 0 counted them
+    (`TrainWindow.steps_at_risk_mean`, an upper bound)."""
+    windows = [r for r in records if r.get("event") == "train" and r.get("steps_at_risk_max") is not None]
+    ends = [0, *(int(r["step"]) for r in windows)]
+    weights = [b - a for a, b in zip(ends, ends[1:])]
+    if not windows or not sum(weights):
+        return {"at_risk_mean": None, "at_risk_max": None}
+    mean = sum(w * r["steps_at_risk_mean"] for w, r in zip(weights, windows)) / sum(weights)
+    return {"at_risk_mean": mean, "at_risk_max": max(int(r["steps_at_risk_max"]) for r in windows)}
+
+
 def _checkpointed(records: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     done = [r for r in records if r.get("event") == "checkpoint_committed"]
     durable = [r["ckpt_durable_s"] for r in done]
@@ -218,6 +233,7 @@ def _checkpointed(records: list[dict[str, Any]], steps: int) -> dict[str, Any]:
         "durable_s_p99_first_half": _p(durable[:half], 99),
         "durable_s_p99_second_half": _p(durable[half:], 99),
         "mb_per_step": sum(r["ckpt_bytes"] for r in done) / 1e6 / steps,
+        **_at_risk(records),
     }
 
 
@@ -444,15 +460,16 @@ def run(argv: list[str], prog: str = "python -m bench.run --suite every-step") -
     }
     print(
         "| pair | overhead | stall mean / p99 | step to COMMIT p50 / p99 (halves) | committed / coalesced "
-        "| MB a step: rows, dense files | exit |"
+        "| MB a step: rows, dense files | exit | steps a crash after a step loses: mean / max |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in pairs:
         print(
             f"| {r['pair']} | {r['overhead']:.1%} | {r['stall_ms_mean']:.1f} / {r['stall_ms_p99']:.1f} ms | "
             f"{r['durable_s_p50']:.2f} / {r['durable_s_p99']:.2f} s ({r['durable_s_p99_first_half']:.2f}, "
             f"{r['durable_s_p99_second_half']:.2f}) | {r['committed']} / {r['coalesced']} | "
-            f"{r['mb_per_step']:.3f}, {r['dense_mb_per_step']:.3f} | {r['exit_after_last_step_s']:.2f} s |"
+            f"{r['mb_per_step']:.3f}, {r['dense_mb_per_step']:.3f} | {r['exit_after_last_step_s']:.2f} s | "
+            f"{_f(r['at_risk_mean'])} / {r['at_risk_max']} |"
         )
     followed = [r for r in pairs if "follower_passes" in r]
     if followed:

@@ -313,6 +313,10 @@ class PeerCheckpointer:
         self.reference: list[float] | None = None
         self._started: dict[int, float] = {}
 
+    def steps_at_risk(self) -> None:
+        """Not measured for the peers (their durability is `durable_at_step`)."""
+        return None
+
     def save(self, step: int) -> None:
         if self.awaiting and self.peers.async_done():
             self._durable(step)

@@ -229,6 +229,7 @@ class Checkpointer:
         if resumed.have_base:
             st.policy.adopt_base()
         st.schedule.resumed_at(resumed.step)
+        self.stats.at_risk.committed(resumed.step)
 
     # -- save -----------------------------------------------------------------------------
     def save(self, step: int) -> None:
@@ -246,6 +247,12 @@ class Checkpointer:
                 stalls = self.stats.stalls
                 schedule.reserve_next(self.chain.force_full, last_was_full=bool(stalls) and stalls[-1].full)
             schedule.look_ahead(step + 1)
+            self.stats.at_risk.after(step)
+
+    def steps_at_risk(self) -> tuple[float, int] | None:
+        """The steps a crash right after each step since the last call would have lost: mean
+        and most (`AtRisk`, ckpt/save/outcomes.py); None when no step ended since."""
+        return self.stats.at_risk.take()
 
     def close(self, step: int) -> None:
         """Checkpoint the last step (`ckpt.schedule.final`), wait for every outcome, stop the
@@ -394,6 +401,7 @@ class Checkpointer:
         pending = st.outcomes.count(o)
         if o.committed:
             self.chain.last_committed = max(self.chain.last_committed, o.checkpoint_id)
+            self.stats.at_risk.committed(o.step)
             st.tracker.committed(o.checkpoint_id)
             maybe_die("committed", o.checkpoint_id, self.env.rank)
         else:

@@ -72,12 +72,16 @@ class Event:
 @dataclass(frozen=True)
 class TrainWindow(Event):
     """Mean training loss (over every rank) of the `train.log_every` steps ending at `step`, and
-    the samples per second of that window."""
+    the samples per second of that window. With checkpoints, the steps a crash right after each
+    step of the window would have lost, mean and most (rank 0's view, an upper bound:
+    `ckpt.save.outcomes.AtRisk`); None without checkpoints and in runs written before."""
 
     kind: ClassVar[str] = "train"
 
     loss: float
     samples_per_s: float
+    steps_at_risk_mean: float | None = None
+    steps_at_risk_max: int | None = None
 
 
 @dataclass(frozen=True)

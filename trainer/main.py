@@ -235,6 +235,11 @@ def checkpoint_summary(manager: Checkpointer, resumed: bool = False) -> str:
         line += f" ({st.full} full, {st.committed - st.full} delta); {st.bytes / 1e6:.2f} MB written"
     if st.stalled:
         line += f"; stall per checkpoint mean {st.stall_ms_sum / st.stalled:.1f} ms, max {st.stall_ms_max:.1f} ms"
+    risk = st.at_risk
+    if risk.run_steps:
+        line += (
+            f"; a crash after a step would have lost {risk.run_sum / risk.run_steps:.1f} steps on average, at most {risk.run_max}"
+        )
     return line
 
 

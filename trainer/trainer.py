@@ -32,9 +32,13 @@ logger = logging.getLogger(__name__)
 
 
 class Checkpointer(Protocol):
-    """What the loop needs from a checkpointer: a call after every step."""
+    """What the loop needs from a checkpointer: a call after every step, and for each logged
+    window the steps a crash after each of its steps would have lost (mean, most; None: not
+    known)."""
 
     def save(self, step: int) -> None: ...
+
+    def steps_at_risk(self) -> tuple[float, int] | None: ...
 
 
 class StopRequested(Exception):
@@ -177,7 +181,13 @@ class Trainer(Stateful):
                 if self.step % tc.log_every == 0 or self.step == tc.steps:
                     rate = window_steps * self.cfg.data.batch_size * self.env.world_size / (time.perf_counter() - window_t0)
                     loss = self._global_mean(window_loss / window_steps)
-                    self.metrics.write(TrainWindow(step=self.step, loss=loss, samples_per_s=rate))
+                    risk = self.checkpointer.steps_at_risk() if self.checkpointer is not None else None
+                    mean, most = risk if risk is not None else (None, None)
+                    self.metrics.write(
+                        TrainWindow(
+                            step=self.step, loss=loss, samples_per_s=rate, steps_at_risk_mean=mean, steps_at_risk_max=most
+                        )
+                    )
                     progress.update(self.step, {"loss": loss, "samples/s": rate})
                     window_loss.zero_()
                     window_steps, window_t0 = 0, time.perf_counter()

@@ -53,6 +53,40 @@ class Recent(Generic[T]):
 
 
 @dataclass
+class AtRisk:
+    """Steps a crash right after a step would lose: the step less the newest step whose
+    checkpoint this rank knows committed (or restored) as the step ends. An upper bound: a
+    COMMIT may be durable before its outcome reaches the rank. Kept for the run and for the
+    window the trainer logs next (`take`)."""
+
+    committed_step: int = 0  # the newest step known committed; 0: none (every step since the start is at risk)
+    run_max: int = 0
+    run_sum: int = 0
+    run_steps: int = 0
+    _sum: int = 0
+    _steps: int = 0
+    _max: int = 0
+
+    def committed(self, step: int) -> None:
+        """The checkpoint of `step` committed (or was restored)."""
+        self.committed_step = max(self.committed_step, step)
+
+    def after(self, step: int) -> None:
+        """Step `step` ended (its checkpoint, if any, taken but not committed yet)."""
+        n = max(0, step - self.committed_step)
+        self._sum, self._steps, self._max = self._sum + n, self._steps + 1, max(self._max, n)
+        self.run_sum, self.run_steps, self.run_max = self.run_sum + n, self.run_steps + 1, max(self.run_max, n)
+
+    def take(self) -> tuple[float, int] | None:
+        """(mean, max) over the steps since the last `take`; None when no step ended since."""
+        if not self._steps:
+            return None
+        window = (self._sum / self._steps, self._max)
+        self._sum = self._steps = self._max = 0
+        return window
+
+
+@dataclass
 class CheckpointStats:
     """This rank's checkpoints so far: counts, totals of the committed ones, and the newest
     outcomes (as the writer reported them) and stalls."""
@@ -71,6 +105,7 @@ class CheckpointStats:
     stalled: int = 0
     stall_ms_sum: float = 0.0
     stall_ms_max: float = 0.0
+    at_risk: AtRisk = field(default_factory=AtRisk)
 
 
 class Pending(NamedTuple):

@@ -419,6 +419,8 @@ def test_every_step_suite_measures_a_checkpoint_every_step_and_a_kill(tmp_path: 
     assert pair["baseline_samples_per_s"] > 0 and pair["samples_per_s"] > 0, pair
     assert pair["committed"] + pair["coalesced"] >= steps and pair["committed"] > 1, pair
     assert 0 < pair["durable_s_p50"] <= pair["durable_s_p99"], pair
+    # a crash after a step loses at least that step (its own COMMIT comes later), never the whole run
+    assert 1 <= pair["at_risk_mean"] <= pair["at_risk_max"] < steps, pair
     # every committed checkpoint left its dense file (the debug model's: tens of kB each)
     assert pair["committed"] * 10_000 / steps < pair["dense_mb_per_step"] * 1e6, pair
     # the ranks train in both jobs; only the checkpointed one gives the broker work

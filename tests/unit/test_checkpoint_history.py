@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 from ckpt.events import MetricsSink
-from ckpt.save.outcomes import Outcomes, Recent
+from ckpt.save.outcomes import AtRisk, Outcomes, Recent
 from ckpt.write.writer import Outcome
 from trainer.main import checkpoint_summary
 
@@ -38,3 +38,21 @@ def test_the_summary_counts_every_outcome_beyond_the_history_kept() -> None:
         "deltarec: checkpoints: 90 committed, 10 failed, 0 skipped (1 full, 89 delta); 0.09 MB written; "
         f"stall per checkpoint mean {sum(stalls) / 90:.1f} ms, max 99.0 ms"
     )
+
+
+def test_steps_at_risk_count_from_the_newest_step_known_committed() -> None:
+    """After each step, the steps since the newest committed checkpoint's step: per logged
+    window (mean, most) and for the run; the summary line says the run's."""
+    risk = AtRisk()
+    for step, committed in [(1, None), (2, 1), (3, None), (4, 3), (5, None)]:
+        if committed is not None:
+            risk.committed(committed)
+        risk.after(step)
+    assert risk.take() == ((1 + 1 + 2 + 1 + 2) / 5, 2) and risk.take() is None
+    risk.committed(2)  # an older outcome learnt late changes nothing
+    risk.after(6)
+    assert risk.take() == (3.0, 3) and (risk.run_sum, risk.run_steps, risk.run_max) == (10, 6, 3)
+    outcomes = Outcomes(cast(MetricsSink, SimpleNamespace(write=lambda event: None)))
+    outcomes.stats.at_risk = risk
+    line = checkpoint_summary(cast(Any, SimpleNamespace(stats=outcomes.stats)))
+    assert line.endswith("; a crash after a step would have lost 1.7 steps on average, at most 3"), line

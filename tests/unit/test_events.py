@@ -58,7 +58,10 @@ CKPT = dict(
 # One event of each kind, and the keys its record had when the code wrote it as a dict literal
 # (ckpt/checkpointer.py, trainer/trainer.py, ckpt/follow/follower.py).
 SAMPLES: list[tuple[Event, set[str]]] = [
-    (TrainWindow(step=10, loss=0.69, samples_per_s=1000.0), {"step", "loss", "samples_per_s"}),
+    (
+        TrainWindow(step=10, loss=0.69, samples_per_s=1000.0, steps_at_risk_mean=1.5, steps_at_risk_max=3),
+        {"step", "loss", "samples_per_s", "steps_at_risk_mean", "steps_at_risk_max"},
+    ),
     (
         Evaluation(step=20, eval_auc=0.7, eval_logloss=0.6, eval_samples=1024),
         {"step", "eval_auc", "eval_logloss", "eval_samples"},

@@ -311,6 +311,7 @@ def _survivor_job(tmp_path):
 def test_a_survivor_saves_frames_and_dense_file_before_its_record(tmp_path) -> None:
     import time
 
+    from ckpt.dense.store import DenseRef, DenseStore
     from ckpt.recovery.survivor import SurvivorError, save_survivor
     from ckpt.restore.replay import decode_rows, iter_link_frames
     from ckpt.stream.filesystem import FsMarkers, FsSource
@@ -335,4 +336,5 @@ def test_a_survivor_saves_frames_and_dense_file_before_its_record(tmp_path) -> N
     [frame] = list(iter_link_frames(record.link, FsSource(tmp_path / "stream", RUN), RUN, lambda *a: str(a)))
     weights, optim = decode_rows(frame)
     assert torch.equal(weights, job.snapshot.shards[0].weights) and frame.row_ids.tolist() == [100, 103, 150]
-    assert torch.load(record.dense["path"])["trainer"] == job.trainer_state
+    dense = DenseStore(tmp_path / "dense").read(DenseRef.from_json(record.dense))
+    assert dense["trainer"] == job.trainer_state
